@@ -1,0 +1,15 @@
+//! Compiles proto/ with protox (a pure-Rust protobuf compiler, so no `protoc` is needed) and
+//! generates prost messages and tonic clients and servers from it.
+
+use std::path::PathBuf;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let proto_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    let files = ["levee/v1/errors.proto", "levee/v1/admin.proto"];
+    let file_descriptors = protox::compile(files, [&proto_root])?;
+    tonic_prost_build::configure()
+        .emit_rerun_if_changed(false)
+        .compile_fds(file_descriptors)?;
+    println!("cargo:rerun-if-changed={}", proto_root.display());
+    Ok(())
+}

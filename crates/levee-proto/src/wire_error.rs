@@ -1,0 +1,170 @@
+//! The wire error: one [`ErrorCode`] from `proto/levee/v1/errors.proto` plus a message for
+//! people, carried in a `tonic::Status` whose trailers hold the numeric code and reason.
+
+use std::fmt;
+
+use tonic::metadata::MetadataValue;
+
+use crate::v1::ErrorCode;
+
+/// Metadata key of the numeric error code, in decimal.
+pub const ERROR_CODE_METADATA_KEY: &str = "levee-error-code";
+/// Metadata key of the error code's stable reason string, such as `INVALID_ARGUMENT`.
+pub const ERROR_REASON_METADATA_KEY: &str = "levee-error-reason";
+
+const REASON_PREFIX: &str = "ERROR_CODE_";
+
+impl ErrorCode {
+    /// The gRPC status code this error is always sent with.
+    pub fn grpc_code(self) -> tonic::Code {
+        match self {
+            ErrorCode::Unspecified => tonic::Code::Unknown,
+            ErrorCode::Internal => tonic::Code::Internal,
+            ErrorCode::InvalidArgument => tonic::Code::InvalidArgument,
+            ErrorCode::Unavailable | ErrorCode::StorageFailed => tonic::Code::Unavailable,
+            ErrorCode::ResourceExhausted => tonic::Code::ResourceExhausted,
+            ErrorCode::DeadlineExceeded => tonic::Code::DeadlineExceeded,
+            ErrorCode::NotFound => tonic::Code::NotFound,
+            ErrorCode::AlreadyExists => tonic::Code::AlreadyExists,
+            ErrorCode::FailedPrecondition => tonic::Code::FailedPrecondition,
+            ErrorCode::Unimplemented => tonic::Code::Unimplemented,
+        }
+    }
+
+    /// The stable reason string: the proto name without its `ERROR_CODE_` prefix.
+    pub fn reason(self) -> &'static str {
+        let name = self.as_str_name();
+        name.strip_prefix(REASON_PREFIX).unwrap_or(name)
+    }
+}
+
+/// An error as it crosses the wire: a stable code and a message that names the problem and the
+/// fix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WireError {
+    /// The stable code clients branch on.
+    pub code: ErrorCode,
+    /// For people: what went wrong and how to fix it.
+    pub message: String,
+}
+
+impl WireError {
+    /// An error with `code` and `message`.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self { code, message: message.into() }
+    }
+
+    /// Reads a Levee error back out of a status. A status without Levee's metadata (one made by
+    /// a proxy or by the gRPC library itself) is mapped from its gRPC code alone.
+    pub fn from_status(status: &tonic::Status) -> Self {
+        let code = status
+            .metadata()
+            .get(ERROR_CODE_METADATA_KEY)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|text| text.parse::<i32>().ok())
+            .and_then(|number| ErrorCode::try_from(number).ok())
+            .unwrap_or_else(|| code_from_grpc(status.code()));
+        Self { code, message: status.message().to_owned() }
+    }
+}
+
+impl From<WireError> for tonic::Status {
+    fn from(error: WireError) -> Self {
+        let mut status = tonic::Status::new(error.code.grpc_code(), error.message);
+        let metadata = status.metadata_mut();
+        metadata.insert(ERROR_CODE_METADATA_KEY, MetadataValue::from(error.code as i32));
+        metadata.insert(ERROR_REASON_METADATA_KEY, MetadataValue::from_static(error.code.reason()));
+        status
+    }
+}
+
+impl fmt::Display for WireError {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(formatter, "{} ({}): {}", self.code.reason(), self.code as i32, self.message)
+    }
+}
+
+impl std::error::Error for WireError {}
+
+fn code_from_grpc(code: tonic::Code) -> ErrorCode {
+    match code {
+        tonic::Code::InvalidArgument | tonic::Code::OutOfRange => ErrorCode::InvalidArgument,
+        tonic::Code::Unavailable | tonic::Code::Cancelled | tonic::Code::Aborted => {
+            ErrorCode::Unavailable
+        }
+        tonic::Code::ResourceExhausted => ErrorCode::ResourceExhausted,
+        tonic::Code::DeadlineExceeded => ErrorCode::DeadlineExceeded,
+        tonic::Code::NotFound => ErrorCode::NotFound,
+        tonic::Code::AlreadyExists => ErrorCode::AlreadyExists,
+        tonic::Code::FailedPrecondition | tonic::Code::PermissionDenied => {
+            ErrorCode::FailedPrecondition
+        }
+        tonic::Code::Unimplemented => ErrorCode::Unimplemented,
+        tonic::Code::Ok
+        | tonic::Code::Unknown
+        | tonic::Code::Internal
+        | tonic::Code::DataLoss
+        | tonic::Code::Unauthenticated => ErrorCode::Internal,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every code ever published, with its number, gRPC code and reason. A code is never
+    /// renumbered or reused: add rows, never edit them.
+    const PINNED: &[(ErrorCode, i32, tonic::Code, &str)] = &[
+        (ErrorCode::Unspecified, 0, tonic::Code::Unknown, "UNSPECIFIED"),
+        (ErrorCode::Internal, 1000, tonic::Code::Internal, "INTERNAL"),
+        (ErrorCode::InvalidArgument, 1001, tonic::Code::InvalidArgument, "INVALID_ARGUMENT"),
+        (ErrorCode::Unavailable, 1002, tonic::Code::Unavailable, "UNAVAILABLE"),
+        (ErrorCode::ResourceExhausted, 1003, tonic::Code::ResourceExhausted, "RESOURCE_EXHAUSTED"),
+        (ErrorCode::DeadlineExceeded, 1004, tonic::Code::DeadlineExceeded, "DEADLINE_EXCEEDED"),
+        (ErrorCode::NotFound, 1005, tonic::Code::NotFound, "NOT_FOUND"),
+        (ErrorCode::AlreadyExists, 1006, tonic::Code::AlreadyExists, "ALREADY_EXISTS"),
+        (
+            ErrorCode::FailedPrecondition,
+            1007,
+            tonic::Code::FailedPrecondition,
+            "FAILED_PRECONDITION",
+        ),
+        (ErrorCode::StorageFailed, 1008, tonic::Code::Unavailable, "STORAGE_FAILED"),
+        (ErrorCode::Unimplemented, 1009, tonic::Code::Unimplemented, "UNIMPLEMENTED"),
+    ];
+
+    #[test]
+    fn given_pinned_table_then_every_code_keeps_its_number_status_and_reason() {
+        for &(code, number, grpc, reason) in PINNED {
+            assert_eq!(code as i32, number, "{code:?} was renumbered");
+            assert_eq!(code.grpc_code(), grpc, "{code:?} changed its gRPC status");
+            assert_eq!(code.reason(), reason, "{code:?} changed its reason");
+        }
+    }
+
+    #[test]
+    fn given_proto_enum_then_every_defined_code_is_pinned() {
+        let defined: Vec<i32> =
+            (0..10_000).filter(|number| ErrorCode::try_from(*number).is_ok()).collect();
+        let pinned: Vec<i32> = PINNED.iter().map(|row| row.1).collect();
+        assert_eq!(defined, pinned, "a code was added to errors.proto without pinning it here");
+    }
+
+    #[test]
+    fn given_wire_error_when_sent_as_status_then_client_reads_same_code_and_message() {
+        let sent = WireError::new(ErrorCode::InvalidArgument, "payload: at most 65536 bytes");
+        let status = tonic::Status::from(sent.clone());
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert_eq!(
+            status.metadata().get(ERROR_REASON_METADATA_KEY).unwrap(),
+            "INVALID_ARGUMENT"
+        );
+        assert_eq!(WireError::from_status(&status), sent);
+    }
+
+    #[test]
+    fn given_status_without_levee_metadata_then_code_comes_from_grpc_code() {
+        let status = tonic::Status::unavailable("connection refused");
+        assert_eq!(WireError::from_status(&status).code, ErrorCode::Unavailable);
+    }
+}
