@@ -1,1 +1,24 @@
-//! Placeholder.
+//! Levee's Rust SDK. The CLI, the load tools and the integration tests all use it.
+//!
+//! - [`Client`]: one long-lived HTTP/2 connection to a server (calls are multiplexed over it,
+//!   never one connection per request), with typed calls for each service.
+//! - [`ClientError`]: what went wrong; server errors carry Levee's stable [`ErrorCode`].
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), levee_client::ClientError> {
+//! let client = levee_client::Client::connect("127.0.0.1:7070").await?;
+//! let info = client.server_info().await?;
+//! println!("levee {} up for {} ms", info.version, info.uptime_ms);
+//! # Ok(())
+//! # }
+//! ```
+
+#![deny(missing_docs)]
+
+mod client;
+mod error;
+
+pub use client::{Client, ClientOptions, HealthStatus};
+pub use error::ClientError;
+pub use levee_proto::WireError;
+pub use levee_proto::v1::{ErrorCode, GetServerInfoResponse as ServerInfo};

@@ -51,7 +51,10 @@ pub struct WireError {
 impl WireError {
     /// An error with `code` and `message`.
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        Self { code, message: message.into() }
+        Self {
+            code,
+            message: message.into(),
+        }
     }
 
     /// Reads a Levee error back out of a status. A status without Levee's metadata (one made by
@@ -64,7 +67,10 @@ impl WireError {
             .and_then(|text| text.parse::<i32>().ok())
             .and_then(|number| ErrorCode::try_from(number).ok())
             .unwrap_or_else(|| code_from_grpc(status.code()));
-        Self { code, message: status.message().to_owned() }
+        Self {
+            code,
+            message: status.message().to_owned(),
+        }
     }
 }
 
@@ -72,15 +78,27 @@ impl From<WireError> for tonic::Status {
     fn from(error: WireError) -> Self {
         let mut status = tonic::Status::new(error.code.grpc_code(), error.message);
         let metadata = status.metadata_mut();
-        metadata.insert(ERROR_CODE_METADATA_KEY, MetadataValue::from(error.code as i32));
-        metadata.insert(ERROR_REASON_METADATA_KEY, MetadataValue::from_static(error.code.reason()));
+        metadata.insert(
+            ERROR_CODE_METADATA_KEY,
+            MetadataValue::from(error.code as i32),
+        );
+        metadata.insert(
+            ERROR_REASON_METADATA_KEY,
+            MetadataValue::from_static(error.code.reason()),
+        );
         status
     }
 }
 
 impl fmt::Display for WireError {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(formatter, "{} ({}): {}", self.code.reason(), self.code as i32, self.message)
+        write!(
+            formatter,
+            "{} ({}): {}",
+            self.code.reason(),
+            self.code as i32,
+            self.message
+        )
     }
 }
 
@@ -115,22 +133,67 @@ mod tests {
     /// Every code ever published, with its number, gRPC code and reason. A code is never
     /// renumbered or reused: add rows, never edit them.
     const PINNED: &[(ErrorCode, i32, tonic::Code, &str)] = &[
-        (ErrorCode::Unspecified, 0, tonic::Code::Unknown, "UNSPECIFIED"),
+        (
+            ErrorCode::Unspecified,
+            0,
+            tonic::Code::Unknown,
+            "UNSPECIFIED",
+        ),
         (ErrorCode::Internal, 1000, tonic::Code::Internal, "INTERNAL"),
-        (ErrorCode::InvalidArgument, 1001, tonic::Code::InvalidArgument, "INVALID_ARGUMENT"),
-        (ErrorCode::Unavailable, 1002, tonic::Code::Unavailable, "UNAVAILABLE"),
-        (ErrorCode::ResourceExhausted, 1003, tonic::Code::ResourceExhausted, "RESOURCE_EXHAUSTED"),
-        (ErrorCode::DeadlineExceeded, 1004, tonic::Code::DeadlineExceeded, "DEADLINE_EXCEEDED"),
-        (ErrorCode::NotFound, 1005, tonic::Code::NotFound, "NOT_FOUND"),
-        (ErrorCode::AlreadyExists, 1006, tonic::Code::AlreadyExists, "ALREADY_EXISTS"),
+        (
+            ErrorCode::InvalidArgument,
+            1001,
+            tonic::Code::InvalidArgument,
+            "INVALID_ARGUMENT",
+        ),
+        (
+            ErrorCode::Unavailable,
+            1002,
+            tonic::Code::Unavailable,
+            "UNAVAILABLE",
+        ),
+        (
+            ErrorCode::ResourceExhausted,
+            1003,
+            tonic::Code::ResourceExhausted,
+            "RESOURCE_EXHAUSTED",
+        ),
+        (
+            ErrorCode::DeadlineExceeded,
+            1004,
+            tonic::Code::DeadlineExceeded,
+            "DEADLINE_EXCEEDED",
+        ),
+        (
+            ErrorCode::NotFound,
+            1005,
+            tonic::Code::NotFound,
+            "NOT_FOUND",
+        ),
+        (
+            ErrorCode::AlreadyExists,
+            1006,
+            tonic::Code::AlreadyExists,
+            "ALREADY_EXISTS",
+        ),
         (
             ErrorCode::FailedPrecondition,
             1007,
             tonic::Code::FailedPrecondition,
             "FAILED_PRECONDITION",
         ),
-        (ErrorCode::StorageFailed, 1008, tonic::Code::Unavailable, "STORAGE_FAILED"),
-        (ErrorCode::Unimplemented, 1009, tonic::Code::Unimplemented, "UNIMPLEMENTED"),
+        (
+            ErrorCode::StorageFailed,
+            1008,
+            tonic::Code::Unavailable,
+            "STORAGE_FAILED",
+        ),
+        (
+            ErrorCode::Unimplemented,
+            1009,
+            tonic::Code::Unimplemented,
+            "UNIMPLEMENTED",
+        ),
     ];
 
     #[test]
@@ -144,10 +207,14 @@ mod tests {
 
     #[test]
     fn given_proto_enum_then_every_defined_code_is_pinned() {
-        let defined: Vec<i32> =
-            (0..10_000).filter(|number| ErrorCode::try_from(*number).is_ok()).collect();
+        let defined: Vec<i32> = (0..10_000)
+            .filter(|number| ErrorCode::try_from(*number).is_ok())
+            .collect();
         let pinned: Vec<i32> = PINNED.iter().map(|row| row.1).collect();
-        assert_eq!(defined, pinned, "a code was added to errors.proto without pinning it here");
+        assert_eq!(
+            defined, pinned,
+            "a code was added to errors.proto without pinning it here"
+        );
     }
 
     #[test]

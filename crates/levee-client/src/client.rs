@@ -1,0 +1,109 @@
+//! [`Client`]: a connection to one Levee server and the calls it offers.
+
+use std::time::Duration;
+
+use levee_proto::v1::admin_client::AdminClient;
+use levee_proto::v1::{EchoRequest, GetServerInfoRequest, GetServerInfoResponse};
+use tonic::transport::{Channel, Endpoint};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+use crate::error::ClientError;
+
+/// How a [`Client`] connects and how long calls may take.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// Most time to establish the connection.
+    pub connect_timeout: Duration,
+    /// Default deadline of each call, sent to the server as `grpc-timeout`.
+    pub request_timeout: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A server's health as the standard gRPC health service reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HealthStatus {
+    /// Serving requests.
+    Serving,
+    /// Up but not serving (for example: shutting down).
+    NotServing,
+    /// The server does not know the service asked about.
+    Unknown,
+}
+
+/// A connection to one Levee server. Cheap to clone; clones share the connection.
+#[derive(Debug, Clone)]
+pub struct Client {
+    channel: Channel,
+}
+
+impl Client {
+    /// Connects to `address` (`HOST:PORT`) with default options.
+    pub async fn connect(address: &str) -> Result<Self, ClientError> {
+        Self::connect_with(address, &ClientOptions::default()).await
+    }
+
+    /// Connects to `address` with `options`.
+    pub async fn connect_with(address: &str, options: &ClientOptions) -> Result<Self, ClientError> {
+        let uri = if address.contains("://") {
+            address.to_owned()
+        } else {
+            format!("http://{address}")
+        };
+        let endpoint = Endpoint::from_shared(uri).map_err(|error| ClientError::InvalidAddress {
+            address: address.to_owned(),
+            reason: error.to_string(),
+        })?;
+        let channel = endpoint
+            .connect_timeout(options.connect_timeout)
+            .timeout(options.request_timeout)
+            .tcp_nodelay(true)
+            .connect()
+            .await
+            .map_err(|source| ClientError::Connect {
+                address: address.to_owned(),
+                source,
+            })?;
+        Ok(Self { channel })
+    }
+
+    /// The server's version, addresses, data directory and uptime.
+    pub async fn server_info(&self) -> Result<GetServerInfoResponse, ClientError> {
+        let response = AdminClient::new(self.channel.clone())
+            .get_server_info(GetServerInfoRequest {})
+            .await?;
+        Ok(response.into_inner())
+    }
+
+    /// Sends `payload` and gets it back after `delay` (at most 60 s) on the server.
+    pub async fn echo(&self, payload: Vec<u8>, delay: Duration) -> Result<Vec<u8>, ClientError> {
+        let delay_ms = u32::try_from(delay.as_millis()).unwrap_or(u32::MAX);
+        let response = AdminClient::new(self.channel.clone())
+            .echo(EchoRequest { payload, delay_ms })
+            .await?;
+        Ok(response.into_inner().payload)
+    }
+
+    /// Asks the standard gRPC health service about `service` (`""` for the whole server).
+    pub async fn health(&self, service: &str) -> Result<HealthStatus, ClientError> {
+        let response = HealthClient::new(self.channel.clone())
+            .check(HealthCheckRequest {
+                service: service.to_owned(),
+            })
+            .await?;
+        Ok(match response.into_inner().status() {
+            ServingStatus::Serving => HealthStatus::Serving,
+            ServingStatus::NotServing => HealthStatus::NotServing,
+            ServingStatus::Unknown | ServingStatus::ServiceUnknown => HealthStatus::Unknown,
+        })
+    }
+}

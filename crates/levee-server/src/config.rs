@@ -1,0 +1,512 @@
+//! The server's configuration: embedded defaults, overridden by a TOML file, then by `LEVEE_*`
+//! environment variables, then by command-line flags (flag > env > file > default).
+
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// Default gRPC API address.
+pub const GRPC_ADDR_DEFAULT: &str = "127.0.0.1:7070";
+/// Default admin HTTP address.
+pub const ADMIN_ADDR_DEFAULT: &str = "127.0.0.1:7071";
+/// Default data directory, relative to the working directory.
+pub const DATA_DIR_DEFAULT: &str = "./levee-data";
+/// Default time in-flight requests get to finish after a shutdown signal.
+pub const SHUTDOWN_GRACE_MS_DEFAULT: u64 = 10_000;
+/// Longest allowed shutdown grace period (one hour).
+pub const SHUTDOWN_GRACE_MS_MAX: u64 = 3_600_000;
+/// Default cap on open gRPC connections; more wait in the kernel's accept queue.
+pub const CONNECTIONS_MAX_DEFAULT: u32 = 10_000;
+/// Highest allowed connection cap.
+pub const CONNECTIONS_MAX_MAX: u32 = 1_000_000;
+
+/// The effective configuration of one server process.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Config {
+    /// Where the gRPC API listens. Port 0 picks a free port.
+    pub grpc_addr: ListenAddress,
+    /// Where the admin HTTP port (health, readiness, metrics) listens. Port 0 picks a free port.
+    pub admin_addr: ListenAddress,
+    /// Where the server keeps its data; created if missing, locked while the server runs.
+    pub data_dir: PathBuf,
+    /// A tracing filter: `info`, `debug`, or directives such as `info,levee_server=debug`.
+    pub log_level: LogLevel,
+    /// `text` (human, coloured on a terminal) or `json` (one object per line).
+    pub log_format: LogFormat,
+    /// How long in-flight requests may take to finish after a shutdown signal.
+    pub shutdown_grace_ms: u64,
+    /// Most gRPC connections open at once.
+    pub connections_max: u32,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            grpc_addr: ListenAddress(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 7070)),
+            admin_addr: ListenAddress(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 7071)),
+            data_dir: PathBuf::from(DATA_DIR_DEFAULT),
+            log_level: LogLevel("info".to_owned()),
+            log_format: LogFormat::Text,
+            shutdown_grace_ms: SHUTDOWN_GRACE_MS_DEFAULT,
+            connections_max: CONNECTIONS_MAX_DEFAULT,
+        }
+    }
+}
+
+/// The keys a config file may hold; every key is optional and an unknown key is an error.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    grpc_addr: Option<String>,
+    admin_addr: Option<String>,
+    data_dir: Option<PathBuf>,
+    log_level: Option<String>,
+    log_format: Option<String>,
+    shutdown_grace_ms: Option<u64>,
+    connections_max: Option<u32>,
+}
+
+/// Where a setting's value came from, so an error can point at it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// A command-line flag, such as `--grpc-addr`.
+    Flag(String),
+    /// An environment variable, such as `LEVEE_GRPC_ADDR`.
+    Environment(String),
+    /// The config file at this path.
+    File(PathBuf),
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Source::Flag(flag) => write!(formatter, "flag {flag}"),
+            Source::Environment(name) => write!(formatter, "environment variable {name}"),
+            Source::File(path) => write!(formatter, "config file {}", path.display()),
+        }
+    }
+}
+
+/// A value given on the command line or in the environment, not yet validated.
+#[derive(Debug, Clone)]
+pub struct Override {
+    /// The raw text.
+    pub value: String,
+    /// Where it came from.
+    pub source: Source,
+}
+
+/// Values from flags and environment variables; `None` keeps the file's or default value.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    /// `--grpc-addr` / `LEVEE_GRPC_ADDR`.
+    pub grpc_addr: Option<Override>,
+    /// `--admin-addr` / `LEVEE_ADMIN_ADDR`.
+    pub admin_addr: Option<Override>,
+    /// `--data-dir` / `LEVEE_DATA_DIR`.
+    pub data_dir: Option<Override>,
+    /// `--log-level` / `LEVEE_LOG_LEVEL`.
+    pub log_level: Option<Override>,
+    /// `--log-format` / `LEVEE_LOG_FORMAT`.
+    pub log_format: Option<Override>,
+    /// `--shutdown-grace-ms` / `LEVEE_SHUTDOWN_GRACE_MS`.
+    pub shutdown_grace_ms: Option<Override>,
+    /// `--connections-max` / `LEVEE_CONNECTIONS_MAX`.
+    pub connections_max: Option<Override>,
+}
+
+/// Why the configuration could not be built. Each message names the problem and the fix.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The config file could not be read.
+    #[error("cannot read config file {path}: {source}; check the --config path", path = path.display())]
+    FileRead {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The config file is not valid TOML or has an unknown key or a wrong type.
+    #[error("config file {path}{location}: {message}; fix or remove that line", path = path.display())]
+    FileParse {
+        /// The file.
+        path: PathBuf,
+        /// ` line L, column C` when known.
+        location: String,
+        /// What the parser said, on one line.
+        message: String,
+    },
+    /// A setting has a value that cannot be used.
+    #[error("invalid {key} '{value}' from {origin}: {expected}")]
+    InvalidValue {
+        /// The setting's name, as in the config file.
+        key: &'static str,
+        /// The value given.
+        value: String,
+        /// Where it came from.
+        origin: Source,
+        /// What is allowed, with an example.
+        expected: String,
+    },
+}
+
+impl Config {
+    /// Builds the effective configuration from an optional file and the overrides.
+    pub fn load(file: Option<&Path>, overrides: &Overrides) -> Result<Self, ConfigError> {
+        let (file_config, file_path) = match file {
+            Some(path) => (read_file(path)?, Some(path.to_path_buf())),
+            None => (FileConfig::default(), None),
+        };
+        let file_source = || Source::File(file_path.clone().unwrap_or_default());
+        let defaults = Config::default();
+
+        let pick = |key: &'static str,
+                    flag: &Option<Override>,
+                    from_file: Option<String>|
+         -> Option<(String, Source, &'static str)> {
+            flag.as_ref()
+                .map(|given| (given.value.clone(), given.source.clone(), key))
+                .or_else(|| from_file.map(|value| (value, file_source(), key)))
+        };
+
+        let mut config = defaults;
+        if let Some(raw) = pick("grpc_addr", &overrides.grpc_addr, file_config.grpc_addr) {
+            config.grpc_addr = parse_setting(raw)?;
+        }
+        if let Some(raw) = pick("admin_addr", &overrides.admin_addr, file_config.admin_addr) {
+            config.admin_addr = parse_setting(raw)?;
+        }
+        if let Some(raw) = pick(
+            "data_dir",
+            &overrides.data_dir,
+            file_config
+                .data_dir
+                .map(|path| path.to_string_lossy().into_owned()),
+        ) {
+            if raw.0.is_empty() {
+                return Err(invalid(
+                    raw,
+                    "a directory path, such as ./levee-data".to_owned(),
+                ));
+            }
+            config.data_dir = PathBuf::from(raw.0);
+        }
+        if let Some(raw) = pick("log_level", &overrides.log_level, file_config.log_level) {
+            config.log_level = parse_setting(raw)?;
+        }
+        if let Some(raw) = pick("log_format", &overrides.log_format, file_config.log_format) {
+            config.log_format = parse_setting(raw)?;
+        }
+        if let Some(raw) = pick(
+            "shutdown_grace_ms",
+            &overrides.shutdown_grace_ms,
+            file_config.shutdown_grace_ms.map(|value| value.to_string()),
+        ) {
+            config.shutdown_grace_ms = parse_bounded(raw, 0, SHUTDOWN_GRACE_MS_MAX)?;
+        }
+        if let Some(raw) = pick(
+            "connections_max",
+            &overrides.connections_max,
+            file_config.connections_max.map(|value| value.to_string()),
+        ) {
+            config.connections_max = parse_bounded(raw, 1, CONNECTIONS_MAX_MAX)?;
+        }
+        Ok(config)
+    }
+
+    /// The configuration as a TOML document that `--config` accepts back.
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self)
+            .unwrap_or_else(|error| format!("# cannot print the configuration: {error}\n"))
+    }
+}
+
+fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::FileRead {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|error| {
+        let location = error
+            .span()
+            .map(|span| {
+                let before = &text[..span.start.min(text.len())];
+                let line = before.matches('\n').count() + 1;
+                let column = before.len() - before.rfind('\n').map_or(0, |index| index + 1) + 1;
+                format!(" line {line}, column {column}")
+            })
+            .unwrap_or_default();
+        let message = error
+            .message()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
+        ConfigError::FileParse {
+            path: path.to_path_buf(),
+            location,
+            message,
+        }
+    })
+}
+
+fn invalid((value, source, key): (String, Source, &'static str), expected: String) -> ConfigError {
+    ConfigError::InvalidValue {
+        key,
+        value,
+        origin: source,
+        expected,
+    }
+}
+
+fn parse_setting<T>(raw: (String, Source, &'static str)) -> Result<T, ConfigError>
+where
+    T: FromStr<Err = String>,
+{
+    raw.0
+        .parse::<T>()
+        .map_err(|expected| invalid(raw, expected))
+}
+
+fn parse_bounded<T>(
+    raw: (String, Source, &'static str),
+    minimum: T,
+    maximum: T,
+) -> Result<T, ConfigError>
+where
+    T: FromStr + PartialOrd + fmt::Display + Copy,
+{
+    match raw.0.trim().parse::<T>() {
+        Ok(value) if (minimum..=maximum).contains(&value) => Ok(value),
+        _ => Err(invalid(
+            raw,
+            format!("an integer from {minimum} to {maximum}"),
+        )),
+    }
+}
+
+/// An address to listen on: an IP address or `localhost`, and a port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ListenAddress(pub SocketAddr);
+
+impl FromStr for ListenAddress {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let expected = || {
+            "expected HOST:PORT with an IP address or localhost as HOST and a port from 0 to \
+             65535, such as 127.0.0.1:7070 or [::1]:7070"
+                .to_owned()
+        };
+        if let Ok(address) = text.parse::<SocketAddr>() {
+            return Ok(Self(address));
+        }
+        let (host, port) = text.rsplit_once(':').ok_or_else(expected)?;
+        let port: u16 = port.parse().map_err(|_| expected())?;
+        if host.eq_ignore_ascii_case("localhost") {
+            return Ok(Self(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port)));
+        }
+        Err(expected())
+    }
+}
+
+impl fmt::Display for ListenAddress {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(formatter)
+    }
+}
+
+impl Serialize for ListenAddress {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+/// A validated tracing filter such as `info` or `warn,levee_server=debug`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+pub struct LogLevel(String);
+
+impl LogLevel {
+    /// The filter text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl FromStr for LogLevel {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        tracing_subscriber::EnvFilter::try_new(text).map_err(|error| {
+            format!(
+                "expected a level (error, warn, info, debug, trace) or tracing directives such \
+                 as info,levee_server=debug ({error})"
+            )
+        })?;
+        if text.trim().is_empty() {
+            return Err("expected a level such as info".to_owned());
+        }
+        Ok(Self(text.to_owned()))
+    }
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// For people; coloured when standard error is a terminal.
+    Text,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
+impl FromStr for LogFormat {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text {
+            "text" => Ok(Self::Text),
+            "json" => Ok(Self::Json),
+            _ => Err("expected text or json".to_owned()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flag(value: &str, name: &str) -> Override {
+        Override {
+            value: value.to_owned(),
+            source: Source::Flag(name.to_owned()),
+        }
+    }
+
+    fn environment(value: &str, name: &str) -> Override {
+        Override {
+            value: value.to_owned(),
+            source: Source::Environment(name.to_owned()),
+        }
+    }
+
+    fn write_file(text: &str) -> tempfile::NamedTempFile {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), text).unwrap();
+        file
+    }
+
+    #[test]
+    fn given_nothing_then_embedded_defaults_apply() {
+        let config = Config::load(None, &Overrides::default()).unwrap();
+        assert_eq!(config.grpc_addr.to_string(), GRPC_ADDR_DEFAULT);
+        assert_eq!(config.admin_addr.to_string(), ADMIN_ADDR_DEFAULT);
+        assert_eq!(config.data_dir, PathBuf::from(DATA_DIR_DEFAULT));
+        assert_eq!(config.shutdown_grace_ms, 10_000);
+        assert_eq!(config.log_format, LogFormat::Text);
+    }
+
+    #[test]
+    fn given_file_and_override_then_override_wins_and_file_beats_default() {
+        let file = write_file("grpc_addr = \"127.0.0.1:9000\"\nadmin_addr = \"127.0.0.1:9001\"\n");
+        let overrides = Overrides {
+            grpc_addr: Some(flag("127.0.0.1:9100", "--grpc-addr")),
+            ..Overrides::default()
+        };
+        let config = Config::load(Some(file.path()), &overrides).unwrap();
+        assert_eq!(config.grpc_addr.to_string(), "127.0.0.1:9100");
+        assert_eq!(config.admin_addr.to_string(), "127.0.0.1:9001");
+        assert_eq!(config.shutdown_grace_ms, SHUTDOWN_GRACE_MS_DEFAULT);
+    }
+
+    #[test]
+    fn given_unknown_key_in_file_then_error_names_key_line_and_fix() {
+        let file = write_file("grpc_addr = \"127.0.0.1:9000\"\ngrpc_adr = \"x\"\n");
+        let message = Config::load(Some(file.path()), &Overrides::default())
+            .unwrap_err()
+            .to_string();
+        assert!(message.contains("unknown field `grpc_adr`"), "{message}");
+        assert!(message.contains("line 2"), "{message}");
+        assert!(
+            message.contains("grpc_addr"),
+            "should list the known keys: {message}"
+        );
+        assert!(!message.contains('\n'), "one line: {message}");
+    }
+
+    #[test]
+    fn given_malformed_address_then_error_names_source_and_example() {
+        let overrides = Overrides {
+            admin_addr: Some(environment("not-an-address", "LEVEE_ADMIN_ADDR")),
+            ..Overrides::default()
+        };
+        let message = Config::load(None, &overrides).unwrap_err().to_string();
+        assert!(
+            message.contains("invalid admin_addr 'not-an-address'"),
+            "{message}"
+        );
+        assert!(message.contains("LEVEE_ADMIN_ADDR"), "{message}");
+        assert!(message.contains("127.0.0.1:7070"), "{message}");
+    }
+
+    #[test]
+    fn given_localhost_and_ipv6_addresses_then_both_parse() {
+        assert_eq!(
+            "localhost:80".parse::<ListenAddress>().unwrap().to_string(),
+            "127.0.0.1:80"
+        );
+        assert_eq!(
+            "[::1]:80".parse::<ListenAddress>().unwrap().to_string(),
+            "[::1]:80"
+        );
+        assert!("localhost:99999".parse::<ListenAddress>().is_err());
+        assert!("example.com:80".parse::<ListenAddress>().is_err());
+    }
+
+    #[test]
+    fn given_out_of_range_numbers_then_error_states_the_range() {
+        let overrides = Overrides {
+            connections_max: Some(flag("0", "--connections-max")),
+            ..Overrides::default()
+        };
+        let message = Config::load(None, &overrides).unwrap_err().to_string();
+        assert!(message.contains("from 1 to 1000000"), "{message}");
+        let file = write_file("shutdown_grace_ms = \"ten\"\n");
+        assert!(Config::load(Some(file.path()), &Overrides::default()).is_err());
+    }
+
+    #[test]
+    fn given_bad_log_settings_then_errors_say_what_is_allowed() {
+        let overrides = Overrides {
+            log_format: Some(flag("xml", "--log-format")),
+            ..Overrides::default()
+        };
+        let message = Config::load(None, &overrides).unwrap_err().to_string();
+        assert!(message.contains("expected text or json"), "{message}");
+        let overrides = Overrides {
+            log_level: Some(flag("info,[[[", "--log-level")),
+            ..Overrides::default()
+        };
+        assert!(Config::load(None, &overrides).is_err());
+    }
+
+    #[test]
+    fn given_printed_config_when_loaded_back_then_it_is_the_same() {
+        let overrides = Overrides {
+            grpc_addr: Some(flag("[::1]:1234", "--grpc-addr")),
+            log_format: Some(flag("json", "--log-format")),
+            shutdown_grace_ms: Some(flag("250", "--shutdown-grace-ms")),
+            ..Overrides::default()
+        };
+        let config = Config::load(None, &overrides).unwrap();
+        let file = write_file(&config.to_toml());
+        assert_eq!(
+            Config::load(Some(file.path()), &Overrides::default()).unwrap(),
+            config
+        );
+    }
+}

@@ -1,0 +1,245 @@
+//! One running server: opens the data directory, binds the gRPC and admin listeners, serves
+//! both until told to stop, then drains in-flight requests within a grace period and closes
+//! storage.
+
+use std::io::ErrorKind;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use levee_proto::v1::admin_server::AdminServer;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
+
+use crate::admin_http;
+use crate::admin_service::AdminService;
+use crate::config::Config;
+use crate::connection::accept_connections;
+use crate::data_dir::{DataDir, DataDirError};
+use crate::grpc_metrics::GrpcMetricsLayer;
+use crate::metrics::Metrics;
+use crate::state::ServerState;
+
+/// Most concurrent gRPC streams on one connection (HTTP/2 `MAX_CONCURRENT_STREAMS`).
+pub const STREAMS_PER_CONNECTION_MAX: u32 = 1_024;
+/// How often an idle HTTP/2 connection is pinged to detect dead peers.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+/// How long a keepalive ping may go unanswered before the connection is closed.
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why the server could not start. Each message is one line naming the problem and the fix.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// The data directory cannot be used.
+    #[error(transparent)]
+    DataDir(#[from] DataDirError),
+    /// Another process listens on the address.
+    #[error(
+        "{listener} address {address} is already in use by another process; stop that process \
+         or choose another address with {flag}"
+    )]
+    AddressInUse {
+        /// `gRPC` or `admin HTTP`.
+        listener: &'static str,
+        /// The address.
+        address: SocketAddr,
+        /// The flag that sets it.
+        flag: &'static str,
+    },
+    /// The address cannot be bound for another reason.
+    #[error("cannot listen on {listener} address {address} ({source}); choose another with {flag}")]
+    Bind {
+        /// `gRPC` or `admin HTTP`.
+        listener: &'static str,
+        /// The address.
+        address: SocketAddr,
+        /// The flag that sets it.
+        flag: &'static str,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+}
+
+/// How a shutdown ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShutdownOutcome {
+    /// Every in-flight request finished within the grace period.
+    Drained,
+    /// The grace period passed; requests still running were cut off.
+    GraceExpired,
+}
+
+/// A server that is serving. Stop it with [`RunningServer::shutdown`].
+#[derive(Debug)]
+pub struct RunningServer {
+    state: Arc<ServerState>,
+    data_dir: DataDir,
+    health: HealthReporter,
+    stop_grpc: watch::Sender<bool>,
+    stop_admin: watch::Sender<bool>,
+    grpc_task: JoinHandle<Result<(), tonic::transport::Error>>,
+    admin_task: JoinHandle<std::io::Result<()>>,
+}
+
+impl RunningServer {
+    /// Opens storage, binds both listeners and starts serving. Fails fast, before serving
+    /// anything, if any of them cannot be had.
+    pub async fn start(config: &Config) -> Result<Self, StartError> {
+        let data_dir = DataDir::open(&config.data_dir)?;
+        let grpc_listener = bind("gRPC", config.grpc_addr.0, "--grpc-addr").await?;
+        let admin_listener = bind("admin HTTP", config.admin_addr.0, "--admin-addr").await?;
+        let local_addr = |listener: &TcpListener, configured: SocketAddr| {
+            listener.local_addr().unwrap_or(configured)
+        };
+        let state = Arc::new(ServerState::new(
+            local_addr(&grpc_listener, config.grpc_addr.0),
+            local_addr(&admin_listener, config.admin_addr.0),
+            data_dir.path().to_path_buf(),
+            Metrics::new(),
+        ));
+
+        let (stop_grpc, _) = watch::channel(false);
+        let (stop_admin, _) = watch::channel(false);
+        let (health, health_service) = tonic_health::server::health_reporter();
+        health.set_serving::<AdminServer<AdminService>>().await;
+
+        let incoming =
+            accept_connections(grpc_listener, config.connections_max, state.metrics.clone());
+        let grpc_server = tonic::transport::Server::builder()
+            .max_concurrent_streams(Some(STREAMS_PER_CONNECTION_MAX))
+            .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+            .layer(GrpcMetricsLayer::new(state.metrics.clone()))
+            .add_service(health_service)
+            .add_service(AdminServer::new(AdminService::new(Arc::clone(&state))))
+            .serve_with_incoming_shutdown(incoming, stopped(stop_grpc.subscribe()));
+        let grpc_task = tokio::spawn(grpc_server);
+
+        let admin_server = axum::serve(admin_listener, admin_http::router(Arc::clone(&state)))
+            .with_graceful_shutdown(stopped(stop_admin.subscribe()));
+        let admin_task = tokio::spawn(async move { admin_server.await });
+
+        state.set_ready(true);
+        tracing::info!(
+            grpc_addr = %state.grpc_addr,
+            admin_addr = %state.admin_addr,
+            data_dir = %state.data_dir.display(),
+            "levee server ready"
+        );
+        Ok(Self {
+            state,
+            data_dir,
+            health,
+            stop_grpc,
+            stop_admin,
+            grpc_task,
+            admin_task,
+        })
+    }
+
+    /// The bound gRPC address (the real port when configured with port 0).
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.state.grpc_addr
+    }
+
+    /// The bound admin HTTP address.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.state.admin_addr
+    }
+
+    /// Completes only if a listener task stops on its own, which is a fatal error.
+    pub async fn failed(&mut self) -> String {
+        tokio::select! {
+            result = &mut self.grpc_task => format!("gRPC server stopped: {result:?}"),
+            result = &mut self.admin_task => format!("admin HTTP server stopped: {result:?}"),
+        }
+    }
+
+    /// Stops accepting, lets in-flight requests finish within `grace`, then closes storage.
+    ///
+    /// The admin port keeps answering while the gRPC port drains, so `/readyz` says 503 (not
+    /// "connection refused") to load balancers for the whole drain.
+    pub async fn shutdown(self, grace: Duration) -> ShutdownOutcome {
+        let Self {
+            state,
+            data_dir,
+            health,
+            stop_grpc,
+            stop_admin,
+            mut grpc_task,
+            mut admin_task,
+        } = self;
+        state.set_ready(false);
+        health
+            .set_service_status("", ServingStatus::NotServing)
+            .await;
+        health.set_not_serving::<AdminServer<AdminService>>().await;
+        let _ = stop_grpc.send(true);
+
+        let drained = tokio::time::timeout(grace, async {
+            let grpc = (&mut grpc_task).await;
+            let _ = stop_admin.send(true);
+            let admin = (&mut admin_task).await;
+            (grpc, admin)
+        })
+        .await;
+        let outcome = if let Ok((grpc, admin)) = drained {
+            if let Ok(Err(error)) = grpc {
+                tracing::warn!(%error, "gRPC server ended with an error");
+            }
+            if let Ok(Err(error)) = admin {
+                tracing::warn!(%error, "admin HTTP server ended with an error");
+            }
+            ShutdownOutcome::Drained
+        } else {
+            {
+                tracing::warn!(
+                    grace_ms = grace.as_millis(),
+                    "in-flight requests did not finish within the shutdown grace period; \
+                     cutting them off"
+                );
+                grpc_task.abort();
+                admin_task.abort();
+                ShutdownOutcome::GraceExpired
+            }
+        };
+        if let Err(error) = data_dir.close() {
+            tracing::error!(%error, "closing the data dir failed");
+        } else {
+            tracing::info!(data_dir = %state.data_dir.display(), "data dir flushed and unlocked");
+        }
+        outcome
+    }
+}
+
+async fn bind(
+    listener: &'static str,
+    address: SocketAddr,
+    flag: &'static str,
+) -> Result<TcpListener, StartError> {
+    TcpListener::bind(address).await.map_err(|source| {
+        if source.kind() == ErrorKind::AddrInUse {
+            StartError::AddressInUse {
+                listener,
+                address,
+                flag,
+            }
+        } else {
+            StartError::Bind {
+                listener,
+                address,
+                flag,
+                source,
+            }
+        }
+    })
+}
+
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    // An error means the sender is gone, which also means stop.
+    let _ = stop.wait_for(|stop| *stop).await;
+}

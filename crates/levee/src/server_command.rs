@@ -1,0 +1,183 @@
+//! `levee server`: resolves the configuration, starts the server and handles signals.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::ArgMatches;
+use clap::parser::ValueSource;
+use levee_server::config::{Override, Overrides, Source};
+use levee_server::{Config, RunningServer, ShutdownOutcome};
+use tokio::signal::unix::{Signal, SignalKind, signal};
+
+/// Exit code for bad start-up input: configuration, addresses, data dir.
+const EXIT_BAD_START: u8 = 2;
+/// Exit code when the server fails while running.
+const EXIT_FAILED: u8 = 1;
+
+// The field docs are the CLI's help text, where backticks would show.
+#[allow(clippy::doc_markdown)]
+#[derive(Debug, clap::Args)]
+pub struct ServerArgs {
+    /// gRPC API address [default: 127.0.0.1:7070]
+    #[arg(long, env = "LEVEE_GRPC_ADDR", value_name = "HOST:PORT")]
+    grpc_addr: Option<String>,
+    /// Admin HTTP address: /healthz, /readyz, /metrics [default: 127.0.0.1:7071]
+    #[arg(long, env = "LEVEE_ADMIN_ADDR", value_name = "HOST:PORT")]
+    admin_addr: Option<String>,
+    /// Data directory, created if missing [default: ./levee-data]
+    #[arg(long, env = "LEVEE_DATA_DIR", value_name = "DIR")]
+    data_dir: Option<String>,
+    /// TOML config file; flags and LEVEE_* variables override its keys
+    #[arg(long, env = "LEVEE_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Log level or tracing directives, such as info or info,levee_server=debug [default: info]
+    #[arg(long, env = "LEVEE_LOG_LEVEL", value_name = "FILTER")]
+    log_level: Option<String>,
+    /// Log format: text or json [default: text]
+    #[arg(long, env = "LEVEE_LOG_FORMAT", value_name = "FORMAT")]
+    log_format: Option<String>,
+    /// Time in-flight requests get to finish after SIGINT or SIGTERM [default: 10000]
+    #[arg(long, env = "LEVEE_SHUTDOWN_GRACE_MS", value_name = "MS")]
+    shutdown_grace_ms: Option<String>,
+    /// Most gRPC connections open at once; more wait to be accepted [default: 10000]
+    #[arg(long, env = "LEVEE_CONNECTIONS_MAX", value_name = "COUNT")]
+    connections_max: Option<String>,
+    /// Print the effective configuration as TOML and exit
+    #[arg(long)]
+    print_config: bool,
+}
+
+impl ServerArgs {
+    fn overrides(&self, matches: &ArgMatches) -> Overrides {
+        let given = |id: &str, flag: &str, variable: &str, value: &Option<String>| {
+            let value = value.clone()?;
+            let source = match matches.value_source(id) {
+                Some(ValueSource::EnvVariable) => Source::Environment(variable.to_owned()),
+                _ => Source::Flag(flag.to_owned()),
+            };
+            Some(Override { value, source })
+        };
+        Overrides {
+            grpc_addr: given(
+                "grpc_addr",
+                "--grpc-addr",
+                "LEVEE_GRPC_ADDR",
+                &self.grpc_addr,
+            ),
+            admin_addr: given(
+                "admin_addr",
+                "--admin-addr",
+                "LEVEE_ADMIN_ADDR",
+                &self.admin_addr,
+            ),
+            data_dir: given("data_dir", "--data-dir", "LEVEE_DATA_DIR", &self.data_dir),
+            log_level: given(
+                "log_level",
+                "--log-level",
+                "LEVEE_LOG_LEVEL",
+                &self.log_level,
+            ),
+            log_format: given(
+                "log_format",
+                "--log-format",
+                "LEVEE_LOG_FORMAT",
+                &self.log_format,
+            ),
+            shutdown_grace_ms: given(
+                "shutdown_grace_ms",
+                "--shutdown-grace-ms",
+                "LEVEE_SHUTDOWN_GRACE_MS",
+                &self.shutdown_grace_ms,
+            ),
+            connections_max: given(
+                "connections_max",
+                "--connections-max",
+                "LEVEE_CONNECTIONS_MAX",
+                &self.connections_max,
+            ),
+        }
+    }
+}
+
+pub fn run(args: &ServerArgs, matches: &ArgMatches) -> ExitCode {
+    let config = match Config::load(args.config.as_deref(), &args.overrides(matches)) {
+        Ok(config) => config,
+        Err(error) => return fail_start(&error),
+    };
+    if args.print_config {
+        print!("{}", config.to_toml());
+        return ExitCode::SUCCESS;
+    }
+    if let Err(error) = levee_server::logging::init(&config.log_level, config.log_format) {
+        return fail_start(&format!("cannot start logging: {error}"));
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => return fail_start(&format!("cannot start the tokio runtime: {error}")),
+    };
+    runtime.block_on(serve(config))
+}
+
+fn fail_start(error: &dyn std::fmt::Display) -> ExitCode {
+    eprintln!("error: {error}");
+    ExitCode::from(EXIT_BAD_START)
+}
+
+async fn serve(config: Config) -> ExitCode {
+    let (mut terminate, mut interrupt) = match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(terminate), Ok(interrupt)) => (terminate, interrupt),
+        (Err(error), _) | (_, Err(error)) => {
+            return fail_start(&format!("cannot install signal handlers: {error}"));
+        }
+    };
+    let mut server = match RunningServer::start(&config).await {
+        Ok(server) => server,
+        Err(error) => return fail_start(&error),
+    };
+    let (name, _) = tokio::select! {
+        received = next_signal(&mut terminate, &mut interrupt) => received,
+        failure = server.failed() => {
+            tracing::error!(%failure, "the server failed; exiting");
+            return ExitCode::from(EXIT_FAILED);
+        }
+    };
+    let grace = Duration::from_millis(config.shutdown_grace_ms);
+    tracing::info!(
+        signal = name,
+        grace_ms = config.shutdown_grace_ms,
+        "shutting down: no new connections; in-flight requests may finish (signal again to exit \
+         at once)"
+    );
+    tokio::spawn(async move {
+        let (name, number) = next_signal(&mut terminate, &mut interrupt).await;
+        tracing::warn!(signal = name, "second signal: exiting at once");
+        std::process::exit(128 + number);
+    });
+    match server.shutdown(grace).await {
+        ShutdownOutcome::Drained => tracing::info!("shutdown complete"),
+        ShutdownOutcome::GraceExpired => {
+            tracing::info!("shutdown complete after cutting off unfinished requests");
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+async fn next_signal(terminate: &mut Signal, interrupt: &mut Signal) -> (&'static str, i32) {
+    tokio::select! {
+        _ = terminate.recv() => ("SIGTERM", libc_signal::TERMINATE),
+        _ = interrupt.recv() => ("SIGINT", libc_signal::INTERRUPT),
+    }
+}
+
+/// Signal numbers, for the 128 + N exit code of a second signal.
+mod libc_signal {
+    pub const INTERRUPT: i32 = 2;
+    pub const TERMINATE: i32 = 15;
+}

@@ -1,0 +1,224 @@
+//! Starts the real `levee` binary on free loopback ports and talks to it over the network.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// How long a server may take to become ready.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The `levee` binary, with no LEVEE_* variables inherited from the test's environment.
+pub fn levee_command() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_levee"));
+    for (name, _) in std::env::vars() {
+        if name.starts_with("LEVEE_") {
+            command.env_remove(name);
+        }
+    }
+    command.env_remove("RUST_BACKTRACE");
+    command
+}
+
+/// A running `levee server` child process.
+pub struct LeveeProcess {
+    child: Child,
+    pub grpc_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub data_dir: PathBuf,
+    log_lines: mpsc::Receiver<String>,
+    pub logs: Vec<String>,
+    temporary_dir: Option<tempfile::TempDir>,
+}
+
+impl LeveeProcess {
+    /// Starts a server on free ports with a fresh data dir, plus `extra` flags.
+    pub fn start(extra: &[&str]) -> Self {
+        let temporary = tempfile::tempdir().unwrap();
+        let data_dir = temporary.path().join("data");
+        let mut process = Self::start_in(&data_dir, extra);
+        process.temporary_dir = Some(temporary);
+        process
+    }
+
+    /// Starts a server on free ports with `data_dir`, plus `extra` flags.
+    pub fn start_in(data_dir: &Path, extra: &[&str]) -> Self {
+        let mut child = levee_command()
+            .args([
+                "server",
+                "--grpc-addr",
+                "127.0.0.1:0",
+                "--admin-addr",
+                "127.0.0.1:0",
+            ])
+            .arg("--data-dir")
+            .arg(data_dir)
+            .args(["--log-format", "json"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (sender, log_lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if sender.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut logs = Vec::new();
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let Ok(line) = log_lines.recv_timeout(remaining) else {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("server did not become ready; logs: {logs:#?}");
+            };
+            logs.push(line.clone());
+            let Ok(event) = serde_json::from_str::<serde_json::Value>(&line) else {
+                continue;
+            };
+            if event["message"] == "levee server ready" {
+                let address = |key: &str| event[key].as_str().unwrap().parse().unwrap();
+                return Self {
+                    grpc_addr: address("grpc_addr"),
+                    admin_addr: address("admin_addr"),
+                    child,
+                    data_dir: data_dir.to_path_buf(),
+                    log_lines,
+                    logs,
+                    temporary_dir: None,
+                };
+            }
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn grpc(&self) -> String {
+        self.grpc_addr.to_string()
+    }
+
+    /// Sends a signal by name, such as `TERM` or `INT`.
+    pub fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.pid().to_string())
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{name} failed");
+    }
+
+    /// Waits up to `timeout` for the process to exit and collects its remaining logs.
+    pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                while let Ok(line) = self.log_lines.recv_timeout(Duration::from_millis(500)) {
+                    self.logs.push(line);
+                }
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "server did not exit within {timeout:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Whether any log line so far contains `text`.
+    pub fn logged(&mut self, text: &str) -> bool {
+        while let Ok(line) = self.log_lines.try_recv() {
+            self.logs.push(line);
+        }
+        self.logs.iter().any(|line| line.contains(text))
+    }
+}
+
+impl Drop for LeveeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `levee` with `args` to completion (at most 30 s); returns its exit code and stderr.
+pub fn run_to_exit(args: &[&str], environment: &[(&str, &str)]) -> (Option<i32>, String, String) {
+    let mut child = levee_command()
+        .args(args)
+        .envs(environment.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("levee {args:?} did not exit within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stdout = String::new();
+    let mut stderr = String::new();
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut stdout)
+        .unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    (status.code(), stdout, stderr)
+}
+
+/// A plain HTTP/1.1 GET; returns the status code and body.
+pub fn http_get(address: SocketAddr, path: &str) -> (u16, String) {
+    let mut stream = TcpStream::connect_timeout(&address, Duration::from_secs(5)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0);
+    (status, body.to_owned())
+}
+
+/// A tokio runtime for calling the async client from a plain test.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
