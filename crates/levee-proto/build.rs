@@ -5,7 +5,11 @@ use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
-    let files = ["levee/v1/errors.proto", "levee/v1/admin.proto"];
+    let files = [
+        "levee/v1/errors.proto",
+        "levee/v1/admin.proto",
+        "levee/v1/hotkey.proto",
+    ];
     let file_descriptors = protox::compile(files, [&proto_root])?;
     tonic_prost_build::configure()
         .emit_rerun_if_changed(false)

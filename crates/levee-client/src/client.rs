@@ -3,7 +3,12 @@
 use std::time::Duration;
 
 use levee_proto::v1::admin_client::AdminClient;
-use levee_proto::v1::{EchoRequest, GetServerInfoRequest, GetServerInfoResponse};
+use levee_proto::v1::hot_keys_client::HotKeysClient;
+use levee_proto::v1::{
+    EchoRequest, GetAppStatsRequest, GetAppStatsResponse, GetRulesRequest, GetServerInfoRequest,
+    GetServerInfoResponse, HotKeyEvent, HotKeyRule, KeyCount, ListAppsRequest, ListHotKeysRequest,
+    RemoveHotKeyRequest, SetHotKeyRequest, SetRulesRequest, TopKeysRequest,
+};
 use tonic::transport::{Channel, Endpoint};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -105,5 +110,109 @@ impl Client {
             ServingStatus::NotServing => HealthStatus::NotServing,
             ServingStatus::Unknown | ServingStatus::ServiceUnknown => HealthStatus::Unknown,
         })
+    }
+
+    fn hot_keys_client(&self) -> HotKeysClient<Channel> {
+        HotKeysClient::new(self.channel.clone())
+    }
+
+    /// Replaces an app's hot-key rules (creating the app).
+    pub async fn set_hot_key_rules(
+        &self,
+        app: &str,
+        rules: Vec<HotKeyRule>,
+    ) -> Result<(), ClientError> {
+        self.hot_keys_client()
+            .set_rules(SetRulesRequest {
+                app: app.to_owned(),
+                rules,
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// An app's hot-key rules.
+    pub async fn hot_key_rules(&self, app: &str) -> Result<Vec<HotKeyRule>, ClientError> {
+        let response = self
+            .hot_keys_client()
+            .get_rules(GetRulesRequest {
+                app: app.to_owned(),
+            })
+            .await?;
+        Ok(response.into_inner().rules)
+    }
+
+    /// The apps the server knows.
+    pub async fn hot_key_apps(&self) -> Result<Vec<String>, ClientError> {
+        Ok(self
+            .hot_keys_client()
+            .list_apps(ListAppsRequest {})
+            .await?
+            .into_inner()
+            .apps)
+    }
+
+    /// Sets `key` hot by hand for `duration`; it is pushed like a detected hot key.
+    pub async fn set_hot_key(
+        &self,
+        app: &str,
+        key: &[u8],
+        duration: Duration,
+    ) -> Result<(), ClientError> {
+        let duration_ms = u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
+        self.hot_keys_client()
+            .set_hot_key(SetHotKeyRequest {
+                app: app.to_owned(),
+                key: key.to_vec(),
+                duration_ms,
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Cools `key` by hand. Returns whether it was hot.
+    pub async fn remove_hot_key(&self, app: &str, key: &[u8]) -> Result<bool, ClientError> {
+        let response = self
+            .hot_keys_client()
+            .remove_hot_key(RemoveHotKeyRequest {
+                app: app.to_owned(),
+                key: key.to_vec(),
+            })
+            .await?;
+        Ok(response.into_inner().was_hot)
+    }
+
+    /// The app's hot keys now.
+    pub async fn hot_keys(&self, app: &str) -> Result<Vec<HotKeyEvent>, ClientError> {
+        let response = self
+            .hot_keys_client()
+            .list_hot_keys(ListHotKeysRequest {
+                app: app.to_owned(),
+            })
+            .await?;
+        Ok(response.into_inner().hot)
+    }
+
+    /// The app's `limit` keys with the highest window counts now.
+    pub async fn top_keys(&self, app: &str, limit: u32) -> Result<Vec<KeyCount>, ClientError> {
+        let response = self
+            .hot_keys_client()
+            .top_keys(TopKeysRequest {
+                app: app.to_owned(),
+                limit,
+            })
+            .await?;
+        Ok(response.into_inner().keys)
+    }
+
+    /// The app's hot-key counters on this server.
+    pub async fn hot_key_stats(&self, app: &str) -> Result<GetAppStatsResponse, ClientError> {
+        let response = self
+            .hot_keys_client()
+            .get_app_stats(GetAppStatsRequest {
+                app: app.to_owned(),
+            })
+            .await?;
+        Ok(response.into_inner())
     }
 }

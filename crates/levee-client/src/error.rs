@@ -25,6 +25,9 @@ pub enum ClientError {
         /// The transport error.
         source: tonic::transport::Error,
     },
+    /// Options that cannot work; the message names the option and the allowed values.
+    #[error("invalid options: {0}")]
+    InvalidOptions(String),
     /// The server (or the connection) answered with an error.
     #[error("{0}")]
     Server(#[from] WireError),

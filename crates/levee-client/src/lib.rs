@@ -2,6 +2,9 @@
 //!
 //! - [`Client`]: one long-lived HTTP/2 connection to a server (calls are multiplexed over it,
 //!   never one connection per request), with typed calls for each service.
+//! - [`HotKeys`]: the app-server side of hot-key detection: `is_hot`, a local cache of hot
+//!   keys' values with single-flight loading, callbacks, batched reports, reconnection, and
+//!   rendezvous routing over several servers.
 //! - [`ClientError`]: what went wrong; server errors carry Levee's stable [`ErrorCode`].
 //!
 //! ```no_run
@@ -17,8 +20,13 @@
 
 mod client;
 mod error;
+pub mod hotkey;
 
 pub use client::{Client, ClientOptions, HealthStatus};
 pub use error::ClientError;
+pub use hotkey::{HotKeyChange, HotKeys, HotKeysOptions, HotKeysStats};
 pub use levee_proto::WireError;
-pub use levee_proto::v1::{ErrorCode, GetServerInfoResponse as ServerInfo};
+pub use levee_proto::v1::{
+    ErrorCode, GetAppStatsResponse as AppStats, GetServerInfoResponse as ServerInfo, HotKeyEvent,
+    HotKeyRule, KeyCount, MatchKind,
+};

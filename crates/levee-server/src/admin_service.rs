@@ -44,6 +44,9 @@ impl Admin for AdminService {
             data_dir: state.data_dir.display().to_string(),
             uptime_ms: state.uptime_ms(),
             process_id: std::process::id(),
+            process_cpu_seconds: crate::metrics::process_cpu_seconds(),
+            resident_memory_bytes: crate::metrics::process_resident_memory_bytes()
+                .map_or(0, |bytes| u64::try_from(bytes).unwrap_or(0)),
         }))
     }
 

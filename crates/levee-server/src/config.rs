@@ -22,6 +22,18 @@ pub const SHUTDOWN_GRACE_MS_MAX: u64 = 3_600_000;
 pub const CONNECTIONS_MAX_DEFAULT: u32 = 10_000;
 /// Highest allowed connection cap.
 pub const CONNECTIONS_MAX_MAX: u32 = 1_000_000;
+/// Default memory budget of the hot-key engines, all shards together, in MiB.
+pub const HOTKEY_MEMORY_BUDGET_MB_DEFAULT: u64 = 256;
+/// Largest hot-key memory budget, in MiB (64 GiB).
+pub const HOTKEY_MEMORY_BUDGET_MB_MAX: u64 = 65_536;
+/// Default longest hot key, in bytes.
+pub const HOTKEY_KEY_BYTES_MAX_DEFAULT: u32 = 1_024;
+/// Highest allowed `hotkey_key_bytes_max`.
+pub const HOTKEY_KEY_BYTES_MAX_MAX: u32 = 65_536;
+/// Default most keys in one report batch.
+pub const HOTKEY_BATCH_KEYS_MAX_DEFAULT: u32 = 10_000;
+/// Highest allowed `hotkey_batch_keys_max`.
+pub const HOTKEY_BATCH_KEYS_MAX_MAX: u32 = 1_000_000;
 
 /// The effective configuration of one server process.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -40,6 +52,15 @@ pub struct Config {
     pub shutdown_grace_ms: u64,
     /// Most gRPC connections open at once.
     pub connections_max: u32,
+    /// Memory budget of the hot-key engines, in MiB.
+    pub hotkey_memory_budget_mb: u64,
+    /// Longest key a hot-key report may carry, in bytes.
+    pub hotkey_key_bytes_max: u32,
+    /// Most keys in one hot-key report batch.
+    pub hotkey_batch_keys_max: u32,
+    /// What a report for an app without rules does: `create` it with the default rule, or
+    /// `refuse` it.
+    pub hotkey_unknown_app: UnknownApp,
 }
 
 impl Default for Config {
@@ -52,6 +73,10 @@ impl Default for Config {
             log_format: LogFormat::Text,
             shutdown_grace_ms: SHUTDOWN_GRACE_MS_DEFAULT,
             connections_max: CONNECTIONS_MAX_DEFAULT,
+            hotkey_memory_budget_mb: HOTKEY_MEMORY_BUDGET_MB_DEFAULT,
+            hotkey_key_bytes_max: HOTKEY_KEY_BYTES_MAX_DEFAULT,
+            hotkey_batch_keys_max: HOTKEY_BATCH_KEYS_MAX_DEFAULT,
+            hotkey_unknown_app: UnknownApp::Create,
         }
     }
 }
@@ -67,6 +92,10 @@ struct FileConfig {
     log_format: Option<String>,
     shutdown_grace_ms: Option<u64>,
     connections_max: Option<u32>,
+    hotkey_memory_budget_mb: Option<u64>,
+    hotkey_key_bytes_max: Option<u32>,
+    hotkey_batch_keys_max: Option<u32>,
+    hotkey_unknown_app: Option<String>,
 }
 
 /// Where a setting's value came from, so an error can point at it.
@@ -116,6 +145,14 @@ pub struct Overrides {
     pub shutdown_grace_ms: Option<Override>,
     /// `--connections-max` / `LEVEE_CONNECTIONS_MAX`.
     pub connections_max: Option<Override>,
+    /// `--hotkey-memory-budget-mb` / `LEVEE_HOTKEY_MEMORY_BUDGET_MB`.
+    pub hotkey_memory_budget_mb: Option<Override>,
+    /// `--hotkey-key-bytes-max` / `LEVEE_HOTKEY_KEY_BYTES_MAX`.
+    pub hotkey_key_bytes_max: Option<Override>,
+    /// `--hotkey-batch-keys-max` / `LEVEE_HOTKEY_BATCH_KEYS_MAX`.
+    pub hotkey_batch_keys_max: Option<Override>,
+    /// `--hotkey-unknown-app` / `LEVEE_HOTKEY_UNKNOWN_APP`.
+    pub hotkey_unknown_app: Option<Override>,
 }
 
 /// Why the configuration could not be built. Each message names the problem and the fix.
@@ -214,6 +251,40 @@ impl Config {
             file_config.connections_max.map(|value| value.to_string()),
         ) {
             config.connections_max = parse_bounded(raw, 1, CONNECTIONS_MAX_MAX)?;
+        }
+        if let Some(raw) = pick(
+            "hotkey_memory_budget_mb",
+            &overrides.hotkey_memory_budget_mb,
+            file_config
+                .hotkey_memory_budget_mb
+                .map(|value| value.to_string()),
+        ) {
+            config.hotkey_memory_budget_mb = parse_bounded(raw, 1, HOTKEY_MEMORY_BUDGET_MB_MAX)?;
+        }
+        if let Some(raw) = pick(
+            "hotkey_key_bytes_max",
+            &overrides.hotkey_key_bytes_max,
+            file_config
+                .hotkey_key_bytes_max
+                .map(|value| value.to_string()),
+        ) {
+            config.hotkey_key_bytes_max = parse_bounded(raw, 1, HOTKEY_KEY_BYTES_MAX_MAX)?;
+        }
+        if let Some(raw) = pick(
+            "hotkey_batch_keys_max",
+            &overrides.hotkey_batch_keys_max,
+            file_config
+                .hotkey_batch_keys_max
+                .map(|value| value.to_string()),
+        ) {
+            config.hotkey_batch_keys_max = parse_bounded(raw, 1, HOTKEY_BATCH_KEYS_MAX_MAX)?;
+        }
+        if let Some(raw) = pick(
+            "hotkey_unknown_app",
+            &overrides.hotkey_unknown_app,
+            file_config.hotkey_unknown_app,
+        ) {
+            config.hotkey_unknown_app = parse_setting(raw)?;
         }
         Ok(config)
     }
@@ -351,6 +422,28 @@ impl FromStr for LogLevel {
             return Err("expected a level such as info".to_owned());
         }
         Ok(Self(text.to_owned()))
+    }
+}
+
+/// What a hot-key report for an app without rules does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UnknownApp {
+    /// Create the app with the default rule (`*`: 1000 hits in 5 s, hot for 60 s).
+    Create,
+    /// Refuse the session with `NOT_FOUND` until an operator sets the app's rules.
+    Refuse,
+}
+
+impl FromStr for UnknownApp {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text {
+            "create" => Ok(Self::Create),
+            "refuse" => Ok(Self::Refuse),
+            _ => Err("expected create or refuse".to_owned()),
+        }
     }
 }
 

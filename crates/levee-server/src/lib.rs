@@ -9,6 +9,8 @@
 //! - [`admin_http`]: `/healthz`, `/readyz`, `/metrics`, `/v1/server`.
 //! - [`metrics`], [`grpc_metrics`], [`connection`]: Prometheus metrics, the layer that measures
 //!   every gRPC call, and the connection cap and gauge.
+//! - [`hotkey`]: hot keys over the network: sharded engines, app-server sessions that push hot
+//!   and cool events, the admin calls on gRPC and JSON, and the rules file.
 //! - [`logging`]: tracing in text or JSON.
 //!
 //! A request's path: the accept loop in [`connection`] takes a connection permit and counts the
@@ -23,6 +25,7 @@ pub mod config;
 pub mod connection;
 pub mod data_dir;
 pub mod grpc_metrics;
+pub mod hotkey;
 pub mod logging;
 pub mod metrics;
 pub mod server;

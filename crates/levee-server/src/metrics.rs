@@ -31,6 +31,29 @@ pub struct RpcLabels {
     pub rpc: String,
 }
 
+/// Labels of a per-app hot-key metric.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AppLabels {
+    /// The app.
+    pub app: String,
+}
+
+impl AppLabels {
+    /// Labels for `app`.
+    pub fn new(app: &str) -> Self {
+        Self {
+            app: app.to_owned(),
+        }
+    }
+}
+
+/// Labels that say why or what kind.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    /// The reason or kind, from a fixed set.
+    pub reason: &'static str,
+}
+
 type HistogramFamily = Family<RpcLabels, Histogram, fn() -> Histogram>;
 
 /// Every metric the server exports. Cheap to clone; clones share the same values.
@@ -47,6 +70,30 @@ pub struct Metrics {
     pub grpc_requests: Family<RequestLabels, Counter>,
     /// gRPC call latency by method, from request headers to the end of the response.
     pub grpc_request_duration_seconds: HistogramFamily,
+    /// Hot-key reports (key, count pairs) counted, by app.
+    pub hotkey_keys_received: Family<AppLabels, Counter>,
+    /// Hits counted (the sum of report counts), by app.
+    pub hotkey_hits_received: Family<AppLabels, Counter>,
+    /// Keys that turned hot by detection, by app.
+    pub hotkey_hot_detected: Family<AppLabels, Counter>,
+    /// Events published to apps' channels, by kind (`hot`, `cool`).
+    pub hotkey_events_published: Family<ReasonLabels, Counter>,
+    /// Events delivered to app servers (one event to one app server counts once).
+    pub hotkey_events_delivered: Counter,
+    /// App servers sent a fresh snapshot because they fell behind.
+    pub hotkey_resyncs: Counter,
+    /// Reports refused, by reason.
+    pub hotkey_reports_rejected: Family<ReasonLabels, Counter>,
+    /// App servers connected, by app.
+    pub hotkey_clients_connected: Family<AppLabels, Gauge>,
+    /// Bytes the hot-key engines use.
+    pub hotkey_memory_bytes: Gauge,
+    /// The hot-key engines' memory budget.
+    pub hotkey_memory_budget_bytes: Gauge,
+    /// Keys with an exact window.
+    pub hotkey_keys_tracked: Gauge,
+    /// Keys the memory budget kept out of (or evicted from) the exact windows.
+    pub hotkey_budget_evictions: Counter,
 }
 
 fn latency_histogram() -> Histogram {
@@ -54,51 +101,133 @@ fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.000_05, 2.0, 22))
 }
 
+/// Registers `metric` under `name` and returns a handle to it.
+fn registered<M>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M
+where
+    M: prometheus_client::registry::Metric + Clone,
+{
+    registry.register(name, help, metric.clone());
+    metric
+}
+
 impl Metrics {
     /// A registry with every metric at zero, plus the process collector.
+    // One registration per metric: long, but flat and easy to scan.
+    #[allow(clippy::too_many_lines)]
     pub fn new() -> Self {
         let mut registry = Registry::default();
-        let grpc_connections_open = Gauge::default();
-        registry.register(
-            "levee_grpc_connections_open",
-            "gRPC connections open now",
-            grpc_connections_open.clone(),
-        );
-        let grpc_connections_accepted = Counter::default();
-        registry.register(
-            "levee_grpc_connections_accepted",
-            "gRPC connections accepted since start",
-            grpc_connections_accepted.clone(),
-        );
-        let grpc_accept_errors = Counter::default();
-        registry.register(
-            "levee_grpc_accept_errors",
-            "failed accept calls on the gRPC listener",
-            grpc_accept_errors.clone(),
-        );
-        let grpc_requests = Family::<RequestLabels, Counter>::default();
-        registry.register(
-            "levee_grpc_requests",
-            "finished gRPC calls by method and status code",
-            grpc_requests.clone(),
-        );
-        let grpc_request_duration_seconds =
-            HistogramFamily::new_with_constructor(latency_histogram as fn() -> Histogram);
-        registry.register(
-            "levee_grpc_request_duration_seconds",
-            "gRPC call latency by method, from request headers to the end of the response",
-            grpc_request_duration_seconds.clone(),
-        );
+        let registry_ref = &mut registry;
+        let metrics = Self {
+            grpc_connections_open: registered(
+                registry_ref,
+                "levee_grpc_connections_open",
+                "gRPC connections open now",
+                Gauge::default(),
+            ),
+            grpc_connections_accepted: registered(
+                registry_ref,
+                "levee_grpc_connections_accepted",
+                "gRPC connections accepted since start",
+                Counter::default(),
+            ),
+            grpc_accept_errors: registered(
+                registry_ref,
+                "levee_grpc_accept_errors",
+                "failed accept calls on the gRPC listener",
+                Counter::default(),
+            ),
+            grpc_requests: registered(
+                registry_ref,
+                "levee_grpc_requests",
+                "finished gRPC calls by method and status code",
+                Family::default(),
+            ),
+            grpc_request_duration_seconds: registered(
+                registry_ref,
+                "levee_grpc_request_duration_seconds",
+                "gRPC call latency by method, from request headers to the end of the response",
+                HistogramFamily::new_with_constructor(latency_histogram as fn() -> Histogram),
+            ),
+            hotkey_keys_received: registered(
+                registry_ref,
+                "levee_hotkey_keys_received",
+                "hot-key reports (key, count pairs) counted, by app",
+                Family::default(),
+            ),
+            hotkey_hits_received: registered(
+                registry_ref,
+                "levee_hotkey_hits_received",
+                "hits counted (the sum of report counts), by app",
+                Family::default(),
+            ),
+            hotkey_hot_detected: registered(
+                registry_ref,
+                "levee_hotkey_hot_detected",
+                "keys that turned hot by detection, by app",
+                Family::default(),
+            ),
+            hotkey_events_published: registered(
+                registry_ref,
+                "levee_hotkey_events_published",
+                "hot and cool events published, by kind (the reason label)",
+                Family::default(),
+            ),
+            hotkey_events_delivered: registered(
+                registry_ref,
+                "levee_hotkey_events_delivered",
+                "events delivered to app servers, one per event and app server",
+                Counter::default(),
+            ),
+            hotkey_resyncs: registered(
+                registry_ref,
+                "levee_hotkey_resyncs",
+                "app servers sent a fresh snapshot because they fell behind",
+                Counter::default(),
+            ),
+            hotkey_reports_rejected: registered(
+                registry_ref,
+                "levee_hotkey_reports_rejected",
+                "hot-key reports refused, by reason",
+                Family::default(),
+            ),
+            hotkey_clients_connected: registered(
+                registry_ref,
+                "levee_hotkey_clients_connected",
+                "app servers connected, by app",
+                Family::default(),
+            ),
+            hotkey_memory_bytes: registered(
+                registry_ref,
+                "levee_hotkey_memory_bytes",
+                "bytes the hot-key engines use",
+                Gauge::default(),
+            ),
+            hotkey_memory_budget_bytes: registered(
+                registry_ref,
+                "levee_hotkey_memory_budget_bytes",
+                "the hot-key engines' memory budget",
+                Gauge::default(),
+            ),
+            hotkey_keys_tracked: registered(
+                registry_ref,
+                "levee_hotkey_keys_tracked",
+                "keys with an exact sliding window",
+                Gauge::default(),
+            ),
+            hotkey_budget_evictions: registered(
+                registry_ref,
+                "levee_hotkey_budget_evictions",
+                "keys the memory budget kept out of or evicted from the exact windows",
+                Counter::default(),
+            ),
+            registry: Arc::new(Registry::default()),
+        };
         registry.register_collector(Box::new(ProcessCollector {
             start: SystemTime::now(),
         }));
         Self {
             registry: Arc::new(registry),
-            grpc_connections_open,
-            grpc_connections_accepted,
-            grpc_accept_errors,
-            grpc_requests,
-            grpc_request_duration_seconds,
+            ..metrics
         }
     }
 
@@ -169,7 +298,7 @@ impl Collector for ProcessCollector {
 
 /// User plus system CPU seconds of this process, from `getrusage`.
 #[allow(unsafe_code)]
-fn process_cpu_seconds() -> f64 {
+pub fn process_cpu_seconds() -> f64 {
     let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
     // SAFETY: `usage` is a valid, writable rusage; getrusage only writes into it, and we read it
     // only when the call succeeded.
@@ -188,7 +317,7 @@ fn process_cpu_seconds() -> f64 {
 }
 
 /// Resident set size from `/proc/self/status` (`VmRSS`, in KiB), or `None` off Linux.
-fn process_resident_memory_bytes() -> Option<i64> {
+pub fn process_resident_memory_bytes() -> Option<i64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
     let kibibytes: i64 = line.split_whitespace().nth(1)?.parse().ok()?;

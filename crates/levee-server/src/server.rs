@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use levee_proto::v1::admin_server::AdminServer;
+use levee_proto::v1::hot_keys_server::HotKeysServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -20,6 +21,10 @@ use crate::config::Config;
 use crate::connection::accept_connections;
 use crate::data_dir::{DataDir, DataDirError};
 use crate::grpc_metrics::GrpcMetricsLayer;
+use crate::hotkey::hub::HotKeyHub;
+use crate::hotkey::rules_file::RulesFileError;
+use crate::hotkey::service::HotKeyService;
+use crate::hotkey::{self, TICK_INTERVAL};
 use crate::metrics::Metrics;
 use crate::state::ServerState;
 
@@ -37,6 +42,9 @@ pub enum StartError {
     /// The data directory cannot be used.
     #[error(transparent)]
     DataDir(#[from] DataDirError),
+    /// The saved hot-key rules cannot be read.
+    #[error(transparent)]
+    HotKeyRules(#[from] RulesFileError),
     /// Another process listens on the address.
     #[error(
         "{listener} address {address} is already in use by another process; stop that process \
@@ -81,6 +89,8 @@ pub struct RunningServer {
     health: HealthReporter,
     stop_grpc: watch::Sender<bool>,
     stop_admin: watch::Sender<bool>,
+    stop_sessions: watch::Sender<bool>,
+    tick_task: JoinHandle<()>,
     grpc_task: JoinHandle<Result<(), tonic::transport::Error>>,
     admin_task: JoinHandle<std::io::Result<()>>,
 }
@@ -90,6 +100,9 @@ impl RunningServer {
     /// anything, if any of them cannot be had.
     pub async fn start(config: &Config) -> Result<Self, StartError> {
         let data_dir = DataDir::open(&config.data_dir)?;
+        let metrics = Metrics::new();
+        let shard_count = std::thread::available_parallelism().map_or(1, usize::from);
+        let hub = Arc::new(HotKeyHub::open(config, shard_count)?.with_metrics(metrics.clone()));
         let grpc_listener = bind("gRPC", config.grpc_addr.0, "--grpc-addr").await?;
         let admin_listener = bind("admin HTTP", config.admin_addr.0, "--admin-addr").await?;
         let local_addr = |listener: &TcpListener, configured: SocketAddr| {
@@ -99,13 +112,21 @@ impl RunningServer {
             local_addr(&grpc_listener, config.grpc_addr.0),
             local_addr(&admin_listener, config.admin_addr.0),
             data_dir.path().to_path_buf(),
-            Metrics::new(),
+            metrics,
         ));
 
         let (stop_grpc, _) = watch::channel(false);
         let (stop_admin, _) = watch::channel(false);
+        let (stop_sessions, _) = watch::channel(false);
+        let tick_task = tokio::spawn(tick(Arc::clone(&hub), stop_sessions.subscribe()));
         let (health, health_service) = tonic_health::server::health_reporter();
         health.set_serving::<AdminServer<AdminService>>().await;
+        health.set_serving::<HotKeysServer<HotKeyService>>().await;
+        let hotkey_service = HotKeyService::new(
+            Arc::clone(&hub),
+            state.metrics.clone(),
+            stop_sessions.subscribe(),
+        );
 
         let incoming =
             accept_connections(grpc_listener, config.connections_max, state.metrics.clone());
@@ -116,10 +137,13 @@ impl RunningServer {
             .layer(GrpcMetricsLayer::new(state.metrics.clone()))
             .add_service(health_service)
             .add_service(AdminServer::new(AdminService::new(Arc::clone(&state))))
+            .add_service(HotKeysServer::new(hotkey_service))
             .serve_with_incoming_shutdown(incoming, stopped(stop_grpc.subscribe()));
         let grpc_task = tokio::spawn(grpc_server);
 
-        let admin_server = axum::serve(admin_listener, admin_http::router(Arc::clone(&state)))
+        let admin_router =
+            admin_http::router(Arc::clone(&state)).merge(hotkey::http::router(Arc::clone(&hub)));
+        let admin_server = axum::serve(admin_listener, admin_router)
             .with_graceful_shutdown(stopped(stop_admin.subscribe()));
         let admin_task = tokio::spawn(async move { admin_server.await });
 
@@ -136,6 +160,8 @@ impl RunningServer {
             health,
             stop_grpc,
             stop_admin,
+            stop_sessions,
+            tick_task,
             grpc_task,
             admin_task,
         })
@@ -170,6 +196,8 @@ impl RunningServer {
             health,
             stop_grpc,
             stop_admin,
+            stop_sessions,
+            tick_task,
             mut grpc_task,
             mut admin_task,
         } = self;
@@ -178,6 +206,12 @@ impl RunningServer {
             .set_service_status("", ServingStatus::NotServing)
             .await;
         health.set_not_serving::<AdminServer<AdminService>>().await;
+        health
+            .set_not_serving::<HotKeysServer<HotKeyService>>()
+            .await;
+        // Long-lived sessions end first (app servers reconnect elsewhere), then the drain.
+        let _ = stop_sessions.send(true);
+        let _ = tick_task.await;
         let _ = stop_grpc.send(true);
 
         let drained = tokio::time::timeout(grace, async {
@@ -237,6 +271,17 @@ async fn bind(
             }
         }
     })
+}
+
+async fn tick(hub: Arc<HotKeyHub>, mut stop: watch::Receiver<bool>) {
+    let mut interval = tokio::time::interval(TICK_INTERVAL);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tokio::select! {
+            _ = interval.tick() => hub.tick(),
+            _ = stop.wait_for(|stop| *stop) => return,
+        }
+    }
 }
 
 async fn stopped(mut stop: watch::Receiver<bool>) {

@@ -15,10 +15,10 @@ pub struct ServerAddress {
         value_name = "HOST:PORT",
         default_value = "127.0.0.1:7070"
     )]
-    server: String,
+    pub server: String,
     /// Print one JSON object instead of text
     #[arg(long)]
-    json: bool,
+    pub json: bool,
 }
 
 #[derive(Debug, clap::Args)]

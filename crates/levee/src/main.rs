@@ -1,7 +1,12 @@
 //! The `levee` binary: `levee server` runs the server; the other commands talk to a running
 //! server through the Rust SDK.
 
+// Doc comments on clap types are the CLI's help text, where backticks would show.
+#![allow(clippy::doc_markdown)]
+
+mod bench;
 mod client_commands;
+mod hotkey_commands;
 mod server_command;
 
 use std::process::ExitCode;
@@ -24,6 +29,18 @@ enum Command {
     Health(client_commands::HealthArgs),
     /// Show a running server's version, addresses, data directory and uptime.
     Info(client_commands::InfoArgs),
+    /// Hot keys: rules, hot keys by hand, top keys, stats.
+    #[command(subcommand)]
+    Hotkey(hotkey_commands::HotKeyCommand),
+    /// Load tools that drive a server through the real client over loopback.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Hot keys: ingestion, detection latency, precision and recall, push throughput.
+    Hotkey(bench::hotkey::HotKeyBenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -36,5 +53,13 @@ fn main() -> ExitCode {
         }
         Command::Health(args) => client_commands::health(&args),
         Command::Info(args) => client_commands::info(&args),
+        Command::Hotkey(command) => hotkey_commands::run(&command),
+        Command::Bench(BenchCommand::Hotkey(args)) => match bench::hotkey::run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                eprintln!("error: {error:#}");
+                ExitCode::FAILURE
+            }
+        },
     }
 }

@@ -15,8 +15,6 @@ const EXIT_BAD_START: u8 = 2;
 /// Exit code when the server fails while running.
 const EXIT_FAILED: u8 = 1;
 
-// The field docs are the CLI's help text, where backticks would show.
-#[allow(clippy::doc_markdown)]
 #[derive(Debug, clap::Args)]
 pub struct ServerArgs {
     /// gRPC API address [default: 127.0.0.1:7070]
@@ -43,6 +41,18 @@ pub struct ServerArgs {
     /// Most gRPC connections open at once; more wait to be accepted [default: 10000]
     #[arg(long, env = "LEVEE_CONNECTIONS_MAX", value_name = "COUNT")]
     connections_max: Option<String>,
+    /// Memory budget of the hot-key engines, in MiB [default: 256]
+    #[arg(long, env = "LEVEE_HOTKEY_MEMORY_BUDGET_MB", value_name = "MIB")]
+    hotkey_memory_budget_mb: Option<String>,
+    /// Longest key a hot-key report may carry, in bytes [default: 1024]
+    #[arg(long, env = "LEVEE_HOTKEY_KEY_BYTES_MAX", value_name = "BYTES")]
+    hotkey_key_bytes_max: Option<String>,
+    /// Most keys in one hot-key report batch [default: 10000]
+    #[arg(long, env = "LEVEE_HOTKEY_BATCH_KEYS_MAX", value_name = "COUNT")]
+    hotkey_batch_keys_max: Option<String>,
+    /// Reports for an app without rules: create (with the default rule) or refuse [default: create]
+    #[arg(long, env = "LEVEE_HOTKEY_UNKNOWN_APP", value_name = "POLICY")]
+    hotkey_unknown_app: Option<String>,
     /// Print the effective configuration as TOML and exit
     #[arg(long)]
     print_config: bool,
@@ -95,6 +105,30 @@ impl ServerArgs {
                 "--connections-max",
                 "LEVEE_CONNECTIONS_MAX",
                 &self.connections_max,
+            ),
+            hotkey_memory_budget_mb: given(
+                "hotkey_memory_budget_mb",
+                "--hotkey-memory-budget-mb",
+                "LEVEE_HOTKEY_MEMORY_BUDGET_MB",
+                &self.hotkey_memory_budget_mb,
+            ),
+            hotkey_key_bytes_max: given(
+                "hotkey_key_bytes_max",
+                "--hotkey-key-bytes-max",
+                "LEVEE_HOTKEY_KEY_BYTES_MAX",
+                &self.hotkey_key_bytes_max,
+            ),
+            hotkey_batch_keys_max: given(
+                "hotkey_batch_keys_max",
+                "--hotkey-batch-keys-max",
+                "LEVEE_HOTKEY_BATCH_KEYS_MAX",
+                &self.hotkey_batch_keys_max,
+            ),
+            hotkey_unknown_app: given(
+                "hotkey_unknown_app",
+                "--hotkey-unknown-app",
+                "LEVEE_HOTKEY_UNKNOWN_APP",
+                &self.hotkey_unknown_app,
             ),
         }
     }

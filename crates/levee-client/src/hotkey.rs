@@ -1,0 +1,672 @@
+//! [`HotKeys`]: the app-server side of hot-key detection.
+//!
+//! `is_hot(key)` records one access in a local, pre-aggregated buffer and answers from the local
+//! set of hot keys; it never waits on the network and never fails (trouble goes to logs and
+//! [`HotKeysStats`]). Every `report_interval` a background task sends the buffer to the
+//! servers, each key to one server chosen by rendezvous hashing over the servers connected at
+//! that moment, so adding or removing a server moves only that server's share of the keys. Each
+//! server keeps one long-lived session per app server and pushes hot and cool events on it; a
+//! session that breaks is reopened with exponential backoff, and the server's first message on a
+//! new session is a snapshot of the app's hot keys.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
+
+use levee_proto::v1::hot_key_client_message::Kind as ClientKind;
+use levee_proto::v1::hot_key_server_message::Kind as ServerKind;
+use levee_proto::v1::hot_keys_client::HotKeysClient;
+use levee_proto::v1::{
+    Hello, HotKeyClientMessage, HotKeyEvent, HotKeySource, KeyReport, ReportBatch,
+};
+use tokio::sync::{OnceCell, mpsc, watch};
+use tonic::transport::Endpoint;
+
+use crate::error::ClientError;
+
+/// Shortest allowed report interval.
+pub const REPORT_INTERVAL_MIN: Duration = Duration::from_millis(1);
+/// Longest allowed report interval.
+pub const REPORT_INTERVAL_MAX: Duration = Duration::from_millis(500);
+/// Report batches queued per server while its session is busy; more are dropped and counted.
+const BATCHES_QUEUED_PER_SERVER_MAX: usize = 64;
+/// Buffer shards, so that app threads recording at once rarely wait on each other.
+const BUFFER_SHARDS: usize = 16;
+
+/// How a [`HotKeys`] reports and reconnects.
+#[derive(Debug, Clone)]
+pub struct HotKeysOptions {
+    /// The app (namespace): 1 to 128 of `[A-Za-z0-9._-]`.
+    pub app: String,
+    /// The servers' gRPC addresses (`HOST:PORT`); keys are spread over them.
+    pub servers: Vec<String>,
+    /// Names this app server in the servers' logs.
+    pub client_id: String,
+    /// How often recorded accesses are sent, 1 to 500 ms (default 100 ms).
+    pub report_interval: Duration,
+    /// Distinct keys buffered between two reports; accesses to further keys are dropped and
+    /// counted (default 100000).
+    pub buffer_keys_max: usize,
+    /// Keys per report message, at most the server's `hotkey_batch_keys_max` (default 10000).
+    pub batch_keys_max: usize,
+    /// First wait before reconnecting (default 100 ms); doubles up to `reconnect_backoff_max`.
+    pub reconnect_backoff_min: Duration,
+    /// Longest wait before reconnecting (default 5 s).
+    pub reconnect_backoff_max: Duration,
+    /// Most time to establish a connection (default 5 s).
+    pub connect_timeout: Duration,
+}
+
+impl HotKeysOptions {
+    /// Options for `app` against `servers`, with defaults for the rest.
+    pub fn new(app: impl Into<String>, servers: Vec<String>) -> Self {
+        Self {
+            app: app.into(),
+            servers,
+            client_id: format!("pid-{}", std::process::id()),
+            report_interval: Duration::from_millis(100),
+            buffer_keys_max: 100_000,
+            batch_keys_max: 10_000,
+            reconnect_backoff_min: Duration::from_millis(100),
+            reconnect_backoff_max: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+
+    fn validate(&self) -> Result<(), ClientError> {
+        let invalid = |message: String| Err(ClientError::InvalidOptions(message));
+        if self.servers.is_empty() {
+            return invalid("servers: give at least one server address".to_owned());
+        }
+        if !(REPORT_INTERVAL_MIN..=REPORT_INTERVAL_MAX).contains(&self.report_interval) {
+            return invalid(format!(
+                "report_interval must be 1 to 500 ms, got {} ms",
+                self.report_interval.as_millis()
+            ));
+        }
+        if self.buffer_keys_max == 0 || self.batch_keys_max == 0 {
+            return invalid("buffer_keys_max and batch_keys_max must be at least 1".to_owned());
+        }
+        if self.reconnect_backoff_min.is_zero()
+            || self.reconnect_backoff_min > self.reconnect_backoff_max
+        {
+            return invalid(
+                "reconnect_backoff_min must be above 0 and at most reconnect_backoff_max"
+                    .to_owned(),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// A key that turned hot or cooled, as callbacks see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HotKeyChange {
+    /// The key.
+    pub key: Vec<u8>,
+    /// True when it turned hot (or its hot period was extended), false when it cooled.
+    pub hot: bool,
+    /// How long it stays hot from now (0 when it cooled).
+    pub hot_for: Duration,
+    /// Whether an operator set it by hand.
+    pub manual: bool,
+}
+
+/// Counters of one [`HotKeys`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HotKeysStats {
+    /// Accesses recorded.
+    pub accesses_recorded: u64,
+    /// Accesses dropped because the buffer held `buffer_keys_max` distinct keys.
+    pub accesses_dropped: u64,
+    /// Keys sent in reports.
+    pub keys_reported: u64,
+    /// Keys dropped because no server was connected or a server's queue was full.
+    pub keys_unsent: u64,
+    /// Hot and cool events (snapshot entries included) received.
+    pub events_received: u64,
+    /// Sessions opened, first ones included.
+    pub sessions_opened: u64,
+    /// Servers connected now.
+    pub servers_connected: u64,
+}
+
+type Callback = Box<dyn Fn(&HotKeyChange) + Send + Sync>;
+/// Accesses recorded since the last report, pre-aggregated by key.
+type ReportBuffer = Mutex<HashMap<Box<[u8]>, u32>>;
+/// Loads in flight, one per key.
+type Loads<V> = Mutex<HashMap<Box<[u8]>, Arc<OnceCell<V>>>>;
+
+/// The local record of a hot key.
+#[derive(Debug)]
+struct LocalHot<V> {
+    until: Instant,
+    server: usize,
+    value: Option<V>,
+}
+
+/// One server's session slot.
+#[derive(Debug)]
+struct ServerLink {
+    address: String,
+    seed: u64,
+    sender: Mutex<Option<mpsc::Sender<HotKeyClientMessage>>>,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    accesses_recorded: AtomicU64,
+    accesses_dropped: AtomicU64,
+    keys_reported: AtomicU64,
+    keys_unsent: AtomicU64,
+    events_received: AtomicU64,
+    sessions_opened: AtomicU64,
+}
+
+struct Inner<V> {
+    options: HotKeysOptions,
+    hasher: foldhash::fast::FixedState,
+    buffer: Box<[ReportBuffer]>,
+    buffered_keys: AtomicUsize,
+    hot: RwLock<HashMap<Box<[u8]>, LocalHot<V>>>,
+    loads: Loads<V>,
+    callbacks: RwLock<Vec<Callback>>,
+    links: Box<[ServerLink]>,
+    counters: Counters,
+    stopping: AtomicBool,
+}
+
+impl<V> std::fmt::Debug for Inner<V> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("HotKeys")
+            .field("app", &self.options.app)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Stops the background tasks when the last [`HotKeys`] handle is dropped.
+#[derive(Debug)]
+struct StopOnDrop(watch::Sender<bool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.send(true);
+    }
+}
+
+/// The hot-key client of one app on one app server. Cheap to clone; clones share everything.
+/// `V` is the type of locally cached values.
+#[derive(Debug)]
+pub struct HotKeys<V = Vec<u8>> {
+    inner: Arc<Inner<V>>,
+    stop: Arc<StopOnDrop>,
+}
+
+impl<V> Clone for HotKeys<V> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+            stop: Arc::clone(&self.stop),
+        }
+    }
+}
+
+impl<V: Clone + Send + Sync + 'static> HotKeys<V> {
+    /// Starts reporting and listening in the background on the current tokio runtime. Returns
+    /// at once; sessions open in the background (check [`HotKeys::stats`]).
+    pub fn start(options: HotKeysOptions) -> Result<Self, ClientError> {
+        options.validate()?;
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            ClientError::InvalidOptions("HotKeys::start must run inside a tokio runtime".to_owned())
+        })?;
+        let hasher = foldhash::fast::FixedState::with_seed(0x686f_746b_6579_7321);
+        let links = options
+            .servers
+            .iter()
+            .map(|address| ServerLink {
+                address: address.clone(),
+                seed: hasher.hash_one(address.as_bytes()),
+                sender: Mutex::new(None),
+            })
+            .collect();
+        let inner = Arc::new(Inner {
+            hasher,
+            buffer: (0..BUFFER_SHARDS)
+                .map(|_| Mutex::new(HashMap::new()))
+                .collect(),
+            buffered_keys: AtomicUsize::new(0),
+            hot: RwLock::new(HashMap::new()),
+            loads: Mutex::new(HashMap::new()),
+            callbacks: RwLock::new(Vec::new()),
+            links,
+            counters: Counters::default(),
+            stopping: AtomicBool::new(false),
+            options,
+        });
+        let (stop, stopped) = watch::channel(false);
+        for index in 0..inner.links.len() {
+            runtime.spawn(run_link(Arc::clone(&inner), index, stopped.clone()));
+        }
+        runtime.spawn(run_reporter(Arc::clone(&inner), stopped));
+        Ok(Self {
+            inner,
+            stop: Arc::new(StopOnDrop(stop)),
+        })
+    }
+
+    /// Records one access to `key` and says whether it is hot now. Never blocks on the network
+    /// and never fails.
+    pub fn is_hot(&self, key: &[u8]) -> bool {
+        self.record(key, 1);
+        self.is_hot_now(key)
+    }
+
+    /// Whether `key` is hot now, without recording an access.
+    pub fn is_hot_now(&self, key: &[u8]) -> bool {
+        read(&self.inner.hot)
+            .get(key)
+            .is_some_and(|entry| entry.until > Instant::now())
+    }
+
+    /// Records `count` accesses to `key` (pre-aggregated by the caller).
+    pub fn record(&self, key: &[u8], count: u32) {
+        let inner = &self.inner;
+        inner
+            .counters
+            .accesses_recorded
+            .fetch_add(u64::from(count), Ordering::Relaxed);
+        let shard = inner.shard_of(key);
+        let mut buffer = lock(&inner.buffer[shard]);
+        if let Some(total) = buffer.get_mut(key) {
+            *total = total.saturating_add(count);
+            return;
+        }
+        if key.is_empty()
+            || inner.buffered_keys.fetch_add(1, Ordering::Relaxed) >= inner.options.buffer_keys_max
+        {
+            if !key.is_empty() {
+                inner.buffered_keys.fetch_sub(1, Ordering::Relaxed);
+            }
+            inner
+                .counters
+                .accesses_dropped
+                .fetch_add(u64::from(count), Ordering::Relaxed);
+            return;
+        }
+        buffer.insert(key.into(), count);
+    }
+
+    /// The cached value of a hot key, if one was set or loaded while it is hot.
+    pub fn get(&self, key: &[u8]) -> Option<V> {
+        let hot = read(&self.inner.hot);
+        let entry = hot.get(key)?;
+        if entry.until <= Instant::now() {
+            return None;
+        }
+        entry.value.clone()
+    }
+
+    /// Caches `value` for `key` if the key is hot; the value expires when the key cools.
+    /// Returns whether it was cached.
+    pub fn set(&self, key: &[u8], value: V) -> bool {
+        let mut hot = write(&self.inner.hot);
+        match hot.get_mut(key) {
+            Some(entry) if entry.until > Instant::now() => {
+                entry.value = Some(value);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Records an access and returns the key's value: from the local cache when the key is hot
+    /// and cached; else from `load`. While a key is hot, one load runs at a time however many
+    /// callers wait for it, and its result is cached; cold keys always call `load`.
+    pub async fn get_or_load<F, Fut, E>(&self, key: &[u8], load: F) -> Result<V, E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<V, E>>,
+    {
+        if !self.is_hot(key) {
+            return load().await;
+        }
+        if let Some(value) = self.get(key) {
+            return Ok(value);
+        }
+        let cell = {
+            let mut loads = lock(&self.inner.loads);
+            Arc::clone(
+                loads
+                    .entry(key.into())
+                    .or_insert_with(|| Arc::new(OnceCell::new())),
+            )
+        };
+        let value = cell.get_or_try_init(load).await?.clone();
+        self.set(key, value.clone());
+        lock(&self.inner.loads).remove(key);
+        Ok(value)
+    }
+
+    /// Calls `callback` on every hot and cool event, from a background task: keep it quick.
+    pub fn on_change(&self, callback: impl Fn(&HotKeyChange) + Send + Sync + 'static) {
+        write(&self.inner.callbacks).push(Box::new(callback));
+    }
+
+    /// The keys hot now.
+    pub fn hot_keys(&self) -> Vec<Vec<u8>> {
+        let now = Instant::now();
+        let mut keys: Vec<Vec<u8>> = read(&self.inner.hot)
+            .iter()
+            .filter(|(_, entry)| entry.until > now)
+            .map(|(key, _)| key.to_vec())
+            .collect();
+        keys.sort();
+        keys
+    }
+
+    /// The client's counters.
+    pub fn stats(&self) -> HotKeysStats {
+        let counters = &self.inner.counters;
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        HotKeysStats {
+            accesses_recorded: load(&counters.accesses_recorded),
+            accesses_dropped: load(&counters.accesses_dropped),
+            keys_reported: load(&counters.keys_reported),
+            keys_unsent: load(&counters.keys_unsent),
+            events_received: load(&counters.events_received),
+            sessions_opened: load(&counters.sessions_opened),
+            servers_connected: self
+                .inner
+                .links
+                .iter()
+                .filter(|link| lock(&link.sender).is_some())
+                .count() as u64,
+        }
+    }
+
+    /// The server (index into `servers`) that `key` is reported to while every server is
+    /// connected.
+    pub fn server_of(&self, key: &[u8]) -> usize {
+        self.inner
+            .route(self.inner.key_hash(key), |_| true)
+            .unwrap_or(0)
+    }
+
+    /// Sends what is buffered now, then stops the background tasks.
+    pub fn close(&self) {
+        self.inner.flush();
+        self.inner.stopping.store(true, Ordering::Relaxed);
+        let _ = self.stop.0.send(true);
+    }
+}
+
+impl<V> Inner<V> {
+    fn key_hash(&self, key: &[u8]) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    fn shard_of(&self, key: &[u8]) -> usize {
+        // A small modulo of a 64-bit hash fits in usize.
+        #[allow(clippy::cast_possible_truncation)]
+        let shard = (self.key_hash(key) % BUFFER_SHARDS as u64) as usize;
+        shard
+    }
+
+    /// Rendezvous hashing: the eligible server with the highest score for the key.
+    fn route(&self, key_hash: u64, eligible: impl Fn(usize) -> bool) -> Option<usize> {
+        self.links
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| eligible(*index))
+            .max_by_key(|(_, link)| mix(key_hash ^ link.seed))
+            .map(|(index, _)| index)
+    }
+
+    /// Sends the buffer to the connected servers.
+    fn flush(&self) {
+        let mut drained = Vec::new();
+        for shard in &self.buffer {
+            let taken = std::mem::take(&mut *lock(shard));
+            self.buffered_keys.fetch_sub(taken.len(), Ordering::Relaxed);
+            drained.extend(taken);
+        }
+        if drained.is_empty() {
+            return;
+        }
+        let senders: Vec<Option<mpsc::Sender<HotKeyClientMessage>>> = self
+            .links
+            .iter()
+            .map(|link| lock(&link.sender).clone())
+            .collect();
+        let mut per_server: Vec<Vec<KeyReport>> = vec![Vec::new(); self.links.len()];
+        let mut unsent = 0_u64;
+        for (key, count) in drained {
+            match self.route(self.key_hash(&key), |index| senders[index].is_some()) {
+                Some(server) => per_server[server].push(KeyReport {
+                    key: key.into(),
+                    count,
+                }),
+                None => unsent += 1,
+            }
+        }
+        for (server, reports) in per_server.into_iter().enumerate() {
+            let Some(sender) = &senders[server] else {
+                continue;
+            };
+            let mut reports = reports;
+            while !reports.is_empty() {
+                let rest = reports.split_off(reports.len().min(self.options.batch_keys_max));
+                let count = reports.len() as u64;
+                let message = HotKeyClientMessage {
+                    kind: Some(ClientKind::Report(ReportBatch { keys: reports })),
+                };
+                if sender.try_send(message).is_ok() {
+                    self.counters
+                        .keys_reported
+                        .fetch_add(count, Ordering::Relaxed);
+                } else {
+                    unsent += count;
+                }
+                reports = rest;
+            }
+        }
+        if unsent > 0 {
+            self.counters
+                .keys_unsent
+                .fetch_add(unsent, Ordering::Relaxed);
+        }
+    }
+
+    /// Applies a snapshot or event batch from server `server`, then runs the callbacks.
+    fn apply(&self, server: usize, events: &[HotKeyEvent], snapshot: bool) {
+        let now = Instant::now();
+        let mut changes = Vec::with_capacity(events.len());
+        {
+            let mut hot = write(&self.hot);
+            if snapshot {
+                let keep: std::collections::HashSet<&[u8]> =
+                    events.iter().map(|event| event.key.as_slice()).collect();
+                hot.retain(|key, entry| {
+                    let stays = entry.server != server || keep.contains(key.as_ref());
+                    if !stays {
+                        changes.push(HotKeyChange {
+                            key: key.to_vec(),
+                            hot: false,
+                            hot_for: Duration::ZERO,
+                            manual: false,
+                        });
+                    }
+                    stays
+                });
+            }
+            for event in events {
+                if event.app != self.options.app {
+                    continue;
+                }
+                if event.hot {
+                    let hot_for = Duration::from_millis(event.hot_for_ms);
+                    let until = now + hot_for;
+                    match hot.get_mut(event.key.as_slice()) {
+                        Some(entry) => {
+                            entry.until = entry.until.max(until);
+                            entry.server = server;
+                        }
+                        None => {
+                            hot.insert(
+                                event.key.as_slice().into(),
+                                LocalHot {
+                                    until,
+                                    server,
+                                    value: None,
+                                },
+                            );
+                        }
+                    }
+                    changes.push(HotKeyChange {
+                        key: event.key.clone(),
+                        hot: true,
+                        hot_for,
+                        manual: event.source == HotKeySource::Manual as i32,
+                    });
+                } else if hot.remove(event.key.as_slice()).is_some() {
+                    changes.push(HotKeyChange {
+                        key: event.key.clone(),
+                        hot: false,
+                        hot_for: Duration::ZERO,
+                        manual: false,
+                    });
+                }
+            }
+            // Entries whose time ran out go now, so the map stays as small as the hot set.
+            hot.retain(|_, entry| entry.until > now);
+        }
+        self.counters
+            .events_received
+            .fetch_add(events.len() as u64, Ordering::Relaxed);
+        let callbacks = read(&self.callbacks);
+        for change in &changes {
+            for callback in callbacks.iter() {
+                callback(change);
+            }
+        }
+    }
+}
+
+/// A 64-bit finaliser (splitmix64), so that rendezvous scores of nearby seeds are independent.
+fn mix(mut value: u64) -> u64 {
+    value = (value ^ (value >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    value = (value ^ (value >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    value ^ (value >> 31)
+}
+
+async fn run_reporter<V>(inner: Arc<Inner<V>>, mut stopped: watch::Receiver<bool>) {
+    let mut interval = tokio::time::interval(inner.options.report_interval);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = interval.tick() => inner.flush(),
+            _ = stopped.wait_for(|stop| *stop) => return,
+        }
+    }
+}
+
+async fn run_link<V>(inner: Arc<Inner<V>>, server: usize, mut stopped: watch::Receiver<bool>) {
+    let mut backoff = inner.options.reconnect_backoff_min;
+    loop {
+        let opened = Instant::now();
+        let result = tokio::select! {
+            result = session(&inner, server) => result,
+            _ = stopped.wait_for(|stop| *stop) => return,
+        };
+        *lock(&inner.links[server].sender) = None;
+        if inner.stopping.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Err(error) = result {
+            tracing::warn!(
+                server = %inner.links[server].address,
+                %error,
+                retry_in_ms = backoff.as_millis(),
+                "hot-key session failed; reconnecting"
+            );
+        }
+        // A session that lived a while resets the backoff.
+        if opened.elapsed() > inner.options.reconnect_backoff_max {
+            backoff = inner.options.reconnect_backoff_min;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(backoff) => {}
+            _ = stopped.wait_for(|stop| *stop) => return,
+        }
+        backoff = (backoff * 2).min(inner.options.reconnect_backoff_max);
+    }
+}
+
+async fn session<V>(inner: &Arc<Inner<V>>, server: usize) -> Result<(), ClientError> {
+    let link = &inner.links[server];
+    let uri = if link.address.contains("://") {
+        link.address.clone()
+    } else {
+        format!("http://{}", link.address)
+    };
+    let endpoint = Endpoint::from_shared(uri).map_err(|error| ClientError::InvalidAddress {
+        address: link.address.clone(),
+        reason: error.to_string(),
+    })?;
+    let channel = endpoint
+        .connect_timeout(inner.options.connect_timeout)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .connect()
+        .await
+        .map_err(|source| ClientError::Connect {
+            address: link.address.clone(),
+            source,
+        })?;
+    let (sender, receiver) = mpsc::channel(BATCHES_QUEUED_PER_SERVER_MAX);
+    let hello = HotKeyClientMessage {
+        kind: Some(ClientKind::Hello(Hello {
+            app: inner.options.app.clone(),
+            client_id: inner.options.client_id.clone(),
+        })),
+    };
+    // A new channel has room for its first message.
+    let _ = sender.try_send(hello);
+    let mut incoming = HotKeysClient::new(channel)
+        .session(tokio_stream::wrappers::ReceiverStream::new(receiver))
+        .await?
+        .into_inner();
+    inner
+        .counters
+        .sessions_opened
+        .fetch_add(1, Ordering::Relaxed);
+    *lock(&link.sender) = Some(sender);
+    while let Some(message) = incoming.message().await? {
+        match message.kind {
+            Some(ServerKind::Snapshot(snapshot)) => inner.apply(server, &snapshot.hot, true),
+            Some(ServerKind::Events(batch)) => inner.apply(server, &batch.events, false),
+            None => {}
+        }
+    }
+    Ok(())
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    lock.read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    lock.write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}

@@ -1,0 +1,212 @@
+//! The hot-key admin API as JSON on the admin HTTP port, under `/v1/hotkeys`. Keys travel as
+//! `key` (text) or, when they are not UTF-8, `key_hex`.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Json, Response};
+use axum::routing::get;
+use levee_proto::WireError;
+use levee_proto::v1::{ErrorCode, HotKeyEvent};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::convert::{key_from_hex, key_hex, key_text};
+use super::hub::HotKeyHub;
+use super::rules_file::RuleRecord;
+
+/// The `/v1/hotkeys` routes.
+pub fn router(hub: Arc<HotKeyHub>) -> Router {
+    Router::new()
+        .route("/v1/hotkeys/apps", get(list_apps))
+        .route(
+            "/v1/hotkeys/apps/{app}/rules",
+            get(get_rules).put(put_rules),
+        )
+        .route(
+            "/v1/hotkeys/apps/{app}/hot",
+            get(list_hot).post(set_hot).delete(remove_hot),
+        )
+        .route("/v1/hotkeys/apps/{app}/top", get(top_keys))
+        .route("/v1/hotkeys/apps/{app}/stats", get(stats))
+        .with_state(hub)
+}
+
+/// A wire error as an HTTP response with a JSON body.
+struct ApiError(WireError);
+
+impl From<WireError> for ApiError {
+    fn from(error: WireError) -> Self {
+        Self(error)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = match self.0.code {
+            ErrorCode::InvalidArgument => StatusCode::BAD_REQUEST,
+            ErrorCode::NotFound => StatusCode::NOT_FOUND,
+            ErrorCode::AlreadyExists | ErrorCode::FailedPrecondition => StatusCode::CONFLICT,
+            ErrorCode::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
+            ErrorCode::Unavailable | ErrorCode::StorageFailed => StatusCode::SERVICE_UNAVAILABLE,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        let body = json!({"error": {
+            "code": self.0.code as i32,
+            "reason": self.0.code.reason(),
+            "message": self.0.message,
+        }});
+        (status, Json(body)).into_response()
+    }
+}
+
+fn bad_request(message: String) -> ApiError {
+    ApiError(WireError::new(ErrorCode::InvalidArgument, message))
+}
+
+fn key_json(key: &[u8]) -> (&'static str, Value) {
+    match key_text(key) {
+        Some(text) => ("key", json!(text)),
+        None => ("key_hex", json!(key_hex(key))),
+    }
+}
+
+fn event_json(event: &HotKeyEvent) -> Value {
+    let (name, key) = key_json(&event.key);
+    let mut value = json!({
+        "hot_for_ms": event.hot_for_ms,
+        "hot_until_unix_ms": event.hot_until_unix_ms,
+        "count": event.count,
+        "source": if event.source == levee_proto::v1::HotKeySource::Manual as i32 {
+            "manual"
+        } else {
+            "detected"
+        },
+    });
+    value[name] = key;
+    value
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct KeyParameter {
+    key: Option<String>,
+    key_hex: Option<String>,
+}
+
+impl KeyParameter {
+    fn bytes(&self) -> Result<Vec<u8>, ApiError> {
+        match (&self.key, &self.key_hex) {
+            (Some(text), None) => Ok(text.as_bytes().to_vec()),
+            (None, Some(hex)) => key_from_hex(hex)
+                .ok_or_else(|| bad_request(format!("key_hex '{hex}' is not valid hex"))),
+            _ => Err(bad_request("give exactly one of key or key_hex".to_owned())),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SetHotBody {
+    key: Option<String>,
+    key_hex: Option<String>,
+    duration_ms: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TopParameters {
+    limit: Option<usize>,
+}
+
+async fn list_apps(State(hub): State<Arc<HotKeyHub>>) -> Json<Value> {
+    Json(json!({"apps": hub.apps()}))
+}
+
+async fn get_rules(
+    State(hub): State<Arc<HotKeyHub>>,
+    Path(app): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let rules: Vec<RuleRecord> = hub.rules(&app)?.iter().map(RuleRecord::from_rule).collect();
+    Ok(Json(json!({"app": app, "rules": rules})))
+}
+
+async fn put_rules(
+    State(hub): State<Arc<HotKeyHub>>,
+    Path(app): Path<String>,
+    Json(records): Json<Vec<RuleRecord>>,
+) -> Result<Json<Value>, ApiError> {
+    let rules = records
+        .iter()
+        .map(RuleRecord::to_rule)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(bad_request)?;
+    hub.set_rules(&app, rules)?;
+    get_rules(State(hub), Path(app)).await
+}
+
+async fn list_hot(State(hub): State<Arc<HotKeyHub>>, Path(app): Path<String>) -> Json<Value> {
+    let hot: Vec<Value> = hub.snapshot(&app).iter().map(event_json).collect();
+    Json(json!({"app": app, "hot": hot}))
+}
+
+async fn set_hot(
+    State(hub): State<Arc<HotKeyHub>>,
+    Path(app): Path<String>,
+    Json(body): Json<SetHotBody>,
+) -> Result<Json<Value>, ApiError> {
+    let key = KeyParameter {
+        key: body.key,
+        key_hex: body.key_hex,
+    }
+    .bytes()?;
+    hub.set_manual_hot(&app, &key, body.duration_ms)?;
+    Ok(Json(json!({"app": app, "hot": true})))
+}
+
+async fn remove_hot(
+    State(hub): State<Arc<HotKeyHub>>,
+    Path(app): Path<String>,
+    Query(parameter): Query<KeyParameter>,
+) -> Result<Json<Value>, ApiError> {
+    let key = parameter.bytes()?;
+    Ok(Json(
+        json!({"app": app, "was_hot": hub.remove_hot(&app, &key)}),
+    ))
+}
+
+async fn top_keys(
+    State(hub): State<Arc<HotKeyHub>>,
+    Path(app): Path<String>,
+    Query(parameters): Query<TopParameters>,
+) -> Result<Json<Value>, ApiError> {
+    let keys = hub.top_keys(&app, parameters.limit.unwrap_or(10))?;
+    let keys: Vec<Value> = keys
+        .iter()
+        .map(|entry| {
+            let (name, key) = key_json(&entry.key);
+            let mut value = json!({"count": entry.count});
+            value[name] = key;
+            value
+        })
+        .collect();
+    Ok(Json(json!({"app": app, "keys": keys})))
+}
+
+async fn stats(
+    State(hub): State<Arc<HotKeyHub>>,
+    Path(app): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let (stats, clients) = hub.stats(&app)?;
+    Ok(Json(json!({
+        "app": app,
+        "hits_received": stats.hits_received,
+        "reports_received": stats.reports_received,
+        "hot_detected": stats.hot_detected,
+        "hot_now": stats.hot_now,
+        "keys_tracked": stats.keys_tracked,
+        "clients_connected": clients,
+    })))
+}

@@ -1,0 +1,532 @@
+//! [`HotKeyHub`]: the hot-key engines of one server, sharded by key, with one broadcast
+//! channel per app that carries event batches to the app's connected app servers.
+//!
+//! A report batch is split by shard; each shard's lock is taken once per batch. Events come out
+//! of the engines and are published after the locks are released. Each app's channel holds at
+//! most [`EVENT_BATCHES_BUFFERED_MAX`] batches; an app server that falls further behind gets a
+//! fresh snapshot instead of the batches it missed, so a slow app server costs bounded memory.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::BuildHasher;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use levee_hotkey::{
+    AppStats, EngineConfig, Event, HotEvent, HotKeyEngine, KeyCount, ReportError, Rule, RuleError,
+    UnknownAppPolicy,
+};
+use levee_proto::WireError;
+use levee_proto::v1::{ErrorCode, EventBatch, HotKeyEvent};
+use tokio::sync::broadcast;
+
+use super::clock::Clock;
+use super::convert::{event_to_wire, hot_to_wire};
+use super::rules_file::{self, RulesFileError};
+use crate::config::{Config, UnknownApp};
+use crate::metrics::{AppLabels, Metrics, ReasonLabels};
+
+/// Event batches buffered per app for its slowest app server.
+pub const EVENT_BATCHES_BUFFERED_MAX: usize = 1_024;
+/// Most keys a top-K request may ask for.
+pub const TOP_KEYS_LIMIT_MAX: usize = 1_000;
+
+/// The hot-key engines and their subscribers.
+#[derive(Debug)]
+pub struct HotKeyHub {
+    shards: Box<[Mutex<HotKeyEngine>]>,
+    hasher: foldhash::fast::FixedState,
+    channels: RwLock<HashMap<String, Arc<AppChannel>>>,
+    rules: Mutex<BTreeMap<String, Vec<Rule>>>,
+    clock: Clock,
+    data_dir: PathBuf,
+    batch_keys_max: usize,
+    unknown_app: UnknownApp,
+    metrics: Metrics,
+    budget_evictions_seen: AtomicU64,
+}
+
+/// One app's broadcast channel and subscriber count.
+#[derive(Debug)]
+pub struct AppChannel {
+    sender: broadcast::Sender<Arc<EventBatch>>,
+    clients: AtomicU64,
+}
+
+/// What a new subscriber starts from: the hot keys now, and the events after them.
+#[derive(Debug)]
+pub struct Subscription {
+    /// The app's hot keys at subscription time.
+    pub snapshot: Vec<HotKeyEvent>,
+    /// Events after the snapshot (some may repeat it).
+    pub receiver: broadcast::Receiver<Arc<EventBatch>>,
+    /// Counts this subscriber while alive.
+    pub guard: ClientGuard,
+}
+
+/// Counts one connected app server for as long as it lives.
+#[derive(Debug)]
+pub struct ClientGuard {
+    channel: Arc<AppChannel>,
+    metrics: Metrics,
+    app: String,
+}
+
+impl Drop for ClientGuard {
+    fn drop(&mut self) {
+        self.channel.clients.fetch_sub(1, Ordering::Relaxed);
+        self.metrics
+            .hotkey_clients_connected
+            .get_or_create(&AppLabels::new(&self.app))
+            .dec();
+    }
+}
+
+/// What one report batch did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct BatchOutcome {
+    /// Keys counted.
+    pub accepted: u64,
+    /// Keys refused (empty or too long).
+    pub rejected: u64,
+}
+
+fn wire(code: ErrorCode, message: impl Into<String>) -> WireError {
+    WireError::new(code, message)
+}
+
+fn rule_error(error: &RuleError) -> WireError {
+    wire(ErrorCode::InvalidArgument, error.to_string())
+}
+
+impl HotKeyHub {
+    /// Engines sized from `config`, one shard per core, with the rules saved in the data dir.
+    pub fn open(config: &Config, shard_count: usize) -> Result<Self, RulesFileError> {
+        let shard_count = shard_count.max(1);
+        let budget_bytes = usize::try_from(config.hotkey_memory_budget_mb.saturating_mul(1 << 20))
+            .unwrap_or(usize::MAX);
+        let engine_config = EngineConfig {
+            memory_budget_bytes: budget_bytes / shard_count,
+            key_bytes_max: config.hotkey_key_bytes_max as usize,
+            unknown_app: match config.hotkey_unknown_app {
+                UnknownApp::Create => UnknownAppPolicy::Create,
+                UnknownApp::Refuse => UnknownAppPolicy::Refuse,
+            },
+            ..EngineConfig::default()
+        };
+        let rules = rules_file::load(&config.data_dir)?;
+        let mut shards = Vec::with_capacity(shard_count);
+        for _ in 0..shard_count {
+            let mut engine = HotKeyEngine::new(engine_config.clone());
+            for (app, app_rules) in &rules {
+                engine.set_rules(app, app_rules.clone()).map_err(|error| {
+                    RulesFileError::Invalid {
+                        path: config.data_dir.join(rules_file::RULES_FILE_NAME),
+                        message: error.to_string(),
+                    }
+                })?;
+            }
+            shards.push(Mutex::new(engine));
+        }
+        Ok(Self {
+            shards: shards.into_boxed_slice(),
+            hasher: foldhash::fast::FixedState::with_seed(0x6c65_7665_6568_6b79),
+            channels: RwLock::new(HashMap::new()),
+            rules: Mutex::new(rules),
+            clock: Clock::new(),
+            data_dir: config.data_dir.clone(),
+            batch_keys_max: config.hotkey_batch_keys_max as usize,
+            unknown_app: config.hotkey_unknown_app,
+            metrics: Metrics::default(),
+            budget_evictions_seen: AtomicU64::new(0),
+        })
+    }
+
+    /// Records into `metrics` (the server's registry) from now on.
+    #[must_use]
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        metrics
+            .hotkey_memory_budget_bytes
+            .set(i64::try_from(self.memory_budget_bytes()).unwrap_or(i64::MAX));
+        self.metrics = metrics;
+        self
+    }
+
+    fn memory_budget_bytes(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|shard| lock(shard).memory().budget_bytes)
+            .sum()
+    }
+
+    /// The engines' clock.
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    fn shard_of(&self, key: &[u8]) -> usize {
+        if self.shards.len() == 1 {
+            return 0;
+        }
+        // The modulo of a 64-bit hash by a small shard count fits in usize.
+        #[allow(clippy::cast_possible_truncation)]
+        let shard = (self.hasher.hash_one(key) % self.shards.len() as u64) as usize;
+        shard
+    }
+
+    /// Checks that a session may be opened for `app`.
+    pub fn check_app(&self, app: &str) -> Result<(), WireError> {
+        check_app_name(app)?;
+        if self.unknown_app == UnknownApp::Refuse && !lock(&self.rules).contains_key(app) {
+            return Err(wire(
+                ErrorCode::NotFound,
+                format!(
+                    "unknown app '{app}'; set its rules first (this server refuses unknown apps: \
+                     hotkey_unknown_app = refuse)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn channel(&self, app: &str) -> Arc<AppChannel> {
+        if let Some(channel) = read(&self.channels).get(app) {
+            return Arc::clone(channel);
+        }
+        let mut channels = write(&self.channels);
+        Arc::clone(channels.entry(app.to_owned()).or_insert_with(|| {
+            Arc::new(AppChannel {
+                sender: broadcast::channel(EVENT_BATCHES_BUFFERED_MAX).0,
+                clients: AtomicU64::new(0),
+            })
+        }))
+    }
+
+    /// Subscribes an app server to `app`: the snapshot of its hot keys, then its events.
+    pub fn subscribe(&self, app: &str) -> Subscription {
+        let channel = self.channel(app);
+        // Subscribe before the snapshot, so that no event falls between the two.
+        let receiver = channel.sender.subscribe();
+        channel.clients.fetch_add(1, Ordering::Relaxed);
+        self.metrics
+            .hotkey_clients_connected
+            .get_or_create(&AppLabels::new(app))
+            .inc();
+        Subscription {
+            snapshot: self.snapshot(app),
+            receiver,
+            guard: ClientGuard {
+                channel,
+                metrics: self.metrics.clone(),
+                app: app.to_owned(),
+            },
+        }
+    }
+
+    /// The app's hot keys now, on the wire.
+    pub fn snapshot(&self, app: &str) -> Vec<HotKeyEvent> {
+        let now_ms = self.clock.now_ms();
+        let hot = self.hot_keys(app);
+        let rules = lock(&self.rules).get(app).cloned().unwrap_or_default();
+        hot.iter()
+            .map(|event| {
+                let rule = rules.iter().find(|rule| rule.matcher == event.rule);
+                hot_to_wire(event, rule, &self.clock, now_ms)
+            })
+            .collect()
+    }
+
+    /// Counts one report batch of `app`. Empty and too-long keys are skipped and counted; a
+    /// batch above `hotkey_batch_keys_max` is refused whole.
+    pub fn report(&self, app: &str, keys: &[(&[u8], u32)]) -> Result<BatchOutcome, WireError> {
+        if keys.len() > self.batch_keys_max {
+            self.reject("batch_too_large", 1);
+            return Err(wire(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "report batch of {} keys is above the maximum {}; send smaller batches more \
+                     often (or raise hotkey_batch_keys_max)",
+                    keys.len(),
+                    self.batch_keys_max
+                ),
+            ));
+        }
+        let now_ms = self.clock.now_ms();
+        let mut outcome = BatchOutcome::default();
+        let mut events = Vec::new();
+        let mut by_shard: Vec<Vec<(&[u8], u32)>> = vec![Vec::new(); self.shards.len()];
+        for &(key, count) in keys {
+            by_shard[self.shard_of(key)].push((key, count.max(1)));
+        }
+        let mut hits = 0_u64;
+        for (shard, items) in self.shards.iter().zip(&by_shard) {
+            if items.is_empty() {
+                continue;
+            }
+            let mut engine = lock(shard);
+            for &(key, count) in items {
+                match engine.report(app, key, count, now_ms, &mut events) {
+                    Ok(()) => {
+                        outcome.accepted += 1;
+                        hits += u64::from(count);
+                    }
+                    Err(error) => {
+                        outcome.rejected += 1;
+                        self.reject(reject_reason(&error), 1);
+                        if matches!(error, ReportError::UnknownApp { .. }) {
+                            drop(engine);
+                            return Err(wire(ErrorCode::NotFound, error.to_string()));
+                        }
+                    }
+                }
+            }
+        }
+        let labels = AppLabels::new(app);
+        self.metrics
+            .hotkey_keys_received
+            .get_or_create(&labels)
+            .inc_by(outcome.accepted);
+        self.metrics
+            .hotkey_hits_received
+            .get_or_create(&labels)
+            .inc_by(hits);
+        self.publish(&events, now_ms);
+        Ok(outcome)
+    }
+
+    fn reject(&self, reason: &'static str, count: u64) {
+        self.metrics
+            .hotkey_reports_rejected
+            .get_or_create(&ReasonLabels { reason })
+            .inc_by(count);
+    }
+
+    /// Expires hot keys and reclaims idle state; publishes cool events. Call every few ms.
+    pub fn tick(&self) {
+        let now_ms = self.clock.now_ms();
+        let mut events = Vec::new();
+        let mut used_bytes = 0;
+        let mut keys_tracked = 0;
+        let mut budget_evictions = 0;
+        for shard in &self.shards {
+            let mut engine = lock(shard);
+            engine.tick(now_ms, &mut events);
+            let memory = engine.memory();
+            used_bytes += memory.used_bytes;
+            keys_tracked += memory.keys_tracked;
+            budget_evictions += memory.budget_evictions;
+        }
+        self.publish(&events, now_ms);
+        self.metrics
+            .hotkey_memory_bytes
+            .set(i64::try_from(used_bytes).unwrap_or(i64::MAX));
+        self.metrics
+            .hotkey_keys_tracked
+            .set(i64::try_from(keys_tracked).unwrap_or(i64::MAX));
+        let seen = self
+            .budget_evictions_seen
+            .swap(budget_evictions, Ordering::Relaxed);
+        self.metrics
+            .hotkey_budget_evictions
+            .inc_by(budget_evictions.saturating_sub(seen));
+    }
+
+    fn publish(&self, events: &[Event], now_ms: u64) {
+        if events.is_empty() {
+            return;
+        }
+        let mut by_app: BTreeMap<&str, Vec<HotKeyEvent>> = BTreeMap::new();
+        for event in events {
+            let (app, kind) = match event {
+                Event::Hot(hot) => {
+                    if hot.source == levee_hotkey::HotSource::Detected && hot.count > 0 {
+                        self.metrics
+                            .hotkey_hot_detected
+                            .get_or_create(&AppLabels::new(&hot.app))
+                            .inc();
+                    }
+                    (hot.app.as_str(), "hot")
+                }
+                Event::Cool { app, .. } => (app.as_str(), "cool"),
+            };
+            self.metrics
+                .hotkey_events_published
+                .get_or_create(&ReasonLabels { reason: kind })
+                .inc();
+            by_app
+                .entry(app)
+                .or_default()
+                .push(event_to_wire(event, &self.clock, now_ms));
+        }
+        for (app, events) in by_app {
+            let channel = self.channel(app);
+            // No subscribers is not an error: nobody to tell.
+            let _ = channel.sender.send(Arc::new(EventBatch { events }));
+        }
+    }
+
+    /// Replaces an app's rules on every shard and saves them to the data dir.
+    pub fn set_rules(&self, app: &str, rules: Vec<Rule>) -> Result<(), WireError> {
+        check_app_name(app)?;
+        for rule in &rules {
+            rule.validate().map_err(|error| rule_error(&error))?;
+        }
+        let mut saved = lock(&self.rules);
+        // Every rule was validated above, so every shard accepts the set or none does.
+        for shard in &self.shards {
+            lock(shard)
+                .set_rules(app, rules.clone())
+                .map_err(|error| rule_error(&error))?;
+        }
+        saved.insert(app.to_owned(), rules);
+        rules_file::save(&self.data_dir, &saved)
+            .map_err(|error| wire(ErrorCode::StorageFailed, error.to_string()))
+    }
+
+    /// An app's rules: the saved ones, or the default rule of an app created by a report.
+    pub fn rules(&self, app: &str) -> Result<Vec<Rule>, WireError> {
+        if let Some(rules) = lock(&self.rules).get(app) {
+            return Ok(rules.clone());
+        }
+        self.shards
+            .iter()
+            .find_map(|shard| lock(shard).rules(app))
+            .ok_or_else(|| unknown(app))
+    }
+
+    /// The apps known to any shard, sorted.
+    pub fn apps(&self) -> Vec<String> {
+        let mut apps: Vec<String> = lock(&self.rules).keys().cloned().collect();
+        for shard in &self.shards {
+            apps.extend(lock(shard).apps());
+        }
+        apps.sort();
+        apps.dedup();
+        apps
+    }
+
+    /// Sets `key` hot by hand for `duration_ms`, and pushes it.
+    pub fn set_manual_hot(&self, app: &str, key: &[u8], duration_ms: u64) -> Result<(), WireError> {
+        check_app_name(app)?;
+        let now_ms = self.clock.now_ms();
+        let mut events = Vec::new();
+        lock(&self.shards[self.shard_of(key)])
+            .set_manual_hot(app, key, duration_ms, now_ms, &mut events)
+            .map_err(|error| wire(ErrorCode::InvalidArgument, error.to_string()))?;
+        self.publish(&events, now_ms);
+        Ok(())
+    }
+
+    /// Cools `key` by hand and pushes the cool event. Returns whether it was hot.
+    pub fn remove_hot(&self, app: &str, key: &[u8]) -> bool {
+        let now_ms = self.clock.now_ms();
+        let mut events = Vec::new();
+        let was_hot =
+            lock(&self.shards[self.shard_of(key)]).remove_hot(app, key, now_ms, &mut events);
+        self.publish(&events, now_ms);
+        was_hot
+    }
+
+    /// The app's hot keys now, from every shard.
+    pub fn hot_keys(&self, app: &str) -> Vec<HotEvent> {
+        let now_ms = self.clock.now_ms();
+        let mut hot: Vec<HotEvent> = self
+            .shards
+            .iter()
+            .flat_map(|shard| lock(shard).hot_keys(app, now_ms))
+            .collect();
+        hot.sort_by(|left, right| left.key.cmp(&right.key));
+        hot
+    }
+
+    /// The app's `limit` keys with the highest window counts, from every shard.
+    pub fn top_keys(&self, app: &str, limit: usize) -> Result<Vec<KeyCount>, WireError> {
+        if limit == 0 || limit > TOP_KEYS_LIMIT_MAX {
+            return Err(wire(
+                ErrorCode::InvalidArgument,
+                format!("limit must be 1 to {TOP_KEYS_LIMIT_MAX}, got {limit}"),
+            ));
+        }
+        let now_ms = self.clock.now_ms();
+        let mut keys: Vec<KeyCount> = self
+            .shards
+            .iter()
+            .flat_map(|shard| lock(shard).top_k(app, limit, now_ms))
+            .collect();
+        keys.sort_by(|left, right| right.count.cmp(&left.count).then(left.key.cmp(&right.key)));
+        keys.truncate(limit);
+        Ok(keys)
+    }
+
+    /// The app's counters, summed over the shards, plus its connected app servers.
+    pub fn stats(&self, app: &str) -> Result<(AppStats, u64), WireError> {
+        let mut total: Option<AppStats> = None;
+        for shard in &self.shards {
+            if let Some(stats) = lock(shard).stats(app) {
+                let sum = total.get_or_insert_with(AppStats::default);
+                sum.hits_received += stats.hits_received;
+                sum.reports_received += stats.reports_received;
+                sum.hot_detected += stats.hot_detected;
+                sum.hot_now += stats.hot_now;
+                sum.keys_tracked += stats.keys_tracked;
+            }
+        }
+        let clients = read(&self.channels)
+            .get(app)
+            .map_or(0, |channel| channel.clients.load(Ordering::Relaxed));
+        total
+            .map(|stats| (stats, clients))
+            .ok_or_else(|| unknown(app))
+    }
+}
+
+/// Most bytes in an app name.
+pub const APP_NAME_BYTES_MAX: usize = 128;
+
+fn check_app_name(app: &str) -> Result<(), WireError> {
+    let allowed = |byte: u8| byte.is_ascii_alphanumeric() || b"._-".contains(&byte);
+    if app.is_empty() || app.len() > APP_NAME_BYTES_MAX || !app.bytes().all(allowed) {
+        return Err(wire(
+            ErrorCode::InvalidArgument,
+            format!(
+                "app name must be 1 to {APP_NAME_BYTES_MAX} bytes of letters, digits, '-', '_' \
+                 or '.', got '{app}'"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn unknown(app: &str) -> WireError {
+    wire(
+        ErrorCode::NotFound,
+        format!("unknown app '{app}'; set its rules or report keys first"),
+    )
+}
+
+fn reject_reason(error: &ReportError) -> &'static str {
+    match error {
+        ReportError::EmptyKey { .. } => "empty_key",
+        ReportError::KeyTooLong { .. } => "key_too_long",
+        ReportError::UnknownApp { .. } => "unknown_app",
+        _ => "invalid_app",
+    }
+}
+
+/// Locks a mutex; a panic elsewhere while holding it leaves counters, not invariants, so the
+/// state is still usable.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    lock.read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn write<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    lock.write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}

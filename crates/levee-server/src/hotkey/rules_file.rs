@@ -1,0 +1,269 @@
+//! Hot-key rules in JSON: the form the admin HTTP API speaks and the file in the data dir that
+//! keeps rules across restarts (`hotkey-rules.json`, replaced atomically on every change).
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use levee_hotkey::{Rule, RuleMatch};
+use serde::{Deserialize, Serialize};
+
+use super::convert::{key_from_hex, key_hex, key_text};
+
+/// The rules file's name inside the data dir.
+pub const RULES_FILE_NAME: &str = "hotkey-rules.json";
+/// The rules file's format version.
+pub const RULES_FORMAT_VERSION: u32 = 1;
+
+/// One rule in JSON. A key that is not UTF-8 travels as `key_hex`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuleRecord {
+    /// `exact`, `prefix` or `default`.
+    #[serde(rename = "match")]
+    pub match_kind: String,
+    /// The key or prefix, as text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// The key or prefix, in hexadecimal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_hex: Option<String>,
+    /// The window in milliseconds.
+    pub window_ms: u32,
+    /// Hits within the window that make a key hot.
+    pub threshold: u64,
+    /// How long a hot key stays hot, in milliseconds.
+    pub hot_duration_ms: u64,
+    /// For people.
+    #[serde(default)]
+    pub description: String,
+}
+
+impl RuleRecord {
+    /// The JSON form of a rule.
+    pub fn from_rule(rule: &Rule) -> Self {
+        let (match_kind, key) = match &rule.matcher {
+            RuleMatch::Exact(key) => ("exact", Some(key.as_slice())),
+            RuleMatch::Prefix(prefix) => ("prefix", Some(prefix.as_slice())),
+            RuleMatch::Default => ("default", None),
+        };
+        let (key, key_hex) = match key {
+            Some(bytes) => match key_text(bytes) {
+                Some(text) => (Some(text.to_owned()), None),
+                None => (None, Some(key_hex(bytes))),
+            },
+            None => (None, None),
+        };
+        Self {
+            match_kind: match_kind.to_owned(),
+            key,
+            key_hex,
+            window_ms: rule.window_ms,
+            threshold: rule.threshold,
+            hot_duration_ms: rule.hot_duration_ms,
+            description: rule.description.clone(),
+        }
+    }
+
+    /// The rule this JSON describes; the engine validates the ranges.
+    pub fn to_rule(&self) -> Result<Rule, String> {
+        let key = match (&self.key, &self.key_hex) {
+            (Some(text), None) => Some(text.as_bytes().to_vec()),
+            (None, Some(hex)) => Some(
+                key_from_hex(hex)
+                    .ok_or_else(|| format!("key_hex '{hex}' is not an even-length hex string"))?,
+            ),
+            (None, None) => None,
+            (Some(_), Some(_)) => return Err("give key or key_hex, not both".to_owned()),
+        };
+        let matcher = match (self.match_kind.as_str(), key) {
+            ("exact", Some(key)) => RuleMatch::Exact(key),
+            ("prefix", Some(key)) => RuleMatch::Prefix(key),
+            ("default" | "*", None) => RuleMatch::Default,
+            ("exact" | "prefix", None) => {
+                return Err(format!(
+                    "a '{}' rule needs a key (or key_hex)",
+                    self.match_kind
+                ));
+            }
+            ("default" | "*", Some(_)) => return Err("a 'default' rule takes no key".to_owned()),
+            (other, _) => {
+                return Err(format!(
+                    "match must be exact, prefix or default, got '{other}'"
+                ));
+            }
+        };
+        Ok(Rule {
+            matcher,
+            window_ms: self.window_ms,
+            threshold: self.threshold,
+            hot_duration_ms: self.hot_duration_ms,
+            description: self.description.clone(),
+        })
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RulesDocument {
+    format_version: u32,
+    apps: BTreeMap<String, Vec<RuleRecord>>,
+}
+
+/// Why the rules file could not be read or written.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RulesFileError {
+    /// Reading or writing failed.
+    #[error("hot-key rules file {path}: {operation} failed: {source}", path = path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// `read`, `write`, `fsync`, `rename`.
+        operation: &'static str,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The file is not what this version writes.
+    #[error(
+        "hot-key rules file {path} is not valid: {message}; fix it, or move it away to start \
+         with no rules",
+        path = path.display()
+    )]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// Reads every app's rules; a missing file means no rules.
+pub fn load(data_dir: &Path) -> Result<BTreeMap<String, Vec<Rule>>, RulesFileError> {
+    let path = data_dir.join(RULES_FILE_NAME);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
+        Err(source) => {
+            return Err(RulesFileError::Io {
+                path,
+                operation: "read",
+                source,
+            });
+        }
+    };
+    let invalid = |message: String| RulesFileError::Invalid {
+        path: path.clone(),
+        message,
+    };
+    let document: RulesDocument =
+        serde_json::from_str(&text).map_err(|error| invalid(error.to_string()))?;
+    if document.format_version != RULES_FORMAT_VERSION {
+        return Err(invalid(format!(
+            "format_version {} is not {RULES_FORMAT_VERSION}, the one this levee reads",
+            document.format_version
+        )));
+    }
+    document
+        .apps
+        .into_iter()
+        .map(|(app, records)| {
+            let rules = records
+                .iter()
+                .map(RuleRecord::to_rule)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|message| invalid(format!("app '{app}': {message}")))?;
+            Ok((app, rules))
+        })
+        .collect()
+}
+
+/// Replaces the file with `apps`: write a temporary file, fsync it, rename it over the old one,
+/// fsync the directory.
+pub fn save(data_dir: &Path, apps: &BTreeMap<String, Vec<Rule>>) -> Result<(), RulesFileError> {
+    let path = data_dir.join(RULES_FILE_NAME);
+    let temporary = data_dir.join(format!("{RULES_FILE_NAME}.tmp"));
+    let document = RulesDocument {
+        format_version: RULES_FORMAT_VERSION,
+        apps: apps
+            .iter()
+            .map(|(app, rules)| {
+                (
+                    app.clone(),
+                    rules.iter().map(RuleRecord::from_rule).collect(),
+                )
+            })
+            .collect(),
+    };
+    let io = |operation, source| RulesFileError::Io {
+        path: path.clone(),
+        operation,
+        source,
+    };
+    let text = serde_json::to_vec_pretty(&document)
+        .map_err(|error| io("write", std::io::Error::other(error)))?;
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&temporary)
+        .map_err(|source| io("write", source))?;
+    file.write_all(&text)
+        .map_err(|source| io("write", source))?;
+    file.sync_all().map_err(|source| io("fsync", source))?;
+    std::fs::rename(&temporary, &path).map_err(|source| io("rename", source))?;
+    File::open(data_dir)
+        .and_then(|directory| directory.sync_all())
+        .map_err(|source| io("fsync", source))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rule(matcher: RuleMatch) -> Rule {
+        Rule {
+            matcher,
+            window_ms: 2_000,
+            threshold: 20,
+            hot_duration_ms: 30_000,
+            description: "test".to_owned(),
+        }
+    }
+
+    #[test]
+    fn given_saved_rules_when_loaded_then_same_including_binary_keys() {
+        let directory = tempfile::tempdir().unwrap();
+        let mut apps = BTreeMap::new();
+        apps.insert(
+            "shop".to_owned(),
+            vec![
+                rule(RuleMatch::Prefix(b"pin_".to_vec())),
+                rule(RuleMatch::Exact(vec![0, 159, 146, 150])),
+                rule(RuleMatch::Default),
+            ],
+        );
+        save(directory.path(), &apps).unwrap();
+        assert_eq!(load(directory.path()).unwrap(), apps);
+    }
+
+    #[test]
+    fn given_no_file_then_no_rules_and_given_garbage_then_error_says_what_to_do() {
+        let directory = tempfile::tempdir().unwrap();
+        assert!(load(directory.path()).unwrap().is_empty());
+        std::fs::write(directory.path().join(RULES_FILE_NAME), "{not json").unwrap();
+        let message = load(directory.path()).unwrap_err().to_string();
+        assert!(message.contains("is not valid"), "{message}");
+        assert!(message.contains("move it away"), "{message}");
+    }
+
+    #[test]
+    fn given_record_errors_then_messages_name_the_problem() {
+        let mut record = RuleRecord::from_rule(&rule(RuleMatch::Default));
+        record.match_kind = "regex".to_owned();
+        assert!(record.to_rule().unwrap_err().contains("got 'regex'"));
+        record.match_kind = "exact".to_owned();
+        assert!(record.to_rule().unwrap_err().contains("needs a key"));
+    }
+}

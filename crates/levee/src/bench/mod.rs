@@ -1,0 +1,28 @@
+//! `levee bench ...`: load tools that drive a real server through the real client over
+//! loopback and report throughput and latency percentiles.
+
+// Rates and ratios of counts far below 2^52, and float seconds turned back into counts: the
+// casts lose nothing that matters to a benchmark figure.
+#![allow(
+    clippy::cast_precision_loss,
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss
+)]
+
+pub mod hotkey;
+pub mod server_process;
+
+use hdrhistogram::Histogram;
+use serde_json::{Value, json};
+
+/// p50, p99, p999 and max of a histogram of microseconds, in milliseconds.
+pub fn percentiles_ms(histogram: &Histogram<u64>) -> Value {
+    let at = |quantile: f64| histogram.value_at_quantile(quantile) as f64 / 1000.0;
+    json!({
+        "p50": at(0.50),
+        "p99": at(0.99),
+        "p999": at(0.999),
+        "max": histogram.max() as f64 / 1000.0,
+        "count": histogram.len(),
+    })
+}

@@ -1,0 +1,97 @@
+//! A `levee server` child process for the load tools: started on free loopback ports with a
+//! temporary data dir, stopped with SIGTERM when dropped.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+/// How long the child may take to become ready.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A server the load tool started.
+#[derive(Debug)]
+pub struct ServerProcess {
+    child: Child,
+    /// Its gRPC address.
+    pub grpc_addr: String,
+    _data_dir: tempfile::TempDir,
+}
+
+impl ServerProcess {
+    /// Starts `levee server` (this same binary) with `extra` flags.
+    pub fn start(extra: &[&str]) -> anyhow::Result<Self> {
+        let data_dir = tempfile::tempdir().context("creating a temporary data dir")?;
+        let executable = std::env::current_exe().context("finding the levee binary")?;
+        let mut child = Command::new(executable)
+            .args([
+                "server",
+                "--grpc-addr",
+                "127.0.0.1:0",
+                "--admin-addr",
+                "127.0.0.1:0",
+            ])
+            .arg("--data-dir")
+            .arg(data_dir.path())
+            .args(["--log-format", "json", "--log-level", "info"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting levee server")?;
+        let stderr = child
+            .stderr
+            .take()
+            .context("capturing the server's stderr")?;
+        let (sender, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                let _ = sender.send(line);
+            }
+        });
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let Ok(line) = lines.recv_timeout(remaining) else {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!("the levee server did not become ready within {START_TIMEOUT:?}");
+            };
+            let Ok(event) = serde_json::from_str::<serde_json::Value>(&line) else {
+                continue;
+            };
+            if event["message"] == "levee server ready" {
+                let grpc_addr = event["grpc_addr"].as_str().unwrap_or_default().to_owned();
+                // Keep draining the server's logs so that it never blocks on a full pipe.
+                std::thread::spawn(move || while lines.recv().is_ok() {});
+                return Ok(Self {
+                    child,
+                    grpc_addr,
+                    _data_dir: data_dir,
+                });
+            }
+        }
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let stopped = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .is_ok_and(|status| status.success());
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while stopped && Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
