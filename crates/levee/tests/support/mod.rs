@@ -47,11 +47,16 @@ impl LeveeProcess {
 
     /// Starts a server on free ports with `data_dir`, plus `extra` flags.
     pub fn start_in(data_dir: &Path, extra: &[&str]) -> Self {
+        Self::start_at("127.0.0.1:0", data_dir, extra)
+    }
+
+    /// Starts a server with its gRPC API on `grpc_addr`, `data_dir`, plus `extra` flags.
+    pub fn start_at(grpc_addr: &str, data_dir: &Path, extra: &[&str]) -> Self {
         let mut child = levee_command()
             .args([
                 "server",
                 "--grpc-addr",
-                "127.0.0.1:0",
+                grpc_addr,
                 "--admin-addr",
                 "127.0.0.1:0",
             ])
@@ -194,13 +199,20 @@ pub fn run_to_exit(args: &[&str], environment: &[(&str, &str)]) -> (Option<i32>,
 
 /// A plain HTTP/1.1 GET; returns the status code and body.
 pub fn http_get(address: SocketAddr, path: &str) -> (u16, String) {
+    http_request(address, "GET", path, "")
+}
+
+/// A plain HTTP/1.1 request with a JSON body; returns the status code and body.
+pub fn http_request(address: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
     let mut stream = TcpStream::connect_timeout(&address, Duration::from_secs(5)).unwrap();
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
+    let length = body.len();
     write!(
         stream,
-        "GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n{body}"
     )
     .unwrap();
     let mut response = String::new();
@@ -221,4 +233,16 @@ pub fn runtime() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .unwrap()
+}
+
+/// Polls `condition` every 10 ms until it holds; panics with `what` after `timeout`.
+pub fn wait_for(what: &str, timeout: Duration, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !condition() {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
