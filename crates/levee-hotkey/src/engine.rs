@@ -1147,3 +1147,6 @@ impl HotKeyEngine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

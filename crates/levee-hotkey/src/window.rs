@@ -160,11 +160,13 @@ mod tests {
     }
 
     #[test]
-    fn given_hit_at_slot_start_when_window_ends_should_drop_exactly_then() {
-        // A hit at 1000 (start of slot 10) is in (now - 1000, now] until now = 1999.
+    fn given_hit_at_slot_start_when_its_slot_leaves_the_window_should_drop_exactly_then() {
+        // A hit at 1000 is in (now - 1000, now] until now = 1999; its slot (1000..=1099)
+        // overlaps that interval until now = 2098.
         let mut window = Window::new(1, 1_000, WINDOW_MS, SLOT_MS);
         assert_eq!(window.count_advanced(1_999, WINDOW_MS, SLOT_MS), 1);
-        assert_eq!(window.count_advanced(2_000, WINDOW_MS, SLOT_MS), 0);
+        assert_eq!(window.count_advanced(2_098, WINDOW_MS, SLOT_MS), 1);
+        assert_eq!(window.count_advanced(2_099, WINDOW_MS, SLOT_MS), 0);
     }
 
     #[test]
