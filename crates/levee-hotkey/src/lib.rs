@@ -11,9 +11,12 @@
 
 pub mod engine;
 pub mod rule;
+mod rule_set;
+mod sketch;
+mod window;
 
 pub use engine::{
-    AppStats, EngineConfig, Event, HotEvent, HotKeyEngine, HotSource, KeyCount, MemoryStats,
-    ReportError, UnknownAppPolicy,
+    AppStats, BatchOutcome, EngineConfig, Event, HotEvent, HotKeyEngine, HotSource, KeyCount,
+    MemoryStats, REPORT_BATCH_KEYS_MAX, ReportError, UnknownAppPolicy,
 };
 pub use rule::{Rule, RuleError, RuleMatch};
