@@ -102,9 +102,7 @@ pub enum ReportError {
     #[error(transparent)]
     InvalidApp(#[from] RuleError),
     /// A manual hot duration out of range.
-    #[error(
-        "app '{app}': hot duration must be between {min} and {max} ms, got {got}"
-    )]
+    #[error("app '{app}': hot duration must be between {min} and {max} ms, got {got}")]
     InvalidDuration {
         /// The app.
         app: String,
@@ -326,7 +324,9 @@ impl App {
 
     fn find(&self, hash: u64, key: &[u8]) -> Option<usize> {
         let entries = &self.entries;
-        self.index.find(hash, |&position| *entries[position].key == *key).copied()
+        self.index
+            .find(hash, |&position| *entries[position].key == *key)
+            .copied()
     }
 
     fn push_entry(&mut self, entry: Entry) -> usize {
@@ -335,7 +335,8 @@ impl App {
         self.key_bytes += entry.key.len();
         self.entries.push(entry);
         let entries = &self.entries;
-        self.index.insert_unique(hash, position, |&other| entries[other].hash);
+        self.index
+            .insert_unique(hash, position, |&other| entries[other].hash);
         position
     }
 
@@ -360,7 +361,8 @@ impl App {
         self.index.clear();
         let entries = &self.entries;
         for (position, entry) in entries.iter().enumerate() {
-            self.index.insert_unique(entry.hash, position, |&other| entries[other].hash);
+            self.index
+                .insert_unique(entry.hash, position, |&other| entries[other].hash);
         }
     }
 
@@ -735,7 +737,15 @@ impl HotKeyEngine {
                     })?
             }
         };
-        self.make_hot(position, entry, 0, now_ms, duration_ms, HotSource::Manual, events);
+        self.make_hot(
+            position,
+            entry,
+            0,
+            now_ms,
+            duration_ms,
+            HotSource::Manual,
+            events,
+        );
         Ok(())
     }
 
@@ -793,7 +803,9 @@ impl HotKeyEngine {
     }
 
     fn app(&self, app: &str) -> Option<&App> {
-        self.app_positions.get(app).map(|&position| &self.apps[position])
+        self.app_positions
+            .get(app)
+            .map(|&position| &self.apps[position])
     }
 
     fn advance_clock(&mut self, now_ms: u64) -> u64 {
@@ -903,7 +915,9 @@ impl HotKeyEngine {
                 return;
             }
             let rule = state.rules.get(entry.rule);
-            let total = entry.window.add(u64::from(count), now_ms, rule.window_ms, rule.slot_ms);
+            let total = entry
+                .window
+                .add(u64::from(count), now_ms, rule.window_ms, rule.slot_ms);
             if total >= rule.rule.threshold
                 && entry.hot_until_ms.saturating_sub(now_ms).saturating_mul(2)
                     < rule.rule.hot_duration_ms
@@ -930,7 +944,9 @@ impl HotKeyEngine {
         // from their first hit): the estimate is what a key offers against a victim when the
         // budget binds.
         self.sketch.rotate_if_due(now_ms);
-        let before = self.sketch.add(hash ^ state.seed, u32::try_from(count).unwrap_or(u32::MAX));
+        let before = self
+            .sketch
+            .add(hash ^ state.seed, u32::try_from(count).unwrap_or(u32::MAX));
         if before + count < rule.admission {
             return;
         }
@@ -998,7 +1014,9 @@ impl HotKeyEngine {
                     let state = &mut self.apps[position];
                     state.entries.reserve_exact(additional);
                     let entries = &state.entries;
-                    state.index.reserve(additional, |&other| entries[other].hash);
+                    state
+                        .index
+                        .reserve(additional, |&other| entries[other].hash);
                     self.refresh_bytes(position);
                     continue;
                 }
@@ -1132,7 +1150,10 @@ impl HotKeyEngine {
             let idle = entry.hot_until_ms == 0
                 && (entry.rule == NO_RULE || {
                     let rule = state.rules.get(entry.rule);
-                    entry.window.count_advanced(now_ms, rule.window_ms, rule.slot_ms) == 0
+                    entry
+                        .window
+                        .count_advanced(now_ms, rule.window_ms, rule.slot_ms)
+                        == 0
                 });
             if idle {
                 state.remove_entry(cursor);

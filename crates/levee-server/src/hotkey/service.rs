@@ -16,7 +16,7 @@ use levee_proto::v1::{
     SetHotKeyRequest, SetHotKeyResponse, SetRulesRequest, SetRulesResponse, Snapshot,
     TopKeysRequest, TopKeysResponse,
 };
-use tokio::sync::{broadcast, watch};
+use tokio::sync::{broadcast, oneshot, watch};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::convert::{rule_from_wire, rule_to_wire};
@@ -55,6 +55,8 @@ struct Outgoing {
     pending_snapshot: Option<Snapshot>,
     receiver: broadcast::Receiver<Arc<levee_proto::v1::EventBatch>>,
     closing: watch::Receiver<bool>,
+    /// Fires (or is dropped) when the app server's side of the session ends.
+    reports_ended: oneshot::Receiver<Status>,
     done: bool,
     _guard: ClientGuard,
 }
@@ -76,6 +78,13 @@ impl Outgoing {
             }
             let mut closing = self.closing.clone();
             tokio::select! {
+                ended = &mut self.reports_ended => {
+                    self.done = true;
+                    return match ended {
+                        Ok(status) => Some((Err(status), self)),
+                        Err(_) => None,
+                    };
+                }
                 _ = closing.wait_for(|closing| *closing) => {
                     self.done = true;
                     let status = Status::from(WireError::new(
@@ -109,6 +118,7 @@ async fn read_reports(
     hub: Arc<HotKeyHub>,
     app: String,
     mut incoming: Streaming<HotKeyClientMessage>,
+    ended: oneshot::Sender<Status>,
 ) {
     loop {
         let message = match incoming.message().await {
@@ -128,6 +138,7 @@ async fn read_reports(
                     .collect();
                 if let Err(error) = hub.report(&app, &keys) {
                     tracing::warn!(%app, %error, "hot-key report refused; ending the session");
+                    let _ = ended.send(error.into());
                     return;
                 }
             }
@@ -167,10 +178,12 @@ impl HotKeys for HotKeyService {
         self.hub.check_app(&hello.app)?;
         tracing::debug!(app = %hello.app, client = %hello.client_id, "hot-key session opened");
         let subscription = self.hub.subscribe(&hello.app);
+        let (ended, reports_ended) = oneshot::channel();
         tokio::spawn(read_reports(
             Arc::clone(&self.hub),
             hello.app.clone(),
             incoming,
+            ended,
         ));
         let outgoing = Outgoing {
             hub: Arc::clone(&self.hub),
@@ -181,6 +194,7 @@ impl HotKeys for HotKeyService {
             }),
             receiver: subscription.receiver,
             closing: self.closing.clone(),
+            reports_ended,
             done: false,
             _guard: subscription.guard,
         };
