@@ -10,11 +10,11 @@ use levee_proto::v1::hot_key_client_message::Kind as ClientKind;
 use levee_proto::v1::hot_key_server_message::Kind as ServerKind;
 use levee_proto::v1::hot_keys_server::HotKeys;
 use levee_proto::v1::{
-    ErrorCode, GetAppStatsRequest, GetAppStatsResponse, GetRulesRequest, GetRulesResponse,
-    HotKeyClientMessage, HotKeyServerMessage, KeyCount, ListAppsRequest, ListAppsResponse,
-    ListHotKeysRequest, ListHotKeysResponse, RemoveHotKeyRequest, RemoveHotKeyResponse,
-    SetHotKeyRequest, SetHotKeyResponse, SetRulesRequest, SetRulesResponse, Snapshot,
-    TopKeysRequest, TopKeysResponse,
+    ErrorCode, EventBatch, GetAppStatsRequest, GetAppStatsResponse, GetRulesRequest,
+    GetRulesResponse, HotKeyClientMessage, HotKeyServerMessage, KeyCount, ListAppsRequest,
+    ListAppsResponse, ListHotKeysRequest, ListHotKeysResponse, RemoveHotKeyRequest,
+    RemoveHotKeyResponse, SetHotKeyRequest, SetHotKeyResponse, SetRulesRequest, SetRulesResponse,
+    Snapshot, TopKeysRequest, TopKeysResponse,
 };
 use tokio::sync::{broadcast, oneshot, watch};
 use tonic::{Request, Response, Status, Streaming};
@@ -23,6 +23,8 @@ use super::convert::{rule_from_wire, rule_to_wire};
 use super::hub::{ClientGuard, HotKeyHub};
 use crate::metrics::Metrics;
 
+/// Most events in one message to an app server (a batch that alone is larger goes whole).
+const EVENTS_PER_MESSAGE_MAX: usize = 4_096;
 /// How long a new session may take to send its Hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -53,7 +55,7 @@ struct Outgoing {
     metrics: Metrics,
     app: String,
     pending_snapshot: Option<Snapshot>,
-    receiver: broadcast::Receiver<Arc<levee_proto::v1::EventBatch>>,
+    receiver: broadcast::Receiver<Arc<EventBatch>>,
     closing: watch::Receiver<bool>,
     /// Fires (or is dropped) when the app server's side of the session ends.
     reports_ended: oneshot::Receiver<Status>,
@@ -95,10 +97,9 @@ impl Outgoing {
                 }
                 received = self.receiver.recv() => match received {
                     Ok(batch) => {
+                        let batch = self.coalesce(&batch);
                         self.metrics.hotkey_events_delivered.inc_by(batch.events.len() as u64);
-                        let message = HotKeyServerMessage {
-                            kind: Some(ServerKind::Events(batch.as_ref().clone())),
-                        };
+                        let message = HotKeyServerMessage { kind: Some(ServerKind::Events(batch)) };
                         return Some((Ok(message), self));
                     }
                     Err(broadcast::error::RecvError::Lagged(_)) => {
@@ -110,6 +111,30 @@ impl Outgoing {
                 },
             }
         }
+    }
+}
+
+impl Outgoing {
+    /// `first` plus the batches already waiting behind it, as one message of at most
+    /// [`EVENTS_PER_MESSAGE_MAX`] events: an app server that is a little behind catches up in
+    /// fewer, larger writes. Events keep their order.
+    fn coalesce(&mut self, first: &EventBatch) -> EventBatch {
+        let mut events = first.events.clone();
+        while events.len() < EVENTS_PER_MESSAGE_MAX {
+            match self.receiver.try_recv() {
+                Ok(next) => events.extend(next.events.iter().cloned()),
+                Err(broadcast::error::TryRecvError::Lagged(_)) => {
+                    // Missed batches: deliver what we have, then a fresh snapshot.
+                    self.metrics.hotkey_resyncs.inc();
+                    self.pending_snapshot = Some(Snapshot {
+                        hot: self.hub.snapshot(&self.app),
+                    });
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        EventBatch { events }
     }
 }
 
