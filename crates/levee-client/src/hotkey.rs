@@ -416,14 +416,9 @@ impl<V> Inner<V> {
         shard
     }
 
-    /// Rendezvous hashing: the eligible server with the highest score for the key.
+    /// Rendezvous hashing over the servers that `eligible` accepts.
     fn route(&self, key_hash: u64, eligible: impl Fn(usize) -> bool) -> Option<usize> {
-        self.links
-            .iter()
-            .enumerate()
-            .filter(|(index, _)| eligible(*index))
-            .max_by_key(|(_, link)| mix(key_hash ^ link.seed))
-            .map(|(index, _)| index)
+        rendezvous(key_hash, self.links.iter().map(|link| link.seed), eligible)
     }
 
     /// Sends the buffer to the connected servers.
@@ -556,6 +551,19 @@ impl<V> Inner<V> {
     }
 }
 
+/// The eligible server with the highest score `mix(key_hash ^ seed)` for the key.
+fn rendezvous(
+    key_hash: u64,
+    seeds: impl Iterator<Item = u64>,
+    eligible: impl Fn(usize) -> bool,
+) -> Option<usize> {
+    seeds
+        .enumerate()
+        .filter(|(index, _)| eligible(*index))
+        .max_by_key(|(_, seed)| mix(key_hash ^ seed))
+        .map(|(index, _)| index)
+}
+
 /// A 64-bit finaliser (splitmix64), so that rendezvous scores of nearby seeds are independent.
 fn mix(mut value: u64) -> u64 {
     value = (value ^ (value >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -669,4 +677,72 @@ fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
 fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     lock.write()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn given_server_removed_then_only_its_keys_move_and_they_spread_over_the_rest() {
+        let seeds: Vec<u64> = (0..5_u64).map(|server| mix(server + 1)).collect();
+        let owner = |key: u64, removed: Option<usize>| {
+            rendezvous(mix(key), seeds.iter().copied(), |index| {
+                Some(index) != removed
+            })
+            .unwrap()
+        };
+        let mut moved_to = [0_u32; 5];
+        for key in 0..10_000 {
+            let before = owner(key, None);
+            let after = owner(key, Some(2));
+            if before == 2 {
+                assert_ne!(after, 2);
+                moved_to[after] += 1;
+            } else {
+                assert_eq!(before, after, "key {key} moved although its server stayed");
+            }
+        }
+        // The removed server's share spreads over all four others.
+        assert!(
+            moved_to
+                .iter()
+                .enumerate()
+                .all(|(server, count)| server == 2 || *count > 200)
+        );
+    }
+
+    #[test]
+    fn given_bad_options_then_errors_name_the_option() {
+        let mut options = HotKeysOptions::new("shop", vec!["127.0.0.1:1".to_owned()]);
+        options.report_interval = Duration::from_millis(600);
+        let message = options.validate().unwrap_err().to_string();
+        assert!(
+            message.contains("report_interval must be 1 to 500 ms"),
+            "{message}"
+        );
+        let options = HotKeysOptions::new("shop", Vec::new());
+        assert!(
+            options
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("servers")
+        );
+    }
+
+    #[tokio::test]
+    async fn given_full_buffer_then_new_keys_are_dropped_and_counted_but_known_keys_add_up() {
+        let mut options = HotKeysOptions::new("shop", vec!["127.0.0.1:1".to_owned()]);
+        options.buffer_keys_max = 2;
+        let client: HotKeys = HotKeys::start(options).unwrap();
+        client.record(b"a", 1);
+        client.record(b"b", 1);
+        client.record(b"c", 5);
+        client.record(b"a", 3);
+        let stats = client.stats();
+        assert_eq!(stats.accesses_recorded, 10);
+        assert_eq!(stats.accesses_dropped, 5);
+        assert!(!client.is_hot(b"a"), "nothing is hot without a server");
+    }
 }
