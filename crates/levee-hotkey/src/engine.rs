@@ -102,9 +102,7 @@ pub enum ReportError {
     #[error(transparent)]
     InvalidApp(#[from] RuleError),
     /// A manual hot duration out of range.
-    #[error(
-        "app '{app}': hot duration must be between {min} and {max} ms, got {got}"
-    )]
+    #[error("app '{app}': hot duration must be between {min} and {max} ms, got {got}")]
     InvalidDuration {
         /// The app.
         app: String,
@@ -227,6 +225,10 @@ pub struct MemoryStats {
     pub budget_evictions: u64,
 }
 
+/// A top-K candidate in a min-heap of the best so far: by count, then by key in reverse so that
+/// ties favour the smaller key.
+type Ranked<'key> = Reverse<(u64, Reverse<&'key [u8]>)>;
+
 /// Rule index of an entry whose key matches no rule (a manual hot key): never counted.
 const NO_RULE: u32 = u32::MAX;
 /// Estimated bytes per entry slot beyond the key: the entry and its hash-table slot.
@@ -326,7 +328,9 @@ impl App {
 
     fn find(&self, hash: u64, key: &[u8]) -> Option<usize> {
         let entries = &self.entries;
-        self.index.find(hash, |&position| *entries[position].key == *key).copied()
+        self.index
+            .find(hash, |&position| *entries[position].key == *key)
+            .copied()
     }
 
     fn push_entry(&mut self, entry: Entry) -> usize {
@@ -335,7 +339,8 @@ impl App {
         self.key_bytes += entry.key.len();
         self.entries.push(entry);
         let entries = &self.entries;
-        self.index.insert_unique(hash, position, |&other| entries[other].hash);
+        self.index
+            .insert_unique(hash, position, |&other| entries[other].hash);
         position
     }
 
@@ -360,7 +365,8 @@ impl App {
         self.index.clear();
         let entries = &self.entries;
         for (position, entry) in entries.iter().enumerate() {
-            self.index.insert_unique(entry.hash, position, |&other| entries[other].hash);
+            self.index
+                .insert_unique(entry.hash, position, |&other| entries[other].hash);
         }
     }
 
@@ -508,10 +514,10 @@ impl HotKeyEngine {
         };
         let removed = self.apps.swap_remove(position);
         self.used_bytes -= removed.bytes;
-        if let Some(moved) = self.apps.get(position) {
-            if let Some(slot) = self.app_positions.get_mut(&*moved.name) {
-                *slot = position;
-            }
+        if let Some(moved) = self.apps.get(position)
+            && let Some(slot) = self.app_positions.get_mut(&*moved.name)
+        {
+            *slot = position;
         }
         self.update_sketch_generation();
         true
@@ -655,7 +661,7 @@ impl HotKeyEngine {
         if n == 0 {
             return Vec::new();
         }
-        let mut heap: BinaryHeap<Reverse<(u64, Reverse<&[u8]>)>> =
+        let mut heap: BinaryHeap<Ranked<'_>> =
             BinaryHeap::with_capacity(n.min(state.entries.len()) + 1);
         for entry in &state.entries {
             let count = state.count_at(entry, now_ms);
@@ -704,38 +710,25 @@ impl HotKeyEngine {
         let now_ms = self.advance_clock(now_ms);
         let position = self.resolve_app(app)?;
         let hash = self.hasher.hash_one(key);
-        let entry = match self.apps[position].find(hash, key) {
-            Some(entry) => entry,
-            None => {
-                let state = &self.apps[position];
-                let rule = state.rules.find(key);
-                let (rule, window) = match rule {
-                    Some(index) => {
-                        let compiled = state.rules.get(index);
-                        let estimate = self.sketch.estimate(hash ^ state.seed);
-                        let credit = estimate.min(compiled.admission - 1);
-                        let window =
-                            Window::new(credit, now_ms, compiled.window_ms, compiled.slot_ms);
-                        (index, window)
-                    }
-                    None => (NO_RULE, Window::new(0, now_ms, 1_000, 100)),
-                };
-                let new_entry = Entry {
-                    key: key.into(),
-                    hash,
-                    window,
-                    rule,
-                    hot_until_ms: 0,
-                };
-                self.insert_within_budget(position, new_entry, u64::MAX, now_ms)
-                    .ok_or_else(|| ReportError::OverBudget {
-                        app: app.to_owned(),
-                        used_bytes: self.used_bytes,
-                        budget_bytes: self.config.memory_budget_bytes,
-                    })?
-            }
+        let existing = self.apps[position].find(hash, key);
+        let Some(entry) =
+            existing.or_else(|| self.insert_manual_entry(position, key, hash, now_ms))
+        else {
+            return Err(ReportError::OverBudget {
+                app: app.to_owned(),
+                used_bytes: self.used_bytes,
+                budget_bytes: self.config.memory_budget_bytes,
+            });
         };
-        self.make_hot(position, entry, 0, now_ms, duration_ms, HotSource::Manual, events);
+        self.make_hot(
+            position,
+            entry,
+            0,
+            now_ms,
+            duration_ms,
+            HotSource::Manual,
+            events,
+        );
         Ok(())
     }
 
@@ -793,7 +786,9 @@ impl HotKeyEngine {
     }
 
     fn app(&self, app: &str) -> Option<&App> {
-        self.app_positions.get(app).map(|&position| &self.apps[position])
+        self.app_positions
+            .get(app)
+            .map(|&position| &self.apps[position])
     }
 
     fn advance_clock(&mut self, now_ms: u64) -> u64 {
@@ -903,7 +898,9 @@ impl HotKeyEngine {
                 return;
             }
             let rule = state.rules.get(entry.rule);
-            let total = entry.window.add(u64::from(count), now_ms, rule.window_ms, rule.slot_ms);
+            let total = entry
+                .window
+                .add(u64::from(count), now_ms, rule.window_ms, rule.slot_ms);
             if total >= rule.rule.threshold
                 && entry.hot_until_ms.saturating_sub(now_ms).saturating_mul(2)
                     < rule.rule.hot_duration_ms
@@ -930,7 +927,9 @@ impl HotKeyEngine {
         // from their first hit): the estimate is what a key offers against a victim when the
         // budget binds.
         self.sketch.rotate_if_due(now_ms);
-        let before = self.sketch.add(hash ^ state.seed, u32::try_from(count).unwrap_or(u32::MAX));
+        let before = self
+            .sketch
+            .add(hash ^ state.seed, u32::try_from(count).unwrap_or(u32::MAX));
         if before + count < rule.admission {
             return;
         }
@@ -969,6 +968,36 @@ impl HotKeyEngine {
         }
     }
 
+    /// A tracked entry for a manual hot key that has none: counted from its sketch credit if a
+    /// rule matches it. `None` if the budget has no room.
+    fn insert_manual_entry(
+        &mut self,
+        position: usize,
+        key: &[u8],
+        hash: u64,
+        now_ms: u64,
+    ) -> Option<usize> {
+        let state = &self.apps[position];
+        let (rule, window) = match state.rules.find(key) {
+            Some(index) => {
+                let compiled = state.rules.get(index);
+                let estimate = self.sketch.estimate(hash ^ state.seed);
+                let credit = estimate.min(compiled.admission - 1);
+                let window = Window::new(credit, now_ms, compiled.window_ms, compiled.slot_ms);
+                (index, window)
+            }
+            None => (NO_RULE, Window::new(0, now_ms, 1_000, 100)),
+        };
+        let entry = Entry {
+            key: key.into(),
+            hash,
+            window,
+            rule,
+            hot_until_ms: 0,
+        };
+        self.insert_within_budget(position, entry, u64::MAX, now_ms)
+    }
+
     /// Inserts a new entry if the budget allows, evicting the lowest-count sampled key whose
     /// count is below `estimate` if it does not. Returns the entry's position, or `None` (and
     /// counts a budget eviction) if the key was kept out.
@@ -998,7 +1027,9 @@ impl HotKeyEngine {
                     let state = &mut self.apps[position];
                     state.entries.reserve_exact(additional);
                     let entries = &state.entries;
-                    state.index.reserve(additional, |&other| entries[other].hash);
+                    state
+                        .index
+                        .reserve(additional, |&other| entries[other].hash);
                     self.refresh_bytes(position);
                     continue;
                 }
@@ -1132,7 +1163,10 @@ impl HotKeyEngine {
             let idle = entry.hot_until_ms == 0
                 && (entry.rule == NO_RULE || {
                     let rule = state.rules.get(entry.rule);
-                    entry.window.count_advanced(now_ms, rule.window_ms, rule.slot_ms) == 0
+                    entry
+                        .window
+                        .count_advanced(now_ms, rule.window_ms, rule.slot_ms)
+                        == 0
                 });
             if idle {
                 state.remove_entry(cursor);

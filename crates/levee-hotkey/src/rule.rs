@@ -103,7 +103,11 @@ impl Rule {
             RuleMatch::Exact(key) | RuleMatch::Prefix(key)
                 if key.is_empty() || key.len() > key_bytes_max =>
             {
-                let field = if matches!(self.matcher, RuleMatch::Exact(_)) { "key" } else { "prefix" };
+                let field = if matches!(self.matcher, RuleMatch::Exact(_)) {
+                    "key"
+                } else {
+                    "prefix"
+                };
                 return Err(self.invalid(
                     field,
                     format!("1 to {key_bytes_max} bytes long"),
@@ -192,7 +196,9 @@ pub enum RuleError {
         app: String,
     },
     /// Creating the app would pass the engine's `apps_max`.
-    #[error("cannot create app '{app}': the engine holds its maximum of {max} apps; remove an app or raise apps_max")]
+    #[error(
+        "cannot create app '{app}': the engine holds its maximum of {max} apps; remove an app or raise apps_max"
+    )]
     TooManyApps {
         /// The app that was not created.
         app: String,
@@ -280,13 +286,19 @@ mod tests {
     #[test]
     fn given_empty_or_long_rule_key_when_validated_should_name_key_and_range() {
         let message = prefix_rule("").validate().unwrap_err().to_string();
-        assert_eq!(message, "rule prefix '': prefix must be 1 to 1024 bytes long, got 0 bytes");
+        assert_eq!(
+            message,
+            "rule prefix '': prefix must be 1 to 1024 bytes long, got 0 bytes"
+        );
         let rule = Rule {
             matcher: RuleMatch::Exact(b"abcdef".to_vec()),
             ..Rule::default_rule()
         };
         let message = rule.validate_with_key_bytes_max(4).unwrap_err().to_string();
-        assert_eq!(message, "rule key 'abcdef': key must be 1 to 4 bytes long, got 6 bytes");
+        assert_eq!(
+            message,
+            "rule key 'abcdef': key must be 1 to 4 bytes long, got 6 bytes"
+        );
     }
 
     #[test]

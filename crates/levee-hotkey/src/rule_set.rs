@@ -75,7 +75,8 @@ impl RuleSet {
                 rule,
             });
         }
-        set.prefix_lengths.sort_unstable_by(|left, right| right.cmp(left));
+        set.prefix_lengths
+            .sort_unstable_by(|left, right| right.cmp(left));
         Ok(set)
     }
 
@@ -106,12 +107,19 @@ impl RuleSet {
 
     /// The rules as given.
     pub fn rules(&self) -> Vec<Rule> {
-        self.rules.iter().map(|compiled| compiled.rule.clone()).collect()
+        self.rules
+            .iter()
+            .map(|compiled| compiled.rule.clone())
+            .collect()
     }
 
     /// The longest window of the rules, in ms (0 with no rules).
     pub fn window_ms_max(&self) -> u64 {
-        self.rules.iter().map(|compiled| compiled.window_ms).max().unwrap_or(0)
+        self.rules
+            .iter()
+            .map(|compiled| compiled.window_ms)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Estimated bytes held.
@@ -166,7 +174,10 @@ mod tests {
             8,
         )
         .unwrap();
-        let threshold = |key: &str| set.find(key.as_bytes()).map(|index| set.get(index).rule.threshold);
+        let threshold = |key: &str| {
+            set.find(key.as_bytes())
+                .map(|index| set.get(index).rule.threshold)
+        };
         assert_eq!(threshold("pin_vip_ceo"), Some(4));
         assert_eq!(threshold("pin_vip_ceo2"), Some(3));
         assert_eq!(threshold("pin_vip_"), Some(3));
@@ -185,19 +196,34 @@ mod tests {
 
     #[test]
     fn given_duplicate_or_too_many_rules_when_compiled_should_refuse() {
-        let error = RuleSet::new("app", vec![rule(prefix("a"), 1), rule(prefix("a"), 2)], 1_024, 8)
-            .unwrap_err();
+        let error = RuleSet::new(
+            "app",
+            vec![rule(prefix("a"), 1), rule(prefix("a"), 2)],
+            1_024,
+            8,
+        )
+        .unwrap_err();
         assert_eq!(error.to_string(), "rule prefix 'a' appears twice; keep one");
-        let many = (0..=RULES_PER_APP_MAX).map(|index| rule(exact(&index.to_string()), 1)).collect();
+        let many = (0..=RULES_PER_APP_MAX)
+            .map(|index| rule(exact(&index.to_string()), 1))
+            .collect();
         let error = RuleSet::new("app", many, 1_024, 8).unwrap_err();
-        assert!(matches!(error, RuleError::TooMany { got: 1_001, .. }), "{error}");
+        assert!(
+            matches!(error, RuleError::TooMany { got: 1_001, .. }),
+            "{error}"
+        );
     }
 
     #[test]
     fn given_thresholds_when_compiled_should_set_admission_to_threshold_over_divisor() {
         let set = RuleSet::new(
             "app",
-            vec![rule(exact("a"), 1), rule(exact("b"), 8), rule(exact("c"), 17), rule(exact("d"), 1_000)],
+            vec![
+                rule(exact("a"), 1),
+                rule(exact("b"), 8),
+                rule(exact("c"), 17),
+                rule(exact("d"), 1_000),
+            ],
             1_024,
             8,
         )

@@ -78,7 +78,8 @@ impl Sketch {
         let mut estimate = u64::MAX;
         for cell in cells {
             current_min = current_min.min(block[cell]);
-            estimate = estimate.min(u64::from(block[cell]) + u64::from(block[cell + PREVIOUS_OFFSET]));
+            estimate =
+                estimate.min(u64::from(block[cell]) + u64::from(block[cell + PREVIOUS_OFFSET]));
         }
         let target = current_min.saturating_add(count);
         for cell in cells {
@@ -149,7 +150,11 @@ mod tests {
         sketch.rotate_if_due(999);
         assert_eq!(sketch.estimate(42), 5);
         sketch.rotate_if_due(1_000);
-        assert_eq!(sketch.estimate(42), 5, "the previous generation still holds it");
+        assert_eq!(
+            sketch.estimate(42),
+            5,
+            "the previous generation still holds it"
+        );
         sketch.rotate_if_due(2_000);
         assert_eq!(sketch.estimate(42), 0);
     }

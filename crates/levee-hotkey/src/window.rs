@@ -44,7 +44,10 @@ pub struct Window {
 impl Window {
     /// A window whose newest slot (the one holding `now_ms`) starts at `count`.
     pub fn new(count: u64, now_ms: u64, window_ms: u64, slot_ms: u64) -> Self {
-        debug_assert!(Self::fits(window_ms, slot_ms), "ring too small for {window_ms}/{slot_ms}");
+        debug_assert!(
+            Self::fits(window_ms, slot_ms),
+            "ring too small for {window_ms}/{slot_ms}"
+        );
         let newest_slot = now_ms / slot_ms;
         let mut window = Self {
             slots: [0; RING_SLOTS],
@@ -152,10 +155,25 @@ mod tests {
     fn given_hit_at_t_when_time_passes_should_count_until_window_and_drop_by_window_plus_slot() {
         for t in [0, 1, 99, 100, 12_345, 1_000_000] {
             let mut window = Window::new(1, t, WINDOW_MS, SLOT_MS);
-            assert_eq!(window.count_at(t + WINDOW_MS - 1, WINDOW_MS, SLOT_MS), 1, "t={t}");
-            assert_eq!(window.count_advanced(t + WINDOW_MS - 1, WINDOW_MS, SLOT_MS), 1, "t={t}");
-            assert_eq!(window.count_at(t + WINDOW_MS + SLOT_MS, WINDOW_MS, SLOT_MS), 0, "t={t}");
-            assert_eq!(window.count_advanced(t + WINDOW_MS + SLOT_MS, WINDOW_MS, SLOT_MS), 0);
+            assert_eq!(
+                window.count_at(t + WINDOW_MS - 1, WINDOW_MS, SLOT_MS),
+                1,
+                "t={t}"
+            );
+            assert_eq!(
+                window.count_advanced(t + WINDOW_MS - 1, WINDOW_MS, SLOT_MS),
+                1,
+                "t={t}"
+            );
+            assert_eq!(
+                window.count_at(t + WINDOW_MS + SLOT_MS, WINDOW_MS, SLOT_MS),
+                0,
+                "t={t}"
+            );
+            assert_eq!(
+                window.count_advanced(t + WINDOW_MS + SLOT_MS, WINDOW_MS, SLOT_MS),
+                0
+            );
         }
     }
 
@@ -197,7 +215,10 @@ mod tests {
                 .filter(|(time, _)| time + WINDOW_MS + SLOT_MS > now)
                 .map(|(_, count)| count)
                 .sum();
-            assert!(exact <= total && total <= loose, "{exact} <= {total} <= {loose}");
+            assert!(
+                exact <= total && total <= loose,
+                "{exact} <= {total} <= {loose}"
+            );
         }
     }
 

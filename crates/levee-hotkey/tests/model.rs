@@ -15,8 +15,14 @@ const ADMISSION_DIVISOR: u64 = 8;
 
 #[derive(Debug, Clone)]
 enum Operation {
-    Report { key: usize, count: u32, advance_ms: u64 },
-    Tick { advance_ms: u64 },
+    Report {
+        key: usize,
+        count: u32,
+        advance_ms: u64,
+    },
+    Tick {
+        advance_ms: u64,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -64,12 +70,14 @@ fn scenario_strategy() -> impl Strategy<Value = Scenario> {
         prop_oneof![Just(64_usize), Just(64 * 1024)],
         prop::collection::vec(operation_strategy(), 1..300),
     )
-        .prop_map(|(prefix_rule, default_rule, sketch_bytes, operations)| Scenario {
-            prefix_rule,
-            default_rule,
-            sketch_bytes,
-            operations,
-        })
+        .prop_map(
+            |(prefix_rule, default_rule, sketch_bytes, operations)| Scenario {
+                prefix_rule,
+                default_rule,
+                sketch_bytes,
+                operations,
+            },
+        )
 }
 
 fn rule_of<'a>(scenario: &'a Scenario, key: &str) -> Option<&'a Rule> {
@@ -112,7 +120,11 @@ fn run(scenario: &Scenario) -> Result<(), TestCaseError> {
                 engine.tick(now_ms, &mut events);
                 events.clear();
             }
-            Operation::Report { key, count, advance_ms } => {
+            Operation::Report {
+                key,
+                count,
+                advance_ms,
+            } => {
                 now_ms += advance_ms;
                 events.clear();
                 engine
@@ -138,8 +150,7 @@ fn run(scenario: &Scenario) -> Result<(), TestCaseError> {
                     let Event::Hot(hot) = event else { continue };
                     prop_assert_eq!(&hot.key, KEYS[key].as_bytes());
                     prop_assert_eq!(hot.source, HotSource::Detected);
-                    let loose =
-                        exact_count(&history, key, now_ms, window_ms + slot_ms(window_ms));
+                    let loose = exact_count(&history, key, now_ms, window_ms + slot_ms(window_ms));
                     prop_assert!(
                         loose + admission > rule.threshold,
                         "false positive: {} hot with {loose} hits in window + slot at {now_ms}, threshold {} admission {admission}",

@@ -38,7 +38,9 @@ fn engine_with(rules: Vec<Rule>) -> HotKeyEngine {
 
 fn report(engine: &mut HotKeyEngine, key: &str, count: u32, now_ms: u64) -> Vec<Event> {
     let mut events = Vec::new();
-    engine.report(APP, key.as_bytes(), count, now_ms, &mut events).unwrap();
+    engine
+        .report(APP, key.as_bytes(), count, now_ms, &mut events)
+        .unwrap();
     events
 }
 
@@ -76,10 +78,17 @@ fn given_hits_one_window_apart_when_threshold_two_should_turn_hot_only_inside_th
     let mut engine = engine_with(vec![rule(RuleMatch::Default, 1_000, 2, 60_000)]);
     report(&mut engine, "inside", 1, 5_000);
     let events = report(&mut engine, "inside", 1, 5_999);
-    assert_eq!(hot_events(&events).len(), 1, "second hit within 1000 ms is hot");
+    assert_eq!(
+        hot_events(&events).len(),
+        1,
+        "second hit within 1000 ms is hot"
+    );
     report(&mut engine, "outside", 1, 10_000);
     let events = report(&mut engine, "outside", 1, 10_000 + 1_000 + 100);
-    assert!(events.is_empty(), "a hit window + slot later is not counted with the first");
+    assert!(
+        events.is_empty(),
+        "a hit window + slot later is not counted with the first"
+    );
 }
 
 #[test]
@@ -99,10 +108,19 @@ fn given_exact_prefix_and_default_rules_when_reported_should_apply_exact_then_lo
         }
         panic!("{key} never turned hot");
     };
-    assert_eq!(hits_to_hot(&mut engine, "pin_vip_ceo"), (1, exact("pin_vip_ceo")));
-    assert_eq!(hits_to_hot(&mut engine, "pin_vip_42"), (2, prefix("pin_vip_")));
+    assert_eq!(
+        hits_to_hot(&mut engine, "pin_vip_ceo"),
+        (1, exact("pin_vip_ceo"))
+    );
+    assert_eq!(
+        hits_to_hot(&mut engine, "pin_vip_42"),
+        (2, prefix("pin_vip_"))
+    );
     assert_eq!(hits_to_hot(&mut engine, "pin_42"), (3, prefix("pin_")));
-    assert_eq!(hits_to_hot(&mut engine, "order_42"), (4, RuleMatch::Default));
+    assert_eq!(
+        hits_to_hot(&mut engine, "order_42"),
+        (4, RuleMatch::Default)
+    );
 }
 
 #[test]
@@ -123,7 +141,11 @@ fn given_no_default_rule_when_key_matches_nothing_should_not_count_it() {
 fn given_rule_reload_when_rule_unchanged_should_keep_counts_and_reset_changed_ones() {
     let keep = rule(prefix("a"), 10_000, 10, 60_000);
     let change = rule(prefix("b"), 10_000, 10, 60_000);
-    let mut engine = engine_with(vec![keep.clone(), change.clone(), rule(prefix("c"), 10_000, 10, 60_000)]);
+    let mut engine = engine_with(vec![
+        keep.clone(),
+        change.clone(),
+        rule(prefix("c"), 10_000, 10, 60_000),
+    ]);
     report(&mut engine, "a1", 5, 1_000);
     report(&mut engine, "b1", 5, 1_000);
     report(&mut engine, "c1", 5, 1_000);
@@ -132,9 +154,21 @@ fn given_rule_reload_when_rule_unchanged_should_keep_counts_and_reset_changed_on
         ..change
     };
     engine.set_rules(APP, vec![changed, keep]).unwrap();
-    assert_eq!(count_of(&engine, "a1", 1_001), 5, "unchanged rule keeps its count");
-    assert_eq!(count_of(&engine, "b1", 1_001), 0, "changed rule starts afresh");
-    assert_eq!(count_of(&engine, "c1", 1_001), 0, "key matching nothing is dropped");
+    assert_eq!(
+        count_of(&engine, "a1", 1_001),
+        5,
+        "unchanged rule keeps its count"
+    );
+    assert_eq!(
+        count_of(&engine, "b1", 1_001),
+        0,
+        "changed rule starts afresh"
+    );
+    assert_eq!(
+        count_of(&engine, "c1", 1_001),
+        0,
+        "key matching nothing is dropped"
+    );
     assert_eq!(engine.stats(APP).unwrap().keys_tracked, 1);
     assert_eq!(hot_events(&report(&mut engine, "a1", 5, 1_002)).len(), 1);
     assert!(report(&mut engine, "b1", 5, 1_002).is_empty());
@@ -148,7 +182,10 @@ fn given_rule_reload_when_key_moves_to_another_rule_should_reset_its_count() {
     engine
         .set_rules(
             APP,
-            vec![rule(RuleMatch::Default, 10_000, 10, 60_000), rule(prefix("pin_"), 10_000, 10, 60_000)],
+            vec![
+                rule(RuleMatch::Default, 10_000, 10, 60_000),
+                rule(prefix("pin_"), 10_000, 10, 60_000),
+            ],
         )
         .unwrap();
     assert_eq!(count_of(&engine, "pin_1", 1_000), 0);
@@ -160,17 +197,30 @@ fn given_hot_key_when_crossing_again_should_extend_only_below_half_duration() {
     report(&mut engine, "k", 1, 0);
     let events = report(&mut engine, "k", 1, 0);
     assert_eq!(hot_events(&events)[0].hot_until_ms, 1_000);
-    assert!(report(&mut engine, "k", 1, 100).is_empty(), "900 ms left of 1000: no event");
-    assert!(report(&mut engine, "k", 1, 500).is_empty(), "500 ms left is not below half");
+    assert!(
+        report(&mut engine, "k", 1, 100).is_empty(),
+        "900 ms left of 1000: no event"
+    );
+    assert!(
+        report(&mut engine, "k", 1, 500).is_empty(),
+        "500 ms left is not below half"
+    );
     let events = report(&mut engine, "k", 1, 501);
     let hot = hot_events(&events);
     assert_eq!(hot.len(), 1, "499 ms left: extended");
     assert_eq!(hot[0].hot_until_ms, 1_501);
     assert_eq!(hot[0].count, 5);
-    assert_eq!(engine.stats(APP).unwrap().hot_detected, 1, "an extension is not a new detection");
+    assert_eq!(
+        engine.stats(APP).unwrap().hot_detected,
+        1,
+        "an extension is not a new detection"
+    );
     let mut events = Vec::new();
     engine.tick(1_000, &mut events);
-    assert!(events.is_empty(), "the first period's end is stale after the extension");
+    assert!(
+        events.is_empty(),
+        "the first period's end is stale after the extension"
+    );
 }
 
 #[test]
@@ -194,14 +244,20 @@ fn given_hot_key_when_ticked_past_hot_until_should_cool_once() {
     assert_eq!(events.len(), 1);
     assert!(engine.hot_keys(APP, 2_100).is_empty());
     assert_eq!(engine.stats(APP).unwrap().hot_now, 0);
-    assert_eq!(engine.stats(APP).unwrap().keys_tracked, 0, "idle key reclaimed");
+    assert_eq!(
+        engine.stats(APP).unwrap().keys_tracked,
+        0,
+        "idle key reclaimed"
+    );
 }
 
 #[test]
 fn given_manual_hot_key_when_set_and_removed_should_push_hot_then_cool() {
     let mut engine = engine_with(vec![rule(prefix("pin_"), 1_000, 100, 60_000)]);
     let mut events = Vec::new();
-    engine.set_manual_hot(APP, b"blocked_user", 5_000, 1_000, &mut events).unwrap();
+    engine
+        .set_manual_hot(APP, b"blocked_user", 5_000, 1_000, &mut events)
+        .unwrap();
     assert_eq!(
         events,
         vec![Event::Hot(HotEvent {
@@ -228,22 +284,32 @@ fn given_manual_hot_key_when_set_and_removed_should_push_hot_then_cool() {
     assert!(engine.hot_keys(APP, 1_002).is_empty());
     events.clear();
     engine.tick(10_000, &mut events);
-    assert!(events.is_empty(), "no cool for a key already cooled by hand");
+    assert!(
+        events.is_empty(),
+        "no cool for a key already cooled by hand"
+    );
 }
 
 #[test]
 fn given_manual_hot_key_when_period_ends_should_cool_on_tick() {
     let mut engine = engine_with(vec![rule(prefix("pin_"), 1_000, 100, 60_000)]);
     let mut events = Vec::new();
-    engine.set_manual_hot(APP, b"pin_7", 500, 0, &mut events).unwrap();
+    engine
+        .set_manual_hot(APP, b"pin_7", 500, 0, &mut events)
+        .unwrap();
     assert_eq!(hot_events(&events)[0].rule, prefix("pin_"));
     events.clear();
     engine.tick(499, &mut events);
     assert!(events.is_empty());
     engine.tick(500, &mut events);
     assert_eq!(events.len(), 1);
-    let error = engine.set_manual_hot(APP, b"k", 0, 600, &mut events).unwrap_err();
-    assert_eq!(error.to_string(), "app 'shop': hot duration must be between 1 and 86400000 ms, got 0");
+    let error = engine
+        .set_manual_hot(APP, b"k", 0, 600, &mut events)
+        .unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "app 'shop': hot duration must be between 1 and 86400000 ms, got 0"
+    );
 }
 
 #[test]
@@ -255,20 +321,43 @@ fn given_bad_reports_when_reported_should_refuse_with_named_errors() {
     });
     let mut events = Vec::new();
     let error = engine.report(APP, b"", 1, 0, &mut events).unwrap_err();
-    assert_eq!(error, ReportError::EmptyKey { app: APP.to_owned(), max: 8 });
-    assert_eq!(error.to_string(), "app 'shop': empty key; report keys of 1 to 8 bytes");
-    let error = engine.report(APP, b"123456789", 1, 0, &mut events).unwrap_err();
+    assert_eq!(
+        error,
+        ReportError::EmptyKey {
+            app: APP.to_owned(),
+            max: 8
+        }
+    );
+    assert_eq!(
+        error.to_string(),
+        "app 'shop': empty key; report keys of 1 to 8 bytes"
+    );
+    let error = engine
+        .report(APP, b"123456789", 1, 0, &mut events)
+        .unwrap_err();
     assert_eq!(
         error.to_string(),
         "app 'shop': key of 9 bytes is longer than the maximum 8; shorten it or raise key_bytes_max"
     );
-    let error = engine.report("bad app", b"k", 1, 0, &mut events).unwrap_err();
-    assert!(matches!(error, ReportError::InvalidApp(RuleError::InvalidApp { .. })), "{error}");
+    let error = engine
+        .report("bad app", b"k", 1, 0, &mut events)
+        .unwrap_err();
+    assert!(
+        matches!(error, ReportError::InvalidApp(RuleError::InvalidApp { .. })),
+        "{error}"
+    );
     engine.report(APP, b"k", 1, 0, &mut events).unwrap();
-    assert_eq!(engine.rules(APP), Some(vec![Rule::default_rule()]), "created with the default rule");
+    assert_eq!(
+        engine.rules(APP),
+        Some(vec![Rule::default_rule()]),
+        "created with the default rule"
+    );
     let error = engine.report("other", b"k", 1, 0, &mut events).unwrap_err();
     assert!(
-        matches!(error, ReportError::InvalidApp(RuleError::TooManyApps { max: 1, .. })),
+        matches!(
+            error,
+            ReportError::InvalidApp(RuleError::TooManyApps { max: 1, .. })
+        ),
         "{error}"
     );
     assert!(engine.stats("bad app").is_none());
@@ -282,9 +371,14 @@ fn given_refuse_policy_when_app_unknown_should_refuse_until_rules_are_set() {
     });
     let mut events = Vec::new();
     let error = engine.report(APP, b"k", 1, 0, &mut events).unwrap_err();
-    assert_eq!(error.to_string(), "unknown app 'shop'; create it by setting its rules first");
+    assert_eq!(
+        error.to_string(),
+        "unknown app 'shop'; create it by setting its rules first"
+    );
     assert!(engine.apps().is_empty());
-    engine.set_rules(APP, vec![rule(RuleMatch::Default, 1_000, 1, 1_000)]).unwrap();
+    engine
+        .set_rules(APP, vec![rule(RuleMatch::Default, 1_000, 1, 1_000)])
+        .unwrap();
     engine.report(APP, b"k", 1, 0, &mut events).unwrap();
     assert_eq!(events.len(), 1);
 }
@@ -298,7 +392,10 @@ fn given_invalid_rules_when_set_should_name_rule_field_and_range() {
     let error = engine
         .set_rules(APP, vec![rule(prefix("pin_"), 50, 10, 1_000)])
         .unwrap_err();
-    assert_eq!(error.to_string(), "rule prefix 'pin_': window_ms must be between 100 and 600000, got 50");
+    assert_eq!(
+        error.to_string(),
+        "rule prefix 'pin_': window_ms must be between 100 and 600000, got 50"
+    );
     let error = engine
         .set_rules(APP, vec![rule(prefix("pin_long"), 1_000, 10, 1_000)])
         .unwrap_err();
@@ -307,12 +404,21 @@ fn given_invalid_rules_when_set_should_name_rule_field_and_range() {
         "rule prefix 'pin_long': prefix must be 1 to 4 bytes long, got 8 bytes"
     );
     let error = engine
-        .set_rules(APP, vec![rule(exact("a"), 1_000, 1, 1_000), rule(exact("a"), 2_000, 1, 1_000)])
+        .set_rules(
+            APP,
+            vec![
+                rule(exact("a"), 1_000, 1, 1_000),
+                rule(exact("a"), 2_000, 1, 1_000),
+            ],
+        )
         .unwrap_err();
     assert_eq!(error.to_string(), "rule key 'a' appears twice; keep one");
     let error = engine.set_rules("", vec![]).unwrap_err();
     assert!(matches!(error, RuleError::InvalidApp { .. }));
-    assert!(engine.apps().is_empty(), "no app created by a refused rule set");
+    assert!(
+        engine.apps().is_empty(),
+        "no app created by a refused rule set"
+    );
 }
 
 #[test]
@@ -326,7 +432,14 @@ fn given_keys_with_counts_when_top_k_should_return_highest_first_with_ties_by_ke
         .into_iter()
         .map(|item| (String::from_utf8(item.key).unwrap(), item.count))
         .collect();
-    assert_eq!(top, [("a".to_owned(), 900), ("b".to_owned(), 300), ("d".to_owned(), 300)]);
+    assert_eq!(
+        top,
+        [
+            ("a".to_owned(), 900),
+            ("b".to_owned(), 300),
+            ("d".to_owned(), 300)
+        ]
+    );
     assert_eq!(engine.top_k(APP, 10, 100).len(), 5);
     assert!(engine.top_k(APP, 0, 100).is_empty());
     assert!(engine.top_k("nobody", 3, 100).is_empty());
@@ -340,13 +453,21 @@ fn given_admission_above_one_when_key_reaches_it_should_track_with_sketch_credit
     for _ in 0..9 {
         report(&mut engine, "k", 1, 100);
     }
-    assert_eq!(engine.stats(APP).unwrap().keys_tracked, 0, "below admission: sketch only");
+    assert_eq!(
+        engine.stats(APP).unwrap().keys_tracked,
+        0,
+        "below admission: sketch only"
+    );
     report(&mut engine, "k", 1, 200);
     assert_eq!(count_of(&engine, "k", 200), 10, "credit of 9 plus this hit");
     for _ in 0..69 {
         assert!(report(&mut engine, "k", 1, 300).is_empty());
     }
-    assert_eq!(hot_events(&report(&mut engine, "k", 1, 300)).len(), 1, "80th hit is hot");
+    assert_eq!(
+        hot_events(&report(&mut engine, "k", 1, 300)).len(),
+        1,
+        "80th hit is hot"
+    );
 }
 
 #[test]
@@ -356,14 +477,19 @@ fn given_sketch_estimate_above_admission_when_admitted_should_cap_credit_below_a
         sketch_bytes: 64,
         ..config()
     });
-    engine.set_rules(APP, vec![rule(RuleMatch::Default, 1_000, 80, 60_000)]).unwrap();
+    engine
+        .set_rules(APP, vec![rule(RuleMatch::Default, 1_000, 80, 60_000)])
+        .unwrap();
     for index in 0..200 {
         report(&mut engine, &format!("cold{index}"), 9, 100);
     }
     engine.remove_app("nothing");
     report(&mut engine, "fresh", 1, 100);
     let count = count_of(&engine, "fresh", 100);
-    assert!(count <= 10, "credit is at most admission - 1 = 9, got {count}");
+    assert!(
+        count <= 10,
+        "credit is at most admission - 1 = 9, got {count}"
+    );
 }
 
 #[test]
@@ -376,7 +502,9 @@ fn given_tiny_budget_when_many_cold_keys_should_stay_within_budget_and_still_det
         ..config()
     });
     // threshold 8 / 8: admission 1, so every key wants an exact window.
-    engine.set_rules(APP, vec![rule(RuleMatch::Default, 10_000, 40, 60_000)]).unwrap();
+    engine
+        .set_rules(APP, vec![rule(RuleMatch::Default, 10_000, 40, 60_000)])
+        .unwrap();
     let heavy: Vec<String> = (0..5).map(|index| format!("heavy{index}")).collect();
     let mut detected = std::collections::BTreeSet::new();
     let mut now_ms = 1_000;
@@ -390,7 +518,11 @@ fn given_tiny_budget_when_many_cold_keys_should_stay_within_budget_and_still_det
                 detected.insert(String::from_utf8(event.key.clone()).unwrap());
             }
         }
-        assert!(engine.memory().used_bytes <= budget, "round {round}: {:?}", engine.memory());
+        assert!(
+            engine.memory().used_bytes <= budget,
+            "round {round}: {:?}",
+            engine.memory()
+        );
         now_ms += 10;
     }
     let memory = engine.memory();
@@ -408,9 +540,17 @@ fn given_idle_tracked_keys_when_ticked_should_reclaim_them_but_keep_hot_ones() {
     let used = engine.memory().used_bytes;
     let mut events = Vec::new();
     engine.tick(500, &mut events);
-    assert_eq!(engine.stats(APP).unwrap().keys_tracked, 2, "still counted at 500 ms");
+    assert_eq!(
+        engine.stats(APP).unwrap().keys_tracked,
+        2,
+        "still counted at 500 ms"
+    );
     engine.tick(1_200, &mut events);
-    assert_eq!(engine.stats(APP).unwrap().keys_tracked, 1, "idle key reclaimed");
+    assert_eq!(
+        engine.stats(APP).unwrap().keys_tracked,
+        1,
+        "idle key reclaimed"
+    );
     assert!(engine.is_hot(APP, b"hot", 1_200));
     assert!(engine.memory().used_bytes <= used);
 }
@@ -421,18 +561,30 @@ fn given_batch_with_bad_items_when_reported_should_count_good_ones_and_report_re
         key_bytes_max: 4,
         ..config()
     });
-    engine.set_rules(APP, vec![rule(RuleMatch::Default, 1_000, 3, 1_000)]).unwrap();
+    engine
+        .set_rules(APP, vec![rule(RuleMatch::Default, 1_000, 3, 1_000)])
+        .unwrap();
     let mut events = Vec::new();
     let items: [(&[u8], u32); 4] = [(b"a", 1), (b"", 1), (b"toolong", 1), (b"a", 2)];
     let outcome = engine.report_batch(APP, &items, 10, &mut events).unwrap();
     assert_eq!(outcome.accepted, 2);
     assert_eq!(outcome.rejected, 2);
-    assert_eq!(outcome.first_error, Some(ReportError::EmptyKey { app: APP.to_owned(), max: 4 }));
+    assert_eq!(
+        outcome.first_error,
+        Some(ReportError::EmptyKey {
+            app: APP.to_owned(),
+            max: 4
+        })
+    );
     assert_eq!(hot_events(&events).len(), 1);
     let many = vec![(&b"a"[..], 1); REPORT_BATCH_KEYS_MAX + 1];
-    let error = engine.report_batch(APP, &many, 10, &mut events).unwrap_err();
+    let error = engine
+        .report_batch(APP, &many, 10, &mut events)
+        .unwrap_err();
     assert!(matches!(error, ReportError::BatchTooLarge { .. }));
-    let error = engine.report_batch("bad app", &items, 10, &mut events).unwrap_err();
+    let error = engine
+        .report_batch("bad app", &items, 10, &mut events)
+        .unwrap_err();
     assert!(matches!(error, ReportError::InvalidApp(_)));
 }
 
@@ -442,7 +594,11 @@ fn given_time_going_backwards_when_reported_should_count_at_the_latest_time() {
     report(&mut engine, "k", 1, 5_000);
     report(&mut engine, "k", 1, 3_000);
     assert_eq!(count_of(&engine, "k", 5_999), 2);
-    assert_eq!(count_of(&engine, "k", 3_000), 2, "queries before the clock read it as now");
+    assert_eq!(
+        count_of(&engine, "k", 3_000),
+        2,
+        "queries before the clock read it as now"
+    );
 }
 
 #[test]
