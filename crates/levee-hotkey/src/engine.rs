@@ -225,6 +225,10 @@ pub struct MemoryStats {
     pub budget_evictions: u64,
 }
 
+/// A top-K candidate in a min-heap of the best so far: by count, then by key in reverse so that
+/// ties favour the smaller key.
+type Ranked<'key> = Reverse<(u64, Reverse<&'key [u8]>)>;
+
 /// Rule index of an entry whose key matches no rule (a manual hot key): never counted.
 const NO_RULE: u32 = u32::MAX;
 /// Estimated bytes per entry slot beyond the key: the entry and its hash-table slot.
@@ -510,10 +514,10 @@ impl HotKeyEngine {
         };
         let removed = self.apps.swap_remove(position);
         self.used_bytes -= removed.bytes;
-        if let Some(moved) = self.apps.get(position) {
-            if let Some(slot) = self.app_positions.get_mut(&*moved.name) {
-                *slot = position;
-            }
+        if let Some(moved) = self.apps.get(position)
+            && let Some(slot) = self.app_positions.get_mut(&*moved.name)
+        {
+            *slot = position;
         }
         self.update_sketch_generation();
         true
@@ -657,7 +661,7 @@ impl HotKeyEngine {
         if n == 0 {
             return Vec::new();
         }
-        let mut heap: BinaryHeap<Reverse<(u64, Reverse<&[u8]>)>> =
+        let mut heap: BinaryHeap<Ranked<'_>> =
             BinaryHeap::with_capacity(n.min(state.entries.len()) + 1);
         for entry in &state.entries {
             let count = state.count_at(entry, now_ms);
@@ -706,36 +710,15 @@ impl HotKeyEngine {
         let now_ms = self.advance_clock(now_ms);
         let position = self.resolve_app(app)?;
         let hash = self.hasher.hash_one(key);
-        let entry = match self.apps[position].find(hash, key) {
-            Some(entry) => entry,
-            None => {
-                let state = &self.apps[position];
-                let rule = state.rules.find(key);
-                let (rule, window) = match rule {
-                    Some(index) => {
-                        let compiled = state.rules.get(index);
-                        let estimate = self.sketch.estimate(hash ^ state.seed);
-                        let credit = estimate.min(compiled.admission - 1);
-                        let window =
-                            Window::new(credit, now_ms, compiled.window_ms, compiled.slot_ms);
-                        (index, window)
-                    }
-                    None => (NO_RULE, Window::new(0, now_ms, 1_000, 100)),
-                };
-                let new_entry = Entry {
-                    key: key.into(),
-                    hash,
-                    window,
-                    rule,
-                    hot_until_ms: 0,
-                };
-                self.insert_within_budget(position, new_entry, u64::MAX, now_ms)
-                    .ok_or_else(|| ReportError::OverBudget {
-                        app: app.to_owned(),
-                        used_bytes: self.used_bytes,
-                        budget_bytes: self.config.memory_budget_bytes,
-                    })?
-            }
+        let existing = self.apps[position].find(hash, key);
+        let Some(entry) =
+            existing.or_else(|| self.insert_manual_entry(position, key, hash, now_ms))
+        else {
+            return Err(ReportError::OverBudget {
+                app: app.to_owned(),
+                used_bytes: self.used_bytes,
+                budget_bytes: self.config.memory_budget_bytes,
+            });
         };
         self.make_hot(
             position,
@@ -983,6 +966,36 @@ impl HotKeyEngine {
                 events,
             );
         }
+    }
+
+    /// A tracked entry for a manual hot key that has none: counted from its sketch credit if a
+    /// rule matches it. `None` if the budget has no room.
+    fn insert_manual_entry(
+        &mut self,
+        position: usize,
+        key: &[u8],
+        hash: u64,
+        now_ms: u64,
+    ) -> Option<usize> {
+        let state = &self.apps[position];
+        let (rule, window) = match state.rules.find(key) {
+            Some(index) => {
+                let compiled = state.rules.get(index);
+                let estimate = self.sketch.estimate(hash ^ state.seed);
+                let credit = estimate.min(compiled.admission - 1);
+                let window = Window::new(credit, now_ms, compiled.window_ms, compiled.slot_ms);
+                (index, window)
+            }
+            None => (NO_RULE, Window::new(0, now_ms, 1_000, 100)),
+        };
+        let entry = Entry {
+            key: key.into(),
+            hash,
+            window,
+            rule,
+            hot_until_ms: 0,
+        };
+        self.insert_within_budget(position, entry, u64::MAX, now_ms)
     }
 
     /// Inserts a new entry if the budget allows, evicting the lowest-count sampled key whose
