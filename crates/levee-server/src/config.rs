@@ -211,81 +211,56 @@ impl Config {
         };
 
         let mut config = defaults;
-        if let Some(raw) = pick("grpc_addr", &overrides.grpc_addr, file_config.grpc_addr) {
-            config.grpc_addr = parse_setting(raw)?;
+        // Each setting: the flag or environment value if given, else the file's, parsed and
+        // checked by `parse`; else the default stays.
+        macro_rules! layer {
+            ($key:ident, $from_file:expr, $parse:expr) => {
+                if let Some(raw) = pick(stringify!($key), &overrides.$key, $from_file) {
+                    config.$key = $parse(raw)?;
+                }
+            };
         }
-        if let Some(raw) = pick("admin_addr", &overrides.admin_addr, file_config.admin_addr) {
-            config.admin_addr = parse_setting(raw)?;
-        }
-        if let Some(raw) = pick(
-            "data_dir",
-            &overrides.data_dir,
+        let text = |value: Option<u64>| value.map(|value| value.to_string());
+        let small = |value: Option<u32>| value.map(|value| value.to_string());
+        layer!(grpc_addr, file_config.grpc_addr, parse_setting);
+        layer!(admin_addr, file_config.admin_addr, parse_setting);
+        layer!(
+            data_dir,
             file_config
                 .data_dir
                 .map(|path| path.to_string_lossy().into_owned()),
-        ) {
-            if raw.0.is_empty() {
-                return Err(invalid(
-                    raw,
-                    "a directory path, such as ./levee-data".to_owned(),
-                ));
-            }
-            config.data_dir = PathBuf::from(raw.0);
-        }
-        if let Some(raw) = pick("log_level", &overrides.log_level, file_config.log_level) {
-            config.log_level = parse_setting(raw)?;
-        }
-        if let Some(raw) = pick("log_format", &overrides.log_format, file_config.log_format) {
-            config.log_format = parse_setting(raw)?;
-        }
-        if let Some(raw) = pick(
-            "shutdown_grace_ms",
-            &overrides.shutdown_grace_ms,
-            file_config.shutdown_grace_ms.map(|value| value.to_string()),
-        ) {
-            config.shutdown_grace_ms = parse_bounded(raw, 0, SHUTDOWN_GRACE_MS_MAX)?;
-        }
-        if let Some(raw) = pick(
-            "connections_max",
-            &overrides.connections_max,
-            file_config.connections_max.map(|value| value.to_string()),
-        ) {
-            config.connections_max = parse_bounded(raw, 1, CONNECTIONS_MAX_MAX)?;
-        }
-        if let Some(raw) = pick(
-            "hotkey_memory_budget_mb",
-            &overrides.hotkey_memory_budget_mb,
-            file_config
-                .hotkey_memory_budget_mb
-                .map(|value| value.to_string()),
-        ) {
-            config.hotkey_memory_budget_mb = parse_bounded(raw, 1, HOTKEY_MEMORY_BUDGET_MB_MAX)?;
-        }
-        if let Some(raw) = pick(
-            "hotkey_key_bytes_max",
-            &overrides.hotkey_key_bytes_max,
-            file_config
-                .hotkey_key_bytes_max
-                .map(|value| value.to_string()),
-        ) {
-            config.hotkey_key_bytes_max = parse_bounded(raw, 1, HOTKEY_KEY_BYTES_MAX_MAX)?;
-        }
-        if let Some(raw) = pick(
-            "hotkey_batch_keys_max",
-            &overrides.hotkey_batch_keys_max,
-            file_config
-                .hotkey_batch_keys_max
-                .map(|value| value.to_string()),
-        ) {
-            config.hotkey_batch_keys_max = parse_bounded(raw, 1, HOTKEY_BATCH_KEYS_MAX_MAX)?;
-        }
-        if let Some(raw) = pick(
-            "hotkey_unknown_app",
-            &overrides.hotkey_unknown_app,
+            parse_data_dir
+        );
+        layer!(log_level, file_config.log_level, parse_setting);
+        layer!(log_format, file_config.log_format, parse_setting);
+        layer!(
+            shutdown_grace_ms,
+            text(file_config.shutdown_grace_ms),
+            |raw| { parse_bounded(raw, 0, SHUTDOWN_GRACE_MS_MAX) }
+        );
+        layer!(connections_max, small(file_config.connections_max), |raw| {
+            parse_bounded(raw, 1, CONNECTIONS_MAX_MAX)
+        });
+        layer!(
+            hotkey_memory_budget_mb,
+            text(file_config.hotkey_memory_budget_mb),
+            |raw| { parse_bounded(raw, 1, HOTKEY_MEMORY_BUDGET_MB_MAX) }
+        );
+        layer!(
+            hotkey_key_bytes_max,
+            small(file_config.hotkey_key_bytes_max),
+            |raw| { parse_bounded(raw, 1, HOTKEY_KEY_BYTES_MAX_MAX) }
+        );
+        layer!(
+            hotkey_batch_keys_max,
+            small(file_config.hotkey_batch_keys_max),
+            |raw| { parse_bounded(raw, 1, HOTKEY_BATCH_KEYS_MAX_MAX) }
+        );
+        layer!(
+            hotkey_unknown_app,
             file_config.hotkey_unknown_app,
-        ) {
-            config.hotkey_unknown_app = parse_setting(raw)?;
-        }
+            parse_setting
+        );
         Ok(config)
     }
 
@@ -331,6 +306,16 @@ fn invalid((value, source, key): (String, Source, &'static str), expected: Strin
         origin: source,
         expected,
     }
+}
+
+fn parse_data_dir(raw: (String, Source, &'static str)) -> Result<PathBuf, ConfigError> {
+    if raw.0.is_empty() {
+        return Err(invalid(
+            raw,
+            "a directory path, such as ./levee-data".to_owned(),
+        ));
+    }
+    Ok(PathBuf::from(raw.0))
 }
 
 fn parse_setting<T>(raw: (String, Source, &'static str)) -> Result<T, ConfigError>
