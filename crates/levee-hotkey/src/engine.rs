@@ -9,6 +9,7 @@ use std::sync::Arc;
 use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 
+use crate::key_bytes::KeyBytes;
 use crate::rule::{HOT_DURATION_MS_MAX, HOT_DURATION_MS_MIN, Rule, RuleError, RuleMatch};
 use crate::rule_set::RuleSet;
 use crate::sketch::Sketch;
@@ -18,6 +19,9 @@ use crate::window::Window;
 pub const REPORT_BATCH_KEYS_MAX: usize = 65_536;
 /// Entries sampled to choose a victim when the memory budget binds.
 pub const EVICTION_SAMPLES: usize = 8;
+/// Items of a batch whose memory loads are started together (see
+/// [`HotKeyEngine::report_batch`]).
+const BATCH_CHUNK_ITEMS: usize = 64;
 /// Default [`EngineConfig::admission_divisor`].
 pub const ADMISSION_DIVISOR_DEFAULT: u64 = 8;
 
@@ -247,7 +251,7 @@ const GENERATION_MS_DEFAULT: u64 = 5_000;
 /// A tracked key: its exact window and hot state.
 #[derive(Debug)]
 struct Entry {
-    key: Box<[u8]>,
+    key: KeyBytes,
     hash: u64,
     window: Window,
     /// Index into the app's rules, or [`NO_RULE`].
@@ -329,14 +333,17 @@ impl App {
     fn find(&self, hash: u64, key: &[u8]) -> Option<usize> {
         let entries = &self.entries;
         self.index
-            .find(hash, |&position| *entries[position].key == *key)
+            .find(hash, |&position| {
+                let entry = &entries[position];
+                entry.hash == hash && *entry.key == *key
+            })
             .copied()
     }
 
     fn push_entry(&mut self, entry: Entry) -> usize {
         let position = self.entries.len();
         let hash = entry.hash;
-        self.key_bytes += entry.key.len();
+        self.key_bytes += entry.key.heap_bytes();
         self.entries.push(entry);
         let entries = &self.entries;
         self.index
@@ -357,7 +364,7 @@ impl App {
                 *slot = position;
             }
         }
-        self.key_bytes -= removed.key.len();
+        self.key_bytes -= removed.key.heap_bytes();
         removed
     }
 
@@ -482,7 +489,7 @@ impl HotKeyEngine {
                 };
                 kept.push(entry);
             } else {
-                dropped_key_bytes += entry.key.len();
+                dropped_key_bytes += entry.key.heap_bytes();
             }
         }
         state.entries = kept;
@@ -563,16 +570,37 @@ impl HotKeyEngine {
         let now_ms = self.advance_clock(now_ms);
         let position = self.resolve_app(app)?;
         let mut outcome = BatchOutcome::default();
-        for &(key, count) in items {
-            if key.is_empty() || key.len() > self.config.key_bytes_max {
-                outcome.rejected += 1;
-                if outcome.first_error.is_none() {
-                    outcome.first_error = self.check_key(app, key).err();
-                }
-                continue;
+        let mut hashes = [0_u64; BATCH_CHUNK_ITEMS];
+        let mut untracked = [false; BATCH_CHUNK_ITEMS];
+        for chunk in items.chunks(BATCH_CHUNK_ITEMS) {
+            // Three short passes start the chunk's memory loads (key hashes, table and entries,
+            // then the sketch blocks of keys that are not tracked) so that their cache misses
+            // overlap, instead of being paid one after another when the reports are counted.
+            let state = &self.apps[position];
+            for (hash, &(key, _)) in hashes.iter_mut().zip(chunk) {
+                *hash = self.hasher.hash_one(key);
             }
-            outcome.accepted += 1;
-            self.report_resolved(position, key, count, now_ms, events);
+            for ((missing, &hash), &(key, _)) in untracked.iter_mut().zip(&hashes).zip(chunk) {
+                *missing = state.find(hash, key).is_none();
+            }
+            let mut touched = 0_u32;
+            for (&missing, &hash) in untracked.iter().zip(&hashes).take(chunk.len()) {
+                if missing {
+                    touched ^= self.sketch.touch(hash ^ state.seed);
+                }
+            }
+            std::hint::black_box(touched);
+            for (&hash, &(key, count)) in hashes.iter().zip(chunk) {
+                if key.is_empty() || key.len() > self.config.key_bytes_max {
+                    outcome.rejected += 1;
+                    if outcome.first_error.is_none() {
+                        outcome.first_error = self.check_key(app, key).err();
+                    }
+                    continue;
+                }
+                outcome.accepted += 1;
+                self.report_hashed(position, key, hash, count, now_ms, events);
+            }
         }
         Ok(outcome)
     }
@@ -886,6 +914,20 @@ impl HotKeyEngine {
         events: &mut Vec<Event>,
     ) {
         let hash = self.hasher.hash_one(key);
+        self.report_hashed(position, key, hash, count, now_ms, events);
+    }
+
+    /// [`HotKeyEngine::report_resolved`] with the key's hash already computed.
+    #[inline]
+    fn report_hashed(
+        &mut self,
+        position: usize,
+        key: &[u8],
+        hash: u64,
+        count: u32,
+        now_ms: u64,
+        events: &mut Vec<Event>,
+    ) {
         let state = &mut self.apps[position];
         state.reports_received += 1;
         state.hits_received += u64::from(count);
@@ -945,7 +987,7 @@ impl HotKeyEngine {
             rule.rule.hot_duration_ms,
         );
         let entry = Entry {
-            key: key.into(),
+            key: KeyBytes::from(key),
             hash,
             window: Window::new(credit + count, now_ms, window_ms, slot_ms),
             rule: rule_index,
@@ -989,7 +1031,7 @@ impl HotKeyEngine {
             None => (NO_RULE, Window::new(0, now_ms, 1_000, 100)),
         };
         let entry = Entry {
-            key: key.into(),
+            key: KeyBytes::from(key),
             hash,
             window,
             rule,
@@ -1012,7 +1054,7 @@ impl HotKeyEngine {
         let mut evictions_left = 4;
         loop {
             let state = &self.apps[position];
-            let key_bytes = entry.key.len();
+            let key_bytes = entry.key.heap_bytes();
             let grow = state.entries.len() == state.entries.capacity();
             let room = budget.saturating_sub(self.used_bytes);
             if !grow && key_bytes <= room {
@@ -1111,7 +1153,7 @@ impl HotKeyEngine {
         let entry = &mut state.entries[entry_position];
         let was_hot = entry.hot_until_ms > now_ms;
         entry.hot_until_ms = hot_until_ms;
-        let key = entry.key.clone();
+        let key: Box<[u8]> = Box::from(&*entry.key);
         if !was_hot && source == HotSource::Detected {
             state.hot_detected += 1;
         }

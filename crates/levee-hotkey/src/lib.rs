@@ -10,6 +10,7 @@
 #![deny(missing_docs)]
 
 pub mod engine;
+mod key_bytes;
 pub mod rule;
 mod rule_set;
 mod sketch;
