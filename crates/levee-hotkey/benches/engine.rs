@@ -107,7 +107,7 @@ fn bench_zipf(criterion: &mut Criterion) {
     });
     let memory = single.memory();
     println!(
-        "zipf report: {} keys tracked, {} bytes used",
+        "zipf report: {reports} reports, {} keys tracked, {} bytes used",
         memory.keys_tracked, memory.used_bytes
     );
 

@@ -6,7 +6,8 @@ use std::collections::{BinaryHeap, HashMap};
 use std::hash::BuildHasher;
 use std::sync::Arc;
 
-use foldhash::fast::RandomState;
+use foldhash::SharedSeed;
+use foldhash::fast::{RandomState, SeedableRandomState};
 use hashbrown::HashTable;
 
 use crate::key_bytes::KeyBytes;
@@ -56,6 +57,10 @@ pub struct EngineConfig {
     /// Most tracked keys per app that one [`HotKeyEngine::tick`] inspects to reclaim idle ones
     /// (it resumes where it stopped on the next tick).
     pub reclaim_keys_per_tick: usize,
+    /// Seed of the key hash (sketch cells and tables). `None`: a random seed per engine, so that
+    /// clients cannot choose keys that collide. `Some`: the same seed gives the same sketch
+    /// collisions, for reproducible tests and simulations.
+    pub hash_seed: Option<u64>,
 }
 
 impl Default for EngineConfig {
@@ -68,6 +73,7 @@ impl Default for EngineConfig {
             sketch_bytes: 32 * 1024 * 1024,
             admission_divisor: ADMISSION_DIVISOR_DEFAULT,
             reclaim_keys_per_tick: 65_536,
+            hash_seed: None,
         }
     }
 }
@@ -402,7 +408,7 @@ impl App {
 #[derive(Debug)]
 pub struct HotKeyEngine {
     config: EngineConfig,
-    hasher: RandomState,
+    hasher: SeedableRandomState,
     apps: Vec<App>,
     app_positions: HashMap<Box<str>, usize, RandomState>,
     sketch: Sketch,
@@ -424,9 +430,13 @@ impl HotKeyEngine {
             GENERATION_MS_DEFAULT,
         );
         let used_bytes = sketch.bytes();
+        let hasher = match config.hash_seed {
+            Some(seed) => SeedableRandomState::with_seed(seed, SharedSeed::global_fixed()),
+            None => SeedableRandomState::random(),
+        };
         Self {
             config,
-            hasher: RandomState::default(),
+            hasher,
             apps: Vec::new(),
             app_positions: HashMap::default(),
             sketch,
@@ -1184,6 +1194,15 @@ impl HotKeyEngine {
             source,
         }));
         self.refresh_bytes(position);
+        // The hot set and the cool queue grew: give the budget back from cold keys if it is
+        // now passed (a hot key is never evicted, so this always terminates).
+        let mut evictions_left = 4;
+        while self.used_bytes > self.config.memory_budget_bytes
+            && evictions_left > 0
+            && self.evict_one(position, u64::MAX, now_ms)
+        {
+            evictions_left -= 1;
+        }
     }
 
     /// Drops idle entries (count 0, not hot) among the next keys of the app's reclaim cursor.

@@ -617,3 +617,55 @@ fn given_apps_when_listed_and_removed_should_sort_and_forget() {
     assert_eq!(engine.stats("zeta").unwrap().reports_received, 1);
     assert!(engine.rules("alpha").is_none());
 }
+
+#[test]
+fn given_same_stream_when_reported_in_batches_or_one_by_one_should_count_and_detect_the_same() {
+    let rules = vec![
+        rule(prefix("p"), 1_000, 40, 60_000),
+        rule(RuleMatch::Default, 2_000, 200, 60_000),
+    ];
+    // The same hash seed: the same sketch collisions, so the same admission credits.
+    let seeded = EngineConfig {
+        hash_seed: Some(42),
+        ..config()
+    };
+    let mut single = HotKeyEngine::new(seeded.clone());
+    single.set_rules(APP, rules.clone()).unwrap();
+    let mut batched = HotKeyEngine::new(seeded);
+    batched.set_rules(APP, rules).unwrap();
+    let keys: Vec<String> = (0..300)
+        .map(|index| format!("{}{}", ["p", "q"][index % 2], index % 150))
+        .collect();
+    let mut state = 7_u64;
+    let mut single_events = Vec::new();
+    let mut batched_events = Vec::new();
+    for round in 0..40_u64 {
+        let now_ms = 1_000 + round * 37;
+        let mut items: Vec<(&[u8], u32)> = Vec::new();
+        for _ in 0..150 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            // Skewed: low indices are hit far more often.
+            let index = usize::try_from((state % 300) * (state % 300) / 300).unwrap();
+            let count = u32::try_from(state % 3 + 1).unwrap();
+            items.push((keys[index].as_bytes(), count));
+        }
+        for &(key, count) in &items {
+            single
+                .report(APP, key, count, now_ms, &mut single_events)
+                .unwrap();
+        }
+        let outcome = batched
+            .report_batch(APP, &items, now_ms, &mut batched_events)
+            .unwrap();
+        assert_eq!(outcome.accepted, items.len());
+        let mut tick_events = Vec::new();
+        single.tick(now_ms, &mut tick_events);
+        batched.tick(now_ms, &mut tick_events);
+    }
+    assert!(!single_events.is_empty(), "the stream makes keys hot");
+    assert_eq!(single_events, batched_events);
+    assert_eq!(single.top_k(APP, 50, 2_500), batched.top_k(APP, 50, 2_500));
+    assert_eq!(single.stats(APP), batched.stats(APP));
+}
