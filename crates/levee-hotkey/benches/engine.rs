@@ -36,7 +36,7 @@ impl Random {
             reason = "53 random bits fit an f64 exactly"
         )]
         let value = (self.next() >> 11) as f64;
-        value / (1_u64 << 53) as f64
+        value / 9_007_199_254_740_992.0 // 2^53
     }
 }
 
