@@ -15,7 +15,8 @@ const STREAM_LENGTH: usize = 1 << 20;
 const COLD_KEYS: u64 = 10_000_000;
 const REPORTS_PER_ITERATION: usize = 100_000;
 const BATCH_ITEMS: usize = 1_000;
-/// Virtual time: one millisecond per this many reports (10 M reports/s).
+/// Virtual time: one millisecond per this many reports (10 M reports/s). The engine is ticked
+/// once per virtual millisecond, as the server does every few milliseconds.
 const REPORTS_PER_MS: u64 = 10_000;
 
 /// xorshift64*: a deterministic, dependency-free random stream.
@@ -98,6 +99,9 @@ fn bench_zipf(criterion: &mut Criterion) {
                 let key = stream[position];
                 position = (position + 1) % STREAM_LENGTH;
                 reports += 1;
+                if reports % REPORTS_PER_MS == 0 {
+                    single.tick(reports / REPORTS_PER_MS, &mut events);
+                }
                 single
                     .report(APP, key, 1, reports / REPORTS_PER_MS, &mut events)
                     .expect("valid report");
@@ -124,6 +128,9 @@ fn bench_zipf(criterion: &mut Criterion) {
                     position = (position + 1) % STREAM_LENGTH;
                 }
                 reports += BATCH_ITEMS as u64;
+                if reports % REPORTS_PER_MS == 0 {
+                    batched.tick(reports / REPORTS_PER_MS, &mut events);
+                }
                 let outcome = batched
                     .report_batch(APP, &batch, reports / REPORTS_PER_MS, &mut events)
                     .expect("valid batch");
@@ -152,6 +159,9 @@ fn bench_cold(criterion: &mut Criterion) {
             for _ in 0..REPORTS_PER_ITERATION {
                 let key = (random.next() % COLD_KEYS).to_le_bytes();
                 reports += 1;
+                if reports % REPORTS_PER_MS == 0 {
+                    cold.tick(reports / REPORTS_PER_MS, &mut events);
+                }
                 cold.report(APP, &key, 1, reports / REPORTS_PER_MS, &mut events)
                     .expect("valid report");
             }
@@ -175,6 +185,9 @@ fn bench_cold(criterion: &mut Criterion) {
                 }
                 let batch: Vec<(&[u8], u32)> = keys.iter().map(|key| (&key[..], 1)).collect();
                 reports += BATCH_ITEMS as u64;
+                if reports % REPORTS_PER_MS == 0 {
+                    cold_batched.tick(reports / REPORTS_PER_MS, &mut events);
+                }
                 let outcome = cold_batched
                     .report_batch(APP, &batch, reports / REPORTS_PER_MS, &mut events)
                     .expect("valid batch");

@@ -72,7 +72,7 @@ impl Default for EngineConfig {
             unknown_app: UnknownAppPolicy::Create,
             sketch_bytes: 32 * 1024 * 1024,
             admission_divisor: ADMISSION_DIVISOR_DEFAULT,
-            reclaim_keys_per_tick: 65_536,
+            reclaim_keys_per_tick: 4_096,
             hash_seed: None,
         }
     }
@@ -254,16 +254,18 @@ const ENTRIES_CAPACITY_MIN: usize = 16;
 /// Sketch generation when no app has rules.
 const GENERATION_MS_DEFAULT: u64 = 5_000;
 
-/// A tracked key: its exact window and hot state.
+/// A tracked key: its exact window and hot state. Laid out (C order, cache-line aligned) so
+/// that a lookup and the common update touch the first line and one line of slots.
 #[derive(Debug)]
+#[repr(C, align(64))]
 struct Entry {
-    key: KeyBytes,
     hash: u64,
-    window: Window,
+    key: KeyBytes,
     /// Index into the app's rules, or [`NO_RULE`].
     rule: u32,
     /// Until when it is hot; 0 when it is not in the hot set.
     hot_until_ms: u64,
+    window: Window,
 }
 
 /// A key in an app's hot set.
@@ -583,6 +585,7 @@ impl HotKeyEngine {
         let mut hashes = [0_u64; BATCH_CHUNK_ITEMS];
         let mut untracked = [false; BATCH_CHUNK_ITEMS];
         for chunk in items.chunks(BATCH_CHUNK_ITEMS) {
+            untracked.fill(false);
             // Three short passes start the chunk's memory loads (key hashes, table and entries,
             // then the sketch blocks of keys that are not tracked) so that their cache misses
             // overlap, instead of being paid one after another when the reports are counted.
@@ -590,13 +593,16 @@ impl HotKeyEngine {
             for (hash, &(key, _)) in hashes.iter_mut().zip(chunk) {
                 *hash = self.hasher.hash_one(key);
             }
+            let mut touched = 0_u64;
             for ((missing, &hash), &(key, _)) in untracked.iter_mut().zip(&hashes).zip(chunk) {
-                *missing = state.find(hash, key).is_none();
+                match state.find(hash, key) {
+                    Some(entry) => touched ^= state.entries[entry].window.touch(),
+                    None => *missing = true,
+                }
             }
-            let mut touched = 0_u32;
             for (&missing, &hash) in untracked.iter().zip(&hashes).take(chunk.len()) {
                 if missing {
-                    touched ^= self.sketch.touch(hash ^ state.seed);
+                    touched ^= u64::from(self.sketch.touch(hash ^ state.seed));
                 }
             }
             std::hint::black_box(touched);
