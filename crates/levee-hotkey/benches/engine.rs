@@ -99,7 +99,7 @@ fn bench_zipf(criterion: &mut Criterion) {
                 let key = stream[position];
                 position = (position + 1) % STREAM_LENGTH;
                 reports += 1;
-                if reports % REPORTS_PER_MS == 0 {
+                if reports.is_multiple_of(REPORTS_PER_MS) {
                     single.tick(reports / REPORTS_PER_MS, &mut events);
                 }
                 single
@@ -128,7 +128,7 @@ fn bench_zipf(criterion: &mut Criterion) {
                     position = (position + 1) % STREAM_LENGTH;
                 }
                 reports += BATCH_ITEMS as u64;
-                if reports % REPORTS_PER_MS == 0 {
+                if reports.is_multiple_of(REPORTS_PER_MS) {
                     batched.tick(reports / REPORTS_PER_MS, &mut events);
                 }
                 let outcome = batched
@@ -159,7 +159,7 @@ fn bench_cold(criterion: &mut Criterion) {
             for _ in 0..REPORTS_PER_ITERATION {
                 let key = (random.next() % COLD_KEYS).to_le_bytes();
                 reports += 1;
-                if reports % REPORTS_PER_MS == 0 {
+                if reports.is_multiple_of(REPORTS_PER_MS) {
                     cold.tick(reports / REPORTS_PER_MS, &mut events);
                 }
                 cold.report(APP, &key, 1, reports / REPORTS_PER_MS, &mut events)
@@ -185,7 +185,7 @@ fn bench_cold(criterion: &mut Criterion) {
                 }
                 let batch: Vec<(&[u8], u32)> = keys.iter().map(|key| (&key[..], 1)).collect();
                 reports += BATCH_ITEMS as u64;
-                if reports % REPORTS_PER_MS == 0 {
+                if reports.is_multiple_of(REPORTS_PER_MS) {
                     cold_batched.tick(reports / REPORTS_PER_MS, &mut events);
                 }
                 let outcome = cold_batched
