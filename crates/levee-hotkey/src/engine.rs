@@ -415,12 +415,12 @@ pub struct HotKeyEngine {
     app_positions: HashMap<Box<str>, usize, RandomState>,
     sketch: Sketch,
     cool_queue: BinaryHeap<Reverse<CoolItem>>,
-    cool_queue_bytes: usize,
     /// The latest time seen: an earlier `now_ms` is taken as this.
     clock_ms: u64,
     next_app_seed: u64,
     random_state: u64,
     budget_evictions: u64,
+    /// The sketch, every app's [`App::bytes`] and the cool queue's items.
     used_bytes: usize,
 }
 
@@ -443,7 +443,6 @@ impl HotKeyEngine {
             app_positions: HashMap::default(),
             sketch,
             cool_queue: BinaryHeap::new(),
-            cool_queue_bytes: 0,
             clock_ms: 0,
             next_app_seed: 0x9E37_79B9_7F4A_7C15,
             random_state: 0x2545_F491_4F6C_DD1D,
@@ -637,7 +636,7 @@ impl HotKeyEngine {
             let Some(Reverse(item)) = self.cool_queue.pop() else {
                 break;
             };
-            self.cool_queue_bytes -= COOL_ITEM_BYTES + item.key.len();
+            self.used_bytes -= COOL_ITEM_BYTES + item.key.len();
             let Some(&position) = self.app_positions.get(&*item.app) else {
                 continue;
             };
@@ -1185,7 +1184,7 @@ impl HotKeyEngine {
             state.hot_key_bytes += key.len();
             state.hot.insert(key.clone(), hot);
         }
-        self.cool_queue_bytes += COOL_ITEM_BYTES + key.len();
+        self.used_bytes += COOL_ITEM_BYTES + key.len();
         self.cool_queue.push(Reverse(CoolItem {
             hot_until_ms,
             app: Arc::clone(&state.name),

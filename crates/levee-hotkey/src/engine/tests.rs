@@ -669,3 +669,20 @@ fn given_same_stream_when_reported_in_batches_or_one_by_one_should_count_and_det
     assert_eq!(single.top_k(APP, 50, 2_500), batched.top_k(APP, 50, 2_500));
     assert_eq!(single.stats(APP), batched.stats(APP));
 }
+
+#[test]
+fn given_hot_periods_when_ticked_away_should_return_memory_to_the_start() {
+    let mut engine = engine_with(vec![rule(RuleMatch::Default, 1_000, 1, 1_000)]);
+    let start = engine.memory().used_bytes;
+    for index in 0..100 {
+        report(&mut engine, &format!("key{index}"), 1, 0);
+    }
+    assert!(engine.memory().used_bytes > start);
+    let mut events = Vec::new();
+    engine.tick(5_000, &mut events);
+    assert_eq!(events.len(), 100);
+    assert_eq!(engine.memory().keys_tracked, 0);
+    // The entry table keeps its capacity; everything else is given back.
+    let capacity_bytes = engine.apps[0].entries.capacity() * ENTRY_SLOT_BYTES;
+    assert_eq!(engine.memory().used_bytes, start + capacity_bytes);
+}
