@@ -686,3 +686,47 @@ fn given_hot_periods_when_ticked_away_should_return_memory_to_the_start() {
     let capacity_bytes = engine.apps[0].entries.capacity() * ENTRY_SLOT_BYTES;
     assert_eq!(engine.memory().used_bytes, start + capacity_bytes);
 }
+
+#[test]
+fn given_full_budget_when_candidate_offers_more_than_the_lowest_sampled_count_should_evict_else_refuse()
+ {
+    let sketch_bytes = 64 * 1024;
+    let budget = sketch_bytes + 12 * 1024;
+    let mut engine = HotKeyEngine::new(EngineConfig {
+        sketch_bytes,
+        memory_budget_bytes: budget,
+        // Admission 1 for a threshold of 1000: every key is tracked from its first hit.
+        admission_divisor: 1_000,
+        hash_seed: Some(7),
+        ..config()
+    });
+    engine
+        .set_rules(APP, vec![rule(RuleMatch::Default, 10_000, 1_000, 60_000)])
+        .unwrap();
+    let mut filled = 0;
+    while engine.memory().budget_evictions == 0 {
+        report(&mut engine, &format!("key{filled}"), 5, 1_000);
+        filled += 1;
+        assert!(filled < 10_000, "the budget never bound");
+    }
+    let tracked = engine.memory().keys_tracked;
+    assert!(tracked > 4, "{tracked} keys fit");
+    let refusals = engine.memory().budget_evictions;
+    report(&mut engine, "weak", 1, 1_000);
+    assert_eq!(engine.memory().keys_tracked, tracked);
+    assert_eq!(
+        count_of(&engine, "weak", 1_000),
+        0,
+        "1 hit does not beat counts of 5"
+    );
+    assert_eq!(engine.memory().budget_evictions, refusals + 1);
+    report(&mut engine, "strong", 100, 1_000);
+    assert_eq!(
+        count_of(&engine, "strong", 1_000),
+        100,
+        "100 hits evict a key with 5"
+    );
+    assert_eq!(engine.memory().keys_tracked, tracked);
+    assert_eq!(engine.memory().budget_evictions, refusals + 2);
+    assert!(engine.memory().used_bytes <= budget);
+}
