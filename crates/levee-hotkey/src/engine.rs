@@ -422,6 +422,8 @@ pub struct HotKeyEngine {
     budget_evictions: u64,
     /// The sketch, every app's [`App::bytes`] and the cool queue's items.
     used_bytes: usize,
+    /// Position of the app resolved last (reports come in runs of one app); `usize::MAX`: none.
+    last_app_position: usize,
 }
 
 impl HotKeyEngine {
@@ -448,6 +450,7 @@ impl HotKeyEngine {
             random_state: 0x2545_F491_4F6C_DD1D,
             budget_evictions: 0,
             used_bytes,
+            last_app_position: usize::MAX,
         }
     }
 
@@ -530,6 +533,7 @@ impl HotKeyEngine {
         let Some(position) = self.app_positions.remove(app) else {
             return false;
         };
+        self.last_app_position = usize::MAX;
         let removed = self.apps.swap_remove(position);
         self.used_bytes -= removed.bytes;
         if let Some(moved) = self.apps.get(position)
@@ -857,8 +861,15 @@ impl HotKeyEngine {
     }
 
     /// The app's position, creating it with the default rule if the policy allows.
+    #[inline]
     fn resolve_app(&mut self, app: &str) -> Result<usize, ReportError> {
+        if let Some(state) = self.apps.get(self.last_app_position)
+            && *state.name == *app
+        {
+            return Ok(self.last_app_position);
+        }
         if let Some(&position) = self.app_positions.get(app) {
+            self.last_app_position = position;
             return Ok(position);
         }
         if self.config.unknown_app == UnknownAppPolicy::Refuse {

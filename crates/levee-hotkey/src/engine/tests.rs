@@ -615,6 +615,11 @@ fn given_apps_when_listed_and_removed_should_sort_and_forget() {
     assert_eq!(engine.apps(), ["mid", "zeta"]);
     assert!(engine.memory().used_bytes < used);
     assert_eq!(engine.stats("zeta").unwrap().reports_received, 1);
+    // Removing an app moves another into its place: reports still reach the right app.
+    engine.report("zeta", b"k", 1, 0, &mut events).unwrap();
+    engine.report("zeta", b"k", 1, 0, &mut events).unwrap();
+    assert_eq!(engine.stats("zeta").unwrap().reports_received, 3);
+    assert_eq!(engine.stats("mid").unwrap().reports_received, 1);
     assert!(engine.rules("alpha").is_none());
 }
 
@@ -682,6 +687,7 @@ fn given_hot_periods_when_ticked_away_should_return_memory_to_the_start() {
     engine.tick(5_000, &mut events);
     assert_eq!(events.len(), 100);
     assert_eq!(engine.memory().keys_tracked, 0);
+    assert_eq!(std::mem::size_of::<Entry>(), 192, "three cache lines per tracked key");
     // The entry table keeps its capacity; everything else is given back.
     let capacity_bytes = engine.apps[0].entries.capacity() * ENTRY_SLOT_BYTES;
     assert_eq!(engine.memory().used_bytes, start + capacity_bytes);
