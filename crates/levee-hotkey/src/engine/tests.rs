@@ -687,7 +687,11 @@ fn given_hot_periods_when_ticked_away_should_return_memory_to_the_start() {
     engine.tick(5_000, &mut events);
     assert_eq!(events.len(), 100);
     assert_eq!(engine.memory().keys_tracked, 0);
-    assert_eq!(std::mem::size_of::<Entry>(), 192, "three cache lines per tracked key");
+    assert_eq!(
+        std::mem::size_of::<Entry>(),
+        192,
+        "three cache lines per tracked key"
+    );
     // The entry table keeps its capacity; everything else is given back.
     let capacity_bytes = engine.apps[0].entries.capacity() * ENTRY_SLOT_BYTES;
     assert_eq!(engine.memory().used_bytes, start + capacity_bytes);
