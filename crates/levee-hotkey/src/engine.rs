@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use foldhash::SharedSeed;
 use foldhash::fast::{RandomState, SeedableRandomState};
-use hashbrown::HashTable;
 
+use crate::app::{App, ENTRY_SLOT_BYTES, Entry, HotState, NO_RULE};
 use crate::key_bytes::KeyBytes;
 use crate::rule::{HOT_DURATION_MS_MAX, HOT_DURATION_MS_MIN, Rule, RuleError, RuleMatch};
 use crate::rule_set::RuleSet;
@@ -239,43 +239,12 @@ pub struct MemoryStats {
 /// ties favour the smaller key.
 type Ranked<'key> = Reverse<(u64, Reverse<&'key [u8]>)>;
 
-/// Rule index of an entry whose key matches no rule (a manual hot key): never counted.
-const NO_RULE: u32 = u32::MAX;
-/// Estimated bytes per entry slot beyond the key: the entry and its hash-table slot.
-const ENTRY_SLOT_BYTES: usize = std::mem::size_of::<Entry>() + 16;
-/// Estimated bytes of a hot-set item beyond its key.
-const HOT_ITEM_BYTES: usize = std::mem::size_of::<HotState>() + 48;
 /// Estimated bytes of a cool-queue item beyond its key.
 const COOL_ITEM_BYTES: usize = std::mem::size_of::<CoolItem>() + 16;
-/// Estimated bytes of an app beyond its rules, entries and hot set.
-const APP_BYTES: usize = std::mem::size_of::<App>() + 256;
 /// Smallest capacity an app's entry table grows to.
 const ENTRIES_CAPACITY_MIN: usize = 16;
 /// Sketch generation when no app has rules.
 const GENERATION_MS_DEFAULT: u64 = 5_000;
-
-/// A tracked key: its exact window and hot state. Laid out (C order, cache-line aligned) so
-/// that a lookup and the common update touch the first line and one line of slots.
-#[derive(Debug)]
-#[repr(C, align(64))]
-struct Entry {
-    hash: u64,
-    key: KeyBytes,
-    /// Index into the app's rules, or [`NO_RULE`].
-    rule: u32,
-    /// Until when it is hot; 0 when it is not in the hot set.
-    hot_until_ms: u64,
-    window: Window,
-}
-
-/// A key in an app's hot set.
-#[derive(Debug, Clone)]
-struct HotState {
-    rule: RuleMatch,
-    count: u64,
-    hot_until_ms: u64,
-    source: HotSource,
-}
 
 /// A hot period's end, for [`HotKeyEngine::tick`]. Stale items (the key was extended, cooled
 /// by hand or its app removed) are skipped when they come up.
@@ -284,123 +253,6 @@ struct CoolItem {
     hot_until_ms: u64,
     app: Arc<str>,
     key: Box<[u8]>,
-}
-
-/// One app: its rules, tracked keys, hot set and counters.
-#[derive(Debug)]
-struct App {
-    name: Arc<str>,
-    /// Mixed into sketch hashes so that apps do not share cells key for key.
-    seed: u64,
-    rules: RuleSet,
-    entries: Vec<Entry>,
-    /// Positions in `entries`, by key hash.
-    index: HashTable<usize>,
-    hot: HashMap<Box<[u8]>, HotState, RandomState>,
-    hits_received: u64,
-    reports_received: u64,
-    hot_detected: u64,
-    key_bytes: usize,
-    hot_key_bytes: usize,
-    reclaim_cursor: usize,
-    /// Bytes as last counted into the engine's total.
-    bytes: usize,
-}
-
-impl App {
-    fn new(name: &str, seed: u64, rules: RuleSet) -> Self {
-        let mut app = Self {
-            name: Arc::from(name),
-            seed,
-            rules,
-            entries: Vec::new(),
-            index: HashTable::new(),
-            hot: HashMap::default(),
-            hits_received: 0,
-            reports_received: 0,
-            hot_detected: 0,
-            key_bytes: 0,
-            hot_key_bytes: 0,
-            reclaim_cursor: 0,
-            bytes: 0,
-        };
-        app.bytes = app.measure_bytes();
-        app
-    }
-
-    fn measure_bytes(&self) -> usize {
-        APP_BYTES
-            + self.name.len()
-            + self.rules.bytes()
-            + self.entries.capacity() * ENTRY_SLOT_BYTES
-            + self.key_bytes
-            + self.hot.len() * HOT_ITEM_BYTES
-            + self.hot_key_bytes
-    }
-
-    fn find(&self, hash: u64, key: &[u8]) -> Option<usize> {
-        let entries = &self.entries;
-        self.index
-            .find(hash, |&position| {
-                let entry = &entries[position];
-                entry.hash == hash && *entry.key == *key
-            })
-            .copied()
-    }
-
-    fn push_entry(&mut self, entry: Entry) -> usize {
-        let position = self.entries.len();
-        let hash = entry.hash;
-        self.key_bytes += entry.key.heap_bytes();
-        self.entries.push(entry);
-        let entries = &self.entries;
-        self.index
-            .insert_unique(hash, position, |&other| entries[other].hash);
-        position
-    }
-
-    fn remove_entry(&mut self, position: usize) -> Entry {
-        let hash = self.entries[position].hash;
-        if let Ok(found) = self.index.find_entry(hash, |&other| other == position) {
-            found.remove();
-        }
-        let last = self.entries.len() - 1;
-        let removed = self.entries.swap_remove(position);
-        if position != last {
-            let moved_hash = self.entries[position].hash;
-            if let Some(slot) = self.index.find_mut(moved_hash, |&other| other == last) {
-                *slot = position;
-            }
-        }
-        self.key_bytes -= removed.key.heap_bytes();
-        removed
-    }
-
-    fn rebuild_index(&mut self) {
-        self.index.clear();
-        let entries = &self.entries;
-        for (position, entry) in entries.iter().enumerate() {
-            self.index
-                .insert_unique(entry.hash, position, |&other| entries[other].hash);
-        }
-    }
-
-    /// The entry's window count at `now_ms` (0 for keys that match no rule).
-    fn count_at(&self, entry: &Entry, now_ms: u64) -> u64 {
-        if entry.rule == NO_RULE {
-            return 0;
-        }
-        let rule = self.rules.get(entry.rule);
-        entry.window.count_at(now_ms, rule.window_ms, rule.slot_ms)
-    }
-
-    fn rule_match(&self, rule: u32) -> RuleMatch {
-        if rule == NO_RULE {
-            RuleMatch::Default
-        } else {
-            self.rules.get(rule).rule.matcher.clone()
-        }
-    }
 }
 
 /// The engine. Not thread-safe by itself: the server shards keys over several engines, each

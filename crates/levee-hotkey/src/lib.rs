@@ -91,6 +91,7 @@
 
 #![deny(missing_docs)]
 
+mod app;
 pub mod engine;
 mod key_bytes;
 pub mod rule;
