@@ -20,6 +20,8 @@ use crate::window::Window;
 pub const REPORT_BATCH_KEYS_MAX: usize = 65_536;
 /// Entries sampled to choose a victim when the memory budget binds.
 pub const EVICTION_SAMPLES: usize = 8;
+/// Apps sampled to find one holding more than its share when the budget binds.
+const APP_SAMPLES: usize = 4;
 /// Items of a batch whose memory loads are started together (see
 /// [`HotKeyEngine::report_batch`]).
 const BATCH_CHUNK_ITEMS: usize = 64;
@@ -918,9 +920,11 @@ impl HotKeyEngine {
         self.insert_within_budget(position, entry, u64::MAX, now_ms)
     }
 
-    /// Inserts a new entry if the budget allows, evicting the lowest-count sampled key whose
-    /// count is below `estimate` if it does not. Returns the entry's position, or `None` (and
-    /// counts a budget eviction) if the key was kept out.
+    /// Inserts a new entry if the budget allows. If it does not, memory comes from the victim
+    /// app (see [`HotKeyEngine::victim_app`]): from this app, one sampled key with a count below
+    /// `estimate` is evicted and its slot reused; from another app, a block of such keys is
+    /// evicted and that app's table shrunk (see [`HotKeyEngine::make_room_in`]). Returns the
+    /// entry's position, or `None` (counted in `budget_evictions`) if the key was kept out.
     fn insert_within_budget(
         &mut self,
         position: usize,
@@ -929,10 +933,10 @@ impl HotKeyEngine {
         now_ms: u64,
     ) -> Option<usize> {
         let budget = self.config.memory_budget_bytes;
-        let mut evictions_left = 4;
+        let key_bytes = entry.key.heap_bytes();
+        let mut attempts_left = 4;
         loop {
             let state = &self.apps[position];
-            let key_bytes = entry.key.heap_bytes();
             let grow = state.entries.len() == state.entries.capacity();
             let room = budget.saturating_sub(self.used_bytes);
             if !grow && key_bytes <= room {
@@ -954,31 +958,66 @@ impl HotKeyEngine {
                     continue;
                 }
             }
-            if evictions_left == 0 || !self.evict_one(position, estimate, now_ms) {
+            let freed = attempts_left > 0
+                && match self.victim_app(position) {
+                    Some(victim) if victim == position => {
+                        self.evict_from(position, estimate, now_ms)
+                    }
+                    Some(victim) => {
+                        let wanted_bytes = if grow {
+                            ENTRIES_CAPACITY_MIN * ENTRY_SLOT_BYTES + key_bytes
+                        } else {
+                            key_bytes
+                        };
+                        self.make_room_in(victim, wanted_bytes, estimate, now_ms)
+                    }
+                    None => false,
+                };
+            if !freed {
                 self.budget_evictions += 1;
                 return None;
             }
-            evictions_left -= 1;
+            attempts_left -= 1;
         }
         let entry_position = self.apps[position].push_entry(entry);
         self.refresh_bytes(position);
         Some(entry_position)
     }
 
-    /// Evicts the lowest-count key among [`EVICTION_SAMPLES`] sampled non-hot keys of the app
-    /// (or of the largest app, if this one has no key to give) if its count is below
-    /// `estimate`. Returns whether a key was evicted.
-    fn evict_one(&mut self, position: usize, estimate: u64, now_ms: u64) -> bool {
-        let victim_app = if self.apps[position].entries.is_empty() {
-            let largest = (0..self.apps.len()).max_by_key(|&other| self.apps[other].entries.len());
-            match largest {
-                Some(largest) if !self.apps[largest].entries.is_empty() => largest,
-                _ => return false,
-            }
-        } else {
-            position
-        };
+    /// Frees at least `bytes` of the budget from app `victim`: evicts a block of sampled keys
+    /// with counts below `estimate` (at least `bytes` worth, 16 keys and 1/16 of the app, so the
+    /// table's shrinking copy is paid once per many evictions) and shrinks its table to fit.
+    /// Returns whether any key was evicted.
+    fn make_room_in(&mut self, victim: usize, bytes: usize, estimate: u64, now_ms: u64) -> bool {
+        let length = self.apps[victim].entries.len();
+        let wanted = bytes
+            .div_ceil(ENTRY_SLOT_BYTES)
+            .max(length / 16)
+            .max(ENTRIES_CAPACITY_MIN)
+            .min(length);
+        let mut evicted = 0;
+        while evicted < wanted && self.evict_from(victim, estimate, now_ms) {
+            evicted += 1;
+        }
+        if evicted == 0 {
+            return false;
+        }
+        let state = &mut self.apps[victim];
+        let length = state.entries.len();
+        state.entries.shrink_to(length);
+        let entries = &state.entries;
+        state.index.shrink_to(length, |&other| entries[other].hash);
+        self.refresh_bytes(victim);
+        true
+    }
+
+    /// Evicts the lowest-count key among [`EVICTION_SAMPLES`] sampled non-hot keys of app
+    /// `victim` if its count is below `estimate`. Returns whether a key was evicted.
+    fn evict_from(&mut self, victim_app: usize, estimate: u64, now_ms: u64) -> bool {
         let length = self.apps[victim_app].entries.len();
+        if length == 0 {
+            return false;
+        }
         let mut victim: Option<(u64, usize)> = None;
         for _ in 0..EVICTION_SAMPLES {
             let sample = self.next_random_below(length);
@@ -1000,6 +1039,39 @@ impl HotKeyEngine {
                 true
             }
             _ => false,
+        }
+    }
+
+    /// The app that gives memory to an admission in app `position`: the app itself if it holds
+    /// at least its fair share of the budget (budget / apps), else the app holding the most
+    /// among a few sampled (all apps, when there are few), so that one app filling the budget
+    /// cannot keep the others out. `None` if no candidate app has a tracked key.
+    fn victim_app(&mut self, position: usize) -> Option<usize> {
+        let own = &self.apps[position];
+        let fair_share_bytes = self.config.memory_budget_bytes / self.apps.len().max(1);
+        if !own.entries.is_empty() && own.bytes >= fair_share_bytes {
+            return Some(position);
+        }
+        let mut biggest: Option<usize> = None;
+        let app_count = self.apps.len();
+        for sample in 0..APP_SAMPLES.min(app_count) {
+            let other = if app_count <= APP_SAMPLES {
+                sample
+            } else {
+                self.next_random_below(app_count)
+            };
+            let candidate = &self.apps[other];
+            if !candidate.entries.is_empty()
+                && biggest.is_none_or(|best| candidate.bytes > self.apps[best].bytes)
+            {
+                biggest = Some(other);
+            }
+        }
+        let own = &self.apps[position];
+        match biggest {
+            Some(other) if self.apps[other].bytes > own.bytes => Some(other),
+            _ if !own.entries.is_empty() => Some(position),
+            other => other,
         }
     }
 
@@ -1062,14 +1134,15 @@ impl HotKeyEngine {
             source,
         }));
         self.refresh_bytes(position);
-        // The hot set and the cool queue grew: give the budget back from cold keys if it is
-        // now passed (a hot key is never evicted, so this always terminates).
-        let mut evictions_left = 4;
-        while self.used_bytes > self.config.memory_budget_bytes
-            && evictions_left > 0
-            && self.evict_one(position, u64::MAX, now_ms)
+        // The hot set and the cool queue grew: if that passed the budget, give it back from
+        // cold keys (hot keys are never evicted).
+        let over_bytes = self
+            .used_bytes
+            .saturating_sub(self.config.memory_budget_bytes);
+        if over_bytes > 0
+            && let Some(victim) = self.victim_app(position)
         {
-            evictions_left -= 1;
+            self.make_room_in(victim, over_bytes, u64::MAX, now_ms);
         }
     }
 

@@ -27,9 +27,10 @@
 //!    gets an exact window that starts with a *credit* `min(estimate before this report, A - 1)`
 //!    plus this report's count, in the current slot. Keys whose admission is 1 (threshold up to
 //!    the divisor, 8 by default) are tracked exactly from their first hit.
-//! 4. Admission needs memory from the budget; when the budget binds, a sampled tracked key
-//!    with a lower window count than the candidate's estimate is evicted, or the candidate is
-//!    kept out (both counted in [`MemoryStats::budget_evictions`]).
+//! 4. Admission needs memory from the budget; when the budget binds, sampled tracked keys
+//!    with lower window counts than the candidate's estimate are evicted (from the key's own
+//!    app if it holds its fair share of the budget, else from the app holding the most), or the
+//!    candidate is kept out (both counted in [`MemoryStats::budget_evictions`]).
 //!
 //! # Counting and its error bound
 //!

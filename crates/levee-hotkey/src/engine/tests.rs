@@ -740,3 +740,51 @@ fn given_full_budget_when_candidate_offers_more_than_the_lowest_sampled_count_sh
     assert_eq!(engine.memory().budget_evictions, refusals + 2);
     assert!(engine.memory().used_bytes <= budget);
 }
+
+#[test]
+fn given_one_app_filling_the_budget_when_another_app_needs_room_should_evict_from_the_big_app() {
+    let sketch_bytes = 64 * 1024;
+    let budget = sketch_bytes + 48 * 1024;
+    let mut engine = HotKeyEngine::new(EngineConfig {
+        sketch_bytes,
+        memory_budget_bytes: budget,
+        admission_divisor: 1_000,
+        hash_seed: Some(3),
+        ..config()
+    });
+    let default_rule = rule(RuleMatch::Default, 10_000, 1_000, 60_000);
+    engine.set_rules("big", vec![default_rule.clone()]).unwrap();
+    engine.set_rules("small", vec![default_rule]).unwrap();
+    let mut events = Vec::new();
+    let mut filled = 0;
+    while engine.memory().budget_evictions == 0 {
+        engine
+            .report(
+                "big",
+                format!("key{filled}").as_bytes(),
+                5,
+                1_000,
+                &mut events,
+            )
+            .unwrap();
+        filled += 1;
+        assert!(filled < 10_000, "the budget never bound");
+    }
+    for index in 0..10 {
+        let key = format!("small{index}");
+        engine
+            .report("small", key.as_bytes(), 50, 1_000, &mut events)
+            .unwrap();
+        let tracked = engine.top_k("small", 100, 1_000);
+        assert!(
+            tracked.iter().any(|item| item.key == key.as_bytes()),
+            "{key} was kept out"
+        );
+    }
+    assert_eq!(
+        engine.stats("small").unwrap().keys_tracked,
+        10,
+        "small never evicts its own"
+    );
+    assert!(engine.memory().used_bytes <= budget);
+}
