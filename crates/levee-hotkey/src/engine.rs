@@ -518,6 +518,17 @@ impl HotKeyEngine {
         for position in 0..self.apps.len() {
             self.reclaim(position, now_ms);
         }
+        // Hot keys' bookkeeping may have passed the budget while every tracked key was hot;
+        // keys that cooled since can give it back.
+        for position in 0..self.apps.len() {
+            let over_bytes = self
+                .used_bytes
+                .saturating_sub(self.config.memory_budget_bytes);
+            if over_bytes == 0 {
+                break;
+            }
+            self.make_room_in(position, over_bytes, u64::MAX, now_ms);
+        }
     }
 
     /// The app's hot keys now (the snapshot a connecting app server receives), sorted by key.
@@ -939,7 +950,9 @@ impl HotKeyEngine {
             let state = &self.apps[position];
             let grow = state.entries.len() == state.entries.capacity();
             let room = budget.saturating_sub(self.used_bytes);
-            if !grow && key_bytes <= room {
+            // `used_bytes` can be above the budget after hot keys' bookkeeping: then `room` is
+            // 0 and this admission must first give memory back.
+            if !grow && self.used_bytes + key_bytes <= budget {
                 break;
             }
             if grow {
@@ -958,17 +971,21 @@ impl HotKeyEngine {
                     continue;
                 }
             }
+            let within_budget = self.used_bytes <= budget;
             let freed = attempts_left > 0
                 && match self.victim_app(position) {
-                    Some(victim) if victim == position => {
+                    // A slot of this app's table is enough: evict one key and reuse its slot.
+                    Some(victim) if victim == position && grow && within_budget => {
                         self.evict_from(position, estimate, now_ms)
                     }
                     Some(victim) => {
-                        let wanted_bytes = if grow {
-                            ENTRIES_CAPACITY_MIN * ENTRY_SLOT_BYTES + key_bytes
+                        let growth_bytes = if grow {
+                            ENTRIES_CAPACITY_MIN * ENTRY_SLOT_BYTES
                         } else {
-                            key_bytes
+                            0
                         };
+                        let wanted_bytes =
+                            (self.used_bytes + key_bytes + growth_bytes).saturating_sub(budget);
                         self.make_room_in(victim, wanted_bytes, estimate, now_ms)
                     }
                     None => false,
@@ -1012,15 +1029,20 @@ impl HotKeyEngine {
     }
 
     /// Evicts the lowest-count key among [`EVICTION_SAMPLES`] sampled non-hot keys of app
-    /// `victim` if its count is below `estimate`. Returns whether a key was evicted.
+    /// `victim` (all its keys, if it has no more) if its count is below `estimate`. Returns whether a key was evicted.
     fn evict_from(&mut self, victim_app: usize, estimate: u64, now_ms: u64) -> bool {
         let length = self.apps[victim_app].entries.len();
         if length == 0 {
             return false;
         }
         let mut victim: Option<(u64, usize)> = None;
-        for _ in 0..EVICTION_SAMPLES {
-            let sample = self.next_random_below(length);
+        // A small app is scanned whole rather than sampled, so that its cold keys are found.
+        for attempt in 0..EVICTION_SAMPLES.min(length) {
+            let sample = if length <= EVICTION_SAMPLES {
+                attempt
+            } else {
+                self.next_random_below(length)
+            };
             let state = &self.apps[victim_app];
             let entry = &state.entries[sample];
             if entry.hot_until_ms != 0 {

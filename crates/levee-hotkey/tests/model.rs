@@ -37,6 +37,9 @@ struct Scenario {
     /// `None`: the app has no `*` rule, so keys not starting with "a" are not counted.
     default_rule: Option<Rule>,
     sketch_bytes: usize,
+    /// `Some`: a budget so small that it binds (degraded mode: only the precision bound holds
+    /// once a key was evicted or refused).
+    budget_bytes: Option<usize>,
     operations: Vec<Operation>,
 }
 
@@ -79,13 +82,15 @@ fn scenario_strategy() -> impl Strategy<Value = Scenario> {
         prop::option::weighted(0.8, rule_strategy(RuleMatch::Default)),
         // One block (every key collides: inflated estimates) or a roomy sketch.
         prop_oneof![Just(64_usize), Just(64 * 1024)],
+        prop::option::weighted(0.3, 2_500_usize..4_000),
         prop::collection::vec(operation_strategy(), 1..300),
     )
         .prop_map(
-            |(prefix_rule, default_rule, sketch_bytes, operations)| Scenario {
+            |(prefix_rule, default_rule, sketch_bytes, budget_bytes, operations)| Scenario {
                 prefix_rule,
                 default_rule,
                 sketch_bytes,
+                budget_bytes,
                 operations,
             },
         )
@@ -127,7 +132,8 @@ fn check(
         };
         let window_ms = u64::from(rule.window_ms);
         let exact = exact_count(history, key, now_ms, window_ms);
-        if exact >= rule.threshold {
+        // The no-false-negative bound holds while the budget has evicted or refused nothing.
+        if exact >= rule.threshold && engine.memory().budget_evictions == 0 {
             prop_assert!(
                 engine.is_hot(APP, KEYS[key].as_bytes(), now_ms),
                 "false negative: {} has {exact} hits in the last {window_ms} ms at {now_ms}, threshold {}",
@@ -164,6 +170,12 @@ fn check(
         );
         prop_assert!(hot.count >= rule.threshold);
     }
+    let memory = engine.memory();
+    let stats = engine.stats(APP).expect("the app exists");
+    prop_assert!(
+        memory.used_bytes <= memory.budget_bytes || stats.keys_tracked == stats.hot_now,
+        "over budget with cold keys to evict: {memory:?} {stats:?}"
+    );
     Ok(())
 }
 
@@ -171,6 +183,9 @@ fn run(scenario: &Scenario) -> Result<(), TestCaseError> {
     let mut engine = HotKeyEngine::new(EngineConfig {
         sketch_bytes: scenario.sketch_bytes,
         admission_divisor: ADMISSION_DIVISOR,
+        memory_budget_bytes: scenario
+            .budget_bytes
+            .unwrap_or(EngineConfig::default().memory_budget_bytes),
         ..EngineConfig::default()
     });
     let mut rules = vec![scenario.prefix_rule.clone()];
