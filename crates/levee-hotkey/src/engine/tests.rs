@@ -788,3 +788,32 @@ fn given_one_app_filling_the_budget_when_another_app_needs_room_should_evict_fro
     );
     assert!(engine.memory().used_bytes <= budget);
 }
+
+#[test]
+fn given_hot_key_when_its_rule_changes_should_stay_hot_until_its_period_ends_and_count_afresh() {
+    let mut engine = engine_with(vec![rule(prefix("pin_"), 1_000, 2, 5_000)]);
+    report(&mut engine, "pin_1", 2, 0);
+    assert!(engine.is_hot(APP, b"pin_1", 0));
+    engine
+        .set_rules(APP, vec![rule(prefix("pin_"), 1_000, 3, 5_000)])
+        .unwrap();
+    assert!(
+        engine.is_hot(APP, b"pin_1", 100),
+        "still hot after the reload"
+    );
+    assert_eq!(
+        count_of(&engine, "pin_1", 100),
+        0,
+        "counting afresh under the new rule"
+    );
+    engine.set_rules(APP, vec![]).unwrap();
+    assert_eq!(engine.stats(APP).unwrap().keys_tracked, 1, "kept while hot");
+    assert!(
+        report(&mut engine, "pin_1", 100, 200).is_empty(),
+        "no rule: not counted"
+    );
+    let mut events = Vec::new();
+    engine.tick(5_000, &mut events);
+    assert_eq!(events.len(), 1, "cools when its period ends");
+    assert_eq!(engine.stats(APP).unwrap().keys_tracked, 0, "then reclaimed");
+}
