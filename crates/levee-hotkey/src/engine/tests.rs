@@ -817,3 +817,10 @@ fn given_hot_key_when_its_rule_changes_should_stay_hot_until_its_period_ends_and
     assert_eq!(events.len(), 1, "cools when its period ends");
     assert_eq!(engine.stats(APP).unwrap().keys_tracked, 0, "then reclaimed");
 }
+
+#[test]
+fn given_the_server_shares_engines_across_threads_when_compiled_should_be_send_and_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<HotKeyEngine>();
+    assert_send_sync::<Event>();
+}
