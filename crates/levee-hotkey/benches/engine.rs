@@ -15,7 +15,8 @@ const STREAM_LENGTH: usize = 1 << 20;
 const COLD_KEYS: u64 = 10_000_000;
 const REPORTS_PER_ITERATION: usize = 100_000;
 const BATCH_ITEMS: usize = 1_000;
-/// Virtual time: one millisecond per this many reports (10 M reports/s).
+/// Virtual time: one millisecond per this many reports (10 M reports/s). The engine is ticked
+/// once per virtual millisecond, as the server does every few milliseconds.
 const REPORTS_PER_MS: u64 = 10_000;
 
 /// xorshift64*: a deterministic, dependency-free random stream.
@@ -36,7 +37,7 @@ impl Random {
             reason = "53 random bits fit an f64 exactly"
         )]
         let value = (self.next() >> 11) as f64;
-        value / (1_u64 << 53) as f64
+        value / 9_007_199_254_740_992.0 // 2^53
     }
 }
 
@@ -74,7 +75,17 @@ fn bench_zipf(criterion: &mut Criterion) {
     let keys: Vec<Vec<u8>> = (0..ZIPF_KEYS)
         .map(|index| format!("user:{index}").into_bytes())
         .collect();
-    let stream = zipf_stream(ZIPF_KEYS, STREAM_LENGTH, &mut random);
+    // The stream's keys lie one after another in one buffer, as they do in a decoded report
+    // frame, rather than in a million scattered allocations.
+    let indices = zipf_stream(ZIPF_KEYS, STREAM_LENGTH, &mut random);
+    let mut arena = Vec::new();
+    let mut ranges = Vec::with_capacity(STREAM_LENGTH);
+    for &index in &indices {
+        let start = arena.len();
+        arena.extend_from_slice(&keys[index as usize]);
+        ranges.push(start..arena.len());
+    }
+    let stream: Vec<&[u8]> = ranges.into_iter().map(|range| &arena[range]).collect();
     let mut group = criterion.benchmark_group("zipf_1m_keys");
     group.throughput(Throughput::Elements(REPORTS_PER_ITERATION as u64));
 
@@ -85,9 +96,12 @@ fn bench_zipf(criterion: &mut Criterion) {
     group.bench_function("report", |bencher| {
         bencher.iter(|| {
             for _ in 0..REPORTS_PER_ITERATION {
-                let key = &keys[stream[position] as usize];
+                let key = stream[position];
                 position = (position + 1) % STREAM_LENGTH;
                 reports += 1;
+                if reports.is_multiple_of(REPORTS_PER_MS) {
+                    single.tick(reports / REPORTS_PER_MS, &mut events);
+                }
                 single
                     .report(APP, key, 1, reports / REPORTS_PER_MS, &mut events)
                     .expect("valid report");
@@ -97,7 +111,7 @@ fn bench_zipf(criterion: &mut Criterion) {
     });
     let memory = single.memory();
     println!(
-        "zipf report: {} keys tracked, {} bytes used",
+        "zipf report: {reports} reports, {} keys tracked, {} bytes used",
         memory.keys_tracked, memory.used_bytes
     );
 
@@ -110,10 +124,13 @@ fn bench_zipf(criterion: &mut Criterion) {
             for _ in 0..REPORTS_PER_ITERATION / BATCH_ITEMS {
                 batch.clear();
                 for _ in 0..BATCH_ITEMS {
-                    batch.push((&keys[stream[position] as usize], 1));
+                    batch.push((stream[position], 1));
                     position = (position + 1) % STREAM_LENGTH;
                 }
                 reports += BATCH_ITEMS as u64;
+                if reports.is_multiple_of(REPORTS_PER_MS) {
+                    batched.tick(reports / REPORTS_PER_MS, &mut events);
+                }
                 let outcome = batched
                     .report_batch(APP, &batch, reports / REPORTS_PER_MS, &mut events)
                     .expect("valid batch");
@@ -122,6 +139,11 @@ fn bench_zipf(criterion: &mut Criterion) {
             events.clear();
         });
     });
+    let memory = batched.memory();
+    println!(
+        "zipf report_batch: {reports} reports, {} keys tracked, {} bytes used",
+        memory.keys_tracked, memory.used_bytes
+    );
     group.finish();
 }
 
@@ -137,6 +159,9 @@ fn bench_cold(criterion: &mut Criterion) {
             for _ in 0..REPORTS_PER_ITERATION {
                 let key = (random.next() % COLD_KEYS).to_le_bytes();
                 reports += 1;
+                if reports.is_multiple_of(REPORTS_PER_MS) {
+                    cold.tick(reports / REPORTS_PER_MS, &mut events);
+                }
                 cold.report(APP, &key, 1, reports / REPORTS_PER_MS, &mut events)
                     .expect("valid report");
             }
@@ -145,7 +170,35 @@ fn bench_cold(criterion: &mut Criterion) {
     });
     let memory = cold.memory();
     println!(
-        "cold report: {} keys tracked, {} bytes used",
+        "cold report: {reports} reports, {} keys tracked, {} bytes used",
+        memory.keys_tracked, memory.used_bytes
+    );
+
+    let mut cold_batched = engine();
+    let mut reports = 0_u64;
+    let mut keys = vec![[0_u8; 8]; BATCH_ITEMS];
+    group.bench_function("report_batch_1000_cold", |bencher| {
+        bencher.iter(|| {
+            for _ in 0..REPORTS_PER_ITERATION / BATCH_ITEMS {
+                for key in &mut keys {
+                    *key = (random.next() % COLD_KEYS).to_le_bytes();
+                }
+                let batch: Vec<(&[u8], u32)> = keys.iter().map(|key| (&key[..], 1)).collect();
+                reports += BATCH_ITEMS as u64;
+                if reports.is_multiple_of(REPORTS_PER_MS) {
+                    cold_batched.tick(reports / REPORTS_PER_MS, &mut events);
+                }
+                let outcome = cold_batched
+                    .report_batch(APP, &batch, reports / REPORTS_PER_MS, &mut events)
+                    .expect("valid batch");
+                black_box(outcome);
+            }
+            events.clear();
+        });
+    });
+    let memory = cold_batched.memory();
+    println!(
+        "cold report_batch: {reports} reports, {} keys tracked, {} bytes used",
         memory.keys_tracked, memory.used_bytes
     );
     group.finish();

@@ -6,9 +6,11 @@ use std::collections::{BinaryHeap, HashMap};
 use std::hash::BuildHasher;
 use std::sync::Arc;
 
-use foldhash::fast::RandomState;
-use hashbrown::HashTable;
+use foldhash::SharedSeed;
+use foldhash::fast::{RandomState, SeedableRandomState};
 
+use crate::app::{App, ENTRY_SLOT_BYTES, Entry, HotState, NO_RULE};
+use crate::key_bytes::KeyBytes;
 use crate::rule::{HOT_DURATION_MS_MAX, HOT_DURATION_MS_MIN, Rule, RuleError, RuleMatch};
 use crate::rule_set::RuleSet;
 use crate::sketch::Sketch;
@@ -18,6 +20,11 @@ use crate::window::Window;
 pub const REPORT_BATCH_KEYS_MAX: usize = 65_536;
 /// Entries sampled to choose a victim when the memory budget binds.
 pub const EVICTION_SAMPLES: usize = 8;
+/// Apps sampled to find one holding more than its share when the budget binds.
+const APP_SAMPLES: usize = 4;
+/// Items of a batch whose memory loads are started together (see
+/// [`HotKeyEngine::report_batch`]).
+const BATCH_CHUNK_ITEMS: usize = 64;
 /// Default [`EngineConfig::admission_divisor`].
 pub const ADMISSION_DIVISOR_DEFAULT: u64 = 8;
 
@@ -52,6 +59,10 @@ pub struct EngineConfig {
     /// Most tracked keys per app that one [`HotKeyEngine::tick`] inspects to reclaim idle ones
     /// (it resumes where it stopped on the next tick).
     pub reclaim_keys_per_tick: usize,
+    /// Seed of the key hash (sketch cells and tables). `None`: a random seed per engine, so that
+    /// clients cannot choose keys that collide. `Some`: the same seed gives the same sketch
+    /// collisions, for reproducible tests and simulations.
+    pub hash_seed: Option<u64>,
 }
 
 impl Default for EngineConfig {
@@ -63,7 +74,8 @@ impl Default for EngineConfig {
             unknown_app: UnknownAppPolicy::Create,
             sketch_bytes: 32 * 1024 * 1024,
             admission_divisor: ADMISSION_DIVISOR_DEFAULT,
-            reclaim_keys_per_tick: 65_536,
+            reclaim_keys_per_tick: 4_096,
+            hash_seed: None,
         }
     }
 }
@@ -229,41 +241,12 @@ pub struct MemoryStats {
 /// ties favour the smaller key.
 type Ranked<'key> = Reverse<(u64, Reverse<&'key [u8]>)>;
 
-/// Rule index of an entry whose key matches no rule (a manual hot key): never counted.
-const NO_RULE: u32 = u32::MAX;
-/// Estimated bytes per entry slot beyond the key: the entry and its hash-table slot.
-const ENTRY_SLOT_BYTES: usize = std::mem::size_of::<Entry>() + 16;
-/// Estimated bytes of a hot-set item beyond its key.
-const HOT_ITEM_BYTES: usize = std::mem::size_of::<HotState>() + 48;
 /// Estimated bytes of a cool-queue item beyond its key.
 const COOL_ITEM_BYTES: usize = std::mem::size_of::<CoolItem>() + 16;
-/// Estimated bytes of an app beyond its rules, entries and hot set.
-const APP_BYTES: usize = std::mem::size_of::<App>() + 256;
 /// Smallest capacity an app's entry table grows to.
 const ENTRIES_CAPACITY_MIN: usize = 16;
 /// Sketch generation when no app has rules.
 const GENERATION_MS_DEFAULT: u64 = 5_000;
-
-/// A tracked key: its exact window and hot state.
-#[derive(Debug)]
-struct Entry {
-    key: Box<[u8]>,
-    hash: u64,
-    window: Window,
-    /// Index into the app's rules, or [`NO_RULE`].
-    rule: u32,
-    /// Until when it is hot; 0 when it is not in the hot set.
-    hot_until_ms: u64,
-}
-
-/// A key in an app's hot set.
-#[derive(Debug, Clone)]
-struct HotState {
-    rule: RuleMatch,
-    count: u64,
-    hot_until_ms: u64,
-    source: HotSource,
-}
 
 /// A hot period's end, for [`HotKeyEngine::tick`]. Stale items (the key was extended, cooled
 /// by hand or its app removed) are skipped when they come up.
@@ -274,120 +257,6 @@ struct CoolItem {
     key: Box<[u8]>,
 }
 
-/// One app: its rules, tracked keys, hot set and counters.
-#[derive(Debug)]
-struct App {
-    name: Arc<str>,
-    /// Mixed into sketch hashes so that apps do not share cells key for key.
-    seed: u64,
-    rules: RuleSet,
-    entries: Vec<Entry>,
-    /// Positions in `entries`, by key hash.
-    index: HashTable<usize>,
-    hot: HashMap<Box<[u8]>, HotState, RandomState>,
-    hits_received: u64,
-    reports_received: u64,
-    hot_detected: u64,
-    key_bytes: usize,
-    hot_key_bytes: usize,
-    reclaim_cursor: usize,
-    /// Bytes as last counted into the engine's total.
-    bytes: usize,
-}
-
-impl App {
-    fn new(name: &str, seed: u64, rules: RuleSet) -> Self {
-        let mut app = Self {
-            name: Arc::from(name),
-            seed,
-            rules,
-            entries: Vec::new(),
-            index: HashTable::new(),
-            hot: HashMap::default(),
-            hits_received: 0,
-            reports_received: 0,
-            hot_detected: 0,
-            key_bytes: 0,
-            hot_key_bytes: 0,
-            reclaim_cursor: 0,
-            bytes: 0,
-        };
-        app.bytes = app.measure_bytes();
-        app
-    }
-
-    fn measure_bytes(&self) -> usize {
-        APP_BYTES
-            + self.name.len()
-            + self.rules.bytes()
-            + self.entries.capacity() * ENTRY_SLOT_BYTES
-            + self.key_bytes
-            + self.hot.len() * HOT_ITEM_BYTES
-            + self.hot_key_bytes
-    }
-
-    fn find(&self, hash: u64, key: &[u8]) -> Option<usize> {
-        let entries = &self.entries;
-        self.index
-            .find(hash, |&position| *entries[position].key == *key)
-            .copied()
-    }
-
-    fn push_entry(&mut self, entry: Entry) -> usize {
-        let position = self.entries.len();
-        let hash = entry.hash;
-        self.key_bytes += entry.key.len();
-        self.entries.push(entry);
-        let entries = &self.entries;
-        self.index
-            .insert_unique(hash, position, |&other| entries[other].hash);
-        position
-    }
-
-    fn remove_entry(&mut self, position: usize) -> Entry {
-        let hash = self.entries[position].hash;
-        if let Ok(found) = self.index.find_entry(hash, |&other| other == position) {
-            found.remove();
-        }
-        let last = self.entries.len() - 1;
-        let removed = self.entries.swap_remove(position);
-        if position != last {
-            let moved_hash = self.entries[position].hash;
-            if let Some(slot) = self.index.find_mut(moved_hash, |&other| other == last) {
-                *slot = position;
-            }
-        }
-        self.key_bytes -= removed.key.len();
-        removed
-    }
-
-    fn rebuild_index(&mut self) {
-        self.index.clear();
-        let entries = &self.entries;
-        for (position, entry) in entries.iter().enumerate() {
-            self.index
-                .insert_unique(entry.hash, position, |&other| entries[other].hash);
-        }
-    }
-
-    /// The entry's window count at `now_ms` (0 for keys that match no rule).
-    fn count_at(&self, entry: &Entry, now_ms: u64) -> u64 {
-        if entry.rule == NO_RULE {
-            return 0;
-        }
-        let rule = self.rules.get(entry.rule);
-        entry.window.count_at(now_ms, rule.window_ms, rule.slot_ms)
-    }
-
-    fn rule_match(&self, rule: u32) -> RuleMatch {
-        if rule == NO_RULE {
-            RuleMatch::Default
-        } else {
-            self.rules.get(rule).rule.matcher.clone()
-        }
-    }
-}
-
 /// The engine. Not thread-safe by itself: the server shards keys over several engines, each
 /// behind its own lock.
 ///
@@ -395,18 +264,20 @@ impl App {
 #[derive(Debug)]
 pub struct HotKeyEngine {
     config: EngineConfig,
-    hasher: RandomState,
+    hasher: SeedableRandomState,
     apps: Vec<App>,
     app_positions: HashMap<Box<str>, usize, RandomState>,
     sketch: Sketch,
     cool_queue: BinaryHeap<Reverse<CoolItem>>,
-    cool_queue_bytes: usize,
     /// The latest time seen: an earlier `now_ms` is taken as this.
     clock_ms: u64,
     next_app_seed: u64,
     random_state: u64,
     budget_evictions: u64,
+    /// The sketch, every app's [`App::bytes`] and the cool queue's items.
     used_bytes: usize,
+    /// Position of the app resolved last (reports come in runs of one app); `usize::MAX`: none.
+    last_app_position: usize,
 }
 
 impl HotKeyEngine {
@@ -417,19 +288,23 @@ impl HotKeyEngine {
             GENERATION_MS_DEFAULT,
         );
         let used_bytes = sketch.bytes();
+        let hasher = match config.hash_seed {
+            Some(seed) => SeedableRandomState::with_seed(seed, SharedSeed::global_fixed()),
+            None => SeedableRandomState::random(),
+        };
         Self {
             config,
-            hasher: RandomState::default(),
+            hasher,
             apps: Vec::new(),
             app_positions: HashMap::default(),
             sketch,
             cool_queue: BinaryHeap::new(),
-            cool_queue_bytes: 0,
             clock_ms: 0,
             next_app_seed: 0x9E37_79B9_7F4A_7C15,
             random_state: 0x2545_F491_4F6C_DD1D,
             budget_evictions: 0,
             used_bytes,
+            last_app_position: usize::MAX,
         }
     }
 
@@ -482,7 +357,7 @@ impl HotKeyEngine {
                 };
                 kept.push(entry);
             } else {
-                dropped_key_bytes += entry.key.len();
+                dropped_key_bytes += entry.key.heap_bytes();
             }
         }
         state.entries = kept;
@@ -512,6 +387,7 @@ impl HotKeyEngine {
         let Some(position) = self.app_positions.remove(app) else {
             return false;
         };
+        self.last_app_position = usize::MAX;
         let removed = self.apps.swap_remove(position);
         self.used_bytes -= removed.bytes;
         if let Some(moved) = self.apps.get(position)
@@ -563,16 +439,41 @@ impl HotKeyEngine {
         let now_ms = self.advance_clock(now_ms);
         let position = self.resolve_app(app)?;
         let mut outcome = BatchOutcome::default();
-        for &(key, count) in items {
-            if key.is_empty() || key.len() > self.config.key_bytes_max {
-                outcome.rejected += 1;
-                if outcome.first_error.is_none() {
-                    outcome.first_error = self.check_key(app, key).err();
-                }
-                continue;
+        let mut hashes = [0_u64; BATCH_CHUNK_ITEMS];
+        let mut untracked = [false; BATCH_CHUNK_ITEMS];
+        for chunk in items.chunks(BATCH_CHUNK_ITEMS) {
+            untracked.fill(false);
+            // Three short passes start the chunk's memory loads (key hashes, table and entries,
+            // then the sketch blocks of keys that are not tracked) so that their cache misses
+            // overlap, instead of being paid one after another when the reports are counted.
+            let state = &self.apps[position];
+            for (hash, &(key, _)) in hashes.iter_mut().zip(chunk) {
+                *hash = self.hasher.hash_one(key);
             }
-            outcome.accepted += 1;
-            self.report_resolved(position, key, count, now_ms, events);
+            let mut touched = 0_u64;
+            for ((missing, &hash), &(key, _)) in untracked.iter_mut().zip(&hashes).zip(chunk) {
+                match state.find(hash, key) {
+                    Some(entry) => touched ^= state.entries[entry].window.touch(),
+                    None => *missing = true,
+                }
+            }
+            for (&missing, &hash) in untracked.iter().zip(&hashes).take(chunk.len()) {
+                if missing {
+                    touched ^= u64::from(self.sketch.touch(hash ^ state.seed));
+                }
+            }
+            std::hint::black_box(touched);
+            for (&hash, &(key, count)) in hashes.iter().zip(chunk) {
+                if key.is_empty() || key.len() > self.config.key_bytes_max {
+                    outcome.rejected += 1;
+                    if outcome.first_error.is_none() {
+                        outcome.first_error = self.check_key(app, key).err();
+                    }
+                    continue;
+                }
+                outcome.accepted += 1;
+                self.report_hashed(position, key, hash, count, now_ms, events);
+            }
         }
         Ok(outcome)
     }
@@ -593,7 +494,7 @@ impl HotKeyEngine {
             let Some(Reverse(item)) = self.cool_queue.pop() else {
                 break;
             };
-            self.cool_queue_bytes -= COOL_ITEM_BYTES + item.key.len();
+            self.used_bytes -= COOL_ITEM_BYTES + item.key.len();
             let Some(&position) = self.app_positions.get(&*item.app) else {
                 continue;
             };
@@ -616,6 +517,17 @@ impl HotKeyEngine {
         }
         for position in 0..self.apps.len() {
             self.reclaim(position, now_ms);
+        }
+        // Hot keys' bookkeeping may have passed the budget while every tracked key was hot;
+        // keys that cooled since can give it back.
+        for position in 0..self.apps.len() {
+            let over_bytes = self
+                .used_bytes
+                .saturating_sub(self.config.memory_budget_bytes);
+            if over_bytes == 0 {
+                break;
+            }
+            self.make_room_in(position, over_bytes, u64::MAX, now_ms);
         }
     }
 
@@ -814,8 +726,15 @@ impl HotKeyEngine {
     }
 
     /// The app's position, creating it with the default rule if the policy allows.
+    #[inline]
     fn resolve_app(&mut self, app: &str) -> Result<usize, ReportError> {
+        if let Some(state) = self.apps.get(self.last_app_position)
+            && *state.name == *app
+        {
+            return Ok(self.last_app_position);
+        }
         if let Some(&position) = self.app_positions.get(app) {
+            self.last_app_position = position;
             return Ok(position);
         }
         if self.config.unknown_app == UnknownAppPolicy::Refuse {
@@ -886,6 +805,20 @@ impl HotKeyEngine {
         events: &mut Vec<Event>,
     ) {
         let hash = self.hasher.hash_one(key);
+        self.report_hashed(position, key, hash, count, now_ms, events);
+    }
+
+    /// [`HotKeyEngine::report_resolved`] with the key's hash already computed.
+    #[inline]
+    fn report_hashed(
+        &mut self,
+        position: usize,
+        key: &[u8],
+        hash: u64,
+        count: u32,
+        now_ms: u64,
+        events: &mut Vec<Event>,
+    ) {
         let state = &mut self.apps[position];
         state.reports_received += 1;
         state.hits_received += u64::from(count);
@@ -945,7 +878,7 @@ impl HotKeyEngine {
             rule.rule.hot_duration_ms,
         );
         let entry = Entry {
-            key: key.into(),
+            key: KeyBytes::from(key),
             hash,
             window: Window::new(credit + count, now_ms, window_ms, slot_ms),
             rule: rule_index,
@@ -989,7 +922,7 @@ impl HotKeyEngine {
             None => (NO_RULE, Window::new(0, now_ms, 1_000, 100)),
         };
         let entry = Entry {
-            key: key.into(),
+            key: KeyBytes::from(key),
             hash,
             window,
             rule,
@@ -998,9 +931,11 @@ impl HotKeyEngine {
         self.insert_within_budget(position, entry, u64::MAX, now_ms)
     }
 
-    /// Inserts a new entry if the budget allows, evicting the lowest-count sampled key whose
-    /// count is below `estimate` if it does not. Returns the entry's position, or `None` (and
-    /// counts a budget eviction) if the key was kept out.
+    /// Inserts a new entry if the budget allows. If it does not, memory comes from the victim
+    /// app (see [`HotKeyEngine::victim_app`]): from this app, one sampled key with a count below
+    /// `estimate` is evicted and its slot reused; from another app, a block of such keys is
+    /// evicted and that app's table shrunk (see [`HotKeyEngine::make_room_in`]). Returns the
+    /// entry's position, or `None` (counted in `budget_evictions`) if the key was kept out.
     fn insert_within_budget(
         &mut self,
         position: usize,
@@ -1009,13 +944,15 @@ impl HotKeyEngine {
         now_ms: u64,
     ) -> Option<usize> {
         let budget = self.config.memory_budget_bytes;
-        let mut evictions_left = 4;
+        let key_bytes = entry.key.heap_bytes();
+        let mut attempts_left = 4;
         loop {
             let state = &self.apps[position];
-            let key_bytes = entry.key.len();
             let grow = state.entries.len() == state.entries.capacity();
             let room = budget.saturating_sub(self.used_bytes);
-            if !grow && key_bytes <= room {
+            // `used_bytes` can be above the budget after hot keys' bookkeeping: then `room` is
+            // 0 and this admission must first give memory back.
+            if !grow && self.used_bytes + key_bytes <= budget {
                 break;
             }
             if grow {
@@ -1034,34 +971,78 @@ impl HotKeyEngine {
                     continue;
                 }
             }
-            if evictions_left == 0 || !self.evict_one(position, estimate, now_ms) {
+            let within_budget = self.used_bytes <= budget;
+            let freed = attempts_left > 0
+                && match self.victim_app(position) {
+                    // A slot of this app's table is enough: evict one key and reuse its slot.
+                    Some(victim) if victim == position && grow && within_budget => {
+                        self.evict_from(position, estimate, now_ms)
+                    }
+                    Some(victim) => {
+                        let growth_bytes = if grow {
+                            ENTRIES_CAPACITY_MIN * ENTRY_SLOT_BYTES
+                        } else {
+                            0
+                        };
+                        let wanted_bytes =
+                            (self.used_bytes + key_bytes + growth_bytes).saturating_sub(budget);
+                        self.make_room_in(victim, wanted_bytes, estimate, now_ms)
+                    }
+                    None => false,
+                };
+            if !freed {
                 self.budget_evictions += 1;
                 return None;
             }
-            evictions_left -= 1;
+            attempts_left -= 1;
         }
         let entry_position = self.apps[position].push_entry(entry);
         self.refresh_bytes(position);
         Some(entry_position)
     }
 
-    /// Evicts the lowest-count key among [`EVICTION_SAMPLES`] sampled non-hot keys of the app
-    /// (or of the largest app, if this one has no key to give) if its count is below
-    /// `estimate`. Returns whether a key was evicted.
-    fn evict_one(&mut self, position: usize, estimate: u64, now_ms: u64) -> bool {
-        let victim_app = if self.apps[position].entries.is_empty() {
-            let largest = (0..self.apps.len()).max_by_key(|&other| self.apps[other].entries.len());
-            match largest {
-                Some(largest) if !self.apps[largest].entries.is_empty() => largest,
-                _ => return false,
-            }
-        } else {
-            position
-        };
+    /// Frees at least `bytes` of the budget from app `victim`: evicts a block of sampled keys
+    /// with counts below `estimate` (at least `bytes` worth, 16 keys and 1/16 of the app, so the
+    /// table's shrinking copy is paid once per many evictions) and shrinks its table to fit.
+    /// Returns whether any key was evicted.
+    fn make_room_in(&mut self, victim: usize, bytes: usize, estimate: u64, now_ms: u64) -> bool {
+        let length = self.apps[victim].entries.len();
+        let wanted = bytes
+            .div_ceil(ENTRY_SLOT_BYTES)
+            .max(length / 16)
+            .max(ENTRIES_CAPACITY_MIN)
+            .min(length);
+        let mut evicted = 0;
+        while evicted < wanted && self.evict_from(victim, estimate, now_ms) {
+            evicted += 1;
+        }
+        if evicted == 0 {
+            return false;
+        }
+        let state = &mut self.apps[victim];
+        let length = state.entries.len();
+        state.entries.shrink_to(length);
+        let entries = &state.entries;
+        state.index.shrink_to(length, |&other| entries[other].hash);
+        self.refresh_bytes(victim);
+        true
+    }
+
+    /// Evicts the lowest-count key among [`EVICTION_SAMPLES`] sampled non-hot keys of app
+    /// `victim` (all its keys, if it has no more) if its count is below `estimate`. Returns whether a key was evicted.
+    fn evict_from(&mut self, victim_app: usize, estimate: u64, now_ms: u64) -> bool {
         let length = self.apps[victim_app].entries.len();
+        if length == 0 {
+            return false;
+        }
         let mut victim: Option<(u64, usize)> = None;
-        for _ in 0..EVICTION_SAMPLES {
-            let sample = self.next_random_below(length);
+        // A small app is scanned whole rather than sampled, so that its cold keys are found.
+        for attempt in 0..EVICTION_SAMPLES.min(length) {
+            let sample = if length <= EVICTION_SAMPLES {
+                attempt
+            } else {
+                self.next_random_below(length)
+            };
             let state = &self.apps[victim_app];
             let entry = &state.entries[sample];
             if entry.hot_until_ms != 0 {
@@ -1080,6 +1061,39 @@ impl HotKeyEngine {
                 true
             }
             _ => false,
+        }
+    }
+
+    /// The app that gives memory to an admission in app `position`: the app itself if it holds
+    /// at least its fair share of the budget (budget / apps), else the app holding the most
+    /// among a few sampled (all apps, when there are few), so that one app filling the budget
+    /// cannot keep the others out. `None` if no candidate app has a tracked key.
+    fn victim_app(&mut self, position: usize) -> Option<usize> {
+        let own = &self.apps[position];
+        let fair_share_bytes = self.config.memory_budget_bytes / self.apps.len().max(1);
+        if !own.entries.is_empty() && own.bytes >= fair_share_bytes {
+            return Some(position);
+        }
+        let mut biggest: Option<usize> = None;
+        let app_count = self.apps.len();
+        for sample in 0..APP_SAMPLES.min(app_count) {
+            let other = if app_count <= APP_SAMPLES {
+                sample
+            } else {
+                self.next_random_below(app_count)
+            };
+            let candidate = &self.apps[other];
+            if !candidate.entries.is_empty()
+                && biggest.is_none_or(|best| candidate.bytes > self.apps[best].bytes)
+            {
+                biggest = Some(other);
+            }
+        }
+        let own = &self.apps[position];
+        match biggest {
+            Some(other) if self.apps[other].bytes > own.bytes => Some(other),
+            _ if !own.entries.is_empty() => Some(position),
+            other => other,
         }
     }
 
@@ -1111,7 +1125,7 @@ impl HotKeyEngine {
         let entry = &mut state.entries[entry_position];
         let was_hot = entry.hot_until_ms > now_ms;
         entry.hot_until_ms = hot_until_ms;
-        let key = entry.key.clone();
+        let key: Box<[u8]> = Box::from(&*entry.key);
         if !was_hot && source == HotSource::Detected {
             state.hot_detected += 1;
         }
@@ -1127,7 +1141,7 @@ impl HotKeyEngine {
             state.hot_key_bytes += key.len();
             state.hot.insert(key.clone(), hot);
         }
-        self.cool_queue_bytes += COOL_ITEM_BYTES + key.len();
+        self.used_bytes += COOL_ITEM_BYTES + key.len();
         self.cool_queue.push(Reverse(CoolItem {
             hot_until_ms,
             app: Arc::clone(&state.name),
@@ -1142,6 +1156,16 @@ impl HotKeyEngine {
             source,
         }));
         self.refresh_bytes(position);
+        // The hot set and the cool queue grew: if that passed the budget, give it back from
+        // cold keys (hot keys are never evicted).
+        let over_bytes = self
+            .used_bytes
+            .saturating_sub(self.config.memory_budget_bytes);
+        if over_bytes > 0
+            && let Some(victim) = self.victim_app(position)
+        {
+            self.make_room_in(victim, over_bytes, u64::MAX, now_ms);
+        }
     }
 
     /// Drops idle entries (count 0, not hot) among the next keys of the app's reclaim cursor.

@@ -8,6 +8,10 @@ use foldhash::fast::RandomState;
 use crate::rule::{RULES_PER_APP_MAX, Rule, RuleError, RuleMatch};
 use crate::window::slot_ms;
 
+/// Largest admission: sketch cells are `u32`, so admissions stay well below where they
+/// saturate (a saturated estimate only admits a key early, never late).
+pub const ADMISSION_MAX: u64 = 1 << 31;
+
 /// A rule with what counting needs, computed once.
 #[derive(Debug, Clone)]
 pub struct CompiledRule {
@@ -71,7 +75,7 @@ impl RuleSet {
             set.rules.push(CompiledRule {
                 window_ms,
                 slot_ms: slot_ms(window_ms),
-                admission: (rule.threshold / admission_divisor.max(1)).max(1),
+                admission: (rule.threshold / admission_divisor.max(1)).clamp(1, ADMISSION_MAX),
                 rule,
             });
         }
@@ -230,5 +234,11 @@ mod tests {
         .unwrap();
         let admissions: Vec<u64> = (0..4).map(|index| set.get(index).admission).collect();
         assert_eq!(admissions, [1, 1, 2, 125]);
+        let set = RuleSet::new("app", vec![rule(exact("a"), 1_000_000_000_000)], 1_024, 8).unwrap();
+        assert_eq!(
+            set.get(0).admission,
+            ADMISSION_MAX,
+            "kept below the sketch cells' range"
+        );
     }
 }

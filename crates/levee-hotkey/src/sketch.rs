@@ -88,6 +88,14 @@ impl Sketch {
         estimate
     }
 
+    /// Loads the key's block and returns one of its cells, so that a later [`Sketch::add`] finds
+    /// it in cache. Callers pass the result to `std::hint::black_box` so that the load stays.
+    #[inline]
+    pub fn touch(&self, hash: u64) -> u32 {
+        let (block_index, _) = self.locate(hash);
+        self.blocks[block_index].0[0]
+    }
+
     /// The key's estimate, without adding to it.
     pub fn estimate(&self, hash: u64) -> u64 {
         let (block_index, cells) = self.locate(hash);

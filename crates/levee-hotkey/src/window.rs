@@ -28,17 +28,19 @@ fn oldest_live_slot(now_ms: u64, window_ms: u64, slot_ms: u64) -> u64 {
 
 /// A sliding-window counter. Its rule's `window_ms` and `slot_ms` are passed to each call (the
 /// engine keeps them once per rule, not once per key).
+/// C order: the fields every update reads come first, next to the entry's key.
 #[derive(Debug, Clone)]
+#[repr(C)]
 pub struct Window {
-    slots: [u64; RING_SLOTS],
+    /// Before this time neither end of the window moves: an update only adds to the newest slot.
+    next_change_ms: u64,
     /// Sum of the slots from `oldest_slot` to `newest_slot`.
     total: u64,
     /// Index (time / `slot_ms`) of the oldest slot in `total`.
     oldest_slot: u64,
     /// Index of the newest slot written.
     newest_slot: u64,
-    /// Before this time neither end of the window moves: an update only adds to the newest slot.
-    next_change_ms: u64,
+    slots: [u64; RING_SLOTS],
 }
 
 impl Window {
@@ -93,6 +95,13 @@ impl Window {
         (oldest..=self.newest_slot)
             .map(|slot| self.slots[ring_position(slot)])
             .fold(0, u64::saturating_add)
+    }
+
+    /// Reads the newest slot, so that a following [`Window::add`] finds it in cache. Callers pass
+    /// the result to `std::hint::black_box` so that the load stays.
+    #[inline]
+    pub fn touch(&self) -> u64 {
+        self.slots[ring_position(self.newest_slot)]
     }
 
     fn add_to_newest(&mut self, count: u64) -> u64 {

@@ -615,5 +615,212 @@ fn given_apps_when_listed_and_removed_should_sort_and_forget() {
     assert_eq!(engine.apps(), ["mid", "zeta"]);
     assert!(engine.memory().used_bytes < used);
     assert_eq!(engine.stats("zeta").unwrap().reports_received, 1);
+    // Removing an app moves another into its place: reports still reach the right app.
+    engine.report("zeta", b"k", 1, 0, &mut events).unwrap();
+    engine.report("zeta", b"k", 1, 0, &mut events).unwrap();
+    assert_eq!(engine.stats("zeta").unwrap().reports_received, 3);
+    assert_eq!(engine.stats("mid").unwrap().reports_received, 1);
     assert!(engine.rules("alpha").is_none());
+}
+
+#[test]
+fn given_same_stream_when_reported_in_batches_or_one_by_one_should_count_and_detect_the_same() {
+    let rules = vec![
+        rule(prefix("p"), 1_000, 40, 60_000),
+        rule(RuleMatch::Default, 2_000, 200, 60_000),
+    ];
+    // The same hash seed: the same sketch collisions, so the same admission credits.
+    let seeded = EngineConfig {
+        hash_seed: Some(42),
+        ..config()
+    };
+    let mut single = HotKeyEngine::new(seeded.clone());
+    single.set_rules(APP, rules.clone()).unwrap();
+    let mut batched = HotKeyEngine::new(seeded);
+    batched.set_rules(APP, rules).unwrap();
+    let keys: Vec<String> = (0..300)
+        .map(|index| format!("{}{}", ["p", "q"][index % 2], index % 150))
+        .collect();
+    let mut state = 7_u64;
+    let mut single_events = Vec::new();
+    let mut batched_events = Vec::new();
+    for round in 0..40_u64 {
+        let now_ms = 1_000 + round * 37;
+        let mut items: Vec<(&[u8], u32)> = Vec::new();
+        for _ in 0..150 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            // Skewed: low indices are hit far more often.
+            let index = usize::try_from((state % 300) * (state % 300) / 300).unwrap();
+            let count = u32::try_from(state % 3 + 1).unwrap();
+            items.push((keys[index].as_bytes(), count));
+        }
+        for &(key, count) in &items {
+            single
+                .report(APP, key, count, now_ms, &mut single_events)
+                .unwrap();
+        }
+        let outcome = batched
+            .report_batch(APP, &items, now_ms, &mut batched_events)
+            .unwrap();
+        assert_eq!(outcome.accepted, items.len());
+        let mut tick_events = Vec::new();
+        single.tick(now_ms, &mut tick_events);
+        batched.tick(now_ms, &mut tick_events);
+    }
+    assert!(!single_events.is_empty(), "the stream makes keys hot");
+    assert_eq!(single_events, batched_events);
+    assert_eq!(single.top_k(APP, 50, 2_500), batched.top_k(APP, 50, 2_500));
+    assert_eq!(single.stats(APP), batched.stats(APP));
+}
+
+#[test]
+fn given_hot_periods_when_ticked_away_should_return_memory_to_the_start() {
+    let mut engine = engine_with(vec![rule(RuleMatch::Default, 1_000, 1, 1_000)]);
+    let start = engine.memory().used_bytes;
+    for index in 0..100 {
+        report(&mut engine, &format!("key{index}"), 1, 0);
+    }
+    assert!(engine.memory().used_bytes > start);
+    let mut events = Vec::new();
+    engine.tick(5_000, &mut events);
+    assert_eq!(events.len(), 100);
+    assert_eq!(engine.memory().keys_tracked, 0);
+    assert_eq!(
+        std::mem::size_of::<Entry>(),
+        192,
+        "three cache lines per tracked key"
+    );
+    // The entry table keeps its capacity; everything else is given back.
+    let capacity_bytes = engine.apps[0].entries.capacity() * ENTRY_SLOT_BYTES;
+    assert_eq!(engine.memory().used_bytes, start + capacity_bytes);
+}
+
+#[test]
+fn given_full_budget_when_candidate_offers_more_than_the_lowest_sampled_count_should_evict_else_refuse()
+ {
+    let sketch_bytes = 64 * 1024;
+    let budget = sketch_bytes + 12 * 1024;
+    let mut engine = HotKeyEngine::new(EngineConfig {
+        sketch_bytes,
+        memory_budget_bytes: budget,
+        // Admission 1 for a threshold of 1000: every key is tracked from its first hit.
+        admission_divisor: 1_000,
+        hash_seed: Some(7),
+        ..config()
+    });
+    engine
+        .set_rules(APP, vec![rule(RuleMatch::Default, 10_000, 1_000, 60_000)])
+        .unwrap();
+    let mut filled = 0;
+    while engine.memory().budget_evictions == 0 {
+        report(&mut engine, &format!("key{filled}"), 5, 1_000);
+        filled += 1;
+        assert!(filled < 10_000, "the budget never bound");
+    }
+    let tracked = engine.memory().keys_tracked;
+    assert!(tracked > 4, "{tracked} keys fit");
+    let refusals = engine.memory().budget_evictions;
+    report(&mut engine, "weak", 1, 1_000);
+    assert_eq!(engine.memory().keys_tracked, tracked);
+    assert_eq!(
+        count_of(&engine, "weak", 1_000),
+        0,
+        "1 hit does not beat counts of 5"
+    );
+    assert_eq!(engine.memory().budget_evictions, refusals + 1);
+    report(&mut engine, "strong", 100, 1_000);
+    assert_eq!(
+        count_of(&engine, "strong", 1_000),
+        100,
+        "100 hits evict a key with 5"
+    );
+    assert_eq!(engine.memory().keys_tracked, tracked);
+    assert_eq!(engine.memory().budget_evictions, refusals + 2);
+    assert!(engine.memory().used_bytes <= budget);
+}
+
+#[test]
+fn given_one_app_filling_the_budget_when_another_app_needs_room_should_evict_from_the_big_app() {
+    let sketch_bytes = 64 * 1024;
+    let budget = sketch_bytes + 48 * 1024;
+    let mut engine = HotKeyEngine::new(EngineConfig {
+        sketch_bytes,
+        memory_budget_bytes: budget,
+        admission_divisor: 1_000,
+        hash_seed: Some(3),
+        ..config()
+    });
+    let default_rule = rule(RuleMatch::Default, 10_000, 1_000, 60_000);
+    engine.set_rules("big", vec![default_rule.clone()]).unwrap();
+    engine.set_rules("small", vec![default_rule]).unwrap();
+    let mut events = Vec::new();
+    let mut filled = 0;
+    while engine.memory().budget_evictions == 0 {
+        engine
+            .report(
+                "big",
+                format!("key{filled}").as_bytes(),
+                5,
+                1_000,
+                &mut events,
+            )
+            .unwrap();
+        filled += 1;
+        assert!(filled < 10_000, "the budget never bound");
+    }
+    for index in 0..10 {
+        let key = format!("small{index}");
+        engine
+            .report("small", key.as_bytes(), 50, 1_000, &mut events)
+            .unwrap();
+        let tracked = engine.top_k("small", 100, 1_000);
+        assert!(
+            tracked.iter().any(|item| item.key == key.as_bytes()),
+            "{key} was kept out"
+        );
+    }
+    assert_eq!(
+        engine.stats("small").unwrap().keys_tracked,
+        10,
+        "small never evicts its own"
+    );
+    assert!(engine.memory().used_bytes <= budget);
+}
+
+#[test]
+fn given_hot_key_when_its_rule_changes_should_stay_hot_until_its_period_ends_and_count_afresh() {
+    let mut engine = engine_with(vec![rule(prefix("pin_"), 1_000, 2, 5_000)]);
+    report(&mut engine, "pin_1", 2, 0);
+    assert!(engine.is_hot(APP, b"pin_1", 0));
+    engine
+        .set_rules(APP, vec![rule(prefix("pin_"), 1_000, 3, 5_000)])
+        .unwrap();
+    assert!(
+        engine.is_hot(APP, b"pin_1", 100),
+        "still hot after the reload"
+    );
+    assert_eq!(
+        count_of(&engine, "pin_1", 100),
+        0,
+        "counting afresh under the new rule"
+    );
+    engine.set_rules(APP, vec![]).unwrap();
+    assert_eq!(engine.stats(APP).unwrap().keys_tracked, 1, "kept while hot");
+    assert!(
+        report(&mut engine, "pin_1", 100, 200).is_empty(),
+        "no rule: not counted"
+    );
+    let mut events = Vec::new();
+    engine.tick(5_000, &mut events);
+    assert_eq!(events.len(), 1, "cools when its period ends");
+    assert_eq!(engine.stats(APP).unwrap().keys_tracked, 0, "then reclaimed");
+}
+
+#[test]
+fn given_the_server_shares_engines_across_threads_when_compiled_should_be_send_and_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<HotKeyEngine>();
+    assert_send_sync::<Event>();
 }
