@@ -33,7 +33,7 @@ pub const HOTKEY_KEY_BYTES_MAX_MAX: u32 = 65_536;
 /// Default most keys in one report batch.
 pub const HOTKEY_BATCH_KEYS_MAX_DEFAULT: u32 = 10_000;
 /// Highest allowed `hotkey_batch_keys_max`.
-pub const HOTKEY_BATCH_KEYS_MAX_MAX: u32 = 1_000_000;
+pub const HOTKEY_BATCH_KEYS_MAX_MAX: u32 = 65_536;
 
 /// The effective configuration of one server process.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

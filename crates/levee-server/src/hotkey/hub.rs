@@ -41,6 +41,7 @@ pub struct HotKeyHub {
     clock: Clock,
     data_dir: PathBuf,
     batch_keys_max: usize,
+    key_bytes_max: usize,
     unknown_app: UnknownApp,
     metrics: Metrics,
     budget_evictions_seen: AtomicU64,
@@ -136,6 +137,7 @@ impl HotKeyHub {
             clock: Clock::new(),
             data_dir: config.data_dir.clone(),
             batch_keys_max: config.hotkey_batch_keys_max as usize,
+            key_bytes_max: config.hotkey_key_bytes_max as usize,
             unknown_app: config.hotkey_unknown_app,
             metrics: Metrics::default(),
             budget_evictions_seen: AtomicU64::new(0),
@@ -255,29 +257,39 @@ impl HotKeyHub {
         let mut outcome = BatchOutcome::default();
         let mut events = Vec::new();
         let mut by_shard: Vec<Vec<(&[u8], u32)>> = vec![Vec::new(); self.shards.len()];
-        for &(key, count) in keys {
-            by_shard[self.shard_of(key)].push((key, count.max(1)));
-        }
         let mut hits = 0_u64;
+        for &(key, count) in keys {
+            // Checked here, so that the engine's batch never skips a key and every refusal is
+            // counted by its reason.
+            let reason = if key.is_empty() {
+                "empty_key"
+            } else if key.len() > self.key_bytes_max {
+                "key_too_long"
+            } else {
+                let count = count.max(1);
+                hits += u64::from(count);
+                by_shard[self.shard_of(key)].push((key, count));
+                continue;
+            };
+            outcome.rejected += 1;
+            self.reject(reason, 1);
+        }
         for (shard, items) in self.shards.iter().zip(&by_shard) {
             if items.is_empty() {
                 continue;
             }
-            let mut engine = lock(shard);
-            for &(key, count) in items {
-                match engine.report(app, key, count, now_ms, &mut events) {
-                    Ok(()) => {
-                        outcome.accepted += 1;
-                        hits += u64::from(count);
-                    }
-                    Err(error) => {
-                        outcome.rejected += 1;
-                        self.reject(reject_reason(&error), 1);
-                        if matches!(error, ReportError::UnknownApp { .. }) {
-                            drop(engine);
-                            return Err(wire(ErrorCode::NotFound, error.to_string()));
-                        }
-                    }
+            let result = lock(shard).report_batch(app, items, now_ms, &mut events);
+            match result {
+                Ok(counted) => outcome.accepted += counted.accepted as u64,
+                Err(error) => {
+                    self.reject(reject_reason(&error), items.len() as u64);
+                    self.publish(&events, now_ms);
+                    let code = if matches!(error, ReportError::UnknownApp { .. }) {
+                        ErrorCode::NotFound
+                    } else {
+                        ErrorCode::InvalidArgument
+                    };
+                    return Err(wire(code, error.to_string()));
                 }
             }
         }
