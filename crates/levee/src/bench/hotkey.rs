@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use hdrhistogram::Histogram;
 use levee_client::{Client, HotKeyRule, HotKeys, HotKeysOptions, MatchKind};
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Zipf};
 use serde_json::json;
 
@@ -58,7 +58,7 @@ pub struct HotKeyBenchArgs {
     #[arg(long, default_value_t = 1.0)]
     zipf_exponent: f64,
     /// Planted hot keys (plus as many planted near-miss keys)
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 40)]
     planted: usize,
     /// Hot keys set by hand in the push phase (0 skips the phase)
     #[arg(long, default_value_t = 1_000)]
@@ -200,7 +200,8 @@ async fn bench(args: &HotKeyBenchArgs, address: &str) -> anyhow::Result<()> {
     let planted = {
         let clients = Arc::clone(&clients);
         let (count, duration) = (args.planted, Duration::from_secs(args.duration_s));
-        std::thread::spawn(move || plant(&clients, count, duration))
+        let interval = Duration::from_millis(args.interval_ms);
+        std::thread::spawn(move || plant(&clients, count, duration, interval))
     };
 
     tokio::time::sleep(Duration::from_secs(args.duration_s)).await;
@@ -388,14 +389,22 @@ fn generate(
     recorded.fetch_add(done, Ordering::Relaxed);
 }
 
-/// Plants hot and near-miss keys at even times through the run; returns each hot key with the
-/// moment its true count reached the threshold.
-fn plant(clients: &[HotKeys], count: usize, duration: Duration) -> Vec<(Vec<u8>, Instant)> {
+/// Plants hot and near-miss keys at even times through the run, each shifted by a random part
+/// of the report interval so that crossings fall at every phase of the clients' report timers;
+/// returns each hot key with the moment its true count reached the threshold.
+fn plant(
+    clients: &[HotKeys],
+    count: usize,
+    duration: Duration,
+    interval: Duration,
+) -> Vec<(Vec<u8>, Instant)> {
     let started = Instant::now();
+    let mut random = rand::rngs::StdRng::seed_from_u64(0x91a7);
     let mut crossings = Vec::with_capacity(count);
     let step = PLANTED_SPREAD / u32::try_from(PLANTED_THRESHOLD).unwrap_or(1);
     for index in 0..count {
-        let start_at = duration.mul_f64((index as f64 + 0.5) / count as f64);
+        let start_at = duration.mul_f64((index as f64 + 0.5) / count as f64)
+            + interval.mul_f64(random.random::<f64>());
         if let Some(wait) = start_at.checked_sub(started.elapsed()) {
             std::thread::sleep(wait);
         }
