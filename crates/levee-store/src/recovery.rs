@@ -267,6 +267,21 @@ fn create_segment(storage: &dyn Storage, id: u32) -> Result<Arc<dyn StorageFile>
     Ok(file)
 }
 
+/// Why a record was refused during recovery.
+enum Problem {
+    /// Framing or checksum damage: a torn write at the tail, corruption elsewhere.
+    Damaged(String),
+    /// A well-formed record that contradicts the records before it.
+    Inconsistent(String),
+}
+
+fn sizes_of<'a>(
+    sizes: &'a mut HashMap<Arc<[u8]>, VecDeque<u64>, foldhash::fast::FixedState>,
+    name: &Arc<[u8]>,
+) -> &'a mut VecDeque<u64> {
+    sizes.entry(name.clone()).or_default()
+}
+
 /// Reads a segment through a window of [`SCAN_BLOCK_BYTES`].
 struct Scanner<'a> {
     file: &'a dyn StorageFile,
@@ -315,7 +330,16 @@ impl Replay {
                     position += record_bytes;
                     continue;
                 }
-                Err(problem) => problem,
+                Err(Problem::Damaged(problem)) => problem,
+                Err(Problem::Inconsistent(reason)) => {
+                    // The record passed its checksum: this is not a torn write, and cutting
+                    // here could drop acknowledged data. Refuse instead.
+                    return Err(OpenError::Corrupt {
+                        file: name.to_string(),
+                        position,
+                        reason,
+                    });
+                }
             };
             if !last {
                 return Err(OpenError::Corrupt {
@@ -341,30 +365,48 @@ impl Replay {
         scanner: &mut Scanner<'_>,
         segment: u32,
         position: u64,
-    ) -> Result<u64, String> {
+    ) -> Result<u64, Problem> {
         let left = scanner.length - position;
         if left < RECORD_HEADER_BYTES as u64 {
-            return Err(format!("record header cut short ({left} bytes left)"));
+            return Err(Problem::Damaged(format!(
+                "record header cut short ({left} bytes left)"
+            )));
         }
         let header = scanner
             .bytes(position, RECORD_HEADER_BYTES)
-            .map_err(|error| error.to_string())?;
+            .map_err(|error| Problem::Damaged(error.to_string()))?;
         let body_bytes = usize::try_from(format::read_u32(header, 4)).unwrap_or(usize::MAX);
         if body_bytes == 0 || body_bytes > RECORD_BODY_BYTES_MAX {
-            return Err(format!("record length {body_bytes} out of bounds"));
+            return Err(Problem::Damaged(format!(
+                "record length {body_bytes} out of bounds"
+            )));
         }
         let record_bytes = (RECORD_HEADER_BYTES + body_bytes) as u64;
         if record_bytes > left {
-            return Err(format!(
+            return Err(Problem::Damaged(format!(
                 "record of {record_bytes} bytes runs past the end of the file"
-            ));
+            )));
         }
         let bytes = usize::try_from(record_bytes).unwrap_or(usize::MAX);
         let record = scanner
             .bytes(position, bytes)
-            .map_err(|error| error.to_string())?;
-        let record = format::decode_checked(record).map_err(str::to_string)?;
-        let position = u32::try_from(position).map_err(|_| "position past 4 GiB".to_string())?;
+            .map_err(|error| Problem::Damaged(error.to_string()))?;
+        let record = format::decode_checked(record)
+            .map_err(|reason| Problem::Damaged(reason.to_string()))?;
+        let position = u32::try_from(position)
+            .map_err(|_| Problem::Inconsistent("record position past 4 GiB".to_string()))?;
+        self.apply(record, segment, position, record_bytes)?;
+        Ok(record_bytes)
+    }
+
+    /// Applies one checked record to the queues being rebuilt.
+    fn apply(
+        &mut self,
+        record: Record<'_>,
+        segment: u32,
+        position: u32,
+        record_bytes: u64,
+    ) -> Result<(), Problem> {
         let (shards, chunk_bytes, hasher) = (&mut self.shards, &mut self.chunk_bytes, &self.hasher);
         let shard_of = |name: &[u8]| {
             use std::hash::BuildHasher;
@@ -385,13 +427,21 @@ impl Replay {
                 let Some(state) = queues.get_mut(chunk.name) else {
                     unreachable!("inserted above")
                 };
+                if chunk.first_offset > state.next_offset {
+                    // The chunks before the gap were in segment files deleted because a trim
+                    // record later in the log (still to come) removes them all.
+                    state.chunks.clear();
+                    sizes_of(chunk_bytes, &state.name).clear();
+                    state.first_offset = chunk.first_offset;
+                    state.next_offset = chunk.first_offset;
+                }
                 if state.next_offset != chunk.first_offset {
-                    return Err(format!(
+                    return Err(Problem::Inconsistent(format!(
                         "chunk of queue {:?} starts at offset {} but the queue ends at {}",
                         String::from_utf8_lossy(chunk.name),
                         chunk.first_offset,
                         state.next_offset
-                    ));
+                    )));
                 }
                 state.chunks.push_back(ChunkEntry {
                     first_offset: chunk.first_offset,
@@ -440,6 +490,6 @@ impl Replay {
                 chunk_bytes.remove(name);
             }
         }
-        Ok(record_bytes)
+        Ok(())
     }
 }

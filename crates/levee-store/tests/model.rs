@@ -268,6 +268,9 @@ fn run(operations: Vec<Operation>, options: StoreOptions) {
                 drop(store);
                 disk = survivor;
                 store = open(&disk, &options);
+                if !interval {
+                    check_equal(&store, &model);
+                }
                 if interval {
                     // Unsynced messages may be lost, but only from the end of a queue.
                     let mut recovered = BTreeMap::new();
@@ -316,11 +319,11 @@ fn small_options() -> impl Strategy<Value = StoreOptions> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
 
     #[test]
     fn given_sync_always_when_crashing_anywhere_should_keep_every_acknowledged_message(
-        operations in prop::collection::vec(operation(), 1..60),
+        operations in prop::collection::vec(operation(), 1..100),
         options in small_options(),
     ) {
         run(operations, options);
@@ -328,7 +331,7 @@ proptest! {
 
     #[test]
     fn given_sync_interval_when_crashing_anywhere_should_keep_synced_prefix(
-        operations in prop::collection::vec(operation(), 1..60),
+        operations in prop::collection::vec(operation(), 1..100),
         options in small_options(),
         interval_ms in 1_u64..5,
     ) {
