@@ -68,12 +68,74 @@ pub(crate) struct Recovered {
     pub report: OpenReport,
 }
 
+type RecoveringMap = HashMap<Arc<[u8]>, Recovering, foldhash::fast::FixedState>;
+
 struct Replay {
     hasher: foldhash::fast::FixedState,
-    shards: Vec<Shard>,
-    /// Record bytes of each live chunk, parallel to each queue's `chunks` (recovery only).
-    chunk_bytes: HashMap<Arc<[u8]>, VecDeque<u64>, foldhash::fast::FixedState>,
+    shards: Vec<RecoveringMap>,
     next_incarnation: u64,
+}
+
+/// A queue being rebuilt, with the record size of each chunk (needed for size retention).
+struct Recovering {
+    state: QueueState,
+    sizes: VecDeque<u32>,
+}
+
+impl Recovering {
+    fn new(name: Arc<[u8]>, incarnation: u64, next_offset: u64) -> Self {
+        Self {
+            state: QueueState::new(name, incarnation, next_offset),
+            sizes: VecDeque::new(),
+        }
+    }
+
+    fn add_chunk(
+        &mut self,
+        chunk: &format::Chunk<'_>,
+        entry: ChunkEntry,
+        record_bytes: u32,
+    ) -> Result<(), Problem> {
+        let state = &mut self.state;
+        if chunk.first_offset > state.next_offset {
+            // The chunks before the gap were in segment files deleted because a trim record
+            // later in the log (still to come) removes them all.
+            state.chunks.clear();
+            self.sizes.clear();
+            state.first_offset = chunk.first_offset;
+            state.next_offset = chunk.first_offset;
+        }
+        if state.next_offset != chunk.first_offset {
+            return Err(Problem::Inconsistent(format!(
+                "chunk of queue {:?} starts at offset {} but the queue ends at {}",
+                String::from_utf8_lossy(chunk.name),
+                chunk.first_offset,
+                state.next_offset
+            )));
+        }
+        state.chunks.push_back(entry);
+        state.next_offset += u64::from(chunk.count);
+        self.sizes.push_back(record_bytes);
+        Ok(())
+    }
+
+    fn trim(&mut self, first_retained_offset: u64, segment: u32) {
+        let state = &mut self.state;
+        state.trim_segment = segment;
+        state.next_offset = state.next_offset.max(first_retained_offset);
+        state.first_offset = state.first_offset.max(first_retained_offset);
+        while !state.chunks.is_empty() {
+            let end = state
+                .chunks
+                .get(1)
+                .map_or(state.next_offset, |next| next.first_offset);
+            if end > first_retained_offset {
+                break;
+            }
+            state.chunks.pop_front();
+            self.sizes.pop_front();
+        }
+    }
 }
 
 fn io_error(operation: String) -> impl FnOnce(std::io::Error) -> OpenError {
@@ -126,8 +188,7 @@ pub(crate) fn recover(
     let hasher = foldhash::fast::FixedState::with_seed(0x1e7e_e5e0);
     let mut replay = Replay {
         hasher,
-        shards: (0..SHARD_COUNT).map(|_| Shard::default()).collect(),
-        chunk_bytes: HashMap::default(),
+        shards: (0..SHARD_COUNT).map(|_| RecoveringMap::default()).collect(),
         next_incarnation: 0,
     };
     let mut segments = BTreeMap::new();
@@ -193,24 +254,27 @@ pub(crate) fn recover(
         );
         (id, file, SEGMENT_HEADER_BYTES)
     };
-    for shard in &mut replay.shards {
-        for state in shard.queues.values_mut() {
+    let mut shards = Vec::with_capacity(SHARD_COUNT);
+    for recovering in replay.shards {
+        let mut shard = Shard::default();
+        shard.queues.reserve(recovering.len());
+        for (name, Recovering { mut state, sizes }) in recovering {
             report.queues += 1;
             report.messages += state.next_offset - state.first_offset;
-            if let Some(bytes) = replay.chunk_bytes.get(&state.name) {
-                state.stored_bytes = bytes.iter().sum();
-            }
+            state.stored_bytes = sizes.iter().map(|size| u64::from(*size)).sum();
             for chunk in &state.chunks {
                 if let Some(segment) = segments.get_mut(&chunk.segment) {
                     segment.live_chunks += 1;
                 }
             }
+            shard.queues.insert(name, state);
         }
+        shards.push(shard);
     }
     report.segments = segments.len() as u64;
     report.elapsed = started.elapsed();
     Ok(Recovered {
-        shards: replay.shards,
+        shards,
         segments,
         active_segment,
         active_file,
@@ -273,13 +337,6 @@ enum Problem {
     Damaged(String),
     /// A well-formed record that contradicts the records before it.
     Inconsistent(String),
-}
-
-fn sizes_of<'a>(
-    sizes: &'a mut HashMap<Arc<[u8]>, VecDeque<u64>, foldhash::fast::FixedState>,
-    name: &Arc<[u8]>,
-) -> &'a mut VecDeque<u64> {
-    sizes.entry(name.clone()).or_default()
 }
 
 /// Reads a segment through a window of [`SCAN_BLOCK_BYTES`].
@@ -407,87 +464,53 @@ impl Replay {
         position: u32,
         record_bytes: u64,
     ) -> Result<(), Problem> {
-        let (shards, chunk_bytes, hasher) = (&mut self.shards, &mut self.chunk_bytes, &self.hasher);
-        let shard_of = |name: &[u8]| {
+        let shard = {
             use std::hash::BuildHasher;
+            let name = match &record {
+                Record::Chunk(chunk) => chunk.name,
+                Record::Trim { name, .. } | Record::Delete { name } => name,
+            };
+            // Truncation is intended: the low bits pick the shard, as in `Inner::shard_index`.
             #[allow(clippy::cast_possible_truncation)]
-            let hash = hasher.hash_one(name) as usize;
-            hash & (SHARD_COUNT - 1)
+            let hash = self.hasher.hash_one(name) as usize;
+            &mut self.shards[hash & (SHARD_COUNT - 1)]
         };
+        // Record bodies are at most 2^30 bytes (checked above), so the size fits in u32.
+        let record_bytes = u32::try_from(record_bytes).unwrap_or(u32::MAX);
         match record {
             Record::Chunk(chunk) => {
-                let queues = &mut shards[shard_of(chunk.name)].queues;
-                if !queues.contains_key(chunk.name) {
-                    let name: Arc<[u8]> = Arc::from(chunk.name);
-                    let state =
-                        QueueState::new(name.clone(), self.next_incarnation, chunk.first_offset);
-                    self.next_incarnation += 1;
-                    queues.insert(name, state);
-                }
-                let Some(state) = queues.get_mut(chunk.name) else {
-                    unreachable!("inserted above")
-                };
-                if chunk.first_offset > state.next_offset {
-                    // The chunks before the gap were in segment files deleted because a trim
-                    // record later in the log (still to come) removes them all.
-                    state.chunks.clear();
-                    sizes_of(chunk_bytes, &state.name).clear();
-                    state.first_offset = chunk.first_offset;
-                    state.next_offset = chunk.first_offset;
-                }
-                if state.next_offset != chunk.first_offset {
-                    return Err(Problem::Inconsistent(format!(
-                        "chunk of queue {:?} starts at offset {} but the queue ends at {}",
-                        String::from_utf8_lossy(chunk.name),
-                        chunk.first_offset,
-                        state.next_offset
-                    )));
-                }
-                state.chunks.push_back(ChunkEntry {
+                let entry = ChunkEntry {
                     first_offset: chunk.first_offset,
                     segment,
                     position,
-                });
-                state.next_offset += u64::from(chunk.count);
-                chunk_bytes
-                    .entry(state.name.clone())
-                    .or_default()
-                    .push_back(record_bytes);
+                };
+                if let Some(queue) = shard.get_mut(chunk.name) {
+                    return queue.add_chunk(&chunk, entry, record_bytes);
+                }
+                let name: Arc<[u8]> = Arc::from(chunk.name);
+                let mut queue =
+                    Recovering::new(name.clone(), self.next_incarnation, chunk.first_offset);
+                self.next_incarnation += 1;
+                queue.add_chunk(&chunk, entry, record_bytes)?;
+                shard.insert(name, queue);
             }
             Record::Trim {
                 name,
                 first_retained_offset,
             } => {
-                let queues = &mut shards[shard_of(name)].queues;
-                if !queues.contains_key(name) {
-                    let name: Arc<[u8]> = Arc::from(name);
-                    let state =
-                        QueueState::new(name.clone(), self.next_incarnation, first_retained_offset);
-                    self.next_incarnation += 1;
-                    queues.insert(name, state);
+                if let Some(queue) = shard.get_mut(name) {
+                    queue.trim(first_retained_offset, segment);
+                    return Ok(());
                 }
-                let Some(state) = queues.get_mut(name) else {
-                    unreachable!("inserted above")
-                };
-                state.trim_segment = segment;
-                state.next_offset = state.next_offset.max(first_retained_offset);
-                state.first_offset = state.first_offset.max(first_retained_offset);
-                let sizes = chunk_bytes.entry(state.name.clone()).or_default();
-                while !state.chunks.is_empty() {
-                    let end = state
-                        .chunks
-                        .get(1)
-                        .map_or(state.next_offset, |next| next.first_offset);
-                    if end > first_retained_offset {
-                        break;
-                    }
-                    state.chunks.pop_front();
-                    sizes.pop_front();
-                }
+                let name: Arc<[u8]> = Arc::from(name);
+                let mut queue =
+                    Recovering::new(name.clone(), self.next_incarnation, first_retained_offset);
+                self.next_incarnation += 1;
+                queue.trim(first_retained_offset, segment);
+                shard.insert(name, queue);
             }
             Record::Delete { name } => {
-                shards[shard_of(name)].queues.remove(name);
-                chunk_bytes.remove(name);
+                shard.remove(name);
             }
         }
         Ok(())
