@@ -61,5 +61,5 @@ pub use options::{
 pub use read::ReadBatch;
 pub use recovery::{OpenReport, TruncatedTail};
 pub use simulated::{CrashMode, Fault, SimulatedDisk};
-pub use storage::{OsStorage, Storage, StorageFile};
+pub use storage::{LOCK_FILE_NAME, OsStorage, Storage, StorageFile};
 pub use store::{MemoryUsage, QueueInfo, Retention, RetentionReport, Store, StoreStats};

@@ -14,7 +14,7 @@ use crate::format::{
 };
 use crate::options::StoreOptions;
 use crate::queue::{ChunkEntry, QueueState};
-use crate::storage::{Storage, StorageFile};
+use crate::storage::{LOCK_FILE_NAME, Storage, StorageFile};
 use crate::store::{SHARD_COUNT, SegmentEntry, Shard};
 
 /// Bytes read at a time while scanning a segment.
@@ -154,11 +154,17 @@ pub(crate) fn recover(
     let mut report = OpenReport::default();
     let mut file_syncs = 0;
     let mut dir_syncs = 0;
+    storage
+        .lock_directory()
+        .map_err(io_error("locking the data directory".to_string()))?;
     let names = storage
         .list()
         .map_err(io_error("listing the data directory".to_string()))?;
     let mut ids: Vec<u32> = Vec::new();
     for name in names {
+        if name == LOCK_FILE_NAME {
+            continue;
+        }
         match format::parse_segment_file_name(&name) {
             Some(id) => ids.push(id),
             None => report.ignored_files.push(name),
@@ -185,6 +191,10 @@ pub(crate) fn recover(
             found,
         });
     }
+    // Locked only once the directory looks like a store, so a wrong path gets no LOCK file.
+    storage
+        .lock_directory()
+        .map_err(io_error("locking the data directory".to_string()))?;
     let hasher = foldhash::fast::FixedState::with_seed(0x1e7e_e5e0);
     let mut replay = Replay {
         hasher,

@@ -233,6 +233,10 @@ impl Storage for SimulatedDisk {
             .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, name.to_string()))
     }
 
+    fn lock_directory(&self) -> io::Result<()> {
+        self.check(false)
+    }
+
     fn sync_dir(&self) -> io::Result<()> {
         self.check(true)?;
         let mut state = lock(&self.state);

@@ -3,11 +3,11 @@
 //! [`crate::SimulatedDisk`] is a test double that loses unsynced data at a simulated crash.
 
 use std::fmt;
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File, OpenOptions, TryLockError};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// A directory of files. Names are plain file names, never paths.
 pub trait Storage: Send + Sync + fmt::Debug {
@@ -21,7 +21,13 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn remove(&self, name: &str) -> io::Result<()>;
     /// Makes creations and removals in the directory durable (fsync of the directory).
     fn sync_dir(&self) -> io::Result<()>;
+    /// Takes an exclusive lock on the directory for as long as this storage lives, so two
+    /// processes never write the same store. Fails if another holder has it.
+    fn lock_directory(&self) -> io::Result<()>;
 }
+
+/// Name of the lock file [`OsStorage`] keeps in the data directory.
+pub const LOCK_FILE_NAME: &str = "LOCK";
 
 /// One open file.
 #[allow(
@@ -45,6 +51,7 @@ pub trait StorageFile: Send + Sync + fmt::Debug {
 #[derive(Debug, Clone)]
 pub struct OsStorage {
     directory: PathBuf,
+    lock: Arc<OnceLock<File>>,
 }
 
 impl OsStorage {
@@ -52,7 +59,10 @@ impl OsStorage {
     pub fn new(directory: impl AsRef<Path>) -> io::Result<Self> {
         let directory = directory.as_ref().to_path_buf();
         fs::create_dir_all(&directory)?;
-        Ok(Self { directory })
+        Ok(Self {
+            directory,
+            lock: Arc::new(OnceLock::new()),
+        })
     }
 
     /// The directory.
@@ -93,6 +103,25 @@ impl Storage for OsStorage {
 
     fn sync_dir(&self) -> io::Result<()> {
         File::open(&self.directory)?.sync_all()
+    }
+
+    fn lock_directory(&self) -> io::Result<()> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(self.directory.join(LOCK_FILE_NAME))?;
+        file.try_lock().map_err(|error| match error {
+            TryLockError::WouldBlock => io::Error::new(
+                io::ErrorKind::WouldBlock,
+                format!("{} is in use by another process", self.directory.display()),
+            ),
+            TryLockError::Error(error) => error,
+        })?;
+        // The lock lives as long as the last clone of this storage.
+        let _ = self.lock.set(file);
+        Ok(())
     }
 }
 

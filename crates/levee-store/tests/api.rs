@@ -517,3 +517,23 @@ fn given_idle_queues_when_measuring_memory_should_hold_no_buffers() {
     );
     assert!(usage.total_bytes / usage.queues <= 1024, "{usage:?}");
 }
+
+#[test]
+fn given_open_store_when_opening_same_directory_again_should_refuse_until_closed() {
+    let directory = tempfile::tempdir().unwrap();
+    let (store, _) = Store::open(directory.path(), tiny()).unwrap();
+    store.append(b"q", b"m").unwrap();
+    let error = Store::open(directory.path(), tiny()).unwrap_err();
+    assert!(
+        error.to_string().contains("in use by another process"),
+        "{error}"
+    );
+    store.close().unwrap();
+    let (store, report) = Store::open(directory.path(), tiny()).unwrap();
+    assert_eq!(report.messages, 1);
+    assert!(
+        report.ignored_files.is_empty(),
+        "the lock file is ours: {report:?}"
+    );
+    drop(store);
+}
