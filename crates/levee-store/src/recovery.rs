@@ -154,9 +154,6 @@ pub(crate) fn recover(
     let mut report = OpenReport::default();
     let mut file_syncs = 0;
     let mut dir_syncs = 0;
-    storage
-        .lock_directory()
-        .map_err(io_error("locking the data directory".to_string()))?;
     let names = storage
         .list()
         .map_err(io_error("listing the data directory".to_string()))?;
