@@ -51,6 +51,30 @@ fn append(criterion: &mut Criterion) {
             });
         });
     }
+    // Pipelining: one thread keeps up to 4096 deferred appends in flight under `always`.
+    {
+        let directory = tempfile::tempdir().unwrap();
+        let (store, _) = Store::open(directory.path(), StoreOptions::default()).unwrap();
+        let mut next = 0;
+        group.bench_function("always/1_thread_pipelined_4096/58B", |bencher| {
+            bencher.iter_custom(|iterations| {
+                let started = Instant::now();
+                let mut ticket = None;
+                for message in 0..iterations {
+                    next = (next + 1) % QUEUES;
+                    let (_, last) = store.append_deferred(&names[next], &MESSAGE).unwrap();
+                    ticket = Some(last);
+                    if message % 4096 == 4095 {
+                        store.wait_durable(last).unwrap();
+                    }
+                }
+                if let Some(ticket) = ticket {
+                    store.wait_durable(ticket).unwrap();
+                }
+                started.elapsed()
+            });
+        });
+    }
     // Group commit: 16 threads appending under `always` share fsyncs.
     let directory = tempfile::tempdir().unwrap();
     let store = Arc::new(

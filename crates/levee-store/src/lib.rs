@@ -62,4 +62,6 @@ pub use read::ReadBatch;
 pub use recovery::{OpenReport, TruncatedTail};
 pub use simulated::{CrashMode, Fault, SimulatedDisk};
 pub use storage::{LOCK_FILE_NAME, OsStorage, Storage, StorageFile};
-pub use store::{MemoryUsage, QueueInfo, Retention, RetentionReport, Store, StoreStats};
+pub use store::{
+    CommitTicket, MemoryUsage, QueueInfo, Retention, RetentionReport, Store, StoreStats,
+};

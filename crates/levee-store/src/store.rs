@@ -202,6 +202,12 @@ pub struct MemoryUsage {
     pub total_bytes: u64,
 }
 
+/// Returned by deferred appends: the commit round that makes them durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct CommitTicket {
+    round: u64,
+}
+
 /// The queue store. See the crate docs for how it works.
 #[derive(Debug)]
 pub struct Store {
@@ -286,10 +292,9 @@ impl Store {
     /// Appends `message` to `queue` (created on first append) and returns its offset. Under
     /// [`SyncPolicy::Always`] it returns after the message is fsynced.
     pub fn append(&self, queue: &[u8], message: &[u8]) -> Result<u64, WriteError> {
-        self.check_input(queue, message)?;
-        let (offset, round) = self.inner.buffer_message(queue, message)?;
+        let (offset, ticket) = self.append_deferred(queue, message)?;
         if self.inner.options.sync == SyncPolicy::Always {
-            self.inner.wait_round(round)?;
+            self.inner.wait_round(ticket.round)?;
         }
         Ok(offset)
     }
@@ -298,6 +303,32 @@ impl Store {
     /// Messages of one queue keep their order. Inputs are all checked first; a later failure
     /// (full disk, poisoned store) may leave an earlier part of the batch stored.
     pub fn append_batch(&self, batch: &[(&[u8], &[u8])]) -> Result<Vec<u64>, WriteError> {
+        let (offsets, ticket) = self.append_batch_deferred(batch)?;
+        if self.inner.options.sync == SyncPolicy::Always && !batch.is_empty() {
+            self.inner.wait_round(ticket.round)?;
+        }
+        Ok(offsets)
+    }
+
+    /// Like [`Store::append`] but never waits for the fsync: the message is readable at once
+    /// and durable once [`Store::wait_durable`] returns `Ok` for the ticket. Lets one thread
+    /// keep many appends in flight (a server acknowledging asynchronously, a pipelined load
+    /// tool); an error from `wait_durable` means the append may not be stored.
+    pub fn append_deferred(
+        &self,
+        queue: &[u8],
+        message: &[u8],
+    ) -> Result<(u64, CommitTicket), WriteError> {
+        self.check_input(queue, message)?;
+        let (offset, round) = self.inner.buffer_message(queue, message)?;
+        Ok((offset, CommitTicket { round }))
+    }
+
+    /// [`Store::append_batch`] without waiting for the fsync; see [`Store::append_deferred`].
+    pub fn append_batch_deferred(
+        &self,
+        batch: &[(&[u8], &[u8])],
+    ) -> Result<(Vec<u64>, CommitTicket), WriteError> {
         for (queue, message) in batch {
             self.check_input(queue, message)?;
         }
@@ -308,10 +339,19 @@ impl Store {
             offsets.push(offset);
             round = round.max(message_round);
         }
-        if self.inner.options.sync == SyncPolicy::Always && !batch.is_empty() {
-            self.inner.wait_round(round)?;
+        Ok((offsets, CommitTicket { round }))
+    }
+
+    /// Blocks until the appends behind `ticket` are fsynced (rounds complete in order, so
+    /// every earlier successful round is durable too). Under [`SyncPolicy::Interval`] this
+    /// forces a full commit round, like [`Store::sync`]. A full disk fails whole rounds: a
+    /// caller that pipelines must wait on each ticket it holds to learn each outcome, since a
+    /// later ticket can succeed after an earlier one failed.
+    pub fn wait_durable(&self, ticket: CommitTicket) -> Result<(), WriteError> {
+        match self.inner.options.sync {
+            SyncPolicy::Always => self.inner.wait_round(ticket.round),
+            SyncPolicy::Interval { .. } => self.sync(),
         }
-        Ok(offsets)
     }
 
     fn check_input(&self, queue: &[u8], message: &[u8]) -> Result<(), InputError> {

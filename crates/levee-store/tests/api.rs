@@ -537,3 +537,30 @@ fn given_open_store_when_opening_same_directory_again_should_refuse_until_closed
     );
     drop(store);
 }
+
+#[test]
+fn given_deferred_appends_when_waiting_on_last_ticket_should_make_all_durable() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, tiny());
+    let mut last = None;
+    for index in 0..500_u32 {
+        let queue = format!("q{}", index % 7);
+        let (offset, ticket) = store
+            .append_deferred(queue.as_bytes(), &index.to_le_bytes())
+            .unwrap();
+        assert_eq!(offset, u64::from(index / 7));
+        last = Some(ticket);
+    }
+    store.wait_durable(last.unwrap()).unwrap();
+    assert!(
+        store.stats().file_syncs < 500,
+        "pipelined appends share fsyncs"
+    );
+    let survivor = disk.crash(CrashMode::DropUnsynced, 5);
+    drop(store);
+    let store = open_sim(&survivor, tiny());
+    let total: usize = (0..7)
+        .map(|queue| read_all(&store, format!("q{queue}").as_bytes()).len())
+        .sum();
+    assert_eq!(total, 500);
+}
