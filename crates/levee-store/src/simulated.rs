@@ -270,6 +270,17 @@ impl StorageFile for SimulatedFile {
         Ok(())
     }
 
+    fn read_up_to(&self, position: u64, buffer: &mut [u8]) -> io::Result<usize> {
+        self.disk.check(false)?;
+        let data = lock(&self.data);
+        let start = usize::try_from(position)
+            .map_err(io::Error::other)?
+            .min(data.bytes.len());
+        let count = buffer.len().min(data.bytes.len() - start);
+        buffer[..count].copy_from_slice(&data.bytes[start..start + count]);
+        Ok(count)
+    }
+
     fn write_at(&self, position: u64, bytes: &[u8]) -> io::Result<()> {
         self.disk.check(true)?;
         let mut data = lock(&self.data);

@@ -39,6 +39,9 @@ pub trait StorageFile: Send + Sync + fmt::Debug {
     fn len(&self) -> io::Result<u64>;
     /// Fills `buffer` from `position`; an error if the file ends first.
     fn read_at(&self, position: u64, buffer: &mut [u8]) -> io::Result<()>;
+    /// Reads into `buffer` from `position` as many bytes as the file holds there, up to the
+    /// buffer's length; returns how many (fewer only at the end of the file).
+    fn read_up_to(&self, position: u64, buffer: &mut [u8]) -> io::Result<usize>;
     /// Writes all of `data` at `position`.
     fn write_at(&self, position: u64, data: &[u8]) -> io::Result<()>;
     /// Makes every write so far durable (fdatasync).
@@ -137,6 +140,22 @@ impl StorageFile for OsFile {
 
     fn read_at(&self, position: u64, buffer: &mut [u8]) -> io::Result<()> {
         self.file.read_exact_at(buffer, position)
+    }
+
+    fn read_up_to(&self, position: u64, buffer: &mut [u8]) -> io::Result<usize> {
+        let mut filled = 0;
+        while filled < buffer.len() {
+            match self
+                .file
+                .read_at(&mut buffer[filled..], position + filled as u64)
+            {
+                Ok(0) => break,
+                Ok(read) => filled += read,
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(filled)
     }
 
     fn write_at(&self, position: u64, data: &[u8]) -> io::Result<()> {

@@ -877,11 +877,14 @@ impl Inner {
         }
         let mut next = batch.first_offset;
         let mut record = Vec::new();
+        // A full chunk: payload, per-message lengths and headers, with room to spare.
+        let guess_bytes =
+            (self.options.chunk_bytes + self.options.chunk_bytes / 4 + 512).min(1 << 20);
         for (chunk, file) in planned {
             if batch.len() >= max_messages || next >= disk_end {
                 return Ok(batch);
             }
-            read_record(file.as_ref(), chunk, &mut record)?;
+            read_record(file.as_ref(), chunk, guess_bytes, &mut record)?;
             let Ok(Record::Chunk(decoded)) = format::decode_checked(&record) else {
                 return Err(ReadError::Storage {
                     segment: chunk.segment,
@@ -919,10 +922,12 @@ impl Inner {
     }
 }
 
-/// Reads the whole record at `chunk` into `out`.
+/// Reads the whole record at `chunk` into `out`: one read of `guess_bytes` (enough for a
+/// typical chunk), and a second one only if the record is longer.
 fn read_record(
     file: &dyn StorageFile,
     chunk: ChunkEntry,
+    guess_bytes: usize,
     out: &mut Vec<u8>,
 ) -> Result<(), ReadError> {
     let storage_error = |reason: String| ReadError::Storage {
@@ -930,19 +935,27 @@ fn read_record(
         position: chunk.position,
         reason,
     };
-    let mut header = [0_u8; RECORD_HEADER_BYTES];
-    file.read_at(u64::from(chunk.position), &mut header)
+    let position = u64::from(chunk.position);
+    out.clear();
+    out.resize(guess_bytes.max(RECORD_HEADER_BYTES), 0);
+    let read = file
+        .read_up_to(position, out)
         .map_err(|error| storage_error(error.to_string()))?;
-    let (_, body_bytes) = format::decode_record_header(&header);
+    if read < RECORD_HEADER_BYTES {
+        return Err(storage_error(
+            "record header past the end of the segment".to_string(),
+        ));
+    }
+    let body_bytes = usize::try_from(format::read_u32(out, 4)).unwrap_or(usize::MAX);
     if body_bytes > format::RECORD_BODY_BYTES_MAX {
         return Err(storage_error("record length field is corrupt".to_string()));
     }
-    out.clear();
-    out.resize(RECORD_HEADER_BYTES + body_bytes, 0);
-    out[..RECORD_HEADER_BYTES].copy_from_slice(&header);
-    file.read_at(
-        u64::from(chunk.position) + RECORD_HEADER_BYTES as u64,
-        &mut out[RECORD_HEADER_BYTES..],
-    )
-    .map_err(|error| storage_error(error.to_string()))
+    let total = RECORD_HEADER_BYTES + body_bytes;
+    if total <= read {
+        out.truncate(total);
+        return Ok(());
+    }
+    out.resize(total, 0);
+    file.read_at(position + read as u64, &mut out[read..])
+        .map_err(|error| storage_error(error.to_string()))
 }
