@@ -1,6 +1,7 @@
 //! Measures the memory budget and recovery time at a chosen scale:
-//! `cargo run -p levee-store --release --example footprint -- QUEUES MESSAGES_PER_QUEUE [DIR]`.
-//! Prints put throughput (sync=interval), memory per queue and per message, disk bytes,
+//! `cargo run -p levee-store --release --example footprint -- QUEUES PER_QUEUE INTERVAL_MS [DIR]`
+//! (defaults 100000 20 100). Prints put throughput under `interval(INTERVAL_MS)`, memory per
+//! queue and per message, disk bytes,
 //! fsyncs, and the time to reopen (recover) the store.
 #![allow(clippy::cast_precision_loss, reason = "ratios for a report")]
 
@@ -12,12 +13,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut arguments = std::env::args().skip(1);
     let queues: usize = arguments.next().map_or(Ok(100_000), |text| text.parse())?;
     let per_queue: usize = arguments.next().map_or(Ok(20), |text| text.parse())?;
+    let interval_ms: u64 = arguments.next().map_or(Ok(100), |text| text.parse())?;
     let temporary = tempfile::tempdir()?;
     let directory = arguments
         .next()
         .map_or_else(|| temporary.path().to_path_buf(), Into::into);
     let options = StoreOptions {
-        sync: SyncPolicy::Interval { interval_ms: 100 },
+        sync: SyncPolicy::Interval { interval_ms },
         ..StoreOptions::default()
     };
     let names: Vec<Vec<u8>> = (0..queues)
@@ -38,7 +40,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let messages = (queues * per_queue) as f64;
     let stats = store.stats();
     let usage = store.memory_usage();
-    println!("queues {queues}, messages {messages}, 58-byte messages, sync=interval(100)");
+    println!(
+        "queues {queues}, messages {messages}, 58-byte messages, sync=interval({interval_ms})"
+    );
     println!(
         "put: {:.0} messages/s ({put_seconds:.2} s)",
         messages / put_seconds

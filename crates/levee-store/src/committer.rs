@@ -417,6 +417,7 @@ impl Committer<'_> {
     fn poison(&self, reason: String) -> bool {
         let mut commit = lock(&self.inner.commit);
         commit.poisoned = Some(reason);
+        self.inner.poisoned.store(true, Ordering::Release);
         self.inner.committed.notify_all();
         false
     }

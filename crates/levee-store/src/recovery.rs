@@ -269,6 +269,8 @@ pub(crate) fn recover(
             report.queues += 1;
             report.messages += state.next_offset - state.first_offset;
             state.stored_bytes = sizes.iter().map(|size| u64::from(*size)).sum();
+            // Growth slack is not needed for the past: an idle queue keeps exactly its index.
+            state.chunks.shrink_to_fit();
             for chunk in &state.chunks {
                 if let Some(segment) = segments.get_mut(&chunk.segment) {
                     segment.live_chunks += 1;

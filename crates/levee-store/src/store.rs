@@ -117,6 +117,8 @@ pub(crate) struct Inner {
     /// Under `interval`, a write failed for lack of space: appends are refused until the
     /// committer writes the buffered data.
     pub disk_full: AtomicBool,
+    /// Set (after `CommitState::poisoned`) when the store is poisoned.
+    pub poisoned: AtomicBool,
     pub counters: Counters,
 }
 
@@ -257,6 +259,7 @@ impl Store {
             buffered_bytes: AtomicUsize::new(0),
             next_incarnation: AtomicU64::new(recovered.next_incarnation),
             disk_full: AtomicBool::new(false),
+            poisoned: AtomicBool::new(false),
             counters: Counters::default(),
         });
         inner
@@ -597,6 +600,10 @@ impl Inner {
     }
 
     pub(crate) fn check_poisoned(&self) -> Result<(), WriteError> {
+        // Fast path without the commit lock: every append passes here.
+        if !self.poisoned.load(Ordering::Acquire) {
+            return Ok(());
+        }
         match &lock(&self.commit).poisoned {
             Some(reason) => Err(WriteError::Poisoned(reason.clone())),
             None => Ok(()),
@@ -637,6 +644,8 @@ impl Inner {
                 return Ok(());
             }
             self.buffered_bytes.fetch_sub(bytes, Ordering::SeqCst);
+            // Under a full disk the budget frees only once space returns: fail fast instead.
+            self.check_writable()?;
             {
                 let mut pending = lock(&self.pending);
                 pending.budget_flush_requested = true;
@@ -661,15 +670,15 @@ impl Inner {
         self.reserve_budget(cost)?;
         let interval = matches!(self.options.sync, SyncPolicy::Interval { .. });
         let mut shard = lock(self.shard(queue));
-        if !shard.queues.contains_key(queue) {
+        let state = if let Some(state) = shard.queues.get_mut(queue) {
+            state
+        } else {
             let incarnation = self.next_incarnation.fetch_add(1, Ordering::Relaxed);
             let name: Arc<[u8]> = Arc::from(queue);
             shard
                 .queues
-                .insert(name.clone(), QueueState::new(name, incarnation, 0));
-        }
-        let Some(state) = shard.queues.get_mut(queue) else {
-            unreachable!("queue inserted above under the same lock")
+                .entry(name.clone())
+                .or_insert(QueueState::new(name, incarnation, 0))
         };
         let offset = state.next_offset;
         state.next_offset += 1;
