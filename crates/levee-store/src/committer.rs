@@ -508,7 +508,10 @@ impl Committer<'_> {
     /// Closes the active segment and starts the next one: fsync the old file, create the new
     /// one, write and fsync its header, fsync the directory.
     fn rotate(&mut self) -> io::Result<()> {
-        self.writer.file.sync()?;
+        // A failed fsync is never "disk full": the kernel may have dropped the dirty pages, so
+        // it must poison the store rather than be retried.
+        let fatal = |error: io::Error| io::Error::other(format!("fsync failed: {error}"));
+        self.writer.file.sync().map_err(fatal)?;
         self.inner
             .counters
             .file_syncs
@@ -517,13 +520,16 @@ impl Committer<'_> {
         let name = format::segment_file_name(segment);
         let file = self.inner.storage.create(&name)?;
         let header = format::encode_segment_header(segment);
-        let written = file.write_at(0, &header).and_then(|()| file.sync());
+        let written = file.write_at(0, &header).and_then(|()| {
+            file.sync().map_err(fatal)?;
+            self.inner.storage.sync_dir().map_err(fatal)
+        });
         if let Err(error) = written {
-            // Best effort: recovery also removes a last segment shorter than its header.
+            // Best effort, so a retry can create it again; recovery also copes with a last
+            // segment that holds only its header or is shorter than it.
             let _ = self.inner.storage.remove(&name);
             return Err(error);
         }
-        self.inner.storage.sync_dir()?;
         self.inner
             .counters
             .file_syncs
@@ -597,23 +603,31 @@ impl Committer<'_> {
                 }
             }
             let name = format::segment_file_name(oldest);
-            if let Err(error) = self
-                .inner
-                .storage
-                .remove(&name)
-                .and_then(|()| self.inner.storage.sync_dir())
-            {
+            if let Err(error) = self.inner.storage.remove(&name) {
                 return self.poison(format!("deleting segment {name}: {error}"));
             }
-            self.inner
-                .counters
-                .dir_syncs
-                .fetch_add(1, Ordering::Relaxed);
+            lock(&self.inner.segments).remove(&oldest);
             self.inner
                 .counters
                 .segments_deleted
                 .fetch_add(1, Ordering::Relaxed);
-            lock(&self.inner.segments).remove(&oldest);
+            match self.inner.storage.sync_dir() {
+                Ok(()) => {
+                    self.inner
+                        .counters
+                        .dir_syncs
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                // The unlink is not durable yet; if the file comes back after a crash it only
+                // holds dead chunks and copied-forward trims, and the next directory fsync
+                // (rotation or deletion) makes this unlink durable too.
+                Err(error) if is_no_space(&error) => return true,
+                Err(error) => {
+                    return self.poison(format!(
+                        "fsyncing the directory after deleting {name}: {error}"
+                    ));
+                }
+            }
         }
     }
 }

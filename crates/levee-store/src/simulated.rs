@@ -10,14 +10,26 @@ use std::sync::Mutex;
 
 use crate::storage::{Storage, StorageFile};
 
-/// A fault the disk injects into every write, sync and create until switched off.
+/// What an operation does to the disk, for fault injection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Operation {
+    /// Reads, listing, removal, truncation: never faulted.
+    Read,
+    /// Writes and creates: need new blocks.
+    Allocate,
+    /// File and directory syncs.
+    Sync,
+}
+
+/// A fault the disk injects until switched off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
     /// No fault.
     None,
-    /// Writes and creates fail with "no space left on device" (ENOSPC).
+    /// Writes and creates fail with "no space left on device" (ENOSPC); syncs of data already
+    /// written succeed, as blocks are allocated at write time.
     NoSpace,
-    /// Writes, syncs and creates fail with a generic I/O error.
+    /// Writes, creates and syncs fail with a generic I/O error.
     Io,
 }
 
@@ -165,14 +177,17 @@ impl SimulatedDisk {
             .map(|file| lock(file).bytes.clone())
     }
 
-    fn check(&self, writing: bool) -> io::Result<()> {
+    /// Fails if crashed or if the fault covers this kind of operation.
+    fn check(&self, operation: Operation) -> io::Result<()> {
         let state = lock(&self.state);
         if state.crashed {
             return Err(io::Error::other("simulated disk crashed"));
         }
-        match state.fault {
-            Some(Fault::NoSpace) if writing => Err(io::Error::from_raw_os_error(28)),
-            Some(Fault::Io) if writing => Err(io::Error::other("simulated I/O error")),
+        match (state.fault, operation) {
+            (Some(Fault::NoSpace), Operation::Allocate) => Err(io::Error::from_raw_os_error(28)),
+            (Some(Fault::Io), Operation::Allocate | Operation::Sync) => {
+                Err(io::Error::other("simulated I/O error"))
+            }
             _ => Ok(()),
         }
     }
@@ -189,12 +204,12 @@ fn next_random(state: &mut u64) -> u64 {
 
 impl Storage for SimulatedDisk {
     fn list(&self) -> io::Result<Vec<String>> {
-        self.check(false)?;
+        self.check(Operation::Read)?;
         Ok(lock(&self.state).files.keys().cloned().collect())
     }
 
     fn create(&self, name: &str) -> io::Result<Arc<dyn StorageFile>> {
-        self.check(true)?;
+        self.check(Operation::Allocate)?;
         let mut state = lock(&self.state);
         if state.files.contains_key(name) {
             return Err(io::Error::new(
@@ -211,7 +226,7 @@ impl Storage for SimulatedDisk {
     }
 
     fn open(&self, name: &str) -> io::Result<Arc<dyn StorageFile>> {
-        self.check(false)?;
+        self.check(Operation::Read)?;
         let state = lock(&self.state);
         let data = state
             .files
@@ -225,7 +240,7 @@ impl Storage for SimulatedDisk {
     }
 
     fn remove(&self, name: &str) -> io::Result<()> {
-        self.check(false)?;
+        self.check(Operation::Read)?;
         lock(&self.state)
             .files
             .remove(name)
@@ -234,11 +249,11 @@ impl Storage for SimulatedDisk {
     }
 
     fn lock_directory(&self) -> io::Result<()> {
-        self.check(false)
+        self.check(Operation::Read)
     }
 
     fn sync_dir(&self) -> io::Result<()> {
-        self.check(true)?;
+        self.check(Operation::Sync)?;
         let mut state = lock(&self.state);
         let files = state.files.clone();
         state.durable_files = files;
@@ -254,12 +269,12 @@ struct SimulatedFile {
 
 impl StorageFile for SimulatedFile {
     fn len(&self) -> io::Result<u64> {
-        self.disk.check(false)?;
+        self.disk.check(Operation::Read)?;
         Ok(lock(&self.data).bytes.len() as u64)
     }
 
     fn read_at(&self, position: u64, buffer: &mut [u8]) -> io::Result<()> {
-        self.disk.check(false)?;
+        self.disk.check(Operation::Read)?;
         let data = lock(&self.data);
         let start = usize::try_from(position).map_err(io::Error::other)?;
         let end = start
@@ -271,7 +286,7 @@ impl StorageFile for SimulatedFile {
     }
 
     fn read_up_to(&self, position: u64, buffer: &mut [u8]) -> io::Result<usize> {
-        self.disk.check(false)?;
+        self.disk.check(Operation::Read)?;
         let data = lock(&self.data);
         let start = usize::try_from(position)
             .map_err(io::Error::other)?
@@ -282,7 +297,7 @@ impl StorageFile for SimulatedFile {
     }
 
     fn write_at(&self, position: u64, bytes: &[u8]) -> io::Result<()> {
-        self.disk.check(true)?;
+        self.disk.check(Operation::Allocate)?;
         let mut data = lock(&self.data);
         let start = usize::try_from(position).map_err(io::Error::other)?;
         if data.bytes.len() < start + bytes.len() {
@@ -294,7 +309,7 @@ impl StorageFile for SimulatedFile {
     }
 
     fn sync(&self) -> io::Result<()> {
-        self.disk.check(true)?;
+        self.disk.check(Operation::Sync)?;
         let mut data = lock(&self.data);
         let same = data.same_prefix;
         data.durable.truncate(same);
@@ -305,7 +320,7 @@ impl StorageFile for SimulatedFile {
     }
 
     fn truncate(&self, length: u64) -> io::Result<()> {
-        self.disk.check(false)?;
+        self.disk.check(Operation::Read)?;
         let mut data = lock(&self.data);
         let length = usize::try_from(length).map_err(io::Error::other)?;
         data.bytes.resize(length, 0);

@@ -11,11 +11,18 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use levee_store::{CrashMode, Retention, SimulatedDisk, Store, StoreOptions, SyncPolicy};
+use levee_store::{
+    CrashMode, Fault, Retention, SimulatedDisk, Store, StoreOptions, SyncPolicy, WriteError,
+};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
 enum Operation {
+    /// Under `always`: an append while the disk is full must fail and change nothing.
+    AppendOnFullDisk {
+        queue: u8,
+        length: usize,
+    },
     Append {
         queue: u8,
         length: usize,
@@ -58,6 +65,7 @@ fn operation() -> impl Strategy<Value = Operation> {
         1 => Just(Operation::Sync),
         1 => Just(Operation::Reopen),
         3 => (0_u8..3, any::<u64>()).prop_map(|(mode, seed)| Operation::Crash { mode, seed }),
+        2 => (0_u8..5, 0_usize..300).prop_map(|(queue, length)| Operation::AppendOnFullDisk { queue, length }),
     ]
 }
 
@@ -257,6 +265,19 @@ fn run(operations: Vec<Operation>, options: StoreOptions) {
                 for entry in model.values_mut() {
                     entry.durable = entry.messages.len();
                 }
+            }
+            Operation::AppendOnFullDisk { queue, length } => {
+                if interval {
+                    continue;
+                }
+                let bytes = message(&mut sequence, length);
+                disk.set_fault(Fault::NoSpace);
+                let result = store.append(&queue_name(queue), &bytes);
+                disk.set_fault(Fault::None);
+                assert!(
+                    matches!(result, Err(WriteError::StorageFull { .. })),
+                    "{result:?}"
+                );
             }
             Operation::Crash { mode, seed } => {
                 let mode = match mode {
