@@ -564,3 +564,78 @@ fn given_deferred_appends_when_waiting_on_last_ticket_should_make_all_durable() 
         .sum();
     assert_eq!(total, 500);
 }
+
+#[test]
+fn given_appends_deletes_retention_and_reads_at_once_when_running_should_not_deadlock() {
+    let directory = tempfile::tempdir().unwrap();
+    for sync in [SyncPolicy::Always, SyncPolicy::Interval { interval_ms: 1 }] {
+        let path = directory.path().join(sync.to_string());
+        let options = StoreOptions {
+            sync,
+            buffer_budget_bytes: 2048,
+            ..tiny()
+        };
+        let store = Arc::new(Store::open(&path, options.clone()).unwrap().0);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut handles = Vec::new();
+        for thread in 0..4_u32 {
+            let (store, stop) = (store.clone(), stop.clone());
+            handles.push(std::thread::spawn(move || {
+                let mut sent = 0_u32;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    // Queues "stable-*" are never deleted; "churn-*" are deleted meanwhile.
+                    let stable = format!("stable-{thread}");
+                    store
+                        .append(stable.as_bytes(), &sent.to_le_bytes())
+                        .unwrap();
+                    let churn = format!("churn-{}", sent % 3);
+                    store.append(churn.as_bytes(), b"churn").unwrap();
+                    sent += 1;
+                }
+                sent
+            }));
+        }
+        let admin = {
+            let (store, stop) = (store.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut round = 0_u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    store
+                        .delete_queue(format!("churn-{}", round % 3).as_bytes())
+                        .unwrap();
+                    let policy = |queue: &[u8]| {
+                        if queue.starts_with(b"churn") {
+                            Retention {
+                                max_bytes: Some(100),
+                                max_age_ms: None,
+                            }
+                        } else {
+                            Retention::default()
+                        }
+                    };
+                    store.enforce_retention(0, policy).unwrap();
+                    let _ = store.read(b"stable-0", round, 10, 1000).unwrap();
+                    let _ = store.list_queues(None, 100);
+                    round += 1;
+                }
+            })
+        };
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let sent: Vec<u32> = handles
+            .into_iter()
+            .map(|handle| handle.join().unwrap())
+            .collect();
+        admin.join().unwrap();
+        let store = Arc::try_unwrap(store).unwrap();
+        store.close().unwrap();
+        let (store, _) = Store::open(&path, options).unwrap();
+        for (thread, sent) in sent.into_iter().enumerate() {
+            let messages = read_all(&store, format!("stable-{thread}").as_bytes());
+            let expected: Vec<Vec<u8>> = (0..sent)
+                .map(|index| index.to_le_bytes().to_vec())
+                .collect();
+            assert_eq!(messages, expected, "stable-{thread} under {sync}");
+        }
+    }
+}
