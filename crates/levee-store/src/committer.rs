@@ -250,7 +250,6 @@ impl Committer<'_> {
             .counters
             .bytes_written
             .fetch_add(written, Ordering::Relaxed);
-        self.apply(placed);
         if written > 0 || rotated_mid_round {
             if let Err(error) = self.writer.file.sync() {
                 return self.fail_round(plan.round, &error, "fsyncing a segment", Vec::new(), true);
@@ -261,6 +260,9 @@ impl Committer<'_> {
                 .fetch_add(1, Ordering::Relaxed);
             self.inner.disk_full.store(false, Ordering::SeqCst);
         }
+        // Published only once durable: under `always` readers see exactly the indexed chunks,
+        // so they never see a message that a crash or a full disk could still take back.
+        self.apply(placed);
         self.inner.counters.rounds.fetch_add(1, Ordering::Relaxed);
         self.complete(plan.round, None);
         self.collect_garbage()

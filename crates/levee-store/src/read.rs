@@ -7,18 +7,20 @@ pub struct ReadBatch {
     pub first_offset: u64,
     /// The requested offset was before the first retained one, so reading started there.
     pub skipped_to_first_retained: bool,
-    /// The queue's next offset (its length) when the read ran.
-    pub queue_next_offset: u64,
+    /// End of what a read could see when it ran: under `always` the end of the fsynced
+    /// messages, under `interval` the queue's next offset (acknowledged, maybe not yet
+    /// fsynced).
+    pub visible_end_offset: u64,
     data: Vec<u8>,
     ends: Vec<usize>,
 }
 
 impl ReadBatch {
-    pub(crate) fn new(first_offset: u64, skipped: bool, queue_next_offset: u64) -> Self {
+    pub(crate) fn new(first_offset: u64, skipped: bool, visible_end_offset: u64) -> Self {
         Self {
             first_offset,
             skipped_to_first_retained: skipped,
-            queue_next_offset,
+            visible_end_offset,
             data: Vec::new(),
             ends: Vec::new(),
         }

@@ -372,7 +372,10 @@ impl Store {
     /// Reads up to `max_messages` messages of `queue` from `offset`, stopping before
     /// `max_bytes` would be passed (but returning at least one message if any is there). An
     /// offset at or past the end, or an unknown queue, gives an empty batch. An offset before
-    /// the first retained message starts there and sets `skipped_to_first_retained`.
+    /// the first retained message starts there and sets `skipped_to_first_retained`. Under
+    /// [`SyncPolicy::Always`] only fsynced messages are returned, so a reader never sees a
+    /// message that a crash or a full disk could take back; under `interval` every
+    /// acknowledged message is.
     pub fn read(
         &self,
         queue: &[u8],
@@ -830,12 +833,18 @@ impl Inner {
             let Some(state) = shard.queues.get(queue) else {
                 return Ok(ReadBatch::default());
             };
+            // Under `always` only fsynced messages are visible (the indexed chunks); under
+            // `interval` acknowledged messages still in the buffer are too.
+            disk_end = state.disk_end_offset();
+            let visible_end = match self.options.sync {
+                SyncPolicy::Always => disk_end,
+                SyncPolicy::Interval { .. } => state.next_offset,
+            };
             let start = offset.max(state.first_offset);
-            batch = ReadBatch::new(start, offset < state.first_offset, state.next_offset);
-            if start >= state.next_offset || max_messages == 0 {
+            batch = ReadBatch::new(start, offset < state.first_offset, visible_end);
+            if start >= visible_end || max_messages == 0 {
                 return Ok(batch);
             }
-            disk_end = state.disk_end_offset();
             let wanted_end = start.saturating_add(max_messages as u64);
             if start < disk_end {
                 let first = state
@@ -862,6 +871,7 @@ impl Inner {
                 }
             }
             if let Some(buffer) = &state.buffer
+                && visible_end > buffer.first_offset
                 && wanted_end > buffer.first_offset
             {
                 let skip = usize::try_from(start.saturating_sub(buffer.first_offset))

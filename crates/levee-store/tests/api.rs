@@ -639,3 +639,34 @@ fn given_appends_deletes_retention_and_reads_at_once_when_running_should_not_dea
         }
     }
 }
+
+#[test]
+fn given_sync_always_when_message_not_yet_fsynced_should_not_be_readable() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, tiny());
+    store.append(b"q", b"durable").unwrap();
+    disk.set_fault(Fault::NoSpace);
+    let (offset, ticket) = store.append_deferred(b"q", b"doomed").unwrap();
+    assert_eq!(offset, 1);
+    let batch = store.read(b"q", 0, 10, 1000).unwrap();
+    assert_eq!(
+        batch.iter().collect::<Vec<_>>(),
+        vec![&b"durable"[..]],
+        "only fsynced data"
+    );
+    assert_eq!(batch.visible_end_offset, 1);
+    assert!(matches!(
+        store.wait_durable(ticket),
+        Err(WriteError::StorageFull { .. })
+    ));
+    disk.set_fault(Fault::None);
+    assert_eq!(
+        store.append(b"q", b"next").unwrap(),
+        1,
+        "the failed offset is reused"
+    );
+    assert_eq!(
+        read_all(&store, b"q"),
+        vec![b"durable".to_vec(), b"next".to_vec()]
+    );
+}
