@@ -133,7 +133,8 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct QueueInfo {
     /// First offset still retained.
     pub first_offset: u64,
-    /// Offset the next appended message gets (the queue's length counted from 0).
+    /// Offset the next appended message gets (the queue's length counted from 0), including
+    /// appends still waiting for their fsync.
     pub next_offset: u64,
 }
 
@@ -549,11 +550,19 @@ impl Store {
         usage
     }
 
-    /// Writes everything buffered, stops the committer and reports a fatal error if one
-    /// happened. Dropping the store does the same but cannot report.
+    /// Writes everything buffered, stops the committer and reports a fatal error, or a full
+    /// disk that kept buffered messages from being written. Dropping the store does the same
+    /// but cannot report.
     pub fn close(mut self) -> Result<(), WriteError> {
         self.shutdown();
-        self.inner.check_poisoned()
+        self.inner.check_poisoned()?;
+        if self.inner.buffered_bytes.load(Ordering::SeqCst) > 0 {
+            // Only a full disk leaves messages behind at close: they are lost with the process.
+            return Err(WriteError::StorageFull {
+                operation: "writing buffered messages at close".to_string(),
+            });
+        }
+        Ok(())
     }
 
     fn shutdown(&mut self) {

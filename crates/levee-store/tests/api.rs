@@ -390,8 +390,15 @@ fn given_full_disk_under_interval_when_space_returns_should_write_buffered_messa
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
     store.sync().unwrap();
+    disk.set_fault(Fault::NoSpace);
+    store.append(b"q", b"four").unwrap();
+    let closed = store.close();
+    assert!(
+        matches!(closed, Err(WriteError::StorageFull { .. })),
+        "{closed:?}"
+    );
+    disk.set_fault(Fault::None);
     let survivor = disk.crash(CrashMode::DropUnsynced, 4);
-    drop(store);
     let store = open_sim(&survivor, options);
     assert_eq!(
         read_all(&store, b"q"),
