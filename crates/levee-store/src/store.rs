@@ -212,7 +212,6 @@ pub struct CommitTicket {
 }
 
 /// The queue store. See the crate docs for how it works.
-#[derive(Debug)]
 pub struct Store {
     inner: Arc<Inner>,
     committer: Option<JoinHandle<()>>,
@@ -576,6 +575,16 @@ impl Store {
         }
         // A panic in the committer already poisoned the store; nothing more to report here.
         let _ = committer.join();
+    }
+}
+
+impl std::fmt::Debug for Store {
+    /// Options only: a store can hold millions of queues, which must not end up in a log line.
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("Store")
+            .field("options", &self.inner.options)
+            .finish_non_exhaustive()
     }
 }
 
