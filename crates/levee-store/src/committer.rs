@@ -9,14 +9,18 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::error::WriteError;
-use crate::format::{self, SEGMENT_HEADER_BYTES};
+use crate::format::{self, RECORD_HEADER_BYTES, Record, SEGMENT_HEADER_BYTES};
 use crate::options::SyncPolicy;
 use crate::queue::{ChunkEntry, NO_SEGMENT};
+use crate::recovery::Scanner;
 use crate::storage::StorageFile;
 use crate::store::{
     FAILURES_MAX, Inner, MESSAGE_OVERHEAD_BYTES, PendingItem, QueueKey, SHARD_COUNT, SegmentEntry,
     lock,
 };
+
+/// The oldest segment is relocated once at most 1 in this many of its chunks is still live.
+const RELOCATE_LIVE_RATIO_MAX: u64 = 4;
 
 /// Past this position a round starts a new segment even mid-round, so positions fit in u32.
 const POSITION_SOFT_MAX: u64 = 3 << 30;
@@ -61,6 +65,10 @@ enum Placed {
         item: PendingItem,
     },
 }
+
+/// A live chunk being relocated: its queue, first offset, old position and its position in
+/// the copied bytes.
+type Moved = (QueueKey, u64, u32, usize);
 
 struct Plan {
     round: u64,
@@ -375,6 +383,7 @@ impl Committer<'_> {
                     state.stored_bytes += record_bytes;
                     if let Some(segment) = lock(&self.inner.segments).get_mut(&entry.segment) {
                         segment.live_chunks += 1;
+                        segment.chunks_total += 1;
                     }
                     let freed = payload_bytes + MESSAGE_OVERHEAD_BYTES * count;
                     self.inner.buffered_bytes.fetch_sub(freed, Ordering::SeqCst);
@@ -545,24 +554,185 @@ impl Committer<'_> {
             SegmentEntry {
                 file: file.clone(),
                 live_chunks: 0,
+                chunks_total: 0,
             },
         );
         self.writer = Writer::new(segment, file, SEGMENT_HEADER_BYTES);
         Ok(())
     }
 
+    /// The live chunk records of segment `oldest`, copied back to back, and for each the
+    /// queue, its first offset, its old position and its position in the copy.
+    fn live_chunks_of(
+        &self,
+        oldest: u32,
+        file: &dyn StorageFile,
+    ) -> Result<(Vec<u8>, Vec<Moved>), String> {
+        let length = file.len().map_err(|error| error.to_string())?;
+        let mut scanner = Scanner::new(file, length);
+        let mut copy = Vec::new();
+        let mut moved = Vec::new();
+        let mut position = SEGMENT_HEADER_BYTES;
+        while position + RECORD_HEADER_BYTES as u64 <= length {
+            let total = scanner.bytes(position, RECORD_HEADER_BYTES).map(|header| {
+                let body = u64::from(format::read_u32(header, 4));
+                (RECORD_HEADER_BYTES as u64 + body).min(length - position)
+            });
+            let record = total
+                .and_then(|total| {
+                    scanner.bytes(position, usize::try_from(total).unwrap_or(usize::MAX))
+                })
+                .map_err(|error| error.to_string())?;
+            let record_bytes = record.len() as u64;
+            let chunk = match format::decode_checked(record) {
+                Ok(Record::Chunk(chunk)) => chunk,
+                Ok(_) => {
+                    position += record_bytes;
+                    continue;
+                }
+                Err(reason) => return Err(format!("record at {position}: {reason}")),
+            };
+            let old_position = u32::try_from(position).unwrap_or(u32::MAX);
+            let live = {
+                let shard = lock(self.inner.shard(chunk.name));
+                shard.queues.get(chunk.name).and_then(|state| {
+                    let index = state
+                        .chunks
+                        .partition_point(|known| known.first_offset < chunk.first_offset);
+                    let known = state.chunks.get(index)?;
+                    (known.first_offset == chunk.first_offset
+                        && known.segment == oldest
+                        && known.position == old_position)
+                        .then(|| QueueKey {
+                            name: state.name.clone(),
+                            incarnation: state.incarnation,
+                        })
+                })
+            };
+            if let Some(key) = live {
+                moved.push((key, chunk.first_offset, old_position, copy.len()));
+                copy.extend_from_slice(record);
+            }
+            position += record_bytes;
+        }
+        Ok((copy, moved))
+    }
+
+    /// Copies the live chunk records of segment `oldest` to the end of the active segment,
+    /// fsyncs, and points the index at the copies; the old segment is then dead and deleted.
+    /// Replay treats a chunk seen twice as moved (FORMAT.md). Returns false once poisoned.
+    fn relocate(&mut self, oldest: u32) -> bool {
+        let Some(file) = lock(&self.inner.segments)
+            .get(&oldest)
+            .map(|entry| entry.file.clone())
+        else {
+            return true;
+        };
+        let (copy, moved) = match self.live_chunks_of(oldest, file.as_ref()) {
+            Ok(found) => found,
+            Err(reason) => return self.poison(format!("relocating segment {oldest}: {reason}")),
+        };
+        if copy.is_empty() {
+            return true;
+        }
+        if self.writer.length >= self.inner.options.segment_bytes_max
+            && let Err(error) = self.rotate()
+        {
+            return is_no_space(&error) || self.poison(format!("rotating to relocate: {error}"));
+        }
+        if self.writer.length + copy.len() as u64 >= POSITION_SOFT_MAX {
+            return true;
+        }
+        let written = self.writer.file.write_at(self.writer.length, &copy);
+        if let Err(error) = written.and_then(|()| self.writer.file.sync()) {
+            if is_no_space(&error) && self.writer.file.truncate(self.writer.length).is_ok() {
+                return true;
+            }
+            return self.poison(format!("writing relocated chunks: {error}"));
+        }
+        let base = self.writer.length;
+        self.writer.length += copy.len() as u64;
+        self.inner
+            .counters
+            .bytes_written
+            .fetch_add(copy.len() as u64, Ordering::Relaxed);
+        self.inner
+            .counters
+            .file_syncs
+            .fetch_add(1, Ordering::Relaxed);
+        let new_segment = self.writer.segment;
+        for (key, first_offset, old_position, offset_in_copy) in moved {
+            let mut shard = lock(self.inner.shard(&key.name));
+            let Some(state) = shard.queues.get_mut(&*key.name) else {
+                continue;
+            };
+            if state.incarnation != key.incarnation {
+                continue;
+            }
+            let index = state
+                .chunks
+                .partition_point(|known| known.first_offset < first_offset);
+            let Some(known) = state.chunks.get_mut(index) else {
+                continue;
+            };
+            if known.first_offset != first_offset
+                || known.segment != oldest
+                || known.position != old_position
+            {
+                // Trimmed or deleted meanwhile: the copy is dead on arrival.
+                continue;
+            }
+            // Invariant: base + copy length < POSITION_SOFT_MAX (checked above).
+            known.position = u32::try_from(base + offset_in_copy as u64).expect("position fits");
+            known.segment = new_segment;
+            let mut segments = lock(&self.inner.segments);
+            if let Some(old) = segments.get_mut(&oldest) {
+                old.live_chunks = old.live_chunks.saturating_sub(1);
+            }
+            if let Some(new) = segments.get_mut(&new_segment) {
+                new.live_chunks += 1;
+                new.chunks_total += 1;
+            }
+            self.inner
+                .counters
+                .chunks_relocated
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        true
+    }
+
     /// Deletes the oldest segments while nothing live remains in them. Trim records in such a
     /// segment that still carry a queue's offsets (queues with no chunk left) are first
     /// copied to the active segment. Returns false once poisoned.
     fn collect_garbage(&mut self) -> bool {
+        let mut relocated = false;
         loop {
-            let oldest = {
+            let (oldest, relocate) = {
                 let segments = lock(&self.inner.segments);
                 match segments.first_key_value() {
-                    Some((&id, entry)) if id != self.writer.segment && entry.live_chunks == 0 => id,
+                    Some((&id, entry)) if id != self.writer.segment && entry.live_chunks == 0 => {
+                        (id, false)
+                    }
+                    // Mostly dead and with two newer segments: copy its few live chunks forward
+                    // so a long-lived queue does not pin every later segment on disk.
+                    Some((&id, entry))
+                        if !relocated
+                            && segments.len() > 2
+                            && entry.live_chunks * RELOCATE_LIVE_RATIO_MAX
+                                <= entry.chunks_total =>
+                    {
+                        (id, true)
+                    }
                     _ => return true,
                 }
             };
+            if relocate {
+                relocated = true;
+                if !self.relocate(oldest) {
+                    return false;
+                }
+                continue;
+            }
             let mut carry = Vec::new();
             let mut carried = Vec::new();
             for shard in &self.inner.shards {

@@ -74,20 +74,33 @@ struct Replay {
     hasher: foldhash::fast::FixedState,
     shards: Vec<RecoveringMap>,
     next_incarnation: u64,
+    /// Chunk records seen per segment.
+    chunk_records: BTreeMap<u32, u64>,
 }
 
-/// A queue being rebuilt, with the record size of each chunk (needed for size retention).
+/// A queue being rebuilt. Chunks may arrive out of offset order (a live chunk relocated
+/// from an old segment is copied to the end of the log), so offsets are settled in `finish`.
 struct Recovering {
     state: QueueState,
+    /// Record bytes and message count of each chunk, parallel to `state.chunks`.
     sizes: VecDeque<u32>,
+    counts: VecDeque<u32>,
+    /// Highest first retained offset of the replayed trim records.
+    trimmed_to: u64,
 }
 
 impl Recovering {
-    fn new(name: Arc<[u8]>, incarnation: u64, next_offset: u64) -> Self {
+    fn new(name: Arc<[u8]>, incarnation: u64, trimmed_to: u64) -> Self {
         Self {
-            state: QueueState::new(name, incarnation, next_offset),
+            state: QueueState::new(name, incarnation, trimmed_to),
             sizes: VecDeque::new(),
+            counts: VecDeque::new(),
+            trimmed_to,
         }
+    }
+
+    fn end_of(&self, index: usize) -> u64 {
+        self.state.chunks[index].first_offset + u64::from(self.counts[index])
     }
 
     fn add_chunk(
@@ -96,45 +109,86 @@ impl Recovering {
         entry: ChunkEntry,
         record_bytes: u32,
     ) -> Result<(), Problem> {
-        let state = &mut self.state;
-        if chunk.first_offset > state.next_offset {
-            // The chunks before the gap were in segment files deleted because a trim record
-            // later in the log (still to come) removes them all.
-            state.chunks.clear();
-            self.sizes.clear();
-            state.first_offset = chunk.first_offset;
-            state.next_offset = chunk.first_offset;
+        let start = chunk.first_offset;
+        let end = start + u64::from(chunk.count);
+        if end <= self.trimmed_to {
+            return Ok(());
         }
-        if state.next_offset != chunk.first_offset {
-            return Err(Problem::Inconsistent(format!(
-                "chunk of queue {:?} starts at offset {} but the queue ends at {}",
-                String::from_utf8_lossy(chunk.name),
-                chunk.first_offset,
-                state.next_offset
-            )));
+        let inconsistent = |what: &str| {
+            Problem::Inconsistent(format!(
+                "chunk of queue {:?} at offsets {start}..{end} {what}",
+                String::from_utf8_lossy(chunk.name)
+            ))
+        };
+        let index = self
+            .state
+            .chunks
+            .partition_point(|known| known.first_offset < start);
+        if self
+            .state
+            .chunks
+            .get(index)
+            .is_some_and(|known| known.first_offset == start)
+        {
+            // A copy of a relocated chunk: it replaces the original.
+            if self.counts[index] != chunk.count {
+                return Err(inconsistent("differs from the chunk it copies"));
+            }
+            self.state.chunks[index] = entry;
+            self.sizes[index] = record_bytes;
+            return Ok(());
         }
-        state.chunks.push_back(entry);
-        state.next_offset += u64::from(chunk.count);
-        self.sizes.push_back(record_bytes);
+        if index > 0 && self.end_of(index - 1) > start {
+            return Err(inconsistent("overlaps the chunk before it"));
+        }
+        if self
+            .state
+            .chunks
+            .get(index)
+            .is_some_and(|next| end > next.first_offset)
+        {
+            return Err(inconsistent("overlaps the chunk after it"));
+        }
+        self.state.chunks.insert(index, entry);
+        self.sizes.insert(index, record_bytes);
+        self.counts.insert(index, chunk.count);
         Ok(())
     }
 
     fn trim(&mut self, first_retained_offset: u64, segment: u32) {
-        let state = &mut self.state;
-        state.trim_segment = segment;
-        state.next_offset = state.next_offset.max(first_retained_offset);
-        state.first_offset = state.first_offset.max(first_retained_offset);
-        while !state.chunks.is_empty() {
-            let end = state
-                .chunks
-                .get(1)
-                .map_or(state.next_offset, |next| next.first_offset);
-            if end > first_retained_offset {
-                break;
-            }
-            state.chunks.pop_front();
+        self.state.trim_segment = segment;
+        self.trimmed_to = self.trimmed_to.max(first_retained_offset);
+        while !self.state.chunks.is_empty() && self.end_of(0) <= self.trimmed_to {
+            self.state.chunks.pop_front();
             self.sizes.pop_front();
+            self.counts.pop_front();
         }
+    }
+
+    /// Settles the offsets: the queue starts at its first chunk (older chunks sat in deleted
+    /// segments) or its trim point, and its chunks must follow each other without a gap.
+    fn finish(mut self) -> Result<QueueState, String> {
+        let state = &mut self.state;
+        state.first_offset = state.chunks.front().map_or(self.trimmed_to, |front| {
+            front.first_offset.max(self.trimmed_to)
+        });
+        state.next_offset = self.trimmed_to;
+        for index in 0..state.chunks.len() {
+            let start = state.chunks[index].first_offset;
+            if index > 0 && start != state.next_offset {
+                return Err(format!(
+                    "queue {:?} has no chunk for offsets {}..{start}",
+                    String::from_utf8_lossy(&state.name),
+                    state.next_offset
+                ));
+            }
+            state.next_offset = start + u64::from(self.counts[index]);
+        }
+        state.next_offset = state.next_offset.max(self.trimmed_to);
+        state.stored_bytes = self.sizes.iter().map(|size| u64::from(*size)).sum();
+        // Growth slack is not needed for the past: an idle queue keeps exactly its index.
+        state.chunks.shrink_to_fit();
+        Ok(self.state)
     }
 }
 
@@ -196,6 +250,7 @@ pub(crate) fn recover(
     let mut replay = Replay {
         hasher,
         shards: (0..SHARD_COUNT).map(|_| RecoveringMap::default()).collect(),
+        chunk_records: BTreeMap::new(),
         next_incarnation: 0,
     };
     let mut segments = BTreeMap::new();
@@ -236,11 +291,13 @@ pub(crate) fn recover(
             file_syncs += 1;
         }
         report.bytes_scanned += end;
+        let chunks_total = replay.chunk_records.get(&id).copied().unwrap_or(0);
         segments.insert(
             id,
             SegmentEntry {
                 file: file.clone(),
                 live_chunks: 0,
+                chunks_total,
             },
         );
         active = Some((id, file, end));
@@ -257,6 +314,7 @@ pub(crate) fn recover(
             SegmentEntry {
                 file: file.clone(),
                 live_chunks: 0,
+                chunks_total: 0,
             },
         );
         (id, file, SEGMENT_HEADER_BYTES)
@@ -265,12 +323,14 @@ pub(crate) fn recover(
     for recovering in replay.shards {
         let mut shard = Shard::default();
         shard.queues.reserve(recovering.len());
-        for (name, Recovering { mut state, sizes }) in recovering {
+        for (name, queue) in recovering {
+            let state = queue.finish().map_err(|reason| OpenError::Corrupt {
+                file: "the log".to_string(),
+                position: 0,
+                reason,
+            })?;
             report.queues += 1;
             report.messages += state.next_offset - state.first_offset;
-            state.stored_bytes = sizes.iter().map(|size| u64::from(*size)).sum();
-            // Growth slack is not needed for the past: an idle queue keeps exactly its index.
-            state.chunks.shrink_to_fit();
             for chunk in &state.chunks {
                 if let Some(segment) = segments.get_mut(&chunk.segment) {
                     segment.live_chunks += 1;
@@ -349,15 +409,25 @@ enum Problem {
 }
 
 /// Reads a segment through a window of [`SCAN_BLOCK_BYTES`].
-struct Scanner<'a> {
+pub(crate) struct Scanner<'a> {
     file: &'a dyn StorageFile,
     length: u64,
     window: Vec<u8>,
     window_start: u64,
 }
 
-impl Scanner<'_> {
-    fn bytes(&mut self, position: u64, count: usize) -> std::io::Result<&[u8]> {
+impl<'a> Scanner<'a> {
+    pub(crate) fn new(file: &'a dyn StorageFile, length: u64) -> Self {
+        Self {
+            file,
+            length,
+            window: Vec::new(),
+            window_start: 0,
+        }
+    }
+
+    /// `count` bytes at `position`; the caller keeps `position + count` within the length.
+    pub(crate) fn bytes(&mut self, position: u64, count: usize) -> std::io::Result<&[u8]> {
         let window_end = self.window_start + self.window.len() as u64;
         if position < self.window_start || position + count as u64 > window_end {
             let left = usize::try_from(self.length - position).unwrap_or(usize::MAX);
@@ -488,6 +558,7 @@ impl Replay {
         let record_bytes = u32::try_from(record_bytes).unwrap_or(u32::MAX);
         match record {
             Record::Chunk(chunk) => {
+                *self.chunk_records.entry(segment).or_default() += 1;
                 let entry = ChunkEntry {
                     first_offset: chunk.first_offset,
                     segment,
@@ -497,8 +568,7 @@ impl Replay {
                     return queue.add_chunk(&chunk, entry, record_bytes);
                 }
                 let name: Arc<[u8]> = Arc::from(chunk.name);
-                let mut queue =
-                    Recovering::new(name.clone(), self.next_incarnation, chunk.first_offset);
+                let mut queue = Recovering::new(name.clone(), self.next_incarnation, 0);
                 self.next_incarnation += 1;
                 queue.add_chunk(&chunk, entry, record_bytes)?;
                 shard.insert(name, queue);

@@ -85,7 +85,10 @@ pub(crate) const FAILURES_MAX: usize = 64;
 #[derive(Debug)]
 pub(crate) struct SegmentEntry {
     pub file: Arc<dyn StorageFile>,
+    /// Chunks of this segment still in the index.
     pub live_chunks: u64,
+    /// Chunk records ever written to this segment.
+    pub chunks_total: u64,
 }
 
 /// Counters the bench and the server export.
@@ -96,6 +99,7 @@ pub(crate) struct Counters {
     pub bytes_written: AtomicU64,
     pub rounds: AtomicU64,
     pub segments_deleted: AtomicU64,
+    pub chunks_relocated: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -184,6 +188,8 @@ pub struct StoreStats {
     pub commit_rounds: u64,
     /// Segment files deleted since open.
     pub segments_deleted: u64,
+    /// Live chunks copied out of old segments so those could be deleted, since open.
+    pub chunks_relocated: u64,
     /// Bytes buffered in memory, not yet written.
     pub buffered_bytes: u64,
 }
@@ -518,6 +524,7 @@ impl Store {
             dir_syncs: counters.dir_syncs.load(Ordering::Relaxed),
             commit_rounds: counters.rounds.load(Ordering::Relaxed),
             segments_deleted: counters.segments_deleted.load(Ordering::Relaxed),
+            chunks_relocated: counters.chunks_relocated.load(Ordering::Relaxed),
             buffered_bytes: self.inner.buffered_bytes.load(Ordering::Relaxed) as u64,
         }
     }

@@ -677,3 +677,55 @@ fn given_sync_always_when_message_not_yet_fsynced_should_not_be_readable() {
         vec![b"durable".to_vec(), b"next".to_vec()]
     );
 }
+
+#[test]
+fn given_long_lived_queue_in_old_segment_when_others_are_trimmed_should_relocate_and_free_disk() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, tiny());
+    store.append(b"keeper", b"first and only").unwrap();
+    for round in 0..40_u32 {
+        for index in 0..10_u32 {
+            store
+                .append(
+                    b"busy",
+                    format!("{round}-{index}-padding-padding").as_bytes(),
+                )
+                .unwrap();
+        }
+        let policy = |queue: &[u8]| {
+            if queue == b"busy" {
+                Retention {
+                    max_bytes: Some(300),
+                    max_age_ms: None,
+                }
+            } else {
+                Retention::default()
+            }
+        };
+        store.enforce_retention(0, policy).unwrap();
+    }
+    store.sync().unwrap();
+    let stats = store.stats();
+    assert!(stats.chunks_relocated > 0, "{stats:?}");
+    assert!(
+        stats.segments <= 4,
+        "the keeper no longer pins old segments: {stats:?}"
+    );
+    assert_eq!(
+        read_all(&store, b"keeper"),
+        vec![b"first and only".to_vec()]
+    );
+    let survivor = disk.crash(CrashMode::TearUnsynced, 6);
+    drop(store);
+    let (store, report) = Store::open_with_storage(Arc::new(survivor), tiny()).unwrap();
+    assert_eq!(
+        read_all(&store, b"keeper"),
+        vec![b"first and only".to_vec()],
+        "{report:?}"
+    );
+    let busy = store.queue_info(b"busy").unwrap().unwrap();
+    assert_eq!(busy.next_offset, 400);
+    let messages = read_all(&store, b"busy");
+    assert_eq!(messages.len() as u64, busy.retained());
+    assert_eq!(messages.last().unwrap(), b"39-9-padding-padding");
+}

@@ -30,6 +30,11 @@ enum Operation {
     AppendBatch {
         messages: Vec<(u8, usize)>,
     },
+    /// Many messages to one queue, to fill segments and make old ones mostly dead.
+    Flood {
+        queue: u8,
+        count: usize,
+    },
     Read {
         queue: u8,
         offset: u64,
@@ -61,6 +66,7 @@ fn operation() -> impl Strategy<Value = Operation> {
             |(queue, offset, max_messages, max_bytes)| Operation::Read { queue, offset, max_messages, max_bytes }
         ),
         1 => (0_u8..5).prop_map(|queue| Operation::Delete { queue }),
+        2 => (0_u8..5, 10_usize..60).prop_map(|(queue, count)| Operation::Flood { queue, count }),
         2 => (0_u8..5, 0_u64..400).prop_map(|(queue, max_bytes)| Operation::TrimToBytes { queue, max_bytes }),
         1 => Just(Operation::Sync),
         1 => Just(Operation::Reopen),
@@ -181,6 +187,21 @@ fn run(operations: Vec<Operation>, options: StoreOptions) {
                     if !interval {
                         entry.durable = entry.messages.len();
                     }
+                }
+            }
+            Operation::Flood { queue, count } => {
+                let name = queue_name(queue);
+                let owned: Vec<Vec<u8>> = (0..count).map(|_| message(&mut sequence, 80)).collect();
+                let batch: Vec<(&[u8], &[u8])> =
+                    owned.iter().map(|bytes| (&name[..], &bytes[..])).collect();
+                let offsets = store.append_batch(&batch).unwrap();
+                let entry = model.entry(name).or_default();
+                for (bytes, offset) in owned.into_iter().zip(offsets) {
+                    assert_eq!(offset, entry.messages.len() as u64);
+                    entry.messages.push(bytes);
+                }
+                if !interval {
+                    entry.durable = entry.messages.len();
                 }
             }
             Operation::Read {
