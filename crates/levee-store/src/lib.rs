@@ -10,7 +10,8 @@
 //!   queues, seals each buffer into chunk records (a queue's consecutive messages together),
 //!   writes the round in one sequential write, publishes the chunks in the index, fsyncs
 //!   once and wakes every waiting append (group commit). It also rotates segment files and
-//!   deletes the oldest ones once nothing live remains in them.
+//!   deletes the oldest ones once nothing live remains in them, first copying forward the few
+//!   live chunks of a mostly dead oldest segment.
 //! - Segment files ([`format`]): a few shared append-only files with a versioned header and
 //!   CRC32C-checked records: chunk, trim, delete. docs/FORMAT.md has every byte.
 //! - Recovery (`recovery.rs`): on open, every segment is scanned in order to rebuild the
