@@ -12,7 +12,7 @@
 //!   once and wakes every waiting append (group commit). It also rotates segment files and
 //!   deletes the oldest ones once nothing live remains in them, first copying forward the few
 //!   live chunks of a mostly dead oldest segment.
-//! - Segment files ([`format`]): a few shared append-only files with a versioned header and
+//! - Segment files ([`mod@format`]): a few shared append-only files with a versioned header and
 //!   CRC32C-checked records: chunk, trim, delete. docs/FORMAT.md has every byte.
 //! - Recovery (`recovery.rs`): on open, every segment is scanned in order to rebuild the
 //!   queues and the index; a torn or corrupt tail of the last segment is cut and reported in
