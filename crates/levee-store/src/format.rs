@@ -1,0 +1,381 @@
+//! The on-disk format, version 1: the segment file header and the three record kinds (chunk,
+//! trim, delete). Everything is little-endian; docs/FORMAT.md describes it byte by byte.
+
+/// Magic bytes at the start of every segment file.
+pub const SEGMENT_MAGIC: [u8; 8] = *b"LEVEEQS\0";
+/// The format version this crate writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// Bytes in a segment file header.
+pub const SEGMENT_HEADER_BYTES: u64 = 32;
+/// Bytes before a record's body: crc32c (4) and body length (4).
+pub const RECORD_HEADER_BYTES: usize = 8;
+/// Fixed bytes at the start of a chunk body, before the queue name.
+pub const CHUNK_FIXED_BYTES: usize = 24;
+/// Fixed bytes at the start of a trim body, before the queue name.
+pub const TRIM_FIXED_BYTES: usize = 16;
+/// Fixed bytes at the start of a delete body, before the queue name.
+pub const DELETE_FIXED_BYTES: usize = 4;
+/// The largest record body the format allows (1 GiB); longer length fields are corruption.
+pub const RECORD_BODY_BYTES_MAX: usize = 1 << 30;
+/// Longest queue name, in bytes.
+pub const QUEUE_NAME_BYTES_MAX: usize = 255;
+
+const KIND_CHUNK: u8 = 1;
+const KIND_TRIM: u8 = 2;
+const KIND_DELETE: u8 = 3;
+
+/// File name of the segment with this id.
+pub fn segment_file_name(segment: u32) -> String {
+    format!("segment-{segment:010}.lvq")
+}
+
+/// The segment id in a segment file name, or `None` for any other name.
+pub fn parse_segment_file_name(name: &str) -> Option<u32> {
+    let digits = name.strip_prefix("segment-")?.strip_suffix(".lvq")?;
+    if digits.len() != 10 || !digits.bytes().all(|byte| byte.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// Encodes the 32-byte header of segment `segment`.
+pub fn encode_segment_header(segment: u32) -> [u8; 32] {
+    let mut header = [0_u8; 32];
+    header[0..8].copy_from_slice(&SEGMENT_MAGIC);
+    header[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    header[12..16].copy_from_slice(&32_u32.to_le_bytes());
+    header[16..24].copy_from_slice(&u64::from(segment).to_le_bytes());
+    let crc = crc32c::crc32c(&header[0..28]);
+    header[28..32].copy_from_slice(&crc.to_le_bytes());
+    header
+}
+
+/// Why a segment header was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderProblem {
+    /// The first 8 bytes are not [`SEGMENT_MAGIC`]; holds what was found.
+    NotLevee([u8; 8]),
+    /// A Levee segment of another format version.
+    Version(u32),
+    /// Magic and version are right but the checksum or another field is wrong.
+    Damaged(&'static str),
+}
+
+/// Checks a segment header and returns the segment id it names.
+pub fn decode_segment_header(header: &[u8; 32]) -> Result<u64, HeaderProblem> {
+    let magic: [u8; 8] = slice_array(header, 0);
+    if magic != SEGMENT_MAGIC {
+        return Err(HeaderProblem::NotLevee(magic));
+    }
+    let version = read_u32(header, 8);
+    if version != FORMAT_VERSION {
+        return Err(HeaderProblem::Version(version));
+    }
+    if crc32c::crc32c(&header[0..28]) != read_u32(header, 28) {
+        return Err(HeaderProblem::Damaged("header checksum mismatch"));
+    }
+    if read_u32(header, 12) != 32 {
+        return Err(HeaderProblem::Damaged("header length is not 32"));
+    }
+    Ok(read_u64(header, 16))
+}
+
+/// Bytes of a chunk record (header included) holding messages of these lengths.
+pub fn chunk_record_bytes(name_bytes: usize, message_count: usize, payload_bytes: usize) -> usize {
+    RECORD_HEADER_BYTES + CHUNK_FIXED_BYTES + name_bytes + 4 * message_count + payload_bytes
+}
+
+/// Appends one chunk record to `out`. `lengths` are the message lengths and `payload` their
+/// bytes, back to back.
+pub fn encode_chunk(
+    out: &mut Vec<u8>,
+    name: &[u8],
+    first_offset: u64,
+    timestamp_ms: u64,
+    lengths: &[u32],
+    payload: &[u8],
+) {
+    let start = out.len();
+    let body_bytes = CHUNK_FIXED_BYTES + name.len() + 4 * lengths.len() + payload.len();
+    out.extend_from_slice(&[0; 4]);
+    out.extend_from_slice(&to_u32(body_bytes).to_le_bytes());
+    out.push(KIND_CHUNK);
+    out.push(name_length_byte(name));
+    out.extend_from_slice(&[0; 2]);
+    out.extend_from_slice(&to_u32(lengths.len()).to_le_bytes());
+    out.extend_from_slice(&first_offset.to_le_bytes());
+    out.extend_from_slice(&timestamp_ms.to_le_bytes());
+    out.extend_from_slice(name);
+    for length in lengths {
+        out.extend_from_slice(&length.to_le_bytes());
+    }
+    out.extend_from_slice(payload);
+    seal_record(out, start);
+    debug_assert!(decode_record(&out[start + RECORD_HEADER_BYTES..]).is_ok());
+}
+
+/// Appends one trim record: the queue's messages before `first_retained_offset` are gone.
+pub fn encode_trim(out: &mut Vec<u8>, name: &[u8], first_retained_offset: u64) {
+    let start = out.len();
+    out.extend_from_slice(&[0; 4]);
+    out.extend_from_slice(&to_u32(TRIM_FIXED_BYTES + name.len()).to_le_bytes());
+    out.push(KIND_TRIM);
+    out.push(name_length_byte(name));
+    out.extend_from_slice(&[0; 6]);
+    out.extend_from_slice(&first_retained_offset.to_le_bytes());
+    out.extend_from_slice(name);
+    seal_record(out, start);
+}
+
+/// Appends one delete record: every earlier record of the queue is dead.
+pub fn encode_delete(out: &mut Vec<u8>, name: &[u8]) {
+    let start = out.len();
+    out.extend_from_slice(&[0; 4]);
+    out.extend_from_slice(&to_u32(DELETE_FIXED_BYTES + name.len()).to_le_bytes());
+    out.push(KIND_DELETE);
+    out.push(name_length_byte(name));
+    out.extend_from_slice(&[0; 2]);
+    out.extend_from_slice(name);
+    seal_record(out, start);
+}
+
+fn seal_record(out: &mut [u8], start: usize) {
+    let crc = crc32c::crc32c(&out[start + 4..]);
+    out[start..start + 4].copy_from_slice(&crc.to_le_bytes());
+}
+
+fn name_length_byte(name: &[u8]) -> u8 {
+    // Invariant: queue names are validated to 1..=255 bytes before any record is encoded.
+    u8::try_from(name.len()).expect("queue name length checked at the API boundary")
+}
+
+fn to_u32(value: usize) -> u32 {
+    // Invariant: record bodies are at most RECORD_BODY_BYTES_MAX (checked by StoreOptions).
+    u32::try_from(value).expect("record body bounded by RECORD_BODY_BYTES_MAX")
+}
+
+/// A decoded record body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Record<'a> {
+    /// Consecutive messages of one queue.
+    Chunk(Chunk<'a>),
+    /// Messages of `name` before `first_retained_offset` are gone.
+    Trim {
+        /// Queue name.
+        name: &'a [u8],
+        /// First offset still retained.
+        first_retained_offset: u64,
+    },
+    /// The queue and every earlier record of it are gone.
+    Delete {
+        /// Queue name.
+        name: &'a [u8],
+    },
+}
+
+/// A decoded chunk body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chunk<'a> {
+    /// Queue name.
+    pub name: &'a [u8],
+    /// Offset of the first message.
+    pub first_offset: u64,
+    /// When the chunk was sealed, in ms since the Unix epoch.
+    pub timestamp_ms: u64,
+    /// Number of messages.
+    pub count: u32,
+    lengths: &'a [u8],
+    payload: &'a [u8],
+}
+
+impl<'a> Chunk<'a> {
+    /// The messages, in offset order.
+    pub fn messages(&self) -> impl Iterator<Item = &'a [u8]> + use<'a> {
+        let mut rest = self.payload;
+        self.lengths.chunks_exact(4).map(move |length| {
+            let length = usize::try_from(read_u32(length, 0)).unwrap_or(usize::MAX);
+            let (message, tail) = rest.split_at(length);
+            rest = tail;
+            message
+        })
+    }
+}
+
+/// Checks the record header at the start of `bytes` and returns `(crc, body_length)`.
+pub fn decode_record_header(bytes: &[u8; RECORD_HEADER_BYTES]) -> (u32, usize) {
+    let length = usize::try_from(read_u32(bytes, 4)).unwrap_or(usize::MAX);
+    (read_u32(bytes, 0), length)
+}
+
+/// Verifies a whole record (header and body) and decodes its body.
+pub fn decode_checked(record: &[u8]) -> Result<Record<'_>, &'static str> {
+    if record.len() < RECORD_HEADER_BYTES {
+        return Err("record shorter than its header");
+    }
+    if crc32c::crc32c(&record[4..]) != read_u32(record, 0) {
+        return Err("record checksum mismatch");
+    }
+    decode_record(&record[RECORD_HEADER_BYTES..])
+}
+
+/// Decodes a record body whose checksum was already verified.
+pub fn decode_record(body: &[u8]) -> Result<Record<'_>, &'static str> {
+    let (&kind, _) = body.split_first().ok_or("empty record body")?;
+    let name_bytes = usize::from(*body.get(1).ok_or("record body too short")?);
+    let fixed = match kind {
+        KIND_CHUNK => CHUNK_FIXED_BYTES,
+        KIND_TRIM => TRIM_FIXED_BYTES,
+        KIND_DELETE => DELETE_FIXED_BYTES,
+        _ => return Err("unknown record kind"),
+    };
+    if name_bytes == 0 {
+        return Err("empty queue name");
+    }
+    if body.len() < fixed + name_bytes {
+        return Err("record body too short");
+    }
+    let name = &body[fixed..fixed + name_bytes];
+    match kind {
+        KIND_CHUNK => {
+            let count = read_u32(body, 4);
+            let first_offset = read_u64(body, 8);
+            let timestamp_ms = read_u64(body, 16);
+            let lengths_bytes = usize::try_from(count)
+                .ok()
+                .and_then(|count| count.checked_mul(4))
+                .ok_or("message count too large")?;
+            let rest = &body[fixed + name_bytes..];
+            if rest.len() < lengths_bytes {
+                return Err("chunk message lengths cut short");
+            }
+            let (lengths, payload) = rest.split_at(lengths_bytes);
+            let total: u64 = lengths
+                .chunks_exact(4)
+                .map(|length| u64::from(read_u32(length, 0)))
+                .sum();
+            if total != payload.len() as u64 {
+                return Err("chunk message lengths do not match its payload");
+            }
+            if count == 0 {
+                return Err("chunk without messages");
+            }
+            Ok(Record::Chunk(Chunk {
+                name,
+                first_offset,
+                timestamp_ms,
+                count,
+                lengths,
+                payload,
+            }))
+        }
+        KIND_TRIM => {
+            if body.len() != fixed + name_bytes {
+                return Err("trim record has trailing bytes");
+            }
+            Ok(Record::Trim {
+                name,
+                first_retained_offset: read_u64(body, 8),
+            })
+        }
+        _ => {
+            if body.len() != fixed + name_bytes {
+                return Err("delete record has trailing bytes");
+            }
+            Ok(Record::Delete { name })
+        }
+    }
+}
+
+fn slice_array<const N: usize>(bytes: &[u8], at: usize) -> [u8; N] {
+    let mut out = [0_u8; N];
+    out.copy_from_slice(&bytes[at..at + N]);
+    out
+}
+
+/// Reads a little-endian u32 at `at`.
+pub fn read_u32(bytes: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(slice_array(bytes, at))
+}
+
+/// Reads a little-endian u64 at `at`.
+pub fn read_u64(bytes: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(slice_array(bytes, at))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn given_chunk_when_encoded_should_decode_same_messages() {
+        let mut out = Vec::new();
+        encode_chunk(&mut out, b"q1", 7, 99, &[1, 0, 3], b"abcd");
+        assert_eq!(out.len(), chunk_record_bytes(2, 3, 4));
+        let Ok(Record::Chunk(chunk)) = decode_checked(&out) else {
+            panic!("not a chunk")
+        };
+        assert_eq!(chunk.name, b"q1");
+        assert_eq!(chunk.first_offset, 7);
+        assert_eq!(chunk.timestamp_ms, 99);
+        let messages: Vec<&[u8]> = chunk.messages().collect();
+        assert_eq!(messages, vec![&b"a"[..], b"", b"bcd"]);
+    }
+
+    #[test]
+    fn given_any_flipped_byte_when_decoded_should_refuse() {
+        let mut out = Vec::new();
+        encode_chunk(&mut out, b"queue", 1, 2, &[5], b"hello");
+        for index in 0..out.len() {
+            let mut damaged = out.clone();
+            damaged[index] ^= 0x10;
+            assert!(
+                decode_checked(&damaged).is_err(),
+                "flip at {index} accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn given_trim_and_delete_when_encoded_should_roundtrip() {
+        let mut out = Vec::new();
+        encode_trim(&mut out, b"t", 42);
+        let trim_end = out.len();
+        encode_delete(&mut out, b"d");
+        assert_eq!(
+            decode_checked(&out[..trim_end]),
+            Ok(Record::Trim {
+                name: b"t",
+                first_retained_offset: 42
+            })
+        );
+        assert_eq!(
+            decode_checked(&out[trim_end..]),
+            Ok(Record::Delete { name: b"d" })
+        );
+    }
+
+    #[test]
+    fn given_header_when_version_or_magic_differs_should_say_what_was_found() {
+        let header = encode_segment_header(5);
+        assert_eq!(decode_segment_header(&header), Ok(5));
+        let mut other = header;
+        other[8] = 2;
+        assert_eq!(
+            decode_segment_header(&other),
+            Err(HeaderProblem::Version(2))
+        );
+        let mut foreign = header;
+        foreign[0] = b'X';
+        assert!(matches!(
+            decode_segment_header(&foreign),
+            Err(HeaderProblem::NotLevee(_))
+        ));
+    }
+
+    #[test]
+    fn given_segment_names_when_parsed_should_accept_only_ours() {
+        assert_eq!(parse_segment_file_name(&segment_file_name(17)), Some(17));
+        assert_eq!(parse_segment_file_name("segment-17.lvq"), None);
+        assert_eq!(parse_segment_file_name("notes.txt"), None);
+    }
+}

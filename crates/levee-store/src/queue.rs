@@ -1,0 +1,106 @@
+//! Per-queue state: offsets, the sparse index of chunks on disk and the lazily allocated write
+//! buffer of messages not yet on disk.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+/// No trim record of the queue is live.
+pub const NO_SEGMENT: u32 = u32::MAX;
+
+/// Where one chunk of a queue is on disk: 16 bytes per chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkEntry {
+    /// Offset of the chunk's first message.
+    pub first_offset: u64,
+    /// Segment id.
+    pub segment: u32,
+    /// Byte position of the record in the segment.
+    pub position: u32,
+}
+
+/// Messages appended but not yet indexed on disk. The first `frozen` messages are being
+/// written by the committer; later ones are not yet picked up.
+#[derive(Debug, Default)]
+pub struct WriteBuffer {
+    /// Offset of `lengths[0]`.
+    pub first_offset: u64,
+    /// Length of each buffered message.
+    pub lengths: Vec<u32>,
+    /// The messages back to back.
+    pub bytes: Vec<u8>,
+    /// Messages handed to the committer.
+    pub frozen: usize,
+    /// Bytes of those messages.
+    pub frozen_bytes: usize,
+}
+
+impl WriteBuffer {
+    /// Bytes this buffer counts against the global budget.
+    pub fn budget_bytes(&self) -> usize {
+        self.bytes.len() + 4 * self.lengths.len()
+    }
+
+    /// Drops the first `count` messages (`bytes` of payload) after they reached the disk.
+    pub fn drain_front(&mut self, count: usize, bytes: usize) {
+        self.lengths.drain(..count);
+        self.bytes.drain(..bytes);
+        self.first_offset += count as u64;
+        self.frozen -= count;
+        self.frozen_bytes -= bytes;
+    }
+
+    /// Payload range of message `index`.
+    pub fn message(&self, index: usize, start: usize) -> std::ops::Range<usize> {
+        start..start + self.lengths[index] as usize
+    }
+}
+
+/// One queue.
+#[derive(Debug)]
+pub struct QueueState {
+    /// The queue name (the same allocation as the map key).
+    pub name: Arc<[u8]>,
+    /// Distinguishes this queue from an earlier deleted queue of the same name.
+    pub incarnation: u64,
+    /// First retained offset.
+    pub first_offset: u64,
+    /// Offset the next message gets.
+    pub next_offset: u64,
+    /// Chunks on disk covering `[first_offset, disk_end_offset())`, in offset order.
+    pub chunks: VecDeque<ChunkEntry>,
+    /// Messages after the chunks; `None` while the queue is idle.
+    pub buffer: Option<Box<WriteBuffer>>,
+    /// Bytes of this queue's live chunk records on disk.
+    pub stored_bytes: u64,
+    /// Segment of the queue's latest trim record, or [`NO_SEGMENT`].
+    pub trim_segment: u32,
+    /// The queue has an entry in the committer's pending list.
+    pub queued: bool,
+    /// The queue has an entry in the committer's list of full buffers.
+    pub full_queued: bool,
+}
+
+impl QueueState {
+    /// An empty queue whose next message gets `next_offset`.
+    pub fn new(name: Arc<[u8]>, incarnation: u64, next_offset: u64) -> Self {
+        Self {
+            name,
+            incarnation,
+            first_offset: next_offset,
+            next_offset,
+            chunks: VecDeque::new(),
+            buffer: None,
+            stored_bytes: 0,
+            trim_segment: NO_SEGMENT,
+            queued: false,
+            full_queued: false,
+        }
+    }
+
+    /// End of the on-disk chunks: the first buffered offset, or `next_offset`.
+    pub fn disk_end_offset(&self) -> u64 {
+        self.buffer
+            .as_ref()
+            .map_or(self.next_offset, |buffer| buffer.first_offset)
+    }
+}

@@ -1,0 +1,597 @@
+//! Opening a store: list the segment files, check their headers, scan every record in order
+//! to rebuild the queues and the index, truncate a torn or corrupt tail of the last segment and
+//! report what was done.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::error::OpenError;
+use crate::format::{
+    self, FORMAT_VERSION, HeaderProblem, RECORD_BODY_BYTES_MAX, RECORD_HEADER_BYTES, Record,
+    SEGMENT_HEADER_BYTES,
+};
+use crate::options::StoreOptions;
+use crate::queue::{ChunkEntry, QueueState};
+use crate::storage::{LOCK_FILE_NAME, Storage, StorageFile};
+use crate::store::{SHARD_COUNT, SegmentEntry, Shard};
+
+/// Bytes read at a time while scanning a segment.
+const SCAN_BLOCK_BYTES: usize = 4 << 20;
+
+/// What [`crate::Store::open`] found and did; worth logging.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OpenReport {
+    /// Segment files in use after recovery.
+    pub segments: u64,
+    /// Records scanned.
+    pub records: u64,
+    /// Bytes scanned.
+    pub bytes_scanned: u64,
+    /// Queues recovered.
+    pub queues: u64,
+    /// Retained messages recovered.
+    pub messages: u64,
+    /// Torn or corrupt tails cut off (never served).
+    pub truncated: Vec<TruncatedTail>,
+    /// Files removed: a last segment too short to hold its header.
+    pub removed_files: Vec<String>,
+    /// Files in the directory that are not segments (left alone).
+    pub ignored_files: Vec<String>,
+    /// Time the recovery took.
+    pub elapsed: Duration,
+}
+
+/// A tail cut off the last segment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TruncatedTail {
+    /// The segment file.
+    pub file: String,
+    /// Where the file was cut.
+    pub position: u64,
+    /// Bytes removed.
+    pub bytes_dropped: u64,
+    /// Why the first removed record was refused.
+    pub reason: String,
+}
+
+pub(crate) struct Recovered {
+    pub shards: Vec<Shard>,
+    pub segments: BTreeMap<u32, SegmentEntry>,
+    pub active_segment: u32,
+    pub active_file: Arc<dyn StorageFile>,
+    pub active_bytes: u64,
+    pub next_incarnation: u64,
+    pub file_syncs: u64,
+    pub dir_syncs: u64,
+    pub report: OpenReport,
+}
+
+type RecoveringMap = HashMap<Arc<[u8]>, Recovering, foldhash::fast::FixedState>;
+
+struct Replay {
+    hasher: foldhash::fast::FixedState,
+    shards: Vec<RecoveringMap>,
+    next_incarnation: u64,
+    /// Chunk records seen per segment.
+    chunk_records: BTreeMap<u32, u64>,
+}
+
+/// A queue being rebuilt. Chunks may arrive out of offset order (a live chunk relocated
+/// from an old segment is copied to the end of the log), so offsets are settled in `finish`.
+struct Recovering {
+    state: QueueState,
+    /// Record bytes and message count of each chunk, parallel to `state.chunks`.
+    sizes: VecDeque<u32>,
+    counts: VecDeque<u32>,
+    /// Highest first retained offset of the replayed trim records.
+    trimmed_to: u64,
+}
+
+impl Recovering {
+    fn new(name: Arc<[u8]>, incarnation: u64, trimmed_to: u64) -> Self {
+        Self {
+            state: QueueState::new(name, incarnation, trimmed_to),
+            sizes: VecDeque::new(),
+            counts: VecDeque::new(),
+            trimmed_to,
+        }
+    }
+
+    fn end_of(&self, index: usize) -> u64 {
+        self.state.chunks[index].first_offset + u64::from(self.counts[index])
+    }
+
+    fn add_chunk(
+        &mut self,
+        chunk: &format::Chunk<'_>,
+        entry: ChunkEntry,
+        record_bytes: u32,
+    ) -> Result<(), Problem> {
+        let start = chunk.first_offset;
+        let end = start + u64::from(chunk.count);
+        if end <= self.trimmed_to {
+            return Ok(());
+        }
+        let inconsistent = |what: &str| {
+            Problem::Inconsistent(format!(
+                "chunk of queue {:?} at offsets {start}..{end} {what}",
+                String::from_utf8_lossy(chunk.name)
+            ))
+        };
+        let index = self
+            .state
+            .chunks
+            .partition_point(|known| known.first_offset < start);
+        if self
+            .state
+            .chunks
+            .get(index)
+            .is_some_and(|known| known.first_offset == start)
+        {
+            // A copy of a relocated chunk: it replaces the original.
+            if self.counts[index] != chunk.count {
+                return Err(inconsistent("differs from the chunk it copies"));
+            }
+            self.state.chunks[index] = entry;
+            self.sizes[index] = record_bytes;
+            return Ok(());
+        }
+        if index > 0 && self.end_of(index - 1) > start {
+            return Err(inconsistent("overlaps the chunk before it"));
+        }
+        if self
+            .state
+            .chunks
+            .get(index)
+            .is_some_and(|next| end > next.first_offset)
+        {
+            return Err(inconsistent("overlaps the chunk after it"));
+        }
+        self.state.chunks.insert(index, entry);
+        self.sizes.insert(index, record_bytes);
+        self.counts.insert(index, chunk.count);
+        Ok(())
+    }
+
+    fn trim(&mut self, first_retained_offset: u64, segment: u32) {
+        self.state.trim_segment = segment;
+        self.trimmed_to = self.trimmed_to.max(first_retained_offset);
+        while !self.state.chunks.is_empty() && self.end_of(0) <= self.trimmed_to {
+            self.state.chunks.pop_front();
+            self.sizes.pop_front();
+            self.counts.pop_front();
+        }
+    }
+
+    /// Settles the offsets: the queue starts at its first chunk (older chunks sat in deleted
+    /// segments) or its trim point, and its chunks must follow each other without a gap.
+    fn finish(mut self) -> Result<QueueState, String> {
+        let state = &mut self.state;
+        state.first_offset = state.chunks.front().map_or(self.trimmed_to, |front| {
+            front.first_offset.max(self.trimmed_to)
+        });
+        state.next_offset = self.trimmed_to;
+        for index in 0..state.chunks.len() {
+            let start = state.chunks[index].first_offset;
+            if index > 0 && start != state.next_offset {
+                return Err(format!(
+                    "queue {:?} has no chunk for offsets {}..{start}",
+                    String::from_utf8_lossy(&state.name),
+                    state.next_offset
+                ));
+            }
+            state.next_offset = start + u64::from(self.counts[index]);
+        }
+        state.next_offset = state.next_offset.max(self.trimmed_to);
+        state.stored_bytes = self.sizes.iter().map(|size| u64::from(*size)).sum();
+        // Growth slack is not needed for the past: an idle queue keeps exactly its index.
+        state.chunks.shrink_to_fit();
+        Ok(self.state)
+    }
+}
+
+fn io_error(operation: String) -> impl FnOnce(std::io::Error) -> OpenError {
+    move |source| OpenError::Io { operation, source }
+}
+
+#[allow(
+    clippy::too_many_lines,
+    reason = "the recovery steps in order, easier to audit in one place"
+)]
+pub(crate) fn recover(
+    storage: &dyn Storage,
+    _options: &StoreOptions,
+) -> Result<Recovered, OpenError> {
+    let started = Instant::now();
+    let mut report = OpenReport::default();
+    let mut file_syncs = 0;
+    let mut dir_syncs = 0;
+    let names = storage
+        .list()
+        .map_err(io_error("listing the data directory".to_string()))?;
+    let mut ids: Vec<u32> = Vec::new();
+    for name in names {
+        if name == LOCK_FILE_NAME {
+            continue;
+        }
+        match format::parse_segment_file_name(&name) {
+            Some(id) => ids.push(id),
+            None => report.ignored_files.push(name),
+        }
+    }
+    ids.sort_unstable();
+    report.ignored_files.sort();
+    if ids.is_empty() && !report.ignored_files.is_empty() {
+        let mut found = String::from("no segment files, but ");
+        let shown: Vec<&str> = report
+            .ignored_files
+            .iter()
+            .take(5)
+            .map(String::as_str)
+            .collect();
+        let _ = write!(
+            found,
+            "{} other files ({})",
+            report.ignored_files.len(),
+            shown.join(", ")
+        );
+        return Err(OpenError::NotAStore {
+            directory: "the data directory".to_string(),
+            found,
+        });
+    }
+    // Locked only once the directory looks like a store, so a wrong path gets no LOCK file.
+    storage
+        .lock_directory()
+        .map_err(io_error("locking the data directory".to_string()))?;
+    let hasher = foldhash::fast::FixedState::with_seed(0x1e7e_e5e0);
+    let mut replay = Replay {
+        hasher,
+        shards: (0..SHARD_COUNT).map(|_| RecoveringMap::default()).collect(),
+        chunk_records: BTreeMap::new(),
+        next_incarnation: 0,
+    };
+    let mut segments = BTreeMap::new();
+    let mut active: Option<(u32, Arc<dyn StorageFile>, u64)> = None;
+    for (index, &id) in ids.iter().enumerate() {
+        let last = index + 1 == ids.len();
+        let name = format::segment_file_name(id);
+        let file = storage
+            .open(&name)
+            .map_err(io_error(format!("opening {name}")))?;
+        let length = file
+            .len()
+            .map_err(io_error(format!("reading the length of {name}")))?;
+        if length < SEGMENT_HEADER_BYTES {
+            if !last {
+                return Err(OpenError::Corrupt {
+                    file: name,
+                    position: 0,
+                    reason: format!("{length} bytes, shorter than the segment header"),
+                });
+            }
+            storage
+                .remove(&name)
+                .map_err(io_error(format!("removing {name}")))?;
+            storage
+                .sync_dir()
+                .map_err(io_error("fsyncing the data directory".to_string()))?;
+            dir_syncs += 1;
+            report.removed_files.push(name);
+            continue;
+        }
+        check_header(file.as_ref(), &name, id)?;
+        let end = replay.scan(id, &name, file.as_ref(), length, last, &mut report)?;
+        if end < length {
+            file.truncate(end)
+                .map_err(io_error(format!("truncating {name}")))?;
+            file.sync().map_err(io_error(format!("fsyncing {name}")))?;
+            file_syncs += 1;
+        }
+        report.bytes_scanned += end;
+        let chunks_total = replay.chunk_records.get(&id).copied().unwrap_or(0);
+        segments.insert(
+            id,
+            SegmentEntry {
+                file: file.clone(),
+                live_chunks: 0,
+                chunks_total,
+            },
+        );
+        active = Some((id, file, end));
+    }
+    let (active_segment, active_file, active_bytes) = if let Some(active) = active {
+        active
+    } else {
+        let id = ids.last().map_or(1, |last| last + 1);
+        let file = create_segment(storage, id)?;
+        file_syncs += 1;
+        dir_syncs += 1;
+        segments.insert(
+            id,
+            SegmentEntry {
+                file: file.clone(),
+                live_chunks: 0,
+                chunks_total: 0,
+            },
+        );
+        (id, file, SEGMENT_HEADER_BYTES)
+    };
+    let mut shards = Vec::with_capacity(SHARD_COUNT);
+    for recovering in replay.shards {
+        let mut shard = Shard::default();
+        shard.queues.reserve(recovering.len());
+        for (name, queue) in recovering {
+            let state = queue.finish().map_err(|reason| OpenError::Corrupt {
+                file: "the log".to_string(),
+                position: 0,
+                reason,
+            })?;
+            report.queues += 1;
+            report.messages += state.next_offset - state.first_offset;
+            for chunk in &state.chunks {
+                if let Some(segment) = segments.get_mut(&chunk.segment) {
+                    segment.live_chunks += 1;
+                }
+            }
+            shard.queues.insert(name, state);
+        }
+        shards.push(shard);
+    }
+    report.segments = segments.len() as u64;
+    report.elapsed = started.elapsed();
+    Ok(Recovered {
+        shards,
+        segments,
+        active_segment,
+        active_file,
+        active_bytes,
+        next_incarnation: replay.next_incarnation,
+        file_syncs,
+        dir_syncs,
+        report,
+    })
+}
+
+/// Refuses a segment whose header is not a version-1 Levee header naming segment `id`.
+fn check_header(file: &dyn StorageFile, name: &str, id: u32) -> Result<(), OpenError> {
+    let name = name.to_string();
+    let mut header = [0_u8; 32];
+    file.read_at(0, &mut header)
+        .map_err(io_error(format!("reading the header of {name}")))?;
+    match format::decode_segment_header(&header) {
+        Ok(header_id) if header_id == u64::from(id) => Ok(()),
+        Ok(header_id) => Err(OpenError::Corrupt {
+            file: name,
+            position: 16,
+            reason: format!("header names segment {header_id}"),
+        }),
+        Err(HeaderProblem::NotLevee(magic)) => Err(OpenError::NotAStore {
+            directory: "the data directory".to_string(),
+            found: format!("{name} starts with bytes {magic:02x?}, not a Levee segment"),
+        }),
+        Err(HeaderProblem::Version(found)) => Err(OpenError::UnsupportedVersion {
+            file: name,
+            found,
+            supported: FORMAT_VERSION,
+        }),
+        Err(HeaderProblem::Damaged(reason)) => Err(OpenError::Corrupt {
+            file: name,
+            position: 0,
+            reason: reason.to_string(),
+        }),
+    }
+}
+
+/// Creates segment `id` with its header: create, write, fsync the file, fsync the directory.
+fn create_segment(storage: &dyn Storage, id: u32) -> Result<Arc<dyn StorageFile>, OpenError> {
+    let name = format::segment_file_name(id);
+    let file = storage
+        .create(&name)
+        .map_err(io_error(format!("creating {name}")))?;
+    file.write_at(0, &format::encode_segment_header(id))
+        .and_then(|()| file.sync())
+        .map_err(io_error(format!("writing the header of {name}")))?;
+    storage
+        .sync_dir()
+        .map_err(io_error("fsyncing the data directory".to_string()))?;
+    Ok(file)
+}
+
+/// Why a record was refused during recovery.
+enum Problem {
+    /// Framing or checksum damage: a torn write at the tail, corruption elsewhere.
+    Damaged(String),
+    /// A well-formed record that contradicts the records before it.
+    Inconsistent(String),
+}
+
+/// Reads a segment through a window of [`SCAN_BLOCK_BYTES`].
+pub(crate) struct Scanner<'a> {
+    file: &'a dyn StorageFile,
+    length: u64,
+    window: Vec<u8>,
+    window_start: u64,
+}
+
+impl<'a> Scanner<'a> {
+    pub(crate) fn new(file: &'a dyn StorageFile, length: u64) -> Self {
+        Self {
+            file,
+            length,
+            window: Vec::new(),
+            window_start: 0,
+        }
+    }
+
+    /// `count` bytes at `position`; the caller keeps `position + count` within the length.
+    pub(crate) fn bytes(&mut self, position: u64, count: usize) -> std::io::Result<&[u8]> {
+        let window_end = self.window_start + self.window.len() as u64;
+        if position < self.window_start || position + count as u64 > window_end {
+            let left = usize::try_from(self.length - position).unwrap_or(usize::MAX);
+            let read = count.max(SCAN_BLOCK_BYTES).min(left);
+            self.window.resize(read, 0);
+            self.file.read_at(position, &mut self.window)?;
+            self.window_start = position;
+        }
+        let start = usize::try_from(position - self.window_start).unwrap_or(usize::MAX);
+        Ok(&self.window[start..start + count])
+    }
+}
+
+impl Replay {
+    /// Applies every record of one segment; returns where the valid records end.
+    fn scan(
+        &mut self,
+        segment: u32,
+        name: &str,
+        file: &dyn StorageFile,
+        length: u64,
+        last: bool,
+        report: &mut OpenReport,
+    ) -> Result<u64, OpenError> {
+        let mut scanner = Scanner {
+            file,
+            length,
+            window: Vec::new(),
+            window_start: 0,
+        };
+        let mut position = SEGMENT_HEADER_BYTES;
+        while position < length {
+            let problem = match self.next_record(&mut scanner, segment, position) {
+                Ok(record_bytes) => {
+                    report.records += 1;
+                    position += record_bytes;
+                    continue;
+                }
+                Err(Problem::Damaged(problem)) => problem,
+                Err(Problem::Inconsistent(reason)) => {
+                    // The record passed its checksum: this is not a torn write, and cutting
+                    // here could drop acknowledged data. Refuse instead.
+                    return Err(OpenError::Corrupt {
+                        file: name.to_string(),
+                        position,
+                        reason,
+                    });
+                }
+            };
+            if !last {
+                return Err(OpenError::Corrupt {
+                    file: name.to_string(),
+                    position,
+                    reason: problem,
+                });
+            }
+            report.truncated.push(TruncatedTail {
+                file: name.to_string(),
+                position,
+                bytes_dropped: length - position,
+                reason: problem,
+            });
+            return Ok(position);
+        }
+        Ok(position)
+    }
+
+    /// Checks and applies the record at `position`; returns its length or what is wrong.
+    fn next_record(
+        &mut self,
+        scanner: &mut Scanner<'_>,
+        segment: u32,
+        position: u64,
+    ) -> Result<u64, Problem> {
+        let left = scanner.length - position;
+        if left < RECORD_HEADER_BYTES as u64 {
+            return Err(Problem::Damaged(format!(
+                "record header cut short ({left} bytes left)"
+            )));
+        }
+        let header = scanner
+            .bytes(position, RECORD_HEADER_BYTES)
+            .map_err(|error| Problem::Damaged(error.to_string()))?;
+        let body_bytes = usize::try_from(format::read_u32(header, 4)).unwrap_or(usize::MAX);
+        if body_bytes == 0 || body_bytes > RECORD_BODY_BYTES_MAX {
+            return Err(Problem::Damaged(format!(
+                "record length {body_bytes} out of bounds"
+            )));
+        }
+        let record_bytes = (RECORD_HEADER_BYTES + body_bytes) as u64;
+        if record_bytes > left {
+            return Err(Problem::Damaged(format!(
+                "record of {record_bytes} bytes runs past the end of the file"
+            )));
+        }
+        let bytes = usize::try_from(record_bytes).unwrap_or(usize::MAX);
+        let record = scanner
+            .bytes(position, bytes)
+            .map_err(|error| Problem::Damaged(error.to_string()))?;
+        let record = format::decode_checked(record)
+            .map_err(|reason| Problem::Damaged(reason.to_string()))?;
+        let position = u32::try_from(position)
+            .map_err(|_| Problem::Inconsistent("record position past 4 GiB".to_string()))?;
+        self.apply(record, segment, position, record_bytes)?;
+        Ok(record_bytes)
+    }
+
+    /// Applies one checked record to the queues being rebuilt.
+    fn apply(
+        &mut self,
+        record: Record<'_>,
+        segment: u32,
+        position: u32,
+        record_bytes: u64,
+    ) -> Result<(), Problem> {
+        let shard = {
+            use std::hash::BuildHasher;
+            let name = match &record {
+                Record::Chunk(chunk) => chunk.name,
+                Record::Trim { name, .. } | Record::Delete { name } => name,
+            };
+            // Truncation is intended: the low bits pick the shard, as in `Inner::shard_index`.
+            #[allow(clippy::cast_possible_truncation)]
+            let hash = self.hasher.hash_one(name) as usize;
+            &mut self.shards[hash & (SHARD_COUNT - 1)]
+        };
+        // Record bodies are at most 2^30 bytes (checked above), so the size fits in u32.
+        let record_bytes = u32::try_from(record_bytes).unwrap_or(u32::MAX);
+        match record {
+            Record::Chunk(chunk) => {
+                *self.chunk_records.entry(segment).or_default() += 1;
+                let entry = ChunkEntry {
+                    first_offset: chunk.first_offset,
+                    segment,
+                    position,
+                };
+                if let Some(queue) = shard.get_mut(chunk.name) {
+                    return queue.add_chunk(&chunk, entry, record_bytes);
+                }
+                let name: Arc<[u8]> = Arc::from(chunk.name);
+                let mut queue = Recovering::new(name.clone(), self.next_incarnation, 0);
+                self.next_incarnation += 1;
+                queue.add_chunk(&chunk, entry, record_bytes)?;
+                shard.insert(name, queue);
+            }
+            Record::Trim {
+                name,
+                first_retained_offset,
+            } => {
+                if let Some(queue) = shard.get_mut(name) {
+                    queue.trim(first_retained_offset, segment);
+                    return Ok(());
+                }
+                let name: Arc<[u8]> = Arc::from(name);
+                let mut queue =
+                    Recovering::new(name.clone(), self.next_incarnation, first_retained_offset);
+                self.next_incarnation += 1;
+                queue.trim(first_retained_offset, segment);
+                shard.insert(name, queue);
+            }
+            Record::Delete { name } => {
+                shard.remove(name);
+            }
+        }
+        Ok(())
+    }
+}

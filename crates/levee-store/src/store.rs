@@ -1,0 +1,1005 @@
+//! [`Store`]: the public handle. Appends go into per-queue write buffers inside sharded maps;
+//! the committer thread (see `committer.rs`) turns buffers into chunk records, writes them,
+//! fsyncs and wakes the waiting appenders. Reads take chunk locations from the index under the
+//! shard lock and read the chunks without it.
+
+use std::collections::BTreeMap;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::committer::{self, Writer};
+use crate::error::{InputError, OpenError, ReadError, WriteError};
+use crate::format::{self, QUEUE_NAME_BYTES_MAX, RECORD_HEADER_BYTES, Record};
+use crate::options::{StoreOptions, SyncPolicy};
+use crate::queue::{ChunkEntry, QueueState, WriteBuffer};
+use crate::read::ReadBatch;
+use crate::recovery::{self, OpenReport};
+use crate::storage::{OsStorage, Storage, StorageFile};
+
+/// Number of lock shards of the queue map; a power of two.
+pub(crate) const SHARD_COUNT: usize = 64;
+/// Most chunks one read visits.
+const READ_CHUNKS_MAX: usize = 64;
+/// Budget bytes a buffered message costs beyond its payload (its length field).
+pub(crate) const MESSAGE_OVERHEAD_BYTES: usize = 4;
+
+pub(crate) type QueueMap = HashMap<Arc<[u8]>, QueueState, foldhash::fast::FixedState>;
+
+/// One lock shard: the queues whose name hashes to it.
+#[derive(Debug, Default)]
+pub(crate) struct Shard {
+    pub queues: QueueMap,
+}
+
+/// Names one incarnation of a queue in the committer's lists.
+#[derive(Debug, Clone)]
+pub(crate) struct QueueKey {
+    pub name: Arc<[u8]>,
+    pub incarnation: u64,
+}
+
+/// Work for the committer, in the order it must reach the disk.
+#[derive(Debug)]
+pub(crate) enum PendingItem {
+    /// Write whatever the queue has buffered.
+    Queue(QueueKey),
+    /// Write an encoded trim or delete record; then `dead` chunks stop counting as live, and
+    /// for a trim the queue's `trim_segment` moves to where the record went.
+    Record {
+        bytes: Vec<u8>,
+        dead: Vec<(u32, u64)>,
+        trim_of: Option<QueueKey>,
+    },
+}
+
+#[derive(Debug, Default)]
+#[allow(
+    clippy::struct_excessive_bools,
+    reason = "independent flags guarded by one lock"
+)]
+pub(crate) struct Pending {
+    pub items: Vec<PendingItem>,
+    /// Queues whose buffer reached `chunk_bytes` (interval policy only).
+    pub full: Vec<QueueKey>,
+    pub full_round_requested: bool,
+    pub budget_flush_requested: bool,
+    pub shutdown: bool,
+    pub committer_sleeping: bool,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct CommitState {
+    pub completed: u64,
+    /// Recent rounds that failed, with the error their waiters get.
+    pub failures: Vec<(u64, WriteError)>,
+    pub poisoned: Option<String>,
+}
+
+/// Most failed rounds remembered for late waiters.
+pub(crate) const FAILURES_MAX: usize = 64;
+
+#[derive(Debug)]
+pub(crate) struct SegmentEntry {
+    pub file: Arc<dyn StorageFile>,
+    /// Chunks of this segment still in the index.
+    pub live_chunks: u64,
+    /// Chunk records ever written to this segment.
+    pub chunks_total: u64,
+}
+
+/// Counters the bench and the server export.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub file_syncs: AtomicU64,
+    pub dir_syncs: AtomicU64,
+    pub bytes_written: AtomicU64,
+    pub rounds: AtomicU64,
+    pub segments_deleted: AtomicU64,
+    pub chunks_relocated: AtomicU64,
+}
+
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub options: StoreOptions,
+    pub storage: Arc<dyn Storage>,
+    pub hasher: foldhash::fast::FixedState,
+    pub shards: Box<[Mutex<Shard>]>,
+    pub pending: Mutex<Pending>,
+    pub work: Condvar,
+    pub commit: Mutex<CommitState>,
+    pub committed: Condvar,
+    pub segments: Mutex<BTreeMap<u32, SegmentEntry>>,
+    pub rounds_started: AtomicU64,
+    /// Highest round any caller waits for; the committer runs rounds until it is reached.
+    pub wanted_round: AtomicU64,
+    pub buffered_bytes: AtomicUsize,
+    pub next_incarnation: AtomicU64,
+    /// Under `interval`, a write failed for lack of space: appends are refused until the
+    /// committer writes the buffered data.
+    pub disk_full: AtomicBool,
+    /// Set (after `CommitState::poisoned`) when the store is poisoned.
+    pub poisoned: AtomicBool,
+    pub counters: Counters,
+}
+
+/// Locks a mutex, ignoring poisoning: every critical section leaves its data consistent
+/// before it can panic (the only panics are assertions on invariants).
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// First retained offset and length of one queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueInfo {
+    /// First offset still retained.
+    pub first_offset: u64,
+    /// Offset the next appended message gets (the queue's length counted from 0), including
+    /// appends still waiting for their fsync.
+    pub next_offset: u64,
+}
+
+impl QueueInfo {
+    /// Messages retained.
+    pub fn retained(&self) -> u64 {
+        self.next_offset - self.first_offset
+    }
+}
+
+/// Retention of one queue: chunks are removed, oldest first, while either bound is passed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Retention {
+    /// Remove chunks sealed more than this many ms before `now_ms`.
+    pub max_age_ms: Option<u64>,
+    /// Remove oldest chunks while the queue's chunk records take more than this many bytes.
+    pub max_bytes: Option<u64>,
+}
+
+/// What one [`Store::enforce_retention`] pass removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RetentionReport {
+    /// Queues that lost chunks.
+    pub queues_trimmed: u64,
+    /// Chunks removed.
+    pub chunks_removed: u64,
+    /// Messages removed.
+    pub messages_removed: u64,
+}
+
+/// Counters and sizes for monitoring and benchmarks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StoreStats {
+    /// Queues that exist.
+    pub queues: u64,
+    /// Segment files.
+    pub segments: u64,
+    /// Bytes of all segment files.
+    pub disk_bytes: u64,
+    /// Bytes written since open.
+    pub bytes_written: u64,
+    /// fsyncs of segment files since open.
+    pub file_syncs: u64,
+    /// fsyncs of the directory since open.
+    pub dir_syncs: u64,
+    /// Group-commit rounds since open.
+    pub commit_rounds: u64,
+    /// Segment files deleted since open.
+    pub segments_deleted: u64,
+    /// Live chunks copied out of old segments so those could be deleted, since open.
+    pub chunks_relocated: u64,
+    /// Bytes buffered in memory, not yet written.
+    pub buffered_bytes: u64,
+}
+
+/// Memory the store holds, by part (see docs/ARCHITECTURE-store.md for the arithmetic).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MemoryUsage {
+    /// Queues counted.
+    pub queues: u64,
+    /// Chunk entries in the sparse index.
+    pub index_entries: u64,
+    /// Bytes of index entries (capacity included).
+    pub index_bytes: u64,
+    /// Bytes of write buffers (capacity included).
+    pub buffer_bytes: u64,
+    /// Bytes of queue states, names and hash-map slots.
+    pub queue_bytes: u64,
+    /// All of the above.
+    pub total_bytes: u64,
+}
+
+/// Returned by deferred appends: the commit round that makes them durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct CommitTicket {
+    round: u64,
+}
+
+/// The queue store. See the crate docs for how it works.
+pub struct Store {
+    inner: Arc<Inner>,
+    committer: Option<JoinHandle<()>>,
+}
+
+pub(crate) fn check_name(queue: &[u8]) -> Result<(), InputError> {
+    if queue.is_empty() || queue.len() > QUEUE_NAME_BYTES_MAX {
+        return Err(InputError::QueueName(queue.len()));
+    }
+    Ok(())
+}
+
+impl Store {
+    /// Opens (or creates) the store in directory `directory` and recovers it.
+    pub fn open(
+        directory: impl AsRef<Path>,
+        options: StoreOptions,
+    ) -> Result<(Store, OpenReport), OpenError> {
+        let storage = OsStorage::new(directory.as_ref()).map_err(|source| OpenError::Io {
+            operation: format!("creating directory {}", directory.as_ref().display()),
+            source,
+        })?;
+        Self::open_with_storage(Arc::new(storage), options)
+    }
+
+    /// Opens the store on any [`Storage`], such as [`crate::SimulatedDisk`].
+    pub fn open_with_storage(
+        storage: Arc<dyn Storage>,
+        options: StoreOptions,
+    ) -> Result<(Store, OpenReport), OpenError> {
+        options.validate()?;
+        let recovered = recovery::recover(storage.as_ref(), &options)?;
+        let inner = Arc::new(Inner {
+            options,
+            storage,
+            hasher: foldhash::fast::FixedState::with_seed(0x1e7e_e5e0),
+            shards: recovered.shards.into_iter().map(Mutex::new).collect(),
+            pending: Mutex::new(Pending::default()),
+            work: Condvar::new(),
+            commit: Mutex::new(CommitState::default()),
+            committed: Condvar::new(),
+            segments: Mutex::new(recovered.segments),
+            rounds_started: AtomicU64::new(0),
+            wanted_round: AtomicU64::new(0),
+            buffered_bytes: AtomicUsize::new(0),
+            next_incarnation: AtomicU64::new(recovered.next_incarnation),
+            disk_full: AtomicBool::new(false),
+            poisoned: AtomicBool::new(false),
+            counters: Counters::default(),
+        });
+        inner
+            .counters
+            .file_syncs
+            .store(recovered.file_syncs, Ordering::Relaxed);
+        inner
+            .counters
+            .dir_syncs
+            .store(recovered.dir_syncs, Ordering::Relaxed);
+        let writer = Writer::new(
+            recovered.active_segment,
+            recovered.active_file,
+            recovered.active_bytes,
+        );
+        let thread_inner = inner.clone();
+        let committer = std::thread::Builder::new()
+            .name("levee-store-committer".to_string())
+            .spawn(move || committer::run(&thread_inner, writer))
+            .map_err(|source| OpenError::Io {
+                operation: "starting the committer thread".to_string(),
+                source,
+            })?;
+        Ok((
+            Store {
+                inner,
+                committer: Some(committer),
+            },
+            recovered.report,
+        ))
+    }
+
+    /// Appends `message` to `queue` (created on first append) and returns its offset. Under
+    /// [`SyncPolicy::Always`] it returns after the message is fsynced.
+    pub fn append(&self, queue: &[u8], message: &[u8]) -> Result<u64, WriteError> {
+        let (offset, ticket) = self.append_deferred(queue, message)?;
+        if self.inner.options.sync == SyncPolicy::Always {
+            self.inner.wait_round(ticket.round)?;
+        }
+        Ok(offset)
+    }
+
+    /// Appends many messages, to any queues, and returns their offsets in the same order.
+    /// Messages of one queue keep their order. Inputs are all checked first; a later failure
+    /// (full disk, poisoned store) may leave an earlier part of the batch stored.
+    pub fn append_batch(&self, batch: &[(&[u8], &[u8])]) -> Result<Vec<u64>, WriteError> {
+        let (offsets, ticket) = self.append_batch_deferred(batch)?;
+        if self.inner.options.sync == SyncPolicy::Always && !batch.is_empty() {
+            self.inner.wait_round(ticket.round)?;
+        }
+        Ok(offsets)
+    }
+
+    /// Like [`Store::append`] but never waits for the fsync: the message is readable at once
+    /// and durable once [`Store::wait_durable`] returns `Ok` for the ticket. Lets one thread
+    /// keep many appends in flight (a server acknowledging asynchronously, a pipelined load
+    /// tool); an error from `wait_durable` means the append may not be stored.
+    pub fn append_deferred(
+        &self,
+        queue: &[u8],
+        message: &[u8],
+    ) -> Result<(u64, CommitTicket), WriteError> {
+        self.check_input(queue, message)?;
+        let (offset, round) = self.inner.buffer_message(queue, message)?;
+        Ok((offset, CommitTicket { round }))
+    }
+
+    /// [`Store::append_batch`] without waiting for the fsync; see [`Store::append_deferred`].
+    pub fn append_batch_deferred(
+        &self,
+        batch: &[(&[u8], &[u8])],
+    ) -> Result<(Vec<u64>, CommitTicket), WriteError> {
+        for (queue, message) in batch {
+            self.check_input(queue, message)?;
+        }
+        let mut offsets = Vec::with_capacity(batch.len());
+        let mut round = 0;
+        for (queue, message) in batch {
+            let (offset, message_round) = self.inner.buffer_message(queue, message)?;
+            offsets.push(offset);
+            round = round.max(message_round);
+        }
+        Ok((offsets, CommitTicket { round }))
+    }
+
+    /// Blocks until the appends behind `ticket` are fsynced (rounds complete in order, so
+    /// every earlier successful round is durable too). Under [`SyncPolicy::Interval`] this
+    /// forces a full commit round, like [`Store::sync`]. A full disk fails whole rounds: a
+    /// caller that pipelines must wait on each ticket it holds to learn each outcome, since a
+    /// later ticket can succeed after an earlier one failed.
+    pub fn wait_durable(&self, ticket: CommitTicket) -> Result<(), WriteError> {
+        match self.inner.options.sync {
+            SyncPolicy::Always => self.inner.wait_round(ticket.round),
+            SyncPolicy::Interval { .. } => self.sync(),
+        }
+    }
+
+    fn check_input(&self, queue: &[u8], message: &[u8]) -> Result<(), InputError> {
+        check_name(queue)?;
+        let max = self.inner.options.message_bytes_max;
+        if message.len() > max {
+            return Err(InputError::MessageTooLarge {
+                length: message.len(),
+                max,
+            });
+        }
+        Ok(())
+    }
+
+    /// Reads up to `max_messages` messages of `queue` from `offset`, stopping before
+    /// `max_bytes` would be passed (but returning at least one message if any is there). An
+    /// offset at or past the end, or an unknown queue, gives an empty batch. An offset before
+    /// the first retained message starts there and sets `skipped_to_first_retained`. Under
+    /// [`SyncPolicy::Always`] only fsynced messages are returned, so a reader never sees a
+    /// message that a crash or a full disk could take back; under `interval` every
+    /// acknowledged message is.
+    pub fn read(
+        &self,
+        queue: &[u8],
+        offset: u64,
+        max_messages: usize,
+        max_bytes: usize,
+    ) -> Result<ReadBatch, ReadError> {
+        check_name(queue)?;
+        self.inner.read(queue, offset, max_messages, max_bytes)
+    }
+
+    /// First retained offset and next offset of `queue`, or `None` if it does not exist.
+    pub fn queue_info(&self, queue: &[u8]) -> Result<Option<QueueInfo>, InputError> {
+        check_name(queue)?;
+        let shard = lock(self.inner.shard(queue));
+        Ok(shard.queues.get(queue).map(|state| QueueInfo {
+            first_offset: state.first_offset,
+            next_offset: state.next_offset,
+        }))
+    }
+
+    /// Up to `limit` queue names after `after` (`None`: from the start). The order is stable
+    /// but not lexicographic (by name hash, then name); pass the last name of a page as
+    /// `after` to get the next page. Queues created or deleted meanwhile may or may not show.
+    pub fn list_queues(&self, after: Option<&[u8]>, limit: usize) -> Vec<Vec<u8>> {
+        let first_shard = after.map_or(0, |name| self.inner.shard_index(name));
+        let mut names = Vec::new();
+        for index in first_shard..SHARD_COUNT {
+            if names.len() >= limit {
+                break;
+            }
+            let shard = lock(&self.inner.shards[index]);
+            let mut shard_names: Vec<&Arc<[u8]>> = shard
+                .queues
+                .keys()
+                .filter(|name| index != first_shard || after.is_none_or(|after| ***name > *after))
+                .collect();
+            shard_names.sort_unstable();
+            let room = limit - names.len();
+            names.extend(shard_names.into_iter().take(room).map(|name| name.to_vec()));
+        }
+        names
+    }
+
+    /// Deletes `queue` and all its messages; returns whether it existed. Durable on return
+    /// under both sync policies. A new queue of the same name starts again at offset 0.
+    pub fn delete_queue(&self, queue: &[u8]) -> Result<bool, WriteError> {
+        check_name(queue)?;
+        self.inner.check_writable()?;
+        let round = {
+            let mut shard = lock(self.inner.shard(queue));
+            let Some(state) = shard.queues.remove(queue) else {
+                return Ok(false);
+            };
+            if let Some(buffer) = &state.buffer {
+                self.inner
+                    .buffered_bytes
+                    .fetch_sub(buffer.budget_bytes(), Ordering::SeqCst);
+            }
+            let mut bytes = Vec::new();
+            format::encode_delete(&mut bytes, queue);
+            let dead = count_by_segment(state.chunks.iter());
+            self.inner.push_record(PendingItem::Record {
+                bytes,
+                dead,
+                trim_of: None,
+            })
+        };
+        self.inner.wait_round(round)?;
+        Ok(true)
+    }
+
+    /// Removes, from every queue, the oldest chunks that `retention_for(queue name)` says
+    /// are past their age (against `now_ms`, ms since the Unix epoch) or size. Messages still
+    /// in write buffers are never removed. Durable on return; dead segment files are deleted
+    /// by the committer afterwards.
+    pub fn enforce_retention(
+        &self,
+        now_ms: u64,
+        retention_for: impl Fn(&[u8]) -> Retention,
+    ) -> Result<RetentionReport, WriteError> {
+        self.inner.check_writable()?;
+        let mut report = RetentionReport::default();
+        let mut round = 0;
+        for shard in &self.inner.shards {
+            let mut shard = lock(shard);
+            for state in shard.queues.values_mut() {
+                let retention = retention_for(&state.name);
+                if retention == Retention::default() {
+                    continue;
+                }
+                let Some(item) = self.inner.trim_queue(state, retention, now_ms, &mut report)
+                else {
+                    continue;
+                };
+                round = self.inner.push_record(item);
+            }
+        }
+        if round > 0 {
+            self.inner.wait_round(round)?;
+        }
+        Ok(report)
+    }
+
+    /// Writes and fsyncs everything buffered so far (useful under `interval`).
+    pub fn sync(&self) -> Result<(), WriteError> {
+        self.inner.check_poisoned()?;
+        let round = {
+            let mut pending = lock(&self.inner.pending);
+            pending.full_round_requested = true;
+            self.inner.wake_committer(&pending);
+            self.inner.rounds_started.load(Ordering::SeqCst) + 1
+        };
+        self.inner.wait_round(round)
+    }
+
+    /// Counters and sizes.
+    pub fn stats(&self) -> StoreStats {
+        let counters = &self.inner.counters;
+        let (segments, disk_bytes) = {
+            let segments = lock(&self.inner.segments);
+            let bytes = segments
+                .values()
+                .filter_map(|segment| segment.file.len().ok())
+                .sum();
+            (segments.len() as u64, bytes)
+        };
+        let queues = self
+            .inner
+            .shards
+            .iter()
+            .map(|shard| lock(shard).queues.len() as u64)
+            .sum();
+        StoreStats {
+            queues,
+            segments,
+            disk_bytes,
+            bytes_written: counters.bytes_written.load(Ordering::Relaxed),
+            file_syncs: counters.file_syncs.load(Ordering::Relaxed),
+            dir_syncs: counters.dir_syncs.load(Ordering::Relaxed),
+            commit_rounds: counters.rounds.load(Ordering::Relaxed),
+            segments_deleted: counters.segments_deleted.load(Ordering::Relaxed),
+            chunks_relocated: counters.chunks_relocated.load(Ordering::Relaxed),
+            buffered_bytes: self.inner.buffered_bytes.load(Ordering::Relaxed) as u64,
+        }
+    }
+
+    /// Walks every queue and adds up the memory it holds (O(queues); for benchmarks and
+    /// diagnostics, not for a hot path).
+    pub fn memory_usage(&self) -> MemoryUsage {
+        let mut usage = MemoryUsage::default();
+        let slot_bytes = std::mem::size_of::<(Arc<[u8]>, QueueState)>() + 1;
+        for shard in &self.inner.shards {
+            let shard = lock(shard);
+            usage.queue_bytes += (shard.queues.capacity() * slot_bytes) as u64;
+            for (name, state) in &shard.queues {
+                usage.queues += 1;
+                usage.index_entries += state.chunks.len() as u64;
+                let index = state.chunks.capacity() * std::mem::size_of::<ChunkEntry>();
+                usage.index_bytes += index as u64;
+                let buffer = state.buffer.as_ref().map_or(0, |buffer| {
+                    std::mem::size_of::<WriteBuffer>()
+                        + buffer.lengths.capacity() * 4
+                        + buffer.bytes.capacity()
+                });
+                usage.buffer_bytes += buffer as u64;
+                // Name bytes plus the Arc's two counters.
+                usage.queue_bytes += (name.len() + 16) as u64;
+            }
+        }
+        usage.total_bytes = usage.index_bytes + usage.buffer_bytes + usage.queue_bytes;
+        usage
+    }
+
+    /// Writes everything buffered, stops the committer and reports a fatal error, or a full
+    /// disk that kept buffered messages from being written. Dropping the store does the same
+    /// but cannot report.
+    pub fn close(mut self) -> Result<(), WriteError> {
+        self.shutdown();
+        self.inner.check_poisoned()?;
+        if self.inner.buffered_bytes.load(Ordering::SeqCst) > 0 {
+            // Only a full disk leaves messages behind at close: they are lost with the process.
+            return Err(WriteError::StorageFull {
+                operation: "writing buffered messages at close".to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    fn shutdown(&mut self) {
+        let Some(committer) = self.committer.take() else {
+            return;
+        };
+        {
+            let mut pending = lock(&self.inner.pending);
+            pending.shutdown = true;
+            self.inner.work.notify_all();
+        }
+        // A panic in the committer already poisoned the store; nothing more to report here.
+        let _ = committer.join();
+    }
+}
+
+impl std::fmt::Debug for Store {
+    /// Options only: a store can hold millions of queues, which must not end up in a log line.
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("Store")
+            .field("options", &self.inner.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+pub(crate) fn count_by_segment<'a>(
+    chunks: impl Iterator<Item = &'a ChunkEntry>,
+) -> Vec<(u32, u64)> {
+    let mut dead: Vec<(u32, u64)> = Vec::new();
+    for chunk in chunks {
+        match dead.last_mut() {
+            Some((segment, count)) if *segment == chunk.segment => *count += 1,
+            _ => dead.push((chunk.segment, 1)),
+        }
+    }
+    dead
+}
+
+impl Inner {
+    pub(crate) fn shard_index(&self, queue: &[u8]) -> usize {
+        use std::hash::BuildHasher;
+        // Truncation is intended: only the low bits pick the shard.
+        #[allow(clippy::cast_possible_truncation)]
+        let hash = self.hasher.hash_one(queue) as usize;
+        hash & (SHARD_COUNT - 1)
+    }
+
+    pub(crate) fn shard(&self, queue: &[u8]) -> &Mutex<Shard> {
+        &self.shards[self.shard_index(queue)]
+    }
+
+    pub(crate) fn check_poisoned(&self) -> Result<(), WriteError> {
+        // Fast path without the commit lock: every append passes here.
+        if !self.poisoned.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        match &lock(&self.commit).poisoned {
+            Some(reason) => Err(WriteError::Poisoned(reason.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn check_writable(&self) -> Result<(), WriteError> {
+        self.check_poisoned()?;
+        if self.disk_full.load(Ordering::SeqCst) {
+            return Err(WriteError::StorageFull {
+                operation: "waiting for buffered data to be written".to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn wake_committer(&self, pending: &Pending) {
+        if pending.committer_sleeping {
+            self.work.notify_one();
+        }
+    }
+
+    /// Queues a trim or delete record; returns the round that makes it durable.
+    fn push_record(&self, item: PendingItem) -> u64 {
+        let mut pending = lock(&self.pending);
+        pending.items.push(item);
+        pending.full_round_requested = true;
+        self.wake_committer(&pending);
+        self.rounds_started.load(Ordering::SeqCst) + 1
+    }
+
+    /// Waits, while the budget is exhausted, until `bytes` more fit.
+    fn reserve_budget(&self, bytes: usize) -> Result<(), WriteError> {
+        let budget = self.options.buffer_budget_bytes;
+        loop {
+            let before = self.buffered_bytes.fetch_add(bytes, Ordering::SeqCst);
+            if before == 0 || before + bytes <= budget {
+                return Ok(());
+            }
+            self.buffered_bytes.fetch_sub(bytes, Ordering::SeqCst);
+            // Under a full disk the budget frees only once space returns: fail fast instead.
+            self.check_writable()?;
+            {
+                let mut pending = lock(&self.pending);
+                pending.budget_flush_requested = true;
+                self.wake_committer(&pending);
+            }
+            let commit = lock(&self.commit);
+            if let Some(reason) = &commit.poisoned {
+                return Err(WriteError::Poisoned(reason.clone()));
+            }
+            let _wait = self
+                .committed
+                .wait_timeout(commit, Duration::from_millis(10))
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// Puts one message into its queue's buffer; returns its offset and the commit round
+    /// that will make it durable.
+    fn buffer_message(&self, queue: &[u8], message: &[u8]) -> Result<(u64, u64), WriteError> {
+        self.check_writable()?;
+        let cost = message.len() + MESSAGE_OVERHEAD_BYTES;
+        self.reserve_budget(cost)?;
+        let interval = matches!(self.options.sync, SyncPolicy::Interval { .. });
+        let mut shard = lock(self.shard(queue));
+        let state = if let Some(state) = shard.queues.get_mut(queue) {
+            state
+        } else {
+            let incarnation = self.next_incarnation.fetch_add(1, Ordering::Relaxed);
+            let name: Arc<[u8]> = Arc::from(queue);
+            shard
+                .queues
+                .entry(name.clone())
+                .or_insert(QueueState::new(name, incarnation, 0))
+        };
+        let offset = state.next_offset;
+        state.next_offset += 1;
+        let buffer = state.buffer.get_or_insert_with(|| {
+            Box::new(WriteBuffer {
+                first_offset: offset,
+                ..WriteBuffer::default()
+            })
+        });
+        // Invariant: message_bytes_max <= 64 MiB (checked by StoreOptions::validate).
+        buffer
+            .lengths
+            .push(u32::try_from(message.len()).expect("message length checked"));
+        buffer.bytes.extend_from_slice(message);
+        let push_pending = !state.queued;
+        state.queued = true;
+        let push_full = interval
+            && !state.full_queued
+            && buffer.bytes.len() - buffer.frozen_bytes >= self.options.chunk_bytes;
+        state.full_queued |= push_full;
+        if push_pending || push_full {
+            let key = QueueKey {
+                name: state.name.clone(),
+                incarnation: state.incarnation,
+            };
+            let mut pending = lock(&self.pending);
+            if push_full {
+                pending.full.push(key.clone());
+            }
+            if push_pending {
+                pending.items.push(PendingItem::Queue(key));
+            }
+            if push_full || !interval {
+                self.wake_committer(&pending);
+            }
+        }
+        let round = self.rounds_started.load(Ordering::SeqCst) + 1;
+        Ok((offset, round))
+    }
+
+    /// Blocks until commit round `round` is done; its error if it failed.
+    pub(crate) fn wait_round(&self, round: u64) -> Result<(), WriteError> {
+        // The message may have been frozen by the round already running (round - 1), and then
+        // nothing else would start round `round`: make sure the committer runs it. Only the
+        // first waiter of a round takes the pending lock.
+        if self.wanted_round.fetch_max(round, Ordering::SeqCst) < round {
+            let pending = lock(&self.pending);
+            self.wake_committer(&pending);
+        }
+        let mut commit = lock(&self.commit);
+        loop {
+            if commit.completed >= round {
+                return match commit.failures.iter().find(|(failed, _)| *failed == round) {
+                    Some((_, error)) => Err(error.clone()),
+                    None => Ok(()),
+                };
+            }
+            if let Some(reason) = &commit.poisoned {
+                return Err(WriteError::Poisoned(reason.clone()));
+            }
+            commit = self
+                .committed
+                .wait(commit)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// Removes the oldest chunks of one queue past `retention`; returns the trim record.
+    fn trim_queue(
+        &self,
+        state: &mut QueueState,
+        retention: Retention,
+        now_ms: u64,
+        report: &mut RetentionReport,
+    ) -> Option<PendingItem> {
+        let mut removed = Vec::new();
+        while let Some(front) = state.chunks.front().copied() {
+            let over_size = retention
+                .max_bytes
+                .is_some_and(|max| state.stored_bytes > max);
+            let Ok((record_bytes, timestamp_ms)) = self.chunk_header(front) else {
+                break;
+            };
+            let too_old = retention
+                .max_age_ms
+                .is_some_and(|max_age| timestamp_ms.saturating_add(max_age) < now_ms);
+            if !(over_size || too_old) {
+                break;
+            }
+            state.chunks.pop_front();
+            state.stored_bytes = state.stored_bytes.saturating_sub(record_bytes);
+            removed.push(front);
+        }
+        if removed.is_empty() {
+            return None;
+        }
+        let old_first = state.first_offset;
+        state.first_offset = state
+            .chunks
+            .front()
+            .map_or_else(|| state.disk_end_offset(), |chunk| chunk.first_offset);
+        report.queues_trimmed += 1;
+        report.chunks_removed += removed.len() as u64;
+        report.messages_removed += state.first_offset - old_first;
+        let mut bytes = Vec::new();
+        format::encode_trim(&mut bytes, &state.name, state.first_offset);
+        let key = QueueKey {
+            name: state.name.clone(),
+            incarnation: state.incarnation,
+        };
+        Some(PendingItem::Record {
+            bytes,
+            dead: count_by_segment(removed.iter()),
+            trim_of: Some(key),
+        })
+    }
+
+    /// Record length and timestamp of a chunk, read from its record header.
+    fn chunk_header(&self, chunk: ChunkEntry) -> Result<(u64, u64), String> {
+        let file = lock(&self.segments)
+            .get(&chunk.segment)
+            .map(|segment| segment.file.clone())
+            .ok_or("segment missing")?;
+        let mut header = [0_u8; RECORD_HEADER_BYTES + format::CHUNK_FIXED_BYTES];
+        file.read_at(u64::from(chunk.position), &mut header)
+            .map_err(|error| error.to_string())?;
+        let body_bytes = u64::from(format::read_u32(&header, 4));
+        let timestamp_ms = format::read_u64(&header, RECORD_HEADER_BYTES + 16);
+        Ok((body_bytes + RECORD_HEADER_BYTES as u64, timestamp_ms))
+    }
+
+    #[allow(
+        clippy::too_many_lines,
+        reason = "one pass: plan under the lock, read without it"
+    )]
+    fn read(
+        &self,
+        queue: &[u8],
+        offset: u64,
+        max_messages: usize,
+        max_bytes: usize,
+    ) -> Result<ReadBatch, ReadError> {
+        let mut planned: Vec<(ChunkEntry, Arc<dyn StorageFile>)> = Vec::new();
+        let mut buffered = ReadBatch::default();
+        let mut batch;
+        let disk_end;
+        {
+            let shard = lock(self.shard(queue));
+            let Some(state) = shard.queues.get(queue) else {
+                return Ok(ReadBatch::default());
+            };
+            // Under `always` only fsynced messages are visible (the indexed chunks); under
+            // `interval` acknowledged messages still in the buffer are too.
+            disk_end = state.disk_end_offset();
+            let visible_end = match self.options.sync {
+                SyncPolicy::Always => disk_end,
+                SyncPolicy::Interval { .. } => state.next_offset,
+            };
+            let start = offset.max(state.first_offset);
+            batch = ReadBatch::new(start, offset < state.first_offset, visible_end);
+            if start >= visible_end || max_messages == 0 {
+                return Ok(batch);
+            }
+            let wanted_end = start.saturating_add(max_messages as u64);
+            if start < disk_end {
+                let first = state
+                    .chunks
+                    .partition_point(|chunk| chunk.first_offset <= start);
+                let segments = lock(&self.segments);
+                for chunk in state
+                    .chunks
+                    .range(first.saturating_sub(1)..)
+                    .take(READ_CHUNKS_MAX)
+                {
+                    if chunk.first_offset >= wanted_end {
+                        break;
+                    }
+                    let file = segments
+                        .get(&chunk.segment)
+                        .map(|segment| segment.file.clone());
+                    let file = file.ok_or_else(|| ReadError::Storage {
+                        segment: chunk.segment,
+                        position: chunk.position,
+                        reason: "segment file missing".to_string(),
+                    })?;
+                    planned.push((*chunk, file));
+                }
+            }
+            if let Some(buffer) = &state.buffer
+                && visible_end > buffer.first_offset
+                && wanted_end > buffer.first_offset
+            {
+                let skip = usize::try_from(start.saturating_sub(buffer.first_offset))
+                    .unwrap_or(usize::MAX);
+                let mut position: usize = buffer
+                    .lengths
+                    .iter()
+                    .take(skip)
+                    .map(|length| *length as usize)
+                    .sum();
+                let mut taken_bytes = 0;
+                for index in skip..buffer.lengths.len().min(skip.saturating_add(max_messages)) {
+                    let range = buffer.message(index, position);
+                    position = range.end;
+                    taken_bytes += range.len();
+                    if taken_bytes > max_bytes && index > skip {
+                        break;
+                    }
+                    buffered.push(&buffer.bytes[range]);
+                }
+            }
+        }
+        let mut next = batch.first_offset;
+        let mut record = Vec::new();
+        // A full chunk: payload, per-message lengths and headers, with room to spare.
+        let guess_bytes =
+            (self.options.chunk_bytes + self.options.chunk_bytes / 4 + 512).min(1 << 20);
+        for (chunk, file) in planned {
+            if batch.len() >= max_messages || next >= disk_end {
+                return Ok(batch);
+            }
+            read_record(file.as_ref(), chunk, guess_bytes, &mut record)?;
+            let Ok(Record::Chunk(decoded)) = format::decode_checked(&record) else {
+                return Err(ReadError::Storage {
+                    segment: chunk.segment,
+                    position: chunk.position,
+                    reason: "chunk record failed its checksum or is malformed".to_string(),
+                });
+            };
+            for (index, message) in decoded.messages().enumerate() {
+                let message_offset = decoded.first_offset + index as u64;
+                if message_offset < next {
+                    continue;
+                }
+                if batch.len() >= max_messages
+                    || (!batch.is_empty() && batch.bytes() + message.len() > max_bytes)
+                {
+                    return Ok(batch);
+                }
+                batch.push(message);
+                next += 1;
+            }
+        }
+        if next < disk_end {
+            // The chunk limit stopped the read; the rest comes with the next read.
+            return Ok(batch);
+        }
+        for message in buffered.iter() {
+            if batch.len() >= max_messages
+                || (!batch.is_empty() && batch.bytes() + message.len() > max_bytes)
+            {
+                break;
+            }
+            batch.push(message);
+        }
+        Ok(batch)
+    }
+}
+
+/// Reads the whole record at `chunk` into `out`: one read of `guess_bytes` (enough for a
+/// typical chunk), and a second one only if the record is longer.
+fn read_record(
+    file: &dyn StorageFile,
+    chunk: ChunkEntry,
+    guess_bytes: usize,
+    out: &mut Vec<u8>,
+) -> Result<(), ReadError> {
+    let storage_error = |reason: String| ReadError::Storage {
+        segment: chunk.segment,
+        position: chunk.position,
+        reason,
+    };
+    let position = u64::from(chunk.position);
+    out.clear();
+    out.resize(guess_bytes.max(RECORD_HEADER_BYTES), 0);
+    let read = file
+        .read_up_to(position, out)
+        .map_err(|error| storage_error(error.to_string()))?;
+    if read < RECORD_HEADER_BYTES {
+        return Err(storage_error(
+            "record header past the end of the segment".to_string(),
+        ));
+    }
+    let body_bytes = usize::try_from(format::read_u32(out, 4)).unwrap_or(usize::MAX);
+    if body_bytes > format::RECORD_BODY_BYTES_MAX {
+        return Err(storage_error("record length field is corrupt".to_string()));
+    }
+    let total = RECORD_HEADER_BYTES + body_bytes;
+    if total <= read {
+        out.truncate(total);
+        return Ok(());
+    }
+    out.resize(total, 0);
+    file.read_at(position + read as u64, &mut out[read..])
+        .map_err(|error| storage_error(error.to_string()))
+}

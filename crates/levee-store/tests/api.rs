@@ -1,0 +1,731 @@
+//! Behaviour of the public API: bad input, reopening, refusing foreign directories, torn and
+//! damaged tails, deletes, retention, listing, a full disk, fatal I/O errors.
+
+use std::sync::Arc;
+
+use levee_store::{
+    CrashMode, Fault, InputError, OpenError, Retention, SimulatedDisk, Store, StoreOptions,
+    SyncPolicy, WriteError, format,
+};
+
+fn tiny() -> StoreOptions {
+    StoreOptions {
+        segment_bytes_max: 4096,
+        chunk_bytes: 64,
+        buffer_budget_bytes: 4096,
+        message_bytes_max: 1024,
+        ..StoreOptions::default()
+    }
+}
+
+fn open_sim(disk: &SimulatedDisk, options: StoreOptions) -> Store {
+    Store::open_with_storage(Arc::new(disk.clone()), options)
+        .expect("open")
+        .0
+}
+
+fn read_all(store: &Store, queue: &[u8]) -> Vec<Vec<u8>> {
+    let mut messages = Vec::new();
+    let mut offset = 0;
+    loop {
+        let batch = store.read(queue, offset, 1000, usize::MAX).unwrap();
+        if batch.is_empty() {
+            return messages;
+        }
+        messages.extend(batch.iter().map(<[u8]>::to_vec));
+        offset = batch.next_offset();
+    }
+}
+
+#[test]
+fn given_appends_when_reading_should_return_dense_offsets_and_respect_limits() {
+    let directory = tempfile::tempdir().unwrap();
+    let (store, report) = Store::open(directory.path(), tiny()).unwrap();
+    assert_eq!(report.queues, 0);
+    for index in 0..100_u64 {
+        let message = format!("message {index}");
+        assert_eq!(store.append(b"orders", message.as_bytes()).unwrap(), index);
+    }
+    let batch = store.read(b"orders", 10, 5, usize::MAX).unwrap();
+    assert_eq!(batch.first_offset, 10);
+    assert_eq!(batch.len(), 5);
+    assert_eq!(batch.message(0), Some(&b"message 10"[..]));
+    assert_eq!(batch.next_offset(), 15);
+    let small = store.read(b"orders", 0, 100, 25).unwrap();
+    assert_eq!(
+        small.len(),
+        2,
+        "two 9-10 byte messages fit in 25 bytes, three do not"
+    );
+    let one = store.read(b"orders", 0, 100, 1).unwrap();
+    assert_eq!(one.len(), 1, "a read returns at least one message");
+    assert!(store.read(b"orders", 100, 10, 1000).unwrap().is_empty());
+    assert!(store.read(b"orders", 5000, 10, 1000).unwrap().is_empty());
+    assert!(store.read(b"unknown", 0, 10, 1000).unwrap().is_empty());
+    let info = store.queue_info(b"orders").unwrap().unwrap();
+    assert_eq!(
+        (info.first_offset, info.next_offset, info.retained()),
+        (0, 100, 100)
+    );
+    assert!(store.stats().segments > 1, "tiny segments rotate");
+    store.close().unwrap();
+    let (store, report) = Store::open(directory.path(), tiny()).unwrap();
+    assert_eq!((report.queues, report.messages), (1, 100));
+    assert!(report.truncated.is_empty());
+    let messages = read_all(&store, b"orders");
+    assert_eq!(messages.len(), 100);
+    assert_eq!(messages[99], b"message 99");
+}
+
+#[test]
+fn given_bad_input_when_appending_should_refuse_with_clear_errors() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, tiny());
+    assert_eq!(
+        store.append(b"", b"x"),
+        Err(WriteError::Input(InputError::QueueName(0)))
+    );
+    let long = vec![b'q'; 256];
+    assert_eq!(
+        store.append(&long, b"x"),
+        Err(WriteError::Input(InputError::QueueName(256)))
+    );
+    assert!(store.append(&long[..255], b"x").is_ok());
+    let big = vec![0; 1025];
+    let error = store.append(b"q", &big).unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "message of 1025 bytes is over message_bytes_max (1024)"
+    );
+    assert!(
+        store.append(b"q", &big[..1024]).is_ok(),
+        "a message may be larger than a chunk"
+    );
+    assert!(store.append(b"q", b"").is_ok(), "empty messages are fine");
+    assert_eq!(read_all(&store, b"q"), vec![vec![0; 1024], Vec::new()]);
+    let batch: Vec<(&[u8], &[u8])> = vec![(b"a", b"1"), (b"", b"2")];
+    assert!(store.append_batch(&batch).is_err());
+    assert!(
+        store.queue_info(b"a").unwrap().is_none(),
+        "a refused batch stores nothing"
+    );
+}
+
+#[test]
+fn given_directory_of_other_files_when_opening_should_refuse_and_say_what_was_found() {
+    let directory = tempfile::tempdir().unwrap();
+    std::fs::write(directory.path().join("notes.txt"), b"hello").unwrap();
+    let error = Store::open(directory.path(), tiny()).unwrap_err();
+    assert!(matches!(error, OpenError::NotAStore { .. }));
+    assert!(error.to_string().contains("notes.txt"), "{error}");
+
+    let disk = SimulatedDisk::new();
+    disk.put_file(
+        &format::segment_file_name(1),
+        b"PK\x03\x04 this is a zip file, not a segment",
+    );
+    let error = Store::open_with_storage(Arc::new(disk), tiny()).unwrap_err();
+    assert!(error.to_string().contains("not a Levee segment"), "{error}");
+}
+
+#[test]
+fn given_segment_of_another_version_when_opening_should_refuse_with_versions() {
+    let disk = SimulatedDisk::new();
+    let mut header = format::encode_segment_header(1);
+    header[8..12].copy_from_slice(&2_u32.to_le_bytes());
+    disk.put_file(&format::segment_file_name(1), &header);
+    let error = Store::open_with_storage(Arc::new(disk), tiny()).unwrap_err();
+    assert!(matches!(
+        error,
+        OpenError::UnsupportedVersion {
+            found: 2,
+            supported: 1,
+            ..
+        }
+    ));
+    assert!(error.to_string().contains("format version 2"), "{error}");
+}
+
+#[test]
+fn given_torn_tail_when_reopening_should_truncate_report_and_keep_synced_data() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(
+        &disk,
+        StoreOptions {
+            segment_bytes_max: 1 << 20,
+            ..tiny()
+        },
+    );
+    for index in 0..20_u32 {
+        store.append(b"q", &index.to_le_bytes()).unwrap();
+    }
+    drop(store);
+    let name = format::segment_file_name(1);
+    let mut bytes = disk.file_bytes(&name).unwrap();
+    let intact = bytes.len();
+    // Half a record of garbage at the end, as a torn write leaves it.
+    bytes.extend_from_slice(&[0x11, 0, 0, 0, 200, 0, 0, 0, 1, 2, 3]);
+    disk.put_file(&name, &bytes);
+    let (store, report) = Store::open_with_storage(Arc::new(disk.clone()), tiny()).unwrap();
+    assert_eq!(report.truncated.len(), 1);
+    assert_eq!(report.truncated[0].position, intact as u64);
+    assert_eq!(report.truncated[0].bytes_dropped, 11);
+    assert_eq!(read_all(&store, b"q").len(), 20);
+    store.append(b"q", b"after").unwrap();
+    drop(store);
+    let (store, report) = Store::open_with_storage(Arc::new(disk), tiny()).unwrap();
+    assert!(report.truncated.is_empty(), "the cut is durable");
+    assert_eq!(read_all(&store, b"q").last().unwrap(), b"after");
+}
+
+#[test]
+fn given_flipped_byte_when_reopening_should_never_serve_it() {
+    let disk = SimulatedDisk::new();
+    let options = StoreOptions {
+        segment_bytes_max: 1 << 20,
+        ..tiny()
+    };
+    let store = open_sim(&disk, options.clone());
+    for index in 0..10_u32 {
+        store
+            .append(b"q", format!("payload-{index}").as_bytes())
+            .unwrap();
+    }
+    drop(store);
+    let name = format::segment_file_name(1);
+    let length = disk.file_bytes(&name).unwrap().len();
+    let mut opened = 0;
+    for position in (32..length).step_by(7) {
+        let damaged = SimulatedDisk::new();
+        damaged.put_file(&name, &disk.file_bytes(&name).unwrap());
+        damaged.damage(&name, position);
+        let Ok((store, report)) = Store::open_with_storage(Arc::new(damaged), options.clone())
+        else {
+            continue;
+        };
+        assert_eq!(
+            report.truncated.len(),
+            1,
+            "damage at {position} must be reported"
+        );
+        let messages = read_all(&store, b"q");
+        for (index, message) in messages.iter().enumerate() {
+            assert_eq!(message, format!("payload-{index}").as_bytes());
+        }
+        assert!(messages.len() < 10);
+        opened += 1;
+    }
+    assert!(
+        opened > 10,
+        "damage in the last segment is a tail to cut, not a refusal"
+    );
+}
+
+#[test]
+fn given_damage_in_older_segment_when_opening_should_refuse_as_corrupt() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, tiny());
+    for index in 0..200_u32 {
+        store.append(b"q", &index.to_le_bytes()).unwrap();
+    }
+    drop(store);
+    let name = format::segment_file_name(1);
+    disk.damage(&name, 40);
+    let error = Store::open_with_storage(Arc::new(disk), tiny()).unwrap_err();
+    assert!(matches!(error, OpenError::Corrupt { .. }), "{error}");
+}
+
+#[test]
+fn given_deleted_queue_when_reopening_should_stay_deleted_and_restart_at_zero() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, tiny());
+    for _ in 0..30 {
+        store.append(b"gone", b"old message").unwrap();
+        store.append(b"kept", b"kept message").unwrap();
+    }
+    assert!(store.delete_queue(b"gone").unwrap());
+    assert!(!store.delete_queue(b"gone").unwrap());
+    assert!(store.read(b"gone", 0, 10, 1000).unwrap().is_empty());
+    assert_eq!(store.append(b"gone", b"new").unwrap(), 0);
+    let survivor = disk.crash(CrashMode::DropUnsynced, 1);
+    drop(store);
+    let store = open_sim(&survivor, tiny());
+    assert_eq!(read_all(&store, b"gone"), vec![b"new".to_vec()]);
+    assert_eq!(read_all(&store, b"kept").len(), 30);
+}
+
+#[test]
+fn given_retention_when_enforced_should_trim_persist_and_delete_dead_segments() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, tiny());
+    for index in 0..300_u32 {
+        store
+            .append(b"log", format!("entry {index:04}").as_bytes())
+            .unwrap();
+    }
+    let before = store.stats();
+    assert!(before.segments > 3);
+    let policy = |_: &[u8]| Retention {
+        max_bytes: Some(600),
+        max_age_ms: None,
+    };
+    let report = store.enforce_retention(0, policy).unwrap();
+    assert!(report.messages_removed > 200, "{report:?}");
+    let info = store.queue_info(b"log").unwrap().unwrap();
+    assert_eq!(info.first_offset, report.messages_removed);
+    let batch = store.read(b"log", 0, 1, 1000).unwrap();
+    assert!(batch.skipped_to_first_retained);
+    assert_eq!(batch.first_offset, info.first_offset);
+    // The committer deletes dead segments after the round that wrote the trim.
+    store.sync().unwrap();
+    let after = store.stats();
+    assert!(after.segments_deleted > 0, "{after:?}");
+    assert!(after.segments < before.segments);
+    // Everything expires by age; the queue keeps its offsets.
+    let all = |_: &[u8]| Retention {
+        max_age_ms: Some(0),
+        max_bytes: None,
+    };
+    store.enforce_retention(u64::MAX / 2, all).unwrap();
+    let info = store.queue_info(b"log").unwrap().unwrap();
+    assert_eq!((info.first_offset, info.next_offset), (300, 300));
+    for _ in 0..5 {
+        store.sync().unwrap();
+    }
+    let survivor = disk.crash(CrashMode::DropUnsynced, 2);
+    drop(store);
+    let store = open_sim(&survivor, tiny());
+    let info = store.queue_info(b"log").unwrap().unwrap();
+    assert_eq!((info.first_offset, info.next_offset), (300, 300));
+    assert_eq!(store.append(b"log", b"next").unwrap(), 300);
+}
+
+#[test]
+fn given_many_queues_when_listing_in_pages_should_return_each_once() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(
+        &disk,
+        StoreOptions {
+            sync: SyncPolicy::Interval { interval_ms: 5 },
+            ..tiny()
+        },
+    );
+    let mut expected: Vec<Vec<u8>> = (0..500)
+        .map(|index| format!("q{index}").into_bytes())
+        .collect();
+    for name in &expected {
+        store.append(name, b"m").unwrap();
+    }
+    let mut listed = Vec::new();
+    let mut after: Option<Vec<u8>> = None;
+    loop {
+        let page = store.list_queues(after.as_deref(), 64);
+        assert!(page.len() <= 64);
+        if page.is_empty() {
+            break;
+        }
+        after = page.last().cloned();
+        listed.extend(page);
+    }
+    listed.sort();
+    expected.sort();
+    assert_eq!(listed, expected);
+}
+
+#[test]
+fn given_full_disk_under_always_when_appending_should_fail_cleanly_and_resume() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, tiny());
+    store.append(b"q", b"before").unwrap();
+    disk.set_fault(Fault::NoSpace);
+    let error = store.append(b"q", b"during").unwrap_err();
+    assert!(matches!(error, WriteError::StorageFull { .. }), "{error}");
+    assert_eq!(
+        read_all(&store, b"q"),
+        vec![b"before".to_vec()],
+        "still readable"
+    );
+    assert_eq!(
+        store.queue_info(b"q").unwrap().unwrap().next_offset,
+        1,
+        "offset not used"
+    );
+    disk.set_fault(Fault::None);
+    assert_eq!(store.append(b"q", b"after").unwrap(), 1);
+    let survivor = disk.crash(CrashMode::DropUnsynced, 3);
+    drop(store);
+    let store = open_sim(&survivor, tiny());
+    assert_eq!(
+        read_all(&store, b"q"),
+        vec![b"before".to_vec(), b"after".to_vec()]
+    );
+}
+
+#[test]
+fn given_full_disk_under_interval_when_space_returns_should_write_buffered_messages() {
+    let disk = SimulatedDisk::new();
+    let options = StoreOptions {
+        sync: SyncPolicy::Interval { interval_ms: 2 },
+        ..tiny()
+    };
+    let store = open_sim(&disk, options.clone());
+    store.append(b"q", b"one").unwrap();
+    store.sync().unwrap();
+    disk.set_fault(Fault::NoSpace);
+    store.append(b"q", b"two").unwrap();
+    assert!(matches!(store.sync(), Err(WriteError::StorageFull { .. })));
+    assert!(matches!(
+        store.append(b"q", b"three"),
+        Err(WriteError::StorageFull { .. })
+    ));
+    assert_eq!(
+        read_all(&store, b"q").len(),
+        2,
+        "acknowledged data stays readable"
+    );
+    disk.set_fault(Fault::None);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while store.append(b"q", b"three").is_err() {
+        assert!(std::time::Instant::now() < deadline, "writes never resumed");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    store.sync().unwrap();
+    disk.set_fault(Fault::NoSpace);
+    store.append(b"q", b"four").unwrap();
+    let closed = store.close();
+    assert!(
+        matches!(closed, Err(WriteError::StorageFull { .. })),
+        "{closed:?}"
+    );
+    disk.set_fault(Fault::None);
+    let survivor = disk.crash(CrashMode::DropUnsynced, 4);
+    let store = open_sim(&survivor, options);
+    assert_eq!(
+        read_all(&store, b"q"),
+        vec![b"one".to_vec(), b"two".to_vec(), b"three".to_vec()]
+    );
+}
+
+#[test]
+fn given_io_error_when_writing_should_poison_the_store_but_keep_it_readable() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, tiny());
+    store.append(b"q", b"kept").unwrap();
+    disk.set_fault(Fault::Io);
+    assert!(matches!(
+        store.append(b"q", b"lost"),
+        Err(WriteError::Poisoned(_))
+    ));
+    disk.set_fault(Fault::None);
+    let error = store.append(b"q", b"refused").unwrap_err();
+    assert!(error.to_string().contains("refuses writes"), "{error}");
+    assert_eq!(
+        store.read(b"q", 0, 10, 1000).unwrap().message(0),
+        Some(&b"kept"[..])
+    );
+    assert!(store.close().is_err());
+    let store = open_sim(&disk, tiny());
+    assert_eq!(read_all(&store, b"q"), vec![b"kept".to_vec()]);
+}
+
+#[test]
+fn given_many_threads_when_appending_and_reading_should_keep_per_queue_order() {
+    const THREADS: usize = 8;
+    const MESSAGES: u32 = 300;
+    let disk = SimulatedDisk::new();
+    let store = Arc::new(open_sim(
+        &disk,
+        StoreOptions {
+            buffer_budget_bytes: 2048,
+            ..tiny()
+        },
+    ));
+    let mut handles = Vec::new();
+    for thread in 0..THREADS {
+        let store = store.clone();
+        handles.push(std::thread::spawn(move || {
+            // Two threads share each queue; each checks its own messages keep their order.
+            let queue = format!("queue-{}", thread / 2).into_bytes();
+            let mut last_offset = None;
+            for index in 0..MESSAGES {
+                let message = format!("{thread}:{index}");
+                let offset = store.append(&queue, message.as_bytes()).unwrap();
+                assert!(last_offset.is_none_or(|last| offset > last));
+                last_offset = Some(offset);
+                if index % 50 == 0 {
+                    let batch = store.read(&queue, offset, 1, 100).unwrap();
+                    assert_eq!(batch.message(0), Some(message.as_bytes()));
+                }
+            }
+        }));
+    }
+    let reader = {
+        let store = store.clone();
+        std::thread::spawn(move || {
+            for _ in 0..200 {
+                let batch = store.read(b"queue-0", 0, 1000, usize::MAX).unwrap();
+                assert!(batch.len() <= 2 * MESSAGES as usize);
+            }
+        })
+    };
+    for handle in handles {
+        handle.join().unwrap();
+    }
+    reader.join().unwrap();
+    let stats = store.stats();
+    let total = THREADS as u64 * u64::from(MESSAGES);
+    assert!(
+        stats.commit_rounds < total,
+        "group commit shares rounds: {stats:?}"
+    );
+    let store = Arc::try_unwrap(store).unwrap();
+    drop(store);
+    let store = open_sim(&disk, tiny());
+    for pair in 0..THREADS / 2 {
+        let messages = read_all(&store, format!("queue-{pair}").as_bytes());
+        assert_eq!(messages.len(), 2 * MESSAGES as usize);
+        for thread in [2 * pair, 2 * pair + 1] {
+            let prefix = format!("{thread}:");
+            let own: Vec<u32> = messages
+                .iter()
+                .filter_map(|message| {
+                    std::str::from_utf8(message)
+                        .ok()?
+                        .strip_prefix(&prefix)?
+                        .parse()
+                        .ok()
+                })
+                .collect();
+            assert_eq!(own, (0..MESSAGES).collect::<Vec<_>>());
+        }
+    }
+}
+
+#[test]
+fn given_idle_queues_when_measuring_memory_should_hold_no_buffers() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(
+        &disk,
+        StoreOptions {
+            chunk_bytes: 4096,
+            ..tiny()
+        },
+    );
+    for index in 0..1000 {
+        store
+            .append(format!("queue-{index}").as_bytes(), b"0123456789")
+            .unwrap();
+    }
+    let usage = store.memory_usage();
+    assert_eq!(usage.queues, 1000);
+    assert_eq!(
+        usage.buffer_bytes, 0,
+        "idle queues hold no buffer: {usage:?}"
+    );
+    assert!(usage.total_bytes / usage.queues <= 1024, "{usage:?}");
+}
+
+#[test]
+fn given_open_store_when_opening_same_directory_again_should_refuse_until_closed() {
+    let directory = tempfile::tempdir().unwrap();
+    let (store, _) = Store::open(directory.path(), tiny()).unwrap();
+    store.append(b"q", b"m").unwrap();
+    let error = Store::open(directory.path(), tiny()).unwrap_err();
+    assert!(
+        error.to_string().contains("in use by another process"),
+        "{error}"
+    );
+    store.close().unwrap();
+    let (store, report) = Store::open(directory.path(), tiny()).unwrap();
+    assert_eq!(report.messages, 1);
+    assert!(
+        report.ignored_files.is_empty(),
+        "the lock file is ours: {report:?}"
+    );
+    drop(store);
+}
+
+#[test]
+fn given_deferred_appends_when_waiting_on_last_ticket_should_make_all_durable() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, tiny());
+    let mut last = None;
+    for index in 0..500_u32 {
+        let queue = format!("q{}", index % 7);
+        let (offset, ticket) = store
+            .append_deferred(queue.as_bytes(), &index.to_le_bytes())
+            .unwrap();
+        assert_eq!(offset, u64::from(index / 7));
+        last = Some(ticket);
+    }
+    store.wait_durable(last.unwrap()).unwrap();
+    assert!(
+        store.stats().file_syncs < 500,
+        "pipelined appends share fsyncs"
+    );
+    let survivor = disk.crash(CrashMode::DropUnsynced, 5);
+    drop(store);
+    let store = open_sim(&survivor, tiny());
+    let total: usize = (0..7)
+        .map(|queue| read_all(&store, format!("q{queue}").as_bytes()).len())
+        .sum();
+    assert_eq!(total, 500);
+}
+
+#[test]
+fn given_appends_deletes_retention_and_reads_at_once_when_running_should_not_deadlock() {
+    let directory = tempfile::tempdir().unwrap();
+    for sync in [SyncPolicy::Always, SyncPolicy::Interval { interval_ms: 1 }] {
+        let path = directory.path().join(sync.to_string());
+        let options = StoreOptions {
+            sync,
+            buffer_budget_bytes: 2048,
+            ..tiny()
+        };
+        let store = Arc::new(Store::open(&path, options.clone()).unwrap().0);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut handles = Vec::new();
+        for thread in 0..4_u32 {
+            let (store, stop) = (store.clone(), stop.clone());
+            handles.push(std::thread::spawn(move || {
+                let mut sent = 0_u32;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    // Queues "stable-*" are never deleted; "churn-*" are deleted meanwhile.
+                    let stable = format!("stable-{thread}");
+                    store
+                        .append(stable.as_bytes(), &sent.to_le_bytes())
+                        .unwrap();
+                    let churn = format!("churn-{}", sent % 3);
+                    store.append(churn.as_bytes(), b"churn").unwrap();
+                    sent += 1;
+                }
+                sent
+            }));
+        }
+        let admin = {
+            let (store, stop) = (store.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut round = 0_u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    store
+                        .delete_queue(format!("churn-{}", round % 3).as_bytes())
+                        .unwrap();
+                    let policy = |queue: &[u8]| {
+                        if queue.starts_with(b"churn") {
+                            Retention {
+                                max_bytes: Some(100),
+                                max_age_ms: None,
+                            }
+                        } else {
+                            Retention::default()
+                        }
+                    };
+                    store.enforce_retention(0, policy).unwrap();
+                    let _ = store.read(b"stable-0", round, 10, 1000).unwrap();
+                    let _ = store.list_queues(None, 100);
+                    round += 1;
+                }
+            })
+        };
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let sent: Vec<u32> = handles
+            .into_iter()
+            .map(|handle| handle.join().unwrap())
+            .collect();
+        admin.join().unwrap();
+        let store = Arc::try_unwrap(store).unwrap();
+        store.close().unwrap();
+        let (store, _) = Store::open(&path, options).unwrap();
+        for (thread, sent) in sent.into_iter().enumerate() {
+            let messages = read_all(&store, format!("stable-{thread}").as_bytes());
+            let expected: Vec<Vec<u8>> = (0..sent)
+                .map(|index| index.to_le_bytes().to_vec())
+                .collect();
+            assert_eq!(messages, expected, "stable-{thread} under {sync}");
+        }
+    }
+}
+
+#[test]
+fn given_sync_always_when_message_not_yet_fsynced_should_not_be_readable() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, tiny());
+    store.append(b"q", b"durable").unwrap();
+    disk.set_fault(Fault::NoSpace);
+    let (offset, ticket) = store.append_deferred(b"q", b"doomed").unwrap();
+    assert_eq!(offset, 1);
+    let batch = store.read(b"q", 0, 10, 1000).unwrap();
+    assert_eq!(
+        batch.iter().collect::<Vec<_>>(),
+        vec![&b"durable"[..]],
+        "only fsynced data"
+    );
+    assert_eq!(batch.visible_end_offset, 1);
+    assert!(matches!(
+        store.wait_durable(ticket),
+        Err(WriteError::StorageFull { .. })
+    ));
+    disk.set_fault(Fault::None);
+    assert_eq!(
+        store.append(b"q", b"next").unwrap(),
+        1,
+        "the failed offset is reused"
+    );
+    assert_eq!(
+        read_all(&store, b"q"),
+        vec![b"durable".to_vec(), b"next".to_vec()]
+    );
+}
+
+#[test]
+fn given_long_lived_queue_in_old_segment_when_others_are_trimmed_should_relocate_and_free_disk() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, tiny());
+    store.append(b"keeper", b"first and only").unwrap();
+    for round in 0..40_u32 {
+        for index in 0..10_u32 {
+            store
+                .append(
+                    b"busy",
+                    format!("{round}-{index}-padding-padding").as_bytes(),
+                )
+                .unwrap();
+        }
+        let policy = |queue: &[u8]| {
+            if queue == b"busy" {
+                Retention {
+                    max_bytes: Some(300),
+                    max_age_ms: None,
+                }
+            } else {
+                Retention::default()
+            }
+        };
+        store.enforce_retention(0, policy).unwrap();
+    }
+    store.sync().unwrap();
+    let stats = store.stats();
+    assert!(stats.chunks_relocated > 0, "{stats:?}");
+    assert!(
+        stats.segments <= 4,
+        "the keeper no longer pins old segments: {stats:?}"
+    );
+    assert_eq!(
+        read_all(&store, b"keeper"),
+        vec![b"first and only".to_vec()]
+    );
+    let survivor = disk.crash(CrashMode::TearUnsynced, 6);
+    drop(store);
+    let (store, report) = Store::open_with_storage(Arc::new(survivor), tiny()).unwrap();
+    assert_eq!(
+        read_all(&store, b"keeper"),
+        vec![b"first and only".to_vec()],
+        "{report:?}"
+    );
+    let busy = store.queue_info(b"busy").unwrap().unwrap();
+    assert_eq!(busy.next_offset, 400);
+    let messages = read_all(&store, b"busy");
+    assert_eq!(messages.len() as u64, busy.retained());
+    assert_eq!(messages.last().unwrap(), b"39-9-padding-padding");
+}

@@ -1,0 +1,142 @@
+//! The committed fixture of on-disk format version 1. Every later version of the crate must
+//! still open `tests/fixtures/format-v1/` and find exactly these messages. The generator is
+//! `#[ignore]`d: run it only to create a fixture for a new format version, never to refresh
+//! this one.
+
+use std::path::{Path, PathBuf};
+
+use levee_store::{Retention, Store, StoreOptions};
+
+fn fixture_directory() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/format-v1")
+}
+
+fn options() -> StoreOptions {
+    StoreOptions {
+        segment_bytes_max: 4096,
+        chunk_bytes: 256,
+        buffer_budget_bytes: 4096,
+        message_bytes_max: 1024,
+        ..StoreOptions::default()
+    }
+}
+
+fn alpha(index: u64) -> Vec<u8> {
+    if index == 50 {
+        Vec::new()
+    } else {
+        format!("alpha-{index}").into_bytes()
+    }
+}
+
+fn beta(index: u64) -> Vec<u8> {
+    vec![b'b' + u8::try_from(index).unwrap(); 300]
+}
+
+#[test]
+#[ignore = "writes the committed fixture; run only for a new format version"]
+fn generate_format_v1_fixture() {
+    let directory = fixture_directory();
+    let _ = std::fs::remove_dir_all(&directory);
+    let (store, _) = Store::open(&directory, options()).unwrap();
+    for index in 0..51 {
+        store.append(b"alpha", &alpha(index)).unwrap();
+    }
+    for index in 0..10 {
+        store.append(b"beta", &beta(index)).unwrap();
+    }
+    for index in 0..5 {
+        store
+            .append(b"gamma", format!("gamma-old-{index}").as_bytes())
+            .unwrap();
+    }
+    store.delete_queue(b"gamma").unwrap();
+    for index in 0..2 {
+        store
+            .append(b"gamma", format!("gamma-new-{index}").as_bytes())
+            .unwrap();
+    }
+    for index in 0..40 {
+        store
+            .append(b"delta", format!("delta-{index}").as_bytes())
+            .unwrap();
+    }
+    let policy = |queue: &[u8]| {
+        if queue == b"delta" {
+            Retention {
+                max_bytes: Some(150),
+                max_age_ms: None,
+            }
+        } else {
+            Retention::default()
+        }
+    };
+    store.enforce_retention(0, policy).unwrap();
+    store.close().unwrap();
+}
+
+fn read_all(store: &Store, queue: &[u8]) -> (u64, Vec<Vec<u8>>) {
+    let info = store.queue_info(queue).unwrap().expect("queue in fixture");
+    let mut messages = Vec::new();
+    let mut offset = info.first_offset;
+    loop {
+        let batch = store.read(queue, offset, 7, 1000).unwrap();
+        if batch.is_empty() {
+            return (info.first_offset, messages);
+        }
+        messages.extend(batch.iter().map(<[u8]>::to_vec));
+        offset = batch.next_offset();
+    }
+}
+
+#[test]
+fn given_format_v1_fixture_when_opening_should_read_every_message() {
+    let copy = tempfile::tempdir().unwrap();
+    let mut files = 0;
+    for entry in std::fs::read_dir(fixture_directory()).expect("fixture committed") {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), copy.path().join(entry.file_name())).unwrap();
+        files += 1;
+    }
+    assert!(files > 1, "the fixture spans several segments");
+    let (store, report) = Store::open(copy.path(), options()).unwrap();
+    assert!(report.truncated.is_empty(), "{report:?}");
+    assert_eq!(report.queues, 4);
+
+    let (first, messages) = read_all(&store, b"alpha");
+    assert_eq!(first, 0);
+    assert_eq!(messages, (0..51).map(alpha).collect::<Vec<_>>());
+
+    let (first, messages) = read_all(&store, b"beta");
+    assert_eq!(first, 0);
+    assert_eq!(messages, (0..10).map(beta).collect::<Vec<_>>());
+
+    let (first, messages) = read_all(&store, b"gamma");
+    assert_eq!(first, 0, "a deleted and re-created queue restarts at 0");
+    assert_eq!(
+        messages,
+        vec![b"gamma-new-0".to_vec(), b"gamma-new-1".to_vec()]
+    );
+
+    let (first, messages) = read_all(&store, b"delta");
+    assert!(
+        first > 0 && first < 40,
+        "delta was trimmed: first retained {first}"
+    );
+    let expected: Vec<Vec<u8>> = (first..40)
+        .map(|index| format!("delta-{index}").into_bytes())
+        .collect();
+    assert_eq!(messages, expected);
+
+    let mut names = store.list_queues(None, 10);
+    names.sort();
+    assert_eq!(
+        names,
+        vec![
+            b"alpha".to_vec(),
+            b"beta".to_vec(),
+            b"delta".to_vec(),
+            b"gamma".to_vec()
+        ]
+    );
+}
