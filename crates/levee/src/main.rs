@@ -41,6 +41,8 @@ enum Command {
 enum BenchCommand {
     /// Hot keys: ingestion, detection latency, precision and recall, push throughput.
     Hotkey(bench::hotkey::HotKeyBenchArgs),
+    /// Queue store: the Tianchi race shape (put, random check, sequential check, recovery).
+    Store(bench::store::StoreBenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -54,12 +56,18 @@ fn main() -> ExitCode {
         Command::Health(args) => client_commands::health(&args),
         Command::Info(args) => client_commands::info(&args),
         Command::Hotkey(command) => hotkey_commands::run(&command),
-        Command::Bench(BenchCommand::Hotkey(args)) => match bench::hotkey::run(&args) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(error) => {
-                eprintln!("error: {error:#}");
-                ExitCode::FAILURE
+        Command::Bench(command) => {
+            let result = match command {
+                BenchCommand::Hotkey(args) => bench::hotkey::run(&args),
+                BenchCommand::Store(args) => bench::store::run(&args),
+            };
+            match result {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    eprintln!("error: {error:#}");
+                    ExitCode::FAILURE
+                }
             }
-        },
+        }
     }
 }

@@ -11,6 +11,7 @@
 
 pub mod hotkey;
 pub mod server_process;
+pub mod store;
 
 use hdrhistogram::Histogram;
 use serde_json::{Value, json};
