@@ -27,7 +27,10 @@ use crate::config::{Config, UnknownApp};
 use crate::metrics::{AppLabels, Metrics, ReasonLabels};
 
 /// Event batches buffered per app for its slowest app server.
-pub const EVENT_BATCHES_BUFFERED_MAX: usize = 1_024;
+pub const EVENT_BATCHES_BUFFERED_MAX: usize = 256;
+/// Most apps with connected app servers at once (each holds a channel of
+/// [`EVENT_BATCHES_BUFFERED_MAX`] slots).
+pub const SUBSCRIBED_APPS_MAX: usize = 10_000;
 /// Most keys a top-K request may ask for.
 pub const TOP_KEYS_LIMIT_MAX: usize = 1_000;
 
@@ -191,22 +194,35 @@ impl HotKeyHub {
         Ok(())
     }
 
-    fn channel(&self, app: &str) -> Arc<AppChannel> {
+    /// The app's channel, created for its first subscriber while fewer than
+    /// [`SUBSCRIBED_APPS_MAX`] apps have one.
+    fn channel(&self, app: &str) -> Result<Arc<AppChannel>, WireError> {
         if let Some(channel) = read(&self.channels).get(app) {
-            return Arc::clone(channel);
+            return Ok(Arc::clone(channel));
         }
         let mut channels = write(&self.channels);
-        Arc::clone(channels.entry(app.to_owned()).or_insert_with(|| {
-            Arc::new(AppChannel {
-                sender: broadcast::channel(EVENT_BATCHES_BUFFERED_MAX).0,
-                clients: AtomicU64::new(0),
-            })
-        }))
+        if channels.len() >= SUBSCRIBED_APPS_MAX && !channels.contains_key(app) {
+            return Err(wire(
+                ErrorCode::ResourceExhausted,
+                format!(
+                    "{SUBSCRIBED_APPS_MAX} apps already have app servers connected to this \
+                     server; connect app '{app}' to another server"
+                ),
+            ));
+        }
+        Ok(Arc::clone(channels.entry(app.to_owned()).or_insert_with(
+            || {
+                Arc::new(AppChannel {
+                    sender: broadcast::channel(EVENT_BATCHES_BUFFERED_MAX).0,
+                    clients: AtomicU64::new(0),
+                })
+            },
+        )))
     }
 
     /// Subscribes an app server to `app`: the snapshot of its hot keys, then its events.
-    pub fn subscribe(&self, app: &str) -> Subscription {
-        let channel = self.channel(app);
+    pub fn subscribe(&self, app: &str) -> Result<Subscription, WireError> {
+        let channel = self.channel(app)?;
         // Subscribe before the snapshot, so that no event falls between the two.
         let receiver = channel.sender.subscribe();
         channel.clients.fetch_add(1, Ordering::Relaxed);
@@ -214,7 +230,7 @@ impl HotKeyHub {
             .hotkey_clients_connected
             .get_or_create(&AppLabels::new(app))
             .inc();
-        Subscription {
+        Ok(Subscription {
             snapshot: self.snapshot(app),
             receiver,
             guard: ClientGuard {
@@ -222,7 +238,7 @@ impl HotKeyHub {
                 metrics: self.metrics.clone(),
                 app: app.to_owned(),
             },
-        }
+        })
     }
 
     /// The app's hot keys now, on the wire.
@@ -370,10 +386,12 @@ impl HotKeyHub {
                 .or_default()
                 .push(event_to_wire(event, &self.clock, now_ms));
         }
+        let channels = read(&self.channels);
         for (app, events) in by_app {
-            let channel = self.channel(app);
-            // No subscribers is not an error: nobody to tell.
-            let _ = channel.sender.send(Arc::new(EventBatch { events }));
+            // An app without a channel, or without receivers, has nobody to tell.
+            if let Some(channel) = channels.get(app) {
+                let _ = channel.sender.send(Arc::new(EventBatch { events }));
+            }
         }
     }
 

@@ -202,7 +202,7 @@ impl HotKeys for HotKeyService {
         };
         self.hub.check_app(&hello.app)?;
         tracing::debug!(app = %hello.app, client = %hello.client_id, "hot-key session opened");
-        let subscription = self.hub.subscribe(&hello.app);
+        let subscription = self.hub.subscribe(&hello.app)?;
         let (ended, reports_ended) = oneshot::channel();
         tokio::spawn(read_reports(
             Arc::clone(&self.hub),
