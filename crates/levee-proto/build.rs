@@ -9,6 +9,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "levee/v1/errors.proto",
         "levee/v1/admin.proto",
         "levee/v1/hotkey.proto",
+        "levee/v1/queue.proto",
     ];
     let file_descriptors = protox::compile(files, [&proto_root])?;
     tonic_prost_build::configure()

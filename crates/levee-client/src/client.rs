@@ -4,6 +4,11 @@ use std::time::Duration;
 
 use levee_proto::v1::admin_client::AdminClient;
 use levee_proto::v1::hot_keys_client::HotKeysClient;
+use levee_proto::v1::queues_client::QueuesClient;
+use levee_proto::v1::{
+    AppendMessage, AppendRequest, DeleteQueueRequest, GetQueueInfoRequest, GetQueueInfoResponse,
+    ListQueuesRequest, ReadRequest, ReadResponse,
+};
 use levee_proto::v1::{
     EchoRequest, GetAppStatsRequest, GetAppStatsResponse, GetRulesRequest, GetServerInfoRequest,
     GetServerInfoResponse, HotKeyEvent, HotKeyRule, KeyCount, ListAppsRequest, ListHotKeysRequest,
@@ -15,6 +20,9 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
 use crate::error::ClientError;
+
+/// Largest queue request or response the client sends or takes (the server's limit).
+const QUEUE_MESSAGE_BYTES_MAX: usize = 16 << 20;
 
 /// How a [`Client`] connects and how long calls may take.
 #[derive(Debug, Clone)]
@@ -214,5 +222,98 @@ impl Client {
             })
             .await?;
         Ok(response.into_inner())
+    }
+
+    fn queues_client(&self) -> QueuesClient<Channel> {
+        QueuesClient::new(self.channel.clone())
+            .max_decoding_message_size(QUEUE_MESSAGE_BYTES_MAX)
+            .max_encoding_message_size(QUEUE_MESSAGE_BYTES_MAX)
+    }
+
+    /// Appends `payload` to `queue` and returns its offset once the server says it is durable.
+    pub async fn append(&self, queue: &[u8], payload: &[u8]) -> Result<u64, ClientError> {
+        let offsets = self.append_batch(&[(queue, payload)]).await?;
+        offsets.first().copied().ok_or_else(|| {
+            ClientError::Server(levee_proto::WireError::new(
+                levee_proto::v1::ErrorCode::Internal,
+                "the server answered an append without an offset",
+            ))
+        })
+    }
+
+    /// Appends messages to any queues in one request; returns their offsets in order.
+    pub async fn append_batch(&self, messages: &[(&[u8], &[u8])]) -> Result<Vec<u64>, ClientError> {
+        let request = AppendRequest {
+            messages: messages
+                .iter()
+                .map(|(queue, payload)| AppendMessage {
+                    queue: queue.to_vec(),
+                    payload: payload.to_vec(),
+                })
+                .collect(),
+        };
+        Ok(self
+            .queues_client()
+            .append(request)
+            .await?
+            .into_inner()
+            .offsets)
+    }
+
+    /// Reads up to `max_messages` messages of `queue` from `offset` (0 for the server's
+    /// defaults); fewer than asked is normal: read again from `next_offset`.
+    pub async fn read(
+        &self,
+        queue: &[u8],
+        offset: u64,
+        max_messages: u32,
+        max_bytes: u32,
+    ) -> Result<ReadResponse, ClientError> {
+        let request = ReadRequest {
+            queue: queue.to_vec(),
+            offset,
+            max_messages,
+            max_bytes,
+        };
+        Ok(self.queues_client().read(request).await?.into_inner())
+    }
+
+    /// A queue's first retained offset and next offset.
+    pub async fn queue_info(&self, queue: &[u8]) -> Result<GetQueueInfoResponse, ClientError> {
+        let request = GetQueueInfoRequest {
+            queue: queue.to_vec(),
+        };
+        Ok(self
+            .queues_client()
+            .get_queue_info(request)
+            .await?
+            .into_inner())
+    }
+
+    /// Up to `limit` queue names after `after` (empty: from the start).
+    pub async fn list_queues(&self, after: &[u8], limit: u32) -> Result<Vec<Vec<u8>>, ClientError> {
+        let request = ListQueuesRequest {
+            after: after.to_vec(),
+            limit,
+        };
+        Ok(self
+            .queues_client()
+            .list_queues(request)
+            .await?
+            .into_inner()
+            .queues)
+    }
+
+    /// Deletes `queue`; returns whether it existed.
+    pub async fn delete_queue(&self, queue: &[u8]) -> Result<bool, ClientError> {
+        let request = DeleteQueueRequest {
+            queue: queue.to_vec(),
+        };
+        Ok(self
+            .queues_client()
+            .delete_queue(request)
+            .await?
+            .into_inner()
+            .existed)
     }
 }

@@ -32,6 +32,10 @@ pub const HOTKEY_KEY_BYTES_MAX_DEFAULT: u32 = 1_024;
 pub const HOTKEY_KEY_BYTES_MAX_MAX: u32 = 65_536;
 /// Default most keys in one report batch.
 pub const HOTKEY_BATCH_KEYS_MAX_DEFAULT: u32 = 10_000;
+/// Default largest queue message, in bytes (1 MiB).
+pub const QUEUE_MESSAGE_BYTES_MAX_DEFAULT: u32 = 1 << 20;
+/// Highest allowed `queue_message_bytes_max` (4 MiB, under the gRPC message limit).
+pub const QUEUE_MESSAGE_BYTES_MAX_MAX: u32 = 4 << 20;
 /// Highest allowed `hotkey_batch_keys_max`.
 pub const HOTKEY_BATCH_KEYS_MAX_MAX: u32 = 65_536;
 
@@ -61,6 +65,11 @@ pub struct Config {
     /// What a report for an app without rules does: `create` it with the default rule, or
     /// `refuse` it.
     pub hotkey_unknown_app: UnknownApp,
+    /// When queue appends are fsynced: `always` (before the append is answered, by group
+    /// commit) or `interval(MS)` (within MS milliseconds).
+    pub queue_sync: QueueSync,
+    /// Largest queue message, in bytes.
+    pub queue_message_bytes_max: u32,
 }
 
 impl Default for Config {
@@ -77,6 +86,8 @@ impl Default for Config {
             hotkey_key_bytes_max: HOTKEY_KEY_BYTES_MAX_DEFAULT,
             hotkey_batch_keys_max: HOTKEY_BATCH_KEYS_MAX_DEFAULT,
             hotkey_unknown_app: UnknownApp::Create,
+            queue_sync: QueueSync(levee_store::SyncPolicy::Always),
+            queue_message_bytes_max: QUEUE_MESSAGE_BYTES_MAX_DEFAULT,
         }
     }
 }
@@ -96,6 +107,8 @@ struct FileConfig {
     hotkey_key_bytes_max: Option<u32>,
     hotkey_batch_keys_max: Option<u32>,
     hotkey_unknown_app: Option<String>,
+    queue_sync: Option<String>,
+    queue_message_bytes_max: Option<u32>,
 }
 
 /// Where a setting's value came from, so an error can point at it.
@@ -153,6 +166,10 @@ pub struct Overrides {
     pub hotkey_batch_keys_max: Option<Override>,
     /// `--hotkey-unknown-app` / `LEVEE_HOTKEY_UNKNOWN_APP`.
     pub hotkey_unknown_app: Option<Override>,
+    /// `--queue-sync` / `LEVEE_QUEUE_SYNC`.
+    pub queue_sync: Option<Override>,
+    /// `--queue-message-bytes-max` / `LEVEE_QUEUE_MESSAGE_BYTES_MAX`.
+    pub queue_message_bytes_max: Option<Override>,
 }
 
 /// Why the configuration could not be built. Each message names the problem and the fix.
@@ -260,6 +277,12 @@ impl Config {
             hotkey_unknown_app,
             file_config.hotkey_unknown_app,
             parse_setting
+        );
+        layer!(queue_sync, file_config.queue_sync, parse_setting);
+        layer!(
+            queue_message_bytes_max,
+            small(file_config.queue_message_bytes_max),
+            |raw| { parse_bounded(raw, 1, QUEUE_MESSAGE_BYTES_MAX_MAX) }
         );
         Ok(config)
     }
@@ -429,6 +452,39 @@ impl FromStr for UnknownApp {
             "refuse" => Ok(Self::Refuse),
             _ => Err("expected create or refuse".to_owned()),
         }
+    }
+}
+
+/// The queue store's sync policy: `always`, `interval` (100 ms) or `interval(MS)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueSync(pub levee_store::SyncPolicy);
+
+impl FromStr for QueueSync {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        text.parse::<levee_store::SyncPolicy>()
+            .ok()
+            .filter(|policy| match policy {
+                levee_store::SyncPolicy::Interval { interval_ms } => {
+                    (1..=levee_store::SYNC_INTERVAL_MS_MAX).contains(interval_ms)
+                }
+                levee_store::SyncPolicy::Always => true,
+            })
+            .map(Self)
+            .ok_or_else(|| {
+                format!(
+                    "expected always, interval or interval(MS) with MS from 1 to {}, such as \
+                     interval(100)",
+                    levee_store::SYNC_INTERVAL_MS_MAX
+                )
+            })
+    }
+}
+
+impl Serialize for QueueSync {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(&self.0)
     }
 }
 

@@ -11,6 +11,7 @@
 //!   every gRPC call, and the connection cap and gauge.
 //! - [`hotkey`]: hot keys over the network: sharded engines, app-server sessions that push hot
 //!   and cool events, the admin calls on gRPC and JSON, and the rules file.
+//! - [`queue`]: the `levee.v1.Queues` gRPC service on the embedded queue store.
 //! - [`logging`]: tracing in text or JSON.
 //!
 //! A request's path: the accept loop in [`connection`] takes a connection permit and counts the
@@ -28,6 +29,7 @@ pub mod grpc_metrics;
 pub mod hotkey;
 pub mod logging;
 pub mod metrics;
+pub mod queue;
 pub mod server;
 pub mod state;
 

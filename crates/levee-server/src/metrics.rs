@@ -1,7 +1,7 @@
 //! The server's Prometheus metrics: one registry, the handles that code updates, and a
 //! collector that reads the process's memory, CPU and file descriptors at each scrape.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use prometheus_client::collector::Collector;
@@ -94,6 +94,12 @@ pub struct Metrics {
     pub hotkey_keys_tracked: Gauge,
     /// Keys the memory budget kept out of (or evicted from) the exact windows.
     pub hotkey_budget_evictions: Counter,
+    /// Messages appended to queues (acknowledged).
+    pub queue_messages_appended: Counter,
+    /// Messages returned by queue reads.
+    pub queue_messages_read: Counter,
+    /// The queue store whose figures `/metrics` reports, once it is open.
+    store: Arc<OnceLock<Weak<levee_store::Store>>>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -220,8 +226,24 @@ impl Metrics {
                 "keys the memory budget kept out of or evicted from the exact windows",
                 Counter::default(),
             ),
+            queue_messages_appended: registered(
+                registry_ref,
+                "levee_queue_messages_appended",
+                "messages appended to queues and acknowledged",
+                Counter::default(),
+            ),
+            queue_messages_read: registered(
+                registry_ref,
+                "levee_queue_messages_read",
+                "messages returned by queue reads",
+                Counter::default(),
+            ),
+            store: Arc::new(OnceLock::new()),
             registry: Arc::new(Registry::default()),
         };
+        registry.register_collector(Box::new(StoreCollector {
+            store: Arc::clone(&metrics.store),
+        }));
         registry.register_collector(Box::new(ProcessCollector {
             start: SystemTime::now(),
         }));
@@ -229,6 +251,11 @@ impl Metrics {
             registry: Arc::new(registry),
             ..metrics
         }
+    }
+
+    /// Reports `store`'s figures from now on (without keeping it alive).
+    pub fn attach_store(&self, store: &Arc<levee_store::Store>) {
+        let _ = self.store.set(Arc::downgrade(store));
     }
 
     /// Everything in the `OpenMetrics` text format that Prometheus scrapes.
@@ -244,6 +271,71 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// Reads the queue store's counters at scrape time.
+#[derive(Debug)]
+struct StoreCollector {
+    store: Arc<OnceLock<Weak<levee_store::Store>>>,
+}
+
+impl Collector for StoreCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(store) = self.store.get().and_then(Weak::upgrade) else {
+            return Ok(());
+        };
+        let stats = store.stats();
+        let gauges = [
+            ("levee_store_queues", "queues in the store", stats.queues),
+            ("levee_store_segments", "segment files", stats.segments),
+            (
+                "levee_store_disk_bytes",
+                "bytes of all segment files",
+                stats.disk_bytes,
+            ),
+            (
+                "levee_store_buffered_bytes",
+                "bytes buffered, not yet written",
+                stats.buffered_bytes,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let gauge = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        let counters = [
+            (
+                "levee_store_bytes_written",
+                "bytes written since start",
+                stats.bytes_written,
+            ),
+            (
+                "levee_store_file_fsyncs",
+                "fsyncs of segment files since start",
+                stats.file_syncs,
+            ),
+            (
+                "levee_store_dir_fsyncs",
+                "fsyncs of the store directory since start",
+                stats.dir_syncs,
+            ),
+            (
+                "levee_store_commit_rounds",
+                "group-commit rounds since start",
+                stats.commit_rounds,
+            ),
+        ];
+        for (name, help, value) in counters {
+            let counter = ConstCounter::new(value);
+            counter.encode(encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                counter.metric_type(),
+            )?)?;
+        }
+        Ok(())
     }
 }
 

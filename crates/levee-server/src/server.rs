@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use levee_proto::v1::admin_server::AdminServer;
 use levee_proto::v1::hot_keys_server::HotKeysServer;
+use levee_proto::v1::queues_server::QueuesServer;
+use levee_store::{OpenError, Store, StoreOptions};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -26,10 +28,14 @@ use crate::hotkey::rules_file::RulesFileError;
 use crate::hotkey::service::HotKeyService;
 use crate::hotkey::{self, TICK_INTERVAL};
 use crate::metrics::Metrics;
+use crate::queue::STORE_DIR_NAME;
+use crate::queue::service::QueueService;
 use crate::state::ServerState;
 
 /// Most concurrent gRPC streams on one connection (HTTP/2 `MAX_CONCURRENT_STREAMS`).
 pub const STREAMS_PER_CONNECTION_MAX: u32 = 1_024;
+/// Largest gRPC message the queue service takes or sends (an append of many messages).
+const GRPC_MESSAGE_BYTES_MAX: usize = 16 << 20;
 /// How often an idle HTTP/2 connection is pinged to detect dead peers.
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 /// How long a keepalive ping may go unanswered before the connection is closed.
@@ -45,6 +51,14 @@ pub enum StartError {
     /// The saved hot-key rules cannot be read.
     #[error(transparent)]
     HotKeyRules(#[from] RulesFileError),
+    /// The queue store cannot be opened.
+    #[error("queue store {path}: {source}", path = path.display())]
+    Store {
+        /// The store's directory.
+        path: std::path::PathBuf,
+        /// What the store said.
+        source: OpenError,
+    },
     /// Another process listens on the address.
     #[error(
         "{listener} address {address} is already in use by another process; stop that process \
@@ -91,6 +105,7 @@ pub struct RunningServer {
     stop_admin: watch::Sender<bool>,
     stop_sessions: watch::Sender<bool>,
     tick_task: JoinHandle<()>,
+    store: Arc<Store>,
     grpc_task: JoinHandle<Result<(), tonic::transport::Error>>,
     admin_task: JoinHandle<std::io::Result<()>>,
 }
@@ -105,6 +120,9 @@ impl RunningServer {
         let hub = Arc::new(HotKeyHub::open(config, shard_count)?.with_metrics(metrics.clone()));
         let grpc_listener = bind("gRPC", config.grpc_addr.0, "--grpc-addr").await?;
         let admin_listener = bind("admin HTTP", config.admin_addr.0, "--admin-addr").await?;
+        // Recovery may take a while: it runs after the cheap checks above have passed.
+        let store = Arc::new(open_store(config).await?);
+        metrics.attach_store(&store);
         let local_addr = |listener: &TcpListener, configured: SocketAddr| {
             listener.local_addr().unwrap_or(configured)
         };
@@ -122,6 +140,11 @@ impl RunningServer {
         let (health, health_service) = tonic_health::server::health_reporter();
         health.set_serving::<AdminServer<AdminService>>().await;
         health.set_serving::<HotKeysServer<HotKeyService>>().await;
+        health.set_serving::<QueuesServer<QueueService>>().await;
+        let queue_service =
+            QueuesServer::new(QueueService::new(Arc::clone(&store), state.metrics.clone()))
+                .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
+                .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
         let hotkey_service = HotKeyService::new(
             Arc::clone(&hub),
             state.metrics.clone(),
@@ -138,6 +161,7 @@ impl RunningServer {
             .add_service(health_service)
             .add_service(AdminServer::new(AdminService::new(Arc::clone(&state))))
             .add_service(HotKeysServer::new(hotkey_service))
+            .add_service(queue_service)
             .serve_with_incoming_shutdown(incoming, stopped(stop_grpc.subscribe()));
         let grpc_task = tokio::spawn(grpc_server);
 
@@ -162,6 +186,7 @@ impl RunningServer {
             stop_admin,
             stop_sessions,
             tick_task,
+            store,
             grpc_task,
             admin_task,
         })
@@ -198,6 +223,7 @@ impl RunningServer {
             stop_admin,
             stop_sessions,
             tick_task,
+            store,
             mut grpc_task,
             mut admin_task,
         } = self;
@@ -241,12 +267,68 @@ impl RunningServer {
                 ShutdownOutcome::GraceExpired
             }
         };
+        close_store(store).await;
         if let Err(error) = data_dir.close() {
             tracing::error!(%error, "closing the data dir failed");
         } else {
             tracing::info!(data_dir = %state.data_dir.display(), "data dir flushed and unlocked");
         }
         outcome
+    }
+}
+
+/// Opens (and recovers) the queue store in the data dir, on the blocking pool.
+async fn open_store(config: &Config) -> Result<Store, StartError> {
+    let path = config.data_dir.join(STORE_DIR_NAME);
+    let options = StoreOptions {
+        sync: config.queue_sync.0,
+        message_bytes_max: config.queue_message_bytes_max as usize,
+        ..StoreOptions::default()
+    };
+    let opening = path.clone();
+    let opened = tokio::task::spawn_blocking(move || Store::open(&opening, options)).await;
+    let (store, report) = match opened {
+        Ok(result) => result.map_err(|source| StartError::Store { path, source })?,
+        Err(error) => {
+            return Err(StartError::Store {
+                path,
+                source: OpenError::Io {
+                    operation: "opening".to_owned(),
+                    source: std::io::Error::other(error.to_string()),
+                },
+            });
+        }
+    };
+    for tail in &report.truncated {
+        tracing::warn!(
+            file = %tail.file,
+            position = tail.position,
+            bytes_dropped = tail.bytes_dropped,
+            "queue store: cut a torn or corrupt tail (never acknowledged)"
+        );
+    }
+    tracing::info!(
+        queues = report.queues,
+        messages = report.messages,
+        segments = report.segments,
+        recovery_ms = report.elapsed.as_millis(),
+        sync = %config.queue_sync.0,
+        "queue store opened"
+    );
+    Ok(store)
+}
+
+/// Closes the store (its last writes fsynced) if nothing else holds it, else fsyncs it.
+async fn close_store(store: Arc<Store>) {
+    let closed = tokio::task::spawn_blocking(move || match Arc::try_unwrap(store) {
+        Ok(store) => store.close(),
+        Err(shared) => shared.sync(),
+    })
+    .await;
+    match closed {
+        Ok(Ok(())) => tracing::info!("queue store closed"),
+        Ok(Err(error)) => tracing::error!(%error, "closing the queue store failed"),
+        Err(error) => tracing::error!(%error, "closing the queue store panicked"),
     }
 }
 

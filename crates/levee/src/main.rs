@@ -7,6 +7,7 @@
 mod bench;
 mod client_commands;
 mod hotkey_commands;
+mod queue_commands;
 mod server_command;
 
 use std::process::ExitCode;
@@ -24,11 +25,14 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the server (no configuration needed: embedded defaults apply).
-    Server(server_command::ServerArgs),
+    Server(Box<server_command::ServerArgs>),
     /// Ask a running server whether it is serving (exit 0 if it is, 1 if not).
     Health(client_commands::HealthArgs),
     /// Show a running server's version, addresses, data directory and uptime.
     Info(client_commands::InfoArgs),
+    /// Queues: append, read, info, list, delete.
+    #[command(subcommand)]
+    Queue(queue_commands::QueueCommand),
     /// Hot keys: rules, hot keys by hand, top keys, stats.
     #[command(subcommand)]
     Hotkey(hotkey_commands::HotKeyCommand),
@@ -56,6 +60,7 @@ fn main() -> ExitCode {
         Command::Health(args) => client_commands::health(&args),
         Command::Info(args) => client_commands::info(&args),
         Command::Hotkey(command) => hotkey_commands::run(&command),
+        Command::Queue(command) => queue_commands::run(&command),
         Command::Bench(command) => {
             let result = match command {
                 BenchCommand::Hotkey(args) => bench::hotkey::run(&args),

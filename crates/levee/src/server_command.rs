@@ -53,6 +53,12 @@ pub struct ServerArgs {
     /// Reports for an app without rules: create (with the default rule) or refuse [default: create]
     #[arg(long, env = "LEVEE_HOTKEY_UNKNOWN_APP", value_name = "POLICY")]
     hotkey_unknown_app: Option<String>,
+    /// When queue appends are fsynced: always (before the answer) or interval(MS) [default: always]
+    #[arg(long, env = "LEVEE_QUEUE_SYNC", value_name = "POLICY")]
+    queue_sync: Option<String>,
+    /// Largest queue message, in bytes [default: 1048576]
+    #[arg(long, env = "LEVEE_QUEUE_MESSAGE_BYTES_MAX", value_name = "BYTES")]
+    queue_message_bytes_max: Option<String>,
     /// Print the effective configuration as TOML and exit
     #[arg(long)]
     print_config: bool,
@@ -129,6 +135,18 @@ impl ServerArgs {
                 "--hotkey-unknown-app",
                 "LEVEE_HOTKEY_UNKNOWN_APP",
                 &self.hotkey_unknown_app,
+            ),
+            queue_sync: given(
+                "queue_sync",
+                "--queue-sync",
+                "LEVEE_QUEUE_SYNC",
+                &self.queue_sync,
+            ),
+            queue_message_bytes_max: given(
+                "queue_message_bytes_max",
+                "--queue-message-bytes-max",
+                "LEVEE_QUEUE_MESSAGE_BYTES_MAX",
+                &self.queue_message_bytes_max,
             ),
         }
     }

@@ -115,6 +115,11 @@ fn given_request_in_flight_when_sigterm_then_it_completes_and_exit_is_zero() {
         server.logs
     );
     assert!(
+        server.logged("queue store closed"),
+        "logs: {:#?}",
+        server.logs
+    );
+    assert!(
         server.logged("data dir flushed and unlocked"),
         "logs: {:#?}",
         server.logs
@@ -362,4 +367,26 @@ fn given_cli_health_command_then_exit_code_says_whether_serving() {
     assert_eq!(code, Some(1), "{stderr}");
     let json: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(json["status"], "UNREACHABLE");
+}
+
+#[test]
+fn given_queue_store_dir_holding_something_else_then_exit_2_saying_what_was_found() {
+    let directory = tempfile::tempdir().unwrap();
+    let data_dir = directory.path().join("data");
+    std::fs::create_dir_all(data_dir.join("queues")).unwrap();
+    std::fs::write(data_dir.join("queues/notes.txt"), "not a segment").unwrap();
+    let data_dir = data_dir.to_str().unwrap();
+    assert_bad_start(
+        &[
+            "server",
+            "--data-dir",
+            data_dir,
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--admin-addr",
+            "127.0.0.1:0",
+        ],
+        &[],
+        "is not a Levee queue store",
+    );
 }

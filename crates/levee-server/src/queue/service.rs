@@ -1,0 +1,244 @@
+//! The `levee.v1.Queues` gRPC service. Store calls block (an append under `queue_sync = always`
+//! waits for its group commit's fsync), so each runs on tokio's blocking pool, at most
+//! [`BLOCKING_CALLS_MAX`] at once: further calls wait for a slot, which is back-pressure, not
+//! an error.
+
+use std::sync::Arc;
+
+use levee_proto::WireError;
+use levee_proto::v1::queues_server::Queues;
+use levee_proto::v1::{
+    AppendRequest, AppendResponse, DeleteQueueRequest, DeleteQueueResponse, ErrorCode,
+    GetQueueInfoRequest, GetQueueInfoResponse, ListQueuesRequest, ListQueuesResponse, ReadRequest,
+    ReadResponse,
+};
+use levee_store::{InputError, ReadError, Store, WriteError};
+use tokio::sync::Semaphore;
+use tonic::{Request, Response, Status};
+
+use crate::metrics::Metrics;
+
+/// Most messages in one append request.
+pub const APPEND_MESSAGES_MAX: usize = 10_000;
+/// Most messages one read returns.
+pub const READ_MESSAGES_MAX: u32 = 10_000;
+/// Messages a read returns when it does not say.
+pub const READ_MESSAGES_DEFAULT: u32 = 100;
+/// Most payload bytes one read returns (it always returns at least one message if there is one).
+pub const READ_BYTES_MAX: u32 = 4 << 20;
+/// Payload bytes a read returns when it does not say.
+pub const READ_BYTES_DEFAULT: u32 = 1 << 20;
+/// Most queue names one list returns.
+pub const LIST_LIMIT_MAX: u32 = 10_000;
+/// Queue names a list returns when it does not say.
+pub const LIST_LIMIT_DEFAULT: u32 = 1_000;
+/// Store calls running at once on the blocking pool.
+pub const BLOCKING_CALLS_MAX: usize = 256;
+
+/// Implements `levee.v1.Queues` over a [`Store`].
+#[derive(Debug, Clone)]
+pub struct QueueService {
+    store: Arc<Store>,
+    slots: Arc<Semaphore>,
+    metrics: Metrics,
+}
+
+impl QueueService {
+    /// A service over `store`.
+    pub fn new(store: Arc<Store>, metrics: Metrics) -> Self {
+        Self {
+            store,
+            slots: Arc::new(Semaphore::new(BLOCKING_CALLS_MAX)),
+            metrics,
+        }
+    }
+
+    /// Runs `call` on the blocking pool once a slot is free.
+    async fn blocking<T, F>(&self, call: F) -> Result<T, Status>
+    where
+        F: FnOnce(&Store) -> Result<T, WireError> + Send + 'static,
+        T: Send + 'static,
+    {
+        let slot = Arc::clone(&self.slots).acquire_owned().await.map_err(|_| {
+            Status::from(WireError::new(
+                ErrorCode::Unavailable,
+                "server shutting down",
+            ))
+        })?;
+        let store = Arc::clone(&self.store);
+        let result = tokio::task::spawn_blocking(move || {
+            let result = call(&store);
+            drop(slot);
+            result
+        })
+        .await
+        .map_err(|error| {
+            Status::from(WireError::new(
+                ErrorCode::Internal,
+                format!("store call failed: {error}"),
+            ))
+        })?;
+        result.map_err(Status::from)
+    }
+}
+
+fn invalid(message: String) -> WireError {
+    WireError::new(ErrorCode::InvalidArgument, message)
+}
+
+fn input_error(error: &InputError) -> WireError {
+    invalid(format!("{error}; fix the request"))
+}
+
+fn write_error(error: WriteError) -> WireError {
+    match error {
+        WriteError::Input(input) => input_error(&input),
+        WriteError::StorageFull { .. } => WireError::new(
+            ErrorCode::StorageFailed,
+            format!("{error}; free disk space on the server, then retry"),
+        ),
+        WriteError::Closed => WireError::new(ErrorCode::Unavailable, "server shutting down"),
+        other => WireError::new(
+            ErrorCode::StorageFailed,
+            format!("{other}; the server refuses writes until it is restarted"),
+        ),
+    }
+}
+
+fn read_error(error: ReadError) -> WireError {
+    match error {
+        ReadError::Input(input) => input_error(&input),
+        other => WireError::new(ErrorCode::StorageFailed, other.to_string()),
+    }
+}
+
+#[tonic::async_trait]
+impl Queues for QueueService {
+    async fn append(
+        &self,
+        request: Request<AppendRequest>,
+    ) -> Result<Response<AppendResponse>, Status> {
+        let messages = request.into_inner().messages;
+        if messages.is_empty() || messages.len() > APPEND_MESSAGES_MAX {
+            return Err(invalid(format!(
+                "messages: send 1 to {APPEND_MESSAGES_MAX} messages per append, got {}",
+                messages.len()
+            ))
+            .into());
+        }
+        let count = messages.len() as u64;
+        let offsets = self
+            .blocking(move |store| {
+                let batch: Vec<(&[u8], &[u8])> = messages
+                    .iter()
+                    .map(|message| (message.queue.as_slice(), message.payload.as_slice()))
+                    .collect();
+                store.append_batch(&batch).map_err(write_error)
+            })
+            .await?;
+        self.metrics.queue_messages_appended.inc_by(count);
+        Ok(Response::new(AppendResponse { offsets }))
+    }
+
+    async fn read(&self, request: Request<ReadRequest>) -> Result<Response<ReadResponse>, Status> {
+        let request = request.into_inner();
+        let max_messages = match request.max_messages {
+            0 => READ_MESSAGES_DEFAULT,
+            count if count <= READ_MESSAGES_MAX => count,
+            count => {
+                return Err(invalid(format!(
+                    "max_messages must be 1 to {READ_MESSAGES_MAX} (or 0 for \
+                     {READ_MESSAGES_DEFAULT}), got {count}"
+                ))
+                .into());
+            }
+        };
+        let max_bytes = match request.max_bytes {
+            0 => READ_BYTES_DEFAULT,
+            bytes if bytes <= READ_BYTES_MAX => bytes,
+            bytes => {
+                return Err(invalid(format!(
+                    "max_bytes must be at most {READ_BYTES_MAX} (or 0 for {READ_BYTES_DEFAULT}), \
+                     got {bytes}"
+                ))
+                .into());
+            }
+        };
+        let batch = self
+            .blocking(move |store| {
+                store
+                    .read(
+                        &request.queue,
+                        request.offset,
+                        max_messages as usize,
+                        max_bytes as usize,
+                    )
+                    .map_err(read_error)
+            })
+            .await?;
+        self.metrics.queue_messages_read.inc_by(batch.len() as u64);
+        Ok(Response::new(ReadResponse {
+            payloads: batch.iter().map(<[u8]>::to_vec).collect(),
+            first_offset: batch.first_offset,
+            next_offset: batch.next_offset(),
+            skipped_to_first_retained: batch.skipped_to_first_retained,
+            queue_next_offset: batch.visible_end_offset,
+        }))
+    }
+
+    async fn get_queue_info(
+        &self,
+        request: Request<GetQueueInfoRequest>,
+    ) -> Result<Response<GetQueueInfoResponse>, Status> {
+        let queue = request.into_inner().queue;
+        let info = self
+            .store
+            .queue_info(&queue)
+            .map_err(|error| input_error(&error))?;
+        let info = info.ok_or_else(|| {
+            WireError::new(
+                ErrorCode::NotFound,
+                format!(
+                    "queue '{}' does not exist; it is created by its first append",
+                    String::from_utf8_lossy(&queue)
+                ),
+            )
+        })?;
+        Ok(Response::new(GetQueueInfoResponse {
+            first_offset: info.first_offset,
+            next_offset: info.next_offset,
+        }))
+    }
+
+    async fn list_queues(
+        &self,
+        request: Request<ListQueuesRequest>,
+    ) -> Result<Response<ListQueuesResponse>, Status> {
+        let request = request.into_inner();
+        let limit = match request.limit {
+            0 => LIST_LIMIT_DEFAULT,
+            limit if limit <= LIST_LIMIT_MAX => limit,
+            limit => {
+                return Err(
+                    invalid(format!("limit must be 1 to {LIST_LIMIT_MAX}, got {limit}")).into(),
+                );
+            }
+        };
+        let after = (!request.after.is_empty()).then_some(request.after);
+        let queues = self
+            .blocking(move |store| Ok(store.list_queues(after.as_deref(), limit as usize)))
+            .await?;
+        Ok(Response::new(ListQueuesResponse { queues }))
+    }
+
+    async fn delete_queue(
+        &self,
+        request: Request<DeleteQueueRequest>,
+    ) -> Result<Response<DeleteQueueResponse>, Status> {
+        let queue = request.into_inner().queue;
+        let existed = self
+            .blocking(move |store| store.delete_queue(&queue).map_err(write_error))
+            .await?;
+        Ok(Response::new(DeleteQueueResponse { existed }))
+    }
+}

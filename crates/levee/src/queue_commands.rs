@@ -1,0 +1,150 @@
+//! `levee queue ...`: operators' commands for queues, through the Rust SDK.
+
+use std::process::ExitCode;
+
+use levee_client::Client;
+use serde_json::{Value, json};
+
+use crate::client_commands::ServerAddress;
+
+#[derive(Debug, clap::Subcommand)]
+pub enum QueueCommand {
+    /// Append one message; prints its offset once it is durable
+    Append(AppendArgs),
+    /// Read messages from an offset
+    Read(ReadArgs),
+    /// Show a queue's first retained offset and next offset
+    Info(QueueArgs),
+    /// List queue names, a page at a time
+    List(ListArgs),
+    /// Delete a queue and its messages
+    Delete(QueueArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct QueueArgs {
+    #[command(flatten)]
+    address: ServerAddress,
+    /// The queue's name
+    #[arg(long)]
+    queue: String,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct AppendArgs {
+    #[command(flatten)]
+    queue: QueueArgs,
+    /// The message, as text
+    #[arg(long)]
+    message: String,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ReadArgs {
+    #[command(flatten)]
+    queue: QueueArgs,
+    /// First offset to read
+    #[arg(long, default_value_t = 0)]
+    offset: u64,
+    /// Most messages to read (1 to 10000)
+    #[arg(long, default_value_t = 100)]
+    max_messages: u32,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ListArgs {
+    #[command(flatten)]
+    address: ServerAddress,
+    /// Start after this name
+    #[arg(long, default_value = "")]
+    after: String,
+    /// Most names (1 to 10000)
+    #[arg(long, default_value_t = 1_000)]
+    limit: u32,
+}
+
+fn text(bytes: &[u8]) -> Value {
+    match std::str::from_utf8(bytes) {
+        Ok(text) => json!(text),
+        Err(_) => json!({"hex": levee_server::hotkey::convert::key_hex(bytes)}),
+    }
+}
+
+pub fn run(command: &QueueCommand) -> ExitCode {
+    let address = match command {
+        QueueCommand::Append(args) => &args.queue.address,
+        QueueCommand::Read(args) => &args.queue.address,
+        QueueCommand::Info(args) | QueueCommand::Delete(args) => &args.address,
+        QueueCommand::List(args) => &args.address,
+    };
+    let result = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(anyhow::Error::from)
+        .and_then(|runtime| runtime.block_on(call(command, &address.server)));
+    match result {
+        Ok(value) => {
+            if address.json {
+                println!("{value}");
+            } else {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&value).unwrap_or_default()
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn call(command: &QueueCommand, server: &str) -> anyhow::Result<Value> {
+    let client = Client::connect(server).await?;
+    Ok(match command {
+        QueueCommand::Append(args) => {
+            let queue = args.queue.queue.as_bytes();
+            let offset = client.append(queue, args.message.as_bytes()).await?;
+            json!({"queue": args.queue.queue, "offset": offset})
+        }
+        QueueCommand::Read(args) => {
+            let queue = args.queue.queue.as_bytes();
+            let read = client
+                .read(queue, args.offset, args.max_messages, 0)
+                .await?;
+            let messages: Vec<Value> = read
+                .payloads
+                .iter()
+                .zip(read.first_offset..)
+                .map(|(payload, offset)| json!({"offset": offset, "message": text(payload)}))
+                .collect();
+            json!({
+                "queue": args.queue.queue,
+                "messages": messages,
+                "next_offset": read.next_offset,
+                "queue_next_offset": read.queue_next_offset,
+                "skipped_to_first_retained": read.skipped_to_first_retained,
+            })
+        }
+        QueueCommand::Info(args) => {
+            let info = client.queue_info(args.queue.as_bytes()).await?;
+            json!({
+                "queue": args.queue,
+                "first_offset": info.first_offset,
+                "next_offset": info.next_offset,
+            })
+        }
+        QueueCommand::List(args) => {
+            let names = client
+                .list_queues(args.after.as_bytes(), args.limit)
+                .await?;
+            json!({"queues": names.iter().map(|name| text(name)).collect::<Vec<_>>()})
+        }
+        QueueCommand::Delete(args) => {
+            let existed = client.delete_queue(args.queue.as_bytes()).await?;
+            json!({"queue": args.queue, "existed": existed})
+        }
+    })
+}

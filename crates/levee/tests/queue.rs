@@ -1,0 +1,184 @@
+//! Queues against the real server process: append and read in order, info, list, delete, bad
+//! input, and every acknowledged append surviving kill -9 of the server.
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use levee_client::{Client, ErrorCode};
+use support::{LeveeProcess, http_get, runtime, wait_for};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+#[test]
+fn given_appends_then_reads_return_them_in_order_with_dense_offsets() {
+    let server = LeveeProcess::start(&[]);
+    runtime().block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        for index in 0..50_u64 {
+            let offset = client
+                .append(b"orders", format!("order-{index}").as_bytes())
+                .await;
+            assert_eq!(offset.unwrap(), index);
+        }
+        let offsets = client
+            .append_batch(&[
+                (b"orders", b"order-50"),
+                (b"refunds", b"refund-0"),
+                (b"orders", b"order-51"),
+            ])
+            .await
+            .unwrap();
+        assert_eq!(offsets, vec![50, 0, 51]);
+
+        let mut read = Vec::new();
+        let mut offset = 0;
+        while offset < 52 {
+            let batch = client.read(b"orders", offset, 7, 0).await.unwrap();
+            assert!(!batch.payloads.is_empty());
+            assert_eq!(batch.first_offset, offset);
+            offset = batch.next_offset;
+            read.extend(batch.payloads);
+        }
+        let expected: Vec<Vec<u8>> = (0..52)
+            .map(|index| format!("order-{index}").into_bytes())
+            .collect();
+        assert_eq!(read, expected);
+        let past_end = client.read(b"orders", 52, 10, 0).await.unwrap();
+        assert!(
+            past_end.payloads.is_empty(),
+            "an offset past the end is an empty result"
+        );
+        assert_eq!(past_end.queue_next_offset, 52);
+
+        let info = client.queue_info(b"orders").await.unwrap();
+        assert_eq!((info.first_offset, info.next_offset), (0, 52));
+        let mut names = client.list_queues(b"", 100).await.unwrap();
+        names.sort();
+        assert_eq!(names, vec![b"orders".to_vec(), b"refunds".to_vec()]);
+
+        assert!(client.delete_queue(b"refunds").await.unwrap());
+        assert!(!client.delete_queue(b"refunds").await.unwrap());
+        let error = client.queue_info(b"refunds").await.unwrap_err();
+        assert_eq!(error.code(), Some(ErrorCode::NotFound));
+        assert_eq!(
+            client.append(b"refunds", b"again").await.unwrap(),
+            0,
+            "re-created at 0"
+        );
+    });
+    let (_, metrics) = http_get(server.admin_addr, "/metrics");
+    assert!(
+        metrics.contains("levee_queue_messages_appended_total 54"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("levee_store_queues 2"), "{metrics}");
+}
+
+#[test]
+fn given_bad_input_then_errors_name_the_problem() {
+    let server = LeveeProcess::start(&["--queue-message-bytes-max", "1024"]);
+    runtime().block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        let error = client.append(b"", b"x").await.unwrap_err();
+        assert_eq!(error.code(), Some(ErrorCode::InvalidArgument));
+        assert!(
+            error
+                .to_string()
+                .contains("queue name must be 1 to 255 bytes"),
+            "{error}"
+        );
+        let error = client.append(&[b'q'; 256], b"x").await.unwrap_err();
+        assert_eq!(error.code(), Some(ErrorCode::InvalidArgument));
+        let error = client.append(b"q", &[0; 1025]).await.unwrap_err();
+        assert!(error.to_string().contains("1024"), "{error}");
+        let error = client.append_batch(&[]).await.unwrap_err();
+        assert!(error.to_string().contains("1 to 10000 messages"), "{error}");
+        let error = client.read(b"q", 0, 20_000, 0).await.unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("max_messages must be 1 to 10000"),
+            "{error}"
+        );
+        // Nothing of the refused appends was stored.
+        assert_eq!(
+            client.queue_info(b"q").await.unwrap_err().code(),
+            Some(ErrorCode::NotFound)
+        );
+    });
+}
+
+#[test]
+fn given_acknowledged_appends_when_server_is_killed_then_all_survive_in_order() {
+    let directory = tempfile::tempdir().unwrap();
+    let data_dir = directory.path().join("data");
+    let mut server = LeveeProcess::start_in(&data_dir, &["--queue-sync", "always"]);
+    let runtime = runtime();
+    let acknowledged: Arc<Mutex<HashMap<String, Vec<u64>>>> = Arc::default();
+    let address = server.grpc();
+    for writer in 0..8 {
+        let (acknowledged, address) = (Arc::clone(&acknowledged), address.clone());
+        runtime.spawn(async move {
+            let client = Client::connect(&address).await.unwrap();
+            let queue = format!("queue-{writer}");
+            for index in 0_u64.. {
+                let payload = format!("{queue}/{index}");
+                let Ok(offset) = client.append(queue.as_bytes(), payload.as_bytes()).await else {
+                    return;
+                };
+                assert_eq!(offset, index, "offsets are dense and in order");
+                acknowledged
+                    .lock()
+                    .unwrap()
+                    .entry(queue.clone())
+                    .or_default()
+                    .push(offset);
+            }
+        });
+    }
+    wait_for("some acknowledged appends", WAIT, || {
+        acknowledged
+            .lock()
+            .unwrap()
+            .values()
+            .map(Vec::len)
+            .sum::<usize>()
+            >= 400
+    });
+    server.signal("KILL");
+    server.wait_exit(WAIT);
+    let acknowledged = acknowledged.lock().unwrap().clone();
+
+    let server = LeveeProcess::start_in(&data_dir, &["--queue-sync", "always"]);
+    assert!(
+        server
+            .logs
+            .iter()
+            .any(|line| line.contains("queue store opened"))
+    );
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        for (queue, offsets) in &acknowledged {
+            let last = *offsets.last().unwrap();
+            let mut offset = 0;
+            while offset <= last {
+                let batch = client
+                    .read(queue.as_bytes(), offset, 1_000, 0)
+                    .await
+                    .unwrap();
+                assert!(
+                    !batch.payloads.is_empty(),
+                    "{queue}: acknowledged offset {offset} lost"
+                );
+                for (index, payload) in batch.payloads.iter().enumerate() {
+                    let expected = format!("{queue}/{}", offset + index as u64);
+                    assert_eq!(payload, expected.as_bytes(), "{queue}: wrong message");
+                }
+                offset = batch.next_offset;
+            }
+        }
+    });
+}
