@@ -316,4 +316,15 @@ impl Client {
             .into_inner()
             .existed)
     }
+
+    /// Subscribes `consumer` to `queue`: messages after its last ack, then new ones as they are
+    /// appended, at most `credit_messages` (1 to 100000) unacked at a time.
+    pub async fn subscribe(
+        &self,
+        queue: &[u8],
+        consumer: &str,
+        credit_messages: u32,
+    ) -> Result<crate::Subscription, ClientError> {
+        crate::Subscription::open(self.queues_client(), queue, consumer, credit_messages).await
+    }
 }

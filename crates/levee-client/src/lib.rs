@@ -21,12 +21,14 @@
 mod client;
 mod error;
 pub mod hotkey;
+mod subscription;
 
 pub use client::{Client, ClientOptions, HealthStatus};
 pub use error::ClientError;
 pub use hotkey::{HotKeyChange, HotKeys, HotKeysOptions, HotKeysStats};
 pub use levee_proto::WireError;
 pub use levee_proto::v1::{
-    ErrorCode, GetAppStatsResponse as AppStats, GetServerInfoResponse as ServerInfo, HotKeyEvent,
-    HotKeyRule, KeyCount, MatchKind,
+    Delivery, ErrorCode, GetAppStatsResponse as AppStats, GetServerInfoResponse as ServerInfo,
+    HotKeyEvent, HotKeyRule, KeyCount, MatchKind,
 };
+pub use subscription::Subscription;

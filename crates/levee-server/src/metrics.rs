@@ -98,6 +98,8 @@ pub struct Metrics {
     pub queue_messages_appended: Counter,
     /// Messages returned by queue reads.
     pub queue_messages_read: Counter,
+    /// Messages pushed to subscriptions (redeliveries included).
+    pub queue_messages_delivered: Counter,
     /// The queue store whose figures `/metrics` reports, once it is open.
     store: Arc<OnceLock<Weak<levee_store::Store>>>,
 }
@@ -236,6 +238,12 @@ impl Metrics {
                 registry_ref,
                 "levee_queue_messages_read",
                 "messages returned by queue reads",
+                Counter::default(),
+            ),
+            queue_messages_delivered: registered(
+                registry_ref,
+                "levee_queue_messages_delivered",
+                "messages pushed to subscriptions, redeliveries included",
                 Counter::default(),
             ),
             store: Arc::new(OnceLock::new()),

@@ -141,10 +141,13 @@ impl RunningServer {
         health.set_serving::<AdminServer<AdminService>>().await;
         health.set_serving::<HotKeysServer<HotKeyService>>().await;
         health.set_serving::<QueuesServer<QueueService>>().await;
-        let queue_service =
-            QueuesServer::new(QueueService::new(Arc::clone(&store), state.metrics.clone()))
-                .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
-                .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
+        let queue_service = QueuesServer::new(QueueService::new(
+            Arc::clone(&store),
+            state.metrics.clone(),
+            stop_sessions.subscribe(),
+        ))
+        .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
+        .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
         let hotkey_service = HotKeyService::new(
             Arc::clone(&hub),
             state.metrics.clone(),

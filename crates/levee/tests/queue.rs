@@ -12,6 +12,13 @@ use support::{LeveeProcess, http_get, runtime, wait_for};
 
 const WAIT: Duration = Duration::from_secs(10);
 
+/// Awaits `future`, failing the test (with the line) if it takes more than 10 s.
+async fn within<T>(future: impl std::future::Future<Output = T>, line: u32) -> T {
+    tokio::time::timeout(WAIT, future)
+        .await
+        .unwrap_or_else(|_| panic!("line {line}: no answer within {WAIT:?}"))
+}
+
 #[test]
 fn given_appends_then_reads_return_them_in_order_with_dense_offsets() {
     let server = LeveeProcess::start(&[]);
@@ -180,5 +187,100 @@ fn given_acknowledged_appends_when_server_is_killed_then_all_survive_in_order() 
                 offset = batch.next_offset;
             }
         }
+    });
+}
+
+#[test]
+fn given_subscription_then_appends_are_pushed_in_order_within_credit_and_unacked_redelivered() {
+    let directory = tempfile::tempdir().unwrap();
+    let data_dir = directory.path().join("data");
+    let mut server = LeveeProcess::start_in(&data_dir, &[]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        let mut subscription = client.subscribe(b"driver-7", "app", 3).await.unwrap();
+        assert_eq!(subscription.start_offset(), 0);
+        // Appended after subscribing: pushed, no polling.
+        for index in 0..10 {
+            client
+                .append(b"driver-7", format!("order-{index}").as_bytes())
+                .await
+                .unwrap();
+        }
+        for index in 0..3_u64 {
+            let delivery = within(subscription.next(), line!()).await.unwrap().unwrap();
+            assert_eq!(delivery.offset, index);
+            assert_eq!(delivery.payload, format!("order-{index}").into_bytes());
+        }
+        // The credit of 3 is used up: nothing more comes until an ack grants some back.
+        let more = tokio::time::timeout(Duration::from_millis(300), subscription.next()).await;
+        assert!(more.is_err(), "delivered beyond the credit: {more:?}");
+        within(subscription.ack(1), line!()).await.unwrap();
+        for index in 3..5_u64 {
+            let delivery = within(subscription.next(), line!()).await.unwrap().unwrap();
+            assert_eq!(delivery.offset, index);
+        }
+        drop(subscription);
+
+        // Offsets 0 and 1 were acked; 2 to 4 were delivered but not: they come again.
+        let mut again = client.subscribe(b"driver-7", "app", 100).await.unwrap();
+        assert_eq!(again.start_offset(), 2);
+        assert_eq!(
+            within(again.next(), line!()).await.unwrap().unwrap().offset,
+            2
+        );
+        within(again.ack(4), line!()).await.unwrap();
+        // Another consumer has its own position.
+        let other = client.subscribe(b"driver-7", "audit", 100).await.unwrap();
+        assert_eq!(other.start_offset(), 0);
+        // Acking what was not delivered breaks the protocol: the stream ends with the error.
+        let mut bad = client.subscribe(b"driver-7", "bad", 1).await.unwrap();
+        within(bad.next(), line!()).await.unwrap();
+        let error = within(bad.ack(5), line!()).await.unwrap_err();
+        assert_eq!(error.code(), Some(ErrorCode::InvalidArgument));
+        assert!(
+            error
+                .to_string()
+                .contains("beyond the last delivered offset"),
+            "{error}"
+        );
+        drop(again);
+    });
+    // A subscription open during shutdown does not hold the drain up.
+    let _open = runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        client.subscribe(b"driver-7", "idle", 1).await.unwrap()
+    });
+    let stopping = std::time::Instant::now();
+    server.signal("TERM");
+    assert_eq!(server.wait_exit(WAIT).code(), Some(0));
+    assert!(
+        stopping.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        stopping.elapsed()
+    );
+
+    // The acked position survives the restart.
+    let server = LeveeProcess::start_in(&data_dir, &[]);
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        let mut subscription = client.subscribe(b"driver-7", "app", 10).await.unwrap();
+        assert_eq!(subscription.start_offset(), 5);
+        assert_eq!(
+            within(subscription.next(), line!())
+                .await
+                .unwrap()
+                .unwrap()
+                .offset,
+            5
+        );
+        let names = client.list_queues(b"", 100).await.unwrap();
+        assert_eq!(
+            names,
+            vec![b"driver-7".to_vec()],
+            "position queues are not listed"
+        );
+        let error = client.append(b"\0position", b"x").await.unwrap_err();
+        assert!(error.to_string().contains("reserved"), "{error}");
     });
 }

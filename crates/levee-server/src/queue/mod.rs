@@ -2,6 +2,7 @@
 //! (`levee-store`), which lives in the `queues` directory of the data dir.
 
 pub mod service;
+pub mod subscription;
 
 /// The store's directory inside the data dir.
 pub const STORE_DIR_NAME: &str = "queues";

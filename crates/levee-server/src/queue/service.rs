@@ -3,18 +3,26 @@
 //! [`BLOCKING_CALLS_MAX`] at once: further calls wait for a slot, which is back-pressure, not
 //! an error.
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
+use futures_util::Stream;
 use levee_proto::WireError;
 use levee_proto::v1::queues_server::Queues;
+use levee_proto::v1::subscribe_request::Kind as SubscribeKind;
 use levee_proto::v1::{
     AppendRequest, AppendResponse, DeleteQueueRequest, DeleteQueueResponse, ErrorCode,
     GetQueueInfoRequest, GetQueueInfoResponse, ListQueuesRequest, ListQueuesResponse, ReadRequest,
-    ReadResponse,
+    ReadResponse, SubscribeRequest, SubscribeResponse,
 };
 use levee_store::{InputError, ReadError, Store, WriteError};
-use tokio::sync::Semaphore;
-use tonic::{Request, Response, Status};
+use tokio::sync::{Semaphore, mpsc, watch};
+use tonic::{Request, Response, Status, Streaming};
+
+use super::subscription::{
+    RESERVED_PREFIX, RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX, Session, Waiters, check_start,
+};
 
 use crate::metrics::Metrics;
 
@@ -35,21 +43,30 @@ pub const LIST_LIMIT_DEFAULT: u32 = 1_000;
 /// Store calls running at once on the blocking pool.
 pub const BLOCKING_CALLS_MAX: usize = 256;
 
+/// How long a new subscription may take to send its start message.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Implements `levee.v1.Queues` over a [`Store`].
 #[derive(Debug, Clone)]
 pub struct QueueService {
     store: Arc<Store>,
     slots: Arc<Semaphore>,
+    subscriptions: Arc<Semaphore>,
+    waiters: Arc<Waiters>,
     metrics: Metrics,
+    closing: watch::Receiver<bool>,
 }
 
 impl QueueService {
-    /// A service over `store`.
-    pub fn new(store: Arc<Store>, metrics: Metrics) -> Self {
+    /// A service over `store`; subscriptions end when `closing` turns true (shutdown).
+    pub fn new(store: Arc<Store>, metrics: Metrics, closing: watch::Receiver<bool>) -> Self {
         Self {
             store,
             slots: Arc::new(Semaphore::new(BLOCKING_CALLS_MAX)),
+            subscriptions: Arc::new(Semaphore::new(SUBSCRIPTIONS_MAX)),
+            waiters: Arc::default(),
             metrics,
+            closing,
         }
     }
 
@@ -90,6 +107,15 @@ fn input_error(error: &InputError) -> WireError {
     invalid(format!("{error}; fix the request"))
 }
 
+fn check_not_reserved(queue: &[u8]) -> Result<(), WireError> {
+    if queue.first() == Some(&RESERVED_PREFIX) {
+        return Err(invalid(
+            "queue names starting with a zero byte are reserved for the server".to_owned(),
+        ));
+    }
+    Ok(())
+}
+
 fn write_error(error: WriteError) -> WireError {
     match error {
         WriteError::Input(input) => input_error(&input),
@@ -112,8 +138,66 @@ fn read_error(error: ReadError) -> WireError {
     }
 }
 
+type SubscribeStream = Pin<Box<dyn Stream<Item = Result<SubscribeResponse, Status>> + Send>>;
+
 #[tonic::async_trait]
 impl Queues for QueueService {
+    type SubscribeStream = SubscribeStream;
+
+    async fn subscribe(
+        &self,
+        request: Request<Streaming<SubscribeRequest>>,
+    ) -> Result<Response<Self::SubscribeStream>, Status> {
+        let mut incoming = request.into_inner();
+        let start = match tokio::time::timeout(START_TIMEOUT, incoming.message()).await {
+            Ok(Ok(Some(SubscribeRequest {
+                kind: Some(SubscribeKind::Start(start)),
+            }))) => start,
+            Ok(Err(status)) => return Err(status),
+            Err(_) => {
+                return Err(invalid(format!(
+                    "no start message within {} s; send SubscribeStart first",
+                    START_TIMEOUT.as_secs()
+                ))
+                .into());
+            }
+            Ok(Ok(_)) => {
+                return Err(
+                    invalid("the first message must be a SubscribeStart".to_owned()).into(),
+                );
+            }
+        };
+        check_start(&start)?;
+        let permit = Arc::clone(&self.subscriptions)
+            .try_acquire_owned()
+            .map_err(|_| {
+                WireError::new(
+                    ErrorCode::ResourceExhausted,
+                    format!(
+                        "{SUBSCRIPTIONS_MAX} subscriptions are open on this server; retry later or \
+                     subscribe on another server"
+                    ),
+                )
+            })?;
+        let (outgoing, responses) = mpsc::channel(RESPONSES_QUEUED_MAX);
+        let session = Session {
+            store: Arc::clone(&self.store),
+            notify: self.waiters.register(&start.queue),
+            start,
+            incoming,
+            outgoing,
+            delivered: self.metrics.queue_messages_delivered.clone(),
+            closing: self.closing.clone(),
+        };
+        tokio::spawn(async move {
+            session.run().await;
+            drop(permit);
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(responses),
+        )))
+    }
+
     async fn append(
         &self,
         request: Request<AppendRequest>,
@@ -126,7 +210,16 @@ impl Queues for QueueService {
             ))
             .into());
         }
+        for message in &messages {
+            check_not_reserved(&message.queue)?;
+        }
         let count = messages.len() as u64;
+        let mut queues: Vec<Vec<u8>> = messages
+            .iter()
+            .map(|message| message.queue.clone())
+            .collect();
+        queues.sort_unstable();
+        queues.dedup();
         let offsets = self
             .blocking(move |store| {
                 let batch: Vec<(&[u8], &[u8])> = messages
@@ -137,6 +230,9 @@ impl Queues for QueueService {
             })
             .await?;
         self.metrics.queue_messages_appended.inc_by(count);
+        for queue in &queues {
+            self.waiters.wake(queue);
+        }
         Ok(Response::new(AppendResponse { offsets }))
     }
 
@@ -225,9 +321,11 @@ impl Queues for QueueService {
             }
         };
         let after = (!request.after.is_empty()).then_some(request.after);
-        let queues = self
+        let mut queues = self
             .blocking(move |store| Ok(store.list_queues(after.as_deref(), limit as usize)))
             .await?;
+        // The server's own queues (consumer positions) are not listed.
+        queues.retain(|queue| queue.first() != Some(&RESERVED_PREFIX));
         Ok(Response::new(ListQueuesResponse { queues }))
     }
 
@@ -236,6 +334,7 @@ impl Queues for QueueService {
         request: Request<DeleteQueueRequest>,
     ) -> Result<Response<DeleteQueueResponse>, Status> {
         let queue = request.into_inner().queue;
+        check_not_reserved(&queue)?;
         let existed = self
             .blocking(move |store| store.delete_queue(&queue).map_err(write_error))
             .await?;

@@ -1,0 +1,122 @@
+//! [`Subscription`]: one consumer's stream on one queue (a mailbox), with credits and acks.
+
+use std::collections::VecDeque;
+
+use levee_proto::WireError;
+use levee_proto::v1::queues_client::QueuesClient;
+use levee_proto::v1::subscribe_request::Kind;
+use levee_proto::v1::{
+    Ack, Credit, Delivery, ErrorCode, SubscribeRequest, SubscribeResponse, SubscribeStart,
+};
+use tokio::sync::mpsc;
+use tonic::Streaming;
+use tonic::transport::Channel;
+
+use crate::error::ClientError;
+
+/// Requests queued for the server on one subscription.
+const REQUESTS_QUEUED_MAX: usize = 64;
+
+/// A consumer's subscription to one queue. The server pushes messages as they are appended,
+/// at most `credit_messages` unacked at a time; [`Subscription::ack`] marks everything up to an
+/// offset done (durably) and grants that much credit back. Messages not acked are delivered
+/// again to the next subscription of the same consumer.
+#[derive(Debug)]
+pub struct Subscription {
+    requests: mpsc::Sender<SubscribeRequest>,
+    responses: Streaming<SubscribeResponse>,
+    start_offset: u64,
+    received: VecDeque<Delivery>,
+    unacked: VecDeque<(u64, u32)>,
+}
+
+impl Subscription {
+    pub(crate) async fn open(
+        mut client: QueuesClient<Channel>,
+        queue: &[u8],
+        consumer: &str,
+        credit_messages: u32,
+    ) -> Result<Self, ClientError> {
+        let (requests, receiver) = mpsc::channel(REQUESTS_QUEUED_MAX);
+        let start = SubscribeRequest {
+            kind: Some(Kind::Start(SubscribeStart {
+                queue: queue.to_vec(),
+                consumer: consumer.to_owned(),
+                credit: Some(Credit {
+                    messages: credit_messages,
+                    bytes: 0,
+                }),
+            })),
+        };
+        // A new channel has room for its first message.
+        let _ = requests.try_send(start);
+        let mut responses = client
+            .subscribe(tokio_stream::wrappers::ReceiverStream::new(receiver))
+            .await?
+            .into_inner();
+        let first = responses.message().await?.ok_or_else(|| {
+            WireError::new(ErrorCode::Unavailable, "the server closed the subscription")
+        })?;
+        Ok(Self {
+            requests,
+            responses,
+            start_offset: first.start_offset,
+            received: first.deliveries.into(),
+            unacked: VecDeque::new(),
+        })
+    }
+
+    /// Where delivery started: the offset after the consumer's last ack.
+    pub fn start_offset(&self) -> u64 {
+        self.start_offset
+    }
+
+    /// The next message, waiting until one is appended; `None` when the server ended the
+    /// subscription cleanly.
+    pub async fn next(&mut self) -> Result<Option<Delivery>, ClientError> {
+        loop {
+            if let Some(delivery) = self.received.pop_front() {
+                let bytes = u32::try_from(delivery.payload.len()).unwrap_or(u32::MAX);
+                self.unacked.push_back((delivery.offset, bytes));
+                return Ok(Some(delivery));
+            }
+            match self.responses.message().await? {
+                Some(response) => self.received.extend(response.deliveries),
+                None => return Ok(None),
+            }
+        }
+    }
+
+    /// Marks every delivered message up to and including `offset` done and grants their credit
+    /// back; returns once the server has made the ack durable. Messages that arrive meanwhile
+    /// wait for [`Subscription::next`].
+    pub async fn ack(&mut self, offset: u64) -> Result<(), ClientError> {
+        let (mut messages, mut bytes) = (0_u32, 0_u32);
+        while let Some(&(delivered, size)) = self.unacked.front() {
+            if delivered > offset {
+                break;
+            }
+            self.unacked.pop_front();
+            messages += 1;
+            bytes = bytes.saturating_add(size);
+        }
+        let closed = || WireError::new(ErrorCode::Unavailable, "the subscription is closed");
+        let ack = SubscribeRequest {
+            kind: Some(Kind::Ack(Ack { offset })),
+        };
+        self.requests.send(ack).await.map_err(|_| closed())?;
+        if messages > 0 {
+            let credit = SubscribeRequest {
+                kind: Some(Kind::Credit(Credit { messages, bytes })),
+            };
+            self.requests.send(credit).await.map_err(|_| closed())?;
+        }
+        loop {
+            let response = self.responses.message().await?.ok_or_else(closed)?;
+            self.received.extend(response.deliveries);
+            if response.acked_offset > offset {
+                return Ok(());
+            }
+        }
+    }
+}
