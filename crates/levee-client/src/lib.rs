@@ -21,6 +21,7 @@
 mod client;
 mod error;
 pub mod hotkey;
+mod producer;
 mod subscription;
 
 pub use client::{Client, ClientOptions, HealthStatus};
@@ -31,4 +32,5 @@ pub use levee_proto::v1::{
     Delivery, ErrorCode, GetAppStatsResponse as AppStats, GetServerInfoResponse as ServerInfo,
     HotKeyEvent, HotKeyRule, KeyCount, MatchKind,
 };
+pub use producer::{Producer, ProducerOptions};
 pub use subscription::Subscription;

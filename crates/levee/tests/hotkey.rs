@@ -137,19 +137,22 @@ fn given_manual_hot_key_then_pushed_cached_and_removed_by_hand() {
     assert!(!clients[0].set(b"sku-2", b"cold".to_vec()));
     let loads = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let values = runtime.block_on(async {
-        let calls = (0..8).map(|_| {
-            let (client, loads) = (clients[1].clone(), Arc::clone(&loads));
-            tokio::spawn(async move {
-                client
-                    .get_or_load(b"sku-1", || async move {
-                        loads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        Ok::<_, std::convert::Infallible>(b"loaded".to_vec())
-                    })
-                    .await
+        // Spawned all at once (collected), so the loads really overlap.
+        let calls: Vec<_> = (0..8)
+            .map(|_| {
+                let (client, loads) = (clients[1].clone(), Arc::clone(&loads));
+                tokio::spawn(async move {
+                    client
+                        .get_or_load(b"sku-1", || async move {
+                            loads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            Ok::<_, std::convert::Infallible>(b"loaded".to_vec())
+                        })
+                        .await
+                })
             })
-        });
-        futures_join(calls).await
+            .collect();
+        futures_join(calls.into_iter()).await
     });
     assert!(values.iter().all(|value| value == b"loaded"));
     assert_eq!(

@@ -284,3 +284,71 @@ fn given_subscription_then_appends_are_pushed_in_order_within_credit_and_unacked
         assert!(error.to_string().contains("reserved"), "{error}");
     });
 }
+
+#[test]
+fn given_producer_then_concurrent_sends_share_requests_and_get_their_own_offsets() {
+    let server = LeveeProcess::start(&["--queue-sync", "always"]);
+    let runtime = runtime();
+    let offsets = runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        let options = levee_client::ProducerOptions {
+            linger: Duration::from_millis(5),
+            ..levee_client::ProducerOptions::default()
+        };
+        let producer = levee_client::Producer::new(client, options).unwrap();
+        let sends: Vec<_> = (0..500_u32)
+            .map(|index| {
+                let producer = producer.clone();
+                tokio::spawn(async move {
+                    let queue = format!("queue-{}", index % 5);
+                    let offset = producer
+                        .send(queue.as_bytes(), &index.to_le_bytes())
+                        .await
+                        .unwrap();
+                    (queue, offset, index)
+                })
+            })
+            .collect();
+        let mut offsets = Vec::new();
+        for send in sends {
+            offsets.push(send.await.unwrap());
+        }
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        for (queue, offset, index) in &offsets {
+            let read = client.read(queue.as_bytes(), *offset, 1, 0).await.unwrap();
+            assert_eq!(
+                read.payloads[0],
+                index.to_le_bytes(),
+                "offset answered to the right caller"
+            );
+        }
+        offsets
+    });
+    for queue in 0..5 {
+        let mut mine: Vec<u64> = offsets
+            .iter()
+            .filter(|(name, _, _)| *name == format!("queue-{queue}"))
+            .map(|(_, offset, _)| *offset)
+            .collect();
+        mine.sort_unstable();
+        assert_eq!(
+            mine,
+            (0..100).collect::<Vec<u64>>(),
+            "dense offsets per queue"
+        );
+    }
+    let (_, metrics) = http_get(server.admin_addr, "/metrics");
+    let appends: u64 = metrics
+        .lines()
+        .find(|line| {
+            line.starts_with(
+                "levee_grpc_requests_total{rpc=\"/levee.v1.Queues/Append\",code=\"OK\"}",
+            )
+        })
+        .and_then(|line| line.rsplit(' ').next()?.parse().ok())
+        .unwrap();
+    assert!(
+        appends < 100,
+        "500 sends should share far fewer requests, got {appends}"
+    );
+}

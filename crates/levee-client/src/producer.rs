@@ -1,0 +1,131 @@
+//! [`Producer`]: batches appends from many callers into few requests. A message waits at most
+//! `linger` for others to join its batch; a batch closes at `batch_messages_max` messages or
+//! `batch_bytes_max` bytes. Each caller gets its own message's offset once the batch is durable.
+//! At most `queued_messages_max` messages wait at once: further sends wait (back-pressure).
+
+use std::time::Duration;
+
+use levee_proto::WireError;
+use levee_proto::v1::ErrorCode;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::client::Client;
+use crate::error::ClientError;
+
+/// How a [`Producer`] batches.
+#[derive(Debug, Clone)]
+pub struct ProducerOptions {
+    /// Longest a message waits for others to join its batch (default 1 ms).
+    pub linger: Duration,
+    /// Most messages per append request, 1 to 10000 (default 1000).
+    pub batch_messages_max: usize,
+    /// Most payload bytes per append request (default 4 MiB; a larger single message goes alone).
+    pub batch_bytes_max: usize,
+    /// Most messages waiting to be sent (default 100000).
+    pub queued_messages_max: usize,
+}
+
+impl Default for ProducerOptions {
+    fn default() -> Self {
+        Self {
+            linger: Duration::from_millis(1),
+            batch_messages_max: 1_000,
+            batch_bytes_max: 4 << 20,
+            queued_messages_max: 100_000,
+        }
+    }
+}
+
+struct Pending {
+    queue: Vec<u8>,
+    payload: Vec<u8>,
+    answer: oneshot::Sender<Result<u64, ClientError>>,
+}
+
+/// Batches appends. Cheap to clone; clones share the batching task, which stops when the last
+/// clone is dropped (after sending what it holds).
+#[derive(Clone)]
+pub struct Producer {
+    sender: mpsc::Sender<Pending>,
+}
+
+impl std::fmt::Debug for Producer {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_struct("Producer").finish_non_exhaustive()
+    }
+}
+
+impl Producer {
+    /// A producer sending through `client`; must run inside a tokio runtime.
+    pub fn new(client: Client, options: ProducerOptions) -> Result<Self, ClientError> {
+        if !(1..=10_000).contains(&options.batch_messages_max)
+            || options.batch_bytes_max == 0
+            || options.queued_messages_max == 0
+        {
+            return Err(ClientError::InvalidOptions(
+                "batch_messages_max must be 1 to 10000; batch_bytes_max and queued_messages_max \
+                 at least 1"
+                    .to_owned(),
+            ));
+        }
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            ClientError::InvalidOptions("Producer::new must run inside a tokio runtime".to_owned())
+        })?;
+        let (sender, receiver) = mpsc::channel(options.queued_messages_max);
+        runtime.spawn(run(client, options, receiver));
+        Ok(Self { sender })
+    }
+
+    /// Appends `payload` to `queue`; returns its offset once its batch is durable.
+    pub async fn send(&self, queue: &[u8], payload: &[u8]) -> Result<u64, ClientError> {
+        let (answer, answered) = oneshot::channel();
+        let pending = Pending {
+            queue: queue.to_vec(),
+            payload: payload.to_vec(),
+            answer,
+        };
+        let stopped = || WireError::new(ErrorCode::Unavailable, "the producer has stopped");
+        self.sender.send(pending).await.map_err(|_| stopped())?;
+        answered.await.map_err(|_| stopped())?
+    }
+}
+
+async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Receiver<Pending>) {
+    while let Some(first) = receiver.recv().await {
+        let mut bytes = first.payload.len();
+        let mut batch = vec![first];
+        let deadline = tokio::time::Instant::now() + options.linger;
+        while batch.len() < options.batch_messages_max && bytes < options.batch_bytes_max {
+            let next = tokio::select! {
+                next = receiver.recv() => next,
+                () = tokio::time::sleep_until(deadline) => None,
+            };
+            let Some(next) = next else { break };
+            bytes += next.payload.len();
+            batch.push(next);
+        }
+        let messages: Vec<(&[u8], &[u8])> = batch
+            .iter()
+            .map(|pending| (&pending.queue[..], &pending.payload[..]))
+            .collect();
+        match client.append_batch(&messages).await {
+            Ok(offsets) => {
+                for (pending, offset) in batch.into_iter().zip(offsets) {
+                    let _ = pending.answer.send(Ok(offset));
+                }
+            }
+            Err(error) => {
+                // Every message of the batch fails with the same code and message.
+                let failed = match error {
+                    ClientError::Server(wire) => wire,
+                    other => WireError::new(ErrorCode::Unavailable, other.to_string()),
+                };
+                for pending in batch {
+                    let _ = pending
+                        .answer
+                        .send(Err(ClientError::Server(failed.clone())));
+                }
+            }
+        }
+    }
+}
