@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use levee_proto::WireError;
 use levee_proto::v1::ErrorCode;
-use tokio::sync::{mpsc, oneshot};
+use std::sync::Arc;
+
+use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use crate::client::Client;
 use crate::error::ClientError;
@@ -23,6 +25,9 @@ pub struct ProducerOptions {
     pub batch_bytes_max: usize,
     /// Most messages waiting to be sent (default 100000).
     pub queued_messages_max: usize,
+    /// Append requests in flight at once (default 8). Batches in flight together may be
+    /// stored in any order: a caller that needs its messages in order awaits each send.
+    pub requests_in_flight_max: usize,
 }
 
 impl Default for ProducerOptions {
@@ -32,6 +37,7 @@ impl Default for ProducerOptions {
             batch_messages_max: 1_000,
             batch_bytes_max: 4 << 20,
             queued_messages_max: 100_000,
+            requests_in_flight_max: 8,
         }
     }
 }
@@ -61,10 +67,11 @@ impl Producer {
         if !(1..=10_000).contains(&options.batch_messages_max)
             || options.batch_bytes_max == 0
             || options.queued_messages_max == 0
+            || options.requests_in_flight_max == 0
         {
             return Err(ClientError::InvalidOptions(
-                "batch_messages_max must be 1 to 10000; batch_bytes_max and queued_messages_max \
-                 at least 1"
+                "batch_messages_max must be 1 to 10000; batch_bytes_max, queued_messages_max and \
+                 requests_in_flight_max at least 1"
                     .to_owned(),
             ));
         }
@@ -91,6 +98,7 @@ impl Producer {
 }
 
 async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Receiver<Pending>) {
+    let in_flight = Arc::new(Semaphore::new(options.requests_in_flight_max));
     while let Some(first) = receiver.recv().await {
         let mut bytes = first.payload.len();
         let mut batch = vec![first];
@@ -104,27 +112,39 @@ async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Recei
             bytes += next.payload.len();
             batch.push(next);
         }
-        let messages: Vec<(&[u8], &[u8])> = batch
-            .iter()
-            .map(|pending| (&pending.queue[..], &pending.payload[..]))
-            .collect();
-        match client.append_batch(&messages).await {
-            Ok(offsets) => {
-                for (pending, offset) in batch.into_iter().zip(offsets) {
-                    let _ = pending.answer.send(Ok(offset));
-                }
+        // Waits while requests_in_flight_max requests are out: back-pressure on the queue.
+        let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
+            return;
+        };
+        let client = client.clone();
+        tokio::spawn(async move {
+            send_batch(&client, batch).await;
+            drop(permit);
+        });
+    }
+}
+
+async fn send_batch(client: &Client, batch: Vec<Pending>) {
+    let messages: Vec<(&[u8], &[u8])> = batch
+        .iter()
+        .map(|pending| (&pending.queue[..], &pending.payload[..]))
+        .collect();
+    match client.append_batch(&messages).await {
+        Ok(offsets) => {
+            for (pending, offset) in batch.into_iter().zip(offsets) {
+                let _ = pending.answer.send(Ok(offset));
             }
-            Err(error) => {
-                // Every message of the batch fails with the same code and message.
-                let failed = match error {
-                    ClientError::Server(wire) => wire,
-                    other => WireError::new(ErrorCode::Unavailable, other.to_string()),
-                };
-                for pending in batch {
-                    let _ = pending
-                        .answer
-                        .send(Err(ClientError::Server(failed.clone())));
-                }
+        }
+        Err(error) => {
+            // Every message of the batch fails with the same code and message.
+            let failed = match error {
+                ClientError::Server(wire) => wire,
+                other => WireError::new(ErrorCode::Unavailable, other.to_string()),
+            };
+            for pending in batch {
+                let _ = pending
+                    .answer
+                    .send(Err(ClientError::Server(failed.clone())));
             }
         }
     }

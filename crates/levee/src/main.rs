@@ -45,6 +45,8 @@ enum Command {
 enum BenchCommand {
     /// Hot keys: ingestion, detection latency, precision and recall, push throughput.
     Hotkey(bench::hotkey::HotKeyBenchArgs),
+    /// Queues over the network: producers and subscriptions, append-to-delivery latency.
+    Queue(bench::queue::QueueBenchArgs),
     /// Queue store: the Tianchi race shape (put, random check, sequential check, recovery).
     Store(bench::store::StoreBenchArgs),
 }
@@ -65,6 +67,7 @@ fn main() -> ExitCode {
             let result = match command {
                 BenchCommand::Hotkey(args) => bench::hotkey::run(&args),
                 BenchCommand::Store(args) => bench::store::run(&args),
+                BenchCommand::Queue(args) => bench::queue::run(&args),
             };
             match result {
                 Ok(()) => ExitCode::SUCCESS,

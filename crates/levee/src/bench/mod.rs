@@ -10,6 +10,7 @@
 )]
 
 pub mod hotkey;
+pub mod queue;
 pub mod server_process;
 pub mod store;
 
