@@ -24,6 +24,11 @@ use crate::storage::{OsStorage, Storage, StorageFile};
 pub(crate) const SHARD_COUNT: usize = 64;
 /// Most chunks one read visits.
 const READ_CHUNKS_MAX: usize = 64;
+/// Most messages of a batch append buffered under one shard lock.
+const BATCH_RUN_MESSAGES_MAX: usize = 256;
+/// Most budget bytes a batch append reserves at once (a single larger message excepted; and
+/// at most an eighth of the budget), so one reservation stays far below the budget.
+const BATCH_RUN_BYTES_MAX: usize = 64 << 10;
 /// Budget bytes a buffered message costs beyond its payload (its length field).
 pub(crate) const MESSAGE_OVERHEAD_BYTES: usize = 4;
 
@@ -310,7 +315,8 @@ impl Store {
 
     /// Appends many messages, to any queues, and returns their offsets in the same order.
     /// Messages of one queue keep their order. Inputs are all checked first; a later failure
-    /// (full disk, poisoned store) may leave an earlier part of the batch stored.
+    /// (full disk, poisoned store) may leave part of the batch stored (the messages are
+    /// buffered grouped by lock shard, not in batch order).
     pub fn append_batch(&self, batch: &[(&[u8], &[u8])]) -> Result<Vec<u64>, WriteError> {
         let (offsets, ticket) = self.append_batch_deferred(batch)?;
         if self.inner.options.sync == SyncPolicy::Always && !batch.is_empty() {
@@ -341,13 +347,8 @@ impl Store {
         for (queue, message) in batch {
             self.check_input(queue, message)?;
         }
-        let mut offsets = Vec::with_capacity(batch.len());
-        let mut round = 0;
-        for (queue, message) in batch {
-            let (offset, message_round) = self.inner.buffer_message(queue, message)?;
-            offsets.push(offset);
-            round = round.max(message_round);
-        }
+        let mut offsets = vec![0; batch.len()];
+        let round = self.inner.buffer_batch(batch, &mut offsets)?;
         Ok((offsets, CommitTicket { round }))
     }
 
@@ -693,58 +694,139 @@ impl Inner {
     /// Puts one message into its queue's buffer; returns its offset and the commit round
     /// that will make it durable.
     fn buffer_message(&self, queue: &[u8], message: &[u8]) -> Result<(u64, u64), WriteError> {
+        let mut offset = [0];
+        let run = [(self.shard_index(queue), 0)];
+        let round = self.buffer_run(&[(queue, message)], &run, &mut offset, &mut Vec::new())?;
+        Ok((offset[0], round))
+    }
+
+    /// Buffers a batch: messages are grouped by shard (a stable sort, so a queue's messages
+    /// keep their order) and each group is buffered under one lock of its shard and one budget
+    /// reservation, in runs of at most [`BATCH_RUN_MESSAGES_MAX`] messages and
+    /// [`BATCH_RUN_BYTES_MAX`] bytes. Writes the offsets (in batch order) into `offsets` and
+    /// returns the commit round that makes every message durable.
+    fn buffer_batch(
+        &self,
+        batch: &[(&[u8], &[u8])],
+        offsets: &mut [u64],
+    ) -> Result<u64, WriteError> {
+        let run_bytes_max = BATCH_RUN_BYTES_MAX.min(self.options.buffer_budget_bytes / 8);
+        let mut order: Vec<(usize, usize)> = batch
+            .iter()
+            .enumerate()
+            .map(|(index, (queue, _))| (self.shard_index(queue), index))
+            .collect();
+        order.sort_by_key(|(shard_index, _)| *shard_index);
+        let mut wakes = Vec::new();
+        let mut round = 0;
+        let mut start = 0;
+        while start < order.len() {
+            let shard_index = order[start].0;
+            let mut end = start;
+            let mut cost = 0;
+            while end < order.len()
+                && order[end].0 == shard_index
+                && end - start < BATCH_RUN_MESSAGES_MAX
+            {
+                let message_cost = batch[order[end].1].1.len() + MESSAGE_OVERHEAD_BYTES;
+                if end > start && cost + message_cost > run_bytes_max {
+                    break;
+                }
+                cost += message_cost;
+                end += 1;
+            }
+            let run_round = self.buffer_run(batch, &order[start..end], offsets, &mut wakes)?;
+            round = round.max(run_round);
+            start = end;
+        }
+        Ok(round)
+    }
+
+    /// Buffers the messages `run` (pairs of shard index and index into `batch`, all of one
+    /// shard) under one lock of that shard; returns the commit round that makes them durable.
+    /// `wakes` is scratch space, reused between runs.
+    fn buffer_run(
+        &self,
+        batch: &[(&[u8], &[u8])],
+        run: &[(usize, usize)],
+        offsets: &mut [u64],
+        wakes: &mut Vec<(QueueKey, bool, bool)>,
+    ) -> Result<u64, WriteError> {
         self.check_writable()?;
-        let cost = message.len() + MESSAGE_OVERHEAD_BYTES;
+        let cost: usize = run
+            .iter()
+            .map(|(_, index)| batch[*index].1.len() + MESSAGE_OVERHEAD_BYTES)
+            .sum();
         self.reserve_budget(cost)?;
         let interval = matches!(self.options.sync, SyncPolicy::Interval { .. });
-        let mut shard = lock(self.shard(queue));
-        let state = if let Some(state) = shard.queues.get_mut(queue) {
-            state
-        } else {
-            let incarnation = self.next_incarnation.fetch_add(1, Ordering::Relaxed);
-            let name: Arc<[u8]> = Arc::from(queue);
-            shard
-                .queues
-                .entry(name.clone())
-                .or_insert(QueueState::new(name, incarnation, 0))
+        let Some(&(shard_index, _)) = run.first() else {
+            return Ok(0);
         };
-        let offset = state.next_offset;
-        state.next_offset += 1;
-        let buffer = state.buffer.get_or_insert_with(|| {
-            Box::new(WriteBuffer {
-                first_offset: offset,
-                ..WriteBuffer::default()
-            })
-        });
-        // Invariant: message_bytes_max <= 64 MiB (checked by StoreOptions::validate).
-        buffer
-            .lengths
-            .push(u32::try_from(message.len()).expect("message length checked"));
-        buffer.bytes.extend_from_slice(message);
-        let push_pending = !state.queued;
-        state.queued = true;
-        let push_full = interval
-            && !state.full_queued
-            && buffer.bytes.len() - buffer.frozen_bytes >= self.options.chunk_bytes;
-        state.full_queued |= push_full;
-        if push_pending || push_full {
-            let key = QueueKey {
-                name: state.name.clone(),
-                incarnation: state.incarnation,
+        let mut shard = lock(&self.shards[shard_index]);
+        wakes.clear();
+        for &(_, index) in run {
+            let (queue, message) = batch[index];
+            let state = if let Some(state) = shard.queues.get_mut(queue) {
+                state
+            } else {
+                let incarnation = self.next_incarnation.fetch_add(1, Ordering::Relaxed);
+                let name: Arc<[u8]> = Arc::from(queue);
+                shard
+                    .queues
+                    .entry(name.clone())
+                    .or_insert(QueueState::new(name, incarnation, 0))
             };
+            let offset = state.next_offset;
+            offsets[index] = offset;
+            state.next_offset += 1;
+            let buffer = state.buffer.get_or_insert_with(|| {
+                Box::new(WriteBuffer {
+                    first_offset: offset,
+                    ..WriteBuffer::default()
+                })
+            });
+            // Invariant: message_bytes_max <= 64 MiB (checked by StoreOptions::validate).
+            buffer
+                .lengths
+                .push(u32::try_from(message.len()).expect("message length checked"));
+            buffer.bytes.extend_from_slice(message);
+            let push_pending = !state.queued;
+            state.queued = true;
+            let push_full = interval
+                && !state.full_queued
+                && buffer.bytes.len() - buffer.frozen_bytes >= self.options.chunk_bytes;
+            state.full_queued |= push_full;
+            if push_pending || push_full {
+                let key = QueueKey {
+                    name: state.name.clone(),
+                    incarnation: state.incarnation,
+                };
+                wakes.push((key, push_pending, push_full));
+            }
+        }
+        if !wakes.is_empty() {
+            // Still under the shard lock (order shard -> pending), as a delete or trim of the
+            // same queue pushes its record under it too.
             let mut pending = lock(&self.pending);
-            if push_full {
-                pending.full.push(key.clone());
+            let mut wake = !interval;
+            for (key, push_pending, push_full) in wakes.drain(..) {
+                wake |= push_full;
+                match (push_pending, push_full) {
+                    (true, true) => {
+                        pending.full.push(key.clone());
+                        pending.items.push(PendingItem::Queue(key));
+                    }
+                    (true, false) => pending.items.push(PendingItem::Queue(key)),
+                    (false, _) => pending.full.push(key),
+                }
             }
-            if push_pending {
-                pending.items.push(PendingItem::Queue(key));
-            }
-            if push_full || !interval {
+            if wake {
                 self.wake_committer(&pending);
             }
         }
         let round = self.rounds_started.load(Ordering::SeqCst) + 1;
-        Ok((offset, round))
+        drop(shard);
+        Ok(round)
     }
 
     /// Blocks until commit round `round` is done; its error if it failed.
