@@ -24,6 +24,11 @@ use crate::storage::{OsStorage, Storage, StorageFile};
 pub(crate) const SHARD_COUNT: usize = 64;
 /// Most chunks one read visits.
 const READ_CHUNKS_MAX: usize = 64;
+/// The first `pread` of a chunk asks for this many times the queue's average record bytes per
+/// message (times the chunk's messages); a longer record takes a second `pread`.
+const READ_GUESS_SLACK: u64 = 2;
+/// Smallest first `pread` of a chunk.
+const READ_GUESS_BYTES_MIN: usize = 256;
 /// Most messages of a batch append buffered under one shard lock.
 const BATCH_RUN_MESSAGES_MAX: usize = 256;
 /// Most budget bytes a batch append reserves at once (a single larger message excepted; and
@@ -931,7 +936,10 @@ impl Inner {
         max_messages: usize,
         max_bytes: usize,
     ) -> Result<ReadBatch, ReadError> {
-        let mut planned: Vec<(ChunkEntry, Arc<dyn StorageFile>)> = Vec::new();
+        let mut planned: Vec<(ChunkEntry, Arc<dyn StorageFile>, usize)> = Vec::new();
+        // A full chunk: payload, per-message lengths and headers, with room to spare.
+        let full_guess_bytes =
+            (self.options.chunk_bytes + self.options.chunk_bytes / 4 + 512).min(1 << 20);
         let mut buffered = ReadBatch::default();
         let mut batch;
         let disk_end;
@@ -957,15 +965,31 @@ impl Inner {
                 let first = state
                     .chunks
                     .partition_point(|chunk| chunk.first_offset <= start);
+                // Record bytes per message of this queue on average, so a chunk of a few
+                // small messages is read with a small `pread`, not one sized for a full chunk.
+                let disk_messages = disk_end.saturating_sub(state.first_offset).max(1);
+                let per_message_bytes = state.stored_bytes / disk_messages;
                 let segments = lock(&self.segments);
-                for chunk in state
+                let first = first.saturating_sub(1);
+                for (index, chunk) in state
                     .chunks
-                    .range(first.saturating_sub(1)..)
+                    .range(first..)
                     .take(READ_CHUNKS_MAX)
+                    .enumerate()
                 {
                     if chunk.first_offset >= wanted_end {
                         break;
                     }
+                    let chunk_end = state
+                        .chunks
+                        .get(first + index + 1)
+                        .map_or(disk_end, |next| next.first_offset);
+                    let guess = (chunk_end - chunk.first_offset)
+                        .saturating_mul(per_message_bytes)
+                        .saturating_mul(READ_GUESS_SLACK);
+                    let guess = usize::try_from(guess)
+                        .unwrap_or(usize::MAX)
+                        .clamp(READ_GUESS_BYTES_MIN, full_guess_bytes);
                     let file = segments
                         .get(&chunk.segment)
                         .map(|segment| segment.file.clone());
@@ -974,7 +998,7 @@ impl Inner {
                         position: chunk.position,
                         reason: "segment file missing".to_string(),
                     })?;
-                    planned.push((*chunk, file));
+                    planned.push((*chunk, file, guess));
                 }
             }
             if let Some(buffer) = &state.buffer
@@ -1003,10 +1027,7 @@ impl Inner {
         }
         let mut next = batch.first_offset;
         let mut record = Vec::new();
-        // A full chunk: payload, per-message lengths and headers, with room to spare.
-        let guess_bytes =
-            (self.options.chunk_bytes + self.options.chunk_bytes / 4 + 512).min(1 << 20);
-        for (chunk, file) in planned {
+        for (chunk, file, guess_bytes) in planned {
             if batch.len() >= max_messages || next >= disk_end {
                 return Ok(batch);
             }
