@@ -11,12 +11,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crate::error::WriteError;
 use crate::format::{self, RECORD_HEADER_BYTES, Record, SEGMENT_HEADER_BYTES};
 use crate::options::SyncPolicy;
-use crate::queue::{ChunkEntry, NO_SEGMENT};
+use crate::queue::{ChunkEntry, FRAME_BYTES, NO_SEGMENT};
 use crate::recovery::Scanner;
 use crate::storage::StorageFile;
 use crate::store::{
-    FAILURES_MAX, Inner, MESSAGE_OVERHEAD_BYTES, PendingItem, QueueKey, SHARD_COUNT, SegmentEntry,
-    Shard, lock,
+    FAILURES_MAX, Inner, PendingItem, QueueKey, SHARD_COUNT, SegmentEntry, Shard, lock,
 };
 
 /// The oldest segment is relocated once at most 1 in this many of its chunks is still live.
@@ -67,7 +66,8 @@ enum Placed {
         shard: usize,
         entry: ChunkEntry,
         count: usize,
-        payload_bytes: usize,
+        /// Bytes of the messages in the queue's write buffer (payload and lengths).
+        buffered_bytes: usize,
         record_bytes: u64,
     },
     Record {
@@ -370,25 +370,31 @@ impl Committer<'_> {
         };
         let mut index = buffer.frozen;
         let mut byte_start = buffer.frozen_bytes;
-        while index < buffer.lengths.len() {
+        while index < buffer.count {
+            // Messages index..end, framed in data[byte_start..byte_end], payload bytes in all.
             let mut end = index;
+            let mut byte_end = byte_start;
             let mut payload = 0;
-            while end < buffer.lengths.len()
-                && (end == index || payload + buffer.lengths[end] as usize <= chunk_bytes)
-            {
-                payload += buffer.lengths[end] as usize;
+            while end < buffer.count {
+                let length = buffer.length_at(byte_end);
+                if end > index && payload + length > chunk_bytes {
+                    break;
+                }
+                payload += length;
+                byte_end += FRAME_BYTES + length;
                 end += 1;
             }
             let position = self.writer.position();
             let before = self.writer.buffer.len();
             let first_offset = buffer.first_offset + index as u64;
-            format::encode_chunk(
+            format::encode_chunk_framed(
                 &mut self.writer.buffer,
                 &key.name,
                 first_offset,
                 timestamp_ms,
-                &buffer.lengths[index..end],
-                &buffer.bytes[byte_start..byte_start + payload],
+                end - index,
+                payload,
+                &buffer.data[byte_start..byte_end],
             );
             let entry = ChunkEntry {
                 first_offset,
@@ -400,11 +406,11 @@ impl Committer<'_> {
                 shard: shard_index,
                 entry,
                 count: end - index,
-                payload_bytes: payload,
+                buffered_bytes: byte_end - byte_start,
                 record_bytes: (self.writer.buffer.len() - before) as u64,
             });
             index = end;
-            byte_start += payload;
+            byte_start = byte_end;
         }
         buffer.frozen = index;
         buffer.frozen_bytes = byte_start;
@@ -426,7 +432,7 @@ impl Committer<'_> {
                     shard: shard_index,
                     entry,
                     count,
-                    payload_bytes,
+                    buffered_bytes,
                     record_bytes,
                 } => {
                     let reuse = held.as_ref().is_some_and(|(index, applied, _)| {
@@ -448,8 +454,8 @@ impl Committer<'_> {
                     // Invariant: frozen messages stay buffered until this drain.
                     let buffer = state.buffer.as_mut().expect("frozen messages are buffered");
                     debug_assert_eq!(buffer.first_offset, entry.first_offset);
-                    buffer.drain_front(count, payload_bytes);
-                    if buffer.lengths.is_empty() {
+                    buffer.drain_front(count, buffered_bytes);
+                    if buffer.count == 0 {
                         state.buffer = None;
                     }
                     state.chunks.push_back(entry);
@@ -458,7 +464,7 @@ impl Committer<'_> {
                         Some((segment, added)) if *segment == entry.segment => *added += 1,
                         _ => live_added.push((entry.segment, 1)),
                     }
-                    freed_bytes += payload_bytes + MESSAGE_OVERHEAD_BYTES * count;
+                    freed_bytes += buffered_bytes;
                 }
                 Placed::Record { segment, item } => {
                     held = None;

@@ -35,7 +35,7 @@ const BATCH_RUN_MESSAGES_MAX: usize = 256;
 /// at most an eighth of the budget), so one reservation stays far below the budget.
 const BATCH_RUN_BYTES_MAX: usize = 64 << 10;
 /// Budget bytes a buffered message costs beyond its payload (its length field).
-pub(crate) const MESSAGE_OVERHEAD_BYTES: usize = 4;
+pub(crate) const MESSAGE_OVERHEAD_BYTES: usize = crate::queue::FRAME_BYTES;
 
 pub(crate) type QueueMap = HashMap<Arc<[u8]>, QueueState, foldhash::fast::FixedState>;
 
@@ -549,9 +549,7 @@ impl Store {
                 let index = state.chunks.capacity() * std::mem::size_of::<ChunkEntry>();
                 usage.index_bytes += index as u64;
                 let buffer = state.buffer.as_ref().map_or(0, |buffer| {
-                    std::mem::size_of::<WriteBuffer>()
-                        + buffer.lengths.capacity() * 4
-                        + buffer.bytes.capacity()
+                    std::mem::size_of::<WriteBuffer>() + buffer.data.capacity()
                 });
                 usage.buffer_bytes += buffer as u64;
                 // Name bytes plus the Arc's two counters.
@@ -790,16 +788,12 @@ impl Inner {
                     ..WriteBuffer::default()
                 })
             });
-            // Invariant: message_bytes_max <= 64 MiB (checked by StoreOptions::validate).
-            buffer
-                .lengths
-                .push(u32::try_from(message.len()).expect("message length checked"));
-            buffer.bytes.extend_from_slice(message);
+            buffer.push(message);
             let push_pending = !state.queued;
             state.queued = true;
             let push_full = interval
                 && !state.full_queued
-                && buffer.bytes.len() - buffer.frozen_bytes >= self.options.chunk_bytes;
+                && buffer.unfrozen_payload_bytes() >= self.options.chunk_bytes;
             state.full_queued |= push_full;
             if push_pending || push_full {
                 let key = QueueKey {
@@ -1007,21 +1001,19 @@ impl Inner {
             {
                 let skip = usize::try_from(start.saturating_sub(buffer.first_offset))
                     .unwrap_or(usize::MAX);
-                let mut position: usize = buffer
-                    .lengths
-                    .iter()
-                    .take(skip)
-                    .map(|length| *length as usize)
-                    .sum();
+                let mut position = 0;
+                for _ in 0..skip.min(buffer.count) {
+                    position = buffer.message_at(position).1;
+                }
                 let mut taken_bytes = 0;
-                for index in skip..buffer.lengths.len().min(skip.saturating_add(max_messages)) {
-                    let range = buffer.message(index, position);
-                    position = range.end;
-                    taken_bytes += range.len();
+                for index in skip..buffer.count.min(skip.saturating_add(max_messages)) {
+                    let (message, next_position) = buffer.message_at(position);
+                    position = next_position;
+                    taken_bytes += message.len();
                     if taken_bytes > max_bytes && index > skip {
                         break;
                     }
-                    buffered.push(&buffer.bytes[range]);
+                    buffered.push(message);
                 }
             }
         }
