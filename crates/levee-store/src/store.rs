@@ -29,6 +29,10 @@ const READ_CHUNKS_MAX: usize = 64;
 const READ_GUESS_SLACK: u64 = 2;
 /// Smallest first `pread` of a chunk.
 const READ_GUESS_BYTES_MIN: usize = 256;
+/// Most bytes a read reserves up front for the messages it returns (it may grow past).
+const READ_RESERVE_BYTES_MAX: usize = 1 << 20;
+/// Most messages a read reserves room for up front (it may grow past).
+const READ_RESERVE_MESSAGES_MAX: usize = 4096;
 /// Most messages of a batch append buffered under one shard lock.
 const BATCH_RUN_MESSAGES_MAX: usize = 256;
 /// Most budget bytes a batch append reserves at once (a single larger message excepted; and
@@ -930,7 +934,9 @@ impl Inner {
         max_messages: usize,
         max_bytes: usize,
     ) -> Result<ReadBatch, ReadError> {
-        let mut planned: Vec<(ChunkEntry, Arc<dyn StorageFile>, usize)> = Vec::new();
+        // Each chunk to read, the index of its segment's file in `files`, its first read size.
+        let mut planned: Vec<(ChunkEntry, usize, usize)> = Vec::new();
+        let mut files: Vec<Arc<dyn StorageFile>> = Vec::new();
         // A full chunk: payload, per-message lengths and headers, with room to spare.
         let full_guess_bytes =
             (self.options.chunk_bytes + self.options.chunk_bytes / 4 + 512).min(1 << 20);
@@ -955,6 +961,21 @@ impl Inner {
                 return Ok(batch);
             }
             let wanted_end = start.saturating_add(max_messages as u64);
+            // Room for the messages the read can return, from the queue's average size, so
+            // the batch does not grow by doubling; bounded by READ_RESERVE_BYTES_MAX.
+            let messages = wanted_end.min(visible_end) - start;
+            let average_bytes =
+                state.stored_bytes / disk_end.saturating_sub(state.first_offset).max(1);
+            let bytes = usize::try_from(messages.saturating_mul(average_bytes))
+                .unwrap_or(usize::MAX)
+                .min(max_bytes)
+                .min(READ_RESERVE_BYTES_MAX);
+            batch.reserve(
+                usize::try_from(messages)
+                    .unwrap_or(usize::MAX)
+                    .min(READ_RESERVE_MESSAGES_MAX),
+                bytes,
+            );
             if start < disk_end {
                 let first = state
                     .chunks
@@ -984,15 +1005,23 @@ impl Inner {
                     let guess = usize::try_from(guess)
                         .unwrap_or(usize::MAX)
                         .clamp(READ_GUESS_BYTES_MIN, full_guess_bytes);
-                    let file = segments
-                        .get(&chunk.segment)
-                        .map(|segment| segment.file.clone());
-                    let file = file.ok_or_else(|| ReadError::Storage {
-                        segment: chunk.segment,
-                        position: chunk.position,
-                        reason: "segment file missing".to_string(),
-                    })?;
-                    planned.push((*chunk, file, guess));
+                    // Consecutive chunks are mostly in one segment: one `Arc` clone (an
+                    // atomic on a line every reader shares) per segment, not per chunk.
+                    if planned
+                        .last()
+                        .is_none_or(|(last, _, _)| last.segment != chunk.segment)
+                    {
+                        let file = segments
+                            .get(&chunk.segment)
+                            .map(|segment| segment.file.clone())
+                            .ok_or_else(|| ReadError::Storage {
+                                segment: chunk.segment,
+                                position: chunk.position,
+                                reason: "segment file missing".to_string(),
+                            })?;
+                        files.push(file);
+                    }
+                    planned.push((*chunk, files.len() - 1, guess));
                 }
             }
             if let Some(buffer) = &state.buffer
@@ -1019,7 +1048,8 @@ impl Inner {
         }
         let mut next = batch.first_offset;
         let mut record = Vec::new();
-        for (chunk, file, guess_bytes) in planned {
+        for (chunk, file_index, guess_bytes) in planned {
+            let file = &files[file_index];
             if batch.len() >= max_messages || next >= disk_end {
                 return Ok(batch);
             }
