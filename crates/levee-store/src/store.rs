@@ -718,12 +718,24 @@ impl Inner {
         offsets: &mut [u64],
     ) -> Result<u64, WriteError> {
         let run_bytes_max = BATCH_RUN_BYTES_MAX.min(self.options.buffer_budget_bytes / 8);
-        let mut order: Vec<(usize, usize)> = batch
+        // A counting sort by shard: stable, so a queue's messages keep their order.
+        let shards: Vec<usize> = batch
             .iter()
-            .enumerate()
-            .map(|(index, (queue, _))| (self.shard_index(queue), index))
+            .map(|(queue, _)| self.shard_index(queue))
             .collect();
-        order.sort_by_key(|(shard_index, _)| *shard_index);
+        let mut next_slot = [0_usize; SHARD_COUNT];
+        for &shard_index in &shards {
+            next_slot[shard_index] += 1;
+        }
+        let mut slot = 0;
+        for count in &mut next_slot {
+            (*count, slot) = (slot, slot + *count);
+        }
+        let mut order = vec![(0, 0); batch.len()];
+        for (index, &shard_index) in shards.iter().enumerate() {
+            order[next_slot[shard_index]] = (shard_index, index);
+            next_slot[shard_index] += 1;
+        }
         let mut wakes = Vec::new();
         let mut round = 0;
         let mut start = 0;
