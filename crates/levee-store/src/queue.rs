@@ -48,6 +48,9 @@ impl WriteBuffer {
     pub fn push(&mut self, message: &[u8]) {
         // Invariant: message_bytes_max <= 64 MiB (checked by StoreOptions::validate).
         let length = u32::try_from(message.len()).expect("message length checked");
+        // One growth for length and bytes together: an empty buffer gets one allocation of
+        // the framed message, not one for the length and a reallocation for the bytes.
+        self.data.reserve(FRAME_BYTES + message.len());
         self.data.extend_from_slice(&length.to_le_bytes());
         self.data.extend_from_slice(message);
         self.count += 1;
