@@ -130,14 +130,16 @@ pub fn encode_chunk_framed(
     let body_bytes = CHUNK_FIXED_BYTES + name.len() + 4 * count + payload_bytes;
     debug_assert_eq!(framed.len(), 4 * count + payload_bytes);
     out.reserve(RECORD_HEADER_BYTES + body_bytes);
-    out.extend_from_slice(&[0; 4]);
-    out.extend_from_slice(&to_u32(body_bytes).to_le_bytes());
-    out.push(KIND_CHUNK);
-    out.push(name_length_byte(name));
-    out.extend_from_slice(&[0; 2]);
-    out.extend_from_slice(&to_u32(count).to_le_bytes());
-    out.extend_from_slice(&first_offset.to_le_bytes());
-    out.extend_from_slice(&timestamp_ms.to_le_bytes());
+    // The fixed part in one copy: crc (filled by seal_record), body length, kind, name
+    // length, 2 zero bytes, count, first offset, timestamp.
+    let mut fixed = [0_u8; RECORD_HEADER_BYTES + CHUNK_FIXED_BYTES];
+    fixed[4..8].copy_from_slice(&to_u32(body_bytes).to_le_bytes());
+    fixed[8] = KIND_CHUNK;
+    fixed[9] = name_length_byte(name);
+    fixed[12..16].copy_from_slice(&to_u32(count).to_le_bytes());
+    fixed[16..24].copy_from_slice(&first_offset.to_le_bytes());
+    fixed[24..32].copy_from_slice(&timestamp_ms.to_le_bytes());
+    out.extend_from_slice(&fixed);
     out.extend_from_slice(name);
     let mut position = 0;
     for _ in 0..count {
