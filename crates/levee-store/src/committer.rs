@@ -4,19 +4,18 @@
 //! round it deletes the oldest segment files once nothing live remains in them.
 
 use std::io;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::error::WriteError;
 use crate::format::{self, RECORD_HEADER_BYTES, Record, SEGMENT_HEADER_BYTES};
 use crate::options::SyncPolicy;
-use crate::queue::{ChunkEntry, NO_SEGMENT};
+use crate::queue::{ChunkEntry, FRAME_BYTES, NO_SEGMENT};
 use crate::recovery::Scanner;
 use crate::storage::StorageFile;
 use crate::store::{
-    FAILURES_MAX, Inner, MESSAGE_OVERHEAD_BYTES, PendingItem, QueueKey, SHARD_COUNT, SegmentEntry,
-    lock,
+    FAILURES_MAX, Inner, PendingItem, QueueKey, SHARD_COUNT, SegmentEntry, Shard, lock,
 };
 
 /// The oldest segment is relocated once at most 1 in this many of its chunks is still live.
@@ -24,6 +23,14 @@ const RELOCATE_LIVE_RATIO_MAX: u64 = 4;
 
 /// Past this position a round starts a new segment even mid-round, so positions fit in u32.
 const POSITION_SOFT_MAX: u64 = 3 << 30;
+
+/// Most queues the committer freezes or publishes under one shard lock before letting
+/// appenders in: a few hundred microseconds of work.
+const FREEZE_QUEUES_PER_LOCK_MAX: usize = 256;
+
+/// A queue to freeze: its shard index, whether it came from the pending list (not the full
+/// list), and its key.
+type RunEntry = (usize, bool, QueueKey);
 
 /// The active segment and the bytes of the round being built.
 #[derive(Debug)]
@@ -55,9 +62,12 @@ impl Writer {
 enum Placed {
     Chunk {
         key: QueueKey,
+        /// Index of the queue's lock shard.
+        shard: usize,
         entry: ChunkEntry,
         count: usize,
-        payload_bytes: usize,
+        /// Bytes of the messages in the queue's write buffer (payload and lengths).
+        buffered_bytes: usize,
         record_bytes: u64,
     },
     Record {
@@ -215,19 +225,24 @@ impl Committer<'_> {
         let mut placed = Vec::new();
         let mut rotated_mid_round = false;
         self.writer.buffer.clear();
-        let queues = plan.full.into_iter().map(|key| (key, false));
+        // Queues between two records are frozen in shard order (see `freeze_run`); records keep
+        // their place in the list, so every queue's chunks and records keep their order.
+        let mut run: Vec<RunEntry> = plan
+            .full
+            .into_iter()
+            .map(|key| (self.inner.shard_index(&key.name), false, key))
+            .collect();
         let mut result = Ok(());
-        for (key, from_items) in queues {
-            self.freeze(&key, from_items, timestamp_ms, &mut placed);
-        }
         for item in plan.items {
-            if let Err(error) = self.overflow_rotate(&mut rotated_mid_round) {
-                result = Err(error);
-                break;
-            }
             match item {
-                PendingItem::Queue(key) => self.freeze(&key, true, timestamp_ms, &mut placed),
+                PendingItem::Queue(key) => run.push((self.inner.shard_index(&key.name), true, key)),
                 PendingItem::Record { ref bytes, .. } => {
+                    result = self
+                        .freeze_run(&mut run, timestamp_ms, &mut placed, &mut rotated_mid_round)
+                        .and_then(|()| self.overflow_rotate(&mut rotated_mid_round));
+                    if result.is_err() {
+                        break;
+                    }
                     self.writer.buffer.extend_from_slice(bytes);
                     placed.push(Placed::Record {
                         segment: self.writer.segment,
@@ -235,6 +250,9 @@ impl Committer<'_> {
                     });
                 }
             }
+        }
+        if result.is_ok() {
+            result = self.freeze_run(&mut run, timestamp_ms, &mut placed, &mut rotated_mid_round);
         }
         let written = self.writer.buffer.len() as u64;
         if result.is_ok() && written > 0 {
@@ -290,16 +308,53 @@ impl Committer<'_> {
         self.rotate()
     }
 
+    /// Freezes the queues of `run` (emptied) in shard order, stable so that a queue's two
+    /// entries (full list, then pending list) keep their order: each shard is locked once per
+    /// [`FREEZE_QUEUES_PER_LOCK_MAX`] queues instead of once per queue, which matters when many
+    /// appenders compete for the shard locks and the CPU.
+    fn freeze_run(
+        &mut self,
+        run: &mut Vec<RunEntry>,
+        timestamp_ms: u64,
+        placed: &mut Vec<Placed>,
+        rotated_mid_round: &mut bool,
+    ) -> io::Result<()> {
+        run.sort_by_key(|(shard_index, _, _)| *shard_index);
+        let inner = self.inner;
+        let mut held: Option<(usize, usize, MutexGuard<'_, Shard>)> = None;
+        for (shard_index, from_items, key) in run.drain(..) {
+            if self.writer.length + (self.writer.buffer.len() as u64) >= POSITION_SOFT_MAX {
+                // Rotation fsyncs: never with a shard locked.
+                held = None;
+                self.overflow_rotate(rotated_mid_round)?;
+            }
+            let reuse = held.as_ref().is_some_and(|(index, frozen, _)| {
+                *index == shard_index && *frozen < FREEZE_QUEUES_PER_LOCK_MAX
+            });
+            if !reuse {
+                // One shard lock at a time: release the previous one first.
+                drop(held.take());
+                held = Some((shard_index, 0, lock(&inner.shards[shard_index])));
+            }
+            // Invariant: `held` was set just above.
+            let (_, frozen, shard) = held.as_mut().expect("shard locked above");
+            *frozen += 1;
+            self.freeze(shard, shard_index, &key, from_items, timestamp_ms, placed);
+        }
+        Ok(())
+    }
+
     /// Seals the unfrozen messages of one queue into chunk records in the round buffer.
     fn freeze(
         &mut self,
+        shard: &mut Shard,
+        shard_index: usize,
         key: &QueueKey,
         from_items: bool,
         timestamp_ms: u64,
         placed: &mut Vec<Placed>,
     ) {
         let chunk_bytes = self.inner.options.chunk_bytes;
-        let mut shard = lock(self.inner.shard(&key.name));
         let Some(state) = shard.queues.get_mut(&*key.name) else {
             return;
         };
@@ -315,25 +370,31 @@ impl Committer<'_> {
         };
         let mut index = buffer.frozen;
         let mut byte_start = buffer.frozen_bytes;
-        while index < buffer.lengths.len() {
+        while index < buffer.count {
+            // Messages index..end, framed in data[byte_start..byte_end], payload bytes in all.
             let mut end = index;
+            let mut byte_end = byte_start;
             let mut payload = 0;
-            while end < buffer.lengths.len()
-                && (end == index || payload + buffer.lengths[end] as usize <= chunk_bytes)
-            {
-                payload += buffer.lengths[end] as usize;
+            while end < buffer.count {
+                let length = buffer.length_at(byte_end);
+                if end > index && payload + length > chunk_bytes {
+                    break;
+                }
+                payload += length;
+                byte_end += FRAME_BYTES + length;
                 end += 1;
             }
             let position = self.writer.position();
             let before = self.writer.buffer.len();
             let first_offset = buffer.first_offset + index as u64;
-            format::encode_chunk(
+            format::encode_chunk_framed(
                 &mut self.writer.buffer,
                 &key.name,
                 first_offset,
                 timestamp_ms,
-                &buffer.lengths[index..end],
-                &buffer.bytes[byte_start..byte_start + payload],
+                end - index,
+                payload,
+                &buffer.data[byte_start..byte_end],
             );
             let entry = ChunkEntry {
                 first_offset,
@@ -342,30 +403,48 @@ impl Committer<'_> {
             };
             placed.push(Placed::Chunk {
                 key: key.clone(),
+                shard: shard_index,
                 entry,
                 count: end - index,
-                payload_bytes: payload,
+                buffered_bytes: byte_end - byte_start,
                 record_bytes: (self.writer.buffer.len() - before) as u64,
             });
             index = end;
-            byte_start += payload;
+            byte_start = byte_end;
         }
         buffer.frozen = index;
         buffer.frozen_bytes = byte_start;
     }
 
-    /// Publishes a written round in the index.
+    /// Publishes a written round in the index. Chunks come grouped by shard (see
+    /// `freeze_run`), so each shard is locked once per run of at most
+    /// [`FREEZE_QUEUES_PER_LOCK_MAX`] chunks; the segments' live counts and the budget are
+    /// updated once per round (and before each trim or delete record, which lowers counts).
     fn apply(&self, placed: Vec<Placed>) {
+        let inner = self.inner;
+        let mut held: Option<(usize, usize, MutexGuard<'_, Shard>)> = None;
+        let mut live_added: Vec<(u32, u64)> = Vec::new();
+        let mut freed_bytes = 0;
         for placed in placed {
             match placed {
                 Placed::Chunk {
                     key,
+                    shard: shard_index,
                     entry,
                     count,
-                    payload_bytes,
+                    buffered_bytes,
                     record_bytes,
                 } => {
-                    let mut shard = lock(self.inner.shard(&key.name));
+                    let reuse = held.as_ref().is_some_and(|(index, applied, _)| {
+                        *index == shard_index && *applied < FREEZE_QUEUES_PER_LOCK_MAX
+                    });
+                    if !reuse {
+                        drop(held.take());
+                        held = Some((shard_index, 0, lock(&inner.shards[shard_index])));
+                    }
+                    // Invariant: `held` was set just above.
+                    let (_, applied, shard) = held.as_mut().expect("shard locked above");
+                    *applied += 1;
                     let Some(state) = shard.queues.get_mut(&*key.name) else {
                         continue;
                     };
@@ -375,20 +454,21 @@ impl Committer<'_> {
                     // Invariant: frozen messages stay buffered until this drain.
                     let buffer = state.buffer.as_mut().expect("frozen messages are buffered");
                     debug_assert_eq!(buffer.first_offset, entry.first_offset);
-                    buffer.drain_front(count, payload_bytes);
-                    if buffer.lengths.is_empty() {
+                    buffer.drain_front(count, buffered_bytes);
+                    if buffer.count == 0 {
                         state.buffer = None;
                     }
                     state.chunks.push_back(entry);
                     state.stored_bytes += record_bytes;
-                    if let Some(segment) = lock(&self.inner.segments).get_mut(&entry.segment) {
-                        segment.live_chunks += 1;
-                        segment.chunks_total += 1;
+                    match live_added.last_mut() {
+                        Some((segment, added)) if *segment == entry.segment => *added += 1,
+                        _ => live_added.push((entry.segment, 1)),
                     }
-                    let freed = payload_bytes + MESSAGE_OVERHEAD_BYTES * count;
-                    self.inner.buffered_bytes.fetch_sub(freed, Ordering::SeqCst);
+                    freed_bytes += buffered_bytes;
                 }
                 Placed::Record { segment, item } => {
+                    held = None;
+                    self.add_live_chunks(&mut live_added);
                     let PendingItem::Record { dead, trim_of, .. } = item else {
                         continue;
                     };
@@ -409,6 +489,25 @@ impl Committer<'_> {
                         }
                     }
                 }
+            }
+        }
+        drop(held);
+        self.add_live_chunks(&mut live_added);
+        self.inner
+            .buffered_bytes
+            .fetch_sub(freed_bytes, Ordering::SeqCst);
+    }
+
+    /// Counts published chunks as live in their segments; empties `added`.
+    fn add_live_chunks(&self, added: &mut Vec<(u32, u64)>) {
+        if added.is_empty() {
+            return;
+        }
+        let mut segments = lock(&self.inner.segments);
+        for (segment, count) in added.drain(..) {
+            if let Some(entry) = segments.get_mut(&segment) {
+                entry.live_chunks += count;
+                entry.chunks_total += count;
             }
         }
     }

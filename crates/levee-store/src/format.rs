@@ -114,6 +114,49 @@ pub fn encode_chunk(
     debug_assert!(decode_record(&out[start + RECORD_HEADER_BYTES..]).is_ok());
 }
 
+/// Appends one chunk record of `count` messages framed as a write buffer holds them: each a
+/// little-endian u32 length then its bytes, `payload_bytes` of message bytes in all. Produces
+/// the same record as [`encode_chunk`].
+pub fn encode_chunk_framed(
+    out: &mut Vec<u8>,
+    name: &[u8],
+    first_offset: u64,
+    timestamp_ms: u64,
+    count: usize,
+    payload_bytes: usize,
+    framed: &[u8],
+) {
+    let start = out.len();
+    let body_bytes = CHUNK_FIXED_BYTES + name.len() + 4 * count + payload_bytes;
+    debug_assert_eq!(framed.len(), 4 * count + payload_bytes);
+    out.reserve(RECORD_HEADER_BYTES + body_bytes);
+    // The fixed part in one copy: crc (filled by seal_record), body length, kind, name
+    // length, 2 zero bytes, count, first offset, timestamp.
+    let mut fixed = [0_u8; RECORD_HEADER_BYTES + CHUNK_FIXED_BYTES];
+    fixed[4..8].copy_from_slice(&to_u32(body_bytes).to_le_bytes());
+    fixed[8] = KIND_CHUNK;
+    fixed[9] = name_length_byte(name);
+    fixed[12..16].copy_from_slice(&to_u32(count).to_le_bytes());
+    fixed[16..24].copy_from_slice(&first_offset.to_le_bytes());
+    fixed[24..32].copy_from_slice(&timestamp_ms.to_le_bytes());
+    out.extend_from_slice(&fixed);
+    out.extend_from_slice(name);
+    let mut position = 0;
+    for _ in 0..count {
+        let length = &framed[position..position + 4];
+        out.extend_from_slice(length);
+        position += 4 + usize::try_from(read_u32(length, 0)).unwrap_or(usize::MAX);
+    }
+    let mut position = 0;
+    for _ in 0..count {
+        let length = usize::try_from(read_u32(framed, position)).unwrap_or(usize::MAX);
+        out.extend_from_slice(&framed[position + 4..position + 4 + length]);
+        position += 4 + length;
+    }
+    seal_record(out, start);
+    debug_assert!(decode_record(&out[start + RECORD_HEADER_BYTES..]).is_ok());
+}
+
 /// Appends one trim record: the queue's messages before `first_retained_offset` are gone.
 pub fn encode_trim(out: &mut Vec<u8>, name: &[u8], first_retained_offset: u64) {
     let start = out.len();
@@ -305,6 +348,21 @@ pub fn read_u64(bytes: &[u8], at: usize) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn given_framed_messages_when_encoded_should_match_encode_chunk() {
+        let mut plain = Vec::new();
+        encode_chunk(&mut plain, b"q1", 7, 99, &[1, 0, 3], b"abcd");
+        let mut framed_input = Vec::new();
+        for message in [&b"a"[..], b"", b"bcd"] {
+            let length = u32::try_from(message.len()).unwrap();
+            framed_input.extend_from_slice(&length.to_le_bytes());
+            framed_input.extend_from_slice(message);
+        }
+        let mut framed = vec![0xee];
+        encode_chunk_framed(&mut framed, b"q1", 7, 99, 3, 4, &framed_input);
+        assert_eq!(&framed[1..], &plain[..]);
+    }
 
     #[test]
     fn given_chunk_when_encoded_should_decode_same_messages() {

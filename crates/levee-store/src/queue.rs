@@ -18,40 +18,70 @@ pub struct ChunkEntry {
     pub position: u32,
 }
 
-/// Messages appended but not yet indexed on disk. The first `frozen` messages are being
-/// written by the committer; later ones are not yet picked up.
+/// Bytes before each message in a [`WriteBuffer`]: its length, a little-endian u32.
+pub const FRAME_BYTES: usize = 4;
+
+/// Messages appended but not yet indexed on disk, in one allocation: each message is its
+/// length ([`FRAME_BYTES`]) then its bytes. The first `frozen` messages are being written by
+/// the committer; later ones are not yet picked up.
 #[derive(Debug, Default)]
 pub struct WriteBuffer {
-    /// Offset of `lengths[0]`.
+    /// Offset of the first buffered message.
     pub first_offset: u64,
-    /// Length of each buffered message.
-    pub lengths: Vec<u32>,
-    /// The messages back to back.
-    pub bytes: Vec<u8>,
+    /// The framed messages back to back.
+    pub data: Vec<u8>,
+    /// Messages in `data`.
+    pub count: usize,
     /// Messages handed to the committer.
     pub frozen: usize,
-    /// Bytes of those messages.
+    /// Bytes of `data` those take.
     pub frozen_bytes: usize,
 }
 
 impl WriteBuffer {
-    /// Bytes this buffer counts against the global budget.
+    /// Bytes this buffer counts against the global budget: payload plus a length per message.
     pub fn budget_bytes(&self) -> usize {
-        self.bytes.len() + 4 * self.lengths.len()
+        self.data.len()
     }
 
-    /// Drops the first `count` messages (`bytes` of payload) after they reached the disk.
+    /// Appends one message.
+    pub fn push(&mut self, message: &[u8]) {
+        // Invariant: message_bytes_max <= 64 MiB (checked by StoreOptions::validate).
+        let length = u32::try_from(message.len()).expect("message length checked");
+        // One growth for length and bytes together: an empty buffer gets one allocation of
+        // the framed message, not one for the length and a reallocation for the bytes.
+        self.data.reserve(FRAME_BYTES + message.len());
+        self.data.extend_from_slice(&length.to_le_bytes());
+        self.data.extend_from_slice(message);
+        self.count += 1;
+    }
+
+    /// Payload bytes of the messages not yet frozen.
+    pub fn unfrozen_payload_bytes(&self) -> usize {
+        self.data.len() - self.frozen_bytes - FRAME_BYTES * (self.count - self.frozen)
+    }
+
+    /// Drops the first `count` messages (`bytes` of `data`) after they reached the disk.
     pub fn drain_front(&mut self, count: usize, bytes: usize) {
-        self.lengths.drain(..count);
-        self.bytes.drain(..bytes);
+        self.data.drain(..bytes);
         self.first_offset += count as u64;
+        self.count -= count;
         self.frozen -= count;
         self.frozen_bytes -= bytes;
     }
 
-    /// Payload range of message `index`.
-    pub fn message(&self, index: usize, start: usize) -> std::ops::Range<usize> {
-        start..start + self.lengths[index] as usize
+    /// Length of the message framed at byte `position` of `data`.
+    pub fn length_at(&self, position: usize) -> usize {
+        let mut length = [0; FRAME_BYTES];
+        length.copy_from_slice(&self.data[position..position + FRAME_BYTES]);
+        u32::from_le_bytes(length) as usize
+    }
+
+    /// The message framed at byte `position` of `data`, and the position of the next one.
+    pub fn message_at(&self, position: usize) -> (&[u8], usize) {
+        let start = position + FRAME_BYTES;
+        let end = start + self.length_at(position);
+        (&self.data[start..end], end)
     }
 }
 

@@ -26,6 +26,11 @@ impl ReadBatch {
         }
     }
 
+    pub(crate) fn reserve(&mut self, messages: usize, bytes: usize) {
+        self.ends.reserve(messages);
+        self.data.reserve(bytes);
+    }
+
     pub(crate) fn push(&mut self, message: &[u8]) {
         self.data.extend_from_slice(message);
         self.ends.push(self.data.len());

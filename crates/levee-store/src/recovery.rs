@@ -82,25 +82,36 @@ struct Replay {
 /// from an old segment is copied to the end of the log), so offsets are settled in `finish`.
 struct Recovering {
     state: QueueState,
-    /// Record bytes and message count of each chunk, parallel to `state.chunks`.
-    sizes: VecDeque<u32>,
-    counts: VecDeque<u32>,
+    /// The chunks in offset order, with their sizes: one deque, so replaying a record touches
+    /// one place in memory (`state.chunks` is filled in `finish`).
+    chunks: VecDeque<RecoveredChunk>,
     /// Highest first retained offset of the replayed trim records.
     trimmed_to: u64,
+}
+
+/// One chunk of a queue being rebuilt.
+#[derive(Debug, Clone, Copy)]
+struct RecoveredChunk {
+    entry: ChunkEntry,
+    /// Record bytes, header included.
+    record_bytes: u32,
+    /// Messages in the chunk.
+    count: u32,
+}
+
+impl RecoveredChunk {
+    fn end_offset(&self) -> u64 {
+        self.entry.first_offset + u64::from(self.count)
+    }
 }
 
 impl Recovering {
     fn new(name: Arc<[u8]>, incarnation: u64, trimmed_to: u64) -> Self {
         Self {
             state: QueueState::new(name, incarnation, trimmed_to),
-            sizes: VecDeque::new(),
-            counts: VecDeque::new(),
+            chunks: VecDeque::new(),
             trimmed_to,
         }
-    }
-
-    fn end_of(&self, index: usize) -> u64 {
-        self.state.chunks[index].first_offset + u64::from(self.counts[index])
     }
 
     fn add_chunk(
@@ -114,6 +125,20 @@ impl Recovering {
         if end <= self.trimmed_to {
             return Ok(());
         }
+        let recovered = RecoveredChunk {
+            entry,
+            record_bytes,
+            count: chunk.count,
+        };
+        // The usual case: the chunk follows the last one.
+        if self
+            .chunks
+            .back()
+            .is_none_or(|last| last.end_offset() <= start)
+        {
+            self.chunks.push_back(recovered);
+            return Ok(());
+        }
         let inconsistent = |what: &str| {
             Problem::Inconsistent(format!(
                 "chunk of queue {:?} at offsets {start}..{end} {what}",
@@ -121,60 +146,55 @@ impl Recovering {
             ))
         };
         let index = self
-            .state
             .chunks
-            .partition_point(|known| known.first_offset < start);
-        if self
-            .state
-            .chunks
-            .get(index)
-            .is_some_and(|known| known.first_offset == start)
+            .partition_point(|known| known.entry.first_offset < start);
+        if let Some(known) = self.chunks.get_mut(index)
+            && known.entry.first_offset == start
         {
             // A copy of a relocated chunk: it replaces the original.
-            if self.counts[index] != chunk.count {
+            if known.count != chunk.count {
                 return Err(inconsistent("differs from the chunk it copies"));
             }
-            self.state.chunks[index] = entry;
-            self.sizes[index] = record_bytes;
+            known.entry = entry;
+            known.record_bytes = record_bytes;
             return Ok(());
         }
-        if index > 0 && self.end_of(index - 1) > start {
+        if index > 0 && self.chunks[index - 1].end_offset() > start {
             return Err(inconsistent("overlaps the chunk before it"));
         }
         if self
-            .state
             .chunks
             .get(index)
-            .is_some_and(|next| end > next.first_offset)
+            .is_some_and(|next| end > next.entry.first_offset)
         {
             return Err(inconsistent("overlaps the chunk after it"));
         }
-        self.state.chunks.insert(index, entry);
-        self.sizes.insert(index, record_bytes);
-        self.counts.insert(index, chunk.count);
+        self.chunks.insert(index, recovered);
         Ok(())
     }
 
     fn trim(&mut self, first_retained_offset: u64, segment: u32) {
         self.state.trim_segment = segment;
         self.trimmed_to = self.trimmed_to.max(first_retained_offset);
-        while !self.state.chunks.is_empty() && self.end_of(0) <= self.trimmed_to {
-            self.state.chunks.pop_front();
-            self.sizes.pop_front();
-            self.counts.pop_front();
+        while self
+            .chunks
+            .front()
+            .is_some_and(|front| front.end_offset() <= self.trimmed_to)
+        {
+            self.chunks.pop_front();
         }
     }
 
     /// Settles the offsets: the queue starts at its first chunk (older chunks sat in deleted
     /// segments) or its trim point, and its chunks must follow each other without a gap.
-    fn finish(mut self) -> Result<QueueState, String> {
-        let state = &mut self.state;
-        state.first_offset = state.chunks.front().map_or(self.trimmed_to, |front| {
-            front.first_offset.max(self.trimmed_to)
+    fn finish(self) -> Result<QueueState, String> {
+        let mut state = self.state;
+        state.first_offset = self.chunks.front().map_or(self.trimmed_to, |front| {
+            front.entry.first_offset.max(self.trimmed_to)
         });
         state.next_offset = self.trimmed_to;
-        for index in 0..state.chunks.len() {
-            let start = state.chunks[index].first_offset;
+        for (index, chunk) in self.chunks.iter().enumerate() {
+            let start = chunk.entry.first_offset;
             if index > 0 && start != state.next_offset {
                 return Err(format!(
                     "queue {:?} has no chunk for offsets {}..{start}",
@@ -182,13 +202,17 @@ impl Recovering {
                     state.next_offset
                 ));
             }
-            state.next_offset = start + u64::from(self.counts[index]);
+            state.next_offset = chunk.end_offset();
         }
         state.next_offset = state.next_offset.max(self.trimmed_to);
-        state.stored_bytes = self.sizes.iter().map(|size| u64::from(*size)).sum();
-        // Growth slack is not needed for the past: an idle queue keeps exactly its index.
-        state.chunks.shrink_to_fit();
-        Ok(self.state)
+        state.stored_bytes = self
+            .chunks
+            .iter()
+            .map(|chunk| u64::from(chunk.record_bytes))
+            .sum();
+        // Exactly sized: an idle queue keeps no growth slack for the past.
+        state.chunks = self.chunks.iter().map(|chunk| chunk.entry).collect();
+        Ok(state)
     }
 }
 

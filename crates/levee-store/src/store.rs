@@ -24,8 +24,22 @@ use crate::storage::{OsStorage, Storage, StorageFile};
 pub(crate) const SHARD_COUNT: usize = 64;
 /// Most chunks one read visits.
 const READ_CHUNKS_MAX: usize = 64;
+/// The first `pread` of a chunk asks for this many times the queue's average record bytes per
+/// message (times the chunk's messages); a longer record takes a second `pread`.
+const READ_GUESS_SLACK: u64 = 2;
+/// Smallest first `pread` of a chunk.
+const READ_GUESS_BYTES_MIN: usize = 256;
+/// Most bytes a read reserves up front for the messages it returns (it may grow past).
+const READ_RESERVE_BYTES_MAX: usize = 1 << 20;
+/// Most messages a read reserves room for up front (it may grow past).
+const READ_RESERVE_MESSAGES_MAX: usize = 4096;
+/// Most messages of a batch append buffered under one shard lock.
+const BATCH_RUN_MESSAGES_MAX: usize = 256;
+/// Most budget bytes a batch append reserves at once (a single larger message excepted; and
+/// at most an eighth of the budget), so one reservation stays far below the budget.
+const BATCH_RUN_BYTES_MAX: usize = 64 << 10;
 /// Budget bytes a buffered message costs beyond its payload (its length field).
-pub(crate) const MESSAGE_OVERHEAD_BYTES: usize = 4;
+pub(crate) const MESSAGE_OVERHEAD_BYTES: usize = crate::queue::FRAME_BYTES;
 
 pub(crate) type QueueMap = HashMap<Arc<[u8]>, QueueState, foldhash::fast::FixedState>;
 
@@ -310,7 +324,8 @@ impl Store {
 
     /// Appends many messages, to any queues, and returns their offsets in the same order.
     /// Messages of one queue keep their order. Inputs are all checked first; a later failure
-    /// (full disk, poisoned store) may leave an earlier part of the batch stored.
+    /// (full disk, poisoned store) may leave part of the batch stored (the messages are
+    /// buffered grouped by lock shard, not in batch order).
     pub fn append_batch(&self, batch: &[(&[u8], &[u8])]) -> Result<Vec<u64>, WriteError> {
         let (offsets, ticket) = self.append_batch_deferred(batch)?;
         if self.inner.options.sync == SyncPolicy::Always && !batch.is_empty() {
@@ -341,13 +356,8 @@ impl Store {
         for (queue, message) in batch {
             self.check_input(queue, message)?;
         }
-        let mut offsets = Vec::with_capacity(batch.len());
-        let mut round = 0;
-        for (queue, message) in batch {
-            let (offset, message_round) = self.inner.buffer_message(queue, message)?;
-            offsets.push(offset);
-            round = round.max(message_round);
-        }
+        let mut offsets = vec![0; batch.len()];
+        let round = self.inner.buffer_batch(batch, &mut offsets)?;
         Ok((offsets, CommitTicket { round }))
     }
 
@@ -543,9 +553,7 @@ impl Store {
                 let index = state.chunks.capacity() * std::mem::size_of::<ChunkEntry>();
                 usage.index_bytes += index as u64;
                 let buffer = state.buffer.as_ref().map_or(0, |buffer| {
-                    std::mem::size_of::<WriteBuffer>()
-                        + buffer.lengths.capacity() * 4
-                        + buffer.bytes.capacity()
+                    std::mem::size_of::<WriteBuffer>() + buffer.data.capacity()
                 });
                 usage.buffer_bytes += buffer as u64;
                 // Name bytes plus the Arc's two counters.
@@ -693,58 +701,147 @@ impl Inner {
     /// Puts one message into its queue's buffer; returns its offset and the commit round
     /// that will make it durable.
     fn buffer_message(&self, queue: &[u8], message: &[u8]) -> Result<(u64, u64), WriteError> {
+        let mut offset = [0];
+        let run = [(self.shard_index(queue), 0)];
+        let round = self.buffer_run(&[(queue, message)], &run, &mut offset, &mut Vec::new())?;
+        Ok((offset[0], round))
+    }
+
+    /// Buffers a batch: messages are grouped by shard (a stable sort, so a queue's messages
+    /// keep their order) and each group is buffered under one lock of its shard and one budget
+    /// reservation, in runs of at most [`BATCH_RUN_MESSAGES_MAX`] messages and
+    /// [`BATCH_RUN_BYTES_MAX`] bytes. Writes the offsets (in batch order) into `offsets` and
+    /// returns the commit round that makes every message durable.
+    fn buffer_batch(
+        &self,
+        batch: &[(&[u8], &[u8])],
+        offsets: &mut [u64],
+    ) -> Result<u64, WriteError> {
+        let run_bytes_max = BATCH_RUN_BYTES_MAX.min(self.options.buffer_budget_bytes / 8);
+        // A counting sort by shard: stable, so a queue's messages keep their order.
+        let shards: Vec<usize> = batch
+            .iter()
+            .map(|(queue, _)| self.shard_index(queue))
+            .collect();
+        let mut next_slot = [0_usize; SHARD_COUNT];
+        for &shard_index in &shards {
+            next_slot[shard_index] += 1;
+        }
+        let mut slot = 0;
+        for count in &mut next_slot {
+            (*count, slot) = (slot, slot + *count);
+        }
+        let mut order = vec![(0, 0); batch.len()];
+        for (index, &shard_index) in shards.iter().enumerate() {
+            order[next_slot[shard_index]] = (shard_index, index);
+            next_slot[shard_index] += 1;
+        }
+        let mut wakes = Vec::new();
+        let mut round = 0;
+        let mut start = 0;
+        while start < order.len() {
+            let shard_index = order[start].0;
+            let mut end = start;
+            let mut cost = 0;
+            while end < order.len()
+                && order[end].0 == shard_index
+                && end - start < BATCH_RUN_MESSAGES_MAX
+            {
+                let message_cost = batch[order[end].1].1.len() + MESSAGE_OVERHEAD_BYTES;
+                if end > start && cost + message_cost > run_bytes_max {
+                    break;
+                }
+                cost += message_cost;
+                end += 1;
+            }
+            let run_round = self.buffer_run(batch, &order[start..end], offsets, &mut wakes)?;
+            round = round.max(run_round);
+            start = end;
+        }
+        Ok(round)
+    }
+
+    /// Buffers the messages `run` (pairs of shard index and index into `batch`, all of one
+    /// shard) under one lock of that shard; returns the commit round that makes them durable.
+    /// `wakes` is scratch space, reused between runs.
+    fn buffer_run(
+        &self,
+        batch: &[(&[u8], &[u8])],
+        run: &[(usize, usize)],
+        offsets: &mut [u64],
+        wakes: &mut Vec<(QueueKey, bool, bool)>,
+    ) -> Result<u64, WriteError> {
         self.check_writable()?;
-        let cost = message.len() + MESSAGE_OVERHEAD_BYTES;
+        let cost: usize = run
+            .iter()
+            .map(|(_, index)| batch[*index].1.len() + MESSAGE_OVERHEAD_BYTES)
+            .sum();
         self.reserve_budget(cost)?;
         let interval = matches!(self.options.sync, SyncPolicy::Interval { .. });
-        let mut shard = lock(self.shard(queue));
-        let state = if let Some(state) = shard.queues.get_mut(queue) {
-            state
-        } else {
-            let incarnation = self.next_incarnation.fetch_add(1, Ordering::Relaxed);
-            let name: Arc<[u8]> = Arc::from(queue);
-            shard
-                .queues
-                .entry(name.clone())
-                .or_insert(QueueState::new(name, incarnation, 0))
+        let Some(&(shard_index, _)) = run.first() else {
+            return Ok(0);
         };
-        let offset = state.next_offset;
-        state.next_offset += 1;
-        let buffer = state.buffer.get_or_insert_with(|| {
-            Box::new(WriteBuffer {
-                first_offset: offset,
-                ..WriteBuffer::default()
-            })
-        });
-        // Invariant: message_bytes_max <= 64 MiB (checked by StoreOptions::validate).
-        buffer
-            .lengths
-            .push(u32::try_from(message.len()).expect("message length checked"));
-        buffer.bytes.extend_from_slice(message);
-        let push_pending = !state.queued;
-        state.queued = true;
-        let push_full = interval
-            && !state.full_queued
-            && buffer.bytes.len() - buffer.frozen_bytes >= self.options.chunk_bytes;
-        state.full_queued |= push_full;
-        if push_pending || push_full {
-            let key = QueueKey {
-                name: state.name.clone(),
-                incarnation: state.incarnation,
+        let mut shard = lock(&self.shards[shard_index]);
+        wakes.clear();
+        for &(_, index) in run {
+            let (queue, message) = batch[index];
+            let state = if let Some(state) = shard.queues.get_mut(queue) {
+                state
+            } else {
+                let incarnation = self.next_incarnation.fetch_add(1, Ordering::Relaxed);
+                let name: Arc<[u8]> = Arc::from(queue);
+                shard
+                    .queues
+                    .entry(name.clone())
+                    .or_insert(QueueState::new(name, incarnation, 0))
             };
+            let offset = state.next_offset;
+            offsets[index] = offset;
+            state.next_offset += 1;
+            let buffer = state.buffer.get_or_insert_with(|| {
+                Box::new(WriteBuffer {
+                    first_offset: offset,
+                    ..WriteBuffer::default()
+                })
+            });
+            buffer.push(message);
+            let push_pending = !state.queued;
+            state.queued = true;
+            let push_full = interval
+                && !state.full_queued
+                && buffer.unfrozen_payload_bytes() >= self.options.chunk_bytes;
+            state.full_queued |= push_full;
+            if push_pending || push_full {
+                let key = QueueKey {
+                    name: state.name.clone(),
+                    incarnation: state.incarnation,
+                };
+                wakes.push((key, push_pending, push_full));
+            }
+        }
+        if !wakes.is_empty() {
+            // Still under the shard lock (order shard -> pending), as a delete or trim of the
+            // same queue pushes its record under it too.
             let mut pending = lock(&self.pending);
-            if push_full {
-                pending.full.push(key.clone());
+            let mut wake = !interval;
+            for (key, push_pending, push_full) in wakes.drain(..) {
+                wake |= push_full;
+                match (push_pending, push_full) {
+                    (true, true) => {
+                        pending.full.push(key.clone());
+                        pending.items.push(PendingItem::Queue(key));
+                    }
+                    (true, false) => pending.items.push(PendingItem::Queue(key)),
+                    (false, _) => pending.full.push(key),
+                }
             }
-            if push_pending {
-                pending.items.push(PendingItem::Queue(key));
-            }
-            if push_full || !interval {
+            if wake {
                 self.wake_committer(&pending);
             }
         }
         let round = self.rounds_started.load(Ordering::SeqCst) + 1;
-        Ok((offset, round))
+        drop(shard);
+        Ok(round)
     }
 
     /// Blocks until commit round `round` is done; its error if it failed.
@@ -849,7 +946,12 @@ impl Inner {
         max_messages: usize,
         max_bytes: usize,
     ) -> Result<ReadBatch, ReadError> {
-        let mut planned: Vec<(ChunkEntry, Arc<dyn StorageFile>)> = Vec::new();
+        // Each chunk to read, the index of its segment's file in `files`, its first read size.
+        let mut planned: Vec<(ChunkEntry, usize, usize)> = Vec::new();
+        let mut files: Vec<Arc<dyn StorageFile>> = Vec::new();
+        // A full chunk: payload, per-message lengths and headers, with room to spare.
+        let full_guess_bytes =
+            (self.options.chunk_bytes + self.options.chunk_bytes / 4 + 512).min(1 << 20);
         let mut buffered = ReadBatch::default();
         let mut batch;
         let disk_end;
@@ -871,28 +973,67 @@ impl Inner {
                 return Ok(batch);
             }
             let wanted_end = start.saturating_add(max_messages as u64);
+            // Room for the messages the read can return, from the queue's average size, so
+            // the batch does not grow by doubling; bounded by READ_RESERVE_BYTES_MAX.
+            let messages = wanted_end.min(visible_end) - start;
+            let average_bytes =
+                state.stored_bytes / disk_end.saturating_sub(state.first_offset).max(1);
+            let bytes = usize::try_from(messages.saturating_mul(average_bytes))
+                .unwrap_or(usize::MAX)
+                .min(max_bytes)
+                .min(READ_RESERVE_BYTES_MAX);
+            batch.reserve(
+                usize::try_from(messages)
+                    .unwrap_or(usize::MAX)
+                    .min(READ_RESERVE_MESSAGES_MAX),
+                bytes,
+            );
             if start < disk_end {
                 let first = state
                     .chunks
                     .partition_point(|chunk| chunk.first_offset <= start);
+                // Record bytes per message of this queue on average, so a chunk of a few
+                // small messages is read with a small `pread`, not one sized for a full chunk.
+                let disk_messages = disk_end.saturating_sub(state.first_offset).max(1);
+                let per_message_bytes = state.stored_bytes / disk_messages;
                 let segments = lock(&self.segments);
-                for chunk in state
+                let first = first.saturating_sub(1);
+                for (index, chunk) in state
                     .chunks
-                    .range(first.saturating_sub(1)..)
+                    .range(first..)
                     .take(READ_CHUNKS_MAX)
+                    .enumerate()
                 {
                     if chunk.first_offset >= wanted_end {
                         break;
                     }
-                    let file = segments
-                        .get(&chunk.segment)
-                        .map(|segment| segment.file.clone());
-                    let file = file.ok_or_else(|| ReadError::Storage {
-                        segment: chunk.segment,
-                        position: chunk.position,
-                        reason: "segment file missing".to_string(),
-                    })?;
-                    planned.push((*chunk, file));
+                    let chunk_end = state
+                        .chunks
+                        .get(first + index + 1)
+                        .map_or(disk_end, |next| next.first_offset);
+                    let guess = (chunk_end - chunk.first_offset)
+                        .saturating_mul(per_message_bytes)
+                        .saturating_mul(READ_GUESS_SLACK);
+                    let guess = usize::try_from(guess)
+                        .unwrap_or(usize::MAX)
+                        .clamp(READ_GUESS_BYTES_MIN, full_guess_bytes);
+                    // Consecutive chunks are mostly in one segment: one `Arc` clone (an
+                    // atomic on a line every reader shares) per segment, not per chunk.
+                    if planned
+                        .last()
+                        .is_none_or(|(last, _, _)| last.segment != chunk.segment)
+                    {
+                        let file = segments
+                            .get(&chunk.segment)
+                            .map(|segment| segment.file.clone())
+                            .ok_or_else(|| ReadError::Storage {
+                                segment: chunk.segment,
+                                position: chunk.position,
+                                reason: "segment file missing".to_string(),
+                            })?;
+                        files.push(file);
+                    }
+                    planned.push((*chunk, files.len() - 1, guess));
                 }
             }
             if let Some(buffer) = &state.buffer
@@ -901,30 +1042,26 @@ impl Inner {
             {
                 let skip = usize::try_from(start.saturating_sub(buffer.first_offset))
                     .unwrap_or(usize::MAX);
-                let mut position: usize = buffer
-                    .lengths
-                    .iter()
-                    .take(skip)
-                    .map(|length| *length as usize)
-                    .sum();
+                let mut position = 0;
+                for _ in 0..skip.min(buffer.count) {
+                    position = buffer.message_at(position).1;
+                }
                 let mut taken_bytes = 0;
-                for index in skip..buffer.lengths.len().min(skip.saturating_add(max_messages)) {
-                    let range = buffer.message(index, position);
-                    position = range.end;
-                    taken_bytes += range.len();
+                for index in skip..buffer.count.min(skip.saturating_add(max_messages)) {
+                    let (message, next_position) = buffer.message_at(position);
+                    position = next_position;
+                    taken_bytes += message.len();
                     if taken_bytes > max_bytes && index > skip {
                         break;
                     }
-                    buffered.push(&buffer.bytes[range]);
+                    buffered.push(message);
                 }
             }
         }
         let mut next = batch.first_offset;
         let mut record = Vec::new();
-        // A full chunk: payload, per-message lengths and headers, with room to spare.
-        let guess_bytes =
-            (self.options.chunk_bytes + self.options.chunk_bytes / 4 + 512).min(1 << 20);
-        for (chunk, file) in planned {
+        for (chunk, file_index, guess_bytes) in planned {
+            let file = &files[file_index];
             if batch.len() >= max_messages || next >= disk_end {
                 return Ok(batch);
             }
