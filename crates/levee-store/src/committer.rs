@@ -105,11 +105,20 @@ pub(crate) fn run(inner: &Inner, writer: Writer) {
     loop {
         let plan = committer.next_plan();
         let shutdown = plan.shutdown;
+        let full_round_started_ms = plan.is_full_round.then(|| inner.elapsed_ms());
         if plan.is_full_round {
             committer.last_full_round = Instant::now();
         }
         if !committer.run_round(plan) {
             return;
+        }
+        if let Some(started_ms) = full_round_started_ms
+            && !inner.disk_full.load(Ordering::SeqCst)
+        {
+            // Everything appended before the round started is now fsynced.
+            inner
+                .durable_through_ms
+                .fetch_max(started_ms, Ordering::Release);
         }
         if shutdown {
             // Nothing can be appended while the store is being dropped: one round suffices.
@@ -185,6 +194,12 @@ impl Committer<'_> {
                     is_full_round,
                     shutdown,
                 };
+            }
+            if interval.is_some() && pending.items.is_empty() && pending.full.is_empty() {
+                // Between rounds with no queue waiting: nothing buffered is unwritten.
+                self.inner
+                    .durable_through_ms
+                    .fetch_max(self.inner.elapsed_ms(), Ordering::Release);
             }
             pending.committer_sleeping = true;
             pending = match interval {

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::committer::{self, Writer};
 use crate::error::{InputError, OpenError, ReadError, WriteError};
@@ -33,6 +33,10 @@ const READ_GUESS_BYTES_MIN: usize = 256;
 const READ_RESERVE_BYTES_MAX: usize = 1 << 20;
 /// Most messages a read reserves room for up front (it may grow past).
 const READ_RESERVE_MESSAGES_MAX: usize = 4096;
+/// Under `interval`, appends wait while the last completed full round started more than this
+/// many intervals ago: when rounds take longer than the interval (the committer is short of
+/// CPU), appenders slow down instead of the interval promise silently slipping.
+pub(crate) const INTERVAL_LATE_FACTOR: u64 = 2;
 /// Most messages of a batch append buffered under one shard lock.
 const BATCH_RUN_MESSAGES_MAX: usize = 256;
 /// Most budget bytes a batch append reserves at once (a single larger message excepted; and
@@ -137,6 +141,11 @@ pub(crate) struct Inner {
     pub disk_full: AtomicBool,
     /// Set (after `CommitState::poisoned`) when the store is poisoned.
     pub poisoned: AtomicBool,
+    /// Time base of `durable_through_ms`.
+    pub opened: Instant,
+    /// Under `interval`: ms since `opened` before which every append is fsynced (the start
+    /// of the last completed full round, or the last moment nothing was buffered).
+    pub durable_through_ms: AtomicU64,
     pub counters: Counters,
 }
 
@@ -280,6 +289,8 @@ impl Store {
             next_incarnation: AtomicU64::new(recovered.next_incarnation),
             disk_full: AtomicBool::new(false),
             poisoned: AtomicBool::new(false),
+            opened: Instant::now(),
+            durable_through_ms: AtomicU64::new(0),
             counters: Counters::default(),
         });
         inner
@@ -698,9 +709,42 @@ impl Inner {
         }
     }
 
+    /// Milliseconds since the store was opened.
+    pub(crate) fn elapsed_ms(&self) -> u64 {
+        u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Under `interval`, waits while the committer is more than [`INTERVAL_LATE_FACTOR`]
+    /// intervals behind (back-pressure that keeps "fsynced within the interval" close to
+    /// true under overload); fails fast on a full disk or a poisoned store.
+    fn wait_for_late_rounds(&self) -> Result<(), WriteError> {
+        let SyncPolicy::Interval { interval_ms } = self.options.sync else {
+            return Ok(());
+        };
+        let late_ms = interval_ms.saturating_mul(INTERVAL_LATE_FACTOR);
+        loop {
+            let behind_ms = self
+                .elapsed_ms()
+                .saturating_sub(self.durable_through_ms.load(Ordering::Acquire));
+            if behind_ms <= late_ms {
+                return Ok(());
+            }
+            self.check_writable()?;
+            let commit = lock(&self.commit);
+            if let Some(reason) = &commit.poisoned {
+                return Err(WriteError::Poisoned(reason.clone()));
+            }
+            let _wait = self
+                .committed
+                .wait_timeout(commit, Duration::from_millis(10))
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
     /// Puts one message into its queue's buffer; returns its offset and the commit round
     /// that will make it durable.
     fn buffer_message(&self, queue: &[u8], message: &[u8]) -> Result<(u64, u64), WriteError> {
+        self.wait_for_late_rounds()?;
         let mut offset = [0];
         let run = [(self.shard_index(queue), 0)];
         let round = self.buffer_run(&[(queue, message)], &run, &mut offset, &mut Vec::new())?;
@@ -717,6 +761,7 @@ impl Inner {
         batch: &[(&[u8], &[u8])],
         offsets: &mut [u64],
     ) -> Result<u64, WriteError> {
+        self.wait_for_late_rounds()?;
         let run_bytes_max = BATCH_RUN_BYTES_MAX.min(self.options.buffer_budget_bytes / 8);
         // A counting sort by shard: stable, so a queue's messages keep their order.
         let shards: Vec<usize> = batch
