@@ -27,10 +27,10 @@ use crate::config::{Config, UnknownApp};
 use crate::metrics::{AppLabels, Metrics, ReasonLabels};
 
 /// Event batches buffered per app for its slowest app server.
-pub const EVENT_BATCHES_BUFFERED_MAX: usize = 256;
+pub const EVENT_BATCHES_BUFFERED_MAX: usize = 1_024;
 /// Most apps with connected app servers at once (each holds a channel of
 /// [`EVENT_BATCHES_BUFFERED_MAX`] slots).
-pub const SUBSCRIBED_APPS_MAX: usize = 10_000;
+pub const SUBSCRIBED_APPS_MAX: usize = 1_000;
 /// Most keys a top-K request may ask for.
 pub const TOP_KEYS_LIMIT_MAX: usize = 1_000;
 
