@@ -29,7 +29,7 @@ pub enum ClientError {
     #[error("invalid options: {0}")]
     InvalidOptions(String),
     /// The server (or the connection) answered with an error.
-    #[error("{0}")]
+    #[error(transparent)]
     Server(#[from] WireError),
 }
 

@@ -110,3 +110,31 @@ pub fn info(args: &InfoArgs) -> ExitCode {
         }
     }
 }
+
+/// Runs an admin call on a small runtime and prints its JSON result (compact with `--json`,
+/// pretty otherwise); exit 0 on success, 1 with `error: ...` on standard error otherwise.
+pub fn print_result(
+    json: bool,
+    call: impl std::future::Future<Output = anyhow::Result<serde_json::Value>>,
+) -> ExitCode {
+    let result = runtime()
+        .map_err(anyhow::Error::from)
+        .and_then(|runtime| runtime.block_on(call));
+    match result {
+        Ok(value) if json => {
+            println!("{value}");
+            ExitCode::SUCCESS
+        }
+        Ok(value) => {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&value).unwrap_or_default()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

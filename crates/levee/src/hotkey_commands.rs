@@ -98,28 +98,7 @@ pub fn run(command: &HotKeyCommand) -> ExitCode {
         }
         HotKeyCommand::Top(args) => (&args.app.address, args.app.address.json),
     };
-    let result = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(anyhow::Error::from)
-        .and_then(|runtime| runtime.block_on(call(command, &address.server)));
-    match result {
-        Ok(value) => {
-            if json {
-                println!("{value}");
-            } else {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&value).unwrap_or_default()
-                );
-            }
-            ExitCode::SUCCESS
-        }
-        Err(error) => {
-            eprintln!("error: {error:#}");
-            ExitCode::FAILURE
-        }
-    }
+    crate::client_commands::print_result(json, call(command, &address.server))
 }
 
 async fn call(command: &HotKeyCommand, server: &str) -> anyhow::Result<Value> {

@@ -77,28 +77,7 @@ pub fn run(command: &QueueCommand) -> ExitCode {
         QueueCommand::Info(args) | QueueCommand::Delete(args) => &args.address,
         QueueCommand::List(args) => &args.address,
     };
-    let result = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(anyhow::Error::from)
-        .and_then(|runtime| runtime.block_on(call(command, &address.server)));
-    match result {
-        Ok(value) => {
-            if address.json {
-                println!("{value}");
-            } else {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&value).unwrap_or_default()
-                );
-            }
-            ExitCode::SUCCESS
-        }
-        Err(error) => {
-            eprintln!("error: {error:#}");
-            ExitCode::FAILURE
-        }
-    }
+    crate::client_commands::print_result(address.json, call(command, &address.server))
 }
 
 async fn call(command: &QueueCommand, server: &str) -> anyhow::Result<Value> {
