@@ -30,6 +30,7 @@ use crate::hotkey::{self, TICK_INTERVAL};
 use crate::metrics::Metrics;
 use crate::queue::STORE_DIR_NAME;
 use crate::queue::service::QueueService;
+use crate::queue::subscription::{self, POSITION_TRIM_INTERVAL};
 use crate::state::ServerState;
 
 /// Most concurrent gRPC streams on one connection (HTTP/2 `MAX_CONCURRENT_STREAMS`).
@@ -105,6 +106,7 @@ pub struct RunningServer {
     stop_admin: watch::Sender<bool>,
     stop_sessions: watch::Sender<bool>,
     tick_task: JoinHandle<()>,
+    trim_task: JoinHandle<()>,
     store: Arc<Store>,
     grpc_task: JoinHandle<Result<(), tonic::transport::Error>>,
     admin_task: JoinHandle<std::io::Result<()>>,
@@ -137,6 +139,10 @@ impl RunningServer {
         let (stop_admin, _) = watch::channel(false);
         let (stop_sessions, _) = watch::channel(false);
         let tick_task = tokio::spawn(tick(Arc::clone(&hub), stop_sessions.subscribe()));
+        let trim_task = tokio::spawn(trim_positions(
+            Arc::clone(&store),
+            stop_sessions.subscribe(),
+        ));
         let (health, health_service) = tonic_health::server::health_reporter();
         health.set_serving::<AdminServer<AdminService>>().await;
         health.set_serving::<HotKeysServer<HotKeyService>>().await;
@@ -189,6 +195,7 @@ impl RunningServer {
             stop_admin,
             stop_sessions,
             tick_task,
+            trim_task,
             store,
             grpc_task,
             admin_task,
@@ -226,6 +233,7 @@ impl RunningServer {
             stop_admin,
             stop_sessions,
             tick_task,
+            trim_task,
             store,
             mut grpc_task,
             mut admin_task,
@@ -241,6 +249,7 @@ impl RunningServer {
         // Long-lived sessions end first (app servers reconnect elsewhere), then the drain.
         let _ = stop_sessions.send(true);
         let _ = tick_task.await;
+        let _ = trim_task.await;
         let _ = stop_grpc.send(true);
 
         let drained = tokio::time::timeout(grace, async {
@@ -365,6 +374,34 @@ async fn tick(hub: Arc<HotKeyHub>, mut stop: watch::Receiver<bool>) {
         tokio::select! {
             _ = interval.tick() => hub.tick(),
             _ = stop.wait_for(|stop| *stop) => return,
+        }
+    }
+}
+
+/// Trims consumer position queues every [`POSITION_TRIM_INTERVAL`] until told to stop.
+async fn trim_positions(store: Arc<Store>, mut stop: watch::Receiver<bool>) {
+    let mut interval = tokio::time::interval(POSITION_TRIM_INTERVAL);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tokio::select! {
+            _ = interval.tick() => {}
+            _ = stop.wait_for(|stop| *stop) => return,
+        }
+        let store = Arc::clone(&store);
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| {
+                u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+            });
+        let trimmed =
+            tokio::task::spawn_blocking(move || subscription::trim_positions(&store, now_ms)).await;
+        match trimmed {
+            Ok(Ok(removed)) if removed > 0 => {
+                tracing::debug!(removed, "trimmed consumer position queues");
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => tracing::warn!(%error, "trimming consumer position queues failed"),
+            Err(error) => tracing::warn!(%error, "trimming consumer position queues panicked"),
         }
     }
 }

@@ -35,6 +35,14 @@ const READ_MESSAGES_MAX: u32 = 1_000;
 pub const RESPONSES_QUEUED_MAX: usize = 16;
 /// Subscriptions open at once on one server.
 pub const SUBSCRIPTIONS_MAX: usize = 100_000;
+/// Bytes a consumer's position queue keeps when trimmed: every ack appends one small record,
+/// so the queue is trimmed from the front down to this size (its last chunk, which holds the
+/// newest position, is far smaller and always stays).
+pub const POSITION_QUEUE_BYTES_MAX: u64 = 64 << 10;
+/// How often position queues are trimmed.
+pub const POSITION_TRIM_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
+/// The prefix of every position queue's name.
+const POSITION_PREFIX: &[u8] = b"\0position\0";
 
 /// Who waits on which queue: appends wake the subscriptions of the queues they grew.
 #[derive(Debug, Default)]
@@ -88,12 +96,27 @@ fn invalid(message: String) -> WireError {
 /// The name of the queue holding `consumer`'s acked positions on `queue`.
 fn position_queue(consumer: &str, queue: &[u8]) -> Vec<u8> {
     let hash = foldhash::fast::FixedState::with_seed(0x706f_7369_7469_6f6e).hash_one(queue);
-    let mut name = vec![RESERVED_PREFIX];
-    name.extend_from_slice(b"position\0");
+    let mut name = POSITION_PREFIX.to_vec();
     name.extend_from_slice(consumer.as_bytes());
     name.push(0);
     name.extend_from_slice(format!("{hash:016x}").as_bytes());
     name
+}
+
+/// Trims every consumer position queue to about [`POSITION_QUEUE_BYTES_MAX`]; other queues
+/// are left alone. Blocks on the store: call it on the blocking pool.
+pub fn trim_positions(store: &Store, now_ms: u64) -> Result<u64, levee_store::WriteError> {
+    let report = store.enforce_retention(now_ms, |name| {
+        if name.starts_with(POSITION_PREFIX) {
+            levee_store::Retention {
+                max_age_ms: None,
+                max_bytes: Some(POSITION_QUEUE_BYTES_MAX),
+            }
+        } else {
+            levee_store::Retention::default()
+        }
+    })?;
+    Ok(report.messages_removed)
 }
 
 /// A position record: the next offset to deliver, then the queue's name (to detect a hash
@@ -370,4 +393,59 @@ enum Delivered {
     Some,
     Nothing,
     ClientGone,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn given_many_acks_when_positions_are_trimmed_then_the_queue_shrinks_and_keeps_the_last() {
+        let directory = tempfile::tempdir().unwrap();
+        let options = levee_store::StoreOptions {
+            sync: levee_store::SyncPolicy::Interval { interval_ms: 5 },
+            ..levee_store::StoreOptions::default()
+        };
+        let (store, _) = Store::open(directory.path(), options).unwrap();
+        store.append(b"orders", b"not a position").unwrap();
+        let name = position_queue("app", b"orders");
+        let ack = |from: u64, to: u64| {
+            for next in from..=to {
+                store
+                    .append(&name, &position_record(next, b"orders"))
+                    .unwrap();
+                if next % 500 == 0 {
+                    store.sync().unwrap();
+                }
+            }
+            store.sync().unwrap();
+        };
+        let retained = || {
+            let info = store.queue_info(&name).unwrap().unwrap();
+            info.next_offset - info.first_offset
+        };
+        ack(1, 5_000);
+        assert!(trim_positions(&store, 0).unwrap() > 0);
+        let after_first = retained();
+        assert!(after_first < 5_000);
+        assert_eq!(
+            trim_positions(&store, 0).unwrap(),
+            0,
+            "already within the bound"
+        );
+        // Ten times more acks: the queue stays about as small (bounded, not growing).
+        ack(5_001, 50_000);
+        trim_positions(&store, 0).unwrap();
+        assert!(
+            retained() <= after_first + 500,
+            "{} > {after_first} + one chunk",
+            retained()
+        );
+        assert_eq!(load_position(&store, "app", b"orders").unwrap(), 50_000);
+        // Other queues are untouched.
+        assert_eq!(
+            store.queue_info(b"orders").unwrap().unwrap().first_offset,
+            0
+        );
+    }
 }
