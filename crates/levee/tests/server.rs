@@ -195,12 +195,10 @@ fn assert_bad_start(args: &[&str], environment: &[(&str, &str)], expected: &str)
 #[test]
 fn given_unknown_config_key_then_exit_2_naming_the_key_and_line() {
     let directory = tempfile::tempdir().unwrap();
-    let config = directory.path().join("levee.toml");
-    std::fs::write(
-        &config,
+    let config = write_config(
+        &directory,
         "admin_addr = \"127.0.0.1:0\"\ngrpc_adr = \"127.0.0.1:0\"\n",
-    )
-    .unwrap();
+    );
     let config = config.to_str().unwrap();
     assert_bad_start(
         &["server", "--config", config],
@@ -315,12 +313,10 @@ fn given_data_dir_in_use_by_running_server_then_second_server_exits_2_naming_its
 #[test]
 fn given_flag_env_and_file_then_print_config_shows_flag_over_env_over_file() {
     let directory = tempfile::tempdir().unwrap();
-    let config = directory.path().join("levee.toml");
-    std::fs::write(
-        &config,
+    let config = write_config(
+        &directory,
         "grpc_addr = \"127.0.0.1:1001\"\nadmin_addr = \"127.0.0.1:1002\"\n",
-    )
-    .unwrap();
+    );
     let config = config.to_str().unwrap();
     let (code, stdout, _) = run_to_exit(
         &[
@@ -389,4 +385,11 @@ fn given_queue_store_dir_holding_something_else_then_exit_2_saying_what_was_foun
         &[],
         "is not a Levee queue store",
     );
+}
+
+/// Writes `text` as `levee.toml` in `directory` and returns its path.
+fn write_config(directory: &tempfile::TempDir, text: &str) -> std::path::PathBuf {
+    let path = directory.path().join("levee.toml");
+    std::fs::write(&path, text).unwrap();
+    path
 }
