@@ -10,6 +10,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "levee/v1/admin.proto",
         "levee/v1/hotkey.proto",
         "levee/v1/queue.proto",
+        "levee/v1/topic.proto",
     ];
     let file_descriptors = protox::compile(files, [&proto_root])?;
     tonic_prost_build::configure()

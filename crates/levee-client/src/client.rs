@@ -5,9 +5,15 @@ use std::time::Duration;
 use levee_proto::v1::admin_client::AdminClient;
 use levee_proto::v1::hot_keys_client::HotKeysClient;
 use levee_proto::v1::queues_client::QueuesClient;
+use levee_proto::v1::topics_client::TopicsClient;
 use levee_proto::v1::{
     AppendMessage, AppendRequest, DeleteQueueRequest, GetQueueInfoRequest, GetQueueInfoResponse,
     ListQueuesRequest, ReadRequest, ReadResponse,
+};
+use levee_proto::v1::{
+    CreateTopicRequest, DescribeGroupRequest, DescribeGroupResponse, DescribeTopicRequest,
+    DescribeTopicResponse, ListTopicsRequest, PublishMessage, PublishRequest, SetGroupRateRequest,
+    TopicSummary,
 };
 use levee_proto::v1::{
     EchoRequest, GetAppStatsRequest, GetAppStatsResponse, GetRulesRequest, GetServerInfoRequest,
@@ -249,9 +255,37 @@ impl Client {
                 .map(|(queue, payload)| AppendMessage {
                     queue: queue.to_vec(),
                     payload: payload.to_vec(),
+                    sequence: 0,
                 })
                 .collect(),
+            producer_id: String::new(),
         };
+        self.send_append(request).await
+    }
+
+    /// Appends as idempotent producer `producer_id`: each message is `(queue, payload,
+    /// sequence)`, sequences consecutive per queue. Resending the same request (after a timeout,
+    /// say) stores nothing twice and answers with the original offsets.
+    pub async fn append_idempotent(
+        &self,
+        producer_id: &str,
+        messages: &[(&[u8], &[u8], u64)],
+    ) -> Result<Vec<u64>, ClientError> {
+        let request = AppendRequest {
+            messages: messages
+                .iter()
+                .map(|(queue, payload, sequence)| AppendMessage {
+                    queue: queue.to_vec(),
+                    payload: payload.to_vec(),
+                    sequence: *sequence,
+                })
+                .collect(),
+            producer_id: producer_id.to_owned(),
+        };
+        self.send_append(request).await
+    }
+
+    async fn send_append(&self, request: AppendRequest) -> Result<Vec<u64>, ClientError> {
         Ok(self
             .queues_client()
             .append(request)
@@ -326,5 +360,119 @@ impl Client {
         credit_messages: u32,
     ) -> Result<crate::Subscription, ClientError> {
         crate::Subscription::open(self.queues_client(), queue, consumer, credit_messages).await
+    }
+
+    fn topics_client(&self) -> TopicsClient<Channel> {
+        TopicsClient::new(self.channel.clone())
+            .max_decoding_message_size(QUEUE_MESSAGE_BYTES_MAX)
+            .max_encoding_message_size(QUEUE_MESSAGE_BYTES_MAX)
+    }
+
+    /// Creates `topic` with `partitions` partitions; `Ok(true)` if it existed with that count.
+    pub async fn create_topic(&self, topic: &str, partitions: u32) -> Result<bool, ClientError> {
+        let request = CreateTopicRequest {
+            topic: topic.to_owned(),
+            partitions,
+        };
+        Ok(self
+            .topics_client()
+            .create_topic(request)
+            .await?
+            .into_inner()
+            .existed)
+    }
+
+    /// A topic's partitions with their first and next offsets.
+    pub async fn describe_topic(&self, topic: &str) -> Result<DescribeTopicResponse, ClientError> {
+        let request = DescribeTopicRequest {
+            topic: topic.to_owned(),
+        };
+        Ok(self
+            .topics_client()
+            .describe_topic(request)
+            .await?
+            .into_inner())
+    }
+
+    /// Every topic with its partition count.
+    pub async fn list_topics(&self) -> Result<Vec<TopicSummary>, ClientError> {
+        Ok(self
+            .topics_client()
+            .list_topics(ListTopicsRequest {})
+            .await?
+            .into_inner()
+            .topics)
+    }
+
+    /// Publishes `(key, payload)` messages to `topic` (partition = XXH3-64(key) mod P); returns
+    /// each message's `(partition, offset)` once durable.
+    pub async fn publish(
+        &self,
+        topic: &str,
+        messages: &[(&[u8], &[u8])],
+    ) -> Result<Vec<(u32, u64)>, ClientError> {
+        let request = PublishRequest {
+            topic: topic.to_owned(),
+            messages: messages
+                .iter()
+                .map(|(key, payload)| PublishMessage {
+                    key: key.to_vec(),
+                    payload: payload.to_vec(),
+                    partition_plus_one: 0,
+                    sequence: 0,
+                })
+                .collect(),
+            producer_id: String::new(),
+        };
+        self.publish_request(request).await
+    }
+
+    /// Sends a prepared publish request (explicit partitions, an idempotent producer).
+    pub async fn publish_request(
+        &self,
+        request: PublishRequest,
+    ) -> Result<Vec<(u32, u64)>, ClientError> {
+        let response = self.topics_client().publish(request).await?.into_inner();
+        Ok(response
+            .partitions
+            .into_iter()
+            .zip(response.offsets)
+            .collect())
+    }
+
+    /// A consumer group's members, owners, epochs, committed offsets and rate on `topic`.
+    pub async fn describe_group(
+        &self,
+        group: &str,
+        topic: &str,
+    ) -> Result<DescribeGroupResponse, ClientError> {
+        let request = DescribeGroupRequest {
+            group: group.to_owned(),
+            topic: topic.to_owned(),
+        };
+        Ok(self
+            .topics_client()
+            .describe_group(request)
+            .await?
+            .into_inner())
+    }
+
+    /// Sets `group`'s delivery rate limit in messages per second (0 clears it).
+    pub async fn set_group_rate(
+        &self,
+        group: &str,
+        messages_per_s: f64,
+    ) -> Result<(), ClientError> {
+        let request = SetGroupRateRequest {
+            group: group.to_owned(),
+            messages_per_s,
+        };
+        self.topics_client().set_group_rate(request).await?;
+        Ok(())
+    }
+
+    /// The raw `Topics` gRPC client on this connection (for the consumer).
+    pub(crate) fn raw_topics_client(&self) -> TopicsClient<Channel> {
+        self.topics_client()
     }
 }

@@ -5,6 +5,11 @@
 //! - [`HotKeys`]: the app-server side of hot-key detection: `is_hot`, a local cache of hot
 //!   keys' values with single-flight loading, callbacks, batched reports, reconnection, and
 //!   rendezvous routing over several servers.
+//! - [`Producer`]: batches appends from many tasks; optionally idempotent (resends never store
+//!   a message twice).
+//! - [`Subscription`]: one consumer's mailbox stream on one queue, with credits and acks.
+//! - [`GroupConsumer`]: a consumer-group member on a topic: leases, bounded parallelism, commits
+//!   strictly in order, rejoin with backoff.
 //! - [`ClientError`]: what went wrong; server errors carry Levee's stable [`ErrorCode`].
 //!
 //! ```no_run
@@ -19,18 +24,22 @@
 #![deny(missing_docs)]
 
 mod client;
+mod consumer;
 mod error;
 pub mod hotkey;
 mod producer;
 mod subscription;
 
 pub use client::{Client, ClientOptions, HealthStatus};
+pub use consumer::{ConsumerOptions, ConsumerStats, GroupConsumer, Message};
 pub use error::ClientError;
 pub use hotkey::{HotKeyChange, HotKeys, HotKeysOptions, HotKeysStats};
 pub use levee_proto::WireError;
+pub use levee_proto::topic_partition;
 pub use levee_proto::v1::{
-    Delivery, ErrorCode, GetAppStatsResponse as AppStats, GetServerInfoResponse as ServerInfo,
-    HotKeyEvent, HotKeyRule, KeyCount, MatchKind,
+    Delivery, DescribeGroupResponse as GroupDescription, DescribeTopicResponse as TopicDescription,
+    ErrorCode, GetAppStatsResponse as AppStats, GetServerInfoResponse as ServerInfo, HotKeyEvent,
+    HotKeyRule, KeyCount, MatchKind, TopicSummary,
 };
 pub use producer::{Producer, ProducerOptions};
 pub use subscription::Subscription;

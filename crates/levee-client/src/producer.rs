@@ -2,6 +2,12 @@
 //! `linger` for others to join its batch; a batch closes at `batch_messages_max` messages or
 //! `batch_bytes_max` bytes. Each caller gets its own message's offset once the batch is durable.
 //! At most `queued_messages_max` messages wait at once: further sends wait (back-pressure).
+//!
+//! With `idempotent`, the producer takes a fresh producer id and numbers each queue's messages;
+//! a batch whose request failed in a way that may not have reached the disk (unavailable, a
+//! timeout, a sequence gap left by a batch still in flight) is resent with the same numbers up
+//! to `retries_max` times, and the server stores nothing twice. Without it nothing is resent,
+//! since a resend could duplicate. The producer keeps one counter per queue it has sent to.
 
 use std::time::Duration;
 
@@ -28,6 +34,11 @@ pub struct ProducerOptions {
     /// Append requests in flight at once (default 8). Batches in flight together may be
     /// stored in any order: a caller that needs its messages in order awaits each send.
     pub requests_in_flight_max: usize,
+    /// Resend failed batches without ever storing a message twice (default false).
+    pub idempotent: bool,
+    /// With `idempotent`: resends of one batch before its callers get the error (default 5,
+    /// 10 ms apart, doubling).
+    pub retries_max: u32,
 }
 
 impl Default for ProducerOptions {
@@ -38,6 +49,8 @@ impl Default for ProducerOptions {
             batch_bytes_max: 4 << 20,
             queued_messages_max: 100_000,
             requests_in_flight_max: 8,
+            idempotent: false,
+            retries_max: 5,
         }
     }
 }
@@ -45,6 +58,7 @@ impl Default for ProducerOptions {
 struct Pending {
     queue: Vec<u8>,
     payload: Vec<u8>,
+    sequence: u64,
     answer: oneshot::Sender<Result<u64, ClientError>>,
 }
 
@@ -89,6 +103,7 @@ impl Producer {
         let pending = Pending {
             queue: queue.to_vec(),
             payload: payload.to_vec(),
+            sequence: 0,
             answer,
         };
         let stopped = || WireError::new(ErrorCode::Unavailable, "the producer has stopped");
@@ -97,8 +112,20 @@ impl Producer {
     }
 }
 
+/// A fresh idempotent producer id: the time and process id, hashed.
+fn fresh_producer_id() -> String {
+    use std::hash::BuildHasher;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_nanos());
+    let hash = foldhash::fast::RandomState::default().hash_one((nanos, std::process::id()));
+    format!("producer-{hash:016x}")
+}
+
 async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Receiver<Pending>) {
     let in_flight = Arc::new(Semaphore::new(options.requests_in_flight_max));
+    let producer_id = options.idempotent.then(fresh_producer_id);
+    let mut sequences: std::collections::HashMap<Vec<u8>, u64> = std::collections::HashMap::new();
     while let Some(first) = receiver.recv().await {
         let mut bytes = first.payload.len();
         let mut batch = vec![first];
@@ -112,24 +139,77 @@ async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Recei
             bytes += next.payload.len();
             batch.push(next);
         }
+        if producer_id.is_some() {
+            for pending in &mut batch {
+                let next = sequences.entry(pending.queue.clone()).or_default();
+                pending.sequence = *next;
+                *next += 1;
+            }
+        }
         // Waits while requests_in_flight_max requests are out: back-pressure on the queue.
         let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
             return;
         };
         let client = client.clone();
+        let producer_id = producer_id.clone();
+        let retries_max = options.retries_max;
         tokio::spawn(async move {
-            send_batch(&client, batch).await;
+            send_batch(&client, batch, producer_id.as_deref(), retries_max).await;
             drop(permit);
         });
     }
 }
 
-async fn send_batch(client: &Client, batch: Vec<Pending>) {
-    let messages: Vec<(&[u8], &[u8])> = batch
-        .iter()
-        .map(|pending| (&pending.queue[..], &pending.payload[..]))
-        .collect();
-    match client.append_batch(&messages).await {
+/// Whether a failed idempotent append may be resent: the server may not have stored it, or an
+/// earlier batch is still on its way.
+fn is_retryable(error: &ClientError) -> bool {
+    match error.code() {
+        Some(code) => matches!(
+            code,
+            ErrorCode::Unavailable
+                | ErrorCode::DeadlineExceeded
+                | ErrorCode::SequenceGap
+                | ErrorCode::ResourceExhausted
+        ),
+        None => true,
+    }
+}
+
+async fn send_batch(
+    client: &Client,
+    batch: Vec<Pending>,
+    producer_id: Option<&str>,
+    retries_max: u32,
+) {
+    let result = match producer_id {
+        None => {
+            let messages: Vec<(&[u8], &[u8])> = batch
+                .iter()
+                .map(|pending| (&pending.queue[..], &pending.payload[..]))
+                .collect();
+            client.append_batch(&messages).await
+        }
+        Some(producer_id) => {
+            let messages: Vec<(&[u8], &[u8], u64)> = batch
+                .iter()
+                .map(|pending| (&pending.queue[..], &pending.payload[..], pending.sequence))
+                .collect();
+            let mut backoff = Duration::from_millis(10);
+            let mut attempt = 0;
+            loop {
+                let result = client.append_idempotent(producer_id, &messages).await;
+                match result {
+                    Err(error) if attempt < retries_max && is_retryable(&error) => {
+                        attempt += 1;
+                        tokio::time::sleep(backoff).await;
+                        backoff *= 2;
+                    }
+                    other => break other,
+                }
+            }
+        }
+    };
+    match result {
         Ok(offsets) => {
             for (pending, offset) in batch.into_iter().zip(offsets) {
                 let _ = pending.answer.send(Ok(offset));

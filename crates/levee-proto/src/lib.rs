@@ -5,6 +5,8 @@
 //! - [`v1`]: messages, gRPC clients and gRPC servers of the `levee.v1` package.
 //! - [`WireError`]: the wire error codes, how each maps to a gRPC status, and how a client reads
 //!   them back out of a `tonic::Status`.
+//! - [`topic_partition`]: the partition a key is published to, which every client computes
+//!   identically.
 
 mod wire_error;
 
@@ -14,4 +16,39 @@ pub use wire_error::{ERROR_CODE_METADATA_KEY, ERROR_REASON_METADATA_KEY, WireErr
 #[allow(missing_docs, clippy::pedantic, missing_debug_implementations)]
 pub mod v1 {
     tonic::include_proto!("levee.v1");
+}
+
+/// The partition of a topic with `partitions` partitions that `key` is published to:
+/// `XXH3_64(key, seed 0) mod partitions`, over the key's bytes as given. Java
+/// (`net.openhft:zero-allocation-hashing`, `LongHashFunction.xx3()`) and Python (`xxhash`,
+/// `xxh3_64_intdigest`) compute the same value; the test below pins it.
+///
+/// # Panics
+/// If `partitions` is 0 (a topic has at least one partition).
+pub fn topic_partition(key: &[u8], partitions: u32) -> u32 {
+    assert!(partitions > 0, "a topic has at least one partition");
+    let partition = xxhash_rust::xxh3::xxh3_64(key) % u64::from(partitions);
+    u32::try_from(partition).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn given_keys_then_partitions_match_the_published_xxh3_vectors() {
+        // XXH3_64 of "" is 0x2d06800538d394c2 (the reference test vector); of "abc",
+        // 0x78af5f94892f3950.
+        assert_eq!(xxhash_rust::xxh3::xxh3_64(b""), 0x2d06_8005_38d3_94c2);
+        assert_eq!(xxhash_rust::xxh3::xxh3_64(b"abc"), 0x78af_5f94_892f_3950);
+        assert_eq!(
+            topic_partition(b"", 64),
+            (0x2d06_8005_38d3_94c2_u64 % 64) as u32
+        );
+        assert_eq!(
+            topic_partition(b"abc", 10),
+            (0x78af_5f94_892f_3950_u64 % 10) as u32
+        );
+        assert_eq!(topic_partition(b"anything", 1), 0);
+    }
 }

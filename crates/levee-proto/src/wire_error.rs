@@ -26,8 +26,12 @@ impl ErrorCode {
             ErrorCode::DeadlineExceeded => tonic::Code::DeadlineExceeded,
             ErrorCode::NotFound => tonic::Code::NotFound,
             ErrorCode::AlreadyExists => tonic::Code::AlreadyExists,
-            ErrorCode::FailedPrecondition => tonic::Code::FailedPrecondition,
+            ErrorCode::FailedPrecondition
+            | ErrorCode::Fenced
+            | ErrorCode::SequenceGap
+            | ErrorCode::SequenceTooOld => tonic::Code::FailedPrecondition,
             ErrorCode::Unimplemented => tonic::Code::Unimplemented,
+            ErrorCode::OffsetOutOfRange => tonic::Code::OutOfRange,
         }
     }
 
@@ -106,7 +110,8 @@ impl std::error::Error for WireError {}
 
 fn code_from_grpc(code: tonic::Code) -> ErrorCode {
     match code {
-        tonic::Code::InvalidArgument | tonic::Code::OutOfRange => ErrorCode::InvalidArgument,
+        tonic::Code::InvalidArgument => ErrorCode::InvalidArgument,
+        tonic::Code::OutOfRange => ErrorCode::OffsetOutOfRange,
         tonic::Code::Unavailable | tonic::Code::Cancelled | tonic::Code::Aborted => {
             ErrorCode::Unavailable
         }
@@ -193,6 +198,30 @@ mod tests {
             1009,
             tonic::Code::Unimplemented,
             "UNIMPLEMENTED",
+        ),
+        (
+            ErrorCode::Fenced,
+            3001,
+            tonic::Code::FailedPrecondition,
+            "FENCED",
+        ),
+        (
+            ErrorCode::SequenceGap,
+            3002,
+            tonic::Code::FailedPrecondition,
+            "SEQUENCE_GAP",
+        ),
+        (
+            ErrorCode::SequenceTooOld,
+            3003,
+            tonic::Code::FailedPrecondition,
+            "SEQUENCE_TOO_OLD",
+        ),
+        (
+            ErrorCode::OffsetOutOfRange,
+            3004,
+            tonic::Code::OutOfRange,
+            "OFFSET_OUT_OF_RANGE",
         ),
     ];
 

@@ -47,6 +47,27 @@ impl AppLabels {
     }
 }
 
+/// Labels of a per-consumer-group metric.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GroupLabels {
+    /// The consumer group.
+    pub group: String,
+}
+
+impl GroupLabels {
+    /// Labels for `group`.
+    pub fn new(group: &str) -> Self {
+        Self {
+            group: group.to_owned(),
+        }
+    }
+}
+
+/// A counter of seconds.
+pub type SecondsCounter = Counter<f64, std::sync::atomic::AtomicU64>;
+/// A gauge of a fractional value.
+pub type FloatGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
+
 /// Labels that say why or what kind.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
@@ -100,6 +121,20 @@ pub struct Metrics {
     pub queue_messages_read: Counter,
     /// Messages pushed to subscriptions (redeliveries included).
     pub queue_messages_delivered: Counter,
+    /// Messages published to topics (acknowledged).
+    pub topic_messages_published: Counter,
+    /// Messages of idempotent appends answered from memory instead of stored again.
+    pub producer_messages_deduplicated: Counter,
+    /// Messages delivered to consumer-group members, by group.
+    pub group_messages_delivered: Family<GroupLabels, Counter>,
+    /// Each group's configured rate limit in messages per second (0: none).
+    pub group_rate_limit_per_second: Family<GroupLabels, FloatGauge>,
+    /// Seconds group deliveries waited for the rate limit, by group.
+    pub group_throttled_seconds: Family<GroupLabels, SecondsCounter>,
+    /// Consumer-group members connected, by group.
+    pub group_members: Family<GroupLabels, Gauge>,
+    /// Rebalances, by group.
+    pub group_rebalances: Family<GroupLabels, Counter>,
     /// The queue store whose figures `/metrics` reports, once it is open.
     store: Arc<OnceLock<Weak<levee_store::Store>>>,
 }
@@ -245,6 +280,48 @@ impl Metrics {
                 "levee_queue_messages_delivered",
                 "messages pushed to subscriptions, redeliveries included",
                 Counter::default(),
+            ),
+            topic_messages_published: registered(
+                registry_ref,
+                "levee_topic_messages_published",
+                "messages published to topics and acknowledged",
+                Counter::default(),
+            ),
+            producer_messages_deduplicated: registered(
+                registry_ref,
+                "levee_producer_messages_deduplicated",
+                "messages of resent idempotent appends answered with their original offsets",
+                Counter::default(),
+            ),
+            group_messages_delivered: registered(
+                registry_ref,
+                "levee_group_messages_delivered",
+                "messages delivered to consumer-group members, redeliveries included, by group",
+                Family::default(),
+            ),
+            group_rate_limit_per_second: registered(
+                registry_ref,
+                "levee_group_rate_limit_per_second",
+                "each group's configured delivery rate limit in messages per second (0: none)",
+                Family::default(),
+            ),
+            group_throttled_seconds: registered(
+                registry_ref,
+                "levee_group_throttled_seconds",
+                "seconds group deliveries waited for the group's rate limit",
+                Family::default(),
+            ),
+            group_members: registered(
+                registry_ref,
+                "levee_group_members",
+                "consumer-group members connected, by group",
+                Family::default(),
+            ),
+            group_rebalances: registered(
+                registry_ref,
+                "levee_group_rebalances",
+                "consumer-group rebalances (joins, leaves, lease expiries), by group",
+                Family::default(),
             ),
             store: Arc::new(OnceLock::new()),
             registry: Arc::new(Registry::default()),

@@ -10,6 +10,7 @@ use std::time::Duration;
 use levee_proto::v1::admin_server::AdminServer;
 use levee_proto::v1::hot_keys_server::HotKeysServer;
 use levee_proto::v1::queues_server::QueuesServer;
+use levee_proto::v1::topics_server::TopicsServer;
 use levee_store::{OpenError, Store, StoreOptions};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -29,8 +30,13 @@ use crate::hotkey::service::HotKeyService;
 use crate::hotkey::{self, TICK_INTERVAL};
 use crate::metrics::Metrics;
 use crate::queue::STORE_DIR_NAME;
+use crate::queue::consume::{ConsumeContext, Pacers};
+use crate::queue::group::Groups;
 use crate::queue::service::QueueService;
 use crate::queue::subscription::{self, POSITION_TRIM_INTERVAL};
+use crate::queue::topic::Topics;
+use crate::queue::topic_service::TopicService;
+use crate::queue::{StoreCalls, subscription::Waiters};
 use crate::state::ServerState;
 
 /// Most concurrent gRPC streams on one connection (HTTP/2 `MAX_CONCURRENT_STREAMS`).
@@ -59,6 +65,18 @@ pub enum StartError {
         path: std::path::PathBuf,
         /// What the store said.
         source: OpenError,
+    },
+    /// The topics and group rates kept in the store cannot be read.
+    #[error(
+        "queue store {path}: the topic metadata cannot be read ({message}); restore the data \
+         dir from a backup",
+        path = path.display()
+    )]
+    Topics {
+        /// The store's directory.
+        path: std::path::PathBuf,
+        /// What went wrong.
+        message: String,
     },
     /// Another process listens on the address.
     #[error(
@@ -125,6 +143,7 @@ impl RunningServer {
         // Recovery may take a while: it runs after the cheap checks above have passed.
         let store = Arc::new(open_store(config).await?);
         metrics.attach_store(&store);
+        let topics = Arc::new(load_topics(&store, config).await?);
         let local_addr = |listener: &TcpListener, configured: SocketAddr| {
             listener.local_addr().unwrap_or(configured)
         };
@@ -147,13 +166,9 @@ impl RunningServer {
         health.set_serving::<AdminServer<AdminService>>().await;
         health.set_serving::<HotKeysServer<HotKeyService>>().await;
         health.set_serving::<QueuesServer<QueueService>>().await;
-        let queue_service = QueuesServer::new(QueueService::new(
-            Arc::clone(&store),
-            state.metrics.clone(),
-            stop_sessions.subscribe(),
-        ))
-        .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
-        .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
+        health.set_serving::<TopicsServer<TopicService>>().await;
+        let (queue_service, topic_service, consume_context) =
+            queue_services(&store, topics, config, &state.metrics, &stop_sessions);
         let hotkey_service = HotKeyService::new(
             Arc::clone(&hub),
             state.metrics.clone(),
@@ -171,11 +186,13 @@ impl RunningServer {
             .add_service(AdminServer::new(AdminService::new(Arc::clone(&state))))
             .add_service(HotKeysServer::new(hotkey_service))
             .add_service(queue_service)
+            .add_service(topic_service)
             .serve_with_incoming_shutdown(incoming, stopped(stop_grpc.subscribe()));
         let grpc_task = tokio::spawn(grpc_server);
 
-        let admin_router =
-            admin_http::router(Arc::clone(&state)).merge(hotkey::http::router(Arc::clone(&hub)));
+        let admin_router = admin_http::router(Arc::clone(&state))
+            .merge(hotkey::http::router(Arc::clone(&hub)))
+            .merge(crate::queue::http::router(consume_context));
         let admin_server = axum::serve(admin_listener, admin_router)
             .with_graceful_shutdown(stopped(stop_admin.subscribe()));
         let admin_task = tokio::spawn(async move { admin_server.await });
@@ -287,6 +304,59 @@ impl RunningServer {
         }
         outcome
     }
+}
+
+/// The Queues and Topics services over the store, and what consume streams share.
+fn queue_services(
+    store: &Arc<Store>,
+    topics: Arc<Topics>,
+    config: &Config,
+    metrics: &crate::metrics::Metrics,
+    stop_sessions: &watch::Sender<bool>,
+) -> (
+    QueuesServer<QueueService>,
+    TopicsServer<TopicService>,
+    Arc<ConsumeContext>,
+) {
+    let calls = StoreCalls::new(Arc::clone(store), config.queue_sync.0);
+    let waiters = Arc::new(Waiters::default());
+    let queues = QueueService::new(
+        calls.clone(),
+        Arc::clone(&waiters),
+        metrics.clone(),
+        stop_sessions.subscribe(),
+    );
+    let consume_context = Arc::new(ConsumeContext {
+        calls,
+        topics,
+        groups: Arc::new(Groups::default()),
+        pacers: Arc::new(Pacers::new(metrics.clone())),
+        waiters,
+        metrics: metrics.clone(),
+        closing: stop_sessions.subscribe(),
+    });
+    let topic_service = TopicsServer::new(TopicService::new(
+        queues.clone(),
+        Arc::clone(&consume_context),
+    ))
+    .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
+    .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
+    let queue_service = QueuesServer::new(queues)
+        .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
+        .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
+    (queue_service, topic_service, consume_context)
+}
+
+/// Replays the topics and group rates kept in the store, on the blocking pool.
+async fn load_topics(store: &Arc<Store>, config: &Config) -> Result<Topics, StartError> {
+    let store = Arc::clone(store);
+    let loaded = tokio::task::spawn_blocking(move || Topics::load(&store))
+        .await
+        .unwrap_or_else(|error| Err(error.to_string()));
+    loaded.map_err(|message| StartError::Topics {
+        path: config.data_dir.join(STORE_DIR_NAME),
+        message,
+    })
 }
 
 /// Opens (and recovers) the queue store in the data dir, on the blocking pool.

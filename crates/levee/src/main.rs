@@ -9,6 +9,7 @@ mod client_commands;
 mod hotkey_commands;
 mod queue_commands;
 mod server_command;
+mod topic_commands;
 
 use std::process::ExitCode;
 
@@ -33,6 +34,12 @@ enum Command {
     /// Queues: append, read, info, list, delete.
     #[command(subcommand)]
     Queue(queue_commands::QueueCommand),
+    /// Topics: create, describe, list, publish by key.
+    #[command(subcommand)]
+    Topic(topic_commands::TopicCommand),
+    /// Consumer groups: describe, set a rate limit.
+    #[command(subcommand)]
+    Group(topic_commands::GroupCommand),
     /// Hot keys: rules, hot keys by hand, top keys, stats.
     #[command(subcommand)]
     Hotkey(hotkey_commands::HotKeyCommand),
@@ -63,6 +70,8 @@ fn main() -> ExitCode {
         Command::Info(args) => client_commands::info(&args),
         Command::Hotkey(command) => hotkey_commands::run(&command),
         Command::Queue(command) => queue_commands::run(&command),
+        Command::Topic(command) => topic_commands::run_topic(&command),
+        Command::Group(command) => topic_commands::run_group(&command),
         Command::Bench(command) => {
             let result = match command {
                 BenchCommand::Hotkey(args) => bench::hotkey::run(&args),

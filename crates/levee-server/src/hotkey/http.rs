@@ -35,7 +35,7 @@ pub fn router(hub: Arc<HotKeyHub>) -> Router {
 }
 
 /// A wire error as an HTTP response with a JSON body.
-struct ApiError(WireError);
+pub(crate) struct ApiError(pub(crate) WireError);
 
 impl From<WireError> for ApiError {
     fn from(error: WireError) -> Self {
@@ -48,7 +48,9 @@ impl IntoResponse for ApiError {
         let status = match self.0.code {
             ErrorCode::InvalidArgument => StatusCode::BAD_REQUEST,
             ErrorCode::NotFound => StatusCode::NOT_FOUND,
-            ErrorCode::AlreadyExists | ErrorCode::FailedPrecondition => StatusCode::CONFLICT,
+            ErrorCode::AlreadyExists | ErrorCode::FailedPrecondition | ErrorCode::Fenced => {
+                StatusCode::CONFLICT
+            }
             ErrorCode::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
             ErrorCode::Unavailable | ErrorCode::StorageFailed => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,

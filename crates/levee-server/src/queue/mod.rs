@@ -1,8 +1,104 @@
-//! Queues over the network: the `levee.v1.Queues` gRPC service on the embedded queue store
-//! (`levee-store`), which lives in the `queues` directory of the data dir.
+//! Queues over the network: the `levee.v1.Queues` and `levee.v1.Topics` gRPC services on the
+//! embedded queue store (`levee-store`), which lives in the `queues` directory of the data dir.
+//!
+//! - `service`: append (idempotent with a producer id), read, info, list, delete, and mailbox
+//!   subscriptions (`subscription`).
+//! - `topic_service`: topics (`topic`), keyed publishing, consumer groups (`group`, the
+//!   coordinator; `consume`, a member's stream) and flow control (`rate`).
+//! - `producer`: idempotent producers' remembered runs.
 
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use levee_proto::WireError;
+use levee_proto::v1::ErrorCode;
+use levee_store::{Store, SyncPolicy, WriteError};
+use tokio::sync::Semaphore;
+
+pub mod consume;
+pub mod group;
+pub mod http;
+pub mod producer;
+pub mod rate;
 pub mod service;
 pub mod subscription;
+pub mod topic;
+pub mod topic_service;
 
 /// The store's directory inside the data dir.
 pub const STORE_DIR_NAME: &str = "queues";
+/// Store calls running at once on the blocking pool.
+pub const BLOCKING_CALLS_MAX: usize = 256;
+
+/// Locks `mutex`, taking the data of a poisoned one (every critical section leaves it valid).
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A store failure as a wire error.
+pub(crate) fn storage_error(error: &impl std::fmt::Display) -> WireError {
+    WireError::new(ErrorCode::StorageFailed, error.to_string())
+}
+
+/// A failed write as a wire error that says what to do.
+pub(crate) fn write_error(error: WriteError) -> WireError {
+    match error {
+        WriteError::Input(input) => WireError::new(
+            ErrorCode::InvalidArgument,
+            format!("{input}; fix the request"),
+        ),
+        WriteError::StorageFull { .. } => WireError::new(
+            ErrorCode::StorageFailed,
+            format!("{error}; free disk space on the server, then retry"),
+        ),
+        WriteError::Closed => WireError::new(ErrorCode::Unavailable, "server shutting down"),
+        other => WireError::new(
+            ErrorCode::StorageFailed,
+            format!("{other}; the server refuses writes until it is restarted"),
+        ),
+    }
+}
+
+/// Runs store calls (which block: an append under `always` waits for its fsync) on tokio's
+/// blocking pool, at most [`BLOCKING_CALLS_MAX`] at once: further calls wait for a slot, which
+/// is back-pressure, not an error.
+#[derive(Debug, Clone)]
+pub struct StoreCalls {
+    /// The store.
+    pub store: Arc<Store>,
+    /// The store's sync policy.
+    pub sync: SyncPolicy,
+    slots: Arc<Semaphore>,
+}
+
+impl StoreCalls {
+    /// Calls on `store`, opened with `sync`.
+    pub fn new(store: Arc<Store>, sync: SyncPolicy) -> Self {
+        Self {
+            store,
+            sync,
+            slots: Arc::new(Semaphore::new(BLOCKING_CALLS_MAX)),
+        }
+    }
+
+    /// Runs `call` on the blocking pool once a slot is free.
+    pub async fn run<T, F>(&self, call: F) -> Result<T, WireError>
+    where
+        F: FnOnce(&Store) -> Result<T, WireError> + Send + 'static,
+        T: Send + 'static,
+    {
+        let slot = Arc::clone(&self.slots)
+            .acquire_owned()
+            .await
+            .map_err(|_| WireError::new(ErrorCode::Unavailable, "server shutting down"))?;
+        let store = Arc::clone(&self.store);
+        tokio::task::spawn_blocking(move || {
+            let result = call(&store);
+            drop(slot);
+            result
+        })
+        .await
+        .map_err(|error| {
+            WireError::new(ErrorCode::Internal, format!("store call failed: {error}"))
+        })?
+    }
+}

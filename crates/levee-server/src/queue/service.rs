@@ -1,7 +1,6 @@
 //! The `levee.v1.Queues` gRPC service. Store calls block (an append under `queue_sync = always`
-//! waits for its group commit's fsync), so each runs on tokio's blocking pool, at most
-//! [`BLOCKING_CALLS_MAX`] at once: further calls wait for a slot, which is back-pressure, not
-//! an error.
+//! waits for its group commit's fsync), so each runs through [`StoreCalls`] on tokio's blocking
+//! pool. Appends with a producer id go through [`Producers`], which makes resends no-ops.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -16,7 +15,7 @@ use levee_proto::v1::{
     GetQueueInfoRequest, GetQueueInfoResponse, ListQueuesRequest, ListQueuesResponse, ReadRequest,
     ReadResponse, SubscribeRequest, SubscribeResponse,
 };
-use levee_store::{InputError, ReadError, Store, WriteError};
+use levee_store::{InputError, ReadError};
 use tokio::sync::{Semaphore, mpsc, watch};
 use tonic::{Request, Response, Status, Streaming};
 
@@ -24,6 +23,8 @@ use super::subscription::{
     RESERVED_PREFIX, RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX, Session, Waiters, check_start,
 };
 
+use super::producer::{Producers, SequencedMessage};
+use super::{StoreCalls, write_error};
 use crate::metrics::Metrics;
 
 /// Most messages in one append request.
@@ -40,8 +41,6 @@ pub const READ_BYTES_DEFAULT: u32 = 1 << 20;
 pub const LIST_LIMIT_MAX: u32 = 10_000;
 /// Queue names a list returns when it does not say.
 pub const LIST_LIMIT_DEFAULT: u32 = 1_000;
-/// Store calls running at once on the blocking pool.
-pub const BLOCKING_CALLS_MAX: usize = 256;
 
 /// How long a new subscription may take to send its start message.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
@@ -49,8 +48,8 @@ const START_TIMEOUT: Duration = Duration::from_secs(10);
 /// Implements `levee.v1.Queues` over a [`Store`].
 #[derive(Debug, Clone)]
 pub struct QueueService {
-    store: Arc<Store>,
-    slots: Arc<Semaphore>,
+    calls: StoreCalls,
+    producers: Arc<Producers>,
     subscriptions: Arc<Semaphore>,
     waiters: Arc<Waiters>,
     metrics: Metrics,
@@ -58,13 +57,21 @@ pub struct QueueService {
 }
 
 impl QueueService {
-    /// A service over `store`; subscriptions end when `closing` turns true (shutdown).
-    pub fn new(store: Arc<Store>, metrics: Metrics, closing: watch::Receiver<bool>) -> Self {
+    /// A service over `calls`' store; subscriptions end when `closing` turns true (shutdown).
+    /// `waiters` is shared with the topic service.
+    pub fn new(
+        calls: StoreCalls,
+        waiters: Arc<Waiters>,
+        metrics: Metrics,
+        closing: watch::Receiver<bool>,
+    ) -> Self {
         Self {
-            store,
-            slots: Arc::new(Semaphore::new(BLOCKING_CALLS_MAX)),
+            calls,
+            producers: Arc::new(Producers::new(
+                metrics.producer_messages_deduplicated.clone(),
+            )),
             subscriptions: Arc::new(Semaphore::new(SUBSCRIPTIONS_MAX)),
-            waiters: Arc::default(),
+            waiters,
             metrics,
             closing,
         }
@@ -73,29 +80,24 @@ impl QueueService {
     /// Runs `call` on the blocking pool once a slot is free.
     async fn blocking<T, F>(&self, call: F) -> Result<T, Status>
     where
-        F: FnOnce(&Store) -> Result<T, WireError> + Send + 'static,
+        F: FnOnce(&levee_store::Store) -> Result<T, WireError> + Send + 'static,
         T: Send + 'static,
     {
-        let slot = Arc::clone(&self.slots).acquire_owned().await.map_err(|_| {
-            Status::from(WireError::new(
-                ErrorCode::Unavailable,
-                "server shutting down",
-            ))
-        })?;
-        let store = Arc::clone(&self.store);
-        let result = tokio::task::spawn_blocking(move || {
-            let result = call(&store);
-            drop(slot);
-            result
-        })
-        .await
-        .map_err(|error| {
-            Status::from(WireError::new(
-                ErrorCode::Internal,
-                format!("store call failed: {error}"),
-            ))
-        })?;
-        result.map_err(Status::from)
+        self.calls.run(call).await.map_err(Status::from)
+    }
+}
+
+impl QueueService {
+    /// Appends through the idempotent-producer table: resent runs are answered from memory.
+    pub async fn idempotent_append(
+        &self,
+        producer: String,
+        messages: Vec<SequencedMessage>,
+    ) -> Result<Vec<u64>, Status> {
+        let producers = Arc::clone(&self.producers);
+        let sync = self.calls.sync;
+        self.blocking(move |store| producers.append(store, sync, &producer, &messages))
+            .await
     }
 }
 
@@ -114,21 +116,6 @@ fn check_not_reserved(queue: &[u8]) -> Result<(), WireError> {
         ));
     }
     Ok(())
-}
-
-fn write_error(error: WriteError) -> WireError {
-    match error {
-        WriteError::Input(input) => input_error(&input),
-        WriteError::StorageFull { .. } => WireError::new(
-            ErrorCode::StorageFailed,
-            format!("{error}; free disk space on the server, then retry"),
-        ),
-        WriteError::Closed => WireError::new(ErrorCode::Unavailable, "server shutting down"),
-        other => WireError::new(
-            ErrorCode::StorageFailed,
-            format!("{other}; the server refuses writes until it is restarted"),
-        ),
-    }
 }
 
 fn read_error(error: ReadError) -> WireError {
@@ -181,7 +168,7 @@ impl Queues for QueueService {
             })?;
         let (outgoing, responses) = mpsc::channel(RESPONSES_QUEUED_MAX);
         let session = Session {
-            store: Arc::clone(&self.store),
+            store: Arc::clone(&self.calls.store),
             notify: self.waiters.register(&start.queue),
             start,
             incoming,
@@ -202,7 +189,8 @@ impl Queues for QueueService {
         &self,
         request: Request<AppendRequest>,
     ) -> Result<Response<AppendResponse>, Status> {
-        let messages = request.into_inner().messages;
+        let request = request.into_inner();
+        let (messages, producer) = (request.messages, request.producer_id);
         if messages.is_empty() || messages.len() > APPEND_MESSAGES_MAX {
             return Err(invalid(format!(
                 "messages: send 1 to {APPEND_MESSAGES_MAX} messages per append, got {}",
@@ -220,15 +208,26 @@ impl Queues for QueueService {
             .collect();
         queues.sort_unstable();
         queues.dedup();
-        let offsets = self
-            .blocking(move |store| {
+        let offsets = if producer.is_empty() {
+            self.blocking(move |store| {
                 let batch: Vec<(&[u8], &[u8])> = messages
                     .iter()
                     .map(|message| (message.queue.as_slice(), message.payload.as_slice()))
                     .collect();
                 store.append_batch(&batch).map_err(write_error)
             })
-            .await?;
+            .await?
+        } else {
+            let sequenced: Vec<SequencedMessage> = messages
+                .into_iter()
+                .map(|message| SequencedMessage {
+                    queue: message.queue,
+                    payload: message.payload,
+                    sequence: message.sequence,
+                })
+                .collect();
+            self.idempotent_append(producer, sequenced).await?
+        };
         self.metrics.queue_messages_appended.inc_by(count);
         for queue in &queues {
             self.waiters.wake(queue);
@@ -288,6 +287,7 @@ impl Queues for QueueService {
     ) -> Result<Response<GetQueueInfoResponse>, Status> {
         let queue = request.into_inner().queue;
         let info = self
+            .calls
             .store
             .queue_info(&queue)
             .map_err(|error| input_error(&error))?;

@@ -19,6 +19,8 @@ use levee_store::Store;
 use tokio::sync::{Notify, mpsc};
 use tonic::{Status, Streaming};
 
+use super::lock;
+
 /// First byte of every queue name the server keeps for itself; clients may not use it.
 pub const RESERVED_PREFIX: u8 = 0;
 /// Most bytes in a consumer name.
@@ -83,12 +85,6 @@ impl Waiters {
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 fn invalid(message: String) -> WireError {
     WireError::new(ErrorCode::InvalidArgument, message)
 }
@@ -103,11 +99,20 @@ fn position_queue(consumer: &str, queue: &[u8]) -> Vec<u8> {
     name
 }
 
-/// Trims every consumer position queue to about [`POSITION_QUEUE_BYTES_MAX`]; other queues
-/// are left alone. Blocks on the store: call it on the blocking pool.
+/// Trims every server-owned log queue (consumer positions, group commits, idempotent
+/// producers' runs) to about [`POSITION_QUEUE_BYTES_MAX`]; only their newest records matter.
+/// Other queues are left alone. Blocks on the store: call it on the blocking pool.
 pub fn trim_positions(store: &Store, now_ms: u64) -> Result<u64, levee_store::WriteError> {
+    let trimmed_prefixes = [
+        POSITION_PREFIX,
+        super::group::COMMIT_PREFIX,
+        super::producer::PRODUCER_PREFIX,
+    ];
     let report = store.enforce_retention(now_ms, |name| {
-        if name.starts_with(POSITION_PREFIX) {
+        if trimmed_prefixes
+            .iter()
+            .any(|prefix| name.starts_with(prefix))
+        {
             levee_store::Retention {
                 max_age_ms: None,
                 max_bytes: Some(POSITION_QUEUE_BYTES_MAX),

@@ -1,7 +1,12 @@
-//! `levee bench queue`: producers append through the real client (a batching `Producer`) over
-//! loopback while one subscription per queue consumes and acks; reports acknowledged appends per
-//! second, consumed messages per second and the latency from the append call to the delivery.
-//! Shape `mailbox` only for now (topics and consumer groups are not built yet).
+//! `levee bench queue`: producers append through the real client over loopback while consumers
+//! take the messages; reports acknowledged appends per second, consumed messages per second and
+//! the latency from the append call to the delivery (HdrHistogram percentiles).
+//!
+//! - `--shape mailbox`: producer tasks send through one batching `Producer` to `--queues`
+//!   queues, and one subscription per queue consumes and acks.
+//! - `--shape topic`: one topic of `--partitions` partitions; producer tasks publish batches of
+//!   `--batch` keyed messages; `--consumers` members of one consumer group consume with the
+//!   `GroupConsumer` (ordered per partition) and commit in order.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -9,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use hdrhistogram::Histogram;
-use levee_client::{Client, Producer, ProducerOptions};
+use levee_client::{Client, ConsumerOptions, GroupConsumer, Producer, ProducerOptions};
 use serde_json::json;
 
 use super::percentiles_ms;
@@ -22,15 +27,25 @@ const CREDIT_MESSAGES: u32 = 4_096;
 
 #[derive(Debug, clap::Args)]
 pub struct QueueBenchArgs {
-    /// Only `mailbox` (one subscription per queue) for now
+    /// `mailbox` (one subscription per queue) or `topic` (one topic, one consumer group)
     #[arg(long, default_value = "mailbox")]
     shape: String,
-    /// Queues, each with one subscription
+    /// Mailbox shape: queues, each with one subscription
     #[arg(long, default_value_t = 1_000)]
     queues: u64,
-    /// Tasks appending through one shared batching producer (each waits for its append)
-    #[arg(long, default_value_t = 4_096)]
-    producers: u64,
+    /// Producer tasks, each waiting for its append (default: 4096 for mailbox, each sending one
+    /// message through a shared batching producer; 16 for topic, each publishing --batch)
+    #[arg(long)]
+    producers: Option<u64>,
+    /// Topic shape: partitions of the topic
+    #[arg(long, default_value_t = 64)]
+    partitions: u32,
+    /// Topic shape: members of the consumer group
+    #[arg(long, default_value_t = 4)]
+    consumers: u64,
+    /// Topic shape: messages per publish request
+    #[arg(long, default_value_t = 256)]
+    batch: usize,
     /// Bytes per message (at least 8: a message starts with its send time)
     #[arg(long, default_value_t = 58)]
     message_bytes: usize,
@@ -49,14 +64,20 @@ pub struct QueueBenchArgs {
 }
 
 pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
-    if args.shape != "mailbox" {
-        bail!(
-            "--shape {} is not built yet; use --shape mailbox",
-            args.shape
-        );
+    if args.shape != "mailbox" && args.shape != "topic" {
+        bail!("--shape must be mailbox or topic, got '{}'", args.shape);
     }
-    if args.queues == 0 || args.producers == 0 || args.message_bytes < 8 {
-        bail!("need --queues >= 1, --producers >= 1 and --message-bytes >= 8");
+    if args.queues == 0
+        || args.producers == Some(0)
+        || args.message_bytes < 8
+        || args.partitions == 0
+        || args.consumers == 0
+        || !(1..=10_000).contains(&args.batch)
+    {
+        bail!(
+            "need --queues, --producers, --partitions and --consumers >= 1, --batch 1 to 10000 \
+             and --message-bytes >= 8"
+        );
     }
     let sync = match args.sync.as_str() {
         "always" => "always",
@@ -76,12 +97,39 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
     runtime.block_on(bench(args, &address))
 }
 
+/// A payload that starts with its send time in microseconds since `epoch`.
+fn stamped_payload(epoch: Instant, bytes: usize) -> anyhow::Result<Vec<u8>> {
+    let mut payload = u64::try_from(epoch.elapsed().as_micros())?
+        .to_le_bytes()
+        .to_vec();
+    payload.resize(bytes, 0x5a);
+    Ok(payload)
+}
+
+/// Records one delivery's append-to-delivery latency.
+fn record_latency(
+    epoch: Instant,
+    payload: &[u8],
+    latency: &std::sync::Mutex<Histogram<u64>>,
+) -> anyhow::Result<()> {
+    let sent = u64::from_le_bytes(payload[..8].try_into()?);
+    let now = u64::try_from(epoch.elapsed().as_micros())?;
+    latency
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .record(now.saturating_sub(sent).max(1))?;
+    Ok(())
+}
+
 async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<()> {
     let client = Client::connect(address).await?;
     let epoch = Instant::now();
     let consumed = Arc::new(AtomicU64::new(0));
     let latency = Arc::new(std::sync::Mutex::new(Histogram::<u64>::new(3)?));
     let run_id = format!("{:x}", std::process::id());
+    if args.shape == "topic" {
+        return bench_topic(args, &client, epoch, &consumed, &latency, &run_id).await;
+    }
     let queue_name = move |queue: u64| format!("bench-{run_id}-{queue}").into_bytes();
     let consumers = start_consumers(
         &client,
@@ -93,21 +141,19 @@ async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<()> {
     )
     .await?;
     let producer = Producer::new(client.clone(), ProducerOptions::default())?;
+    let producer_tasks = args.producers.unwrap_or(4_096);
     let stop = Arc::new(AtomicBool::new(false));
     let appended = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let mut producers = Vec::new();
-    for task in 0..args.producers {
+    for task in 0..producer_tasks {
         let (producer, stop, appended) =
             (producer.clone(), Arc::clone(&stop), Arc::clone(&appended));
         let (queues, bytes, queue_name) = (args.queues, args.message_bytes, queue_name.clone());
         producers.push(tokio::spawn(async move {
             let mut index = task;
             while !stop.load(Ordering::Relaxed) {
-                let mut payload = u64::try_from(epoch.elapsed().as_micros())?
-                    .to_le_bytes()
-                    .to_vec();
-                payload.resize(bytes, 0x5a);
+                let payload = stamped_payload(epoch, bytes)?;
                 producer.send(&queue_name(index % queues), &payload).await?;
                 appended.fetch_add(1, Ordering::Relaxed);
                 index += 1;
@@ -122,6 +168,77 @@ async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<()> {
     }
     let append_s = started.elapsed().as_secs_f64();
     let total = appended.load(Ordering::Relaxed);
+    wait_consumed(&consumed, total).await?;
+    let drained_s = started.elapsed().as_secs_f64();
+    for consumer in &consumers {
+        consumer.abort();
+    }
+    report(args, total, append_s, drained_s, &latency)
+}
+
+/// The topic shape: one topic, producer tasks publishing batches, one consumer group.
+async fn bench_topic(
+    args: &QueueBenchArgs,
+    client: &Client,
+    epoch: Instant,
+    consumed: &Arc<AtomicU64>,
+    latency: &Arc<std::sync::Mutex<Histogram<u64>>>,
+    run_id: &str,
+) -> anyhow::Result<()> {
+    let topic = format!("bench-{run_id}");
+    client.create_topic(&topic, args.partitions).await?;
+    let (stops, members) = start_group(args, client, &topic, epoch, consumed, latency);
+    let producers = args.producers.unwrap_or(16);
+    let started = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let appended = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for task in 0..producers {
+        let (client, topic, stop, appended) = (
+            client.clone(),
+            topic.clone(),
+            Arc::clone(&stop),
+            Arc::clone(&appended),
+        );
+        let (batch, bytes) = (args.batch, args.message_bytes);
+        tasks.push(tokio::spawn(async move {
+            let mut key = task * 1_000_000_007;
+            while !stop.load(Ordering::Relaxed) {
+                let mut messages = Vec::with_capacity(batch);
+                for _ in 0..batch {
+                    key += 1;
+                    messages.push((key.to_le_bytes(), stamped_payload(epoch, bytes)?));
+                }
+                let refs: Vec<(&[u8], &[u8])> = messages
+                    .iter()
+                    .map(|(key, payload)| (&key[..], payload.as_slice()))
+                    .collect();
+                client.publish(&topic, &refs).await?;
+                appended.fetch_add(batch as u64, Ordering::Relaxed);
+            }
+            anyhow::Ok(())
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(args.duration_s)).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await??;
+    }
+    let append_s = started.elapsed().as_secs_f64();
+    let total = appended.load(Ordering::Relaxed);
+    wait_consumed(consumed, total).await?;
+    let drained_s = started.elapsed().as_secs_f64();
+    for stop in stops {
+        let _ = stop.send(());
+    }
+    for member in members {
+        member.await??;
+    }
+    report(args, total, append_s, drained_s, latency)
+}
+
+/// Waits (at most 60 s) until `total` messages were consumed.
+async fn wait_consumed(consumed: &AtomicU64, total: u64) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
     while consumed.load(Ordering::Relaxed) < total {
         if Instant::now() > deadline {
@@ -132,10 +249,62 @@ async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let drained_s = started.elapsed().as_secs_f64();
-    for consumer in &consumers {
-        consumer.abort();
+    Ok(())
+}
+
+type Member = tokio::task::JoinHandle<anyhow::Result<()>>;
+
+/// `--consumers` members of one group on `topic`, each recording latency.
+fn start_group(
+    args: &QueueBenchArgs,
+    client: &Client,
+    topic: &str,
+    epoch: Instant,
+    consumed: &Arc<AtomicU64>,
+    latency: &Arc<std::sync::Mutex<Histogram<u64>>>,
+) -> (Vec<tokio::sync::oneshot::Sender<()>>, Vec<Member>) {
+    let mut stops = Vec::new();
+    let mut members = Vec::new();
+    for member in 0..args.consumers {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        stops.push(stop);
+        let options = ConsumerOptions {
+            member: Some(format!("member-{member}")),
+            parallelism: 64,
+            credit_messages: 8_192,
+            ..ConsumerOptions::default()
+        };
+        let (client, topic) = (client.clone(), topic.to_owned());
+        let (consumed, latency) = (Arc::clone(consumed), Arc::clone(latency));
+        members.push(tokio::spawn(async move {
+            let member = GroupConsumer::new(client, &topic, "bench", options)?;
+            member
+                .run(
+                    move |message| {
+                        let (consumed, latency) = (Arc::clone(&consumed), Arc::clone(&latency));
+                        async move {
+                            let _ = record_latency(epoch, &message.payload, &latency);
+                            consumed.fetch_add(1, Ordering::Relaxed);
+                        }
+                    },
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await?;
+            anyhow::Ok(())
+        }));
     }
+    (stops, members)
+}
+
+fn report(
+    args: &QueueBenchArgs,
+    total: u64,
+    append_s: f64,
+    drained_s: f64,
+    latency: &std::sync::Mutex<Histogram<u64>>,
+) -> anyhow::Result<()> {
     let histogram = latency
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -143,8 +312,9 @@ async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<()> {
     let report = json!({
         "bench": "queue",
         "shape": args.shape,
-        "queues": args.queues,
-        "producers": args.producers,
+        "queues": if args.shape == "topic" { u64::from(args.partitions) } else { args.queues },
+        "consumers": if args.shape == "topic" { args.consumers } else { args.queues },
+        "producers": args.producers.unwrap_or(if args.shape == "topic" { 16 } else { 4_096 }),
         "message_bytes": args.message_bytes,
         "sync": args.sync,
         "duration_s": append_s,
@@ -192,12 +362,7 @@ async fn start_consumers(
         consumers.push(tokio::spawn(async move {
             let mut since_ack = 0;
             while let Some(delivery) = subscription.next().await? {
-                let sent = u64::from_le_bytes(delivery.payload[..8].try_into()?);
-                let now = u64::try_from(epoch.elapsed().as_micros())?;
-                latency
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .record(now.saturating_sub(sent).max(1))?;
+                record_latency(epoch, &delivery.payload, &latency)?;
                 consumed.fetch_add(1, Ordering::Relaxed);
                 since_ack += 1;
                 if since_ack >= ACK_EVERY {

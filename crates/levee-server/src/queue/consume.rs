@@ -1,0 +1,607 @@
+//! One consumer-group member's `Consume` stream: joins the group, sends the member its
+//! assignment whenever it changes, pushes messages of its partitions as they are published
+//! (woken by the topic's [`Waiters`] entry, no polling) within the credit the client granted
+//! and the group's rate, applies commits (fenced by epoch, durable before answered), and keeps
+//! the member's lease while the client talks. The member leaves when the stream ends, and is
+//! dropped when its lease runs out.
+
+use std::collections::HashMap;
+use std::pin::pin;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use levee_proto::WireError;
+use levee_proto::v1::consume_request::Kind;
+use levee_proto::v1::{
+    Assignment, CommitResult, ConsumeRequest, ConsumeResponse, ConsumeStart, Credit, ErrorCode,
+    TopicDelivery,
+};
+use levee_store::SyncPolicy;
+use tokio::sync::{Notify, mpsc, watch};
+use tonic::{Status, Streaming};
+
+use super::group::{Groups, Membership};
+use super::rate::TokenBucket;
+use super::subscription::{CREDIT_BYTES_DEFAULT, CREDIT_BYTES_MAX, CREDIT_MESSAGES_MAX, Waiters};
+use super::topic::{Topic, Topics, check_group_name};
+use super::{StoreCalls, lock, storage_error, write_error};
+use crate::metrics::{FloatGauge, GroupLabels, Metrics, SecondsCounter};
+
+/// Lease of a start that does not say.
+pub const LEASE_MS_DEFAULT: u32 = 10_000;
+/// Shortest lease a member may ask for.
+pub const LEASE_MS_MIN: u32 = 1_000;
+/// Longest lease a member may ask for.
+pub const LEASE_MS_MAX: u32 = 300_000;
+/// Most messages one delivery round reads.
+const ROUND_MESSAGES_MAX: u32 = 1_000;
+/// Most commits in one commit batch.
+pub const COMMITS_PER_BATCH_MAX: usize = 1_024;
+
+/// Milliseconds on the server's monotonic clock (leases).
+pub fn now_ms() -> u64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    let start = START.get_or_init(Instant::now);
+    u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The wake-up key of a topic in [`Waiters`]: publishing to the topic wakes its consumers.
+pub fn topic_wake_key(topic: &str) -> Vec<u8> {
+    let mut key = b"\0wake\0".to_vec();
+    key.extend_from_slice(topic.as_bytes());
+    key
+}
+
+/// One group's pacing: its token bucket (none without a limit) and metrics.
+#[derive(Debug)]
+pub struct Pacer {
+    bucket: Mutex<Option<TokenBucket>>,
+    delivered: prometheus_client::metrics::counter::Counter,
+    throttled: SecondsCounter,
+    limit: FloatGauge,
+}
+
+impl Pacer {
+    fn take(&self, wanted: u64) -> Result<u64, Duration> {
+        match lock(&self.bucket).as_mut() {
+            Some(bucket) => bucket.take(wanted, Instant::now()),
+            None => Ok(wanted),
+        }
+    }
+
+    fn give_back(&self, count: u64) {
+        if let Some(bucket) = lock(&self.bucket).as_mut() {
+            bucket.give_back(count);
+        }
+    }
+
+    /// Messages delivered to the group since start.
+    pub fn delivered(&self) -> u64 {
+        self.delivered.get()
+    }
+
+    /// Seconds the group's deliveries waited for tokens.
+    pub fn throttled_s(&self) -> f64 {
+        self.throttled.get()
+    }
+}
+
+/// Every group's [`Pacer`].
+#[derive(Debug)]
+pub struct Pacers {
+    pacers: Mutex<HashMap<String, Arc<Pacer>>>,
+    metrics: Metrics,
+}
+
+impl Pacers {
+    /// No pacers yet; they are made on first use.
+    pub fn new(metrics: Metrics) -> Self {
+        Self {
+            pacers: Mutex::default(),
+            metrics,
+        }
+    }
+
+    /// The group's pacer, made at `rate_per_s` (0: unlimited) if new.
+    pub fn get(&self, group: &str, rate_per_s: f64) -> Arc<Pacer> {
+        let mut pacers = lock(&self.pacers);
+        if let Some(pacer) = pacers.get(group) {
+            return Arc::clone(pacer);
+        }
+        let labels = GroupLabels::new(group);
+        let pacer = Arc::new(Pacer {
+            bucket: Mutex::new(None),
+            delivered: self
+                .metrics
+                .group_messages_delivered
+                .get_or_create(&labels)
+                .clone(),
+            throttled: self
+                .metrics
+                .group_throttled_seconds
+                .get_or_create(&labels)
+                .clone(),
+            limit: self
+                .metrics
+                .group_rate_limit_per_second
+                .get_or_create(&labels)
+                .clone(),
+        });
+        set_bucket(&pacer, rate_per_s);
+        pacers.insert(group.to_owned(), Arc::clone(&pacer));
+        pacer
+    }
+
+    /// Sets the group's rate (0: unlimited), at once.
+    pub fn set(&self, group: &str, rate_per_s: f64) {
+        let pacer = self.get(group, rate_per_s);
+        set_bucket(&pacer, rate_per_s);
+    }
+}
+
+fn set_bucket(pacer: &Pacer, rate_per_s: f64) {
+    let mut bucket = lock(&pacer.bucket);
+    if rate_per_s > 0.0 {
+        match bucket.as_mut() {
+            Some(existing) => existing.set_rate(rate_per_s, Instant::now()),
+            None => *bucket = Some(TokenBucket::new(rate_per_s, Instant::now())),
+        }
+    } else {
+        *bucket = None;
+    }
+    pacer.limit.set(rate_per_s);
+}
+
+/// What every consume stream shares.
+#[derive(Debug)]
+pub struct ConsumeContext {
+    /// Store calls on the blocking pool.
+    pub calls: StoreCalls,
+    /// Topics.
+    pub topics: Arc<Topics>,
+    /// Groups.
+    pub groups: Arc<Groups>,
+    /// Group pacers.
+    pub pacers: Arc<Pacers>,
+    /// Topic wake-ups.
+    pub waiters: Arc<Waiters>,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Turns true when the server shuts down.
+    pub closing: watch::Receiver<bool>,
+}
+
+fn invalid(message: String) -> WireError {
+    WireError::new(ErrorCode::InvalidArgument, message)
+}
+
+/// Checks a start message; returns the lease.
+pub fn check_start(start: &ConsumeStart) -> Result<Duration, WireError> {
+    check_group_name(&start.group)?;
+    if start.member.is_empty() || start.member.len() > 64 {
+        return Err(invalid(format!(
+            "member must be 1 to 64 bytes, got {}",
+            start.member.len()
+        )));
+    }
+    let messages = start.credit.as_ref().map_or(0, |credit| credit.messages);
+    if !(1..=CREDIT_MESSAGES_MAX).contains(&messages) {
+        return Err(invalid(format!(
+            "credit.messages must be 1 to {CREDIT_MESSAGES_MAX}, got {messages}"
+        )));
+    }
+    let lease_ms = match start.lease_ms {
+        0 => LEASE_MS_DEFAULT,
+        lease if (LEASE_MS_MIN..=LEASE_MS_MAX).contains(&lease) => lease,
+        lease => {
+            return Err(invalid(format!(
+                "lease_ms must be {LEASE_MS_MIN} to {LEASE_MS_MAX} (or 0 for \
+                 {LEASE_MS_DEFAULT}), got {lease}"
+            )));
+        }
+    };
+    Ok(Duration::from_millis(u64::from(lease_ms)))
+}
+
+/// Where delivery stands on one owned partition.
+#[derive(Debug, Clone, Copy)]
+struct Cursor {
+    partition: u32,
+    epoch: u64,
+    next: u64,
+}
+
+/// Returns once the server starts closing (the watch guard is dropped inside).
+async fn wait_closed(closing: &mut watch::Receiver<bool>) {
+    let _ = closing.wait_for(|closing| *closing).await;
+}
+
+/// The newest assignment, marked seen (the watch guard never lives across an await).
+fn latest_assignment(changes: &mut watch::Receiver<Arc<Assignment>>) -> Arc<Assignment> {
+    Arc::clone(&changes.borrow_and_update())
+}
+
+/// Sends `response`; false if the client is gone. (A free function: the session holds the
+/// request stream, which is not `Sync`, so it cannot be borrowed across an await.)
+async fn send(
+    outgoing: &mpsc::Sender<Result<ConsumeResponse, Status>>,
+    response: ConsumeResponse,
+) -> bool {
+    outgoing.send(Ok(response)).await.is_ok()
+}
+
+/// One member's stream.
+#[derive(Debug)]
+pub struct ConsumeSession {
+    context: Arc<ConsumeContext>,
+    topic: Arc<Topic>,
+    group: String,
+    membership: Membership,
+    pacer: Arc<Pacer>,
+    notify: Arc<Notify>,
+    incoming: Streaming<ConsumeRequest>,
+    outgoing: mpsc::Sender<Result<ConsumeResponse, Status>>,
+    lease: Duration,
+    cursors: Vec<Cursor>,
+    round_robin: usize,
+    credit_messages: u32,
+    credit_bytes: u32,
+}
+
+/// What one delivery round did.
+enum Delivered {
+    Some,
+    Nothing,
+    Throttled(Duration),
+    ClientGone,
+}
+
+impl ConsumeSession {
+    /// Joins the group (blocking on the store for a first load) and returns the session.
+    pub async fn join(
+        context: Arc<ConsumeContext>,
+        start: ConsumeStart,
+        incoming: Streaming<ConsumeRequest>,
+        outgoing: mpsc::Sender<Result<ConsumeResponse, Status>>,
+    ) -> Result<Self, WireError> {
+        let lease = check_start(&start)?;
+        let topic = context.topics.require(&start.topic)?;
+        let groups = Arc::clone(&context.groups);
+        let (group, member, joined_topic) = (
+            start.group.clone(),
+            start.member.clone(),
+            Arc::clone(&topic),
+        );
+        let lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
+        let membership = context
+            .calls
+            .run(move |store| {
+                groups.join(store, &group, &joined_topic, &member, lease_ms, now_ms())
+            })
+            .await?;
+        let labels = GroupLabels::new(&start.group);
+        context.metrics.group_members.get_or_create(&labels).inc();
+        context
+            .metrics
+            .group_rebalances
+            .get_or_create(&labels)
+            .inc();
+        let pacer = context
+            .pacers
+            .get(&start.group, context.topics.rate(&start.group));
+        let credit = start.credit.unwrap_or_default();
+        let credit_bytes = if credit.bytes == 0 {
+            CREDIT_BYTES_DEFAULT
+        } else {
+            credit.bytes.min(CREDIT_BYTES_MAX)
+        };
+        Ok(Self {
+            notify: context.waiters.register(&topic_wake_key(&topic.name)),
+            context,
+            topic,
+            group: start.group,
+            membership,
+            pacer,
+            incoming,
+            outgoing,
+            lease,
+            cursors: Vec::new(),
+            round_robin: 0,
+            credit_messages: credit.messages,
+            credit_bytes,
+        })
+    }
+
+    /// Serves the stream until the client leaves, its lease runs out or the server closes.
+    pub async fn run(mut self) {
+        let result = self.serve().await;
+        self.membership.leave();
+        let labels = GroupLabels::new(&self.group);
+        self.context
+            .metrics
+            .group_members
+            .get_or_create(&labels)
+            .dec();
+        self.context
+            .metrics
+            .group_rebalances
+            .get_or_create(&labels)
+            .inc();
+        if let Err(error) = result {
+            let _ = self.outgoing.send(Err(Status::from(error))).await;
+        }
+    }
+
+    /// Takes the latest assignment: new partitions start at their committed offset, kept ones
+    /// (same epoch) keep their place, revoked ones are dropped.
+    fn apply_assignment(&mut self, assignment: &Assignment) {
+        let old: HashMap<u32, Cursor> = self
+            .cursors
+            .iter()
+            .map(|cursor| (cursor.partition, *cursor))
+            .collect();
+        self.cursors = assignment
+            .partitions
+            .iter()
+            .map(|assigned| match old.get(&assigned.partition) {
+                Some(cursor) if cursor.epoch == assigned.epoch => *cursor,
+                _ => Cursor {
+                    partition: assigned.partition,
+                    epoch: assigned.epoch,
+                    next: assigned.start_offset,
+                },
+            })
+            .collect();
+    }
+
+    async fn serve(&mut self) -> Result<(), WireError> {
+        let mut assignment_changes = self.membership.assignment.clone();
+        let first = latest_assignment(&mut assignment_changes);
+        self.apply_assignment(&first);
+        if !send(
+            &self.outgoing,
+            ConsumeResponse {
+                assignment: Some((*first).clone()),
+                ..ConsumeResponse::default()
+            },
+        )
+        .await
+        {
+            return Ok(());
+        }
+        let mut lease_deadline = tokio::time::Instant::now() + self.lease;
+        let mut closing = self.context.closing.clone();
+        loop {
+            let notify = Arc::clone(&self.notify);
+            let mut woken = pin!(notify.notified());
+            // Registered before the read, so a publish between the read and the wait wakes.
+            woken.as_mut().enable();
+            let throttle = match self.deliver().await? {
+                Delivered::Some => continue,
+                Delivered::ClientGone => return Ok(()),
+                Delivered::Nothing => None,
+                Delivered::Throttled(wait) => Some(wait),
+            };
+            let throttled = async {
+                match throttle {
+                    Some(wait) => tokio::time::sleep(wait).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = &mut woken => {}
+                () = throttled => {
+                    if let Some(wait) = throttle {
+                        self.pacer.throttled.inc_by(wait.as_secs_f64());
+                    }
+                }
+                changed = assignment_changes.changed() => {
+                    if changed.is_err() {
+                        return Err(WireError::new(
+                            ErrorCode::FailedPrecondition,
+                            format!(
+                                "member '{}' joined again on another stream; this one ends",
+                                self.membership.member
+                            ),
+                        ));
+                    }
+                    let latest = latest_assignment(&mut assignment_changes);
+                    self.apply_assignment(&latest);
+                    if !send(&self.outgoing, ConsumeResponse {
+                        assignment: Some((*latest).clone()),
+                        ..ConsumeResponse::default()
+                    }).await {
+                        return Ok(());
+                    }
+                }
+                message = self.incoming.message() => {
+                    let Ok(Some(message)) = message else { return Ok(()) };
+                    if !self.membership.renew(now_ms()) {
+                        return Err(WireError::new(
+                            ErrorCode::FailedPrecondition,
+                            "this member's lease ran out; join again",
+                        ));
+                    }
+                    lease_deadline = tokio::time::Instant::now() + self.lease;
+                    if !self.handle(message).await? {
+                        return Ok(());
+                    }
+                }
+                () = tokio::time::sleep_until(lease_deadline) => {
+                    return Err(WireError::new(
+                        ErrorCode::Unavailable,
+                        format!(
+                            "member '{}': nothing heard for {} ms, the lease ran out and its \
+                             partitions moved; join again",
+                            self.membership.member,
+                            self.lease.as_millis()
+                        ),
+                    ));
+                }
+                () = wait_closed(&mut closing) => {
+                    return Err(WireError::new(
+                        ErrorCode::Unavailable,
+                        "server shutting down; join again, to this server once it is back or to \
+                         another",
+                    ));
+                }
+            }
+        }
+    }
+
+    /// One delivery round: reads the owned partitions round-robin, within the credit and the
+    /// group's rate, in one blocking call.
+    async fn deliver(&mut self) -> Result<Delivered, WireError> {
+        if self.cursors.is_empty() || self.credit_messages == 0 || self.credit_bytes == 0 {
+            return Ok(Delivered::Nothing);
+        }
+        let wanted = u64::from(self.credit_messages.min(ROUND_MESSAGES_MAX));
+        let granted = match self.pacer.take(wanted) {
+            Ok(granted) => granted,
+            Err(wait) => return Ok(Delivered::Throttled(wait)),
+        };
+        let start = self.round_robin % self.cursors.len();
+        self.round_robin = self.round_robin.wrapping_add(1);
+        let order: Vec<(usize, Vec<u8>, u64)> = (0..self.cursors.len())
+            .map(|step| {
+                let index = (start + step) % self.cursors.len();
+                let cursor = self.cursors[index];
+                (
+                    index,
+                    self.topic.queues[cursor.partition as usize].clone(),
+                    cursor.next,
+                )
+            })
+            .collect();
+        let bytes_max = self.credit_bytes as usize;
+        let batches = self
+            .context
+            .calls
+            .run(move |store| {
+                let mut left = usize::try_from(granted).unwrap_or(usize::MAX);
+                let mut bytes_left = bytes_max;
+                let mut batches = Vec::new();
+                for (index, queue, from) in order {
+                    if left == 0 || bytes_left == 0 {
+                        break;
+                    }
+                    let batch = store
+                        .read(&queue, from, left, bytes_left)
+                        .map_err(|error| storage_error(&error))?;
+                    left -= batch.len();
+                    bytes_left = bytes_left.saturating_sub(batch.bytes());
+                    batches.push((index, batch));
+                }
+                Ok(batches)
+            })
+            .await?;
+        let mut deliveries = Vec::new();
+        let mut bytes = 0_usize;
+        for (index, batch) in batches {
+            let cursor = &mut self.cursors[index];
+            if batch.skipped_to_first_retained {
+                cursor.next = batch.first_offset;
+            }
+            for (payload, offset) in batch.iter().zip(batch.first_offset..) {
+                deliveries.push(TopicDelivery {
+                    partition: cursor.partition,
+                    epoch: cursor.epoch,
+                    offset,
+                    payload: payload.to_vec(),
+                });
+            }
+            bytes += batch.bytes();
+            if !batch.is_empty() {
+                cursor.next = batch.next_offset();
+            }
+        }
+        let sent = deliveries.len() as u64;
+        self.pacer.give_back(granted - sent.min(granted));
+        if deliveries.is_empty() {
+            return Ok(Delivered::Nothing);
+        }
+        self.credit_messages = self
+            .credit_messages
+            .saturating_sub(u32::try_from(sent).unwrap_or(u32::MAX));
+        self.credit_bytes = self
+            .credit_bytes
+            .saturating_sub(u32::try_from(bytes).unwrap_or(u32::MAX));
+        self.pacer.delivered.inc_by(sent);
+        let response = ConsumeResponse {
+            deliveries,
+            ..ConsumeResponse::default()
+        };
+        if !send(&self.outgoing, response).await {
+            return Ok(Delivered::ClientGone);
+        }
+        Ok(Delivered::Some)
+    }
+
+    /// Applies one client message; false if the client is gone.
+    async fn handle(&mut self, message: ConsumeRequest) -> Result<bool, WireError> {
+        match message.kind {
+            Some(Kind::Credit(Credit { messages, bytes })) => {
+                self.credit_messages = self
+                    .credit_messages
+                    .saturating_add(messages)
+                    .min(CREDIT_MESSAGES_MAX);
+                self.credit_bytes = self
+                    .credit_bytes
+                    .saturating_add(bytes)
+                    .min(CREDIT_BYTES_MAX);
+                Ok(true)
+            }
+            Some(Kind::Heartbeat(_)) => Ok(true),
+            Some(Kind::Commit(batch)) => {
+                if batch.commits.len() > COMMITS_PER_BATCH_MAX {
+                    return Err(invalid(format!(
+                        "a commit batch holds at most {COMMITS_PER_BATCH_MAX} commits, got {}",
+                        batch.commits.len()
+                    )));
+                }
+                let commits: Vec<(u32, u64, u64)> = batch
+                    .commits
+                    .iter()
+                    .map(|commit| (commit.partition, commit.epoch, commit.next_offset))
+                    .collect();
+                let membership = self.membership.clone();
+                let sync = self.context.calls.sync;
+                let applied = commits.clone();
+                let refusals = self
+                    .context
+                    .calls
+                    .run(move |store| {
+                        let (refusals, ticket) = membership.commit(store, &applied)?;
+                        if let Some(ticket) = ticket
+                            && sync == SyncPolicy::Always
+                        {
+                            store.wait_durable(ticket).map_err(write_error)?;
+                        }
+                        Ok(refusals)
+                    })
+                    .await?;
+                let commit_results = commits
+                    .iter()
+                    .zip(refusals)
+                    .map(|(&(partition, _, next_offset), refusal)| CommitResult {
+                        partition,
+                        next_offset,
+                        code: refusal.as_ref().map_or(0, |error| error.code as i32),
+                        message: refusal.map(|error| error.message).unwrap_or_default(),
+                    })
+                    .collect();
+                Ok(send(
+                    &self.outgoing,
+                    ConsumeResponse {
+                        commit_results,
+                        ..ConsumeResponse::default()
+                    },
+                )
+                .await)
+            }
+            Some(Kind::Start(_)) | None => Err(invalid(
+                "a consume stream takes one start message".to_owned(),
+            )),
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! Topics and consumer groups as JSON on the admin HTTP port: `GET /v1/topics`,
+//! `GET /v1/topics/{topic}/groups/{group}` (members, owners, epochs, committed offsets, lag,
+//! rate) and `GET`/`PUT /v1/groups/{group}/rate` with `{"messages_per_s": N}` or
+//! `{"messages_per_minute": N}` (0 clears the limit; it takes effect at once and is kept across
+//! restarts).
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{Path, State};
+use axum::response::Json;
+use axum::routing::get;
+use levee_proto::WireError;
+use levee_proto::v1::ErrorCode;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::consume::ConsumeContext;
+use super::topic_service::TopicService;
+use crate::hotkey::http::ApiError;
+
+/// The topic and group routes.
+pub fn router(context: Arc<ConsumeContext>) -> Router {
+    Router::new()
+        .route("/v1/topics", get(list_topics))
+        .route("/v1/topics/{topic}/groups/{group}", get(describe_group))
+        .route("/v1/groups/{group}/rate", get(get_rate).put(put_rate))
+        .with_state(context)
+}
+
+async fn list_topics(State(context): State<Arc<ConsumeContext>>) -> Json<Value> {
+    let topics: Vec<Value> = context
+        .topics
+        .list()
+        .iter()
+        .map(|topic| json!({"topic": topic.name, "partitions": topic.partitions()}))
+        .collect();
+    Json(json!({ "topics": topics }))
+}
+
+async fn describe_group(
+    State(context): State<Arc<ConsumeContext>>,
+    Path((topic, group)): Path<(String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    let described = TopicService::describe_group_now(&context, &group, &topic)?;
+    let members: Vec<Value> = described
+        .members
+        .iter()
+        .map(|member| {
+            json!({
+                "member": member.member,
+                "partitions": member.partitions,
+                "lease_left_ms": member.lease_left_ms,
+            })
+        })
+        .collect();
+    let partitions: Vec<Value> = described
+        .partitions
+        .iter()
+        .map(|partition| {
+            json!({
+                "partition": partition.partition,
+                "owner": partition.owner,
+                "epoch": partition.epoch,
+                "committed_offset": partition.committed_offset,
+                "next_offset": partition.next_offset,
+                "lag": partition.next_offset.saturating_sub(partition.committed_offset),
+            })
+        })
+        .collect();
+    Ok(Json(json!({
+        "group": described.group,
+        "topic": described.topic,
+        "generation": described.generation,
+        "members": members,
+        "partitions": partitions,
+        "rate_limit_per_s": described.rate_limit_per_s,
+        "delivered": described.delivered,
+        "throttled_s": described.throttled_s,
+    })))
+}
+
+async fn get_rate(
+    State(context): State<Arc<ConsumeContext>>,
+    Path(group): Path<String>,
+) -> Json<Value> {
+    Json(json!({"group": group, "messages_per_s": context.topics.rate(&group)}))
+}
+
+/// The body of `PUT /v1/groups/{group}/rate`: exactly one of the two.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RateBody {
+    messages_per_s: Option<f64>,
+    messages_per_minute: Option<f64>,
+}
+
+async fn put_rate(
+    State(context): State<Arc<ConsumeContext>>,
+    Path(group): Path<String>,
+    body: Result<Json<RateBody>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let invalid = |message: String| ApiError(WireError::new(ErrorCode::InvalidArgument, message));
+    let Json(body) = body.map_err(|error| {
+        invalid(format!(
+            "the body must be JSON like {{\"messages_per_s\": 1000}} or \
+             {{\"messages_per_minute\": 21000000}}: {error}"
+        ))
+    })?;
+    let rate = match (body.messages_per_s, body.messages_per_minute) {
+        (Some(per_s), None) => per_s,
+        (None, Some(per_minute)) => per_minute / 60.0,
+        _ => {
+            return Err(invalid(
+                "give exactly one of messages_per_s and messages_per_minute".to_owned(),
+            ));
+        }
+    };
+    TopicService::set_rate(&context, group.clone(), rate).await?;
+    Ok(Json(json!({"group": group, "messages_per_s": rate})))
+}

@@ -1,0 +1,314 @@
+//! Topics: named sets of partitions, each a queue of the store named
+//! `\0topic\0{topic}\0{partition}`. Topic definitions and group rate limits are kept as JSON
+//! records in the server's metadata queue (`\0meta`), written through the store's log and
+//! replayed on start, so they survive restarts.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, RwLock};
+
+use levee_proto::WireError;
+use levee_proto::v1::ErrorCode;
+use levee_store::Store;
+use serde::{Deserialize, Serialize};
+
+use super::{lock, write_error};
+
+/// Most partitions of one topic.
+pub const PARTITIONS_MAX: u32 = 1_024;
+/// Most bytes of a topic name.
+pub const TOPIC_BYTES_MAX: usize = 200;
+/// Most topics on one server.
+pub const TOPICS_MAX: usize = 10_000;
+/// Most bytes of a group name.
+pub const GROUP_BYTES_MAX: usize = 64;
+/// The metadata queue.
+const META_QUEUE: &[u8] = b"\0meta";
+/// Prefix of every partition queue.
+pub const PARTITION_PREFIX: &[u8] = b"\0topic\0";
+
+/// One topic.
+#[derive(Debug)]
+pub struct Topic {
+    /// Its name.
+    pub name: String,
+    /// Its partitions' queue names, by partition number.
+    pub queues: Vec<Vec<u8>>,
+}
+
+impl Topic {
+    fn new(name: &str, partitions: u32) -> Self {
+        Self {
+            name: name.to_owned(),
+            queues: (0..partitions)
+                .map(|partition| partition_queue(name, partition))
+                .collect(),
+        }
+    }
+
+    /// Its partition count.
+    pub fn partitions(&self) -> u32 {
+        u32::try_from(self.queues.len()).unwrap_or(u32::MAX)
+    }
+}
+
+/// The queue name of `topic`'s partition `partition`.
+pub fn partition_queue(topic: &str, partition: u32) -> Vec<u8> {
+    let mut name = PARTITION_PREFIX.to_vec();
+    name.extend_from_slice(topic.as_bytes());
+    name.push(0);
+    name.extend_from_slice(partition.to_string().as_bytes());
+    name
+}
+
+/// One record of the metadata queue.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+enum MetaRecord {
+    Topic { topic: String, partitions: u32 },
+    GroupRate { group: String, messages_per_s: f64 },
+}
+
+/// Every topic and group rate, and the store they live in.
+#[derive(Debug)]
+pub struct Topics {
+    by_name: RwLock<BTreeMap<String, Arc<Topic>>>,
+    rates: Mutex<BTreeMap<String, f64>>,
+    /// Serialises metadata writes so the last record of a name is the newest.
+    writing: Mutex<()>,
+}
+
+fn invalid(message: String) -> WireError {
+    WireError::new(ErrorCode::InvalidArgument, message)
+}
+
+/// Checks a topic name: 1 to [`TOPIC_BYTES_MAX`] bytes of letters, digits, `.`, `_`, `-`.
+pub fn check_topic_name(topic: &str) -> Result<(), WireError> {
+    let valid_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    if topic.is_empty() || topic.len() > TOPIC_BYTES_MAX || !topic.chars().all(valid_char) {
+        return Err(invalid(format!(
+            "topic '{topic}': a name is 1 to {TOPIC_BYTES_MAX} ASCII letters, digits, '.', '_' \
+             or '-'"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a group name: 1 to [`GROUP_BYTES_MAX`] bytes.
+pub fn check_group_name(group: &str) -> Result<(), WireError> {
+    if group.is_empty() || group.len() > GROUP_BYTES_MAX {
+        return Err(invalid(format!(
+            "group must be 1 to {GROUP_BYTES_MAX} bytes, got {}",
+            group.len()
+        )));
+    }
+    Ok(())
+}
+
+impl Topics {
+    /// Replays the metadata queue. Blocks on the store.
+    pub fn load(store: &Store) -> Result<Self, String> {
+        let mut topics = BTreeMap::new();
+        let mut rates = BTreeMap::new();
+        let info = store
+            .queue_info(META_QUEUE)
+            .map_err(|error| error.to_string())?;
+        if let Some(info) = info {
+            let mut offset = info.first_offset;
+            while offset < info.next_offset {
+                let batch = store
+                    .read(META_QUEUE, offset, 1_000, 1 << 20)
+                    .map_err(|error| error.to_string())?;
+                if batch.is_empty() {
+                    break;
+                }
+                for (record, at) in batch.iter().zip(offset..) {
+                    match serde_json::from_slice::<MetaRecord>(record) {
+                        Ok(MetaRecord::Topic { topic, partitions }) => {
+                            let loaded = Arc::new(Topic::new(&topic, partitions));
+                            topics.insert(topic, loaded);
+                        }
+                        Ok(MetaRecord::GroupRate {
+                            group,
+                            messages_per_s,
+                        }) => {
+                            rates.insert(group, messages_per_s);
+                        }
+                        Err(error) => {
+                            return Err(format!("metadata record {at} is not readable: {error}"));
+                        }
+                    }
+                }
+                offset = batch.next_offset();
+            }
+        }
+        Ok(Self {
+            by_name: RwLock::new(topics),
+            rates: Mutex::new(rates),
+            writing: Mutex::new(()),
+        })
+    }
+
+    fn write(store: &Store, record: &MetaRecord) -> Result<(), WireError> {
+        let bytes = serde_json::to_vec(record)
+            .map_err(|error| WireError::new(ErrorCode::Internal, error.to_string()))?;
+        let (_, ticket) = store
+            .append_deferred(META_QUEUE, &bytes)
+            .map_err(write_error)?;
+        // Always durable before it is answered, whatever the sync policy.
+        store.wait_durable(ticket).map_err(write_error)
+    }
+
+    /// Creates `topic` with `partitions` partitions; `Ok(true)` if it existed already with
+    /// that count. Blocks on the store.
+    pub fn create(&self, store: &Store, topic: &str, partitions: u32) -> Result<bool, WireError> {
+        check_topic_name(topic)?;
+        if !(1..=PARTITIONS_MAX).contains(&partitions) {
+            return Err(invalid(format!(
+                "partitions must be 1 to {PARTITIONS_MAX}, got {partitions}"
+            )));
+        }
+        let _writing = lock(&self.writing);
+        if let Some(existing) = self.get(topic) {
+            if existing.partitions() == partitions {
+                return Ok(true);
+            }
+            return Err(WireError::new(
+                ErrorCode::AlreadyExists,
+                format!(
+                    "topic '{topic}' exists with {} partitions; partitions cannot change (keys \
+                     would move): create a topic with another name",
+                    existing.partitions()
+                ),
+            ));
+        }
+        if self.len() >= TOPICS_MAX {
+            return Err(WireError::new(
+                ErrorCode::ResourceExhausted,
+                format!("{TOPICS_MAX} topics exist on this server, the most it holds"),
+            ));
+        }
+        Self::write(
+            store,
+            &MetaRecord::Topic {
+                topic: topic.to_owned(),
+                partitions,
+            },
+        )?;
+        let created = Arc::new(Topic::new(topic, partitions));
+        self.by_name
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(topic.to_owned(), created);
+        Ok(false)
+    }
+
+    /// The topic, if it exists.
+    pub fn get(&self, topic: &str) -> Option<Arc<Topic>> {
+        self.by_name
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(topic)
+            .cloned()
+    }
+
+    /// The topic, or a `NOT_FOUND` error that says how to create it.
+    pub fn require(&self, topic: &str) -> Result<Arc<Topic>, WireError> {
+        self.get(topic).ok_or_else(|| {
+            WireError::new(
+                ErrorCode::NotFound,
+                format!(
+                    "topic '{topic}' does not exist; create it first (levee topic create --topic \
+                     {topic} --partitions N)"
+                ),
+            )
+        })
+    }
+
+    /// Every topic, by name.
+    pub fn list(&self) -> Vec<Arc<Topic>> {
+        self.by_name
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    fn len(&self) -> usize {
+        self.by_name
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len()
+    }
+
+    /// Sets `group`'s rate (0 clears it), durably. Blocks on the store.
+    pub fn set_rate(
+        &self,
+        store: &Store,
+        group: &str,
+        messages_per_s: f64,
+    ) -> Result<(), WireError> {
+        check_group_name(group)?;
+        if !messages_per_s.is_finite() || messages_per_s < 0.0 {
+            return Err(invalid(format!(
+                "messages_per_s must be 0 (no limit) or positive, got {messages_per_s}"
+            )));
+        }
+        let _writing = lock(&self.writing);
+        Self::write(
+            store,
+            &MetaRecord::GroupRate {
+                group: group.to_owned(),
+                messages_per_s,
+            },
+        )?;
+        lock(&self.rates).insert(group.to_owned(), messages_per_s);
+        Ok(())
+    }
+
+    /// `group`'s rate in messages per second, 0 for none.
+    pub fn rate(&self, group: &str) -> f64 {
+        lock(&self.rates).get(group).copied().unwrap_or(0.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn given_topics_and_rates_when_reopened_then_replayed() {
+        let directory = tempfile::tempdir().unwrap();
+        let (store, _) =
+            Store::open(directory.path(), levee_store::StoreOptions::default()).unwrap();
+        let topics = Topics::load(&store).unwrap();
+        assert!(!topics.create(&store, "orders", 8).unwrap());
+        assert!(topics.create(&store, "orders", 8).unwrap(), "same count");
+        let error = topics.create(&store, "orders", 4).unwrap_err();
+        assert_eq!(error.code, ErrorCode::AlreadyExists);
+        assert_eq!(
+            topics.create(&store, "bad name", 1).unwrap_err().code,
+            ErrorCode::InvalidArgument
+        );
+        assert_eq!(
+            topics.create(&store, "big", 5_000).unwrap_err().code,
+            ErrorCode::InvalidArgument
+        );
+        topics
+            .set_rate(&store, "billing", 350_000.0 / 60.0)
+            .unwrap();
+        store.close().unwrap();
+
+        let (store, _) =
+            Store::open(directory.path(), levee_store::StoreOptions::default()).unwrap();
+        let topics = Topics::load(&store).unwrap();
+        let orders = topics.require("orders").unwrap();
+        assert_eq!(orders.partitions(), 8);
+        assert_eq!(orders.queues[3], b"\0topic\0orders\x003".to_vec());
+        assert!((topics.rate("billing") - 350_000.0 / 60.0).abs() < 1e-9);
+        assert_eq!(
+            topics.require("none").unwrap_err().code,
+            ErrorCode::NotFound
+        );
+    }
+}

@@ -1,0 +1,327 @@
+//! The `levee.v1.Topics` gRPC service: topics, keyed publishing, consumer groups and their rate
+//! limits. Publishing goes through the same store calls and idempotent-producer table as
+//! `Queues.Append`; a member's stream is a [`ConsumeSession`].
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::Stream;
+use levee_proto::v1::consume_request::Kind as ConsumeKind;
+use levee_proto::v1::topics_server::Topics as TopicsApi;
+use levee_proto::v1::{
+    ConsumeRequest, ConsumeResponse, CreateTopicRequest, CreateTopicResponse, DescribeGroupRequest,
+    DescribeGroupResponse, DescribeTopicRequest, DescribeTopicResponse, ErrorCode, GroupMember,
+    GroupPartition, ListTopicsRequest, ListTopicsResponse, PartitionInfo, PublishRequest,
+    PublishResponse, SetGroupRateRequest, SetGroupRateResponse, TopicSummary,
+};
+use levee_proto::{WireError, topic_partition};
+use tokio::sync::{Semaphore, mpsc};
+use tonic::{Request, Response, Status, Streaming};
+
+use super::consume::{ConsumeContext, ConsumeSession, now_ms, topic_wake_key};
+use super::lock;
+use super::producer::SequencedMessage;
+use super::service::{APPEND_MESSAGES_MAX, QueueService};
+use super::subscription::{RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX};
+use super::topic::check_group_name;
+
+/// How long a new consume stream may take to send its start message.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Implements `levee.v1.Topics`.
+#[derive(Debug, Clone)]
+pub struct TopicService {
+    queues: QueueService,
+    context: Arc<ConsumeContext>,
+    streams: Arc<Semaphore>,
+}
+
+impl TopicService {
+    /// A service sharing `queues`' store calls, producers and wake-ups.
+    pub fn new(queues: QueueService, context: Arc<ConsumeContext>) -> Self {
+        Self {
+            queues,
+            context,
+            streams: Arc::new(Semaphore::new(SUBSCRIPTIONS_MAX)),
+        }
+    }
+
+    /// Describes `group` on `topic` (for the admin HTTP port too).
+    pub fn describe_group_now(
+        context: &ConsumeContext,
+        group: &str,
+        topic: &str,
+    ) -> Result<DescribeGroupResponse, WireError> {
+        check_group_name(group)?;
+        let found = context.topics.require(topic)?;
+        let handle = context.groups.find(group, topic).ok_or_else(|| {
+            WireError::new(
+                ErrorCode::NotFound,
+                format!(
+                    "group '{group}' has never consumed topic '{topic}' since the server started"
+                ),
+            )
+        })?;
+        let now = now_ms();
+        let state = &lock(&handle).state;
+        let mut members: Vec<GroupMember> = state
+            .members()
+            .map(|(member, expires_at_ms)| GroupMember {
+                member: member.to_owned(),
+                partitions: Vec::new(),
+                lease_left_ms: expires_at_ms.saturating_sub(now),
+            })
+            .collect();
+        let mut partitions = Vec::new();
+        for ((partition, (owner, epoch)), committed) in
+            (0_u32..).zip(state.owners()).zip(state.committed())
+        {
+            if let Some(member) = members
+                .iter_mut()
+                .find(|member| Some(member.member.as_str()) == owner)
+            {
+                member.partitions.push(partition);
+            }
+            let next_offset = context
+                .calls
+                .store
+                .queue_info(&found.queues[partition as usize])
+                .ok()
+                .flatten()
+                .map_or(0, |info| info.next_offset);
+            partitions.push(GroupPartition {
+                partition,
+                owner: owner.unwrap_or_default().to_owned(),
+                epoch,
+                committed_offset: *committed,
+                next_offset,
+            });
+        }
+        let pacer = context.pacers.get(group, context.topics.rate(group));
+        Ok(DescribeGroupResponse {
+            group: group.to_owned(),
+            topic: topic.to_owned(),
+            generation: state.generation,
+            members,
+            partitions,
+            rate_limit_per_s: context.topics.rate(group),
+            delivered: pacer.delivered(),
+            throttled_s: pacer.throttled_s(),
+        })
+    }
+
+    /// Sets `group`'s rate durably and applies it at once.
+    pub async fn set_rate(
+        context: &ConsumeContext,
+        group: String,
+        messages_per_s: f64,
+    ) -> Result<(), WireError> {
+        let topics = Arc::clone(&context.topics);
+        let name = group.clone();
+        context
+            .calls
+            .run(move |store| topics.set_rate(store, &name, messages_per_s))
+            .await?;
+        context.pacers.set(&group, messages_per_s);
+        Ok(())
+    }
+}
+
+type ConsumeStream = Pin<Box<dyn Stream<Item = Result<ConsumeResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl TopicsApi for TopicService {
+    type ConsumeStream = ConsumeStream;
+
+    async fn create_topic(
+        &self,
+        request: Request<CreateTopicRequest>,
+    ) -> Result<Response<CreateTopicResponse>, Status> {
+        let request = request.into_inner();
+        let topics = Arc::clone(&self.context.topics);
+        let existed = self
+            .context
+            .calls
+            .run(move |store| topics.create(store, &request.topic, request.partitions))
+            .await?;
+        Ok(Response::new(CreateTopicResponse { existed }))
+    }
+
+    async fn describe_topic(
+        &self,
+        request: Request<DescribeTopicRequest>,
+    ) -> Result<Response<DescribeTopicResponse>, Status> {
+        let name = request.into_inner().topic;
+        let topic = self.context.topics.require(&name)?;
+        let store = &self.context.calls.store;
+        let partitions = (0_u32..)
+            .zip(&topic.queues)
+            .map(|(partition, queue)| {
+                let info = store.queue_info(queue).ok().flatten();
+                PartitionInfo {
+                    partition,
+                    first_offset: info.map_or(0, |info| info.first_offset),
+                    next_offset: info.map_or(0, |info| info.next_offset),
+                }
+            })
+            .collect();
+        Ok(Response::new(DescribeTopicResponse {
+            topic: name,
+            partitions,
+        }))
+    }
+
+    async fn list_topics(
+        &self,
+        _request: Request<ListTopicsRequest>,
+    ) -> Result<Response<ListTopicsResponse>, Status> {
+        let topics = self
+            .context
+            .topics
+            .list()
+            .iter()
+            .map(|topic| TopicSummary {
+                topic: topic.name.clone(),
+                partitions: topic.partitions(),
+            })
+            .collect();
+        Ok(Response::new(ListTopicsResponse { topics }))
+    }
+
+    async fn publish(
+        &self,
+        request: Request<PublishRequest>,
+    ) -> Result<Response<PublishResponse>, Status> {
+        let request = request.into_inner();
+        let topic = self.context.topics.require(&request.topic)?;
+        let count = request.messages.len();
+        if count == 0 || count > APPEND_MESSAGES_MAX {
+            return Err(WireError::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "messages: send 1 to {APPEND_MESSAGES_MAX} messages per publish, got {count}"
+                ),
+            )
+            .into());
+        }
+        let mut partitions = Vec::with_capacity(count);
+        let mut messages = Vec::with_capacity(count);
+        for message in request.messages {
+            let partition = match message.partition_plus_one {
+                0 => topic_partition(&message.key, topic.partitions()),
+                explicit if explicit <= topic.partitions() => explicit - 1,
+                explicit => {
+                    return Err(WireError::new(
+                        ErrorCode::InvalidArgument,
+                        format!(
+                            "partition {} does not exist; topic '{}' has {} partitions",
+                            explicit - 1,
+                            topic.name,
+                            topic.partitions()
+                        ),
+                    )
+                    .into());
+                }
+            };
+            partitions.push(partition);
+            messages.push(SequencedMessage {
+                queue: topic.queues[partition as usize].clone(),
+                payload: message.payload,
+                sequence: message.sequence,
+            });
+        }
+        let offsets = if request.producer_id.is_empty() {
+            self.context
+                .calls
+                .run(move |store| {
+                    let batch: Vec<(&[u8], &[u8])> = messages
+                        .iter()
+                        .map(|message| (message.queue.as_slice(), message.payload.as_slice()))
+                        .collect();
+                    store.append_batch(&batch).map_err(super::write_error)
+                })
+                .await?
+        } else {
+            self.queues
+                .idempotent_append(request.producer_id, messages)
+                .await?
+        };
+        self.context
+            .metrics
+            .topic_messages_published
+            .inc_by(count as u64);
+        self.context.waiters.wake(&topic_wake_key(&topic.name));
+        Ok(Response::new(PublishResponse {
+            partitions,
+            offsets,
+        }))
+    }
+
+    async fn consume(
+        &self,
+        request: Request<Streaming<ConsumeRequest>>,
+    ) -> Result<Response<Self::ConsumeStream>, Status> {
+        let mut incoming = request.into_inner();
+        let start = match tokio::time::timeout(START_TIMEOUT, incoming.message()).await {
+            Ok(Ok(Some(ConsumeRequest {
+                kind: Some(ConsumeKind::Start(start)),
+            }))) => start,
+            Ok(Err(status)) => return Err(status),
+            Err(_) => {
+                return Err(WireError::new(
+                    ErrorCode::InvalidArgument,
+                    format!(
+                        "no start message within {} s; send ConsumeStart first",
+                        START_TIMEOUT.as_secs()
+                    ),
+                )
+                .into());
+            }
+            Ok(Ok(_)) => {
+                return Err(WireError::new(
+                    ErrorCode::InvalidArgument,
+                    "the first message must be a ConsumeStart",
+                )
+                .into());
+            }
+        };
+        let permit = Arc::clone(&self.streams).try_acquire_owned().map_err(|_| {
+            WireError::new(
+                ErrorCode::ResourceExhausted,
+                format!("{SUBSCRIPTIONS_MAX} consume streams are open on this server; retry later"),
+            )
+        })?;
+        let (outgoing, responses) = mpsc::channel(RESPONSES_QUEUED_MAX);
+        let session =
+            ConsumeSession::join(Arc::clone(&self.context), start, incoming, outgoing).await?;
+        tokio::spawn(async move {
+            session.run().await;
+            drop(permit);
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(responses),
+        )))
+    }
+
+    async fn describe_group(
+        &self,
+        request: Request<DescribeGroupRequest>,
+    ) -> Result<Response<DescribeGroupResponse>, Status> {
+        let request = request.into_inner();
+        Ok(Response::new(Self::describe_group_now(
+            &self.context,
+            &request.group,
+            &request.topic,
+        )?))
+    }
+
+    async fn set_group_rate(
+        &self,
+        request: Request<SetGroupRateRequest>,
+    ) -> Result<Response<SetGroupRateResponse>, Status> {
+        let request = request.into_inner();
+        Self::set_rate(&self.context, request.group, request.messages_per_s).await?;
+        Ok(Response::new(SetGroupRateResponse {}))
+    }
+}

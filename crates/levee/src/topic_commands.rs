@@ -1,0 +1,213 @@
+//! `levee topic ...` and `levee group ...`: operators' commands for topics and consumer
+//! groups, through the Rust SDK.
+
+use std::process::ExitCode;
+
+use levee_client::Client;
+use serde_json::{Value, json};
+
+use crate::client_commands::ServerAddress;
+
+#[derive(Debug, clap::Subcommand)]
+pub enum TopicCommand {
+    /// Create a topic with a fixed number of partitions (again with the same count: no change)
+    Create(CreateArgs),
+    /// Show a topic's partitions with their first retained and next offsets
+    Describe(TopicArgs),
+    /// List every topic with its partition count
+    List(ServerOnly),
+    /// Publish one message by key (partition = XXH3-64(key) mod partitions)
+    Publish(PublishArgs),
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum GroupCommand {
+    /// Show a consumer group's members, partition owners, epochs, committed offsets, lag, rate
+    Describe(GroupArgs),
+    /// Set a consumer group's delivery rate limit (0 clears it); takes effect at once
+    SetRate(SetRateArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ServerOnly {
+    #[command(flatten)]
+    address: ServerAddress,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct TopicArgs {
+    #[command(flatten)]
+    address: ServerAddress,
+    /// The topic's name
+    #[arg(long)]
+    topic: String,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct CreateArgs {
+    #[command(flatten)]
+    topic: TopicArgs,
+    /// Partitions (1 to 1024); fixed for the topic's life
+    #[arg(long)]
+    partitions: u32,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PublishArgs {
+    #[command(flatten)]
+    topic: TopicArgs,
+    /// The key that picks the partition
+    #[arg(long, default_value = "")]
+    key: String,
+    /// The message, as text
+    #[arg(long)]
+    message: String,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct GroupArgs {
+    #[command(flatten)]
+    address: ServerAddress,
+    /// The consumer group
+    #[arg(long)]
+    group: String,
+    /// The topic the group consumes
+    #[arg(long)]
+    topic: String,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct SetRateArgs {
+    #[command(flatten)]
+    address: ServerAddress,
+    /// The consumer group
+    #[arg(long)]
+    group: String,
+    /// Messages per second (0 clears the limit)
+    #[arg(
+        long,
+        conflicts_with = "per_minute",
+        required_unless_present = "per_minute"
+    )]
+    per_second: Option<f64>,
+    /// Messages per minute (such as 21000000)
+    #[arg(long)]
+    per_minute: Option<f64>,
+}
+
+pub fn run_topic(command: &TopicCommand) -> ExitCode {
+    let address = match command {
+        TopicCommand::Create(args) => &args.topic.address,
+        TopicCommand::Describe(args) => &args.address,
+        TopicCommand::List(args) => &args.address,
+        TopicCommand::Publish(args) => &args.topic.address,
+    };
+    crate::client_commands::print_result(address.json, topic(command, &address.server))
+}
+
+pub fn run_group(command: &GroupCommand) -> ExitCode {
+    let address = match command {
+        GroupCommand::Describe(args) => &args.address,
+        GroupCommand::SetRate(args) => &args.address,
+    };
+    crate::client_commands::print_result(address.json, group(command, &address.server))
+}
+
+async fn topic(command: &TopicCommand, server: &str) -> anyhow::Result<Value> {
+    let client = Client::connect(server).await?;
+    Ok(match command {
+        TopicCommand::Create(args) => {
+            let existed = client
+                .create_topic(&args.topic.topic, args.partitions)
+                .await?;
+            json!({"topic": args.topic.topic, "partitions": args.partitions, "existed": existed})
+        }
+        TopicCommand::Describe(args) => {
+            let described = client.describe_topic(&args.topic).await?;
+            let partitions: Vec<Value> = described
+                .partitions
+                .iter()
+                .map(|partition| {
+                    json!({
+                        "partition": partition.partition,
+                        "first_offset": partition.first_offset,
+                        "next_offset": partition.next_offset,
+                    })
+                })
+                .collect();
+            json!({"topic": described.topic, "partitions": partitions})
+        }
+        TopicCommand::List(_) => {
+            let topics: Vec<Value> = client
+                .list_topics()
+                .await?
+                .iter()
+                .map(|topic| json!({"topic": topic.topic, "partitions": topic.partitions}))
+                .collect();
+            json!({ "topics": topics })
+        }
+        TopicCommand::Publish(args) => {
+            let published = client
+                .publish(
+                    &args.topic.topic,
+                    &[(args.key.as_bytes(), args.message.as_bytes())],
+                )
+                .await?;
+            let (partition, offset) = published.first().copied().unwrap_or_default();
+            json!({"topic": args.topic.topic, "partition": partition, "offset": offset})
+        }
+    })
+}
+
+async fn group(command: &GroupCommand, server: &str) -> anyhow::Result<Value> {
+    let client = Client::connect(server).await?;
+    Ok(match command {
+        GroupCommand::Describe(args) => {
+            let described = client.describe_group(&args.group, &args.topic).await?;
+            let members: Vec<Value> = described
+                .members
+                .iter()
+                .map(|member| {
+                    json!({
+                        "member": member.member,
+                        "partitions": member.partitions,
+                        "lease_left_ms": member.lease_left_ms,
+                    })
+                })
+                .collect();
+            let partitions: Vec<Value> = described
+                .partitions
+                .iter()
+                .map(|partition| {
+                    json!({
+                        "partition": partition.partition,
+                        "owner": partition.owner,
+                        "epoch": partition.epoch,
+                        "committed_offset": partition.committed_offset,
+                        "next_offset": partition.next_offset,
+                        "lag": partition.next_offset.saturating_sub(partition.committed_offset),
+                    })
+                })
+                .collect();
+            json!({
+                "group": described.group,
+                "topic": described.topic,
+                "generation": described.generation,
+                "members": members,
+                "partitions": partitions,
+                "rate_limit_per_s": described.rate_limit_per_s,
+                "delivered": described.delivered,
+                "throttled_s": described.throttled_s,
+            })
+        }
+        GroupCommand::SetRate(args) => {
+            let per_second = match (args.per_second, args.per_minute) {
+                (Some(per_second), _) => per_second,
+                (None, Some(per_minute)) => per_minute / 60.0,
+                (None, None) => anyhow::bail!("give --per-second or --per-minute"),
+            };
+            client.set_group_rate(&args.group, per_second).await?;
+            json!({"group": args.group, "messages_per_s": per_second})
+        }
+    })
+}
