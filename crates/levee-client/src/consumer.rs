@@ -113,8 +113,12 @@ struct PartitionState {
     committed: u64,
 }
 
-/// A handler finished: (partition, epoch, offset, payload bytes).
-type Finished = (u32, u64, u64, u32);
+/// A job finished: (partition, epoch, the offsets it handled, their payload bytes).
+type Finished = (u32, u64, Vec<u64>, u32);
+
+/// Most messages of one partition handed to one task in ordered mode: they run one after the
+/// other anyway, and one task per run of messages costs far less than one per message.
+const ORDERED_JOB_MESSAGES_MAX: usize = 256;
 
 fn fresh_member_id() -> String {
     use std::hash::BuildHasher;
@@ -237,43 +241,40 @@ impl GroupConsumer {
         let mut heartbeat = tokio::time::interval(self.options.lease / 3);
         heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut stopping = false;
+        // Commit batches sent and not yet answered (each gets one answer).
+        let mut commits_awaiting = 0_usize;
         loop {
             self.dispatch(&mut partitions, &slots, handler, &finished_sender);
             if stopping && partitions.values().all(|state| state.running == 0) {
-                final_commit(&mut partitions, &requests, &mut responses, stats).await;
+                final_commit(
+                    &mut partitions,
+                    &requests,
+                    &mut responses,
+                    commits_awaiting,
+                    stats,
+                )
+                .await;
                 return Ok(());
             }
             tokio::select! {
                 response = responses.message() => {
                     let response = response?.ok_or_else(closed)?;
-                    if let Some(assignment) = response.assignment {
-                        stats.assignments += 1;
-                        apply_assignment(&mut partitions, &assignment);
+                    let taken = take_response(response, &mut partitions, stats);
+                    if taken.commit_answered {
+                        commits_awaiting = commits_awaiting.saturating_sub(1);
                     }
-                    for delivery in response.deliveries {
-                        if let Some(state) = partitions.get_mut(&delivery.partition)
-                            && state.epoch == delivery.epoch
-                        {
-                            state.waiting.push_back(Message {
-                                partition: delivery.partition,
-                                offset: delivery.offset,
-                                payload: delivery.payload,
-                            });
-                        } else {
-                            // Revoked meanwhile: not handled, so hand the credit back.
-                            let bytes = u32::try_from(delivery.payload.len()).unwrap_or(u32::MAX);
-                            let credit = credit_request(1, bytes);
-                            requests.send(credit).await.map_err(|_| closed())?;
-                        }
+                    if taken.revoked_messages > 0 {
+                        // Delivered for partitions revoked meanwhile: hand the credit back.
+                        let credit = credit_request(taken.revoked_messages, taken.revoked_bytes);
+                        requests.send(credit).await.map_err(|_| closed())?;
                     }
-                    count_commits(&response.commit_results, stats);
                 }
                 Some(first) = finished.recv() => {
                     let mut done = vec![first];
                     while let Ok(more) = finished.try_recv() {
                         done.push(more);
                     }
-                    stats.handled += done.len() as u64;
+                    stats.handled += done.iter().map(|job| job.2.len() as u64).sum::<u64>();
                     let (messages, bytes) = apply_finished(&mut partitions, &done);
                     requests
                         .send(credit_request(messages, bytes))
@@ -284,6 +285,7 @@ impl GroupConsumer {
                     let batch = commits_due(&mut partitions);
                     if !batch.is_empty() {
                         requests.send(commit_request(batch)).await.map_err(|_| closed())?;
+                        commits_awaiting += 1;
                     }
                 }
                 _ = heartbeat.tick() => {
@@ -316,36 +318,93 @@ impl GroupConsumer {
                 let Ok(permit) = Arc::clone(slots).try_acquire_owned() else {
                     return;
                 };
-                let Some(message) = state.waiting.pop_front() else {
-                    break;
+                let take = if self.options.ordered {
+                    state.waiting.len().min(ORDERED_JOB_MESSAGES_MAX)
+                } else {
+                    1
                 };
+                let job: Vec<Message> = state.waiting.drain(..take).collect();
                 state.running += 1;
                 let (handler, finished) = (Arc::clone(handler), finished.clone());
                 let epoch = state.epoch;
                 tokio::spawn(async move {
-                    let (partition, offset) = (message.partition, message.offset);
-                    let bytes = u32::try_from(message.payload.len()).unwrap_or(u32::MAX);
-                    handler(message).await;
+                    let partition = job[0].partition;
+                    let mut offsets = Vec::with_capacity(job.len());
+                    let mut bytes = 0_u32;
+                    for message in job {
+                        offsets.push(message.offset);
+                        let size = u32::try_from(message.payload.len()).unwrap_or(u32::MAX);
+                        bytes = bytes.saturating_add(size);
+                        handler(message).await;
+                    }
                     drop(permit);
-                    let _ = finished.send((partition, epoch, offset, bytes)).await;
+                    let _ = finished.send((partition, epoch, offsets, bytes)).await;
                 });
             }
         }
     }
 }
 
+/// What one response from the server changed.
+struct Taken {
+    /// Messages (and their bytes) delivered for partitions no longer owned: not handled.
+    revoked_messages: u32,
+    revoked_bytes: u32,
+    /// The response answered a commit batch.
+    commit_answered: bool,
+}
+
+/// Applies a response: a new assignment, deliveries queued per partition, commit answers.
+fn take_response(
+    response: levee_proto::v1::ConsumeResponse,
+    partitions: &mut HashMap<u32, PartitionState>,
+    stats: &mut ConsumerStats,
+) -> Taken {
+    if let Some(assignment) = response.assignment {
+        stats.assignments += 1;
+        apply_assignment(partitions, &assignment);
+    }
+    let mut taken = Taken {
+        revoked_messages: 0,
+        revoked_bytes: 0,
+        commit_answered: !response.commit_results.is_empty(),
+    };
+    for delivery in response.deliveries {
+        if let Some(state) = partitions.get_mut(&delivery.partition)
+            && state.epoch == delivery.epoch
+        {
+            let idle = state.waiting.is_empty() && state.running == 0 && state.finished.is_empty();
+            if idle && delivery.offset > state.frontier {
+                // Retention removed the messages in between: nothing to wait for.
+                state.frontier = delivery.offset;
+            }
+            state.waiting.push_back(Message {
+                partition: delivery.partition,
+                offset: delivery.offset,
+                payload: delivery.payload,
+            });
+        } else {
+            taken.revoked_messages += 1;
+            let bytes = u32::try_from(delivery.payload.len()).unwrap_or(u32::MAX);
+            taken.revoked_bytes = taken.revoked_bytes.saturating_add(bytes);
+        }
+    }
+    count_commits(&response.commit_results, stats);
+    taken
+}
+
 /// Marks finished handlers' offsets done (those of the current epochs) and moves the commit
 /// frontiers; returns the credit to grant back (every finished message counts).
 fn apply_finished(partitions: &mut HashMap<u32, PartitionState>, done: &[Finished]) -> (u32, u32) {
     let (mut messages, mut total_bytes) = (0_u32, 0_u32);
-    for &(partition, epoch, offset, bytes) in done {
-        messages += 1;
-        total_bytes = total_bytes.saturating_add(bytes);
-        if let Some(state) = partitions.get_mut(&partition)
-            && state.epoch == epoch
+    for (partition, epoch, offsets, bytes) in done {
+        messages = messages.saturating_add(u32::try_from(offsets.len()).unwrap_or(u32::MAX));
+        total_bytes = total_bytes.saturating_add(*bytes);
+        if let Some(state) = partitions.get_mut(partition)
+            && state.epoch == *epoch
         {
             state.running -= 1;
-            state.finished.insert(offset);
+            state.finished.extend(offsets);
             while state.finished.remove(&state.frontier) {
                 state.frontier += 1;
             }
@@ -354,24 +413,28 @@ fn apply_finished(partitions: &mut HashMap<u32, PartitionState>, done: &[Finishe
     (messages, total_bytes)
 }
 
-/// On stop: commits what finished and waits (at most 5 s) for the answer, so the last commit
-/// is durable before the member leaves.
+/// On stop: commits what finished and waits (at most 5 s) for the answers to every commit
+/// batch still unanswered, so the last commit is durable before the member leaves.
 async fn final_commit(
     partitions: &mut HashMap<u32, PartitionState>,
     requests: &mpsc::Sender<ConsumeRequest>,
     responses: &mut tonic::Streaming<levee_proto::v1::ConsumeResponse>,
+    mut awaiting: usize,
     stats: &mut ConsumerStats,
 ) {
     let batch = commits_due(partitions);
-    if batch.is_empty() || requests.send(commit_request(batch)).await.is_err() {
-        return;
+    if !batch.is_empty() && requests.send(commit_request(batch)).await.is_ok() {
+        awaiting += 1;
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while let Ok(Ok(Some(response))) = tokio::time::timeout_at(deadline, responses.message()).await
-    {
-        if !response.commit_results.is_empty() {
-            count_commits(&response.commit_results, stats);
+    while awaiting > 0 {
+        let Ok(Ok(Some(response))) = tokio::time::timeout_at(deadline, responses.message()).await
+        else {
             return;
+        };
+        if !response.commit_results.is_empty() {
+            awaiting -= 1;
+            count_commits(&response.commit_results, stats);
         }
     }
 }

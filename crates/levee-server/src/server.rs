@@ -78,6 +78,9 @@ pub enum StartError {
         /// What went wrong.
         message: String,
     },
+    /// A thread could not be started.
+    #[error("cannot start a thread ({0}); raise the process's thread or memory limits")]
+    Thread(std::io::Error),
     /// Another process listens on the address.
     #[error(
         "{listener} address {address} is already in use by another process; stop that process \
@@ -168,7 +171,7 @@ impl RunningServer {
         health.set_serving::<QueuesServer<QueueService>>().await;
         health.set_serving::<TopicsServer<TopicService>>().await;
         let (queue_service, topic_service, consume_context) =
-            queue_services(&store, topics, config, &state.metrics, &stop_sessions);
+            queue_services(&store, topics, config, &state.metrics, &stop_sessions)?;
         let hotkey_service = HotKeyService::new(
             Arc::clone(&hub),
             state.metrics.clone(),
@@ -306,6 +309,13 @@ impl RunningServer {
     }
 }
 
+/// The Queues and Topics services, and what consume streams share.
+type QueueServices = (
+    QueuesServer<QueueService>,
+    TopicsServer<TopicService>,
+    Arc<ConsumeContext>,
+);
+
 /// The Queues and Topics services over the store, and what consume streams share.
 fn queue_services(
     store: &Arc<Store>,
@@ -313,12 +323,9 @@ fn queue_services(
     config: &Config,
     metrics: &crate::metrics::Metrics,
     stop_sessions: &watch::Sender<bool>,
-) -> (
-    QueuesServer<QueueService>,
-    TopicsServer<TopicService>,
-    Arc<ConsumeContext>,
-) {
-    let calls = StoreCalls::new(Arc::clone(store), config.queue_sync.0);
+) -> Result<QueueServices, StartError> {
+    let calls =
+        StoreCalls::new(Arc::clone(store), config.queue_sync.0).map_err(StartError::Thread)?;
     let waiters = Arc::new(Waiters::default());
     let queues = QueueService::new(
         calls.clone(),
@@ -344,7 +351,7 @@ fn queue_services(
     let queue_service = QueuesServer::new(queues)
         .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
         .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
-    (queue_service, topic_service, consume_context)
+    Ok((queue_service, topic_service, consume_context))
 }
 
 /// Replays the topics and group rates kept in the store, on the blocking pool.

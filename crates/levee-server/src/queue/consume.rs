@@ -16,7 +16,6 @@ use levee_proto::v1::{
     Assignment, CommitResult, ConsumeRequest, ConsumeResponse, ConsumeStart, Credit, ErrorCode,
     TopicDelivery,
 };
-use levee_store::SyncPolicy;
 use tokio::sync::{Notify, mpsc, watch};
 use tonic::{Status, Streaming};
 
@@ -24,7 +23,7 @@ use super::group::{Groups, Membership};
 use super::rate::TokenBucket;
 use super::subscription::{CREDIT_BYTES_DEFAULT, CREDIT_BYTES_MAX, CREDIT_MESSAGES_MAX, Waiters};
 use super::topic::{Topic, Topics, check_group_name};
-use super::{StoreCalls, lock, storage_error, write_error};
+use super::{StoreCalls, lock, storage_error};
 use crate::metrics::{FloatGauge, GroupLabels, Metrics, SecondsCounter};
 
 /// Lease of a start that does not say.
@@ -257,8 +256,9 @@ enum Delivered {
 }
 
 impl ConsumeSession {
-    /// Joins the group (blocking on the store for a first load) and returns the session.
-    pub async fn join(
+    /// Joins the group (reading its last commit from the store on first use) and returns the
+    /// session.
+    pub fn join(
         context: Arc<ConsumeContext>,
         start: ConsumeStart,
         incoming: Streaming<ConsumeRequest>,
@@ -273,12 +273,14 @@ impl ConsumeSession {
             Arc::clone(&topic),
         );
         let lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
-        let membership = context
-            .calls
-            .run(move |store| {
-                groups.join(store, &group, &joined_topic, &member, lease_ms, now_ms())
-            })
-            .await?;
+        let membership = groups.join(
+            &context.calls.store,
+            &group,
+            &joined_topic,
+            &member,
+            lease_ms,
+            now_ms(),
+        )?;
         let labels = GroupLabels::new(&start.group);
         context.metrics.group_members.get_or_create(&labels).inc();
         context
@@ -450,7 +452,7 @@ impl ConsumeSession {
     }
 
     /// One delivery round: reads the owned partitions round-robin, within the credit and the
-    /// group's rate, in one blocking call.
+    /// group's rate (reads come from the store's index and the page cache, inline).
     async fn deliver(&mut self) -> Result<Delivered, WireError> {
         if self.cursors.is_empty() || self.credit_messages == 0 || self.credit_bytes == 0 {
             return Ok(Delivered::Nothing);
@@ -462,39 +464,24 @@ impl ConsumeSession {
         };
         let start = self.round_robin % self.cursors.len();
         self.round_robin = self.round_robin.wrapping_add(1);
-        let order: Vec<(usize, Vec<u8>, u64)> = (0..self.cursors.len())
-            .map(|step| {
-                let index = (start + step) % self.cursors.len();
-                let cursor = self.cursors[index];
-                (
-                    index,
-                    self.topic.queues[cursor.partition as usize].clone(),
-                    cursor.next,
-                )
-            })
-            .collect();
-        let bytes_max = self.credit_bytes as usize;
-        let batches = self
-            .context
-            .calls
-            .run(move |store| {
-                let mut left = usize::try_from(granted).unwrap_or(usize::MAX);
-                let mut bytes_left = bytes_max;
-                let mut batches = Vec::new();
-                for (index, queue, from) in order {
-                    if left == 0 || bytes_left == 0 {
-                        break;
-                    }
-                    let batch = store
-                        .read(&queue, from, left, bytes_left)
-                        .map_err(|error| storage_error(&error))?;
-                    left -= batch.len();
-                    bytes_left = bytes_left.saturating_sub(batch.bytes());
-                    batches.push((index, batch));
-                }
-                Ok(batches)
-            })
-            .await?;
+        let store = &self.context.calls.store;
+        let mut left = usize::try_from(granted).unwrap_or(usize::MAX);
+        let mut bytes_left = self.credit_bytes as usize;
+        let mut batches = Vec::new();
+        for step in 0..self.cursors.len() {
+            if left == 0 || bytes_left == 0 {
+                break;
+            }
+            let index = (start + step) % self.cursors.len();
+            let cursor = self.cursors[index];
+            let queue = &self.topic.queues[cursor.partition as usize];
+            let batch = store
+                .read(queue, cursor.next, left, bytes_left)
+                .map_err(|error| storage_error(&error))?;
+            left -= batch.len();
+            bytes_left = bytes_left.saturating_sub(batch.bytes());
+            batches.push((index, batch));
+        }
         let mut deliveries = Vec::new();
         let mut bytes = 0_usize;
         for (index, batch) in batches {
@@ -564,22 +551,10 @@ impl ConsumeSession {
                     .iter()
                     .map(|commit| (commit.partition, commit.epoch, commit.next_offset))
                     .collect();
-                let membership = self.membership.clone();
-                let sync = self.context.calls.sync;
-                let applied = commits.clone();
-                let refusals = self
-                    .context
-                    .calls
-                    .run(move |store| {
-                        let (refusals, ticket) = membership.commit(store, &applied)?;
-                        if let Some(ticket) = ticket
-                            && sync == SyncPolicy::Always
-                        {
-                            store.wait_durable(ticket).map_err(write_error)?;
-                        }
-                        Ok(refusals)
-                    })
-                    .await?;
+                let (refusals, ticket) = self
+                    .membership
+                    .commit(&self.context.calls.store, &commits)?;
+                self.context.calls.durable(ticket).await?;
                 let commit_results = commits
                     .iter()
                     .zip(refusals)

@@ -11,10 +11,11 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use levee_proto::WireError;
 use levee_proto::v1::ErrorCode;
-use levee_store::{Store, SyncPolicy, WriteError};
+use levee_store::{CommitTicket, Store, SyncPolicy, WriteError};
 use tokio::sync::Semaphore;
 
 pub mod consume;
+pub mod durable;
 pub mod group;
 pub mod http;
 pub mod producer;
@@ -58,9 +59,13 @@ pub(crate) fn write_error(error: WriteError) -> WireError {
     }
 }
 
-/// Runs store calls (which block: an append under `always` waits for its fsync) on tokio's
-/// blocking pool, at most [`BLOCKING_CALLS_MAX`] at once: further calls wait for a slot, which
-/// is back-pressure, not an error.
+/// How the services call the store. Appends and reads run inline on the runtime: buffering an
+/// append and reading from the index and page cache do not wait for the disk (except the
+/// store's back-pressure when its buffers or rounds are late, which is meant to slow callers
+/// down). Waiting for an fsync is async, through the [`durable::DurabilityWaiter`], so no
+/// thread is parked per request. Calls that may block for long (deletes, metadata writes that
+/// force a sync) run on tokio's blocking pool, at most [`BLOCKING_CALLS_MAX`] at once: further
+/// calls wait for a slot, which is back-pressure, not an error.
 #[derive(Debug, Clone)]
 pub struct StoreCalls {
     /// The store.
@@ -68,16 +73,38 @@ pub struct StoreCalls {
     /// The store's sync policy.
     pub sync: SyncPolicy,
     slots: Arc<Semaphore>,
+    durability: Arc<durable::DurabilityWaiter>,
 }
 
 impl StoreCalls {
-    /// Calls on `store`, opened with `sync`.
-    pub fn new(store: Arc<Store>, sync: SyncPolicy) -> Self {
-        Self {
+    /// Calls on `store`, opened with `sync`; starts the durability waiter's thread.
+    pub fn new(store: Arc<Store>, sync: SyncPolicy) -> std::io::Result<Self> {
+        let durability = Arc::new(durable::DurabilityWaiter::start(&store)?);
+        Ok(Self {
             store,
             sync,
             slots: Arc::new(Semaphore::new(BLOCKING_CALLS_MAX)),
+            durability,
+        })
+    }
+
+    /// Returns once appends behind `ticket` are durable under the sync policy: under `always`
+    /// when their round is fsynced, under `interval` at once.
+    pub async fn durable(&self, ticket: Option<CommitTicket>) -> Result<(), WireError> {
+        match ticket {
+            Some(ticket) if self.sync == SyncPolicy::Always => self.durability.wait(ticket).await,
+            _ => Ok(()),
         }
+    }
+
+    /// Appends a batch and returns its offsets once durable under the sync policy.
+    pub async fn append_batch(&self, batch: &[(&[u8], &[u8])]) -> Result<Vec<u64>, WireError> {
+        let (offsets, ticket) = self
+            .store
+            .append_batch_deferred(batch)
+            .map_err(write_error)?;
+        self.durable(Some(ticket)).await?;
+        Ok(offsets)
     }
 
     /// Runs `call` on the blocking pool once a slot is free.

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 
 use levee_proto::WireError;
 use levee_proto::v1::ErrorCode;
-use levee_store::{CommitTicket, Store, SyncPolicy};
+use levee_store::{CommitTicket, Store};
 
 use super::{lock, storage_error, write_error};
 
@@ -55,12 +55,27 @@ impl Run {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct ProducerState {
     queues: HashMap<Vec<u8>, VecDeque<Run>>,
     /// Order in which queues were first seen, for forgetting the oldest.
     queue_order: VecDeque<Vec<u8>>,
     last_used: u64,
+    /// Whether every queue this producer ever stored to is remembered (nothing forgotten or
+    /// trimmed away). Then a queue not remembered is new to the producer, and its first
+    /// sequence must be 0: a higher one means an earlier batch has not arrived yet.
+    complete: bool,
+}
+
+impl Default for ProducerState {
+    fn default() -> Self {
+        Self {
+            queues: HashMap::new(),
+            queue_order: VecDeque::new(),
+            last_used: 0,
+            complete: true,
+        }
+    }
 }
 
 impl ProducerState {
@@ -70,6 +85,7 @@ impl ProducerState {
                 && let Some(oldest) = self.queue_order.pop_front()
             {
                 self.queues.remove(&oldest);
+                self.complete = false;
             }
             self.queue_order.push_back(queue.to_vec());
         }
@@ -224,15 +240,14 @@ impl Producers {
     }
 
     /// Appends `messages` for `producer`: new runs are stored, resent ones answered from
-    /// memory. Returns the offsets in request order once durable under `sync`. Blocks: call it
-    /// on the blocking pool.
+    /// memory. Returns the offsets in request order and the ticket to wait for before
+    /// answering (the highest of the new record's and the resent runs' rounds).
     pub fn append(
         &self,
         store: &Store,
-        sync: SyncPolicy,
         producer: &str,
         messages: &[SequencedMessage],
-    ) -> Result<Vec<u64>, WireError> {
+    ) -> Result<(Vec<u64>, Option<CommitTicket>), WireError> {
         check_producer_id(producer)?;
         // The request's runs: per queue, its messages' indexes in order.
         let mut by_queue: Vec<(&[u8], Vec<usize>)> = Vec::new();
@@ -265,7 +280,8 @@ impl Producers {
         for (queue, indexes) in &by_queue {
             let first = messages[indexes[0]].sequence;
             let last = messages[indexes[indexes.len() - 1]].sequence;
-            verdicts.push(judge(state.queues.get(*queue), queue, first, last)?);
+            let runs = state.queues.get(*queue);
+            verdicts.push(judge(runs, state.complete, queue, first, last)?);
         }
         // Store the new runs in one batch, then the producer's record after them.
         let mut batch: Vec<(&[u8], &[u8])> = Vec::new();
@@ -325,27 +341,34 @@ impl Producers {
             }
         }
         drop(state);
-        if sync == SyncPolicy::Always
-            && let Some(ticket) = tickets.into_iter().max()
-        {
-            store.wait_durable(ticket).map_err(write_error)?;
-        }
-        Ok(offsets)
+        Ok((offsets, tickets.into_iter().max()))
     }
 }
 
-/// Judges a request's run `first..=last` of one queue against the remembered runs.
+/// Judges a request's run `first..=last` of one queue against the remembered runs; `complete`
+/// says whether every queue of the producer is remembered.
 fn judge(
     runs: Option<&VecDeque<Run>>,
+    complete: bool,
     queue: &[u8],
     first: u64,
     last: u64,
 ) -> Result<Verdict, WireError> {
+    let name = || String::from_utf8_lossy(queue).into_owned();
     let Some(last_run) = runs.and_then(VecDeque::back) else {
+        if complete && first != 0 {
+            return Err(WireError::new(
+                ErrorCode::SequenceGap,
+                format!(
+                    "queue '{}': sequence {first} skips ahead; this producer's first sequence on \
+                     the queue is 0. Resend the missing messages first",
+                    name()
+                ),
+            ));
+        }
         return Ok(Verdict::New);
     };
     let expected = last_run.last_sequence() + 1;
-    let name = || String::from_utf8_lossy(queue).into_owned();
     if first == expected {
         return Ok(Verdict::New);
     }
@@ -403,6 +426,20 @@ mod tests {
             .collect()
     }
 
+    /// Appends and waits for durability, as the service does.
+    fn send(
+        producers: &Producers,
+        store: &Store,
+        producer: &str,
+        messages: &[SequencedMessage],
+    ) -> Result<Vec<u64>, WireError> {
+        let (offsets, ticket) = producers.append(store, producer, messages)?;
+        if let Some(ticket) = ticket {
+            store.wait_durable(ticket).unwrap();
+        }
+        Ok(offsets)
+    }
+
     fn open(directory: &std::path::Path) -> Store {
         Store::open(directory, levee_store::StoreOptions::default())
             .unwrap()
@@ -414,25 +451,16 @@ mod tests {
         let directory = tempfile::tempdir().unwrap();
         let store = open(directory.path());
         let producers = Producers::default();
-        let always = SyncPolicy::Always;
         store.append(b"orders", b"someone else").unwrap();
-        let first = producers
-            .append(&store, always, "p1", &messages(b"orders", 0..3))
-            .unwrap();
+        let first = send(&producers, &store, "p1", &messages(b"orders", 0..3)).unwrap();
         assert_eq!(first, vec![1, 2, 3]);
         store.append(b"orders", b"someone else again").unwrap();
-        let again = producers
-            .append(&store, always, "p1", &messages(b"orders", 0..3))
-            .unwrap();
+        let again = send(&producers, &store, "p1", &messages(b"orders", 0..3)).unwrap();
         assert_eq!(again, first, "a resend answers with the original offsets");
-        let part = producers
-            .append(&store, always, "p1", &messages(b"orders", 1..3))
-            .unwrap();
+        let part = send(&producers, &store, "p1", &messages(b"orders", 1..3)).unwrap();
         assert_eq!(part, vec![2, 3]);
         assert_eq!(store.queue_info(b"orders").unwrap().unwrap().next_offset, 5);
-        let next = producers
-            .append(&store, always, "p1", &messages(b"orders", 3..4))
-            .unwrap();
+        let next = send(&producers, &store, "p1", &messages(b"orders", 3..4)).unwrap();
         assert_eq!(next, vec![5]);
     }
 
@@ -441,22 +469,21 @@ mod tests {
         let directory = tempfile::tempdir().unwrap();
         let store = open(directory.path());
         let producers = Producers::default();
-        let always = SyncPolicy::Always;
-        producers
-            .append(&store, always, "p1", &messages(b"orders", 10..12))
-            .unwrap();
-        let gap = producers
-            .append(&store, always, "p1", &messages(b"orders", 13..14))
-            .unwrap_err();
+        let early = send(&producers, &store, "p1", &messages(b"orders", 2..4)).unwrap_err();
+        assert_eq!(
+            early.code,
+            ErrorCode::SequenceGap,
+            "a new queue starts at 0"
+        );
+        send(&producers, &store, "p1", &messages(b"orders", 0..2)).unwrap();
+        let gap = send(&producers, &store, "p1", &messages(b"orders", 3..4)).unwrap_err();
         assert_eq!(gap.code, ErrorCode::SequenceGap);
-        assert!(gap.message.contains("next expected is 12"), "{gap}");
-        let mixed = producers
-            .append(&store, always, "p1", &messages(b"orders", 11..13))
-            .unwrap_err();
+        assert!(gap.message.contains("next expected is 2"), "{gap}");
+        let mixed = send(&producers, &store, "p1", &messages(b"orders", 1..3)).unwrap_err();
         assert_eq!(mixed.code, ErrorCode::InvalidArgument);
-        let mut unordered = messages(b"orders", 12..14);
+        let mut unordered = messages(b"orders", 2..4);
         unordered.swap(0, 1);
-        assert!(producers.append(&store, always, "p1", &unordered).is_err());
+        assert!(send(&producers, &store, "p1", &unordered).is_err());
         assert_eq!(store.queue_info(b"orders").unwrap().unwrap().next_offset, 2);
     }
 
@@ -465,25 +492,19 @@ mod tests {
         let directory = tempfile::tempdir().unwrap();
         let store = open(directory.path());
         let producers = Producers::default();
-        let always = SyncPolicy::Always;
         for sequence in 0..=(RUNS_KEPT as u64) {
-            producers
-                .append(
-                    &store,
-                    always,
-                    "p1",
-                    &messages(b"q", sequence..sequence + 1),
-                )
-                .unwrap();
+            send(
+                &producers,
+                &store,
+                "p1",
+                &messages(b"q", sequence..sequence + 1),
+            )
+            .unwrap();
         }
-        let error = producers
-            .append(&store, always, "p1", &messages(b"q", 0..1))
-            .unwrap_err();
+        let error = send(&producers, &store, "p1", &messages(b"q", 0..1)).unwrap_err();
         assert_eq!(error.code, ErrorCode::SequenceTooOld);
         assert_eq!(
-            producers
-                .append(&store, always, "p1", &messages(b"q", 1..2))
-                .unwrap(),
+            send(&producers, &store, "p1", &messages(b"q", 1..2)).unwrap(),
             vec![1]
         );
     }
@@ -491,24 +512,16 @@ mod tests {
     #[test]
     fn given_restart_when_batch_resent_then_runs_were_loaded_from_the_store() {
         let directory = tempfile::tempdir().unwrap();
-        let always = SyncPolicy::Always;
         let store = open(directory.path());
         let mut batch = messages(b"a", 0..2);
-        batch.extend(messages(b"b", 5..8));
-        let first = Producers::default()
-            .append(&store, always, "p1", &batch)
-            .unwrap();
+        batch.extend(messages(b"b", 0..3));
+        let first = send(&Producers::default(), &store, "p1", &batch).unwrap();
         store.close().unwrap();
         let store = open(directory.path());
         let producers = Producers::default();
-        assert_eq!(
-            producers.append(&store, always, "p1", &batch).unwrap(),
-            first
-        );
+        assert_eq!(send(&producers, &store, "p1", &batch).unwrap(), first);
         assert_eq!(store.queue_info(b"b").unwrap().unwrap().next_offset, 3);
-        let gap = producers
-            .append(&store, always, "p1", &messages(b"b", 9..10))
-            .unwrap_err();
+        let gap = send(&producers, &store, "p1", &messages(b"b", 4..5)).unwrap_err();
         assert_eq!(gap.code, ErrorCode::SequenceGap);
     }
 }

@@ -91,13 +91,14 @@ impl QueueService {
     /// Appends through the idempotent-producer table: resent runs are answered from memory.
     pub async fn idempotent_append(
         &self,
-        producer: String,
-        messages: Vec<SequencedMessage>,
+        producer: &str,
+        messages: &[SequencedMessage],
     ) -> Result<Vec<u64>, Status> {
-        let producers = Arc::clone(&self.producers);
-        let sync = self.calls.sync;
-        self.blocking(move |store| producers.append(store, sync, &producer, &messages))
-            .await
+        let (offsets, ticket) = self
+            .producers
+            .append(&self.calls.store, producer, messages)?;
+        self.calls.durable(ticket).await?;
+        Ok(offsets)
     }
 }
 
@@ -209,14 +210,11 @@ impl Queues for QueueService {
         queues.sort_unstable();
         queues.dedup();
         let offsets = if producer.is_empty() {
-            self.blocking(move |store| {
-                let batch: Vec<(&[u8], &[u8])> = messages
-                    .iter()
-                    .map(|message| (message.queue.as_slice(), message.payload.as_slice()))
-                    .collect();
-                store.append_batch(&batch).map_err(write_error)
-            })
-            .await?
+            let batch: Vec<(&[u8], &[u8])> = messages
+                .iter()
+                .map(|message| (message.queue.as_slice(), message.payload.as_slice()))
+                .collect();
+            self.calls.append_batch(&batch).await?
         } else {
             let sequenced: Vec<SequencedMessage> = messages
                 .into_iter()
@@ -226,7 +224,7 @@ impl Queues for QueueService {
                     sequence: message.sequence,
                 })
                 .collect();
-            self.idempotent_append(producer, sequenced).await?
+            self.idempotent_append(&producer, &sequenced).await?
         };
         self.metrics.queue_messages_appended.inc_by(count);
         for queue in &queues {
@@ -260,17 +258,15 @@ impl Queues for QueueService {
             }
         };
         let batch = self
-            .blocking(move |store| {
-                store
-                    .read(
-                        &request.queue,
-                        request.offset,
-                        max_messages as usize,
-                        max_bytes as usize,
-                    )
-                    .map_err(read_error)
-            })
-            .await?;
+            .calls
+            .store
+            .read(
+                &request.queue,
+                request.offset,
+                max_messages as usize,
+                max_bytes as usize,
+            )
+            .map_err(read_error)?;
         self.metrics.queue_messages_read.inc_by(batch.len() as u64);
         Ok(Response::new(ReadResponse {
             payloads: batch.iter().map(<[u8]>::to_vec).collect(),

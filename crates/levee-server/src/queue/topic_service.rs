@@ -232,19 +232,14 @@ impl TopicsApi for TopicService {
             });
         }
         let offsets = if request.producer_id.is_empty() {
-            self.context
-                .calls
-                .run(move |store| {
-                    let batch: Vec<(&[u8], &[u8])> = messages
-                        .iter()
-                        .map(|message| (message.queue.as_slice(), message.payload.as_slice()))
-                        .collect();
-                    store.append_batch(&batch).map_err(super::write_error)
-                })
-                .await?
+            let batch: Vec<(&[u8], &[u8])> = messages
+                .iter()
+                .map(|message| (message.queue.as_slice(), message.payload.as_slice()))
+                .collect();
+            self.context.calls.append_batch(&batch).await?
         } else {
             self.queues
-                .idempotent_append(request.producer_id, messages)
+                .idempotent_append(&request.producer_id, &messages)
                 .await?
         };
         self.context
@@ -293,8 +288,7 @@ impl TopicsApi for TopicService {
             )
         })?;
         let (outgoing, responses) = mpsc::channel(RESPONSES_QUEUED_MAX);
-        let session =
-            ConsumeSession::join(Arc::clone(&self.context), start, incoming, outgoing).await?;
+        let session = ConsumeSession::join(Arc::clone(&self.context), start, incoming, outgoing)?;
         tokio::spawn(async move {
             session.run().await;
             drop(permit);
