@@ -46,6 +46,11 @@ pub struct QueueBenchArgs {
     /// Topic shape: messages per publish request
     #[arg(long, default_value_t = 256)]
     batch: usize,
+    /// Offered load in messages per second over all producers (open loop: sends follow the
+    /// schedule, so latency includes any queueing); without it producers send as fast as
+    /// their appends are answered
+    #[arg(long)]
+    rate: Option<f64>,
     /// Bytes per message (at least 8: a message starts with its send time)
     #[arg(long, default_value_t = 58)]
     message_bytes: usize,
@@ -73,6 +78,9 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
         || args.partitions == 0
         || args.consumers == 0
         || !(1..=10_000).contains(&args.batch)
+        || args
+            .rate
+            .is_some_and(|rate| !(rate.is_finite() && rate > 0.0))
     {
         bail!(
             "need --queues, --producers, --partitions and --consumers >= 1, --batch 1 to 10000 \
@@ -95,6 +103,33 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
         started_server.grpc_addr.clone()
     };
     runtime.block_on(bench(args, &address))
+}
+
+/// The pacing of producer task `task` of `tasks`, each sending `unit` messages at a time: with
+/// `--rate`, one send every `unit x tasks / rate` seconds, the tasks' schedules staggered
+/// evenly over the period so that together they offer a smooth load, not bursts.
+fn pacing(
+    args: &QueueBenchArgs,
+    task: u64,
+    tasks: u64,
+    unit: usize,
+) -> Option<tokio::time::Interval> {
+    let rate = args.rate?;
+    #[allow(clippy::cast_precision_loss, reason = "small counts")]
+    let period = Duration::from_secs_f64(unit as f64 * tasks as f64 / rate);
+    #[allow(clippy::cast_precision_loss, reason = "small counts")]
+    let offset = period.mul_f64(task as f64 / tasks as f64);
+    Some(tokio::time::interval_at(
+        tokio::time::Instant::now() + offset,
+        period,
+    ))
+}
+
+/// Waits for the next send of a paced producer (at once without pacing).
+async fn next_send(pace: &mut Option<tokio::time::Interval>) {
+    if let Some(interval) = pace {
+        interval.tick().await;
+    }
 }
 
 /// A payload that starts with its send time in microseconds since `epoch`.
@@ -150,9 +185,11 @@ async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<()> {
         let (producer, stop, appended) =
             (producer.clone(), Arc::clone(&stop), Arc::clone(&appended));
         let (queues, bytes, queue_name) = (args.queues, args.message_bytes, queue_name.clone());
+        let mut pace = pacing(args, task, producer_tasks, 1);
         producers.push(tokio::spawn(async move {
             let mut index = task;
             while !stop.load(Ordering::Relaxed) {
+                next_send(&mut pace).await;
                 let payload = stamped_payload(epoch, bytes)?;
                 producer.send(&queue_name(index % queues), &payload).await?;
                 appended.fetch_add(1, Ordering::Relaxed);
@@ -201,9 +238,11 @@ async fn bench_topic(
             Arc::clone(&appended),
         );
         let (batch, bytes) = (args.batch, args.message_bytes);
+        let mut pace = pacing(args, task, producers, batch);
         tasks.push(tokio::spawn(async move {
             let mut key = task * 1_000_000_007;
             while !stop.load(Ordering::Relaxed) {
+                next_send(&mut pace).await;
                 let mut messages = Vec::with_capacity(batch);
                 for _ in 0..batch {
                     key += 1;
@@ -317,6 +356,7 @@ fn report(
         "producers": args.producers.unwrap_or(if args.shape == "topic" { 16 } else { 4_096 }),
         "message_bytes": args.message_bytes,
         "sync": args.sync,
+        "offered_rate": args.rate,
         "duration_s": append_s,
         "appended": total,
         "appends_per_s": total as f64 / append_s,
