@@ -11,6 +11,8 @@
 
 pub mod hotkey;
 pub mod queue;
+#[cfg(feature = "baseline")]
+pub mod redis_baseline;
 pub mod server_process;
 pub mod store;
 
@@ -27,4 +29,17 @@ pub fn percentiles_ms(histogram: &Histogram<u64>) -> Value {
         "max": histogram.max() as f64 / 1000.0,
         "count": histogram.len(),
     })
+}
+
+/// Without the `baseline` feature the Redis baseline is not built in.
+#[cfg(not(feature = "baseline"))]
+pub mod redis_baseline {
+    /// Says how to build the tool with the baseline.
+    #[allow(clippy::unused_async, reason = "the same signature as the real one")]
+    pub async fn run(_args: &super::queue::QueueBenchArgs) -> anyhow::Result<serde_json::Value> {
+        anyhow::bail!(
+            "--against redis needs the tool built with the baseline feature: cargo build \
+             --release -p levee --features baseline"
+        )
+    }
 }

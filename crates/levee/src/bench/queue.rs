@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use hdrhistogram::Histogram;
 use levee_client::{Client, ConsumerOptions, GroupConsumer, Producer, ProducerOptions};
-use serde_json::json;
+use serde_json::{Value, json};
 
 use super::percentiles_ms;
 use super::server_process::ServerProcess;
@@ -29,40 +29,45 @@ const CREDIT_MESSAGES: u32 = 4_096;
 pub struct QueueBenchArgs {
     /// `mailbox` (one subscription per queue) or `topic` (one topic, one consumer group)
     #[arg(long, default_value = "mailbox")]
-    shape: String,
+    pub shape: String,
     /// Mailbox shape: queues, each with one subscription
     #[arg(long, default_value_t = 1_000)]
-    queues: u64,
+    pub queues: u64,
     /// Producer tasks, each waiting for its append (default: 4096 for mailbox, each sending one
     /// message through a shared batching producer; 16 for topic, each publishing --batch)
     #[arg(long)]
-    producers: Option<u64>,
+    pub producers: Option<u64>,
     /// Topic shape: partitions of the topic
     #[arg(long, default_value_t = 64)]
-    partitions: u32,
+    pub partitions: u32,
     /// Topic shape: members of the consumer group
     #[arg(long, default_value_t = 4)]
-    consumers: u64,
+    pub consumers: u64,
     /// Topic shape: messages per publish request
     #[arg(long, default_value_t = 256)]
-    batch: usize,
+    pub batch: usize,
     /// Offered load in messages per second over all producers (open loop: sends follow the
     /// schedule, so latency includes any queueing); without it producers send as fast as
     /// their appends are answered
     #[arg(long)]
-    rate: Option<f64>,
+    pub rate: Option<f64>,
     /// Bytes per message (at least 8: a message starts with its send time)
     #[arg(long, default_value_t = 58)]
-    message_bytes: usize,
+    pub message_bytes: usize,
     /// Length of the append phase, in seconds
     #[arg(long, default_value_t = 10)]
-    duration_s: u64,
+    pub duration_s: u64,
     /// The server's queue sync policy: always or interval
     #[arg(long, default_value = "always")]
-    sync: String,
+    pub sync: String,
     /// A running server's gRPC address; without it the tool starts one with --sync
     #[arg(long, value_name = "HOST:PORT")]
     server: Option<String>,
+    /// Run the same shape against Redis Streams too (needs redis-server installed, e.g. from
+    /// apt, and the `baseline` feature): one stream per queue or partition, XADD,
+    /// XREADGROUP and XACK, AOF fsync `always` or `everysec` to match --sync
+    #[arg(long, value_name = "SYSTEM")]
+    pub against: Option<String>,
     /// Print one JSON object on standard output (the summary goes to standard error)
     #[arg(long)]
     json: bool,
@@ -95,20 +100,47 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let started_server;
+    let mut started_server = None;
     let address = if let Some(address) = &args.server {
         address.clone()
     } else {
-        started_server = ServerProcess::start(&["--queue-sync", sync])?;
-        started_server.grpc_addr.clone()
+        let server = ServerProcess::start(&["--queue-sync", sync])?;
+        let address = server.grpc_addr.clone();
+        started_server = Some(server);
+        address
     };
-    runtime.block_on(bench(args, &address))
+    let mut report = runtime.block_on(bench(args, &address))?;
+    drop(started_server);
+    if let Some(against) = &args.against {
+        if against != "redis" {
+            bail!("--against takes redis, got '{against}'");
+        }
+        let baseline = runtime.block_on(super::redis_baseline::run(args))?;
+        print_summary("redis", &baseline);
+        let ratio = |field: &str| {
+            report[field].as_f64().unwrap_or(0.0) / baseline[field].as_f64().unwrap_or(f64::NAN)
+        };
+        report["ratios"] = json!({
+            "appends_per_s": ratio("appends_per_s"),
+            "consumed_per_s": ratio("consumed_per_s"),
+        });
+        report["baseline"] = baseline;
+    }
+    if args.json {
+        println!("{report}");
+    } else {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).context("printing the report")?
+        );
+    }
+    Ok(())
 }
 
 /// The pacing of producer task `task` of `tasks`, each sending `unit` messages at a time: with
 /// `--rate`, one send every `unit x tasks / rate` seconds, the tasks' schedules staggered
 /// evenly over the period so that together they offer a smooth load, not bursts.
-fn pacing(
+pub(super) fn pacing(
     args: &QueueBenchArgs,
     task: u64,
     tasks: u64,
@@ -126,14 +158,14 @@ fn pacing(
 }
 
 /// Waits for the next send of a paced producer (at once without pacing).
-async fn next_send(pace: &mut Option<tokio::time::Interval>) {
+pub(super) async fn next_send(pace: &mut Option<tokio::time::Interval>) {
     if let Some(interval) = pace {
         interval.tick().await;
     }
 }
 
 /// A payload that starts with its send time in microseconds since `epoch`.
-fn stamped_payload(epoch: Instant, bytes: usize) -> anyhow::Result<Vec<u8>> {
+pub(super) fn stamped_payload(epoch: Instant, bytes: usize) -> anyhow::Result<Vec<u8>> {
     let mut payload = u64::try_from(epoch.elapsed().as_micros())?
         .to_le_bytes()
         .to_vec();
@@ -142,7 +174,7 @@ fn stamped_payload(epoch: Instant, bytes: usize) -> anyhow::Result<Vec<u8>> {
 }
 
 /// Records one delivery's append-to-delivery latency.
-fn record_latency(
+pub(super) fn record_latency(
     epoch: Instant,
     payload: &[u8],
     latency: &std::sync::Mutex<Histogram<u64>>,
@@ -156,7 +188,7 @@ fn record_latency(
     Ok(())
 }
 
-async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<()> {
+async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<Value> {
     let client = Client::connect(address).await?;
     let epoch = Instant::now();
     let consumed = Arc::new(AtomicU64::new(0));
@@ -210,7 +242,7 @@ async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<()> {
     for consumer in &consumers {
         consumer.abort();
     }
-    report(args, total, append_s, drained_s, &latency)
+    Ok(report(args, total, append_s, drained_s, &latency))
 }
 
 /// The topic shape: one topic, producer tasks publishing batches, one consumer group.
@@ -221,7 +253,7 @@ async fn bench_topic(
     consumed: &Arc<AtomicU64>,
     latency: &Arc<std::sync::Mutex<Histogram<u64>>>,
     run_id: &str,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Value> {
     let topic = format!("bench-{run_id}");
     client.create_topic(&topic, args.partitions).await?;
     let (stops, members) = start_group(args, client, &topic, epoch, consumed, latency);
@@ -273,11 +305,11 @@ async fn bench_topic(
     for member in members {
         member.await??;
     }
-    report(args, total, append_s, drained_s, latency)
+    Ok(report(args, total, append_s, drained_s, latency))
 }
 
 /// Waits (at most 60 s) until `total` messages were consumed.
-async fn wait_consumed(consumed: &AtomicU64, total: u64) -> anyhow::Result<()> {
+pub(super) async fn wait_consumed(consumed: &AtomicU64, total: u64) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
     while consumed.load(Ordering::Relaxed) < total {
         if Instant::now() > deadline {
@@ -343,7 +375,7 @@ fn report(
     append_s: f64,
     drained_s: f64,
     latency: &std::sync::Mutex<Histogram<u64>>,
-) -> anyhow::Result<()> {
+) -> Value {
     let histogram = latency
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -364,8 +396,15 @@ fn report(
         "latency_ms": percentiles_ms(&histogram),
         "latency_samples": histogram.len(),
     });
+    print_summary("levee", &report);
+    report
+}
+
+/// One line on standard error: throughput and latency percentiles.
+pub fn print_summary(system: &str, report: &Value) {
     eprintln!(
-        "appends/s {:.0}, consumed/s {:.0}, append-to-delivery p50 {} ms p99 {} ms p999 {} ms max {} ms",
+        "{system}: appends/s {:.0}, consumed/s {:.0}, append-to-delivery p50 {} ms p99 {} ms \
+         p999 {} ms max {} ms",
         report["appends_per_s"].as_f64().unwrap_or_default(),
         report["consumed_per_s"].as_f64().unwrap_or_default(),
         report["latency_ms"]["p50"],
@@ -373,15 +412,6 @@ fn report(
         report["latency_ms"]["p999"],
         report["latency_ms"]["max"],
     );
-    if args.json {
-        println!("{report}");
-    } else {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&report).context("printing the report")?
-        );
-    }
-    Ok(())
 }
 
 /// One subscription per queue, each recording append-to-delivery latency and acking.

@@ -1,0 +1,272 @@
+//! `levee bench queue --against redis`: the same shape against Redis Streams, the baseline the
+//! queue issue names. The tool starts `redis-server` (from the system, e.g. Debian's package) on
+//! a free loopback port with a fresh directory, AOF on and `appendfsync always` for `--sync
+//! always` or `everysec` for `--sync interval` (Redis has nothing shorter; Levee's interval is
+//! 100 ms, the stricter of the two). One stream per queue or partition; producers XADD
+//! (pipelined `--batch` at a time in the topic shape, one command per send in the mailbox
+//! shape); consumers read with XREADGROUP (one group, `--consumers` consumers for the topic
+//! shape, 16 for the mailbox shape, each over its share of the streams) and XACK what they read.
+//! Latency is measured the same way: from the send time stamped in the payload to the read.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use hdrhistogram::Histogram;
+use redis::AsyncCommands;
+use redis::streams::{StreamReadOptions, StreamReadReply};
+use serde_json::{Value, json};
+
+use super::queue::{
+    QueueBenchArgs, next_send, pacing, record_latency, stamped_payload, wait_consumed,
+};
+
+/// The consumer group every reader joins.
+const GROUP: &str = "bench";
+/// Most entries one XREADGROUP returns.
+const READ_COUNT: usize = 1_000;
+/// Reader connections in the mailbox shape (one per queue would mean a thousand connections).
+const MAILBOX_READERS: u64 = 16;
+
+/// A `redis-server` child, stopped when dropped.
+struct RedisProcess {
+    child: Child,
+    port: u16,
+    _directory: tempfile::TempDir,
+}
+
+impl RedisProcess {
+    fn start(appendfsync: &str) -> anyhow::Result<Self> {
+        let directory = tempfile::tempdir()?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+            .args([
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                appendfsync,
+            ])
+            .arg("--dir")
+            .arg(directory.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context(
+                "cannot start redis-server; install it (apt-get install redis-server) to run \
+                 --against redis",
+            )?;
+        Ok(Self {
+            child,
+            port,
+            _directory: directory,
+        })
+    }
+}
+
+impl Drop for RedisProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A connection once the server answers PING (it may take a moment to start).
+async fn connect(
+    client: &redis::Client,
+    port: u16,
+) -> anyhow::Result<redis::aio::MultiplexedConnection> {
+    for _ in 0..100 {
+        if let Ok(mut opened) = client.get_multiplexed_async_connection().await
+            && redis::cmd("PING")
+                .query_async::<String>(&mut opened)
+                .await
+                .is_ok()
+        {
+            return Ok(opened);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("redis-server did not answer on port {port} within 5 s")
+}
+
+/// Runs the shape against a fresh Redis and returns the same fields as Levee's report.
+pub async fn run(args: &QueueBenchArgs) -> anyhow::Result<Value> {
+    let appendfsync = if args.sync == "always" {
+        "always"
+    } else {
+        "everysec"
+    };
+    let process = RedisProcess::start(appendfsync)?;
+    let client = redis::Client::open(format!("redis://127.0.0.1:{}/", process.port))?;
+    let mut connection = connect(&client, process.port).await?;
+    let topic = args.shape == "topic";
+    let stream_count = if topic {
+        u64::from(args.partitions)
+    } else {
+        args.queues
+    };
+    let streams: Vec<String> = (0..stream_count)
+        .map(|index| format!("bench:{index}"))
+        .collect();
+    for stream in &streams {
+        let _: () = connection
+            .xgroup_create_mkstream(stream, GROUP, "$")
+            .await?;
+    }
+    let epoch = Instant::now();
+    let consumed = Arc::new(AtomicU64::new(0));
+    let latency = Arc::new(std::sync::Mutex::new(Histogram::<u64>::new(3)?));
+    let stop_readers = Arc::new(AtomicBool::new(false));
+    let readers = if topic {
+        args.consumers
+    } else {
+        MAILBOX_READERS.min(stream_count)
+    };
+    let mut reader_tasks = Vec::new();
+    for reader in 0..readers {
+        let share: Vec<String> = streams
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| topic || *index as u64 % readers == reader)
+            .map(|(_, stream)| stream.clone())
+            .collect();
+        let connection = client.get_multiplexed_async_connection().await?;
+        let (consumed, latency, stop) = (
+            Arc::clone(&consumed),
+            Arc::clone(&latency),
+            Arc::clone(&stop_readers),
+        );
+        reader_tasks.push(tokio::spawn(read_loop(
+            connection,
+            format!("reader-{reader}"),
+            share,
+            epoch,
+            consumed,
+            latency,
+            stop,
+        )));
+    }
+    let started = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let appended = Arc::new(AtomicU64::new(0));
+    let tasks = spawn_producers(args, &connection, &streams, epoch, &stop, &appended);
+    tokio::time::sleep(Duration::from_secs(args.duration_s)).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await??;
+    }
+    let append_s = started.elapsed().as_secs_f64();
+    let total = appended.load(Ordering::Relaxed);
+    wait_consumed(&consumed, total).await?;
+    let drained_s = started.elapsed().as_secs_f64();
+    stop_readers.store(true, Ordering::Relaxed);
+    for reader in reader_tasks {
+        reader.await??;
+    }
+    let histogram = latency
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    Ok(json!({
+        "system": format!("redis-server (AOF appendfsync {appendfsync})"),
+        "streams": stream_count,
+        "readers": readers,
+        "duration_s": append_s,
+        "appended": total,
+        "appends_per_s": total as f64 / append_s,
+        "consumed_per_s": total as f64 / drained_s,
+        "latency_ms": super::percentiles_ms(&histogram),
+    }))
+}
+
+/// Producer tasks XADDing to `streams` until `stop`.
+fn spawn_producers(
+    args: &QueueBenchArgs,
+    connection: &redis::aio::MultiplexedConnection,
+    streams: &[String],
+    epoch: Instant,
+    stop: &Arc<AtomicBool>,
+    appended: &Arc<AtomicU64>,
+) -> Vec<tokio::task::JoinHandle<anyhow::Result<()>>> {
+    let topic = args.shape == "topic";
+    let producers = args.producers.unwrap_or(if topic { 16 } else { 4_096 });
+    let unit = if topic { args.batch } else { 1 };
+    let mut tasks = Vec::new();
+    for task in 0..producers {
+        let mut connection = connection.clone();
+        let (stop, appended, streams) = (Arc::clone(stop), Arc::clone(appended), streams.to_vec());
+        let mut pace = pacing(args, task, producers, unit);
+        let (bytes, partitions) = (args.message_bytes, args.partitions);
+        tasks.push(tokio::spawn(async move {
+            let mut index = task;
+            let mut key = task * 1_000_000_007;
+            while !stop.load(Ordering::Relaxed) {
+                next_send(&mut pace).await;
+                let mut pipe = redis::pipe();
+                for _ in 0..unit {
+                    let stream = if topic {
+                        key += 1;
+                        let partition =
+                            levee_client::topic_partition(&key.to_le_bytes(), partitions);
+                        &streams[partition as usize]
+                    } else {
+                        index += 1;
+                        &streams[(index % streams.len() as u64) as usize]
+                    };
+                    let payload = stamped_payload(epoch, bytes)?;
+                    pipe.cmd("XADD").arg(stream).arg("*").arg("p").arg(payload);
+                }
+                let _: Vec<String> = pipe.query_async(&mut connection).await?;
+                appended.fetch_add(unit as u64, Ordering::Relaxed);
+            }
+            anyhow::Ok(())
+        }));
+    }
+    tasks
+}
+
+/// One reader: XREADGROUP over its streams, record each entry's latency, XACK them.
+async fn read_loop(
+    mut connection: redis::aio::MultiplexedConnection,
+    name: String,
+    streams: Vec<String>,
+    epoch: Instant,
+    consumed: Arc<AtomicU64>,
+    latency: Arc<std::sync::Mutex<Histogram<u64>>>,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<()> {
+    let options = StreamReadOptions::default()
+        .group(GROUP, &name)
+        .count(READ_COUNT)
+        .block(100);
+    let ids: Vec<&str> = vec![">"; streams.len()];
+    while !stop.load(Ordering::Relaxed) {
+        let reply: Option<StreamReadReply> =
+            connection.xread_options(&streams, &ids, &options).await?;
+        let Some(reply) = reply else { continue };
+        let mut acks = redis::pipe();
+        let mut read = 0;
+        for key in reply.keys {
+            let mut entry_ids = Vec::with_capacity(key.ids.len());
+            for entry in key.ids {
+                let payload: Vec<u8> = entry.get("p").context("an entry without its payload")?;
+                record_latency(epoch, &payload, &latency)?;
+                entry_ids.push(entry.id);
+                read += 1;
+            }
+            acks.cmd("XACK").arg(&key.key).arg(GROUP).arg(entry_ids);
+        }
+        if read > 0 {
+            let _: Vec<u64> = acks.query_async(&mut connection).await?;
+            consumed.fetch_add(read, Ordering::Relaxed);
+        }
+    }
+    Ok(())
+}
