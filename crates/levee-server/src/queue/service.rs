@@ -169,7 +169,7 @@ impl Queues for QueueService {
             })?;
         let (outgoing, responses) = mpsc::channel(RESPONSES_QUEUED_MAX);
         let session = Session {
-            store: Arc::clone(&self.calls.store),
+            calls: self.calls.clone(),
             notify: self.waiters.register(&start.queue),
             start,
             incoming,

@@ -193,8 +193,8 @@ pub fn check_start(start: &SubscribeStart) -> Result<(), WireError> {
 /// One subscription's state.
 #[derive(Debug)]
 pub struct Session {
-    /// The store.
-    pub store: Arc<Store>,
+    /// Store calls (reads inline, acks' durability awaited without a thread).
+    pub calls: super::StoreCalls,
     /// Wakes this session when its queue grows.
     pub notify: Arc<Notify>,
     /// The client's start message (already checked).
@@ -217,21 +217,9 @@ impl Session {
         }
     }
 
-    async fn blocking<T: Send + 'static>(
-        &self,
-        call: impl FnOnce(&Store) -> Result<T, WireError> + Send + 'static,
-    ) -> Result<T, WireError> {
-        let store = Arc::clone(&self.store);
-        tokio::task::spawn_blocking(move || call(&store))
-            .await
-            .map_err(|error| WireError::new(ErrorCode::Internal, error.to_string()))?
-    }
-
     async fn serve(&mut self) -> Result<(), WireError> {
         let (queue, consumer) = (self.start.queue.clone(), self.start.consumer.clone());
-        let next = self
-            .blocking(move |store| load_position(store, &consumer, &queue))
-            .await?;
+        let next = load_position(&self.calls.store, &consumer, &queue)?;
         let credit = self.start.credit.unwrap_or_default();
         let bytes = if credit.bytes == 0 {
             CREDIT_BYTES_DEFAULT
@@ -290,12 +278,10 @@ impl Session {
         let count = progress.credit_messages.min(READ_MESSAGES_MAX) as usize;
         let bytes = progress.credit_bytes as usize;
         let batch = self
-            .blocking(move |store| {
-                store
-                    .read(&queue, from, count, bytes)
-                    .map_err(|error| WireError::new(ErrorCode::StorageFailed, error.to_string()))
-            })
-            .await?;
+            .calls
+            .store
+            .read(&queue, from, count, bytes)
+            .map_err(|error| WireError::new(ErrorCode::StorageFailed, error.to_string()))?;
         if batch.is_empty() {
             if batch.skipped_to_first_retained {
                 progress.next = batch.first_offset;
@@ -359,12 +345,12 @@ impl Session {
                     let queue = &self.start.queue;
                     let name = position_queue(&self.start.consumer, queue);
                     let record = position_record(progress.acked, queue);
-                    self.blocking(move |store| {
-                        store.append(&name, &record).map(|_| ()).map_err(|error| {
-                            WireError::new(ErrorCode::StorageFailed, error.to_string())
-                        })
-                    })
-                    .await?;
+                    let (_, ticket) = self
+                        .calls
+                        .store
+                        .append_deferred(&name, &record)
+                        .map_err(super::write_error)?;
+                    self.calls.durable(Some(ticket)).await?;
                 }
                 // Durable now (or already before): say so.
                 let answer = SubscribeResponse {
