@@ -8,7 +8,7 @@ use levee_proto::v1::queues_client::QueuesClient;
 use levee_proto::v1::topics_client::TopicsClient;
 use levee_proto::v1::{
     AppendMessage, AppendRequest, DeleteQueueRequest, GetQueueInfoRequest, GetQueueInfoResponse,
-    ListQueuesRequest, ReadRequest, ReadResponse,
+    ListQueuesRequest, ReadRequest, ReadResponse, SetRetentionRequest,
 };
 use levee_proto::v1::{
     CreateTopicRequest, DescribeGroupRequest, DescribeGroupResponse, DescribeTopicRequest,
@@ -349,6 +349,29 @@ impl Client {
             .await?
             .into_inner()
             .existed)
+    }
+
+    /// Sets the retention of queues whose names start with `prefix` (the longest matching
+    /// prefix wins; empty: every queue): oldest messages go once older than `max_age_ms` or
+    /// while the queue holds more than `max_bytes` (0: no bound; both 0 removes the rule).
+    /// Returns the messages the pass run at once removed.
+    pub async fn set_retention(
+        &self,
+        prefix: &[u8],
+        max_age_ms: u64,
+        max_bytes: u64,
+    ) -> Result<u64, ClientError> {
+        let request = SetRetentionRequest {
+            prefix: prefix.to_vec(),
+            max_age_ms,
+            max_bytes,
+        };
+        Ok(self
+            .queues_client()
+            .set_retention(request)
+            .await?
+            .into_inner()
+            .messages_removed)
     }
 
     /// Subscribes `consumer` to `queue`: messages after its last ack, then new ones as they are

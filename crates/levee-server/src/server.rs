@@ -161,8 +161,9 @@ impl RunningServer {
         let (stop_admin, _) = watch::channel(false);
         let (stop_sessions, _) = watch::channel(false);
         let tick_task = tokio::spawn(tick(Arc::clone(&hub), stop_sessions.subscribe()));
-        let trim_task = tokio::spawn(trim_positions(
+        let trim_task = tokio::spawn(enforce_retention(
             Arc::clone(&store),
+            Arc::clone(&topics),
             stop_sessions.subscribe(),
         ));
         let (health, health_service) = tonic_health::server::health_reporter();
@@ -330,6 +331,7 @@ fn queue_services(
     let queues = QueueService::new(
         calls.clone(),
         Arc::clone(&waiters),
+        Arc::clone(&topics),
         metrics.clone(),
         stop_sessions.subscribe(),
     );
@@ -455,8 +457,13 @@ async fn tick(hub: Arc<HotKeyHub>, mut stop: watch::Receiver<bool>) {
     }
 }
 
-/// Trims consumer position queues every [`POSITION_TRIM_INTERVAL`] until told to stop.
-async fn trim_positions(store: Arc<Store>, mut stop: watch::Receiver<bool>) {
+/// Every [`POSITION_TRIM_INTERVAL`] until told to stop: applies the retention rules and trims
+/// the server's own log queues (mailbox positions, group commits, producers' runs).
+async fn enforce_retention(
+    store: Arc<Store>,
+    topics: Arc<Topics>,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut interval = tokio::time::interval(POSITION_TRIM_INTERVAL);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
@@ -470,15 +477,20 @@ async fn trim_positions(store: Arc<Store>, mut stop: watch::Receiver<bool>) {
             .map_or(0, |since| {
                 u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
             });
-        let trimmed =
-            tokio::task::spawn_blocking(move || subscription::trim_positions(&store, now_ms)).await;
+        let topics = Arc::clone(&topics);
+        let trimmed = tokio::task::spawn_blocking(move || {
+            subscription::enforce_retention(&store, now_ms, |name| {
+                topics.retention_for(name).to_store()
+            })
+        })
+        .await;
         match trimmed {
             Ok(Ok(removed)) if removed > 0 => {
-                tracing::debug!(removed, "trimmed consumer position queues");
+                tracing::debug!(removed, "retention removed messages");
             }
             Ok(Ok(_)) => {}
-            Ok(Err(error)) => tracing::warn!(%error, "trimming consumer position queues failed"),
-            Err(error) => tracing::warn!(%error, "trimming consumer position queues panicked"),
+            Ok(Err(error)) => tracing::warn!(%error, "enforcing retention failed"),
+            Err(error) => tracing::warn!(%error, "enforcing retention panicked"),
         }
     }
 }

@@ -19,6 +19,23 @@ pub enum QueueCommand {
     List(ListArgs),
     /// Delete a queue and its messages
     Delete(QueueArgs),
+    /// Set the retention of queues starting with a prefix (kept across restarts)
+    Retention(RetentionArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RetentionArgs {
+    #[command(flatten)]
+    address: ServerAddress,
+    /// Queue-name prefix (the longest matching prefix wins; empty: every queue)
+    #[arg(long, default_value = "")]
+    prefix: String,
+    /// Remove messages older than this many ms (0: no age bound)
+    #[arg(long, default_value_t = 0)]
+    max_age_ms: u64,
+    /// Remove the oldest messages while a queue holds more than this many bytes (0: no bound)
+    #[arg(long, default_value_t = 0)]
+    max_bytes: u64,
 }
 
 #[derive(Debug, clap::Args)]
@@ -76,6 +93,7 @@ pub fn run(command: &QueueCommand) -> ExitCode {
         QueueCommand::Read(args) => &args.queue.address,
         QueueCommand::Info(args) | QueueCommand::Delete(args) => &args.address,
         QueueCommand::List(args) => &args.address,
+        QueueCommand::Retention(args) => &args.address,
     };
     crate::client_commands::print_result(address.json, call(command, &address.server))
 }
@@ -113,6 +131,8 @@ async fn call(command: &QueueCommand, server: &str) -> anyhow::Result<Value> {
                 "queue": args.queue,
                 "first_offset": info.first_offset,
                 "next_offset": info.next_offset,
+                "retention_max_age_ms": info.retention_max_age_ms,
+                "retention_max_bytes": info.retention_max_bytes,
             })
         }
         QueueCommand::List(args) => {
@@ -120,6 +140,17 @@ async fn call(command: &QueueCommand, server: &str) -> anyhow::Result<Value> {
                 .list_queues(args.after.as_bytes(), args.limit)
                 .await?;
             json!({"queues": names.iter().map(|name| text(name)).collect::<Vec<_>>()})
+        }
+        QueueCommand::Retention(args) => {
+            let removed = client
+                .set_retention(args.prefix.as_bytes(), args.max_age_ms, args.max_bytes)
+                .await?;
+            json!({
+                "prefix": args.prefix,
+                "max_age_ms": args.max_age_ms,
+                "max_bytes": args.max_bytes,
+                "messages_removed": removed,
+            })
         }
         QueueCommand::Delete(args) => {
             let existed = client.delete_queue(args.queue.as_bytes()).await?;

@@ -352,3 +352,41 @@ fn given_producer_then_concurrent_sends_share_requests_and_get_their_own_offsets
         "500 sends should share far fewer requests, got {appends}"
     );
 }
+
+#[test]
+fn given_retention_rule_then_oldest_messages_go_and_the_rule_survives_restart() {
+    let directory = tempfile::tempdir().unwrap();
+    let data_dir = directory.path().join("data");
+    let runtime = runtime();
+    let payload = vec![b'x'; 1_000];
+    {
+        let server = LeveeProcess::start_in(&data_dir, &[]);
+        runtime.block_on(async {
+            let client = Client::connect(&server.grpc()).await.unwrap();
+            for _ in 0..50 {
+                let batch: Vec<(&[u8], &[u8])> = (0..10)
+                    .flat_map(|_| [(&b"tmp-a"[..], &payload[..]), (&b"keep"[..], &payload[..])])
+                    .collect();
+                client.append_batch(&batch).await.unwrap();
+            }
+            let error = client.set_retention(b"\0position", 0, 1).await.unwrap_err();
+            assert_eq!(error.code(), Some(ErrorCode::InvalidArgument));
+            let removed = client.set_retention(b"tmp-", 0, 20_000).await.unwrap();
+            assert!(removed > 0, "the pass runs at once");
+            let info = client.queue_info(b"tmp-a").await.unwrap();
+            assert!(info.first_offset > 0 && info.next_offset == 500, "{info:?}");
+            assert!(info.next_offset - info.first_offset < 100, "{info:?}");
+            assert_eq!(info.retention_max_bytes, 20_000);
+            let read = client.read(b"tmp-a", 0, 1, 0).await.unwrap();
+            assert!(read.skipped_to_first_retained);
+            let kept = client.queue_info(b"keep").await.unwrap();
+            assert_eq!((kept.first_offset, kept.retention_max_bytes), (0, 0));
+        });
+    }
+    let server = LeveeProcess::start_in(&data_dir, &[]);
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        let info = client.queue_info(b"tmp-a").await.unwrap();
+        assert_eq!(info.retention_max_bytes, 20_000, "kept across restarts");
+    });
+}

@@ -13,7 +13,7 @@ use levee_proto::v1::subscribe_request::Kind as SubscribeKind;
 use levee_proto::v1::{
     AppendRequest, AppendResponse, DeleteQueueRequest, DeleteQueueResponse, ErrorCode,
     GetQueueInfoRequest, GetQueueInfoResponse, ListQueuesRequest, ListQueuesResponse, ReadRequest,
-    ReadResponse, SubscribeRequest, SubscribeResponse,
+    ReadResponse, SetRetentionRequest, SetRetentionResponse, SubscribeRequest, SubscribeResponse,
 };
 use levee_store::{InputError, ReadError};
 use tokio::sync::{Semaphore, mpsc, watch};
@@ -24,6 +24,7 @@ use super::subscription::{
 };
 
 use super::producer::{Producers, SequencedMessage};
+use super::topic::{RetentionRule, Topics};
 use super::{StoreCalls, write_error};
 use crate::metrics::Metrics;
 
@@ -49,6 +50,7 @@ const START_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone)]
 pub struct QueueService {
     calls: StoreCalls,
+    topics: Arc<Topics>,
     producers: Arc<Producers>,
     subscriptions: Arc<Semaphore>,
     waiters: Arc<Waiters>,
@@ -62,11 +64,13 @@ impl QueueService {
     pub fn new(
         calls: StoreCalls,
         waiters: Arc<Waiters>,
+        topics: Arc<Topics>,
         metrics: Metrics,
         closing: watch::Receiver<bool>,
     ) -> Self {
         Self {
             calls,
+            topics,
             producers: Arc::new(Producers::new(
                 metrics.producer_messages_deduplicated.clone(),
             )),
@@ -296,9 +300,12 @@ impl Queues for QueueService {
                 ),
             )
         })?;
+        let rule = self.topics.retention_for(&queue);
         Ok(Response::new(GetQueueInfoResponse {
             first_offset: info.first_offset,
             next_offset: info.next_offset,
+            retention_max_age_ms: rule.max_age_ms,
+            retention_max_bytes: rule.max_bytes,
         }))
     }
 
@@ -335,5 +342,32 @@ impl Queues for QueueService {
             .blocking(move |store| store.delete_queue(&queue).map_err(write_error))
             .await?;
         Ok(Response::new(DeleteQueueResponse { existed }))
+    }
+
+    async fn set_retention(
+        &self,
+        request: Request<SetRetentionRequest>,
+    ) -> Result<Response<SetRetentionResponse>, Status> {
+        let request = request.into_inner();
+        let rule = RetentionRule {
+            max_age_ms: request.max_age_ms,
+            max_bytes: request.max_bytes,
+        };
+        let topics = Arc::clone(&self.topics);
+        let messages_removed = self
+            .blocking(move |store| {
+                topics.set_retention(store, &request.prefix, rule)?;
+                let now_ms = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |since| {
+                        u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+                    });
+                super::subscription::enforce_retention(store, now_ms, |name| {
+                    topics.retention_for(name).to_store()
+                })
+                .map_err(write_error)
+            })
+            .await?;
+        Ok(Response::new(SetRetentionResponse { messages_removed }))
     }
 }

@@ -103,6 +103,18 @@ fn position_queue(consumer: &str, queue: &[u8]) -> Vec<u8> {
 /// producers' runs) to about [`POSITION_QUEUE_BYTES_MAX`]; only their newest records matter.
 /// Other queues are left alone. Blocks on the store: call it on the blocking pool.
 pub fn trim_positions(store: &Store, now_ms: u64) -> Result<u64, levee_store::WriteError> {
+    enforce_retention(store, now_ms, |_| levee_store::Retention::default())
+}
+
+/// One retention pass: server-owned log queues are trimmed to about
+/// [`POSITION_QUEUE_BYTES_MAX`], topic partitions are kept, and every other queue gets
+/// `rule(name)`. Returns the messages removed. Blocks on the store: call it on the blocking
+/// pool.
+pub fn enforce_retention(
+    store: &Store,
+    now_ms: u64,
+    rule: impl Fn(&[u8]) -> levee_store::Retention,
+) -> Result<u64, levee_store::WriteError> {
     let trimmed_prefixes = [
         POSITION_PREFIX,
         super::group::COMMIT_PREFIX,
@@ -117,8 +129,10 @@ pub fn trim_positions(store: &Store, now_ms: u64) -> Result<u64, levee_store::Wr
                 max_age_ms: None,
                 max_bytes: Some(POSITION_QUEUE_BYTES_MAX),
             }
-        } else {
+        } else if name.first() == Some(&RESERVED_PREFIX) {
             levee_store::Retention::default()
+        } else {
+            rule(name)
         }
     })?;
     Ok(report.messages_removed)

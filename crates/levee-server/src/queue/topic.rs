@@ -1,7 +1,7 @@
 //! Topics: named sets of partitions, each a queue of the store named
-//! `\0topic\0{topic}\0{partition}`. Topic definitions and group rate limits are kept as JSON
-//! records in the server's metadata queue (`\0meta`), written through the store's log and
-//! replayed on start, so they survive restarts.
+//! `\0topic\0{topic}\0{partition}`. Topic definitions, group rate limits and queue retention
+//! rules are kept as JSON records in the server's metadata queue (`\0meta`), written through the
+//! store's log and replayed on start, so they survive restarts.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, RwLock};
@@ -64,8 +64,56 @@ pub fn partition_queue(topic: &str, partition: u32) -> Vec<u8> {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 enum MetaRecord {
-    Topic { topic: String, partitions: u32 },
-    GroupRate { group: String, messages_per_s: f64 },
+    Topic {
+        topic: String,
+        partitions: u32,
+    },
+    GroupRate {
+        group: String,
+        messages_per_s: f64,
+    },
+    Retention {
+        prefix_hex: String,
+        max_age_ms: u64,
+        max_bytes: u64,
+    },
+}
+
+/// Most retention rules.
+pub const RETENTION_RULES_MAX: usize = 10_000;
+
+/// A retention rule's bounds (0: none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RetentionRule {
+    /// Remove messages older than this.
+    pub max_age_ms: u64,
+    /// Remove the oldest messages while the queue holds more than this.
+    pub max_bytes: u64,
+}
+
+impl RetentionRule {
+    /// As the store's retention.
+    pub fn to_store(self) -> levee_store::Retention {
+        levee_store::Retention {
+            max_age_ms: (self.max_age_ms > 0).then_some(self.max_age_ms),
+            max_bytes: (self.max_bytes > 0).then_some(self.max_bytes),
+        }
+    }
+}
+
+fn to_hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    bytes.iter().fold(String::new(), |mut text, byte| {
+        let _ = write!(text, "{byte:02x}");
+        text
+    })
+}
+
+fn from_hex(text: &str) -> Option<Vec<u8>> {
+    (0..text.len())
+        .step_by(2)
+        .map(|at| u8::from_str_radix(text.get(at..at + 2)?, 16).ok())
+        .collect()
 }
 
 /// Every topic and group rate, and the store they live in.
@@ -73,6 +121,7 @@ enum MetaRecord {
 pub struct Topics {
     by_name: RwLock<BTreeMap<String, Arc<Topic>>>,
     rates: Mutex<BTreeMap<String, f64>>,
+    retention: RwLock<BTreeMap<Vec<u8>, RetentionRule>>,
     /// Serialises metadata writes so the last record of a name is the newest.
     writing: Mutex<()>,
 }
@@ -109,6 +158,7 @@ impl Topics {
     pub fn load(store: &Store) -> Result<Self, String> {
         let mut topics = BTreeMap::new();
         let mut rates = BTreeMap::new();
+        let mut retention = BTreeMap::new();
         let info = store
             .queue_info(META_QUEUE)
             .map_err(|error| error.to_string())?;
@@ -133,6 +183,24 @@ impl Topics {
                         }) => {
                             rates.insert(group, messages_per_s);
                         }
+                        Ok(MetaRecord::Retention {
+                            prefix_hex,
+                            max_age_ms,
+                            max_bytes,
+                        }) => {
+                            let prefix = from_hex(&prefix_hex).ok_or_else(|| {
+                                format!("metadata record {at}: prefix_hex is not hex")
+                            })?;
+                            if max_age_ms == 0 && max_bytes == 0 {
+                                retention.remove(&prefix);
+                            } else {
+                                let rule = RetentionRule {
+                                    max_age_ms,
+                                    max_bytes,
+                                };
+                                retention.insert(prefix, rule);
+                            }
+                        }
                         Err(error) => {
                             return Err(format!("metadata record {at} is not readable: {error}"));
                         }
@@ -144,6 +212,7 @@ impl Topics {
         Ok(Self {
             by_name: RwLock::new(topics),
             rates: Mutex::new(rates),
+            retention: RwLock::new(retention),
             writing: Mutex::new(()),
         })
     }
@@ -264,6 +333,71 @@ impl Topics {
         )?;
         lock(&self.rates).insert(group.to_owned(), messages_per_s);
         Ok(())
+    }
+
+    /// Sets the retention of queues starting with `prefix` (both bounds 0: removes the rule),
+    /// durably. Blocks on the store.
+    pub fn set_retention(
+        &self,
+        store: &Store,
+        prefix: &[u8],
+        rule: RetentionRule,
+    ) -> Result<(), WireError> {
+        if prefix.len() > 255 || prefix.first() == Some(&0) {
+            return Err(invalid(format!(
+                "prefix must be 0 to 255 bytes and not start with a zero byte (the server's own \
+                 queues), got {} bytes",
+                prefix.len()
+            )));
+        }
+        let _writing = lock(&self.writing);
+        let mut rules = self
+            .retention
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let removing = rule == RetentionRule::default();
+        if !removing && !rules.contains_key(prefix) && rules.len() >= RETENTION_RULES_MAX {
+            return Err(WireError::new(
+                ErrorCode::ResourceExhausted,
+                format!("{RETENTION_RULES_MAX} retention rules exist, the most the server holds"),
+            ));
+        }
+        Self::write(
+            store,
+            &MetaRecord::Retention {
+                prefix_hex: to_hex(prefix),
+                max_age_ms: rule.max_age_ms,
+                max_bytes: rule.max_bytes,
+            },
+        )?;
+        if removing {
+            rules.remove(prefix);
+        } else {
+            rules.insert(prefix.to_vec(), rule);
+        }
+        Ok(())
+    }
+
+    /// The rule of the longest prefix of `queue` (the default when none matches).
+    pub fn retention_for(&self, queue: &[u8]) -> RetentionRule {
+        let rules = self
+            .retention
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Longest first: walk the candidate prefixes of the name from the whole name down.
+        (0..=queue.len().min(255))
+            .rev()
+            .find_map(|length| rules.get(&queue[..length]).copied())
+            .unwrap_or_default()
+    }
+
+    /// Whether any retention rule exists.
+    pub fn has_retention(&self) -> bool {
+        !self
+            .retention
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_empty()
     }
 
     /// `group`'s rate in messages per second, 0 for none.
