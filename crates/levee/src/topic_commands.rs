@@ -164,41 +164,7 @@ async fn group(command: &GroupCommand, server: &str) -> anyhow::Result<Value> {
     Ok(match command {
         GroupCommand::Describe(args) => {
             let described = client.describe_group(&args.group, &args.topic).await?;
-            let members: Vec<Value> = described
-                .members
-                .iter()
-                .map(|member| {
-                    json!({
-                        "member": member.member,
-                        "partitions": member.partitions,
-                        "lease_left_ms": member.lease_left_ms,
-                    })
-                })
-                .collect();
-            let partitions: Vec<Value> = described
-                .partitions
-                .iter()
-                .map(|partition| {
-                    json!({
-                        "partition": partition.partition,
-                        "owner": partition.owner,
-                        "epoch": partition.epoch,
-                        "committed_offset": partition.committed_offset,
-                        "next_offset": partition.next_offset,
-                        "lag": partition.next_offset.saturating_sub(partition.committed_offset),
-                    })
-                })
-                .collect();
-            json!({
-                "group": described.group,
-                "topic": described.topic,
-                "generation": described.generation,
-                "members": members,
-                "partitions": partitions,
-                "rate_limit_per_s": described.rate_limit_per_s,
-                "delivered": described.delivered,
-                "throttled_s": described.throttled_s,
-            })
+            levee_server::queue::http::group_json(&described)
         }
         GroupCommand::SetRate(args) => {
             let per_second = match (args.per_second, args.per_minute) {

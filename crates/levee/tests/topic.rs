@@ -210,6 +210,20 @@ fn given_keyed_publishes_then_group_gets_each_partition_in_order_and_commits_sur
     server.wait_exit(WAIT);
     let server = LeveeProcess::start_in(&data_dir, &["--queue-sync", "always"]);
     let client = runtime.block_on(Client::connect(&server.grpc())).unwrap();
+    let group = runtime
+        .block_on(client.describe_group("billing", "orders"))
+        .unwrap();
+    assert!(group.members.is_empty());
+    for partition in &group.partitions {
+        assert_eq!(
+            partition.committed_offset, partition.next_offset,
+            "commits survived kill -9"
+        );
+    }
+    let never = runtime
+        .block_on(client.describe_group("nobody", "orders"))
+        .unwrap_err();
+    assert_eq!(never.code(), Some(ErrorCode::NotFound));
     let again: Handled = Arc::default();
     let (stop, task) = spawn_consumer(
         &runtime,
@@ -341,6 +355,18 @@ fn given_members_join_leave_die_and_go_silent_then_partitions_move_and_every_mes
     assert!(handled.len() < 1_200 * 2, "{} handled", handled.len());
 }
 
+/// Skips assignments and deliveries until the answer to a commit batch; returns its first.
+async fn next_commit_result(
+    responses: &mut tonic::Streaming<ConsumeResponse>,
+) -> levee_proto::v1::CommitResult {
+    loop {
+        let response = responses.message().await.unwrap().unwrap();
+        if let Some(result) = response.commit_results.first() {
+            return result.clone();
+        }
+    }
+}
+
 #[test]
 fn given_partition_moved_when_old_owner_commits_then_fenced() {
     let server = LeveeProcess::start(&[]);
@@ -385,12 +411,7 @@ fn given_partition_moved_when_old_owner_commits_then_fenced() {
             })
             .await
             .unwrap();
-        let result = loop {
-            let response = responses_a.message().await.unwrap().unwrap();
-            if let Some(result) = response.commit_results.first() {
-                break result.clone();
-            }
-        };
+        let result = next_commit_result(&mut responses_a).await;
         assert_eq!(result.code, ErrorCode::Fenced as i32);
         assert!(
             result.message.contains("no longer owns"),
@@ -417,12 +438,7 @@ fn given_partition_moved_when_old_owner_commits_then_fenced() {
             })
             .await
             .unwrap();
-        let result = loop {
-            let response = responses_a.message().await.unwrap().unwrap();
-            if let Some(result) = response.commit_results.first() {
-                break result.clone();
-            }
-        };
+        let result = next_commit_result(&mut responses_a).await;
         assert_eq!(result.code, ErrorCode::OffsetOutOfRange as i32);
     });
 }

@@ -364,7 +364,7 @@ pub struct Groups {
 }
 
 impl Groups {
-    /// The group, loaded with its committed offsets if new. Blocks on the store.
+    /// The group, loaded with its committed offsets if new (reads the store).
     fn group(
         &self,
         store: &Store,
@@ -404,11 +404,25 @@ impl Groups {
         Ok(created)
     }
 
-    /// Looks a group up without creating it.
-    pub fn find(&self, group: &str, topic: &str) -> Option<Arc<Mutex<Group>>> {
-        lock(&self.groups)
-            .get(&(group.to_owned(), topic.to_owned()))
-            .cloned()
+    /// Looks a group up: in memory, or loaded from its commits if it ever committed on
+    /// `topic` (also before a restart). `None` if it never did.
+    pub fn find(
+        &self,
+        store: &Store,
+        group: &str,
+        topic: &Arc<Topic>,
+    ) -> Result<Option<Arc<Mutex<Group>>>, WireError> {
+        let key = (group.to_owned(), topic.name.clone());
+        if let Some(found) = lock(&self.groups).get(&key) {
+            return Ok(Some(Arc::clone(found)));
+        }
+        let committed = store
+            .queue_info(&commit_queue(group, &topic.name))
+            .map_err(|error| storage_error(&error))?;
+        match committed {
+            Some(_) => self.group(store, group, topic).map(Some),
+            None => Ok(None),
+        }
     }
 
     /// Joins `member` to `group` on `topic`. Blocks on the store (first load).

@@ -43,6 +43,12 @@ async fn describe_group(
     Path((topic, group)): Path<(String, String)>,
 ) -> Result<Json<Value>, ApiError> {
     let described = TopicService::describe_group_now(&context, &group, &topic)?;
+    Ok(Json(group_json(&described)))
+}
+
+/// A group's description as JSON, with each partition's lag (the admin port and the CLI print
+/// the same form).
+pub fn group_json(described: &levee_proto::v1::DescribeGroupResponse) -> Value {
     let members: Vec<Value> = described
         .members
         .iter()
@@ -68,7 +74,7 @@ async fn describe_group(
             })
         })
         .collect();
-    Ok(Json(json!({
+    json!({
         "group": described.group,
         "topic": described.topic,
         "generation": described.generation,
@@ -77,7 +83,7 @@ async fn describe_group(
         "rate_limit_per_s": described.rate_limit_per_s,
         "delivered": described.delivered,
         "throttled_s": described.throttled_s,
-    })))
+    })
 }
 
 async fn get_rate(

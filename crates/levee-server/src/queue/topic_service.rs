@@ -55,14 +55,18 @@ impl TopicService {
     ) -> Result<DescribeGroupResponse, WireError> {
         check_group_name(group)?;
         let found = context.topics.require(topic)?;
-        let handle = context.groups.find(group, topic).ok_or_else(|| {
-            WireError::new(
-                ErrorCode::NotFound,
-                format!(
-                    "group '{group}' has never consumed topic '{topic}' since the server started"
-                ),
-            )
-        })?;
+        let handle = context
+            .groups
+            .find(&context.calls.store, group, &found)?
+            .ok_or_else(|| {
+                WireError::new(
+                    ErrorCode::NotFound,
+                    format!(
+                        "group '{group}' has no member and no commit on topic '{topic}'; it \
+                         exists once a member joins"
+                    ),
+                )
+            })?;
         let now = now_ms();
         let state = &lock(&handle).state;
         let mut members: Vec<GroupMember> = state
