@@ -498,6 +498,10 @@ fn given_group_rate_then_deliveries_are_paced_and_metrics_show_it() {
         r#"{"messages_per_hour": 1}"#,
     );
     assert_eq!(status, 400, "{body}");
+    assert!(
+        body.contains("messages_per_minute"),
+        "the error shows the form: {body}"
+    );
     let handled: Handled = Arc::default();
     let (stop, task) = spawn_consumer(
         &runtime,

@@ -104,10 +104,11 @@ struct RateBody {
 async fn put_rate(
     State(context): State<Arc<ConsumeContext>>,
     Path(group): Path<String>,
-    body: Result<Json<RateBody>, axum::extract::rejection::JsonRejection>,
+    body: axum::body::Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let invalid = |message: String| ApiError(WireError::new(ErrorCode::InvalidArgument, message));
-    let Json(body) = body.map_err(|error| {
+    // The body is read as JSON whatever its Content-Type (curl -d sends a form type).
+    let body: RateBody = serde_json::from_slice(&body).map_err(|error| {
         invalid(format!(
             "the body must be JSON like {{\"messages_per_s\": 1000}} or \
              {{\"messages_per_minute\": 21000000}}: {error}"
