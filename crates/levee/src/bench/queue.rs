@@ -51,6 +51,11 @@ pub struct QueueBenchArgs {
     /// their appends are answered
     #[arg(long)]
     pub rate: Option<f64>,
+    /// Topic shape: cap the consumer group at this many messages per second (flow control)
+    /// and report the achieved rate over every 10 s window after a 2 s warm-up; producers
+    /// should offer more. The backlog is not drained at the end
+    #[arg(long)]
+    pub group_rate: Option<f64>,
     /// Bytes per message (at least 8: a message starts with its send time)
     #[arg(long, default_value_t = 58)]
     pub message_bytes: usize,
@@ -242,7 +247,8 @@ async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<Value> {
     for consumer in &consumers {
         consumer.abort();
     }
-    Ok(report(args, total, append_s, drained_s, &latency))
+    let handled = consumed.load(Ordering::Relaxed);
+    Ok(report(args, total, handled, append_s, drained_s, &latency))
 }
 
 /// The topic shape: one topic, producer tasks publishing batches, one consumer group.
@@ -256,7 +262,15 @@ async fn bench_topic(
 ) -> anyhow::Result<Value> {
     let topic = format!("bench-{run_id}");
     client.create_topic(&topic, args.partitions).await?;
+    if let Some(rate) = args.group_rate {
+        client.set_group_rate(GROUP, rate).await?;
+    }
     let (stops, members) = start_group(args, client, &topic, epoch, consumed, latency);
+    let sampling = Arc::new(AtomicBool::new(true));
+    let sampler = tokio::spawn(sample_every_second(
+        Arc::clone(consumed),
+        Arc::clone(&sampling),
+    ));
     let producers = args.producers.unwrap_or(16);
     let started = Instant::now();
     let stop = Arc::new(AtomicBool::new(false));
@@ -297,7 +311,11 @@ async fn bench_topic(
     }
     let append_s = started.elapsed().as_secs_f64();
     let total = appended.load(Ordering::Relaxed);
-    wait_consumed(consumed, total).await?;
+    sampling.store(false, Ordering::Relaxed);
+    let consumed_each_second = sampler.await?;
+    if args.group_rate.is_none() {
+        wait_consumed(consumed, total).await?;
+    }
     let drained_s = started.elapsed().as_secs_f64();
     for stop in stops {
         let _ = stop.send(());
@@ -305,7 +323,48 @@ async fn bench_topic(
     for member in members {
         member.await??;
     }
-    Ok(report(args, total, append_s, drained_s, latency))
+    let handled = consumed.load(Ordering::Relaxed);
+    let mut result = report(args, total, handled, append_s, drained_s, latency);
+    if let Some(rate) = args.group_rate {
+        result["group_rate"] = rate_windows(rate, &consumed_each_second);
+        eprintln!("group rate: {}", result["group_rate"]);
+    }
+    Ok(result)
+}
+
+/// The consumer group of the topic shape.
+const GROUP: &str = "bench";
+/// Seconds of a flow-control window, and of the warm-up before the first.
+const RATE_WINDOW_S: usize = 10;
+const RATE_WARM_UP_S: usize = 2;
+
+/// Samples `counter` once a second (the first sample at once) until `running` turns false.
+async fn sample_every_second(counter: Arc<AtomicU64>, running: Arc<AtomicBool>) -> Vec<u64> {
+    let mut samples = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    while running.load(Ordering::Relaxed) {
+        tick.tick().await;
+        samples.push(counter.load(Ordering::Relaxed));
+    }
+    samples
+}
+
+/// The achieved rate over every 10 s window after the warm-up, against the configured one.
+fn rate_windows(configured: f64, samples: &[u64]) -> Value {
+    let rates: Vec<f64> = (RATE_WARM_UP_S..samples.len())
+        .filter(|start| start + RATE_WINDOW_S < samples.len())
+        .map(|start| {
+            (samples[start + RATE_WINDOW_S] - samples[start]) as f64 / RATE_WINDOW_S as f64
+        })
+        .collect();
+    let deviation = |rate: &f64| (rate - configured).abs() / configured * 100.0;
+    json!({
+        "configured_per_s": configured,
+        "windows_10s": rates.len(),
+        "achieved_min_per_s": rates.iter().copied().reduce(f64::min),
+        "achieved_max_per_s": rates.iter().copied().reduce(f64::max),
+        "max_deviation_percent": rates.iter().map(deviation).reduce(f64::max),
+    })
 }
 
 /// Waits (at most 60 s) until `total` messages were consumed.
@@ -348,7 +407,7 @@ fn start_group(
         let (client, topic) = (client.clone(), topic.to_owned());
         let (consumed, latency) = (Arc::clone(consumed), Arc::clone(latency));
         members.push(tokio::spawn(async move {
-            let member = GroupConsumer::new(client, &topic, "bench", options)?;
+            let member = GroupConsumer::new(client, &topic, GROUP, options)?;
             member
                 .run(
                     move |message| {
@@ -372,6 +431,7 @@ fn start_group(
 fn report(
     args: &QueueBenchArgs,
     total: u64,
+    consumed: u64,
     append_s: f64,
     drained_s: f64,
     latency: &std::sync::Mutex<Histogram<u64>>,
@@ -392,7 +452,8 @@ fn report(
         "duration_s": append_s,
         "appended": total,
         "appends_per_s": total as f64 / append_s,
-        "consumed_per_s": total as f64 / drained_s,
+        "consumed": consumed,
+        "consumed_per_s": consumed as f64 / drained_s,
         "latency_ms": percentiles_ms(&histogram),
         "latency_samples": histogram.len(),
     });
