@@ -21,7 +21,9 @@ use tonic::{Status, Streaming};
 
 use super::group::{Groups, Membership};
 use super::rate::TokenBucket;
-use super::subscription::{CREDIT_BYTES_DEFAULT, CREDIT_BYTES_MAX, CREDIT_MESSAGES_MAX, Waiters};
+use super::subscription::{
+    CREDIT_BYTES_DEFAULT, CREDIT_BYTES_MAX, CREDIT_MESSAGES_MAX, ROUND_BYTES_MAX, Waiters,
+};
 use super::topic::{Topic, Topics, check_group_name};
 use super::{StoreCalls, lock, storage_error};
 use crate::metrics::{FloatGauge, GroupLabels, Metrics, SecondsCounter};
@@ -466,7 +468,7 @@ impl ConsumeSession {
         self.round_robin = self.round_robin.wrapping_add(1);
         let store = &self.context.calls.store;
         let mut left = usize::try_from(granted).unwrap_or(usize::MAX);
-        let mut bytes_left = self.credit_bytes as usize;
+        let mut bytes_left = self.credit_bytes.min(ROUND_BYTES_MAX) as usize;
         let mut batches = Vec::new();
         for step in 0..self.cursors.len() {
             if left == 0 || bytes_left == 0 {

@@ -33,6 +33,9 @@ pub const CREDIT_BYTES_MAX: u32 = 64 << 20;
 pub const CREDIT_BYTES_DEFAULT: u32 = 4 << 20;
 /// Most messages one read for a subscription takes from the store.
 const READ_MESSAGES_MAX: u32 = 1_000;
+/// Most payload bytes one delivery response carries (a message may pass it alone; messages are
+/// at most 4 MiB), well under the 16 MiB gRPC message limit whatever the byte credit.
+pub const ROUND_BYTES_MAX: u32 = 4 << 20;
 /// Responses queued for one subscription's stream.
 pub const RESPONSES_QUEUED_MAX: usize = 16;
 /// Subscriptions open at once on one server.
@@ -290,7 +293,7 @@ impl Session {
         }
         let (queue, from) = (self.start.queue.clone(), progress.next);
         let count = progress.credit_messages.min(READ_MESSAGES_MAX) as usize;
-        let bytes = progress.credit_bytes as usize;
+        let bytes = progress.credit_bytes.min(ROUND_BYTES_MAX) as usize;
         let batch = self
             .calls
             .store
