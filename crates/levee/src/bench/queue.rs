@@ -266,6 +266,7 @@ async fn bench_topic(
         client.set_group_rate(GROUP, rate).await?;
     }
     let (stops, members) = start_group(args, client, &topic, epoch, consumed, latency);
+    wait_for_stable_group(args, client, &topic).await?;
     let sampling = Arc::new(AtomicBool::new(true));
     let sampler = tokio::spawn(sample_every_second(
         Arc::clone(consumed),
@@ -330,6 +331,33 @@ async fn bench_topic(
         eprintln!("group rate: {}", result["group_rate"]);
     }
     Ok(result)
+}
+
+/// Waits (at most 10 s) until every member has joined and every partition has an owner, so
+/// the measurement does not include the rebalances of the start (their redeliveries would
+/// count as latency).
+async fn wait_for_stable_group(
+    args: &QueueBenchArgs,
+    client: &Client,
+    topic: &str,
+) -> anyhow::Result<()> {
+    let members = usize::try_from(args.consumers.min(u64::from(args.partitions)))?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Ok(group) = client.describe_group(GROUP, topic).await
+            && group.members.len() == members
+            && group
+                .partitions
+                .iter()
+                .all(|partition| !partition.owner.is_empty())
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("the consumer group did not settle within 10 s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// The consumer group of the topic shape.
