@@ -82,6 +82,8 @@ struct Replay {
     next_incarnation: u64,
     /// Chunk records seen per segment.
     chunk_records: BTreeMap<u32, u64>,
+    /// Format version of the segment being scanned.
+    segment_version: u32,
 }
 
 /// A queue being rebuilt. Chunks may arrive out of offset order (a live chunk relocated
@@ -371,9 +373,10 @@ pub(crate) fn recover(
         shards: (0..SHARD_COUNT).map(|_| RecoveringMap::default()).collect(),
         chunk_records: BTreeMap::new(),
         next_incarnation: 0,
+        segment_version: FORMAT_VERSION,
     };
     let mut segments = BTreeMap::new();
-    let mut active: Option<(u32, Arc<dyn StorageFile>, u64)> = None;
+    let mut active: Option<(u32, Arc<dyn StorageFile>, u64, u32)> = None;
     for (index, &id) in ids.iter().enumerate() {
         let last = index + 1 == ids.len();
         let name = format::segment_file_name(id);
@@ -401,7 +404,8 @@ pub(crate) fn recover(
             report.removed_files.push(name);
             continue;
         }
-        check_header(file.as_ref(), &name, id)?;
+        let version = check_header(file.as_ref(), &name, id)?;
+        replay.segment_version = version;
         let end = replay.scan(id, &name, file.as_ref(), length, last, &mut report)?;
         if end < length {
             file.truncate(end)
@@ -419,8 +423,29 @@ pub(crate) fn recover(
                 chunks_total,
             },
         );
-        active = Some((id, file, end));
+        active = Some((id, file, end, version));
     }
+    // Records of this version are never appended to a segment of an older one (whose header
+    // tells an older build it can read it): such a store continues in a new segment.
+    let active = match active {
+        Some((id, _, _, version)) if version < FORMAT_VERSION => {
+            let next = id + 1;
+            let file = create_segment(storage, next)?;
+            file_syncs += 1;
+            dir_syncs += 1;
+            segments.insert(
+                next,
+                SegmentEntry {
+                    file: file.clone(),
+                    live_chunks: 0,
+                    chunks_total: 0,
+                },
+            );
+            Some((next, file, SEGMENT_HEADER_BYTES))
+        }
+        Some((id, file, end, _)) => Some((id, file, end)),
+        None => None,
+    };
     let (active_segment, active_file, active_bytes) = if let Some(active) = active {
         active
     } else {
@@ -492,14 +517,15 @@ pub(crate) fn recover(
     })
 }
 
-/// Refuses a segment whose header is not a version-1 Levee header naming segment `id`.
-fn check_header(file: &dyn StorageFile, name: &str, id: u32) -> Result<(), OpenError> {
+/// Refuses a segment whose header is not a Levee header of a version this build reads naming
+/// segment `id`; returns its format version.
+fn check_header(file: &dyn StorageFile, name: &str, id: u32) -> Result<u32, OpenError> {
     let name = name.to_string();
     let mut header = [0_u8; 32];
     file.read_at(0, &mut header)
         .map_err(io_error(format!("reading the header of {name}")))?;
     match format::decode_segment_header(&header) {
-        Ok(header_id) if header_id == u64::from(id) => Ok(()),
+        Ok(header_id) if header_id == u64::from(id) => Ok(format::read_u32(&header, 8)),
         Ok(header_id) => Err(OpenError::Corrupt {
             file: name,
             position: 16,
@@ -727,6 +753,11 @@ impl Replay {
             }
             Record::Delete { name } => {
                 shard.remove(name);
+            }
+            Record::Log(_) if self.segment_version < 2 => {
+                return Err(Problem::Inconsistent(
+                    "log record in a segment of format version 1".to_string(),
+                ));
             }
             Record::Log(log) => {
                 if let Some(queue) = shard.get_mut(log.name) {

@@ -759,3 +759,41 @@ fn given_long_lived_queue_in_old_segment_when_others_are_trimmed_should_relocate
     assert_eq!(messages.len() as u64, busy.retained());
     assert_eq!(messages.last().unwrap(), b"39-9-padding-padding");
 }
+
+#[test]
+fn given_messages_only_in_log_records_when_crashing_should_recover_them_into_buffers() {
+    let disk = SimulatedDisk::new();
+    let options = StoreOptions {
+        chunk_bytes: 4096,
+        ..tiny()
+    };
+    let store = open_sim(&disk, options.clone());
+    for index in 0..5_u32 {
+        store
+            .append(b"q", format!("message-{index}").as_bytes())
+            .unwrap();
+    }
+    assert!(store.memory_usage().buffer_bytes > 0, "not sealed yet");
+    assert_eq!(store.memory_usage().index_entries, 0, "no chunk yet");
+    let survivor = disk.crash(CrashMode::DropUnsynced, 1);
+    drop(store);
+    let (store, report) =
+        Store::open_with_storage(Arc::new(survivor.clone()), options.clone()).expect("open");
+    assert_eq!(report.messages, 5, "{report:?}");
+    let expected: Vec<Vec<u8>> = (0..5)
+        .map(|index| format!("message-{index}").into_bytes())
+        .collect();
+    assert_eq!(read_all(&store, b"q"), expected);
+    assert_eq!(store.append(b"q", b"message-5").unwrap(), 5);
+    // A checkpoint seals the recovered and the new messages into chunks.
+    store.sync().unwrap();
+    let usage = store.memory_usage();
+    assert_eq!(usage.buffer_bytes, 0, "{usage:?}");
+    assert!(usage.index_entries > 0, "{usage:?}");
+    let survivor = survivor.crash(CrashMode::TearAndDamage, 3);
+    drop(store);
+    let store = open_sim(&survivor, options);
+    let mut expected = expected;
+    expected.push(b"message-5".to_vec());
+    assert_eq!(read_all(&store, b"q"), expected);
+}
