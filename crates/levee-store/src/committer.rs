@@ -103,6 +103,13 @@ struct TakenLog {
     budget_bytes: usize,
 }
 
+/// The queues a round took off the full and buffered lists.
+#[derive(Debug, Default)]
+struct TakenKeys {
+    full: Vec<QueueKey>,
+    all: Vec<QueueKey>,
+}
+
 /// A live chunk being relocated: its queue, first offset, old position and its position in
 /// the copied bytes.
 type Moved = (QueueKey, u64, u32, usize);
@@ -251,13 +258,15 @@ impl Committer<'_> {
         }
     }
 
-    /// Appends every shard's log to the round buffer.
-    fn take_logs(&mut self, rotated_mid_round: &mut bool) -> io::Result<TakenLog> {
+    /// Appends every shard's log to the round buffer; later appends go to round `round + 1`.
+    fn take_logs(&mut self, round: u64, rotated_mid_round: &mut bool) -> io::Result<TakenLog> {
         let mut taken = TakenLog::default();
         self.inner.log_pending.store(0, Ordering::SeqCst);
         for shard in &*self.inner.shards {
             {
                 let mut shard = lock(shard);
+                debug_assert!(shard.log_round <= round);
+                shard.log_round = round + 1;
                 if shard.log.is_empty() && shard.log_budget_bytes == 0 {
                     continue;
                 }
@@ -285,6 +294,11 @@ impl Committer<'_> {
         reason = "the steps of a round in order, easier to audit in one place"
     )]
     fn run_round(&mut self, plan: Plan) -> bool {
+        // The queues this round took off the pending lists, to put back if it fails.
+        let taken_keys = TakenKeys {
+            full: plan.full.clone(),
+            all: plan.all.clone(),
+        };
         if self.writer.length >= self.inner.options.segment_bytes_max
             && let Err(error) = self.rotate()
         {
@@ -294,7 +308,7 @@ impl Committer<'_> {
                 "starting a new segment",
                 TakenLog::default(),
                 Vec::new(),
-                Vec::new(),
+                taken_keys,
                 false,
             );
         }
@@ -304,7 +318,7 @@ impl Committer<'_> {
         let mut placed = Vec::new();
         let mut rotated_mid_round = false;
         self.writer.buffer.clear();
-        let mut result = self.take_logs(&mut rotated_mid_round);
+        let mut result = self.take_logs(plan.round, &mut rotated_mid_round);
         let taken = match &mut result {
             Ok(taken) => std::mem::take(taken),
             Err(_) => TakenLog::default(),
@@ -323,11 +337,6 @@ impl Committer<'_> {
             )
             .collect();
         let mut requeue = Vec::new();
-        let sealed_keys: Vec<QueueKey> = run
-            .iter()
-            .filter(|(_, seal, _)| *seal == Seal::All)
-            .map(|(_, _, key)| key.clone())
-            .collect();
         if result.is_ok() {
             result = self.freeze_run(
                 &mut run,
@@ -356,7 +365,7 @@ impl Committer<'_> {
                     "writing a commit round",
                     taken,
                     placed,
-                    sealed_keys,
+                    taken_keys,
                     true,
                 );
             }
@@ -367,7 +376,7 @@ impl Committer<'_> {
                     "truncating",
                     taken,
                     placed,
-                    sealed_keys,
+                    taken_keys,
                     true,
                 );
             }
@@ -378,7 +387,7 @@ impl Committer<'_> {
                 "writing a commit round",
                 taken,
                 placed,
-                sealed_keys,
+                taken_keys,
                 false,
             );
         }
@@ -395,7 +404,7 @@ impl Committer<'_> {
                     "fsyncing a segment",
                     TakenLog::default(),
                     Vec::new(),
-                    Vec::new(),
+                    taken_keys,
                     true,
                 );
             }
@@ -720,7 +729,7 @@ impl Committer<'_> {
         operation: &str,
         taken: TakenLog,
         placed: Vec<Placed>,
-        sealed_keys: Vec<QueueKey>,
+        taken_keys: TakenKeys,
         fatal: bool,
     ) -> bool {
         if fatal || !is_no_space(error) {
@@ -735,8 +744,18 @@ impl Committer<'_> {
         self.backing_off = true;
         let round_bytes = std::mem::take(&mut self.writer.buffer);
         let mut unfreeze: Vec<QueueKey> = placed.into_iter().map(|chunk| chunk.key).collect();
-        unfreeze.extend(sealed_keys.iter().cloned());
+        unfreeze.extend(taken_keys.all.iter().cloned());
+        let sealed_keys = taken_keys.all;
         if self.interval().is_some() {
+            for key in &taken_keys.full {
+                let mut shard = lock(self.inner.shard(&key.name));
+                if let Some(state) = shard.queues.get_mut(&*key.name)
+                    && state.incarnation == key.incarnation
+                {
+                    // Listed again by the next append once it has a whole chunk.
+                    state.full_queued = false;
+                }
+            }
             // Acknowledged messages must not be dropped: keep them buffered, put their log
             // records back, and retry.
             for key in &unfreeze {
@@ -756,8 +775,9 @@ impl Committer<'_> {
                 if let Some(state) = shard.queues.get_mut(&*key.name)
                     && state.incarnation == key.incarnation
                     && state.buffer.is_some()
-                    && !state.queued
                 {
+                    // Taken off the buffered list by this round (sealed or not): list it again
+                    // (at worst twice, which only costs a look).
                     state.queued = true;
                     relisted.push(key);
                 }
@@ -812,6 +832,8 @@ impl Committer<'_> {
             shard.log = only_records.log;
             shard.log_effects = only_records.log_effects;
             shard.log_budget_bytes = only_records.log_budget_bytes;
+            // Rounds `round` and `round + 1` fail as a whole: later appends go to the next.
+            shard.log_round = round + 2;
         }
         self.requeue_log(&mut shards[0], taken, &round_bytes, false);
         self.inner
@@ -824,7 +846,6 @@ impl Committer<'_> {
             if let Some(state) = shards[index].queues.get_mut(&*key.name)
                 && state.incarnation == key.incarnation
                 && state.buffer.is_some()
-                && !state.queued
             {
                 state.queued = true;
                 pending.buffered.push_front(key);

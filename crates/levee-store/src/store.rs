@@ -50,7 +50,7 @@ pub(crate) type QueueMap = HashMap<Arc<[u8]>, QueueState, foldhash::fast::FixedS
 
 /// One lock shard: the queues whose name hashes to it, and the log records appended to them
 /// since the committer last took this shard's log.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Shard {
     pub queues: QueueMap,
     /// Encoded log, trim and delete records, in the order they were appended.
@@ -59,6 +59,23 @@ pub(crate) struct Shard {
     pub log_effects: Vec<RecordEffect>,
     /// Budget bytes reserved for `log`, given back once the committer wrote it.
     pub log_budget_bytes: usize,
+    /// The commit round that will write `log`: set by the committer when it takes the log
+    /// (to the next round), so an appender knows exactly which round makes its record
+    /// durable.
+    pub log_round: u64,
+}
+
+impl Default for Shard {
+    fn default() -> Self {
+        Self {
+            queues: QueueMap::default(),
+            log: Vec::new(),
+            log_effects: Vec::new(),
+            log_budget_bytes: 0,
+            // Rounds are numbered from 1.
+            log_round: 1,
+        }
+    }
 }
 
 /// Names one incarnation of a queue in the committer's lists.
@@ -712,7 +729,7 @@ impl Inner {
     /// round that makes it durable. Called under the shard lock.
     fn push_record(&self, shard: &mut Shard, effect: RecordEffect) -> u64 {
         shard.log_effects.push(effect);
-        let round = self.rounds_started.load(Ordering::SeqCst) + 1;
+        let round = shard.log_round;
         self.log_pending.fetch_add(1, Ordering::SeqCst);
         self.wake_committer();
         round
@@ -882,10 +899,8 @@ impl Inner {
         let mut messages: Vec<&[u8]> = Vec::new();
         let mut guard = lock(&self.shards[shard_index]);
         let shard = &mut *guard;
-        // Read under the shard lock: the committer takes this shard's log for round `round`
-        // or a later one (a later one only if it started round `round` meanwhile; then the
-        // marks below are later than needed, which is safe).
-        let round = self.rounds_started.load(Ordering::SeqCst) + 1;
+        // Under the shard lock: the round that will take this shard's log.
+        let round = shard.log_round;
         let completed = self.completed_round.load(Ordering::SeqCst);
         wakes.clear();
         let mut start = 0;
