@@ -1,7 +1,9 @@
-//! The committer thread: the only writer of segment files. Each round takes the pending work,
-//! seals buffered messages into chunk records, writes them in one sequential write, updates the
-//! index, fsyncs once and wakes every append waiting on that round (group commit). After a
-//! round it deletes the oldest segment files once nothing live remains in them.
+//! The committer thread: the only writer of segment files. Each round takes the log records
+//! every shard gathered since the last round (the appended messages, trims and deletes), seals
+//! the write buffers that are due into chunk records (a queue's consecutive messages
+//! together), writes it all in one sequential write, fsyncs once, publishes the chunks in the
+//! index and wakes every append waiting on that round (group commit). After a round it deletes
+//! the oldest segment files once nothing live remains in them.
 
 use std::io;
 use std::sync::atomic::Ordering;
@@ -15,7 +17,7 @@ use crate::queue::{ChunkEntry, FRAME_BYTES, NO_SEGMENT};
 use crate::recovery::Scanner;
 use crate::storage::StorageFile;
 use crate::store::{
-    FAILURES_MAX, Inner, PendingItem, QueueKey, SHARD_COUNT, SegmentEntry, Shard, lock,
+    FAILURES_MAX, Inner, QueueKey, RecordEffect, SHARD_COUNT, SegmentEntry, Shard, lock,
 };
 
 /// The oldest segment is relocated once at most 1 in this many of its chunks is still live.
@@ -24,13 +26,33 @@ const RELOCATE_LIVE_RATIO_MAX: u64 = 4;
 /// Past this position a round starts a new segment even mid-round, so positions fit in u32.
 const POSITION_SOFT_MAX: u64 = 3 << 30;
 
-/// Most queues the committer freezes or publishes under one shard lock before letting
+/// Most queues the committer seals or publishes under one shard lock before letting
 /// appenders in: a few hundred microseconds of work.
 const FREEZE_QUEUES_PER_LOCK_MAX: usize = 256;
 
-/// A queue to freeze: its shard index, whether it came from the pending list (not the full
-/// list), and its key.
-type RunEntry = (usize, bool, QueueKey);
+/// A shard log whose capacity grew past this is given back after the round (bursts must not
+/// pin memory in 64 shards).
+const SHARD_LOG_CAPACITY_KEPT_MAX: usize = 1 << 20;
+
+/// After a round failed for lack of space, the committer waits this long before the next.
+const FULL_DISK_RETRY_WAIT: Duration = Duration::from_millis(10);
+
+/// Under `always`, the committer looks for work at least this often even without a wake-up.
+const ALWAYS_IDLE_WAIT: Duration = Duration::from_millis(50);
+
+/// How to seal one queue's buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Seal {
+    /// Only whole chunks of `chunk_bytes` (the queue came from the full list).
+    Full,
+    /// Everything logged so far (the queue came from the buffered list: a budget flush or a
+    /// checkpoint); its `queued` flag is cleared, or the key goes back on the list if
+    /// messages remain.
+    All,
+}
+
+/// A queue to seal: its shard index, how, and its key.
+type RunEntry = (usize, Seal, QueueKey);
 
 /// The active segment and the bytes of the round being built.
 #[derive(Debug)]
@@ -57,23 +79,35 @@ impl Writer {
     }
 }
 
-/// What a round put on disk, applied to the index after the write.
+/// A chunk a round sealed, applied to the index after the write.
 #[derive(Debug)]
-enum Placed {
-    Chunk {
-        key: QueueKey,
-        /// Index of the queue's lock shard.
-        shard: usize,
-        entry: ChunkEntry,
-        count: usize,
-        /// Bytes of the messages in the queue's write buffer (payload and lengths).
-        buffered_bytes: usize,
-        record_bytes: u64,
-    },
-    Record {
-        segment: u32,
-        item: PendingItem,
-    },
+struct Placed {
+    key: QueueKey,
+    /// Index of the queue's lock shard.
+    shard: usize,
+    entry: ChunkEntry,
+    count: usize,
+    /// Bytes of the messages in the queue's write buffer (payload and lengths).
+    buffered_bytes: usize,
+    record_bytes: u64,
+}
+
+/// What a round took from the shard logs.
+#[derive(Debug, Default)]
+struct TakenLog {
+    /// Bytes of log, trim and delete records at the start of the round buffer.
+    bytes: usize,
+    /// The trim and delete records' effects, in order, with the segment each went to.
+    effects: Vec<(RecordEffect, u32)>,
+    /// Budget bytes reserved for the log records.
+    budget_bytes: usize,
+}
+
+/// The queues a round took off the full and buffered lists.
+#[derive(Debug, Default)]
+struct TakenKeys {
+    full: Vec<QueueKey>,
+    all: Vec<QueueKey>,
 }
 
 /// A live chunk being relocated: its queue, first offset, old position and its position in
@@ -82,43 +116,55 @@ type Moved = (QueueKey, u64, u32, usize);
 
 struct Plan {
     round: u64,
-    items: Vec<PendingItem>,
-    /// Queues from the full list (flushed without clearing their pending-list flag).
+    /// Queues from the full list.
     full: Vec<QueueKey>,
-    is_full_round: bool,
+    /// Queues taken from the buffered list (budget flush or checkpoint).
+    all: Vec<QueueKey>,
+    is_checkpoint: bool,
     shutdown: bool,
 }
 
 struct Committer<'a> {
     inner: &'a Inner,
     writer: Writer,
-    last_full_round: Instant,
+    last_round: Instant,
+    /// Every log record still needed (its messages not yet in a chunk) is in this segment or
+    /// a later one; older segments may be deleted once they hold no live chunk.
+    log_floor: u32,
+    /// Garbage collection found the oldest segment pinned by log records only.
+    checkpoint_wanted: bool,
+    /// The last round failed for lack of space: wait a little before the next one.
+    backing_off: bool,
 }
 
 /// Runs the committer until shutdown or a fatal error.
-pub(crate) fn run(inner: &Inner, writer: Writer) {
+pub(crate) fn run(inner: &Inner, writer: Writer, log_floor: u32) {
     let mut committer = Committer {
         inner,
         writer,
-        last_full_round: Instant::now(),
+        last_round: Instant::now(),
+        log_floor,
+        checkpoint_wanted: false,
+        backing_off: false,
     };
     loop {
         let plan = committer.next_plan();
         let shutdown = plan.shutdown;
-        let full_round_started_ms = plan.is_full_round.then(|| inner.elapsed_ms());
-        if plan.is_full_round {
-            committer.last_full_round = Instant::now();
-        }
+        let round_started_ms = inner.elapsed_ms();
+        committer.last_round = Instant::now();
         if !committer.run_round(plan) {
             return;
         }
-        if let Some(started_ms) = full_round_started_ms
-            && !inner.disk_full.load(Ordering::SeqCst)
-        {
+        if std::mem::take(&mut committer.backing_off) {
+            // The disk is full: retrying at once would only spin (and push the failures of
+            // earlier rounds out of `CommitState::failures` before their waiters read them).
+            std::thread::sleep(FULL_DISK_RETRY_WAIT);
+        }
+        if !inner.disk_full.load(Ordering::SeqCst) {
             // Everything appended before the round started is now fsynced.
             inner
                 .durable_through_ms
-                .fetch_max(started_ms, Ordering::Release);
+                .fetch_max(round_started_ms, Ordering::Release);
         }
         if shutdown {
             // Nothing can be appended while the store is being dropped: one round suffices.
@@ -127,7 +173,8 @@ pub(crate) fn run(inner: &Inner, writer: Writer) {
     }
 }
 
-fn now_ms() -> u64 {
+/// Milliseconds since the Unix epoch.
+pub(crate) fn now_ms() -> u64 {
     let elapsed = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default();
@@ -149,81 +196,109 @@ impl Committer<'_> {
     /// Sleeps until there is work and takes it.
     fn next_plan(&mut self) -> Plan {
         let interval = self.interval();
-        let mut pending = lock(&self.inner.pending);
+        let inner = self.inner;
+        let mut pending = lock(&inner.pending);
         loop {
-            let interval_due = interval
-                .is_some_and(|interval| self.last_full_round.elapsed() >= interval)
-                && !pending.items.is_empty();
-            let is_full_round = pending.shutdown
-                || pending.full_round_requested
-                || (interval.is_none() && !pending.items.is_empty())
-                || interval_due
-                || self.inner.wanted_round.load(Ordering::SeqCst)
-                    > self.inner.rounds_started.load(Ordering::SeqCst);
-            let selective = !pending.full.is_empty() || pending.budget_flush_requested;
-            if is_full_round || selective {
-                let round = self.inner.rounds_started.fetch_add(1, Ordering::SeqCst) + 1;
-                let shutdown = pending.shutdown;
-                pending.budget_flush_requested = false;
-                if is_full_round {
-                    pending.full_round_requested = false;
-                    pending.full.clear();
-                    let items = std::mem::take(&mut pending.items);
-                    return Plan {
-                        round,
-                        items,
-                        full: Vec::new(),
-                        is_full_round,
-                        shutdown,
-                    };
-                }
+            // Set before looking for work, so an appender that publishes work after the look
+            // sees the flag and wakes us (see `Inner::wake_committer`).
+            inner.committer_sleeping.store(true, Ordering::SeqCst);
+            let log_work = inner.log_pending.load(Ordering::SeqCst) > 0 || !pending.full.is_empty();
+            let due = match interval {
+                None => log_work,
+                Some(interval) => log_work && self.last_round.elapsed() >= interval,
+            };
+            let is_checkpoint =
+                pending.shutdown || pending.checkpoint_requested || self.checkpoint_wanted;
+            let wanted = inner.wanted_round.load(Ordering::SeqCst)
+                > inner.rounds_started.load(Ordering::SeqCst);
+            if due || is_checkpoint || wanted || pending.budget_flush_requested {
+                inner.committer_sleeping.store(false, Ordering::SeqCst);
+                let round = inner.rounds_started.fetch_add(1, Ordering::SeqCst) + 1;
                 let full = std::mem::take(&mut pending.full);
-                // Over budget: flush the older half of the buffered queues.
-                let older_half = if self.inner.buffered_bytes.load(Ordering::SeqCst)
-                    > self.inner.options.buffer_budget_bytes / 2
-                {
-                    pending.items.len().div_ceil(2)
+                let all: Vec<QueueKey> = if is_checkpoint {
+                    pending.buffered.drain(..).collect()
+                } else if pending.budget_flush_requested {
+                    // An append waits for room in the budget: seal the older half of the
+                    // buffered queues (write buffers stay after their round, so only sealing
+                    // frees their bytes).
+                    let older_half = pending.buffered.len().div_ceil(2);
+                    pending.buffered.drain(..older_half).collect()
                 } else {
-                    0
+                    Vec::new()
                 };
-                let items = pending.items.drain(..older_half).collect();
+                pending.budget_flush_requested = false;
+                pending.checkpoint_requested = false;
+                self.checkpoint_wanted = false;
                 return Plan {
                     round,
-                    items,
                     full,
-                    is_full_round,
-                    shutdown,
+                    all,
+                    is_checkpoint,
+                    shutdown: pending.shutdown,
                 };
             }
-            if interval.is_some() && pending.items.is_empty() && pending.full.is_empty() {
-                // Between rounds with no queue waiting: nothing buffered is unwritten.
-                self.inner
+            if interval.is_some() && !log_work {
+                // Between rounds with nothing appended: nothing acknowledged is unwritten.
+                inner
                     .durable_through_ms
-                    .fetch_max(self.inner.elapsed_ms(), Ordering::Release);
+                    .fetch_max(inner.elapsed_ms(), Ordering::Release);
             }
-            pending.committer_sleeping = true;
-            pending = match interval {
-                None => self
-                    .inner
-                    .work
-                    .wait(pending)
-                    .unwrap_or_else(std::sync::PoisonError::into_inner),
-                Some(interval) => {
-                    let left = interval.saturating_sub(self.last_full_round.elapsed());
-                    let left = left.max(Duration::from_millis(1));
-                    self.inner
-                        .work
-                        .wait_timeout(pending, left)
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .0
-                }
+            let wait = match interval {
+                None => ALWAYS_IDLE_WAIT,
+                Some(interval) if log_work => interval
+                    .saturating_sub(self.last_round.elapsed())
+                    .max(Duration::from_millis(1)),
+                Some(interval) => interval,
             };
-            pending.committer_sleeping = false;
+            pending = inner
+                .work
+                .wait_timeout(pending, wait)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
         }
     }
 
+    /// Appends every shard's log to the round buffer; later appends go to round `round + 1`.
+    fn take_logs(&mut self, round: u64, rotated_mid_round: &mut bool) -> io::Result<TakenLog> {
+        let mut taken = TakenLog::default();
+        self.inner.log_pending.store(0, Ordering::SeqCst);
+        for shard in &*self.inner.shards {
+            {
+                let mut shard = lock(shard);
+                debug_assert!(shard.log_round <= round);
+                shard.log_round = round + 1;
+                if shard.log.is_empty() && shard.log_budget_bytes == 0 {
+                    continue;
+                }
+                self.writer.buffer.extend_from_slice(&shard.log);
+                shard.log.clear();
+                if shard.log.capacity() > SHARD_LOG_CAPACITY_KEPT_MAX {
+                    shard.log = Vec::new();
+                }
+                let segment = self.writer.segment;
+                taken
+                    .effects
+                    .extend(shard.log_effects.drain(..).map(|effect| (effect, segment)));
+                taken.budget_bytes += std::mem::take(&mut shard.log_budget_bytes);
+            }
+            // Rotation fsyncs: never with a shard locked.
+            self.overflow_rotate(rotated_mid_round)?;
+        }
+        taken.bytes = self.writer.buffer.len();
+        Ok(taken)
+    }
+
     /// Runs one round; false once the store is poisoned.
+    #[allow(
+        clippy::too_many_lines,
+        reason = "the steps of a round in order, easier to audit in one place"
+    )]
     fn run_round(&mut self, plan: Plan) -> bool {
+        // The queues this round took off the pending lists, to put back if it fails.
+        let taken_keys = TakenKeys {
+            full: plan.full.clone(),
+            all: plan.all.clone(),
+        };
         if self.writer.length >= self.inner.options.segment_bytes_max
             && let Err(error) = self.rotate()
         {
@@ -231,43 +306,49 @@ impl Committer<'_> {
                 plan.round,
                 &error,
                 "starting a new segment",
+                TakenLog::default(),
                 Vec::new(),
+                taken_keys,
                 false,
             );
         }
         let round_start = self.writer.length;
+        let log_segment = self.writer.segment;
         let timestamp_ms = now_ms();
         let mut placed = Vec::new();
         let mut rotated_mid_round = false;
         self.writer.buffer.clear();
-        // Queues between two records are frozen in shard order (see `freeze_run`); records keep
-        // their place in the list, so every queue's chunks and records keep their order.
+        let mut result = self.take_logs(plan.round, &mut rotated_mid_round);
+        let taken = match &mut result {
+            Ok(taken) => std::mem::take(taken),
+            Err(_) => TakenLog::default(),
+        };
+        let mut result = result.map(|_| ());
+        // Queues are sealed in shard order (see `freeze_run`); a queue's chunks follow its
+        // log records, which are already in the round buffer.
         let mut run: Vec<RunEntry> = plan
             .full
             .into_iter()
-            .map(|key| (self.inner.shard_index(&key.name), false, key))
+            .map(|key| (self.inner.shard_index(&key.name), Seal::Full, key))
+            .chain(
+                plan.all
+                    .into_iter()
+                    .map(|key| (self.inner.shard_index(&key.name), Seal::All, key)),
+            )
             .collect();
-        let mut result = Ok(());
-        for item in plan.items {
-            match item {
-                PendingItem::Queue(key) => run.push((self.inner.shard_index(&key.name), true, key)),
-                PendingItem::Record { ref bytes, .. } => {
-                    result = self
-                        .freeze_run(&mut run, timestamp_ms, &mut placed, &mut rotated_mid_round)
-                        .and_then(|()| self.overflow_rotate(&mut rotated_mid_round));
-                    if result.is_err() {
-                        break;
-                    }
-                    self.writer.buffer.extend_from_slice(bytes);
-                    placed.push(Placed::Record {
-                        segment: self.writer.segment,
-                        item,
-                    });
-                }
-            }
-        }
+        let mut requeue = Vec::new();
         if result.is_ok() {
-            result = self.freeze_run(&mut run, timestamp_ms, &mut placed, &mut rotated_mid_round);
+            result = self.freeze_run(
+                &mut run,
+                plan.round,
+                timestamp_ms,
+                &mut placed,
+                &mut requeue,
+                &mut rotated_mid_round,
+            );
+        }
+        if !requeue.is_empty() {
+            lock(&self.inner.pending).buffered.extend(requeue);
         }
         let written = self.writer.buffer.len() as u64;
         if result.is_ok() && written > 0 {
@@ -278,13 +359,37 @@ impl Committer<'_> {
         }
         if let Err(error) = result {
             if rotated_mid_round {
-                return self.fail_round(plan.round, &error, "writing a commit round", placed, true);
+                return self.fail_round(
+                    plan.round,
+                    &error,
+                    "writing a commit round",
+                    taken,
+                    placed,
+                    taken_keys,
+                    true,
+                );
             }
             if let Err(truncate_error) = self.writer.file.truncate(round_start) {
-                return self.fail_round(plan.round, &truncate_error, "truncating", placed, true);
+                return self.fail_round(
+                    plan.round,
+                    &truncate_error,
+                    "truncating",
+                    taken,
+                    placed,
+                    taken_keys,
+                    true,
+                );
             }
             self.writer.length = round_start;
-            return self.fail_round(plan.round, &error, "writing a commit round", placed, false);
+            return self.fail_round(
+                plan.round,
+                &error,
+                "writing a commit round",
+                taken,
+                placed,
+                taken_keys,
+                false,
+            );
         }
         self.writer.length += written;
         self.inner
@@ -293,7 +398,15 @@ impl Committer<'_> {
             .fetch_add(written, Ordering::Relaxed);
         if written > 0 || rotated_mid_round {
             if let Err(error) = self.writer.file.sync() {
-                return self.fail_round(plan.round, &error, "fsyncing a segment", Vec::new(), true);
+                return self.fail_round(
+                    plan.round,
+                    &error,
+                    "fsyncing a segment",
+                    TakenLog::default(),
+                    Vec::new(),
+                    taken_keys,
+                    true,
+                );
             }
             self.inner
                 .counters
@@ -301,11 +414,18 @@ impl Committer<'_> {
                 .fetch_add(1, Ordering::Relaxed);
             self.inner.disk_full.store(false, Ordering::SeqCst);
         }
-        // Published only once durable: under `always` readers see exactly the indexed chunks,
-        // so they never see a message that a crash or a full disk could still take back.
-        self.apply(placed);
+        // Published only once durable: under `always` readers see exactly the indexed chunks
+        // and the buffered messages of completed rounds, so they never see a message that a
+        // crash or a full disk could still take back.
+        self.apply(placed, taken);
         self.inner.counters.rounds.fetch_add(1, Ordering::Relaxed);
         self.complete(plan.round, None);
+        if plan.is_checkpoint {
+            // Every message logged in this round or earlier is now in a chunk, except those
+            // marked with a later round, whose log records are in this round's log (in
+            // `log_segment` or later) or in later rounds.
+            self.log_floor = self.log_floor.max(log_segment);
+        }
         self.collect_garbage()
     }
 
@@ -323,21 +443,24 @@ impl Committer<'_> {
         self.rotate()
     }
 
-    /// Freezes the queues of `run` (emptied) in shard order, stable so that a queue's two
-    /// entries (full list, then pending list) keep their order: each shard is locked once per
-    /// [`FREEZE_QUEUES_PER_LOCK_MAX`] queues instead of once per queue, which matters when many
-    /// appenders compete for the shard locks and the CPU.
+    /// Seals the queues of `run` (emptied) in shard order, stable so that a queue's two
+    /// entries keep their order: each shard is locked once per [`FREEZE_QUEUES_PER_LOCK_MAX`]
+    /// queues instead of once per queue, which matters when many appenders compete for the
+    /// shard locks and the CPU. Keys of queues sealed with [`Seal::All`] that keep buffered
+    /// messages go to `requeue`.
     fn freeze_run(
         &mut self,
         run: &mut Vec<RunEntry>,
+        round: u64,
         timestamp_ms: u64,
         placed: &mut Vec<Placed>,
+        requeue: &mut Vec<QueueKey>,
         rotated_mid_round: &mut bool,
     ) -> io::Result<()> {
         run.sort_by_key(|(shard_index, _, _)| *shard_index);
         let inner = self.inner;
         let mut held: Option<(usize, usize, MutexGuard<'_, Shard>)> = None;
-        for (shard_index, from_items, key) in run.drain(..) {
+        for (shard_index, seal, key) in run.drain(..) {
             if self.writer.length + (self.writer.buffer.len() as u64) >= POSITION_SOFT_MAX {
                 // Rotation fsyncs: never with a shard locked.
                 held = None;
@@ -354,50 +477,69 @@ impl Committer<'_> {
             // Invariant: `held` was set just above.
             let (_, frozen, shard) = held.as_mut().expect("shard locked above");
             *frozen += 1;
-            self.freeze(shard, shard_index, &key, from_items, timestamp_ms, placed);
+            if self.freeze(shard, shard_index, &key, seal, round, timestamp_ms, placed) {
+                requeue.push(key);
+            }
         }
         Ok(())
     }
 
-    /// Seals the unfrozen messages of one queue into chunk records in the round buffer.
+    /// Seals the unfrozen messages of one queue that are logged in round `round` or earlier
+    /// into chunk records in the round buffer (with [`Seal::Full`], only whole chunks).
+    /// Returns true if the key must go back on the buffered list.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the round's context, passed down from freeze_run"
+    )]
     fn freeze(
         &mut self,
         shard: &mut Shard,
         shard_index: usize,
         key: &QueueKey,
-        from_items: bool,
+        seal: Seal,
+        round: u64,
         timestamp_ms: u64,
         placed: &mut Vec<Placed>,
-    ) {
+    ) -> bool {
         let chunk_bytes = self.inner.options.chunk_bytes;
         let Some(state) = shard.queues.get_mut(&*key.name) else {
-            return;
+            return false;
         };
         if state.incarnation != key.incarnation {
-            return;
+            return false;
         }
-        if from_items {
-            state.queued = false;
+        match seal {
+            Seal::Full => state.full_queued = false,
+            Seal::All => state.queued = false,
         }
-        state.full_queued = false;
         let Some(buffer) = state.buffer.as_mut() else {
-            return;
+            return false;
         };
+        let logged_end = buffer.logged_through(round);
+        let sealable = usize::try_from(logged_end - buffer.first_offset)
+            .unwrap_or(usize::MAX)
+            .min(buffer.count);
         let mut index = buffer.frozen;
         let mut byte_start = buffer.frozen_bytes;
-        while index < buffer.count {
+        while index < sealable {
             // Messages index..end, framed in data[byte_start..byte_end], payload bytes in all.
             let mut end = index;
             let mut byte_end = byte_start;
             let mut payload = 0;
-            while end < buffer.count {
+            let mut whole = false;
+            while end < sealable {
                 let length = buffer.length_at(byte_end);
                 if end > index && payload + length > chunk_bytes {
+                    whole = true;
                     break;
                 }
                 payload += length;
                 byte_end += FRAME_BYTES + length;
                 end += 1;
+            }
+            whole |= payload >= chunk_bytes;
+            if seal == Seal::Full && !whole {
+                break;
             }
             let position = self.writer.position();
             let before = self.writer.buffer.len();
@@ -416,7 +558,7 @@ impl Committer<'_> {
                 segment: self.writer.segment,
                 position,
             };
-            placed.push(Placed::Chunk {
+            placed.push(Placed {
                 key: key.clone(),
                 shard: shard_index,
                 entry,
@@ -429,107 +571,101 @@ impl Committer<'_> {
         }
         buffer.frozen = index;
         buffer.frozen_bytes = byte_start;
+        if seal == Seal::All && buffer.count > buffer.frozen {
+            // Messages of a later round stay buffered: keep the queue on the buffered list.
+            state.queued = true;
+            return true;
+        }
+        if !state.full_queued && buffer.unfrozen_payload_bytes() >= chunk_bytes {
+            // A full list entry was consumed while a whole chunk is still due (its messages
+            // were logged only in the next round): the next round seals it.
+            state.full_queued = true;
+            let key = key.clone();
+            lock(&self.inner.pending).full.push(key);
+        }
+        false
     }
 
     /// Publishes a written round in the index. Chunks come grouped by shard (see
     /// `freeze_run`), so each shard is locked once per run of at most
     /// [`FREEZE_QUEUES_PER_LOCK_MAX`] chunks; the segments' live counts and the budget are
-    /// updated once per round (and before each trim or delete record, which lowers counts).
-    fn apply(&self, placed: Vec<Placed>) {
+    /// updated once per round. The trim and delete records' effects come first: they were
+    /// written before the chunks.
+    fn apply(&self, placed: Vec<Placed>, taken: TakenLog) {
         let inner = self.inner;
-        let mut held: Option<(usize, usize, MutexGuard<'_, Shard>)> = None;
-        let mut live_added: Vec<(u32, u64)> = Vec::new();
-        let mut freed_bytes = 0;
-        for placed in placed {
-            match placed {
-                Placed::Chunk {
-                    key,
-                    shard: shard_index,
-                    entry,
-                    count,
-                    buffered_bytes,
-                    record_bytes,
-                } => {
-                    let reuse = held.as_ref().is_some_and(|(index, applied, _)| {
-                        *index == shard_index && *applied < FREEZE_QUEUES_PER_LOCK_MAX
-                    });
-                    if !reuse {
-                        drop(held.take());
-                        held = Some((shard_index, 0, lock(&inner.shards[shard_index])));
-                    }
-                    // Invariant: `held` was set just above.
-                    let (_, applied, shard) = held.as_mut().expect("shard locked above");
-                    *applied += 1;
-                    let Some(state) = shard.queues.get_mut(&*key.name) else {
-                        continue;
-                    };
-                    if state.incarnation != key.incarnation {
-                        continue;
-                    }
-                    // Invariant: frozen messages stay buffered until this drain.
-                    let buffer = state.buffer.as_mut().expect("frozen messages are buffered");
-                    debug_assert_eq!(buffer.first_offset, entry.first_offset);
-                    buffer.drain_front(count, buffered_bytes);
-                    if buffer.count == 0 {
-                        state.buffer = None;
-                    }
-                    state.chunks.push_back(entry);
-                    state.stored_bytes += record_bytes;
-                    match live_added.last_mut() {
-                        Some((segment, added)) if *segment == entry.segment => *added += 1,
-                        _ => live_added.push((entry.segment, 1)),
-                    }
-                    freed_bytes += buffered_bytes;
-                }
-                Placed::Record { segment, item } => {
-                    held = None;
-                    self.add_live_chunks(&mut live_added);
-                    let PendingItem::Record { dead, trim_of, .. } = item else {
-                        continue;
-                    };
-                    {
-                        let mut segments = lock(&self.inner.segments);
-                        for (dead_segment, count) in dead {
-                            if let Some(entry) = segments.get_mut(&dead_segment) {
-                                entry.live_chunks = entry.live_chunks.saturating_sub(count);
-                            }
-                        }
-                    }
-                    if let Some(key) = trim_of {
-                        let mut shard = lock(self.inner.shard(&key.name));
-                        if let Some(state) = shard.queues.get_mut(&*key.name)
-                            && state.incarnation == key.incarnation
-                        {
-                            state.trim_segment = segment;
-                        }
+        for (effect, segment) in taken.effects {
+            {
+                let mut segments = lock(&inner.segments);
+                for (dead_segment, count) in effect.dead {
+                    if let Some(entry) = segments.get_mut(&dead_segment) {
+                        entry.live_chunks = entry.live_chunks.saturating_sub(count);
                     }
                 }
             }
+            if let Some(key) = effect.trim_of {
+                let mut shard = lock(inner.shard(&key.name));
+                if let Some(state) = shard.queues.get_mut(&*key.name)
+                    && state.incarnation == key.incarnation
+                {
+                    state.trim_segment = segment;
+                }
+            }
+        }
+        let mut held: Option<(usize, usize, MutexGuard<'_, Shard>)> = None;
+        let mut live_added: Vec<(u32, u64)> = Vec::new();
+        let mut freed_bytes = taken.budget_bytes;
+        for chunk in placed {
+            let reuse = held.as_ref().is_some_and(|(index, applied, _)| {
+                *index == chunk.shard && *applied < FREEZE_QUEUES_PER_LOCK_MAX
+            });
+            if !reuse {
+                drop(held.take());
+                held = Some((chunk.shard, 0, lock(&inner.shards[chunk.shard])));
+            }
+            // Invariant: `held` was set just above.
+            let (_, applied, shard) = held.as_mut().expect("shard locked above");
+            *applied += 1;
+            let Some(state) = shard.queues.get_mut(&*chunk.key.name) else {
+                continue;
+            };
+            if state.incarnation != chunk.key.incarnation {
+                continue;
+            }
+            // Invariant: frozen messages stay buffered until this drain.
+            let buffer = state.buffer.as_mut().expect("frozen messages are buffered");
+            debug_assert_eq!(buffer.first_offset, chunk.entry.first_offset);
+            buffer.drain_front(chunk.count, chunk.buffered_bytes);
+            if buffer.count == 0 {
+                state.buffer = None;
+            }
+            state.chunks.push_back(chunk.entry);
+            state.stored_bytes += chunk.record_bytes;
+            match live_added.last_mut() {
+                Some((segment, added)) if *segment == chunk.entry.segment => *added += 1,
+                _ => live_added.push((chunk.entry.segment, 1)),
+            }
+            freed_bytes += chunk.buffered_bytes;
         }
         drop(held);
-        self.add_live_chunks(&mut live_added);
-        self.inner
-            .buffered_bytes
-            .fetch_sub(freed_bytes, Ordering::SeqCst);
-    }
-
-    /// Counts published chunks as live in their segments; empties `added`.
-    fn add_live_chunks(&self, added: &mut Vec<(u32, u64)>) {
-        if added.is_empty() {
-            return;
-        }
-        let mut segments = lock(&self.inner.segments);
-        for (segment, count) in added.drain(..) {
+        let mut segments = lock(&inner.segments);
+        for (segment, count) in live_added {
             if let Some(entry) = segments.get_mut(&segment) {
                 entry.live_chunks += count;
                 entry.chunks_total += count;
             }
         }
+        drop(segments);
+        inner
+            .buffered_bytes
+            .fetch_sub(freed_bytes, Ordering::SeqCst);
     }
 
     fn complete(&self, round: u64, error: Option<WriteError>) {
         let mut commit = lock(&self.inner.commit);
         commit.completed = commit.completed.max(round);
+        self.inner
+            .completed_round
+            .fetch_max(round, Ordering::SeqCst);
         if let Some(error) = error {
             commit.failures.push((round, error));
             if commit.failures.len() > FAILURES_MAX {
@@ -547,14 +683,53 @@ impl Committer<'_> {
         false
     }
 
+    /// Puts the trim and delete records of a failed round back at the front of shard 0's
+    /// log (with their effects), so they are retried before anything appended later; under
+    /// `interval` the log records of messages too (they are acknowledged).
+    fn requeue_log(&self, shard: &mut Shard, taken: TakenLog, round_bytes: &[u8], keep_all: bool) {
+        let mut kept = Vec::new();
+        let mut position = 0;
+        while position < taken.bytes {
+            let body =
+                usize::try_from(format::read_u32(round_bytes, position + 4)).unwrap_or(usize::MAX);
+            let end = position + RECORD_HEADER_BYTES + body;
+            let record = &round_bytes[position..end];
+            if keep_all || format::is_trim_or_delete(format::record_kind(record)) {
+                kept.extend_from_slice(record);
+            }
+            position = end;
+        }
+        let requeued = !kept.is_empty() || !taken.effects.is_empty();
+        kept.extend_from_slice(&shard.log);
+        shard.log = kept;
+        let mut effects: Vec<RecordEffect> = taken
+            .effects
+            .into_iter()
+            .map(|(effect, _)| effect)
+            .collect();
+        effects.append(&mut shard.log_effects);
+        shard.log_effects = effects;
+        shard.log_budget_bytes += taken.budget_bytes;
+        if requeued {
+            self.inner.log_pending.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
     /// Handles a failed round. A full disk (before any mid-round rotation) is recoverable: the
     /// round's bytes were truncated away. Anything else poisons the store.
+    #[allow(
+        clippy::too_many_arguments,
+        clippy::too_many_lines,
+        reason = "everything the failed round took, put back in one place for both policies"
+    )]
     fn fail_round(
         &mut self,
         round: u64,
         error: &io::Error,
         operation: &str,
+        taken: TakenLog,
         placed: Vec<Placed>,
+        taken_keys: TakenKeys,
         fatal: bool,
     ) -> bool {
         if fatal || !is_no_space(error) {
@@ -566,65 +741,126 @@ impl Committer<'_> {
         let failure = WriteError::StorageFull {
             operation: operation.to_string(),
         };
-        let mut records = Vec::new();
-        let mut queues = Vec::new();
-        for placed in placed {
-            match placed {
-                Placed::Record { item, .. } => records.push(item),
-                Placed::Chunk { key, .. } => queues.push(key),
-            }
-        }
+        self.backing_off = true;
+        let round_bytes = std::mem::take(&mut self.writer.buffer);
+        let mut unfreeze: Vec<QueueKey> = placed.into_iter().map(|chunk| chunk.key).collect();
+        unfreeze.extend(taken_keys.all.iter().cloned());
+        let sealed_keys = taken_keys.all;
         if self.interval().is_some() {
-            // Acknowledged messages must not be dropped: keep them buffered and retry.
-            for key in &queues {
+            for key in &taken_keys.full {
+                let mut shard = lock(self.inner.shard(&key.name));
+                if let Some(state) = shard.queues.get_mut(&*key.name)
+                    && state.incarnation == key.incarnation
+                {
+                    // Listed again by the next append once it has a whole chunk.
+                    state.full_queued = false;
+                }
+            }
+            // Acknowledged messages must not be dropped: keep them buffered, put their log
+            // records back, and retry.
+            for key in &unfreeze {
                 let mut shard = lock(self.inner.shard(&key.name));
                 if let Some(state) = shard.queues.get_mut(&*key.name)
                     && let Some(buffer) = state.buffer.as_mut()
                 {
                     buffer.frozen = 0;
                     buffer.frozen_bytes = 0;
+                }
+            }
+            self.requeue_log(&mut lock(&self.inner.shards[0]), taken, &round_bytes, true);
+            // Lock order shard -> pending: flag the queues first, then list them.
+            let mut relisted = Vec::new();
+            for key in sealed_keys.into_iter().rev() {
+                let mut shard = lock(self.inner.shard(&key.name));
+                if let Some(state) = shard.queues.get_mut(&*key.name)
+                    && state.incarnation == key.incarnation
+                    && state.buffer.is_some()
+                {
+                    // Taken off the buffered list by this round (sealed or not): list it again
+                    // (at worst twice, which only costs a look).
                     state.queued = true;
+                    relisted.push(key);
                 }
             }
             let mut pending = lock(&self.inner.pending);
-            let requeued = queues.into_iter().map(PendingItem::Queue);
-            let mut items: Vec<PendingItem> = records.into_iter().chain(requeued).collect();
-            items.append(&mut pending.items);
-            pending.items = items;
+            for key in relisted {
+                pending.buffered.push_front(key);
+            }
             self.inner.disk_full.store(true, Ordering::SeqCst);
             drop(pending);
+            self.writer.buffer = round_bytes;
             self.complete(round, Some(failure));
             return true;
         }
-        // Under `always` no buffered message is acknowledged yet: drop them all and fail
-        // every waiter. Holding every shard lock means no append is half done.
+        // Under `always` no message of this round or the next is acknowledged yet: drop them
+        // all and fail every waiter of both. Holding every shard lock means no append is half
+        // done.
         let mut shards: Vec<_> = self.inner.shards.iter().map(|shard| lock(shard)).collect();
         let mut pending = lock(&self.inner.pending);
+        let mut dropped_bytes = 0;
         for shard in &mut shards {
+            let shard = &mut **shard;
             shard.queues.retain(|_, state| {
-                if let Some(buffer) = state.buffer.take() {
-                    state.next_offset = buffer.first_offset;
-                    self.inner
-                        .buffered_bytes
-                        .fetch_sub(buffer.budget_bytes(), Ordering::SeqCst);
+                if let Some(buffer) = state.buffer.as_mut() {
+                    buffer.frozen = 0;
+                    buffer.frozen_bytes = 0;
+                    let keep = buffer.logged_through(round - 1);
+                    dropped_bytes += buffer.truncate_to(keep);
+                    state.next_offset = buffer.end_offset();
+                    if buffer.count == 0 {
+                        state.buffer = None;
+                    }
                 }
-                state.queued = false;
-                state.full_queued = false;
                 !(state.next_offset == 0 && state.trim_segment == NO_SEGMENT)
             });
+            // The next round's log: keep only its trim and delete records.
+            let log = std::mem::take(&mut shard.log);
+            let effects = std::mem::take(&mut shard.log_effects);
+            let budget = std::mem::take(&mut shard.log_budget_bytes);
+            let mut pending_taken = TakenLog {
+                bytes: log.len(),
+                effects: effects.into_iter().map(|effect| (effect, 0)).collect(),
+                budget_bytes: budget,
+            };
+            let mut only_records = Shard::default();
+            self.requeue_log(
+                &mut only_records,
+                std::mem::take(&mut pending_taken),
+                &log,
+                false,
+            );
+            shard.log = only_records.log;
+            shard.log_effects = only_records.log_effects;
+            shard.log_budget_bytes = only_records.log_budget_bytes;
+            // Rounds `round` and `round + 1` fail as a whole: later appends go to the next.
+            shard.log_round = round + 2;
         }
+        self.requeue_log(&mut shards[0], taken, &round_bytes, false);
+        self.inner
+            .buffered_bytes
+            .fetch_sub(dropped_bytes, Ordering::SeqCst);
         debug_assert_eq!(shards.len(), SHARD_COUNT);
-        pending
-            .items
-            .retain(|item| matches!(item, PendingItem::Record { .. }));
-        let mut items = records;
-        items.append(&mut pending.items);
-        pending.items = items;
         pending.full.clear();
+        for key in sealed_keys {
+            let index = self.inner.shard_index(&key.name);
+            if let Some(state) = shards[index].queues.get_mut(&*key.name)
+                && state.incarnation == key.incarnation
+                && state.buffer.is_some()
+            {
+                state.queued = true;
+                pending.buffered.push_front(key);
+            }
+        }
+        for shard in &mut shards {
+            for state in shard.queues.values_mut() {
+                state.full_queued = false;
+            }
+        }
         // Appenders that buffered before now wait for `round` or `round + 1`: fail both.
         self.inner.rounds_started.store(round + 1, Ordering::SeqCst);
         drop(pending);
         drop(shards);
+        self.writer.buffer = round_bytes;
         self.complete(round, Some(failure.clone()));
         self.complete(round + 1, Some(failure));
         true
@@ -824,6 +1060,16 @@ impl Committer<'_> {
             let (oldest, relocate) = {
                 let segments = lock(&self.inner.segments);
                 match segments.first_key_value() {
+                    Some((&id, entry))
+                        if id != self.writer.segment
+                            && entry.live_chunks == 0
+                            && id >= self.log_floor =>
+                    {
+                        // Only log records of buffered messages keep it: seal every buffer
+                        // in the next round (a checkpoint), then it can go.
+                        self.checkpoint_wanted = true;
+                        return true;
+                    }
                     Some((&id, entry)) if id != self.writer.segment && entry.live_chunks == 0 => {
                         (id, false)
                     }

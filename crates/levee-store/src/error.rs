@@ -61,13 +61,15 @@ pub enum OpenError {
         found: String,
     },
     /// A Levee store of a format version this build cannot read.
-    #[error("segment {file} has format version {found}; this build reads version {supported} only")]
+    #[error(
+        "segment {file} has format version {found}; this build reads versions 1 to {supported} only"
+    )]
     UnsupportedVersion {
         /// The segment file.
         file: String,
         /// Version found in its header.
         found: u32,
-        /// Version this build reads.
+        /// Newest version this build reads (it reads every version from 1).
         supported: u32,
     },
     /// Damage before the tail of the log: acknowledged data would be lost by truncating, so

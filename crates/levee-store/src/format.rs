@@ -1,10 +1,13 @@
-//! The on-disk format, version 1: the segment file header and the three record kinds (chunk,
-//! trim, delete). Everything is little-endian; docs/FORMAT.md describes it byte by byte.
+//! The on-disk format, version 2: the segment file header and the four record kinds (chunk,
+//! trim, delete, log). Version 1 (no log records) is still read. Everything is little-endian;
+//! docs/FORMAT.md describes it byte by byte.
 
 /// Magic bytes at the start of every segment file.
 pub const SEGMENT_MAGIC: [u8; 8] = *b"LEVEEQS\0";
-/// The format version this crate writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The format version this crate writes (and the newest it reads).
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest format version this crate reads: version 1 has no log records.
+pub const FORMAT_VERSION_OLDEST_READ: u32 = 1;
 /// Bytes in a segment file header.
 pub const SEGMENT_HEADER_BYTES: u64 = 32;
 /// Bytes before a record's body: crc32c (4) and body length (4).
@@ -23,6 +26,7 @@ pub const QUEUE_NAME_BYTES_MAX: usize = 255;
 const KIND_CHUNK: u8 = 1;
 const KIND_TRIM: u8 = 2;
 const KIND_DELETE: u8 = 3;
+const KIND_LOG: u8 = 4;
 
 /// File name of the segment with this id.
 pub fn segment_file_name(segment: u32) -> String {
@@ -68,7 +72,7 @@ pub fn decode_segment_header(header: &[u8; 32]) -> Result<u64, HeaderProblem> {
         return Err(HeaderProblem::NotLevee(magic));
     }
     let version = read_u32(header, 8);
-    if version != FORMAT_VERSION {
+    if !(FORMAT_VERSION_OLDEST_READ..=FORMAT_VERSION).contains(&version) {
         return Err(HeaderProblem::Version(version));
     }
     if crc32c::crc32c(&header[0..28]) != read_u32(header, 28) {
@@ -157,6 +161,49 @@ pub fn encode_chunk_framed(
     debug_assert!(decode_record(&out[start + RECORD_HEADER_BYTES..]).is_ok());
 }
 
+/// Appends one log record (kind 4): `messages` of queue `name` from offset `first_offset`,
+/// durable once fsynced but not indexed; the same body layout as a chunk record.
+pub fn encode_log(
+    out: &mut Vec<u8>,
+    name: &[u8],
+    first_offset: u64,
+    timestamp_ms: u64,
+    messages: &[&[u8]],
+) {
+    let start = out.len();
+    let payload_bytes: usize = messages.iter().map(|message| message.len()).sum();
+    let body_bytes = CHUNK_FIXED_BYTES + name.len() + 4 * messages.len() + payload_bytes;
+    out.reserve(RECORD_HEADER_BYTES + body_bytes);
+    let mut fixed = [0_u8; RECORD_HEADER_BYTES + CHUNK_FIXED_BYTES];
+    fixed[4..8].copy_from_slice(&to_u32(body_bytes).to_le_bytes());
+    fixed[8] = KIND_LOG;
+    fixed[9] = name_length_byte(name);
+    fixed[12..16].copy_from_slice(&to_u32(messages.len()).to_le_bytes());
+    fixed[16..24].copy_from_slice(&first_offset.to_le_bytes());
+    fixed[24..32].copy_from_slice(&timestamp_ms.to_le_bytes());
+    out.extend_from_slice(&fixed);
+    out.extend_from_slice(name);
+    for message in messages {
+        out.extend_from_slice(&to_u32(message.len()).to_le_bytes());
+    }
+    for message in messages {
+        out.extend_from_slice(message);
+    }
+    seal_record(out, start);
+    debug_assert!(decode_record(&out[start + RECORD_HEADER_BYTES..]).is_ok());
+}
+
+/// The kind byte of the record starting at `record` (header included): 1 chunk, 2 trim,
+/// 3 delete, 4 log.
+pub fn record_kind(record: &[u8]) -> u8 {
+    record[RECORD_HEADER_BYTES]
+}
+
+/// Whether a record kind is a trim or a delete.
+pub fn is_trim_or_delete(kind: u8) -> bool {
+    kind == KIND_TRIM || kind == KIND_DELETE
+}
+
 /// Appends one trim record: the queue's messages before `first_retained_offset` are gone.
 pub fn encode_trim(out: &mut Vec<u8>, name: &[u8], first_retained_offset: u64) {
     let start = out.len();
@@ -214,6 +261,9 @@ pub enum Record<'a> {
         /// Queue name.
         name: &'a [u8],
     },
+    /// Consecutive messages of one queue, durable but not indexed (format version 2): a
+    /// later chunk record of the same offsets supersedes it.
+    Log(Chunk<'a>),
 }
 
 /// A decoded chunk body.
@@ -266,7 +316,7 @@ pub fn decode_record(body: &[u8]) -> Result<Record<'_>, &'static str> {
     let (&kind, _) = body.split_first().ok_or("empty record body")?;
     let name_bytes = usize::from(*body.get(1).ok_or("record body too short")?);
     let fixed = match kind {
-        KIND_CHUNK => CHUNK_FIXED_BYTES,
+        KIND_CHUNK | KIND_LOG => CHUNK_FIXED_BYTES,
         KIND_TRIM => TRIM_FIXED_BYTES,
         KIND_DELETE => DELETE_FIXED_BYTES,
         _ => return Err("unknown record kind"),
@@ -279,7 +329,7 @@ pub fn decode_record(body: &[u8]) -> Result<Record<'_>, &'static str> {
     }
     let name = &body[fixed..fixed + name_bytes];
     match kind {
-        KIND_CHUNK => {
+        KIND_CHUNK | KIND_LOG => {
             let count = read_u32(body, 4);
             let first_offset = read_u64(body, 8);
             let timestamp_ms = read_u64(body, 16);
@@ -302,14 +352,19 @@ pub fn decode_record(body: &[u8]) -> Result<Record<'_>, &'static str> {
             if count == 0 {
                 return Err("chunk without messages");
             }
-            Ok(Record::Chunk(Chunk {
+            let chunk = Chunk {
                 name,
                 first_offset,
                 timestamp_ms,
                 count,
                 lengths,
                 payload,
-            }))
+            };
+            Ok(if kind == KIND_LOG {
+                Record::Log(chunk)
+            } else {
+                Record::Chunk(chunk)
+            })
         }
         KIND_TRIM => {
             if body.len() != fixed + name_bytes {
@@ -417,11 +472,17 @@ mod tests {
         let header = encode_segment_header(5);
         assert_eq!(decode_segment_header(&header), Ok(5));
         let mut other = header;
-        other[8] = 2;
+        other[8] = 3;
         assert_eq!(
             decode_segment_header(&other),
-            Err(HeaderProblem::Version(2))
+            Err(HeaderProblem::Version(3))
         );
+        // Version 1 (no log records) is still read.
+        let mut version_1 = header;
+        version_1[8] = 1;
+        let crc = crc32c::crc32c(&version_1[0..28]);
+        version_1[28..32].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(decode_segment_header(&version_1), Ok(5));
         let mut foreign = header;
         foreign[0] = b'X';
         assert!(matches!(

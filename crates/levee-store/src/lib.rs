@@ -5,24 +5,27 @@
 //!
 //! - [`Store`] (`store.rs`): the handle. Queues live in 64 lock shards chosen by a hash of the
 //!   name; each queue holds its offsets, a sparse index of its chunks on disk (16 bytes per
-//!   chunk) and, only while it has unwritten messages, a write buffer.
-//! - The committer thread (`committer.rs`): the only writer. A round takes the pending
-//!   queues, seals each buffer into chunk records (a queue's consecutive messages together),
-//!   writes the round in one sequential write, publishes the chunks in the index, fsyncs
-//!   once and wakes every waiting append (group commit). It also rotates segment files and
-//!   deletes the oldest ones once nothing live remains in them, first copying forward the few
-//!   live chunks of a mostly dead oldest segment.
+//!   chunk) and, while it has messages in no chunk yet, a write buffer. Each shard also
+//!   gathers the log records of the messages appended to it since the last round.
+//! - The committer thread (`committer.rs`): the only writer. A round takes the 64 shard logs
+//!   (which make the appended messages durable), seals the write buffers that are due (full,
+//!   over budget, or all of them at a checkpoint) into chunk records (a queue's consecutive
+//!   messages together), writes the round in one sequential write, fsyncs once, publishes
+//!   the chunks in the index and wakes every waiting append (group commit). It also rotates
+//!   segment files and deletes the oldest ones once nothing live remains in them, first
+//!   copying forward the few live chunks of a mostly dead oldest segment.
 //! - Segment files ([`mod@format`]): a few shared append-only files with a versioned header and
-//!   CRC32C-checked records: chunk, trim, delete. docs/FORMAT.md has every byte.
+//!   CRC32C-checked records: chunk, trim, delete, log. docs/FORMAT.md has every byte.
 //! - Recovery (`recovery.rs`): on open, every segment is scanned in order to rebuild the
-//!   queues and the index; a torn or corrupt tail of the last segment is cut and reported in
-//!   [`OpenReport`], damage anywhere else refuses the open.
+//!   queues, the index and, from log records, the write buffers; a torn or corrupt tail of the
+//!   last segment is cut and reported in [`OpenReport`], damage anywhere else refuses the
+//!   open.
 //! - [`Storage`]: the small file interface all I/O goes through; [`OsStorage`] for real
 //!   directories, [`SimulatedDisk`] for tests that crash, tear writes and inject a full disk.
 //!
 //! An append: check the input, reserve room in the global buffer budget, put the message in
-//! its queue's buffer (offset = the queue's next offset), queue the queue for the committer;
-//! under [`SyncPolicy::Always`] wait for the round that fsyncs it. A read: under the shard
+//! its queue's buffer (offset = the queue's next offset) and its log record in the shard's
+//! log; under [`SyncPolicy::Always`] wait for the round that fsyncs it. A read: under the shard
 //! lock, find the chunks from the offset in the index and copy any buffered messages; then
 //! read and checksum the chunks without the lock.
 //!

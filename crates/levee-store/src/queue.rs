@@ -21,9 +21,12 @@ pub struct ChunkEntry {
 /// Bytes before each message in a [`WriteBuffer`]: its length, a little-endian u32.
 pub const FRAME_BYTES: usize = 4;
 
-/// Messages appended but not yet indexed on disk, in one allocation: each message is its
-/// length ([`FRAME_BYTES`]) then its bytes. The first `frozen` messages are being written by
-/// the committer; later ones are not yet picked up.
+/// Messages appended but not yet in a chunk record, in one allocation: each message is its
+/// length ([`FRAME_BYTES`]) then its bytes. The first `frozen` messages are being sealed into
+/// chunks by the committer; later ones are not yet picked up. Every message is also in a log
+/// record of some commit round; `marks` says which round, so the committer seals only
+/// messages whose log record is already written or in the round it writes, and a reader under
+/// `always` sees only messages whose round completed.
 #[derive(Debug, Default)]
 pub struct WriteBuffer {
     /// Offset of the first buffered message.
@@ -36,7 +39,18 @@ pub struct WriteBuffer {
     pub frozen: usize,
     /// Bytes of `data` those take.
     pub frozen_bytes: usize,
+    /// Messages before this offset are in log records of completed rounds.
+    pub logged_end: u64,
+    /// Later messages: `(round, end offset)`, oldest first, for rounds not yet known to have
+    /// completed; the first `marks_count` entries are used. Two suffice: an appender sees at
+    /// most the round being written and the next one (see `mark`).
+    pub marks: [(u64, u64); MARKS_MAX],
+    /// Entries of `marks` in use.
+    pub marks_count: usize,
 }
+
+/// Rounds a write buffer tracks at once (see [`WriteBuffer::marks`]).
+pub const MARKS_MAX: usize = 2;
 
 impl WriteBuffer {
     /// Bytes this buffer counts against the global budget: payload plus a length per message.
@@ -54,6 +68,78 @@ impl WriteBuffer {
         self.data.extend_from_slice(&length.to_le_bytes());
         self.data.extend_from_slice(message);
         self.count += 1;
+    }
+
+    /// Notes that the messages before `end_offset` are in the log record of round `round`
+    /// (or an earlier one); `completed` is the last completed round.
+    pub fn mark(&mut self, round: u64, end_offset: u64, completed: u64) {
+        self.prune(completed);
+        if self.marks_count > 0 && self.marks[self.marks_count - 1].0 >= round {
+            let last = &mut self.marks[self.marks_count - 1];
+            last.1 = last.1.max(end_offset);
+            return;
+        }
+        if self.marks_count == MARKS_MAX {
+            // Not expected (see `marks`); merging into the newer round is safe: the older
+            // messages are then treated as logged later than they are (seen and sealed later).
+            self.marks[0] = self.marks[1];
+            self.marks_count = 1;
+        }
+        self.marks[self.marks_count] = (round, end_offset);
+        self.marks_count += 1;
+    }
+
+    /// Folds the marks of rounds up to `completed` into `logged_end`.
+    pub fn prune(&mut self, completed: u64) {
+        let mut kept = 0;
+        for index in 0..self.marks_count {
+            let (round, end) = self.marks[index];
+            if round <= completed {
+                self.logged_end = self.logged_end.max(end);
+            } else {
+                self.marks[kept] = (round, end);
+                kept += 1;
+            }
+        }
+        self.marks_count = kept;
+    }
+
+    /// End of the messages whose log records are in rounds up to `round`.
+    pub fn logged_through(&self, round: u64) -> u64 {
+        self.marks[..self.marks_count]
+            .iter()
+            .filter(|(mark_round, _)| *mark_round <= round)
+            .fold(
+                self.logged_end.max(self.first_offset),
+                |end, (_, mark_end)| end.max(*mark_end),
+            )
+    }
+
+    /// End offset of the buffered messages.
+    pub fn end_offset(&self) -> u64 {
+        self.first_offset + self.count as u64
+    }
+
+    /// Drops every message at or after `end_offset` (nothing frozen may remain), and the marks
+    /// past it; returns the bytes dropped.
+    pub fn truncate_to(&mut self, end_offset: u64) -> usize {
+        debug_assert_eq!(self.frozen, 0);
+        let keep = usize::try_from(end_offset.saturating_sub(self.first_offset))
+            .unwrap_or(usize::MAX)
+            .min(self.count);
+        let mut position = 0;
+        for _ in 0..keep {
+            position = self.message_at(position).1;
+        }
+        let dropped = self.data.len() - position;
+        self.data.truncate(position);
+        self.count = keep;
+        let end = self.end_offset();
+        self.logged_end = self.logged_end.min(end);
+        for mark in &mut self.marks[..self.marks_count] {
+            mark.1 = mark.1.min(end);
+        }
+        dropped
     }
 
     /// Payload bytes of the messages not yet frozen.

@@ -13,9 +13,9 @@ use crate::format::{
     SEGMENT_HEADER_BYTES,
 };
 use crate::options::StoreOptions;
-use crate::queue::{ChunkEntry, QueueState};
+use crate::queue::{ChunkEntry, QueueState, WriteBuffer};
 use crate::storage::{LOCK_FILE_NAME, Storage, StorageFile};
-use crate::store::{SHARD_COUNT, SegmentEntry, Shard};
+use crate::store::{QueueKey, SHARD_COUNT, SegmentEntry, Shard};
 
 /// Bytes read at a time while scanning a segment.
 const SCAN_BLOCK_BYTES: usize = 4 << 20;
@@ -66,6 +66,12 @@ pub(crate) struct Recovered {
     pub file_syncs: u64,
     pub dir_syncs: u64,
     pub report: OpenReport,
+    /// Queues whose log records hold messages not in any chunk: they get write buffers again.
+    pub buffered: VecDeque<QueueKey>,
+    /// Budget bytes of those buffers.
+    pub buffered_bytes: usize,
+    /// Oldest segment that may hold a needed log record.
+    pub log_floor: u32,
 }
 
 type RecoveringMap = HashMap<Arc<[u8]>, Recovering, foldhash::fast::FixedState>;
@@ -76,6 +82,8 @@ struct Replay {
     next_incarnation: u64,
     /// Chunk records seen per segment.
     chunk_records: BTreeMap<u32, u64>,
+    /// Format version of the segment being scanned.
+    segment_version: u32,
 }
 
 /// A queue being rebuilt. Chunks may arrive out of offset order (a live chunk relocated
@@ -87,6 +95,8 @@ struct Recovering {
     chunks: VecDeque<RecoveredChunk>,
     /// Highest first retained offset of the replayed trim records.
     trimmed_to: u64,
+    /// Messages after the chunks known only from log records, framed as in a write buffer.
+    tail: WriteBuffer,
 }
 
 /// One chunk of a queue being rebuilt.
@@ -111,7 +121,71 @@ impl Recovering {
             state: QueueState::new(name, incarnation, trimmed_to),
             chunks: VecDeque::new(),
             trimmed_to,
+            tail: WriteBuffer {
+                first_offset: trimmed_to,
+                ..WriteBuffer::default()
+            },
         }
+    }
+
+    /// End of the chunks, or the trim point if later.
+    fn chunks_end(&self) -> u64 {
+        self.chunks.back().map_or(self.trimmed_to, |last| {
+            last.end_offset().max(self.trimmed_to)
+        })
+    }
+
+    /// Drops the tail messages before `offset`.
+    fn drop_tail_before(&mut self, offset: u64) {
+        let tail = &mut self.tail;
+        if offset <= tail.first_offset {
+            return;
+        }
+        if offset >= tail.end_offset() {
+            tail.data.clear();
+            tail.count = 0;
+            tail.first_offset = offset;
+            return;
+        }
+        let drop = usize::try_from(offset - tail.first_offset).unwrap_or(usize::MAX);
+        let mut position = 0;
+        for _ in 0..drop {
+            position = tail.message_at(position).1;
+        }
+        tail.frozen = drop;
+        tail.frozen_bytes = position;
+        tail.drain_front(drop, position);
+    }
+
+    /// A log record: its messages past what chunks and the tail already hold join the tail.
+    fn add_log(&mut self, log: &format::Chunk<'_>) -> Result<(), Problem> {
+        let start = log.first_offset;
+        let end = start + u64::from(log.count);
+        let have = if self.tail.count > 0 {
+            self.tail.end_offset()
+        } else {
+            self.chunks_end()
+        };
+        if end <= have {
+            return Ok(());
+        }
+        if start > have && self.tail.count > 0 {
+            return Err(Problem::Inconsistent(format!(
+                "log record of queue {:?} at offsets {start}..{end} leaves a gap after {have}",
+                String::from_utf8_lossy(log.name)
+            )));
+        }
+        if self.tail.count == 0 {
+            // If `start > have`, the chunks before it are relocated copies still to come (their
+            // originals sat in a deleted segment), or were trimmed: `finish` checks which.
+            self.tail.data.clear();
+            self.tail.first_offset = have.max(start);
+        }
+        let skip = usize::try_from(have.saturating_sub(start)).unwrap_or(usize::MAX);
+        for message in log.messages().skip(skip) {
+            self.tail.push(message);
+        }
+        Ok(())
     }
 
     fn add_chunk(
@@ -137,6 +211,7 @@ impl Recovering {
             .is_none_or(|last| last.end_offset() <= start)
         {
             self.chunks.push_back(recovered);
+            self.drop_tail_before(end);
             return Ok(());
         }
         let inconsistent = |what: &str| {
@@ -158,6 +233,9 @@ impl Recovering {
             known.entry = entry;
             known.record_bytes = record_bytes;
             return Ok(());
+        }
+        if self.tail.count > 0 && start > self.tail.first_offset {
+            return Err(inconsistent("starts inside messages only logged so far"));
         }
         if index > 0 && self.chunks[index - 1].end_offset() > start {
             return Err(inconsistent("overlaps the chunk before it"));
@@ -183,6 +261,7 @@ impl Recovering {
         {
             self.chunks.pop_front();
         }
+        self.drop_tail_before(self.trimmed_to);
     }
 
     /// Settles the offsets: the queue starts at its first chunk (older chunks sat in deleted
@@ -205,6 +284,24 @@ impl Recovering {
             state.next_offset = chunk.end_offset();
         }
         state.next_offset = state.next_offset.max(self.trimmed_to);
+        if self.tail.count > 0 {
+            if self.tail.first_offset != state.next_offset && !self.chunks.is_empty() {
+                return Err(format!(
+                    "queue {:?} has no chunk or log record for offsets {}..{}",
+                    String::from_utf8_lossy(&state.name),
+                    state.next_offset,
+                    self.tail.first_offset
+                ));
+            }
+            if self.chunks.is_empty() {
+                state.first_offset = self.tail.first_offset.max(self.trimmed_to);
+            }
+            let mut tail = self.tail;
+            tail.logged_end = tail.end_offset();
+            state.next_offset = tail.end_offset();
+            state.queued = true;
+            state.buffer = Some(Box::new(tail));
+        }
         state.stored_bytes = self
             .chunks
             .iter()
@@ -276,9 +373,10 @@ pub(crate) fn recover(
         shards: (0..SHARD_COUNT).map(|_| RecoveringMap::default()).collect(),
         chunk_records: BTreeMap::new(),
         next_incarnation: 0,
+        segment_version: FORMAT_VERSION,
     };
     let mut segments = BTreeMap::new();
-    let mut active: Option<(u32, Arc<dyn StorageFile>, u64)> = None;
+    let mut active: Option<(u32, Arc<dyn StorageFile>, u64, u32)> = None;
     for (index, &id) in ids.iter().enumerate() {
         let last = index + 1 == ids.len();
         let name = format::segment_file_name(id);
@@ -306,7 +404,8 @@ pub(crate) fn recover(
             report.removed_files.push(name);
             continue;
         }
-        check_header(file.as_ref(), &name, id)?;
+        let version = check_header(file.as_ref(), &name, id)?;
+        replay.segment_version = version;
         let end = replay.scan(id, &name, file.as_ref(), length, last, &mut report)?;
         if end < length {
             file.truncate(end)
@@ -324,8 +423,29 @@ pub(crate) fn recover(
                 chunks_total,
             },
         );
-        active = Some((id, file, end));
+        active = Some((id, file, end, version));
     }
+    // Records of this version are never appended to a segment of an older one (whose header
+    // tells an older build it can read it): such a store continues in a new segment.
+    let active = match active {
+        Some((id, _, _, version)) if version < FORMAT_VERSION => {
+            let next = id + 1;
+            let file = create_segment(storage, next)?;
+            file_syncs += 1;
+            dir_syncs += 1;
+            segments.insert(
+                next,
+                SegmentEntry {
+                    file: file.clone(),
+                    live_chunks: 0,
+                    chunks_total: 0,
+                },
+            );
+            Some((next, file, SEGMENT_HEADER_BYTES))
+        }
+        Some((id, file, end, _)) => Some((id, file, end)),
+        None => None,
+    };
     let (active_segment, active_file, active_bytes) = if let Some(active) = active {
         active
     } else {
@@ -344,6 +464,8 @@ pub(crate) fn recover(
         (id, file, SEGMENT_HEADER_BYTES)
     };
     let mut shards = Vec::with_capacity(SHARD_COUNT);
+    let mut buffered = VecDeque::new();
+    let mut buffered_bytes = 0;
     for recovering in replay.shards {
         let mut shard = Shard::default();
         shard.queues.reserve(recovering.len());
@@ -360,13 +482,29 @@ pub(crate) fn recover(
                     segment.live_chunks += 1;
                 }
             }
+            if let Some(buffer) = &state.buffer {
+                buffered_bytes += buffer.budget_bytes();
+                buffered.push_back(QueueKey {
+                    name: state.name.clone(),
+                    incarnation: state.incarnation,
+                });
+            }
             shard.queues.insert(name, state);
         }
         shards.push(shard);
     }
     report.segments = segments.len() as u64;
     report.elapsed = started.elapsed();
+    // Buffers rebuilt from log records pin every segment until a checkpoint seals them.
+    let log_floor = if buffered.is_empty() {
+        active_segment
+    } else {
+        segments.keys().next().copied().unwrap_or(active_segment)
+    };
     Ok(Recovered {
+        buffered,
+        buffered_bytes,
+        log_floor,
         shards,
         segments,
         active_segment,
@@ -379,14 +517,15 @@ pub(crate) fn recover(
     })
 }
 
-/// Refuses a segment whose header is not a version-1 Levee header naming segment `id`.
-fn check_header(file: &dyn StorageFile, name: &str, id: u32) -> Result<(), OpenError> {
+/// Refuses a segment whose header is not a Levee header of a version this build reads naming
+/// segment `id`; returns its format version.
+fn check_header(file: &dyn StorageFile, name: &str, id: u32) -> Result<u32, OpenError> {
     let name = name.to_string();
     let mut header = [0_u8; 32];
     file.read_at(0, &mut header)
         .map_err(io_error(format!("reading the header of {name}")))?;
     match format::decode_segment_header(&header) {
-        Ok(header_id) if header_id == u64::from(id) => Ok(()),
+        Ok(header_id) if header_id == u64::from(id) => Ok(format::read_u32(&header, 8)),
         Ok(header_id) => Err(OpenError::Corrupt {
             file: name,
             position: 16,
@@ -570,7 +709,7 @@ impl Replay {
         let shard = {
             use std::hash::BuildHasher;
             let name = match &record {
-                Record::Chunk(chunk) => chunk.name,
+                Record::Chunk(chunk) | Record::Log(chunk) => chunk.name,
                 Record::Trim { name, .. } | Record::Delete { name } => name,
             };
             // Truncation is intended: the low bits pick the shard, as in `Inner::shard_index`.
@@ -614,6 +753,21 @@ impl Replay {
             }
             Record::Delete { name } => {
                 shard.remove(name);
+            }
+            Record::Log(_) if self.segment_version < 2 => {
+                return Err(Problem::Inconsistent(
+                    "log record in a segment of format version 1".to_string(),
+                ));
+            }
+            Record::Log(log) => {
+                if let Some(queue) = shard.get_mut(log.name) {
+                    return queue.add_log(&log);
+                }
+                let name: Arc<[u8]> = Arc::from(log.name);
+                let mut queue = Recovering::new(name.clone(), self.next_incarnation, 0);
+                self.next_incarnation += 1;
+                queue.add_log(&log)?;
+                shard.insert(name, queue);
             }
         }
         Ok(())

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -47,10 +48,34 @@ pub(crate) const MESSAGE_OVERHEAD_BYTES: usize = crate::queue::FRAME_BYTES;
 
 pub(crate) type QueueMap = HashMap<Arc<[u8]>, QueueState, foldhash::fast::FixedState>;
 
-/// One lock shard: the queues whose name hashes to it.
-#[derive(Debug, Default)]
+/// One lock shard: the queues whose name hashes to it, and the log records appended to them
+/// since the committer last took this shard's log.
+#[derive(Debug)]
 pub(crate) struct Shard {
     pub queues: QueueMap,
+    /// Encoded log, trim and delete records, in the order they were appended.
+    pub log: Vec<u8>,
+    /// What each trim or delete record in `log` does once durable, in the same order.
+    pub log_effects: Vec<RecordEffect>,
+    /// Budget bytes reserved for `log`, given back once the committer wrote it.
+    pub log_budget_bytes: usize,
+    /// The commit round that will write `log`: set by the committer when it takes the log
+    /// (to the next round), so an appender knows exactly which round makes its record
+    /// durable.
+    pub log_round: u64,
+}
+
+impl Default for Shard {
+    fn default() -> Self {
+        Self {
+            queues: QueueMap::default(),
+            log: Vec::new(),
+            log_effects: Vec::new(),
+            log_budget_bytes: 0,
+            // Rounds are numbered from 1.
+            log_round: 1,
+        }
+    }
 }
 
 /// Names one incarnation of a queue in the committer's lists.
@@ -60,33 +85,25 @@ pub(crate) struct QueueKey {
     pub incarnation: u64,
 }
 
-/// Work for the committer, in the order it must reach the disk.
+/// What a trim or delete record does once it is durable: `dead` chunks stop counting as live,
+/// and for a trim the queue's `trim_segment` moves to where the record went.
 #[derive(Debug)]
-pub(crate) enum PendingItem {
-    /// Write whatever the queue has buffered.
-    Queue(QueueKey),
-    /// Write an encoded trim or delete record; then `dead` chunks stop counting as live, and
-    /// for a trim the queue's `trim_segment` moves to where the record went.
-    Record {
-        bytes: Vec<u8>,
-        dead: Vec<(u32, u64)>,
-        trim_of: Option<QueueKey>,
-    },
+pub(crate) struct RecordEffect {
+    pub dead: Vec<(u32, u64)>,
+    pub trim_of: Option<QueueKey>,
 }
 
 #[derive(Debug, Default)]
-#[allow(
-    clippy::struct_excessive_bools,
-    reason = "independent flags guarded by one lock"
-)]
 pub(crate) struct Pending {
-    pub items: Vec<PendingItem>,
-    /// Queues whose buffer reached `chunk_bytes` (interval policy only).
+    /// Every queue with a write buffer (flag `QueueState::queued`), oldest buffer first; the
+    /// budget flushes seal from the front, a checkpoint seals them all.
+    pub buffered: VecDeque<QueueKey>,
+    /// Queues whose unsealed messages reached `chunk_bytes` (flag `full_queued`).
     pub full: Vec<QueueKey>,
-    pub full_round_requested: bool,
+    /// `sync`, `enforce_retention`: seal every buffer into chunks in the next round.
+    pub checkpoint_requested: bool,
     pub budget_flush_requested: bool,
     pub shutdown: bool,
-    pub committer_sleeping: bool,
 }
 
 #[derive(Debug, Default)]
@@ -132,6 +149,13 @@ pub(crate) struct Inner {
     pub committed: Condvar,
     pub segments: Mutex<BTreeMap<u32, SegmentEntry>>,
     pub rounds_started: AtomicU64,
+    /// Highest round completed (successfully or not; a failed round's messages are rolled
+    /// back or kept unacknowledged before it is marked complete).
+    pub completed_round: AtomicU64,
+    /// Runs of log records appended to shard logs since the committer last took them.
+    pub log_pending: AtomicU64,
+    /// The committer is (about to be) waiting for work; appenders under `always` wake it.
+    pub committer_sleeping: AtomicBool,
     /// Highest round any caller waits for; the committer runs rounds until it is reached.
     pub wanted_round: AtomicU64,
     pub buffered_bytes: AtomicUsize,
@@ -278,14 +302,20 @@ impl Store {
             storage,
             hasher: foldhash::fast::FixedState::with_seed(0x1e7e_e5e0),
             shards: recovered.shards.into_iter().map(Mutex::new).collect(),
-            pending: Mutex::new(Pending::default()),
+            pending: Mutex::new(Pending {
+                buffered: recovered.buffered,
+                ..Pending::default()
+            }),
             work: Condvar::new(),
             commit: Mutex::new(CommitState::default()),
             committed: Condvar::new(),
             segments: Mutex::new(recovered.segments),
             rounds_started: AtomicU64::new(0),
+            completed_round: AtomicU64::new(0),
+            log_pending: AtomicU64::new(0),
+            committer_sleeping: AtomicBool::new(false),
             wanted_round: AtomicU64::new(0),
-            buffered_bytes: AtomicUsize::new(0),
+            buffered_bytes: AtomicUsize::new(recovered.buffered_bytes),
             next_incarnation: AtomicU64::new(recovered.next_incarnation),
             disk_full: AtomicBool::new(false),
             poisoned: AtomicBool::new(false),
@@ -306,10 +336,11 @@ impl Store {
             recovered.active_file,
             recovered.active_bytes,
         );
+        let log_floor = recovered.log_floor;
         let thread_inner = inner.clone();
         let committer = std::thread::Builder::new()
             .name("levee-store-committer".to_string())
-            .spawn(move || committer::run(&thread_inner, writer))
+            .spawn(move || committer::run(&thread_inner, writer, log_floor))
             .map_err(|source| OpenError::Io {
                 operation: "starting the committer thread".to_string(),
                 source,
@@ -374,14 +405,11 @@ impl Store {
 
     /// Blocks until the appends behind `ticket` are fsynced (rounds complete in order, so
     /// every earlier successful round is durable too). Under [`SyncPolicy::Interval`] this
-    /// forces a full commit round, like [`Store::sync`]. A full disk fails whole rounds: a
-    /// caller that pipelines must wait on each ticket it holds to learn each outcome, since a
-    /// later ticket can succeed after an earlier one failed.
+    /// starts the round at once instead of at the next interval. A full disk fails whole
+    /// rounds: a caller that pipelines must wait on each ticket it holds to learn each
+    /// outcome, since a later ticket can succeed after an earlier one failed.
     pub fn wait_durable(&self, ticket: CommitTicket) -> Result<(), WriteError> {
-        match self.inner.options.sync {
-            SyncPolicy::Always => self.inner.wait_round(ticket.round),
-            SyncPolicy::Interval { .. } => self.sync(),
-        }
+        self.inner.wait_round(ticket.round)
     }
 
     fn check_input(&self, queue: &[u8], message: &[u8]) -> Result<(), InputError> {
@@ -462,43 +490,55 @@ impl Store {
                     .buffered_bytes
                     .fetch_sub(buffer.budget_bytes(), Ordering::SeqCst);
             }
-            let mut bytes = Vec::new();
-            format::encode_delete(&mut bytes, queue);
             let dead = count_by_segment(state.chunks.iter());
-            self.inner.push_record(PendingItem::Record {
-                bytes,
-                dead,
-                trim_of: None,
-            })
+            format::encode_delete(&mut shard.log, queue);
+            self.inner.push_record(
+                &mut shard,
+                RecordEffect {
+                    dead,
+                    trim_of: None,
+                },
+            )
         };
         self.inner.wait_round(round)?;
         Ok(true)
     }
 
     /// Removes, from every queue, the oldest chunks that `retention_for(queue name)` says
-    /// are past their age (against `now_ms`, ms since the Unix epoch) or size. Messages still
-    /// in write buffers are never removed. Durable on return; dead segment files are deleted
-    /// by the committer afterwards.
+    /// are past their age (against `now_ms`, ms since the Unix epoch) or size. It first seals
+    /// every write buffer into chunks (like [`Store::sync`]); messages appended meanwhile stay
+    /// buffered and are never removed. Durable on return; dead segment files are deleted by
+    /// the committer afterwards.
     pub fn enforce_retention(
         &self,
         now_ms: u64,
         retention_for: impl Fn(&[u8]) -> Retention,
     ) -> Result<RetentionReport, WriteError> {
         self.inner.check_writable()?;
+        self.sync()?;
         let mut report = RetentionReport::default();
         let mut round = 0;
+        let mut bytes = Vec::new();
+        let mut effects = Vec::new();
         for shard in &self.inner.shards {
             let mut shard = lock(shard);
+            let shard = &mut *shard;
+            bytes.clear();
             for state in shard.queues.values_mut() {
                 let retention = retention_for(&state.name);
                 if retention == Retention::default() {
                     continue;
                 }
-                let Some(item) = self.inner.trim_queue(state, retention, now_ms, &mut report)
-                else {
-                    continue;
-                };
-                round = self.inner.push_record(item);
+                if let Some(effect) =
+                    self.inner
+                        .trim_queue(state, retention, now_ms, &mut report, &mut bytes)
+                {
+                    effects.push(effect);
+                }
+            }
+            shard.log.extend_from_slice(&bytes);
+            for effect in effects.drain(..) {
+                round = self.inner.push_record(shard, effect);
             }
         }
         if round > 0 {
@@ -507,13 +547,15 @@ impl Store {
         Ok(report)
     }
 
-    /// Writes and fsyncs everything buffered so far (useful under `interval`).
+    /// Writes and fsyncs everything appended so far, and seals every write buffer into
+    /// chunk records (a checkpoint: afterwards no queue holds a buffer unless appended to
+    /// meanwhile). Costs one pass over the queues with buffers.
     pub fn sync(&self) -> Result<(), WriteError> {
         self.inner.check_poisoned()?;
         let round = {
             let mut pending = lock(&self.inner.pending);
-            pending.full_round_requested = true;
-            self.inner.wake_committer(&pending);
+            pending.checkpoint_requested = true;
+            self.inner.work.notify_one();
             self.inner.rounds_started.load(Ordering::SeqCst) + 1
         };
         self.inner.wait_round(round)
@@ -620,6 +662,12 @@ impl Drop for Store {
     }
 }
 
+/// Budget bytes one message's log record may take: its share of a record header, the queue
+/// name, a length and the payload.
+fn log_budget_bytes(queue: &[u8], message: &[u8]) -> usize {
+    RECORD_HEADER_BYTES + format::CHUNK_FIXED_BYTES + queue.len() + 4 + message.len()
+}
+
 pub(crate) fn count_by_segment<'a>(
     chunks: impl Iterator<Item = &'a ChunkEntry>,
 ) -> Vec<(u32, u64)> {
@@ -667,24 +715,32 @@ impl Inner {
         Ok(())
     }
 
-    pub(crate) fn wake_committer(&self, pending: &Pending) {
-        if pending.committer_sleeping {
+    /// Wakes the committer if it is waiting for work. Callers first publish their work (an
+    /// atomic or a list under the pending lock) and then call this: the committer sets
+    /// `committer_sleeping` before it looks for work, so one of the two sees the other.
+    pub(crate) fn wake_committer(&self) {
+        if self.committer_sleeping.load(Ordering::SeqCst) {
+            let _pending = lock(&self.pending);
             self.work.notify_one();
         }
     }
 
-    /// Queues a trim or delete record; returns the round that makes it durable.
-    fn push_record(&self, item: PendingItem) -> u64 {
-        let mut pending = lock(&self.pending);
-        pending.items.push(item);
-        pending.full_round_requested = true;
-        self.wake_committer(&pending);
-        self.rounds_started.load(Ordering::SeqCst) + 1
+    /// Notes a trim or delete record just encoded at the end of `shard.log`; returns the
+    /// round that makes it durable. Called under the shard lock.
+    fn push_record(&self, shard: &mut Shard, effect: RecordEffect) -> u64 {
+        shard.log_effects.push(effect);
+        let round = shard.log_round;
+        self.log_pending.fetch_add(1, Ordering::SeqCst);
+        self.wake_committer();
+        round
     }
 
     /// Waits, while the budget is exhausted, until `bytes` more fit.
     fn reserve_budget(&self, bytes: usize) -> Result<(), WriteError> {
         let budget = self.options.buffer_budget_bytes;
+        // A round that fails after we start waiting (a full disk) fails this append too:
+        // write buffers hold their bytes until sealed, so waiting could last forever.
+        let first_round = self.rounds_started.load(Ordering::SeqCst) + 1;
         loop {
             let before = self.buffered_bytes.fetch_add(bytes, Ordering::SeqCst);
             if before == 0 || before + bytes <= budget {
@@ -696,11 +752,19 @@ impl Inner {
             {
                 let mut pending = lock(&self.pending);
                 pending.budget_flush_requested = true;
-                self.wake_committer(&pending);
+                self.work.notify_one();
             }
             let commit = lock(&self.commit);
             if let Some(reason) = &commit.poisoned {
                 return Err(WriteError::Poisoned(reason.clone()));
+            }
+            if let Some((_, error)) = commit
+                .failures
+                .iter()
+                .rev()
+                .find(|(round, _)| *round >= first_round)
+            {
+                return Err(error.clone());
             }
             let _wait = self
                 .committed
@@ -807,8 +871,9 @@ impl Inner {
     }
 
     /// Buffers the messages `run` (pairs of shard index and index into `batch`, all of one
-    /// shard) under one lock of that shard; returns the commit round that makes them durable.
-    /// `wakes` is scratch space, reused between runs.
+    /// shard) under one lock of that shard, and encodes their log records into the shard's
+    /// log (one record per run of consecutive messages to one queue); returns the commit round
+    /// that makes them durable. `wakes` is scratch space, reused between runs.
     fn buffer_run(
         &self,
         batch: &[(&[u8], &[u8])],
@@ -817,19 +882,34 @@ impl Inner {
         wakes: &mut Vec<(QueueKey, bool, bool)>,
     ) -> Result<u64, WriteError> {
         self.check_writable()?;
-        let cost: usize = run
+        let log_cost: usize = run
+            .iter()
+            .map(|(_, index)| log_budget_bytes(batch[*index].0, batch[*index].1))
+            .sum();
+        let buffer_cost: usize = run
             .iter()
             .map(|(_, index)| batch[*index].1.len() + MESSAGE_OVERHEAD_BYTES)
             .sum();
-        self.reserve_budget(cost)?;
-        let interval = matches!(self.options.sync, SyncPolicy::Interval { .. });
+        self.reserve_budget(log_cost + buffer_cost)?;
         let Some(&(shard_index, _)) = run.first() else {
             return Ok(0);
         };
-        let mut shard = lock(&self.shards[shard_index]);
+        let timestamp_ms = crate::committer::now_ms();
+        let chunk_bytes = self.options.chunk_bytes;
+        let mut messages: Vec<&[u8]> = Vec::new();
+        let mut guard = lock(&self.shards[shard_index]);
+        let shard = &mut *guard;
+        // Under the shard lock: the round that will take this shard's log.
+        let round = shard.log_round;
+        let completed = self.completed_round.load(Ordering::SeqCst);
         wakes.clear();
-        for &(_, index) in run {
-            let (queue, message) = batch[index];
+        let mut start = 0;
+        while start < run.len() {
+            let queue = batch[run[start].1].0;
+            let mut end = start + 1;
+            while end < run.len() && batch[run[end].1].0 == queue {
+                end += 1;
+            }
             let state = if let Some(state) = shard.queues.get_mut(queue) {
                 state
             } else {
@@ -840,53 +920,64 @@ impl Inner {
                     .entry(name.clone())
                     .or_insert(QueueState::new(name, incarnation, 0))
             };
-            let offset = state.next_offset;
-            offsets[index] = offset;
-            state.next_offset += 1;
+            let first_offset = state.next_offset;
             let buffer = state.buffer.get_or_insert_with(|| {
                 Box::new(WriteBuffer {
-                    first_offset: offset,
+                    first_offset,
+                    logged_end: first_offset,
                     ..WriteBuffer::default()
                 })
             });
-            buffer.push(message);
-            let push_pending = !state.queued;
+            messages.clear();
+            for &(_, index) in &run[start..end] {
+                let message = batch[index].1;
+                offsets[index] = state.next_offset;
+                state.next_offset += 1;
+                buffer.push(message);
+                messages.push(message);
+            }
+            buffer.mark(round, state.next_offset, completed);
+            format::encode_log(&mut shard.log, queue, first_offset, timestamp_ms, &messages);
+            let push_buffered = !state.queued;
             state.queued = true;
-            let push_full = interval
-                && !state.full_queued
-                && buffer.unfrozen_payload_bytes() >= self.options.chunk_bytes;
+            let push_full = !state.full_queued && buffer.unfrozen_payload_bytes() >= chunk_bytes;
             state.full_queued |= push_full;
-            if push_pending || push_full {
+            if push_buffered || push_full {
                 let key = QueueKey {
                     name: state.name.clone(),
                     incarnation: state.incarnation,
                 };
-                wakes.push((key, push_pending, push_full));
+                wakes.push((key, push_buffered, push_full));
             }
+            start = end;
         }
+        shard.log_budget_bytes += log_cost;
+        self.note_log_appended();
         if !wakes.is_empty() {
-            // Still under the shard lock (order shard -> pending), as a delete or trim of the
-            // same queue pushes its record under it too.
+            // Still under the shard lock (order shard -> pending), so the committer never
+            // sees a queue's key before its buffer.
             let mut pending = lock(&self.pending);
-            let mut wake = !interval;
-            for (key, push_pending, push_full) in wakes.drain(..) {
-                wake |= push_full;
-                match (push_pending, push_full) {
+            for (key, push_buffered, push_full) in wakes.drain(..) {
+                match (push_buffered, push_full) {
                     (true, true) => {
                         pending.full.push(key.clone());
-                        pending.items.push(PendingItem::Queue(key));
+                        pending.buffered.push_back(key);
                     }
-                    (true, false) => pending.items.push(PendingItem::Queue(key)),
+                    (true, false) => pending.buffered.push_back(key),
                     (false, _) => pending.full.push(key),
                 }
             }
-            if wake {
-                self.wake_committer(&pending);
-            }
         }
-        let round = self.rounds_started.load(Ordering::SeqCst) + 1;
-        drop(shard);
+        drop(guard);
         Ok(round)
+    }
+
+    /// Tells the committer that a shard log grew; under `always` wakes it.
+    fn note_log_appended(&self) {
+        self.log_pending.fetch_add(1, Ordering::SeqCst);
+        if self.options.sync == SyncPolicy::Always {
+            self.wake_committer();
+        }
     }
 
     /// Blocks until commit round `round` is done; its error if it failed.
@@ -895,8 +986,7 @@ impl Inner {
         // nothing else would start round `round`: make sure the committer runs it. Only the
         // first waiter of a round takes the pending lock.
         if self.wanted_round.fetch_max(round, Ordering::SeqCst) < round {
-            let pending = lock(&self.pending);
-            self.wake_committer(&pending);
+            self.wake_committer();
         }
         let mut commit = lock(&self.commit);
         loop {
@@ -916,14 +1006,16 @@ impl Inner {
         }
     }
 
-    /// Removes the oldest chunks of one queue past `retention`; returns the trim record.
+    /// Removes the oldest chunks of one queue past `retention`; encodes the trim record into
+    /// `bytes` and returns what it does once durable.
     fn trim_queue(
         &self,
         state: &mut QueueState,
         retention: Retention,
         now_ms: u64,
         report: &mut RetentionReport,
-    ) -> Option<PendingItem> {
+        bytes: &mut Vec<u8>,
+    ) -> Option<RecordEffect> {
         let mut removed = Vec::new();
         while let Some(front) = state.chunks.front().copied() {
             let over_size = retention
@@ -953,14 +1045,12 @@ impl Inner {
         report.queues_trimmed += 1;
         report.chunks_removed += removed.len() as u64;
         report.messages_removed += state.first_offset - old_first;
-        let mut bytes = Vec::new();
-        format::encode_trim(&mut bytes, &state.name, state.first_offset);
+        format::encode_trim(bytes, &state.name, state.first_offset);
         let key = QueueKey {
             name: state.name.clone(),
             incarnation: state.incarnation,
         };
-        Some(PendingItem::Record {
-            bytes,
+        Some(RecordEffect {
             dead: count_by_segment(removed.iter()),
             trim_of: Some(key),
         })
@@ -1009,7 +1099,9 @@ impl Inner {
             // `interval` acknowledged messages still in the buffer are too.
             disk_end = state.disk_end_offset();
             let visible_end = match self.options.sync {
-                SyncPolicy::Always => disk_end,
+                SyncPolicy::Always => state.buffer.as_ref().map_or(disk_end, |buffer| {
+                    buffer.logged_through(self.completed_round.load(Ordering::SeqCst))
+                }),
                 SyncPolicy::Interval { .. } => state.next_offset,
             };
             let start = offset.max(state.first_offset);
@@ -1091,8 +1183,11 @@ impl Inner {
                 for _ in 0..skip.min(buffer.count) {
                     position = buffer.message_at(position).1;
                 }
+                let visible = usize::try_from(visible_end - buffer.first_offset)
+                    .unwrap_or(usize::MAX)
+                    .min(buffer.count);
                 let mut taken_bytes = 0;
-                for index in skip..buffer.count.min(skip.saturating_add(max_messages)) {
+                for index in skip..visible.min(skip.saturating_add(max_messages)) {
                     let (message, next_position) = buffer.message_at(position);
                     position = next_position;
                     taken_bytes += message.len();

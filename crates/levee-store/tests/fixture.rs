@@ -140,3 +140,39 @@ fn given_format_v1_fixture_when_opening_should_read_every_message() {
         ]
     );
 }
+
+#[test]
+fn given_format_v1_fixture_when_appending_should_continue_in_a_version_2_segment() {
+    let copy = tempfile::tempdir().unwrap();
+    let mut last_id = 0;
+    for entry in std::fs::read_dir(fixture_directory()).expect("fixture committed") {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), copy.path().join(entry.file_name())).unwrap();
+        let name = entry.file_name().into_string().unwrap();
+        last_id = last_id.max(levee_store::format::parse_segment_file_name(&name).unwrap());
+    }
+    let (store, _) = Store::open(copy.path(), options()).unwrap();
+    assert_eq!(store.append(b"alpha", b"alpha-51").unwrap(), 51);
+    store.close().unwrap();
+    let version_of = |id: u32| {
+        let path = copy.path().join(levee_store::format::segment_file_name(id));
+        let bytes = std::fs::read(path).unwrap();
+        u32::from_le_bytes(bytes[8..12].try_into().unwrap())
+    };
+    assert_eq!(
+        version_of(last_id),
+        1,
+        "the version-1 segment is left as it was"
+    );
+    assert_eq!(
+        version_of(last_id + 1),
+        2,
+        "new records go to a version-2 segment"
+    );
+    let (store, report) = Store::open(copy.path(), options()).unwrap();
+    assert!(report.truncated.is_empty(), "{report:?}");
+    let (_, messages) = read_all(&store, b"alpha");
+    let mut expected: Vec<Vec<u8>> = (0..51).map(alpha).collect();
+    expected.push(b"alpha-51".to_vec());
+    assert_eq!(messages, expected);
+}
