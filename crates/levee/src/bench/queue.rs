@@ -235,12 +235,7 @@ async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<Value> {
             anyhow::Ok(())
         }));
     }
-    tokio::time::sleep(Duration::from_secs(args.duration_s)).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in producers {
-        task.await??;
-    }
-    let append_s = started.elapsed().as_secs_f64();
+    let append_s = produce_for(args, started, &stop, producers).await?;
     let total = appended.load(Ordering::Relaxed);
     wait_consumed(&consumed, total).await?;
     let drained_s = started.elapsed().as_secs_f64();
@@ -305,12 +300,7 @@ async fn bench_topic(
             anyhow::Ok(())
         }));
     }
-    tokio::time::sleep(Duration::from_secs(args.duration_s)).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in tasks {
-        task.await??;
-    }
-    let append_s = started.elapsed().as_secs_f64();
+    let append_s = produce_for(args, started, &stop, tasks).await?;
     let total = appended.load(Ordering::Relaxed);
     sampling.store(false, Ordering::Relaxed);
     let consumed_each_second = sampler.await?;
@@ -393,6 +383,22 @@ fn rate_windows(configured: f64, samples: &[u64]) -> Value {
         "achieved_max_per_s": rates.iter().copied().reduce(f64::max),
         "max_deviation_percent": rates.iter().map(deviation).reduce(f64::max),
     })
+}
+
+/// Lets the producer `tasks` run for `--duration-s`, then stops and joins them; returns the
+/// seconds since `started`.
+pub(super) async fn produce_for(
+    args: &QueueBenchArgs,
+    started: Instant,
+    stop: &AtomicBool,
+    tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
+) -> anyhow::Result<f64> {
+    tokio::time::sleep(Duration::from_secs(args.duration_s)).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await??;
+    }
+    Ok(started.elapsed().as_secs_f64())
 }
 
 /// Waits (at most 60 s) until `total` messages were consumed.

@@ -20,7 +20,7 @@ use redis::streams::{StreamReadOptions, StreamReadReply};
 use serde_json::{Value, json};
 
 use super::queue::{
-    QueueBenchArgs, next_send, pacing, record_latency, stamped_payload, wait_consumed,
+    QueueBenchArgs, next_send, pacing, produce_for, record_latency, stamped_payload, wait_consumed,
 };
 
 /// The consumer group every reader joins.
@@ -157,12 +157,7 @@ pub async fn run(args: &QueueBenchArgs) -> anyhow::Result<Value> {
     let stop = Arc::new(AtomicBool::new(false));
     let appended = Arc::new(AtomicU64::new(0));
     let tasks = spawn_producers(args, &connection, &streams, epoch, &stop, &appended);
-    tokio::time::sleep(Duration::from_secs(args.duration_s)).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in tasks {
-        task.await??;
-    }
-    let append_s = started.elapsed().as_secs_f64();
+    let append_s = produce_for(args, started, &stop, tasks).await?;
     let total = appended.load(Ordering::Relaxed);
     wait_consumed(&consumed, total).await?;
     let drained_s = started.elapsed().as_secs_f64();
