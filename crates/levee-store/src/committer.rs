@@ -43,8 +43,9 @@ const ALWAYS_IDLE_WAIT: Duration = Duration::from_millis(50);
 /// How to seal one queue's buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Seal {
-    /// Only whole chunks of `chunk_bytes` (the queue came from the full list).
-    Full,
+    /// Everything logged through the round, the last chunk possibly short (the queue came
+    /// from a shard's direct list: some of its messages have no log record).
+    Round,
     /// Everything logged so far (the queue came from the buffered list: a budget flush or a
     /// checkpoint); its `queued` flag is cleared, or the key goes back on the list if
     /// messages remain.
@@ -103,10 +104,10 @@ struct TakenLog {
     budget_bytes: usize,
 }
 
-/// The queues a round took off the full and buffered lists.
+/// The queues a round took off the shards' direct lists and the buffered list.
 #[derive(Debug, Default)]
 struct TakenKeys {
-    full: Vec<QueueKey>,
+    direct: Vec<QueueKey>,
     all: Vec<QueueKey>,
 }
 
@@ -116,8 +117,6 @@ type Moved = (QueueKey, u64, u32, usize);
 
 struct Plan {
     round: u64,
-    /// Queues from the full list.
-    full: Vec<QueueKey>,
     /// Queues taken from the buffered list (budget flush or checkpoint).
     all: Vec<QueueKey>,
     is_checkpoint: bool,
@@ -202,7 +201,7 @@ impl Committer<'_> {
             // Set before looking for work, so an appender that publishes work after the look
             // sees the flag and wakes us (see `Inner::wake_committer`).
             inner.committer_sleeping.store(true, Ordering::SeqCst);
-            let log_work = inner.log_pending.load(Ordering::SeqCst) > 0 || !pending.full.is_empty();
+            let log_work = inner.log_pending.load(Ordering::SeqCst) > 0;
             let due = match interval {
                 None => log_work,
                 Some(interval) => log_work && self.last_round.elapsed() >= interval,
@@ -214,7 +213,6 @@ impl Committer<'_> {
             if due || is_checkpoint || wanted || pending.budget_flush_requested {
                 inner.committer_sleeping.store(false, Ordering::SeqCst);
                 let round = inner.rounds_started.fetch_add(1, Ordering::SeqCst) + 1;
-                let full = std::mem::take(&mut pending.full);
                 let all: Vec<QueueKey> = if is_checkpoint {
                     pending.buffered.drain(..).collect()
                 } else if pending.budget_flush_requested {
@@ -231,7 +229,6 @@ impl Committer<'_> {
                 self.checkpoint_wanted = false;
                 return Plan {
                     round,
-                    full,
                     all,
                     is_checkpoint,
                     shutdown: pending.shutdown,
@@ -258,15 +255,27 @@ impl Committer<'_> {
         }
     }
 
-    /// Appends every shard's log to the round buffer; later appends go to round `round + 1`.
-    fn take_logs(&mut self, round: u64, rotated_mid_round: &mut bool) -> io::Result<TakenLog> {
+    /// Appends every shard's log to the round buffer and moves its direct list to `direct`;
+    /// later appends go to round `round + 1`.
+    fn take_logs(
+        &mut self,
+        round: u64,
+        direct: &mut Vec<RunEntry>,
+        rotated_mid_round: &mut bool,
+    ) -> io::Result<TakenLog> {
         let mut taken = TakenLog::default();
         self.inner.log_pending.store(0, Ordering::SeqCst);
-        for shard in &*self.inner.shards {
+        for (shard_index, shard) in self.inner.shards.iter().enumerate() {
             {
                 let mut shard = lock(shard);
                 debug_assert!(shard.log_round <= round);
                 shard.log_round = round + 1;
+                direct.extend(
+                    shard
+                        .direct
+                        .drain(..)
+                        .map(|key| (shard_index, Seal::Round, key)),
+                );
                 if shard.log.is_empty() && shard.log_budget_bytes == 0 {
                     continue;
                 }
@@ -295,8 +304,8 @@ impl Committer<'_> {
     )]
     fn run_round(&mut self, plan: Plan) -> bool {
         // The queues this round took off the pending lists, to put back if it fails.
-        let taken_keys = TakenKeys {
-            full: plan.full.clone(),
+        let mut taken_keys = TakenKeys {
+            direct: Vec::new(),
             all: plan.all.clone(),
         };
         if self.writer.length >= self.inner.options.segment_bytes_max
@@ -318,24 +327,23 @@ impl Committer<'_> {
         let mut placed = Vec::new();
         let mut rotated_mid_round = false;
         self.writer.buffer.clear();
-        let mut result = self.take_logs(plan.round, &mut rotated_mid_round);
+        // Queues are sealed in shard order (see `freeze_run`); a queue's chunks follow its
+        // log records, which are already in the round buffer.
+        let mut run: Vec<RunEntry> = Vec::new();
+        let mut result = self.take_logs(plan.round, &mut run, &mut rotated_mid_round);
         let taken = match &mut result {
             Ok(taken) => std::mem::take(taken),
             Err(_) => TakenLog::default(),
         };
         let mut result = result.map(|_| ());
-        // Queues are sealed in shard order (see `freeze_run`); a queue's chunks follow its
-        // log records, which are already in the round buffer.
-        let mut run: Vec<RunEntry> = plan
-            .full
-            .into_iter()
-            .map(|key| (self.inner.shard_index(&key.name), Seal::Full, key))
-            .chain(
-                plan.all
-                    .into_iter()
-                    .map(|key| (self.inner.shard_index(&key.name), Seal::All, key)),
-            )
-            .collect();
+        taken_keys
+            .direct
+            .extend(run.iter().map(|(_, _, key)| key.clone()));
+        run.extend(
+            plan.all
+                .into_iter()
+                .map(|key| (self.inner.shard_index(&key.name), Seal::All, key)),
+        );
         let mut requeue = Vec::new();
         if result.is_ok() {
             result = self.freeze_run(
@@ -485,7 +493,7 @@ impl Committer<'_> {
     }
 
     /// Seals the unfrozen messages of one queue that are logged in round `round` or earlier
-    /// into chunk records in the round buffer (with [`Seal::Full`], only whole chunks).
+    /// into chunk records in the round buffer: whole chunks of `chunk_bytes`, then the rest.
     /// Returns true if the key must go back on the buffered list.
     #[allow(
         clippy::too_many_arguments,
@@ -508,9 +516,8 @@ impl Committer<'_> {
         if state.incarnation != key.incarnation {
             return false;
         }
-        match seal {
-            Seal::Full => state.full_queued = false,
-            Seal::All => state.queued = false,
+        if seal == Seal::All {
+            state.queued = false;
         }
         let Some(buffer) = state.buffer.as_mut() else {
             return false;
@@ -538,9 +545,7 @@ impl Committer<'_> {
                 end += 1;
             }
             whole |= payload >= chunk_bytes;
-            if seal == Seal::Full && !whole {
-                break;
-            }
+            debug_assert!(whole || end == sealable);
             let position = self.writer.position();
             let before = self.writer.buffer.len();
             let first_offset = buffer.first_offset + index as u64;
@@ -576,12 +581,12 @@ impl Committer<'_> {
             state.queued = true;
             return true;
         }
-        if !state.full_queued && buffer.unfrozen_payload_bytes() >= chunk_bytes {
-            // A full list entry was consumed while a whole chunk is still due (its messages
-            // were logged only in the next round): the next round seals it.
-            state.full_queued = true;
-            let key = key.clone();
-            lock(&self.inner.pending).full.push(key);
+        if state.direct_round < shard.log_round && buffer.unfrozen_payload_bytes() >= chunk_bytes {
+            // A whole chunk is still due (its messages were logged in the next round): the
+            // next round seals it, and the queue's appends in it need no log record.
+            state.direct_round = shard.log_round;
+            shard.direct.push(key.clone());
+            self.inner.log_pending.fetch_add(1, Ordering::SeqCst);
         }
         false
     }
@@ -747,13 +752,18 @@ impl Committer<'_> {
         unfreeze.extend(taken_keys.all.iter().cloned());
         let sealed_keys = taken_keys.all;
         if self.interval().is_some() {
-            for key in &taken_keys.full {
-                let mut shard = lock(self.inner.shard(&key.name));
+            // Messages of the direct queues have no log record to put back: list the queues
+            // again, so that the next round seals them.
+            for key in taken_keys.direct {
+                let mut guard = lock(self.inner.shard(&key.name));
+                let shard = &mut *guard;
                 if let Some(state) = shard.queues.get_mut(&*key.name)
                     && state.incarnation == key.incarnation
+                    && state.direct_round < shard.log_round
                 {
-                    // Listed again by the next append once it has a whole chunk.
-                    state.full_queued = false;
+                    state.direct_round = shard.log_round;
+                    shard.direct.push(key);
+                    self.inner.log_pending.fetch_add(1, Ordering::SeqCst);
                 }
             }
             // Acknowledged messages must not be dropped: keep them buffered, put their log
@@ -840,7 +850,6 @@ impl Committer<'_> {
             .buffered_bytes
             .fetch_sub(dropped_bytes, Ordering::SeqCst);
         debug_assert_eq!(shards.len(), SHARD_COUNT);
-        pending.full.clear();
         for key in sealed_keys {
             let index = self.inner.shard_index(&key.name);
             if let Some(state) = shards[index].queues.get_mut(&*key.name)
@@ -852,8 +861,10 @@ impl Committer<'_> {
             }
         }
         for shard in &mut shards {
+            // The direct queues' messages of both rounds were dropped above.
+            shard.direct.clear();
             for state in shard.queues.values_mut() {
-                state.full_queued = false;
+                state.direct_round = 0;
             }
         }
         // Appenders that buffered before now wait for `round` or `round + 1`: fail both.

@@ -2,6 +2,10 @@
 //! buffer of messages not yet on disk.
 
 use std::collections::VecDeque;
+
+/// A write buffer remembers the byte position of every message whose offset is a multiple of
+/// this, so that a read from the middle of a large buffer walks at most this many frames.
+pub const BUFFER_POSITION_STRIDE: u64 = 64;
 use std::sync::Arc;
 
 /// No trim record of the queue is live.
@@ -47,6 +51,11 @@ pub struct WriteBuffer {
     pub marks: [(u64, u64); MARKS_MAX],
     /// Entries of `marks` in use.
     pub marks_count: usize,
+    /// `(offset, drained_bytes + position in data)` of the buffered messages whose offset is a
+    /// multiple of [`BUFFER_POSITION_STRIDE`], oldest first.
+    pub positions: VecDeque<(u64, u64)>,
+    /// Bytes drained from the front of `data` since the buffer was made.
+    pub drained_bytes: u64,
 }
 
 /// Rounds a write buffer tracks at once (see [`WriteBuffer::marks`]).
@@ -62,6 +71,11 @@ impl WriteBuffer {
     pub fn push(&mut self, message: &[u8]) {
         // Invariant: message_bytes_max <= 64 MiB (checked by StoreOptions::validate).
         let length = u32::try_from(message.len()).expect("message length checked");
+        let offset = self.end_offset();
+        if offset.is_multiple_of(BUFFER_POSITION_STRIDE) {
+            self.positions
+                .push_back((offset, self.drained_bytes + self.data.len() as u64));
+        }
         // One growth for length and bytes together: an empty buffer gets one allocation of
         // the framed message, not one for the length and a reallocation for the bytes.
         self.data.reserve(FRAME_BYTES + message.len());
@@ -120,6 +134,42 @@ impl WriteBuffer {
         self.first_offset + self.count as u64
     }
 
+    /// Byte position in `data` of the message at `offset` (`data.len()` at or past the end,
+    /// 0 before the start): from the nearest remembered position, at most
+    /// [`BUFFER_POSITION_STRIDE`] frames are walked.
+    pub fn position_of(&self, offset: u64) -> usize {
+        let offset = offset.clamp(self.first_offset, self.end_offset());
+        let known = self
+            .positions
+            .partition_point(|(known_offset, _)| *known_offset <= offset);
+        let (mut at, mut position) = match known.checked_sub(1).map(|index| self.positions[index]) {
+            Some((known_offset, absolute)) if known_offset >= self.first_offset => {
+                // Invariant: a remembered position is within `data` (entries before the
+                // buffer's start are dropped with the bytes they point into).
+                let position = usize::try_from(absolute - self.drained_bytes)
+                    .expect("remembered position within the buffer");
+                (known_offset, position)
+            }
+            _ => (self.first_offset, 0),
+        };
+        while at < offset {
+            position = self.message_at(position).1;
+            at += 1;
+        }
+        position
+    }
+
+    /// Empties the buffer; the next message pushed gets `first_offset`.
+    pub fn reset(&mut self, first_offset: u64) {
+        self.drained_bytes += self.data.len() as u64;
+        self.data.clear();
+        self.positions.clear();
+        self.count = 0;
+        self.frozen = 0;
+        self.frozen_bytes = 0;
+        self.first_offset = first_offset;
+    }
+
     /// Drops every message at or after `end_offset` (nothing frozen may remain), and the marks
     /// past it; returns the bytes dropped.
     pub fn truncate_to(&mut self, end_offset: u64) -> usize {
@@ -127,9 +177,13 @@ impl WriteBuffer {
         let keep = usize::try_from(end_offset.saturating_sub(self.first_offset))
             .unwrap_or(usize::MAX)
             .min(self.count);
-        let mut position = 0;
-        for _ in 0..keep {
-            position = self.message_at(position).1;
+        let position = self.position_of(self.first_offset + keep as u64);
+        while self
+            .positions
+            .back()
+            .is_some_and(|(offset, _)| *offset >= self.first_offset + keep as u64)
+        {
+            self.positions.pop_back();
         }
         let dropped = self.data.len() - position;
         self.data.truncate(position);
@@ -150,7 +204,15 @@ impl WriteBuffer {
     /// Drops the first `count` messages (`bytes` of `data`) after they reached the disk.
     pub fn drain_front(&mut self, count: usize, bytes: usize) {
         self.data.drain(..bytes);
+        self.drained_bytes += bytes as u64;
         self.first_offset += count as u64;
+        while self
+            .positions
+            .front()
+            .is_some_and(|(offset, _)| *offset < self.first_offset)
+        {
+            self.positions.pop_front();
+        }
         self.count -= count;
         self.frozen -= count;
         self.frozen_bytes -= bytes;
@@ -192,8 +254,9 @@ pub struct QueueState {
     pub trim_segment: u32,
     /// The queue has an entry in the committer's pending list.
     pub queued: bool,
-    /// The queue has an entry in the committer's list of full buffers.
-    pub full_queued: bool,
+    /// The round whose shard list `Shard::direct` holds this queue (0: none): that round
+    /// seals the queue's buffer, and its appends in that round write no log record.
+    pub direct_round: u64,
 }
 
 impl QueueState {
@@ -209,7 +272,7 @@ impl QueueState {
             stored_bytes: 0,
             trim_segment: NO_SEGMENT,
             queued: false,
-            full_queued: false,
+            direct_round: 0,
         }
     }
 
@@ -218,5 +281,68 @@ impl QueueState {
         self.buffer
             .as_ref()
             .map_or(self.next_offset, |buffer| buffer.first_offset)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// The byte position of the message at `offset`, walked from the start.
+    fn walked(buffer: &WriteBuffer, offset: u64) -> usize {
+        let mut position = 0;
+        let steps = offset.clamp(buffer.first_offset, buffer.end_offset()) - buffer.first_offset;
+        for _ in 0..steps {
+            position = buffer.message_at(position).1;
+        }
+        position
+    }
+
+    #[derive(Debug, Clone)]
+    enum Step {
+        Push(usize),
+        Drain(usize),
+        Truncate(usize),
+        Reset(u64),
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            8 => (0_usize..40).prop_map(Step::Push),
+            1 => (0_usize..200).prop_map(Step::Drain),
+            1 => (0_usize..200).prop_map(Step::Truncate),
+            1 => (0_u64..1000).prop_map(Step::Reset),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn given_pushes_drains_and_truncations_when_locating_should_match_a_walk(
+            first_offset in 0_u64..300,
+            steps in prop::collection::vec(step(), 1..400),
+        ) {
+            let mut buffer = WriteBuffer { first_offset, ..WriteBuffer::default() };
+            for step in steps {
+                match step {
+                    Step::Push(length) => buffer.push(&vec![7; length]),
+                    Step::Drain(count) => {
+                        let count = count.min(buffer.count);
+                        let bytes = walked(&buffer, buffer.first_offset + count as u64);
+                        buffer.frozen = count;
+                        buffer.frozen_bytes = bytes;
+                        buffer.drain_front(count, bytes);
+                    }
+                    Step::Truncate(keep) => {
+                        buffer.truncate_to(buffer.first_offset + keep as u64);
+                    }
+                    Step::Reset(offset) => buffer.reset(offset),
+                }
+                for offset in buffer.first_offset.saturating_sub(2)..buffer.end_offset() + 2 {
+                    prop_assert_eq!(buffer.position_of(offset), walked(&buffer, offset));
+                }
+            }
+        }
     }
 }

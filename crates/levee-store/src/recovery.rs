@@ -142,16 +142,11 @@ impl Recovering {
             return;
         }
         if offset >= tail.end_offset() {
-            tail.data.clear();
-            tail.count = 0;
-            tail.first_offset = offset;
+            tail.reset(offset);
             return;
         }
         let drop = usize::try_from(offset - tail.first_offset).unwrap_or(usize::MAX);
-        let mut position = 0;
-        for _ in 0..drop {
-            position = tail.message_at(position).1;
-        }
+        let position = tail.position_of(offset);
         tail.frozen = drop;
         tail.frozen_bytes = position;
         tail.drain_front(drop, position);
@@ -178,8 +173,7 @@ impl Recovering {
         if self.tail.count == 0 {
             // If `start > have`, the chunks before it are relocated copies still to come (their
             // originals sat in a deleted segment), or were trimmed: `finish` checks which.
-            self.tail.data.clear();
-            self.tail.first_offset = have.max(start);
+            self.tail.reset(have.max(start));
         }
         let skip = usize::try_from(have.saturating_sub(start)).unwrap_or(usize::MAX);
         for message in log.messages().skip(skip) {

@@ -59,6 +59,10 @@ pub(crate) struct Shard {
     pub log_effects: Vec<RecordEffect>,
     /// Budget bytes reserved for `log`, given back once the committer wrote it.
     pub log_budget_bytes: usize,
+    /// Queues whose unsealed messages reached `chunk_bytes` (`QueueState::direct_round` is
+    /// `log_round`): the round that takes this log seals everything they logged through it
+    /// into chunks, so their messages appended since they were listed have no log record.
+    pub direct: Vec<QueueKey>,
     /// The commit round that will write `log`: set by the committer when it takes the log
     /// (to the next round), so an appender knows exactly which round makes its record
     /// durable.
@@ -72,6 +76,7 @@ impl Default for Shard {
             log: Vec::new(),
             log_effects: Vec::new(),
             log_budget_bytes: 0,
+            direct: Vec::new(),
             // Rounds are numbered from 1.
             log_round: 1,
         }
@@ -98,8 +103,6 @@ pub(crate) struct Pending {
     /// Every queue with a write buffer (flag `QueueState::queued`), oldest buffer first; the
     /// budget flushes seal from the front, a checkpoint seals them all.
     pub buffered: VecDeque<QueueKey>,
-    /// Queues whose unsealed messages reached `chunk_bytes` (flag `full_queued`).
-    pub full: Vec<QueueKey>,
     /// `sync`, `enforce_retention`: seal every buffer into chunks in the next round.
     pub checkpoint_requested: bool,
     pub budget_flush_requested: bool,
@@ -606,7 +609,9 @@ impl Store {
                 let index = state.chunks.capacity() * std::mem::size_of::<ChunkEntry>();
                 usage.index_bytes += index as u64;
                 let buffer = state.buffer.as_ref().map_or(0, |buffer| {
-                    std::mem::size_of::<WriteBuffer>() + buffer.data.capacity()
+                    std::mem::size_of::<WriteBuffer>()
+                        + buffer.data.capacity()
+                        + buffer.positions.capacity() * std::mem::size_of::<(u64, u64)>()
                 });
                 usage.buffer_bytes += buffer as u64;
                 // Name bytes plus the Arc's two counters.
@@ -879,7 +884,7 @@ impl Inner {
         batch: &[(&[u8], &[u8])],
         run: &[(usize, usize)],
         offsets: &mut [u64],
-        wakes: &mut Vec<(QueueKey, bool, bool)>,
+        wakes: &mut Vec<QueueKey>,
     ) -> Result<u64, WriteError> {
         self.check_writable()?;
         let log_cost: usize = run
@@ -928,6 +933,7 @@ impl Inner {
                     ..WriteBuffer::default()
                 })
             });
+            let mut direct = state.direct_round == round;
             messages.clear();
             for &(_, index) in &run[start..end] {
                 let message = batch[index].1;
@@ -937,17 +943,25 @@ impl Inner {
                 messages.push(message);
             }
             buffer.mark(round, state.next_offset, completed);
-            format::encode_log(&mut shard.log, queue, first_offset, timestamp_ms, &messages);
-            let push_buffered = !state.queued;
-            state.queued = true;
-            let push_full = !state.full_queued && buffer.unfrozen_payload_bytes() >= chunk_bytes;
-            state.full_queued |= push_full;
-            if push_buffered || push_full {
-                let key = QueueKey {
+            if !direct && buffer.unfrozen_payload_bytes() >= chunk_bytes {
+                // A chunk's worth is waiting: round `round` seals everything this queue logged
+                // through it, so these messages need no log record of their own.
+                state.direct_round = round;
+                direct = true;
+                shard.direct.push(QueueKey {
                     name: state.name.clone(),
                     incarnation: state.incarnation,
-                };
-                wakes.push((key, push_buffered, push_full));
+                });
+            }
+            if !direct {
+                format::encode_log(&mut shard.log, queue, first_offset, timestamp_ms, &messages);
+            }
+            if !state.queued {
+                state.queued = true;
+                wakes.push(QueueKey {
+                    name: state.name.clone(),
+                    incarnation: state.incarnation,
+                });
             }
             start = end;
         }
@@ -956,17 +970,7 @@ impl Inner {
         if !wakes.is_empty() {
             // Still under the shard lock (order shard -> pending), so the committer never
             // sees a queue's key before its buffer.
-            let mut pending = lock(&self.pending);
-            for (key, push_buffered, push_full) in wakes.drain(..) {
-                match (push_buffered, push_full) {
-                    (true, true) => {
-                        pending.full.push(key.clone());
-                        pending.buffered.push_back(key);
-                    }
-                    (true, false) => pending.buffered.push_back(key),
-                    (false, _) => pending.full.push(key),
-                }
-            }
+            lock(&self.pending).buffered.extend(wakes.drain(..));
         }
         drop(guard);
         Ok(round)
@@ -1179,10 +1183,7 @@ impl Inner {
             {
                 let skip = usize::try_from(start.saturating_sub(buffer.first_offset))
                     .unwrap_or(usize::MAX);
-                let mut position = 0;
-                for _ in 0..skip.min(buffer.count) {
-                    position = buffer.message_at(position).1;
-                }
+                let mut position = buffer.position_of(start);
                 let visible = usize::try_from(visible_end - buffer.first_offset)
                     .unwrap_or(usize::MAX)
                     .min(buffer.count);
