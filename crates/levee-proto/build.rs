@@ -13,7 +13,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "levee/v1/topic.proto",
     ];
     let file_descriptors = protox::compile(files, [&proto_root])?;
-    tonic_prost_build::configure()
+    // Message payloads decode as `bytes::Bytes`: a slice of the received frame, not one
+    // allocation and copy per message.
+    let payload_fields = [
+        ".levee.v1.AppendMessage.payload",
+        ".levee.v1.Delivery.payload",
+        ".levee.v1.ReadResponse.payloads",
+        ".levee.v1.PublishMessage.payload",
+        ".levee.v1.TopicDelivery.payload",
+    ];
+    let builder = payload_fields
+        .iter()
+        .fold(tonic_prost_build::configure(), |builder, field| {
+            builder.bytes(field)
+        });
+    builder
         .emit_rerun_if_changed(false)
         .compile_fds(file_descriptors)?;
     println!("cargo:rerun-if-changed={}", proto_root.display());

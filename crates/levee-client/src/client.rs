@@ -254,7 +254,7 @@ impl Client {
                 .iter()
                 .map(|(queue, payload)| AppendMessage {
                     queue: queue.to_vec(),
-                    payload: payload.to_vec(),
+                    payload: levee_proto::Bytes::copy_from_slice(payload),
                     sequence: 0,
                 })
                 .collect(),
@@ -276,7 +276,7 @@ impl Client {
                 .iter()
                 .map(|(queue, payload, sequence)| AppendMessage {
                     queue: queue.to_vec(),
-                    payload: payload.to_vec(),
+                    payload: levee_proto::Bytes::copy_from_slice(payload),
                     sequence: *sequence,
                 })
                 .collect(),
@@ -440,7 +440,7 @@ impl Client {
                 .iter()
                 .map(|(key, payload)| PublishMessage {
                     key: key.to_vec(),
-                    payload: payload.to_vec(),
+                    payload: levee_proto::Bytes::copy_from_slice(payload),
                     partition_plus_one: 0,
                     sequence: 0,
                 })

@@ -71,8 +71,8 @@ pub struct Message {
     pub partition: u32,
     /// Its offset in the partition.
     pub offset: u64,
-    /// Its payload.
-    pub payload: Vec<u8>,
+    /// Its payload: a slice of the received frame (cheap to clone).
+    pub payload: levee_proto::Bytes,
 }
 
 /// What a consumer did, returned when it stops.

@@ -34,12 +34,12 @@ pub use client::{Client, ClientOptions, HealthStatus};
 pub use consumer::{ConsumerOptions, ConsumerStats, GroupConsumer, Message};
 pub use error::ClientError;
 pub use hotkey::{HotKeyChange, HotKeys, HotKeysOptions, HotKeysStats};
-pub use levee_proto::WireError;
 pub use levee_proto::topic_partition;
 pub use levee_proto::v1::{
     Delivery, DescribeGroupResponse as GroupDescription, DescribeTopicResponse as TopicDescription,
     ErrorCode, GetAppStatsResponse as AppStats, GetServerInfoResponse as ServerInfo, HotKeyEvent,
     HotKeyRule, KeyCount, MatchKind, TopicSummary,
 };
+pub use levee_proto::{Bytes, WireError};
 pub use producer::{Producer, ProducerOptions};
 pub use subscription::Subscription;

@@ -10,6 +10,9 @@
 
 mod wire_error;
 
+/// The type of message payloads on the wire: a decoded payload is a slice of the received
+/// frame, and an encoded one may share a buffer with others.
+pub use prost::bytes::Bytes;
 pub use wire_error::{ERROR_CODE_METADATA_KEY, ERROR_REASON_METADATA_KEY, WireError};
 
 /// The `levee.v1` protobuf package.

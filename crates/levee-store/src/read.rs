@@ -63,6 +63,12 @@ impl ReadBatch {
         Some(&self.data[start..end])
     }
 
+    /// The messages' bytes back to back and the end of each message in them, for a caller
+    /// that hands out the messages without copying them again.
+    pub fn into_parts(self) -> (Vec<u8>, Vec<usize>) {
+        (self.data, self.ends)
+    }
+
     /// The messages in offset order.
     pub fn iter(&self) -> impl Iterator<Item = &[u8]> {
         (0..self.ends.len()).filter_map(|index| self.message(index))

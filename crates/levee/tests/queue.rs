@@ -317,7 +317,7 @@ fn given_producer_then_concurrent_sends_share_requests_and_get_their_own_offsets
         for (queue, offset, index) in &offsets {
             let read = client.read(queue.as_bytes(), *offset, 1, 0).await.unwrap();
             assert_eq!(
-                read.payloads[0],
+                &read.payloads[0][..],
                 index.to_le_bytes(),
                 "offset answered to the right caller"
             );

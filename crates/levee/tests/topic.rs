@@ -59,7 +59,7 @@ fn spawn_consumer(
                             member,
                             message.partition,
                             message.offset,
-                            String::from_utf8(message.payload).unwrap(),
+                            String::from_utf8(message.payload.to_vec()).unwrap(),
                         ));
                     }
                 },

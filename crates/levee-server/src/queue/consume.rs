@@ -491,17 +491,18 @@ impl ConsumeSession {
             if batch.skipped_to_first_retained {
                 cursor.next = batch.first_offset;
             }
-            for (payload, offset) in batch.iter().zip(batch.first_offset..) {
+            bytes += batch.bytes();
+            if !batch.is_empty() {
+                cursor.next = batch.next_offset();
+            }
+            let first_offset = batch.first_offset;
+            for (payload, offset) in super::payloads(batch).zip(first_offset..) {
                 deliveries.push(TopicDelivery {
                     partition: cursor.partition,
                     epoch: cursor.epoch,
                     offset,
-                    payload: payload.to_vec(),
+                    payload,
                 });
-            }
-            bytes += batch.bytes();
-            if !batch.is_empty() {
-                cursor.next = batch.next_offset();
             }
         }
         let sent = deliveries.len() as u64;

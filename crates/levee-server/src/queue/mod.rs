@@ -36,6 +36,17 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// A store failure as a wire error.
+/// The messages of a read as payloads that share the batch's one buffer (no copy each).
+pub(crate) fn payloads(batch: levee_store::ReadBatch) -> impl Iterator<Item = levee_proto::Bytes> {
+    let (data, ends) = batch.into_parts();
+    let data = levee_proto::Bytes::from(data);
+    ends.into_iter().scan(0, move |start, end| {
+        let payload = data.slice(*start..end);
+        *start = end;
+        Some(payload)
+    })
+}
+
 pub(crate) fn storage_error(error: &impl std::fmt::Display) -> WireError {
     WireError::new(ErrorCode::StorageFailed, error.to_string())
 }

@@ -111,7 +111,7 @@ pub struct SequencedMessage {
     /// The queue.
     pub queue: Vec<u8>,
     /// The payload.
-    pub payload: Vec<u8>,
+    pub payload: levee_proto::Bytes,
     /// The producer's sequence number on the queue.
     pub sequence: u64,
 }
@@ -420,7 +420,7 @@ mod tests {
         sequences
             .map(|sequence| SequencedMessage {
                 queue: queue.to_vec(),
-                payload: sequence.to_le_bytes().to_vec(),
+                payload: sequence.to_le_bytes().to_vec().into(),
                 sequence,
             })
             .collect()

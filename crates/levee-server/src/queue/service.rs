@@ -216,7 +216,7 @@ impl Queues for QueueService {
         let offsets = if producer.is_empty() {
             let batch: Vec<(&[u8], &[u8])> = messages
                 .iter()
-                .map(|message| (message.queue.as_slice(), message.payload.as_slice()))
+                .map(|message| (message.queue.as_slice(), &message.payload[..]))
                 .collect();
             self.calls.append_batch(&batch).await?
         } else {
@@ -273,11 +273,11 @@ impl Queues for QueueService {
             .map_err(read_error)?;
         self.metrics.queue_messages_read.inc_by(batch.len() as u64);
         Ok(Response::new(ReadResponse {
-            payloads: batch.iter().map(<[u8]>::to_vec).collect(),
             first_offset: batch.first_offset,
             next_offset: batch.next_offset(),
             skipped_to_first_retained: batch.skipped_to_first_retained,
             queue_next_offset: batch.visible_end_offset,
+            payloads: super::payloads(batch).collect(),
         }))
     }
 

@@ -305,19 +305,17 @@ impl Session {
             }
             return Ok(Delivered::Nothing);
         }
-        let deliveries: Vec<Delivery> = batch
-            .iter()
-            .zip(batch.first_offset..)
-            .map(|(payload, offset)| Delivery {
-                offset,
-                payload: payload.to_vec(),
-            })
+        let sent_bytes = u32::try_from(batch.bytes()).unwrap_or(u32::MAX);
+        let first_offset = batch.first_offset;
+        let next_offset = batch.next_offset();
+        let deliveries: Vec<Delivery> = super::payloads(batch)
+            .zip(first_offset..)
+            .map(|(payload, offset)| Delivery { offset, payload })
             .collect();
         let sent = u32::try_from(deliveries.len()).unwrap_or(u32::MAX);
         progress.credit_messages = progress.credit_messages.saturating_sub(sent);
-        let sent_bytes = u32::try_from(batch.bytes()).unwrap_or(u32::MAX);
         progress.credit_bytes = progress.credit_bytes.saturating_sub(sent_bytes);
-        progress.next = batch.next_offset();
+        progress.next = next_offset;
         self.delivered.inc_by(deliveries.len() as u64);
         let response = SubscribeResponse {
             start_offset: 0,

@@ -238,7 +238,7 @@ impl TopicsApi for TopicService {
         let offsets = if request.producer_id.is_empty() {
             let batch: Vec<(&[u8], &[u8])> = messages
                 .iter()
-                .map(|message| (message.queue.as_slice(), message.payload.as_slice()))
+                .map(|message| (message.queue.as_slice(), &message.payload[..]))
                 .collect();
             self.context.calls.append_batch(&batch).await?
         } else {
