@@ -619,37 +619,54 @@ impl Committer<'_> {
         let mut held: Option<(usize, usize, MutexGuard<'_, Shard>)> = None;
         let mut live_added: Vec<(u32, u64)> = Vec::new();
         let mut freed_bytes = taken.budget_bytes;
-        for chunk in placed {
+        let mut placed = placed.into_iter().peekable();
+        while let Some(first) = placed.next() {
+            // A queue's chunks are consecutive in `placed` (see `freeze`): publish them under one
+            // lock and drain the buffer once, not once per chunk (each drain moves the rest of
+            // the buffer, which is quadratic for a queue that sealed many chunks in a round).
+            let mut chunks = vec![first];
+            while let Some(next) = placed.next_if(|next| {
+                Arc::ptr_eq(&next.key.name, &chunks[0].key.name)
+                    && next.key.incarnation == chunks[0].key.incarnation
+            }) {
+                chunks.push(next);
+            }
+            let (shard_index, key) = (chunks[0].shard, chunks[0].key.clone());
             let reuse = held.as_ref().is_some_and(|(index, applied, _)| {
-                *index == chunk.shard && *applied < FREEZE_QUEUES_PER_LOCK_MAX
+                *index == shard_index && *applied < FREEZE_QUEUES_PER_LOCK_MAX
             });
             if !reuse {
                 drop(held.take());
-                held = Some((chunk.shard, 0, lock(&inner.shards[chunk.shard])));
+                held = Some((shard_index, 0, lock(&inner.shards[shard_index])));
             }
             // Invariant: `held` was set just above.
             let (_, applied, shard) = held.as_mut().expect("shard locked above");
             *applied += 1;
-            let Some(state) = shard.queues.get_mut(&*chunk.key.name) else {
+            let Some(state) = shard.queues.get_mut(&*key.name) else {
                 continue;
             };
-            if state.incarnation != chunk.key.incarnation {
+            if state.incarnation != key.incarnation {
                 continue;
+            }
+            let (mut count, mut bytes) = (0, 0);
+            for chunk in &chunks {
+                state.chunks.push_back(chunk.entry);
+                state.stored_bytes += chunk.record_bytes;
+                match live_added.last_mut() {
+                    Some((segment, added)) if *segment == chunk.entry.segment => *added += 1,
+                    _ => live_added.push((chunk.entry.segment, 1)),
+                }
+                count += chunk.count;
+                bytes += chunk.buffered_bytes;
             }
             // Invariant: frozen messages stay buffered until this drain.
             let buffer = state.buffer.as_mut().expect("frozen messages are buffered");
-            debug_assert_eq!(buffer.first_offset, chunk.entry.first_offset);
-            buffer.drain_front(chunk.count, chunk.buffered_bytes);
+            debug_assert_eq!(buffer.first_offset, chunks[0].entry.first_offset);
+            buffer.drain_front(count, bytes);
             if buffer.count == 0 {
                 state.buffer = None;
             }
-            state.chunks.push_back(chunk.entry);
-            state.stored_bytes += chunk.record_bytes;
-            match live_added.last_mut() {
-                Some((segment, added)) if *segment == chunk.entry.segment => *added += 1,
-                _ => live_added.push((chunk.entry.segment, 1)),
-            }
-            freed_bytes += chunk.buffered_bytes;
+            freed_bytes += bytes;
         }
         drop(held);
         let mut segments = lock(&inner.segments);

@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 
 /// A write buffer remembers the byte position of every message whose offset is a multiple of
 /// this, so that a read from the middle of a large buffer walks at most this many frames.
-pub const BUFFER_POSITION_STRIDE: u64 = 64;
+pub const BUFFER_POSITION_STRIDE: u64 = 16;
 use std::sync::Arc;
 
 /// No trim record of the queue is live.

@@ -202,16 +202,12 @@ async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<Value> {
     if args.shape == "topic" {
         return bench_topic(args, &client, epoch, &consumed, &latency, &run_id).await;
     }
-    let queue_name = move |queue: u64| format!("bench-{run_id}-{queue}").into_bytes();
-    let consumers = start_consumers(
-        &client,
-        args.queues,
-        &queue_name,
-        epoch,
-        &consumed,
-        &latency,
-    )
-    .await?;
+    // Named once, as the Redis baseline does: formatting a name per message is load-generator
+    // work that would be charged to the server.
+    let names: Arc<[Vec<u8>]> = (0..args.queues)
+        .map(|queue| format!("bench-{run_id}-{queue}").into_bytes())
+        .collect();
+    let consumers = start_consumers(&client, &names, epoch, &consumed, &latency).await?;
     let producer = Producer::new(client.clone(), ProducerOptions::default())?;
     let producer_tasks = args.producers.unwrap_or(4_096);
     let stop = Arc::new(AtomicBool::new(false));
@@ -221,14 +217,14 @@ async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<Value> {
     for task in 0..producer_tasks {
         let (producer, stop, appended) =
             (producer.clone(), Arc::clone(&stop), Arc::clone(&appended));
-        let (queues, bytes, queue_name) = (args.queues, args.message_bytes, queue_name.clone());
+        let (bytes, names) = (args.message_bytes, Arc::clone(&names));
         let mut pace = pacing(args, task, producer_tasks, 1);
         producers.push(tokio::spawn(async move {
-            let mut index = task;
+            let mut index = usize::try_from(task)?;
             while !stop.load(Ordering::Relaxed) {
                 next_send(&mut pace).await;
                 let payload = stamped_payload(epoch, bytes)?;
-                producer.send(&queue_name(index % queues), &payload).await?;
+                producer.send(&names[index % names.len()], &payload).await?;
                 appended.fetch_add(1, Ordering::Relaxed);
                 index += 1;
             }
@@ -512,17 +508,14 @@ pub fn print_summary(system: &str, report: &Value) {
 /// One subscription per queue, each recording append-to-delivery latency and acking.
 async fn start_consumers(
     client: &Client,
-    queues: u64,
-    queue_name: &(impl Fn(u64) -> Vec<u8> + Sync),
+    names: &[Vec<u8>],
     epoch: Instant,
     consumed: &Arc<AtomicU64>,
     latency: &Arc<std::sync::Mutex<Histogram<u64>>>,
 ) -> anyhow::Result<Vec<tokio::task::JoinHandle<anyhow::Result<()>>>> {
     let mut consumers = Vec::new();
-    for queue in 0..queues {
-        let mut subscription = client
-            .subscribe(&queue_name(queue), "bench", CREDIT_MESSAGES)
-            .await?;
+    for name in names {
+        let mut subscription = client.subscribe(name, "bench", CREDIT_MESSAGES).await?;
         let (consumed, latency) = (Arc::clone(consumed), Arc::clone(latency));
         consumers.push(tokio::spawn(async move {
             let mut since_ack = 0;
