@@ -23,6 +23,9 @@ pub enum OptionsError {
     /// Sync interval out of bounds.
     #[error("sync interval must be between 1 and 60000 ms, got {0}")]
     SyncInterval(u64),
+    /// A zero round write size.
+    #[error("round_write_bytes must be at least 1, got 0")]
+    RoundWriteBytes,
     /// Unparseable sync policy.
     #[error("sync policy must be 'always', 'interval' or 'interval(MS)', got '{0}'")]
     SyncPolicy(String),

@@ -77,6 +77,10 @@ pub struct StoreOptions {
     pub buffer_budget_bytes: usize,
     /// Largest message accepted, in bytes.
     pub message_bytes_max: usize,
+    /// A commit round writes what it built so far (without an fsync) once its chunks pass
+    /// this many bytes, and goes on in an empty buffer, so the round buffer stays this small
+    /// even when a round seals a budget's worth of buffers.
+    pub round_write_bytes: usize,
 }
 
 impl Default for StoreOptions {
@@ -87,6 +91,7 @@ impl Default for StoreOptions {
             chunk_bytes: 4096,
             buffer_budget_bytes: 256 << 20,
             message_bytes_max: 1 << 20,
+            round_write_bytes: 8 << 20,
         }
     }
 }
@@ -105,6 +110,9 @@ impl StoreOptions {
         }
         if self.buffer_budget_bytes < self.chunk_bytes.max(self.message_bytes_max) {
             return Err(OptionsError::BufferBudget(self.buffer_budget_bytes));
+        }
+        if self.round_write_bytes == 0 {
+            return Err(OptionsError::RoundWriteBytes);
         }
         if let SyncPolicy::Interval { interval_ms } = self.sync
             && !(1..=SYNC_INTERVAL_MS_MAX).contains(&interval_ms)

@@ -14,6 +14,7 @@ fn tiny() -> StoreOptions {
         chunk_bytes: 64,
         buffer_budget_bytes: 4096,
         message_bytes_max: 1024,
+        round_write_bytes: 256,
         ..StoreOptions::default()
     }
 }

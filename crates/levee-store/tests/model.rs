@@ -349,15 +349,16 @@ fn run(operations: Vec<Operation>, options: StoreOptions) {
 }
 
 fn small_options() -> impl Strategy<Value = StoreOptions> {
-    (4096_u64..6000, 16_usize..300, 0_usize..4000).prop_map(|(segment, chunk, extra)| {
-        StoreOptions {
+    (4096_u64..6000, 16_usize..300, 0_usize..4000, 64_usize..3000).prop_map(
+        |(segment, chunk, extra, round_write)| StoreOptions {
             sync: SyncPolicy::Always,
             segment_bytes_max: segment,
             chunk_bytes: chunk,
             buffer_budget_bytes: 512 + extra,
             message_bytes_max: 512,
-        }
-    })
+            round_write_bytes: round_write,
+        },
+    )
 }
 
 proptest! {
