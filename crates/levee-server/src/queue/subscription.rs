@@ -263,9 +263,11 @@ impl Session {
             // Registered before the read, so an append between the read and the wait still wakes.
             woken.as_mut().enable();
             match self.deliver(&mut progress).await? {
-                Delivered::Some => continue,
+                // Nothing more to read until the next append, which wakes `woken` (enabled
+                // before the read): no second read to find that out.
+                Delivered::Some { caught_up: true } | Delivered::Nothing => {}
+                Delivered::Some { caught_up: false } => continue,
                 Delivered::ClientGone => return Ok(()),
-                Delivered::Nothing => {}
             }
             let mut closing = self.closing.clone();
             let message = tokio::select! {
@@ -291,13 +293,13 @@ impl Session {
         if progress.credit_messages == 0 || progress.credit_bytes == 0 {
             return Ok(Delivered::Nothing);
         }
-        let (queue, from) = (self.start.queue.clone(), progress.next);
+        let (queue, from) = (&self.start.queue, progress.next);
         let count = progress.credit_messages.min(READ_MESSAGES_MAX) as usize;
         let bytes = progress.credit_bytes.min(ROUND_BYTES_MAX) as usize;
         let batch = self
             .calls
             .store
-            .read(&queue, from, count, bytes)
+            .read(queue, from, count, bytes)
             .map_err(|error| WireError::new(ErrorCode::StorageFailed, error.to_string()))?;
         if batch.is_empty() {
             if batch.skipped_to_first_retained {
@@ -308,6 +310,7 @@ impl Session {
         let sent_bytes = u32::try_from(batch.bytes()).unwrap_or(u32::MAX);
         let first_offset = batch.first_offset;
         let next_offset = batch.next_offset();
+        let caught_up = next_offset >= batch.visible_end_offset;
         let deliveries: Vec<Delivery> = super::payloads(batch)
             .zip(first_offset..)
             .map(|(payload, offset)| Delivery { offset, payload })
@@ -325,7 +328,7 @@ impl Session {
         if self.outgoing.send(Ok(response)).await.is_err() {
             return Ok(Delivered::ClientGone);
         }
-        Ok(Delivered::Some)
+        Ok(Delivered::Some { caught_up })
     }
 
     /// Applies a credit or an ack from the client.
@@ -396,7 +399,10 @@ struct Progress {
 
 /// What one delivery attempt did.
 enum Delivered {
-    Some,
+    /// Sent some; `caught_up`: the read reached the end of what was visible.
+    Some {
+        caught_up: bool,
+    },
     Nothing,
     ClientGone,
 }
