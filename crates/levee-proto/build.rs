@@ -13,12 +13,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "levee/v1/topic.proto",
     ];
     let file_descriptors = protox::compile(files, [&proto_root])?;
-    // Message payloads decode as `bytes::Bytes`: a slice of the received frame, not one
-    // allocation and copy per message.
+    // Message payloads (and publish keys) decode as `bytes::Bytes`: a slice of the received
+    // frame, not one allocation and copy per message.
     let payload_fields = [
         ".levee.v1.AppendMessage.payload",
         ".levee.v1.Delivery.payload",
         ".levee.v1.ReadResponse.payloads",
+        ".levee.v1.PublishMessage.key",
         ".levee.v1.PublishMessage.payload",
         ".levee.v1.TopicDelivery.payload",
     ];

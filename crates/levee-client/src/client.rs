@@ -439,7 +439,7 @@ impl Client {
             messages: messages
                 .iter()
                 .map(|(key, payload)| PublishMessage {
-                    key: key.to_vec(),
+                    key: levee_proto::Bytes::copy_from_slice(key),
                     payload: levee_proto::Bytes::copy_from_slice(payload),
                     partition_plus_one: 0,
                     sequence: 0,

@@ -92,6 +92,16 @@ impl QueueService {
 }
 
 impl QueueService {
+    /// Wakes the subscriptions of each queue appended to, once per queue.
+    fn wake_each<'a>(&self, queues: impl Iterator<Item = &'a [u8]>) {
+        let mut queues: Vec<&[u8]> = queues.collect();
+        queues.sort_unstable();
+        queues.dedup();
+        for queue in queues {
+            self.waiters.wake(queue);
+        }
+    }
+
     /// Appends through the idempotent-producer table: resent runs are answered from memory.
     pub async fn idempotent_append(
         &self,
@@ -207,18 +217,14 @@ impl Queues for QueueService {
             check_not_reserved(&message.queue)?;
         }
         let count = messages.len() as u64;
-        let mut queues: Vec<Vec<u8>> = messages
-            .iter()
-            .map(|message| message.queue.clone())
-            .collect();
-        queues.sort_unstable();
-        queues.dedup();
         let offsets = if producer.is_empty() {
             let batch: Vec<(&[u8], &[u8])> = messages
                 .iter()
                 .map(|message| (message.queue.as_slice(), &message.payload[..]))
                 .collect();
-            self.calls.append_batch(&batch).await?
+            let offsets = self.calls.append_batch(&batch).await?;
+            self.wake_each(batch.iter().map(|(queue, _)| *queue));
+            offsets
         } else {
             let sequenced: Vec<SequencedMessage> = messages
                 .into_iter()
@@ -228,12 +234,11 @@ impl Queues for QueueService {
                     sequence: message.sequence,
                 })
                 .collect();
-            self.idempotent_append(&producer, &sequenced).await?
+            let offsets = self.idempotent_append(&producer, &sequenced).await?;
+            self.wake_each(sequenced.iter().map(|message| message.queue.as_slice()));
+            offsets
         };
         self.metrics.queue_messages_appended.inc_by(count);
-        for queue in &queues {
-            self.waiters.wake(queue);
-        }
         Ok(Response::new(AppendResponse { offsets }))
     }
 

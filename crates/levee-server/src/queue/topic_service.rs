@@ -229,21 +229,29 @@ impl TopicsApi for TopicService {
                 }
             };
             partitions.push(partition);
-            messages.push(SequencedMessage {
-                queue: topic.queues[partition as usize].clone(),
-                payload: message.payload,
-                sequence: message.sequence,
-            });
+            messages.push((message.payload, message.sequence));
         }
+        let queue_of = |partition: u32| &topic.queues[partition as usize];
         let offsets = if request.producer_id.is_empty() {
-            let batch: Vec<(&[u8], &[u8])> = messages
+            // The partitions' queue names are borrowed, not copied per message.
+            let batch: Vec<(&[u8], &[u8])> = partitions
                 .iter()
-                .map(|message| (message.queue.as_slice(), &message.payload[..]))
+                .zip(&messages)
+                .map(|(&partition, (payload, _))| (queue_of(partition).as_slice(), &payload[..]))
                 .collect();
             self.context.calls.append_batch(&batch).await?
         } else {
+            let sequenced: Vec<SequencedMessage> = partitions
+                .iter()
+                .zip(messages)
+                .map(|(&partition, (payload, sequence))| SequencedMessage {
+                    queue: queue_of(partition).clone(),
+                    payload,
+                    sequence,
+                })
+                .collect();
             self.queues
-                .idempotent_append(&request.producer_id, &messages)
+                .idempotent_append(&request.producer_id, &sequenced)
                 .await?
         };
         self.context
