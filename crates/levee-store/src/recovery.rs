@@ -19,6 +19,12 @@ use crate::store::{QueueKey, SHARD_COUNT, SegmentEntry, Shard};
 
 /// Bytes read at a time while scanning a segment.
 const SCAN_BLOCK_BYTES: usize = 4 << 20;
+/// Checked records of one read window are applied by two threads (each owning half the lock
+/// shards, so a queue's records keep their order) once there are at least this many.
+const PARALLEL_RECORDS_MIN: usize = 1024;
+/// Queues created while replaying the upper half of the shards take incarnations from here, so
+/// the two halves never hand out the same one.
+const HIGH_INCARNATION_BASE: u64 = 1 << 62;
 
 /// What [`crate::Store::open`] found and did; worth logging.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -79,7 +85,12 @@ type RecoveringMap = HashMap<Arc<[u8]>, Recovering, foldhash::fast::FixedState>;
 struct Replay {
     hasher: foldhash::fast::FixedState,
     shards: Vec<RecoveringMap>,
+    /// Next incarnation for queues of the lower half of the shards.
     next_incarnation: u64,
+    /// Next incarnation for queues of the upper half (from [`HIGH_INCARNATION_BASE`]).
+    next_incarnation_high: u64,
+    /// Use a second thread for large windows.
+    parallel: bool,
     /// Chunk records seen per segment.
     chunk_records: BTreeMap<u32, u64>,
     /// Format version of the segment being scanned.
@@ -367,6 +378,8 @@ pub(crate) fn recover(
         shards: (0..SHARD_COUNT).map(|_| RecoveringMap::default()).collect(),
         chunk_records: BTreeMap::new(),
         next_incarnation: 0,
+        next_incarnation_high: HIGH_INCARNATION_BASE,
+        parallel: std::thread::available_parallelism().is_ok_and(|cores| cores.get() > 1),
         segment_version: FORMAT_VERSION,
     };
     let mut segments = BTreeMap::new();
@@ -504,7 +517,7 @@ pub(crate) fn recover(
         active_segment,
         active_file,
         active_bytes,
-        next_incarnation: replay.next_incarnation,
+        next_incarnation: replay.next_incarnation.max(replay.next_incarnation_high),
         file_syncs,
         dir_syncs,
         report,
@@ -583,6 +596,12 @@ impl<'a> Scanner<'a> {
         }
     }
 
+    /// Whether `count` bytes at `position` are in the current window (no read needed).
+    fn contains(&self, position: u64, count: usize) -> bool {
+        position >= self.window_start
+            && position + count as u64 <= self.window_start + self.window.len() as u64
+    }
+
     /// `count` bytes at `position`; the caller keeps `position + count` within the length.
     pub(crate) fn bytes(&mut self, position: u64, count: usize) -> std::io::Result<&[u8]> {
         let window_end = self.window_start + self.window.len() as u64;
@@ -616,22 +635,24 @@ impl Replay {
             window_start: 0,
         };
         let mut position = SEGMENT_HEADER_BYTES;
+        let mut pending = Vec::new();
+        let inconsistent = |(position, reason): (u64, String)| OpenError::Corrupt {
+            file: name.to_string(),
+            position,
+            reason,
+        };
         while position < length {
-            let problem = match self.next_record(&mut scanner, segment, position) {
+            let problem = match self.next_record(&mut scanner, segment, position, &mut pending) {
                 Ok(record_bytes) => {
                     report.records += 1;
                     position += record_bytes;
                     continue;
                 }
-                Err(Problem::Damaged(problem)) => problem,
-                Err(Problem::Inconsistent(reason)) => {
+                Err((_, Problem::Damaged(problem))) => problem,
+                Err((position, Problem::Inconsistent(reason))) => {
                     // The record passed its checksum: this is not a torn write, and cutting
                     // here could drop acknowledged data. Refuse instead.
-                    return Err(OpenError::Corrupt {
-                        file: name.to_string(),
-                        position,
-                        reason,
-                    });
+                    return Err(inconsistent((position, reason)));
                 }
             };
             if !last {
@@ -641,6 +662,9 @@ impl Replay {
                     reason: problem,
                 });
             }
+            // The records before the damage are good: apply them, then cut.
+            self.apply_pending(&scanner, segment, &mut pending)
+                .map_err(inconsistent)?;
             report.truncated.push(TruncatedTail {
                 file: name.to_string(),
                 position,
@@ -649,121 +673,246 @@ impl Replay {
             });
             return Ok(position);
         }
+        self.apply_pending(&scanner, segment, &mut pending)
+            .map_err(inconsistent)?;
         Ok(position)
     }
 
-    /// Checks and applies the record at `position`; returns its length or what is wrong.
+    /// Applies the checked records of the scanner's window, in order per lock shard: with two
+    /// threads (each owning half the shards) when there are many.
+    fn apply_pending(
+        &mut self,
+        scanner: &Scanner<'_>,
+        segment: u32,
+        pending: &mut Vec<PendingRecord>,
+    ) -> Result<(), (u64, String)> {
+        let window = &scanner.window[..];
+        let version = self.segment_version;
+        let (low, high) = self.shards.split_at_mut(SHARD_COUNT / 2);
+        let (low_next, high_next) = (&mut self.next_incarnation, &mut self.next_incarnation_high);
+        let result = if self.parallel && pending.len() >= PARALLEL_RECORDS_MIN {
+            std::thread::scope(|scope| {
+                let upper = scope.spawn(|| {
+                    apply_half(
+                        high,
+                        SHARD_COUNT / 2,
+                        pending,
+                        window,
+                        segment,
+                        version,
+                        high_next,
+                    )
+                });
+                let lower = apply_half(low, 0, pending, window, segment, version, low_next);
+                // Invariant: apply_half does not panic on any input (it returns errors).
+                let upper = upper.join().expect("recovery thread finished");
+                match (lower, upper) {
+                    (Err(lower), Err(upper)) => Err(if lower.0 <= upper.0 { lower } else { upper }),
+                    (Err(error), Ok(())) | (Ok(()), Err(error)) => Err(error),
+                    (Ok(()), Ok(())) => Ok(()),
+                }
+            })
+        } else {
+            apply_half(low, 0, pending, window, segment, version, low_next).and_then(|()| {
+                apply_half(
+                    high,
+                    SHARD_COUNT / 2,
+                    pending,
+                    window,
+                    segment,
+                    version,
+                    high_next,
+                )
+            })
+        };
+        pending.clear();
+        result
+    }
+
+    /// Checks the record at `position` and queues it in `pending` (applying the pending ones
+    /// first if the record needs the window moved); returns its length, or what is wrong and
+    /// where.
     fn next_record(
         &mut self,
         scanner: &mut Scanner<'_>,
         segment: u32,
         position: u64,
-    ) -> Result<u64, Problem> {
+        pending: &mut Vec<PendingRecord>,
+    ) -> Result<u64, (u64, Problem)> {
+        let damaged = |reason: String| (position, Problem::Damaged(reason));
         let left = scanner.length - position;
         if left < RECORD_HEADER_BYTES as u64 {
-            return Err(Problem::Damaged(format!(
+            return Err(damaged(format!(
                 "record header cut short ({left} bytes left)"
             )));
         }
+        if !scanner.contains(position, RECORD_HEADER_BYTES) {
+            self.apply_pending(scanner, segment, pending)
+                .map_err(|(at, reason)| (at, Problem::Inconsistent(reason)))?;
+        }
         let header = scanner
             .bytes(position, RECORD_HEADER_BYTES)
-            .map_err(|error| Problem::Damaged(error.to_string()))?;
+            .map_err(|error| damaged(error.to_string()))?;
         let body_bytes = usize::try_from(format::read_u32(header, 4)).unwrap_or(usize::MAX);
         if body_bytes == 0 || body_bytes > RECORD_BODY_BYTES_MAX {
-            return Err(Problem::Damaged(format!(
-                "record length {body_bytes} out of bounds"
-            )));
+            return Err(damaged(format!("record length {body_bytes} out of bounds")));
         }
         let record_bytes = (RECORD_HEADER_BYTES + body_bytes) as u64;
         if record_bytes > left {
-            return Err(Problem::Damaged(format!(
+            return Err(damaged(format!(
                 "record of {record_bytes} bytes runs past the end of the file"
             )));
         }
         let bytes = usize::try_from(record_bytes).unwrap_or(usize::MAX);
+        if !scanner.contains(position, bytes) {
+            self.apply_pending(scanner, segment, pending)
+                .map_err(|(at, reason)| (at, Problem::Inconsistent(reason)))?;
+        }
         let record = scanner
             .bytes(position, bytes)
-            .map_err(|error| Problem::Damaged(error.to_string()))?;
-        let record = format::decode_checked(record)
-            .map_err(|reason| Problem::Damaged(reason.to_string()))?;
-        let position = u32::try_from(position)
-            .map_err(|_| Problem::Inconsistent("record position past 4 GiB".to_string()))?;
-        self.apply(record, segment, position, record_bytes)?;
+            .map_err(|error| damaged(error.to_string()))?;
+        let decoded =
+            format::decode_checked(record).map_err(|reason| damaged(reason.to_string()))?;
+        let name = match &decoded {
+            Record::Chunk(chunk) | Record::Log(chunk) => chunk.name,
+            Record::Trim { name, .. } | Record::Delete { name } => name,
+        };
+        // Truncation is intended: the low bits pick the shard, as in `Inner::shard_index`.
+        #[allow(clippy::cast_possible_truncation)]
+        let shard =
+            std::hash::BuildHasher::hash_one(&self.hasher, name) as usize & (SHARD_COUNT - 1);
+        if matches!(decoded, Record::Chunk(_)) {
+            *self.chunk_records.entry(segment).or_default() += 1;
+        }
+        let record_position = u32::try_from(position).map_err(|_| {
+            (
+                position,
+                Problem::Inconsistent("record position past 4 GiB".to_string()),
+            )
+        })?;
+        pending.push(PendingRecord {
+            window_start: usize::try_from(position - scanner.window_start).unwrap_or(usize::MAX),
+            bytes,
+            position: record_position,
+            shard,
+        });
         Ok(record_bytes)
     }
+}
 
-    /// Applies one checked record to the queues being rebuilt.
-    fn apply(
-        &mut self,
-        record: Record<'_>,
-        segment: u32,
-        position: u32,
-        record_bytes: u64,
-    ) -> Result<(), Problem> {
-        let shard = {
-            use std::hash::BuildHasher;
-            let name = match &record {
-                Record::Chunk(chunk) | Record::Log(chunk) => chunk.name,
-                Record::Trim { name, .. } | Record::Delete { name } => name,
-            };
-            // Truncation is intended: the low bits pick the shard, as in `Inner::shard_index`.
-            #[allow(clippy::cast_possible_truncation)]
-            let hash = self.hasher.hash_one(name) as usize;
-            &mut self.shards[hash & (SHARD_COUNT - 1)]
-        };
-        // Record bodies are at most 2^30 bytes (checked above), so the size fits in u32.
-        let record_bytes = u32::try_from(record_bytes).unwrap_or(u32::MAX);
-        match record {
-            Record::Chunk(chunk) => {
-                *self.chunk_records.entry(segment).or_default() += 1;
-                let entry = ChunkEntry {
-                    first_offset: chunk.first_offset,
+/// A checked record waiting in the scanner's window to be applied.
+struct PendingRecord {
+    /// Where the record starts in the window.
+    window_start: usize,
+    /// Record bytes, header included.
+    bytes: usize,
+    /// Where the record starts in its segment.
+    position: u32,
+    /// Its queue's lock shard.
+    shard: usize,
+}
+
+/// Applies, in order, the pending records whose shard is in `first_shard..first_shard +
+/// shards.len()`; `next_incarnation` numbers the queues it creates. Returns the position of
+/// the first record that contradicts the log, and why.
+fn apply_half(
+    shards: &mut [RecoveringMap],
+    first_shard: usize,
+    pending: &[PendingRecord],
+    window: &[u8],
+    segment: u32,
+    segment_version: u32,
+    next_incarnation: &mut u64,
+) -> Result<(), (u64, String)> {
+    let shard_range = first_shard..first_shard + shards.len();
+    for record in pending
+        .iter()
+        .filter(|record| shard_range.contains(&record.shard))
+    {
+        let bytes = &window[record.window_start..record.window_start + record.bytes];
+        let outcome = format::decode_record(&bytes[RECORD_HEADER_BYTES..])
+            .map_err(|reason| Problem::Inconsistent(reason.to_string()))
+            .and_then(|decoded| {
+                apply_record(
+                    &mut shards[record.shard - first_shard],
+                    decoded,
                     segment,
-                    position,
-                };
-                if let Some(queue) = shard.get_mut(chunk.name) {
-                    return queue.add_chunk(&chunk, entry, record_bytes);
-                }
-                let name: Arc<[u8]> = Arc::from(chunk.name);
-                let mut queue = Recovering::new(name.clone(), self.next_incarnation, 0);
-                self.next_incarnation += 1;
-                queue.add_chunk(&chunk, entry, record_bytes)?;
-                shard.insert(name, queue);
-            }
-            Record::Trim {
-                name,
-                first_retained_offset,
-            } => {
-                if let Some(queue) = shard.get_mut(name) {
-                    queue.trim(first_retained_offset, segment);
-                    return Ok(());
-                }
-                let name: Arc<[u8]> = Arc::from(name);
-                let mut queue =
-                    Recovering::new(name.clone(), self.next_incarnation, first_retained_offset);
-                self.next_incarnation += 1;
-                queue.trim(first_retained_offset, segment);
-                shard.insert(name, queue);
-            }
-            Record::Delete { name } => {
-                shard.remove(name);
-            }
-            Record::Log(_) if self.segment_version < 2 => {
-                return Err(Problem::Inconsistent(
-                    "log record in a segment of format version 1".to_string(),
-                ));
-            }
-            Record::Log(log) => {
-                if let Some(queue) = shard.get_mut(log.name) {
-                    return queue.add_log(&log);
-                }
-                let name: Arc<[u8]> = Arc::from(log.name);
-                let mut queue = Recovering::new(name.clone(), self.next_incarnation, 0);
-                self.next_incarnation += 1;
-                queue.add_log(&log)?;
-                shard.insert(name, queue);
+                    record.position,
+                    record.bytes,
+                    segment_version,
+                    next_incarnation,
+                )
+            });
+        match outcome {
+            Ok(()) => {}
+            Err(Problem::Inconsistent(reason) | Problem::Damaged(reason)) => {
+                return Err((u64::from(record.position), reason));
             }
         }
-        Ok(())
     }
+    Ok(())
+}
+
+/// Applies one checked record to the queues of its shard being rebuilt.
+fn apply_record(
+    shard: &mut RecoveringMap,
+    record: Record<'_>,
+    segment: u32,
+    position: u32,
+    record_bytes: usize,
+    segment_version: u32,
+    next_incarnation: &mut u64,
+) -> Result<(), Problem> {
+    let mut new_queue = |name: &[u8], trimmed_to: u64| {
+        let name: Arc<[u8]> = Arc::from(name);
+        let queue = Recovering::new(name.clone(), *next_incarnation, trimmed_to);
+        *next_incarnation += 1;
+        (name, queue)
+    };
+    // Record bodies are at most 2^30 bytes (checked when scanned), so the size fits in u32.
+    let record_bytes = u32::try_from(record_bytes).unwrap_or(u32::MAX);
+    match record {
+        Record::Chunk(chunk) => {
+            let entry = ChunkEntry {
+                first_offset: chunk.first_offset,
+                segment,
+                position,
+            };
+            if let Some(queue) = shard.get_mut(chunk.name) {
+                return queue.add_chunk(&chunk, entry, record_bytes);
+            }
+            let (name, mut queue) = new_queue(chunk.name, 0);
+            queue.add_chunk(&chunk, entry, record_bytes)?;
+            shard.insert(name, queue);
+        }
+        Record::Trim {
+            name,
+            first_retained_offset,
+        } => {
+            if let Some(queue) = shard.get_mut(name) {
+                queue.trim(first_retained_offset, segment);
+                return Ok(());
+            }
+            let (name, mut queue) = new_queue(name, first_retained_offset);
+            queue.trim(first_retained_offset, segment);
+            shard.insert(name, queue);
+        }
+        Record::Delete { name } => {
+            shard.remove(name);
+        }
+        Record::Log(_) if segment_version < 2 => {
+            return Err(Problem::Inconsistent(
+                "log record in a segment of format version 1".to_string(),
+            ));
+        }
+        Record::Log(log) => {
+            if let Some(queue) = shard.get_mut(log.name) {
+                return queue.add_log(&log);
+            }
+            let (name, mut queue) = new_queue(log.name, 0);
+            queue.add_log(&log)?;
+            shard.insert(name, queue);
+        }
+    }
+    Ok(())
 }
