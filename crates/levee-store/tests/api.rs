@@ -818,7 +818,7 @@ fn given_many_records_per_window_when_recovering_should_rebuild_every_queue_in_o
     let mut expected: Vec<Vec<Vec<u8>>> = vec![Vec::new(); queues.len()];
     for round in 0..40_u32 {
         let batch: Vec<(Vec<u8>, Vec<u8>)> = (0..queues.len())
-            .filter(|queue| (queue + round as usize) % 3 != 0)
+            .filter(|queue| !(queue + round as usize).is_multiple_of(3))
             .map(|queue| {
                 (
                     queues[queue].clone(),
