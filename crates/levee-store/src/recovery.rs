@@ -690,20 +690,25 @@ impl Replay {
         let version = self.segment_version;
         let (low, high) = self.shards.split_at_mut(SHARD_COUNT / 2);
         let (low_next, high_next) = (&mut self.next_incarnation, &mut self.next_incarnation_high);
+        let pending_records: &[PendingRecord] = pending;
+        let mut apply_lower =
+            move || apply_half(low, 0, pending_records, window, segment, version, low_next);
+        let mut apply_upper = move || {
+            let first = SHARD_COUNT / 2;
+            apply_half(
+                high,
+                first,
+                pending_records,
+                window,
+                segment,
+                version,
+                high_next,
+            )
+        };
         let result = if self.parallel && pending.len() >= PARALLEL_RECORDS_MIN {
             std::thread::scope(|scope| {
-                let upper = scope.spawn(|| {
-                    apply_half(
-                        high,
-                        SHARD_COUNT / 2,
-                        pending,
-                        window,
-                        segment,
-                        version,
-                        high_next,
-                    )
-                });
-                let lower = apply_half(low, 0, pending, window, segment, version, low_next);
+                let upper = scope.spawn(apply_upper);
+                let lower = apply_lower();
                 // Invariant: apply_half does not panic on any input (it returns errors).
                 let upper = upper.join().expect("recovery thread finished");
                 match (lower, upper) {
@@ -713,17 +718,7 @@ impl Replay {
                 }
             })
         } else {
-            apply_half(low, 0, pending, window, segment, version, low_next).and_then(|()| {
-                apply_half(
-                    high,
-                    SHARD_COUNT / 2,
-                    pending,
-                    window,
-                    segment,
-                    version,
-                    high_next,
-                )
-            })
+            apply_lower().and_then(|()| apply_upper())
         };
         pending.clear();
         result
