@@ -18,6 +18,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let payload_fields = [
         ".levee.v1.AppendMessage.payload",
         ".levee.v1.Delivery.payload",
+        ".levee.v1.MailboxDelivery.payload",
         ".levee.v1.ReadResponse.payloads",
         ".levee.v1.PublishMessage.key",
         ".levee.v1.PublishMessage.payload",

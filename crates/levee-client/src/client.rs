@@ -385,6 +385,16 @@ impl Client {
         crate::Subscription::open(self.queues_client(), queue, consumer, credit_messages).await
     }
 
+    /// Opens `consumer`'s stream over many queues (mailboxes), with `credit_messages` (1 to
+    /// 100000) in flight over all of them; add queues with [`crate::Mailboxes::add`].
+    pub async fn subscribe_many(
+        &self,
+        consumer: &str,
+        credit_messages: u32,
+    ) -> Result<crate::Mailboxes, ClientError> {
+        crate::Mailboxes::open(self.queues_client(), consumer, credit_messages).await
+    }
+
     fn topics_client(&self) -> TopicsClient<Channel> {
         TopicsClient::new(self.channel.clone())
             .max_decoding_message_size(QUEUE_MESSAGE_BYTES_MAX)

@@ -8,6 +8,8 @@
 //! - [`Producer`]: batches appends from many tasks; optionally idempotent (resends never store
 //!   a message twice).
 //! - [`Subscription`]: one consumer's mailbox stream on one queue, with credits and acks.
+//! - [`Mailboxes`]: one consumer's stream over many queues (up to a million), one credit,
+//!   batched acks.
 //! - [`GroupConsumer`]: a consumer-group member on a topic: leases, bounded parallelism, commits
 //!   strictly in order, rejoin with backoff.
 //! - [`ClientError`]: what went wrong; server errors carry Levee's stable [`ErrorCode`].
@@ -27,6 +29,7 @@ mod client;
 mod consumer;
 mod error;
 pub mod hotkey;
+mod mailboxes;
 mod producer;
 mod subscription;
 
@@ -38,8 +41,9 @@ pub use levee_proto::topic_partition;
 pub use levee_proto::v1::{
     Delivery, DescribeGroupResponse as GroupDescription, DescribeTopicResponse as TopicDescription,
     ErrorCode, GetAppStatsResponse as AppStats, GetServerInfoResponse as ServerInfo, HotKeyEvent,
-    HotKeyRule, KeyCount, MatchKind, TopicSummary,
+    HotKeyRule, KeyCount, MailboxDelivery, MatchKind, TopicSummary,
 };
 pub use levee_proto::{Bytes, WireError};
+pub use mailboxes::{MAILBOXES_PER_REQUEST_MAX, Mailboxes};
 pub use producer::{Producer, ProducerOptions};
 pub use subscription::Subscription;

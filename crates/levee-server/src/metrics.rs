@@ -121,6 +121,8 @@ pub struct Metrics {
     pub queue_messages_read: Counter,
     /// Messages pushed to subscriptions (redeliveries included).
     pub queue_messages_delivered: Counter,
+    /// Queues subscribed on `SubscribeMany` streams (mailboxes), over all streams.
+    pub queue_mailboxes_subscribed: Gauge,
     /// Messages published to topics (acknowledged).
     pub topic_messages_published: Counter,
     /// Messages of idempotent appends answered from memory instead of stored again.
@@ -280,6 +282,12 @@ impl Metrics {
                 "levee_queue_messages_delivered",
                 "messages pushed to subscriptions, redeliveries included",
                 Counter::default(),
+            ),
+            queue_mailboxes_subscribed: registered(
+                registry_ref,
+                "levee_queue_mailboxes_subscribed",
+                "queues subscribed on SubscribeMany streams (mailboxes), over all streams",
+                Gauge::default(),
             ),
             topic_messages_published: registered(
                 registry_ref,

@@ -2,7 +2,7 @@
 //! embedded queue store (`levee-store`), which lives in the `queues` directory of the data dir.
 //!
 //! - `service`: append (idempotent with a producer id), read, info, list, delete, and mailbox
-//!   subscriptions (`subscription`).
+//!   subscriptions: one queue per stream (`subscription`) or many (`mailboxes`).
 //! - `topic_service`: topics (`topic`), keyed publishing, consumer groups (`group`, the
 //!   coordinator; `consume`, a member's stream) and flow control (`rate`).
 //! - `producer`: idempotent producers' remembered runs.
@@ -18,6 +18,7 @@ pub mod consume;
 pub mod durable;
 pub mod group;
 pub mod http;
+pub mod mailboxes;
 pub mod producer;
 pub mod rate;
 pub mod service;

@@ -9,11 +9,13 @@ use std::time::Duration;
 use futures_util::Stream;
 use levee_proto::WireError;
 use levee_proto::v1::queues_server::Queues;
+use levee_proto::v1::subscribe_many_request::Kind as SubscribeManyKind;
 use levee_proto::v1::subscribe_request::Kind as SubscribeKind;
 use levee_proto::v1::{
     AppendRequest, AppendResponse, DeleteQueueRequest, DeleteQueueResponse, ErrorCode,
     GetQueueInfoRequest, GetQueueInfoResponse, ListQueuesRequest, ListQueuesResponse, ReadRequest,
-    ReadResponse, SetRetentionRequest, SetRetentionResponse, SubscribeRequest, SubscribeResponse,
+    ReadResponse, SetRetentionRequest, SetRetentionResponse, SubscribeManyRequest,
+    SubscribeManyResponse, SubscribeRequest, SubscribeResponse,
 };
 use levee_store::{InputError, ReadError};
 use tokio::sync::{Semaphore, mpsc, watch};
@@ -23,6 +25,7 @@ use super::subscription::{
     RESERVED_PREFIX, RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX, Session, Waiters, check_start,
 };
 
+use super::mailboxes::{self, ManyContext, ManySession};
 use super::producer::{Producers, SequencedMessage};
 use super::topic::{RetentionRule, Topics};
 use super::{StoreCalls, write_error};
@@ -92,6 +95,21 @@ impl QueueService {
 }
 
 impl QueueService {
+    /// A slot for one more subscription stream (single or many-queue).
+    fn subscription_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, WireError> {
+        Arc::clone(&self.subscriptions)
+            .try_acquire_owned()
+            .map_err(|_| {
+                WireError::new(
+                    ErrorCode::ResourceExhausted,
+                    format!(
+                        "{SUBSCRIPTIONS_MAX} subscriptions are open on this server; retry later \
+                         or subscribe on another server"
+                    ),
+                )
+            })
+    }
+
     /// Wakes the subscriptions of each queue appended to, once per queue.
     fn wake_each<'a>(&self, queues: impl Iterator<Item = &'a [u8]>) {
         let mut queues: Vec<&[u8]> = queues.collect();
@@ -141,46 +159,48 @@ fn read_error(error: ReadError) -> WireError {
 }
 
 type SubscribeStream = Pin<Box<dyn Stream<Item = Result<SubscribeResponse, Status>> + Send>>;
+type SubscribeManyStream =
+    Pin<Box<dyn Stream<Item = Result<SubscribeManyResponse, Status>> + Send>>;
+
+/// A subscription stream's first message, which must be its start (`what`), within
+/// [`START_TIMEOUT`].
+async fn start_message<R, S>(
+    incoming: &mut Streaming<R>,
+    what: &str,
+    start: impl FnOnce(R) -> Option<S>,
+) -> Result<S, Status> {
+    match tokio::time::timeout(START_TIMEOUT, incoming.message()).await {
+        Ok(Ok(Some(message))) => start(message)
+            .ok_or_else(|| invalid(format!("the first message must be a {what}")).into()),
+        Ok(Ok(None)) => Err(invalid(format!("the stream ended before its {what}")).into()),
+        Ok(Err(status)) => Err(status),
+        Err(_) => Err(invalid(format!(
+            "no start message within {} s; send {what} first",
+            START_TIMEOUT.as_secs()
+        ))
+        .into()),
+    }
+}
 
 #[tonic::async_trait]
 impl Queues for QueueService {
     type SubscribeStream = SubscribeStream;
+    type SubscribeManyStream = SubscribeManyStream;
 
     async fn subscribe(
         &self,
         request: Request<Streaming<SubscribeRequest>>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
         let mut incoming = request.into_inner();
-        let start = match tokio::time::timeout(START_TIMEOUT, incoming.message()).await {
-            Ok(Ok(Some(SubscribeRequest {
-                kind: Some(SubscribeKind::Start(start)),
-            }))) => start,
-            Ok(Err(status)) => return Err(status),
-            Err(_) => {
-                return Err(invalid(format!(
-                    "no start message within {} s; send SubscribeStart first",
-                    START_TIMEOUT.as_secs()
-                ))
-                .into());
+        let start = start_message(&mut incoming, "SubscribeStart", |message| {
+            match message.kind {
+                Some(SubscribeKind::Start(start)) => Some(start),
+                _ => None,
             }
-            Ok(Ok(_)) => {
-                return Err(
-                    invalid("the first message must be a SubscribeStart".to_owned()).into(),
-                );
-            }
-        };
+        })
+        .await?;
         check_start(&start)?;
-        let permit = Arc::clone(&self.subscriptions)
-            .try_acquire_owned()
-            .map_err(|_| {
-                WireError::new(
-                    ErrorCode::ResourceExhausted,
-                    format!(
-                        "{SUBSCRIPTIONS_MAX} subscriptions are open on this server; retry later or \
-                     subscribe on another server"
-                    ),
-                )
-            })?;
+        let permit = self.subscription_permit()?;
         let (outgoing, responses) = mpsc::channel(RESPONSES_QUEUED_MAX);
         let session = Session {
             calls: self.calls.clone(),
@@ -191,6 +211,40 @@ impl Queues for QueueService {
             delivered: self.metrics.queue_messages_delivered.clone(),
             closing: self.closing.clone(),
         };
+        tokio::spawn(async move {
+            session.run().await;
+            drop(permit);
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(responses),
+        )))
+    }
+
+    async fn subscribe_many(
+        &self,
+        request: Request<Streaming<SubscribeManyRequest>>,
+    ) -> Result<Response<Self::SubscribeManyStream>, Status> {
+        let mut incoming = request.into_inner();
+        let start = start_message(
+            &mut incoming,
+            "SubscribeManyStart",
+            |message| match message.kind {
+                Some(SubscribeManyKind::Start(start)) => Some(start),
+                _ => None,
+            },
+        )
+        .await?;
+        mailboxes::check_start(&start)?;
+        let permit = self.subscription_permit()?;
+        let (outgoing, responses) = mpsc::channel(RESPONSES_QUEUED_MAX);
+        let context = ManyContext {
+            calls: self.calls.clone(),
+            waiters: Arc::clone(&self.waiters),
+            delivered: self.metrics.queue_messages_delivered.clone(),
+            mailboxes: self.metrics.queue_mailboxes_subscribed.clone(),
+            closing: self.closing.clone(),
+        };
+        let session = ManySession::new(context, start, incoming, outgoing);
         tokio::spawn(async move {
             session.run().await;
             drop(permit);

@@ -49,37 +49,141 @@ pub const POSITION_TRIM_INTERVAL: std::time::Duration = std::time::Duration::fro
 /// The prefix of every position queue's name.
 const POSITION_PREFIX: &[u8] = b"\0position\0";
 
-/// Who waits on which queue: appends wake the subscriptions of the queues they grew.
-#[derive(Debug, Default)]
+/// Who waits on which queue: appends wake the subscriptions of the queues they grew, single
+/// ones ([`Subscribe`], topic members) through a shared [`Notify`], many-queue streams through
+/// their [`Inbox`] with the mailbox number.
+///
+/// [`Subscribe`]: levee_proto::v1::queues_server::Queues::subscribe
+#[derive(Debug)]
 pub struct Waiters {
-    queues: Mutex<HashMap<Vec<u8>, Weak<Notify>>>,
+    queues: Mutex<WaiterMap>,
+}
+
+#[derive(Debug)]
+struct WaiterMap {
+    entries: HashMap<Box<[u8]>, Watchers>,
+    /// Entries beyond which dead ones are pruned (amortized: twice the live count after each
+    /// prune, at least [`SUBSCRIPTIONS_MAX`]).
+    prune_at: usize,
+}
+
+/// The watchers of one queue.
+#[derive(Debug, Default)]
+struct Watchers {
+    notify: Weak<Notify>,
+    inboxes: Vec<(Weak<Inbox>, u32)>,
+}
+
+impl Watchers {
+    fn is_dead(&self) -> bool {
+        self.notify.strong_count() == 0 && self.inboxes.is_empty()
+    }
+}
+
+impl Default for Waiters {
+    fn default() -> Self {
+        Self {
+            queues: Mutex::new(WaiterMap {
+                entries: HashMap::new(),
+                prune_at: SUBSCRIPTIONS_MAX,
+            }),
+        }
+    }
+}
+
+/// A many-queue stream's wake-ups: the mailbox numbers whose queues grew since it last looked.
+/// Bounded by the stream's mailboxes (a number is held once).
+#[derive(Debug, Default)]
+pub struct Inbox {
+    ready: Mutex<std::collections::HashSet<u32>>,
+    /// Notified (one permit kept) when a number is added.
+    pub notify: Notify,
+}
+
+impl Inbox {
+    fn wake(&self, mailbox: u32) {
+        if lock(&self.ready).insert(mailbox) {
+            self.notify.notify_one();
+        }
+    }
+
+    /// Takes the numbers woken since the last call.
+    pub fn take(&self) -> std::collections::HashSet<u32> {
+        std::mem::take(&mut *lock(&self.ready))
+    }
 }
 
 impl Waiters {
     /// The queue's wake-up, shared by its subscriptions; dropped with the last of them.
     pub fn register(&self, queue: &[u8]) -> Arc<Notify> {
-        let mut queues = lock(&self.queues);
-        if let Some(notify) = queues.get(queue).and_then(Weak::upgrade) {
+        let mut map = lock(&self.queues);
+        if let Some(notify) = map.entries.get(queue).and_then(|w| w.notify.upgrade()) {
             return notify;
         }
-        if queues.len() >= SUBSCRIPTIONS_MAX {
-            queues.retain(|_, notify| notify.strong_count() > 0);
+        if map.entries.len() >= map.prune_at {
+            map.entries.retain(|_, watchers| !watchers.is_dead());
+            map.prune_at = (map.entries.len() * 2).max(SUBSCRIPTIONS_MAX);
         }
         let notify = Arc::new(Notify::new());
-        queues.insert(queue.to_vec(), Arc::downgrade(&notify));
+        map.entries.entry(queue.into()).or_default().notify = Arc::downgrade(&notify);
         notify
+    }
+
+    /// Registers `queues` as mailboxes `first..` of `inbox`. If one of them is already a
+    /// mailbox of `inbox` (or named twice), registers none and returns its index in `queues`
+    /// and its mailbox number.
+    pub fn add_mailboxes(
+        &self,
+        inbox: &Arc<Inbox>,
+        first: u32,
+        queues: &[Box<[u8]>],
+    ) -> Result<(), (usize, u32)> {
+        let weak = Arc::downgrade(inbox);
+        let mut map = lock(&self.queues);
+        for ((index, queue), mailbox) in queues.iter().enumerate().zip(first..) {
+            let watchers = map.entries.entry(queue.clone()).or_default();
+            if let Some(&(_, taken)) = watchers
+                .inboxes
+                .iter()
+                .find(|(other, _)| Weak::ptr_eq(other, &weak))
+            {
+                let added: Vec<(&[u8], u32)> = queues[..index]
+                    .iter()
+                    .zip(first..)
+                    .map(|(queue, mailbox)| (&queue[..], mailbox))
+                    .collect();
+                remove_locked(&mut map, &weak, &added);
+                return Err((index, taken));
+            }
+            watchers.inboxes.push((weak.clone(), mailbox));
+        }
+        Ok(())
+    }
+
+    /// Unregisters mailboxes of `inbox`, each a (queue, mailbox number).
+    pub fn remove_mailboxes(&self, inbox: &Arc<Inbox>, mailboxes: &[(&[u8], u32)]) {
+        remove_locked(&mut lock(&self.queues), &Arc::downgrade(inbox), mailboxes);
     }
 
     /// Wakes the subscriptions of `queue`, if any.
     pub fn wake(&self, queue: &[u8]) {
-        if let Some(notify) = lock(&self.queues).get(queue).and_then(Weak::upgrade) {
+        let map = lock(&self.queues);
+        let Some(watchers) = map.entries.get(queue) else {
+            return;
+        };
+        if let Some(notify) = watchers.notify.upgrade() {
             notify.notify_waiters();
+        }
+        for (inbox, mailbox) in &watchers.inboxes {
+            if let Some(inbox) = inbox.upgrade() {
+                inbox.wake(*mailbox);
+            }
         }
     }
 
-    /// Subscriptions' queues registered now (live or not yet pruned).
+    /// Queues registered now (live or not yet pruned).
     pub fn len(&self) -> usize {
-        lock(&self.queues).len()
+        lock(&self.queues).entries.len()
     }
 
     /// Whether no queue is registered.
@@ -88,12 +192,26 @@ impl Waiters {
     }
 }
 
+fn remove_locked(map: &mut WaiterMap, inbox: &Weak<Inbox>, mailboxes: &[(&[u8], u32)]) {
+    for &(queue, mailbox) in mailboxes {
+        let Some(watchers) = map.entries.get_mut(queue) else {
+            continue;
+        };
+        watchers
+            .inboxes
+            .retain(|(other, number)| !(Weak::ptr_eq(other, inbox) && *number == mailbox));
+        if watchers.is_dead() {
+            map.entries.remove(queue);
+        }
+    }
+}
+
 fn invalid(message: String) -> WireError {
     WireError::new(ErrorCode::InvalidArgument, message)
 }
 
 /// The name of the queue holding `consumer`'s acked positions on `queue`.
-fn position_queue(consumer: &str, queue: &[u8]) -> Vec<u8> {
+pub(crate) fn position_queue(consumer: &str, queue: &[u8]) -> Vec<u8> {
     let hash = foldhash::fast::FixedState::with_seed(0x706f_7369_7469_6f6e).hash_one(queue);
     let mut name = POSITION_PREFIX.to_vec();
     name.extend_from_slice(consumer.as_bytes());
@@ -143,14 +261,14 @@ pub fn enforce_retention(
 
 /// A position record: the next offset to deliver, then the queue's name (to detect a hash
 /// collision).
-fn position_record(next: u64, queue: &[u8]) -> Vec<u8> {
+pub(crate) fn position_record(next: u64, queue: &[u8]) -> Vec<u8> {
     let mut record = next.to_le_bytes().to_vec();
     record.extend_from_slice(queue);
     record
 }
 
 /// The consumer's next offset on `queue`: after its last ack, or 0.
-fn load_position(store: &Store, consumer: &str, queue: &[u8]) -> Result<u64, WireError> {
+pub(crate) fn load_position(store: &Store, consumer: &str, queue: &[u8]) -> Result<u64, WireError> {
     let name = position_queue(consumer, queue);
     let storage = |error: String| WireError::new(ErrorCode::StorageFailed, error);
     let Some(info) = store
@@ -181,24 +299,38 @@ fn load_position(store: &Store, consumer: &str, queue: &[u8]) -> Result<u64, Wir
 
 /// Checks the start message: queue name, consumer name, credit.
 pub fn check_start(start: &SubscribeStart) -> Result<(), WireError> {
-    if start.queue.is_empty() || start.queue.len() > 255 {
+    check_queue_name(&start.queue)?;
+    check_consumer_and_credit(&start.consumer, start.credit.as_ref())
+}
+
+/// Checks a subscribed queue's name: 1 to 255 bytes, not reserved.
+pub(crate) fn check_queue_name(queue: &[u8]) -> Result<(), WireError> {
+    if queue.is_empty() || queue.len() > 255 {
         return Err(invalid(format!(
             "queue name must be 1 to 255 bytes, got {}",
-            start.queue.len()
+            queue.len()
         )));
     }
-    if start.queue[0] == RESERVED_PREFIX {
+    if queue[0] == RESERVED_PREFIX {
         return Err(invalid(
             "queue names starting with a zero byte are reserved".to_owned(),
         ));
     }
-    if start.consumer.is_empty() || start.consumer.len() > CONSUMER_BYTES_MAX {
+    Ok(())
+}
+
+/// Checks a subscription's consumer name and initial credit.
+pub(crate) fn check_consumer_and_credit(
+    consumer: &str,
+    credit: Option<&Credit>,
+) -> Result<(), WireError> {
+    if consumer.is_empty() || consumer.len() > CONSUMER_BYTES_MAX {
         return Err(invalid(format!(
             "consumer must be 1 to {CONSUMER_BYTES_MAX} bytes, got {}",
-            start.consumer.len()
+            consumer.len()
         )));
     }
-    let messages = start.credit.as_ref().map_or(0, |credit| credit.messages);
+    let messages = credit.map_or(0, |credit| credit.messages);
     if !(1..=CREDIT_MESSAGES_MAX).contains(&messages) {
         return Err(invalid(format!(
             "credit.messages must be 1 to {CREDIT_MESSAGES_MAX}, got {messages}"
@@ -410,6 +542,40 @@ enum Delivered {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn names(names: &[&str]) -> Vec<Box<[u8]>> {
+        names.iter().map(|name| name.as_bytes().into()).collect()
+    }
+
+    #[test]
+    fn given_mailboxes_then_wakes_reach_their_inbox_once_and_removal_forgets_them() {
+        let waiters = Waiters::default();
+        let (one, two) = (Arc::new(Inbox::default()), Arc::new(Inbox::default()));
+        waiters.add_mailboxes(&one, 0, &names(&["a", "b"])).unwrap();
+        waiters.add_mailboxes(&two, 5, &names(&["b"])).unwrap();
+        let _single = waiters.register(b"b");
+        // A queue twice on one inbox (here within one add) registers nothing of that add.
+        assert_eq!(
+            waiters.add_mailboxes(&one, 2, &names(&["c", "a"])),
+            Err((1, 0))
+        );
+        assert_eq!(waiters.len(), 2, "'c' was rolled back");
+        for _ in 0..3 {
+            waiters.wake(b"b");
+        }
+        waiters.wake(b"a");
+        waiters.wake(b"unknown");
+        let mut woken: Vec<u32> = one.take().into_iter().collect();
+        woken.sort_unstable();
+        assert_eq!(woken, vec![0, 1]);
+        assert_eq!(two.take().into_iter().collect::<Vec<_>>(), vec![5]);
+        assert!(one.take().is_empty());
+        waiters.remove_mailboxes(&one, &[(b"a", 0), (b"b", 1)]);
+        assert_eq!(waiters.len(), 1, "'b' is still watched");
+        waiters.wake(b"b");
+        assert!(one.take().is_empty());
+        assert_eq!(two.take().len(), 1);
+    }
 
     #[test]
     fn given_many_acks_when_positions_are_trimmed_then_the_queue_shrinks_and_keeps_the_last() {

@@ -3,7 +3,8 @@
 //! the latency from the append call to the delivery (HdrHistogram percentiles).
 //!
 //! - `--shape mailbox`: producer tasks send through one batching `Producer` to `--queues`
-//!   queues, and one subscription per queue consumes and acks.
+//!   queues (default 1,000,000); `--consumers` many-queue streams (`SubscribeMany`) hold the
+//!   queues between them as mailboxes, consume and ack every message.
 //! - `--shape topic`: one topic of `--partitions` partitions; producer tasks publish batches of
 //!   `--batch` keyed messages; `--consumers` members of one consumer group consume with the
 //!   `GroupConsumer` (ordered per partition) and commit in order.
@@ -20,18 +21,17 @@ use serde_json::{Value, json};
 use super::percentiles_ms;
 use super::server_process::ServerProcess;
 
-/// Acks are sent after this many deliveries (and at the end).
-const ACK_EVERY: u64 = 256;
-/// Credit of each subscription.
-const CREDIT_MESSAGES: u32 = 4_096;
+/// Credit of each mailbox stream.
+const CREDIT_MESSAGES: u32 = 8_192;
 
 #[derive(Debug, clap::Args)]
 pub struct QueueBenchArgs {
-    /// `mailbox` (one subscription per queue) or `topic` (one topic, one consumer group)
+    /// `mailbox` (many queues, each a mailbox on a many-queue stream) or `topic` (one topic,
+    /// one consumer group)
     #[arg(long, default_value = "mailbox")]
     pub shape: String,
-    /// Mailbox shape: queues, each with one subscription
-    #[arg(long, default_value_t = 1_000)]
+    /// Mailbox shape: queues, shared out over the --consumers streams
+    #[arg(long, default_value_t = 1_000_000)]
     pub queues: u64,
     /// Producer tasks, each waiting for its append (default: 4096 for mailbox, each sending one
     /// message through a shared batching producer; 16 for topic, each publishing --batch)
@@ -40,7 +40,8 @@ pub struct QueueBenchArgs {
     /// Topic shape: partitions of the topic
     #[arg(long, default_value_t = 64)]
     pub partitions: u32,
-    /// Topic shape: members of the consumer group
+    /// Topic shape: members of the consumer group; mailbox shape: many-queue streams (each
+    /// holds every --consumers-th queue)
     #[arg(long, default_value_t = 4)]
     pub consumers: u64,
     /// Topic shape: messages per publish request
@@ -207,7 +208,14 @@ async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<Value> {
     let names: Arc<[Vec<u8>]> = (0..args.queues)
         .map(|queue| format!("bench-{run_id}-{queue}").into_bytes())
         .collect();
-    let consumers = start_consumers(&client, &names, epoch, &consumed, &latency).await?;
+    let subscribing = Instant::now();
+    let consumers = start_consumers(args, &client, &names, epoch, &consumed, &latency).await?;
+    let subscribe_s = subscribing.elapsed().as_secs_f64();
+    eprintln!(
+        "levee: {} queues subscribed on {} streams in {subscribe_s:.1} s",
+        names.len(),
+        args.consumers
+    );
     let producer = Producer::new(client.clone(), ProducerOptions::default())?;
     let producer_tasks = args.producers.unwrap_or(4_096);
     let stop = Arc::new(AtomicBool::new(false));
@@ -239,7 +247,9 @@ async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<Value> {
         consumer.abort();
     }
     let handled = consumed.load(Ordering::Relaxed);
-    Ok(report(args, total, handled, append_s, drained_s, &latency))
+    let mut result = report(args, total, handled, append_s, drained_s, &latency);
+    result["subscribe_s"] = json!(subscribe_s);
+    Ok(result)
 }
 
 /// The topic shape: one topic, producer tasks publishing batches, one consumer group.
@@ -474,7 +484,7 @@ fn report(
         "bench": "queue",
         "shape": args.shape,
         "queues": if args.shape == "topic" { u64::from(args.partitions) } else { args.queues },
-        "consumers": if args.shape == "topic" { args.consumers } else { args.queues },
+        "consumers": args.consumers,
         "producers": args.producers.unwrap_or(if args.shape == "topic" { 16 } else { 4_096 }),
         "message_bytes": args.message_bytes,
         "sync": args.sync,
@@ -505,28 +515,42 @@ pub fn print_summary(system: &str, report: &Value) {
     );
 }
 
-/// One subscription per queue, each recording append-to-delivery latency and acking.
+/// `--consumers` many-queue streams, stream `k` holding queues `k`, `k + consumers`, ...; each
+/// records append-to-delivery latency and acks every message (acks go out in batches).
 async fn start_consumers(
+    args: &QueueBenchArgs,
     client: &Client,
     names: &[Vec<u8>],
     epoch: Instant,
     consumed: &Arc<AtomicU64>,
     latency: &Arc<std::sync::Mutex<Histogram<u64>>>,
 ) -> anyhow::Result<Vec<tokio::task::JoinHandle<anyhow::Result<()>>>> {
+    let streams = usize::try_from(args.consumers)?;
+    let mut subscribing = Vec::new();
+    for stream in 0..streams {
+        let client = client.clone();
+        let share: Vec<Vec<u8>> = names
+            .iter()
+            .skip(stream)
+            .step_by(streams)
+            .cloned()
+            .collect();
+        subscribing.push(tokio::spawn(async move {
+            let mut mailboxes = client.subscribe_many("bench", CREDIT_MESSAGES).await?;
+            let queues: Vec<&[u8]> = share.iter().map(Vec::as_slice).collect();
+            mailboxes.add(&queues).await?;
+            anyhow::Ok(mailboxes)
+        }));
+    }
     let mut consumers = Vec::new();
-    for name in names {
-        let mut subscription = client.subscribe(name, "bench", CREDIT_MESSAGES).await?;
+    for subscribed in subscribing {
+        let mut mailboxes = subscribed.await??;
         let (consumed, latency) = (Arc::clone(consumed), Arc::clone(latency));
         consumers.push(tokio::spawn(async move {
-            let mut since_ack = 0;
-            while let Some(delivery) = subscription.next().await? {
+            while let Some(delivery) = mailboxes.next().await? {
                 record_latency(epoch, &delivery.payload, &latency)?;
                 consumed.fetch_add(1, Ordering::Relaxed);
-                since_ack += 1;
-                if since_ack >= ACK_EVERY {
-                    subscription.ack(delivery.offset).await?;
-                    since_ack = 0;
-                }
+                mailboxes.ack(delivery.mailbox, delivery.offset);
             }
             anyhow::Ok(())
         }));

@@ -1,0 +1,233 @@
+//! [`Mailboxes`]: one consumer's stream over many queues at once, with one credit and batched
+//! acks.
+
+use std::collections::{HashMap, VecDeque};
+
+use levee_proto::WireError;
+use levee_proto::v1::queues_client::QueuesClient;
+use levee_proto::v1::subscribe_many_request::Kind;
+use levee_proto::v1::{
+    AddMailboxes, Credit, ErrorCode, MailboxAck, MailboxAcks, MailboxDelivery, RemoveMailboxes,
+    SubscribeManyRequest, SubscribeManyResponse, SubscribeManyStart,
+};
+use tokio::sync::mpsc;
+use tonic::Streaming;
+use tonic::transport::Channel;
+
+use crate::error::ClientError;
+
+/// Requests queued for the server on one stream.
+const REQUESTS_QUEUED_MAX: usize = 64;
+/// Most queues (or mailbox numbers) one add or remove request carries (the server's bound).
+pub const MAILBOXES_PER_REQUEST_MAX: usize = 10_000;
+/// Acks buffered before [`Mailboxes::next`] sends them without being asked.
+const ACKS_BUFFERED_MAX: usize = 1_024;
+
+/// A consumer's stream over many queues (an app server holding its connected users'
+/// mailboxes). [`Mailboxes::add`] numbers the queues it adds in order (0, 1, ...); every
+/// delivery names its mailbox by that number, and the server pushes messages of any of them as
+/// they are appended.
+///
+/// Credit covers the whole stream: at most `credit_messages` delivered and not yet taken by
+/// [`Mailboxes::next`]; taken messages give their credit back. Acks are cumulative per mailbox
+/// and buffered: [`Mailboxes::ack`] records one, `next` sends them (at least once a thousand
+/// are waiting, and whenever it is about to wait for the server), and
+/// [`Mailboxes::flush_acks`] sends them and returns once they are durable. Messages not acked
+/// are delivered again to the next subscription of the same consumer, on this kind of stream
+/// or a single-queue [`crate::Subscription`] (they share the consumer's positions).
+#[derive(Debug)]
+pub struct Mailboxes {
+    requests: mpsc::Sender<SubscribeManyRequest>,
+    responses: Streaming<SubscribeManyResponse>,
+    received: VecDeque<MailboxDelivery>,
+    /// Mailbox numbers asked for so far.
+    added: u32,
+    /// Mailbox numbers the server confirmed.
+    confirmed: u32,
+    credit_messages: u32,
+    taken_messages: u32,
+    taken_bytes: u32,
+    acks: HashMap<u32, u64>,
+    ack_sequence: u64,
+    acked_sequence: u64,
+}
+
+impl Mailboxes {
+    pub(crate) async fn open(
+        mut client: QueuesClient<Channel>,
+        consumer: &str,
+        credit_messages: u32,
+    ) -> Result<Self, ClientError> {
+        let (requests, receiver) = mpsc::channel(REQUESTS_QUEUED_MAX);
+        let start = SubscribeManyRequest {
+            kind: Some(Kind::Start(SubscribeManyStart {
+                consumer: consumer.to_owned(),
+                credit: Some(Credit {
+                    messages: credit_messages,
+                    bytes: 0,
+                }),
+            })),
+        };
+        // A new channel has room for its first message.
+        let _ = requests.try_send(start);
+        let responses = client
+            .subscribe_many(tokio_stream::wrappers::ReceiverStream::new(receiver))
+            .await?
+            .into_inner();
+        Ok(Self {
+            requests,
+            responses,
+            received: VecDeque::new(),
+            added: 0,
+            confirmed: 0,
+            credit_messages,
+            taken_messages: 0,
+            taken_bytes: 0,
+            acks: HashMap::new(),
+            ack_sequence: 0,
+            acked_sequence: 0,
+        })
+    }
+
+    /// Adds `queues` (each at most once per stream) and returns once the server has registered
+    /// them: their mailbox numbers, in order. Delivery of each starts after the consumer's last
+    /// ack on it. Messages that arrive meanwhile wait for [`Mailboxes::next`].
+    pub async fn add(&mut self, queues: &[&[u8]]) -> Result<std::ops::Range<u32>, ClientError> {
+        let first = self.added;
+        for chunk in queues.chunks(MAILBOXES_PER_REQUEST_MAX) {
+            let add = AddMailboxes {
+                queues: chunk.iter().map(|queue| queue.to_vec()).collect(),
+            };
+            self.send(Kind::Add(add)).await?;
+            self.added += u32::try_from(chunk.len()).unwrap_or(u32::MAX);
+        }
+        while self.confirmed < self.added {
+            if !self.receive().await? {
+                return Err(closed().into());
+            }
+        }
+        Ok(first..self.added)
+    }
+
+    /// Stops delivery from `mailboxes` (their numbers are not reused). Messages of theirs
+    /// already received are still returned by [`Mailboxes::next`].
+    pub async fn remove(&mut self, mailboxes: &[u32]) -> Result<(), ClientError> {
+        for chunk in mailboxes.chunks(MAILBOXES_PER_REQUEST_MAX) {
+            for mailbox in chunk {
+                self.acks.remove(mailbox);
+            }
+            let remove = RemoveMailboxes {
+                mailboxes: chunk.to_vec(),
+            };
+            self.send(Kind::Remove(remove)).await?;
+        }
+        Ok(())
+    }
+
+    /// The next message of any mailbox, waiting until one is appended; `None` when the server
+    /// ended the stream cleanly.
+    pub async fn next(&mut self) -> Result<Option<MailboxDelivery>, ClientError> {
+        loop {
+            if let Some(delivery) = self.received.pop_front() {
+                self.taken_messages += 1;
+                self.taken_bytes = self
+                    .taken_bytes
+                    .saturating_add(u32::try_from(delivery.payload.len()).unwrap_or(u32::MAX));
+                if self.taken_messages >= self.credit_messages.div_ceil(2) {
+                    self.grant_credit().await?;
+                }
+                if self.acks.len() >= ACKS_BUFFERED_MAX {
+                    self.send_acks().await?;
+                }
+                return Ok(Some(delivery));
+            }
+            // About to wait: give back all the credit taken and send the acks.
+            self.grant_credit().await?;
+            self.send_acks().await?;
+            if !self.receive().await? {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Records that every message of `mailbox` up to and including `offset` is done (it must
+    /// have been delivered). Sent by [`Mailboxes::next`] or [`Mailboxes::flush_acks`].
+    pub fn ack(&mut self, mailbox: u32, offset: u64) {
+        let acked = self.acks.entry(mailbox).or_insert(offset);
+        *acked = (*acked).max(offset);
+    }
+
+    /// Sends the recorded acks and returns once they (and every ack sent before) are durable.
+    /// Messages that arrive meanwhile wait for [`Mailboxes::next`].
+    pub async fn flush_acks(&mut self) -> Result<(), ClientError> {
+        self.send_acks().await?;
+        while self.acked_sequence < self.ack_sequence {
+            if !self.receive().await? {
+                return Err(closed().into());
+            }
+        }
+        Ok(())
+    }
+
+    async fn send(&mut self, kind: Kind) -> Result<(), ClientError> {
+        let request = SubscribeManyRequest { kind: Some(kind) };
+        if self.requests.send(request).await.is_ok() {
+            return Ok(());
+        }
+        // The stream is gone: the server's reason, if it gave one.
+        loop {
+            match self.responses.message().await {
+                Err(status) => return Err(status.into()),
+                Ok(None) => return Err(closed().into()),
+                Ok(Some(_)) => {}
+            }
+        }
+    }
+
+    async fn grant_credit(&mut self) -> Result<(), ClientError> {
+        if self.taken_messages == 0 {
+            return Ok(());
+        }
+        let credit = Credit {
+            messages: self.taken_messages,
+            bytes: self.taken_bytes,
+        };
+        (self.taken_messages, self.taken_bytes) = (0, 0);
+        self.send(Kind::Credit(credit)).await
+    }
+
+    async fn send_acks(&mut self) -> Result<(), ClientError> {
+        if self.acks.is_empty() {
+            return Ok(());
+        }
+        let acks: Vec<MailboxAck> = self
+            .acks
+            .drain()
+            .map(|(mailbox, offset)| MailboxAck { mailbox, offset })
+            .collect();
+        for chunk in acks.chunks(MAILBOXES_PER_REQUEST_MAX) {
+            self.ack_sequence += 1;
+            let batch = MailboxAcks {
+                acks: chunk.to_vec(),
+                sequence: self.ack_sequence,
+            };
+            self.send(Kind::Ack(batch)).await?;
+        }
+        Ok(())
+    }
+
+    /// Takes one response from the server; false when the stream ended cleanly.
+    async fn receive(&mut self) -> Result<bool, ClientError> {
+        let Some(response) = self.responses.message().await? else {
+            return Ok(false);
+        };
+        self.received.extend(response.deliveries);
+        self.confirmed = self.confirmed.max(response.mailboxes_added);
+        self.acked_sequence = self.acked_sequence.max(response.acked_sequence);
+        Ok(true)
+    }
+}
+
+fn closed() -> WireError {
+    WireError::new(ErrorCode::Unavailable, "the subscription is closed")
+}

@@ -1,0 +1,499 @@
+//! Many-queue subscriptions (`SubscribeMany`): one consumer's stream over up to
+//! [`MAILBOXES_PER_STREAM_MAX`] queues, the way an app server holds the mailboxes of its
+//! connected users. Each queue added is a mailbox with a number (the order of adds); delivery,
+//! positions and acks are those of a single subscription ([`super::subscription`]): delivery
+//! starts after the consumer's last ack on the queue, acks are cumulative and written through
+//! the store's log into the same position queue. One credit covers the stream.
+//!
+//! Wake-ups cost nothing per idle mailbox: an append puts the mailbox's number in the stream's
+//! [`Inbox`] (a set, so bounded by the stream's mailboxes) and the session reads only the
+//! mailboxes it was told about, round-robin, until each is caught up. A delivery response
+//! carries messages of many mailboxes.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use levee_proto::WireError;
+use levee_proto::v1::subscribe_many_request::Kind;
+use levee_proto::v1::{
+    AddMailboxes, Credit, ErrorCode, MailboxAcks, MailboxDelivery, RemoveMailboxes,
+    SubscribeManyRequest, SubscribeManyResponse, SubscribeManyStart,
+};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::sync::{Semaphore, mpsc, watch};
+use tonic::{Status, Streaming};
+
+use super::StoreCalls;
+use super::subscription::{
+    CREDIT_BYTES_DEFAULT, CREDIT_BYTES_MAX, CREDIT_MESSAGES_MAX, Inbox, ROUND_BYTES_MAX, Waiters,
+    check_consumer_and_credit, check_queue_name, load_position, position_queue, position_record,
+};
+
+/// Most mailboxes on one stream.
+pub const MAILBOXES_PER_STREAM_MAX: u32 = 1_000_000;
+/// Most mailboxes over all streams of one server (each costs about 200 bytes of memory).
+pub const MAILBOXES_MAX: i64 = 4_000_000;
+/// Most queues one `AddMailboxes` (or mailboxes one `RemoveMailboxes`) names.
+pub const ADD_MAX: usize = 10_000;
+/// Most acks in one `MailboxAcks`.
+pub const ACKS_MAX: usize = 10_000;
+/// Most messages one delivery response carries.
+const ROUND_MESSAGES_MAX: u32 = 1_000;
+/// Ack batches whose durability one stream awaits at once; further acks wait (back-pressure).
+const ACK_WAITS_MAX: usize = 16;
+
+fn invalid(message: String) -> WireError {
+    WireError::new(ErrorCode::InvalidArgument, message)
+}
+
+/// Checks the start message: consumer name and credit.
+pub fn check_start(start: &SubscribeManyStart) -> Result<(), WireError> {
+    check_consumer_and_credit(&start.consumer, start.credit.as_ref())
+}
+
+/// One mailbox of a stream.
+#[derive(Debug)]
+struct Mailbox {
+    queue: Box<[u8]>,
+    /// The next offset to deliver.
+    next: u64,
+    /// The offset after the last acked one.
+    acked: u64,
+    /// In the session's to-do list (woken and not yet caught up).
+    scheduled: bool,
+}
+
+/// What the server shares with every many-queue stream.
+#[derive(Debug, Clone)]
+pub struct ManyContext {
+    /// Store calls.
+    pub calls: StoreCalls,
+    /// Wake-ups by queue.
+    pub waiters: Arc<Waiters>,
+    /// Messages pushed to subscriptions.
+    pub delivered: Counter,
+    /// Mailboxes over all streams (also the server-wide bound's count).
+    pub mailboxes: Gauge,
+    /// Turns true when the server shuts down.
+    pub closing: watch::Receiver<bool>,
+}
+
+/// One `SubscribeMany` stream's state.
+#[derive(Debug)]
+pub struct ManySession {
+    context: ManyContext,
+    consumer: String,
+    inbox: Arc<Inbox>,
+    incoming: Streaming<SubscribeManyRequest>,
+    outgoing: mpsc::Sender<Result<SubscribeManyResponse, Status>>,
+    mailboxes: HashMap<u32, Mailbox>,
+    /// The number the next added queue gets.
+    next_number: u32,
+    /// Mailboxes with messages to deliver, in turn.
+    todo: VecDeque<u32>,
+    credit_messages: u32,
+    credit_bytes: u32,
+    ack_waits: Arc<Semaphore>,
+}
+
+/// What the session waited for.
+enum Event {
+    Message(Option<SubscribeManyRequest>),
+    Work,
+    Closing,
+}
+
+impl ManySession {
+    /// A session for a checked `start`.
+    pub fn new(
+        context: ManyContext,
+        start: SubscribeManyStart,
+        incoming: Streaming<SubscribeManyRequest>,
+        outgoing: mpsc::Sender<Result<SubscribeManyResponse, Status>>,
+    ) -> Self {
+        let credit = start.credit.unwrap_or_default();
+        let credit_bytes = if credit.bytes == 0 {
+            CREDIT_BYTES_DEFAULT
+        } else {
+            credit.bytes.min(CREDIT_BYTES_MAX)
+        };
+        Self {
+            context,
+            consumer: start.consumer,
+            inbox: Arc::new(Inbox::default()),
+            incoming,
+            outgoing,
+            mailboxes: HashMap::new(),
+            next_number: 0,
+            todo: VecDeque::new(),
+            credit_messages: credit.messages,
+            credit_bytes,
+            ack_waits: Arc::new(Semaphore::new(ACK_WAITS_MAX)),
+        }
+    }
+
+    /// Runs the stream until the client leaves or breaks the protocol, then unregisters its
+    /// mailboxes.
+    pub async fn run(mut self) {
+        let result = self.serve().await;
+        let numbers: Vec<u32> = self.mailboxes.keys().copied().collect();
+        for chunk in numbers.chunks(ADD_MAX) {
+            self.remove(chunk);
+        }
+        if let Err(error) = result {
+            let _ = self.outgoing.send(Err(Status::from(error))).await;
+        }
+    }
+
+    fn has_credit(&self) -> bool {
+        self.credit_messages > 0 && self.credit_bytes > 0
+    }
+
+    async fn serve(&mut self) -> Result<(), WireError> {
+        let mut closing = self.context.closing.clone();
+        loop {
+            self.take_woken();
+            if !self.deliver().await? {
+                return Ok(());
+            }
+            let busy = self.has_credit() && !self.todo.is_empty();
+            let inbox = Arc::clone(&self.inbox);
+            // Client messages first, so acks and credits are not starved by a long backlog.
+            let event = tokio::select! {
+                biased;
+                message = self.incoming.message() => Event::Message(message.ok().flatten()),
+                _ = closing.wait_for(|closing| *closing) => Event::Closing,
+                () = inbox.notify.notified(), if !busy => Event::Work,
+                () = std::future::ready(()), if busy => Event::Work,
+            };
+            match event {
+                Event::Message(Some(message)) => self.handle(message).await?,
+                Event::Message(None) => return Ok(()),
+                Event::Work => {}
+                Event::Closing => {
+                    return Err(WireError::new(
+                        ErrorCode::Unavailable,
+                        "server shutting down; subscribe again, to this server once it is back \
+                         or to another",
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Moves the mailboxes woken since the last look to the to-do list.
+    fn take_woken(&mut self) {
+        for number in self.inbox.take() {
+            if let Some(mailbox) = self.mailboxes.get_mut(&number)
+                && !mailbox.scheduled
+            {
+                mailbox.scheduled = true;
+                self.todo.push_back(number);
+            }
+        }
+    }
+
+    /// One delivery round within the credit: mailboxes in turn, each read from its next offset
+    /// (inline: the store's index and page cache); a mailbox not caught up goes to the back of
+    /// the list. Returns false if the client is gone.
+    async fn deliver(&mut self) -> Result<bool, WireError> {
+        let mut deliveries = Vec::new();
+        let mut bytes = 0_u32;
+        let mut turns = self.todo.len();
+        while self.has_credit() && turns > 0 {
+            turns -= 1;
+            let sent = u32::try_from(deliveries.len()).unwrap_or(u32::MAX);
+            if sent >= ROUND_MESSAGES_MAX || bytes >= ROUND_BYTES_MAX {
+                break;
+            }
+            let Some(number) = self.todo.pop_front() else {
+                break;
+            };
+            let Some(mailbox) = self.mailboxes.get_mut(&number) else {
+                continue;
+            };
+            let count = self.credit_messages.min(ROUND_MESSAGES_MAX - sent);
+            let byte_room = self.credit_bytes.min(ROUND_BYTES_MAX - bytes);
+            let batch = self
+                .context
+                .calls
+                .store
+                .read(
+                    &mailbox.queue,
+                    mailbox.next,
+                    count as usize,
+                    byte_room as usize,
+                )
+                .map_err(|error| super::storage_error(&error))?;
+            if batch.skipped_to_first_retained {
+                mailbox.next = batch.first_offset;
+            }
+            if batch.is_empty() {
+                mailbox.scheduled = false;
+                continue;
+            }
+            let read_bytes = u32::try_from(batch.bytes()).unwrap_or(u32::MAX);
+            let (first_offset, next_offset) = (batch.first_offset, batch.next_offset());
+            let caught_up = next_offset >= batch.visible_end_offset;
+            deliveries.extend(super::payloads(batch).zip(first_offset..).map(
+                |(payload, offset)| MailboxDelivery {
+                    mailbox: number,
+                    offset,
+                    payload,
+                },
+            ));
+            let read = u32::try_from(next_offset - first_offset).unwrap_or(u32::MAX);
+            self.credit_messages = self.credit_messages.saturating_sub(read);
+            self.credit_bytes = self.credit_bytes.saturating_sub(read_bytes);
+            bytes = bytes.saturating_add(read_bytes);
+            mailbox.next = next_offset;
+            if caught_up {
+                mailbox.scheduled = false;
+            } else {
+                self.todo.push_back(number);
+            }
+        }
+        if deliveries.is_empty() {
+            return Ok(true);
+        }
+        self.context.delivered.inc_by(deliveries.len() as u64);
+        let response = SubscribeManyResponse {
+            deliveries,
+            ..SubscribeManyResponse::default()
+        };
+        Ok(self.outgoing.send(Ok(response)).await.is_ok())
+    }
+
+    /// Applies one client message.
+    async fn handle(&mut self, message: SubscribeManyRequest) -> Result<(), WireError> {
+        match message.kind {
+            Some(Kind::Add(add)) => self.add(add).await,
+            Some(Kind::Remove(RemoveMailboxes { mailboxes })) => {
+                if mailboxes.len() > ADD_MAX {
+                    return Err(invalid(format!(
+                        "a remove names at most {ADD_MAX} mailboxes, got {}",
+                        mailboxes.len()
+                    )));
+                }
+                self.remove(&mailboxes);
+                Ok(())
+            }
+            Some(Kind::Credit(Credit { messages, bytes })) => {
+                self.credit_messages = self
+                    .credit_messages
+                    .saturating_add(messages)
+                    .min(CREDIT_MESSAGES_MAX);
+                self.credit_bytes = self
+                    .credit_bytes
+                    .saturating_add(bytes)
+                    .min(CREDIT_BYTES_MAX);
+                Ok(())
+            }
+            Some(Kind::Ack(acks)) => self.ack(acks).await,
+            Some(Kind::Start(_)) | None => Err(invalid(
+                "a SubscribeMany stream takes one start message".to_owned(),
+            )),
+        }
+    }
+
+    /// Adds queues as the next mailboxes: checks them, reserves room, loads the consumer's
+    /// positions (on the blocking pool), registers the wake-ups, then schedules a first read
+    /// of each (so messages appended before the registration are found).
+    async fn add(&mut self, AddMailboxes { queues }: AddMailboxes) -> Result<(), WireError> {
+        if queues.is_empty() || queues.len() > ADD_MAX {
+            return Err(invalid(format!(
+                "an add names 1 to {ADD_MAX} queues, got {}",
+                queues.len()
+            )));
+        }
+        for (index, queue) in queues.iter().enumerate() {
+            check_queue_name(queue)
+                .map_err(|error| invalid(format!("queues[{index}]: {}", error.message)))?;
+        }
+        let count = u32::try_from(queues.len()).unwrap_or(u32::MAX);
+        let live = u32::try_from(self.mailboxes.len()).unwrap_or(u32::MAX);
+        if live + count > MAILBOXES_PER_STREAM_MAX {
+            return Err(WireError::new(
+                ErrorCode::ResourceExhausted,
+                format!(
+                    "a stream holds at most {MAILBOXES_PER_STREAM_MAX} mailboxes ({live} now, \
+                     {count} more asked); open another stream"
+                ),
+            ));
+        }
+        let first = self.next_number;
+        if first.checked_add(count).is_none() {
+            return Err(WireError::new(
+                ErrorCode::ResourceExhausted,
+                "this stream has used up its mailbox numbers; open another stream",
+            ));
+        }
+        let reserved = Reservation::take(&self.context.mailboxes, count)?;
+        let queues: Vec<Box<[u8]>> = queues.into_iter().map(Vec::into_boxed_slice).collect();
+        let consumer = self.consumer.clone();
+        let (queues, positions) = self
+            .context
+            .calls
+            .run(move |store| {
+                let positions = queues
+                    .iter()
+                    .map(|queue| load_position(store, &consumer, queue))
+                    .collect::<Result<Vec<u64>, WireError>>()?;
+                Ok((queues, positions))
+            })
+            .await?;
+        if let Err((index, taken)) = self
+            .context
+            .waiters
+            .add_mailboxes(&self.inbox, first, &queues)
+        {
+            return Err(invalid(format!(
+                "queues[{index}] ('{}') is already mailbox {taken} on this stream; add a queue \
+                 once",
+                String::from_utf8_lossy(&queues[index])
+            )));
+        }
+        reserved.keep();
+        for ((queue, next), number) in queues.into_iter().zip(positions).zip(first..) {
+            self.mailboxes.insert(
+                number,
+                Mailbox {
+                    queue,
+                    next,
+                    acked: next,
+                    scheduled: true,
+                },
+            );
+            self.todo.push_back(number);
+        }
+        self.next_number = first + count;
+        let answer = SubscribeManyResponse {
+            mailboxes_added: self.next_number,
+            ..SubscribeManyResponse::default()
+        };
+        let _ = self.outgoing.send(Ok(answer)).await;
+        Ok(())
+    }
+
+    /// Drops mailboxes (unknown numbers are ignored) and their wake-ups.
+    fn remove(&mut self, numbers: &[u32]) {
+        let removed: Vec<(u32, Mailbox)> = numbers
+            .iter()
+            .filter_map(|number| Some((*number, self.mailboxes.remove(number)?)))
+            .collect();
+        let registered: Vec<(&[u8], u32)> = removed
+            .iter()
+            .map(|(number, mailbox)| (&mailbox.queue[..], *number))
+            .collect();
+        self.context
+            .waiters
+            .remove_mailboxes(&self.inbox, &registered);
+        self.context
+            .mailboxes
+            .dec_by(i64::try_from(removed.len()).unwrap_or(i64::MAX));
+    }
+
+    /// Writes the acks' positions through the log and answers with the batch's sequence once
+    /// they are durable; the wait runs beside the stream (at most [`ACK_WAITS_MAX`] at once) so
+    /// delivery goes on meanwhile.
+    async fn ack(&mut self, MailboxAcks { acks, sequence }: MailboxAcks) -> Result<(), WireError> {
+        if acks.len() > ACKS_MAX {
+            return Err(invalid(format!(
+                "an ack batch holds at most {ACKS_MAX} acks, got {}",
+                acks.len()
+            )));
+        }
+        let mut ticket = None;
+        for ack in acks {
+            let Some(mailbox) = self.mailboxes.get_mut(&ack.mailbox) else {
+                if ack.mailbox < self.next_number {
+                    // Removed since: its ack no longer matters to this stream.
+                    continue;
+                }
+                return Err(invalid(format!(
+                    "ack of mailbox {} which was never added (mailboxes 0 to {} exist)",
+                    ack.mailbox,
+                    i64::from(self.next_number) - 1
+                )));
+            };
+            if ack.offset >= mailbox.next {
+                return Err(invalid(format!(
+                    "ack of mailbox {} offset {} is beyond its last delivered offset {}; ack only \
+                     what was delivered",
+                    ack.mailbox,
+                    ack.offset,
+                    i128::from(mailbox.next) - 1
+                )));
+            }
+            if ack.offset < mailbox.acked {
+                continue;
+            }
+            mailbox.acked = ack.offset + 1;
+            let name = position_queue(&self.consumer, &mailbox.queue);
+            let record = position_record(mailbox.acked, &mailbox.queue);
+            let (_, appended) = self
+                .context
+                .calls
+                .store
+                .append_deferred(&name, &record)
+                .map_err(super::write_error)?;
+            ticket = Some(appended);
+        }
+        let answer = SubscribeManyResponse {
+            acked_sequence: sequence,
+            ..SubscribeManyResponse::default()
+        };
+        if ticket.is_none() || self.context.calls.sync != levee_store::SyncPolicy::Always {
+            // Durable already (under `interval` an ack is durable when buffered, as appends).
+            let _ = self.outgoing.send(Ok(answer)).await;
+            return Ok(());
+        }
+        let permit = Arc::clone(&self.ack_waits)
+            .acquire_owned()
+            .await
+            .map_err(|_| WireError::new(ErrorCode::Unavailable, "the stream is closing"))?;
+        let (calls, outgoing) = (self.context.calls.clone(), self.outgoing.clone());
+        tokio::spawn(async move {
+            let answer = calls.durable(ticket).await.map(|()| answer);
+            let _ = outgoing.send(answer.map_err(Status::from)).await;
+            drop(permit);
+        });
+        Ok(())
+    }
+}
+
+/// Mailboxes counted against [`MAILBOXES_MAX`], given back if not kept.
+struct Reservation<'a> {
+    gauge: &'a Gauge,
+    count: i64,
+}
+
+impl<'a> Reservation<'a> {
+    fn take(gauge: &'a Gauge, count: u32) -> Result<Self, WireError> {
+        let count = i64::from(count);
+        let before = gauge.inc_by(count);
+        let reservation = Self { gauge, count };
+        if before + count > MAILBOXES_MAX {
+            return Err(WireError::new(
+                ErrorCode::ResourceExhausted,
+                format!(
+                    "the server holds {before} mailboxes of at most {MAILBOXES_MAX}; retry later or \
+                     subscribe on another server"
+                ),
+            ));
+        }
+        Ok(reservation)
+    }
+
+    /// Keeps the count (the mailboxes were added; removing them gives it back).
+    fn keep(mut self) {
+        self.count = 0;
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        self.gauge.dec_by(self.count);
+    }
+}

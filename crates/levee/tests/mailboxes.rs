@@ -1,0 +1,260 @@
+//! Many-queue subscriptions (`SubscribeMany`) against the real server process: per-mailbox
+//! order, offline messages, acks that survive a new stream and a kill -9 of the server, positions
+//! shared with single-queue subscriptions, removal, the stream-wide credit, and bad input.
+
+mod support;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use levee_client::{Client, ErrorCode, Mailboxes};
+use levee_proto::v1::queues_client::QueuesClient;
+use levee_proto::v1::subscribe_many_request::Kind;
+use levee_proto::v1::{
+    AddMailboxes, Credit, SubscribeManyRequest, SubscribeManyResponse, SubscribeManyStart,
+};
+use support::{LeveeProcess, runtime};
+use tokio::sync::mpsc;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// Awaits `future`, failing the test (with the line) if it takes more than 10 s.
+async fn within<T>(future: impl std::future::Future<Output = T>, line: u32) -> T {
+    tokio::time::timeout(WAIT, future)
+        .await
+        .unwrap_or_else(|_| panic!("line {line}: no answer within {WAIT:?}"))
+}
+
+/// Takes `count` deliveries: (mailbox, offset, payload) in arrival order.
+async fn take(mailboxes: &mut Mailboxes, count: usize) -> Vec<(u32, u64, String)> {
+    let mut taken = Vec::new();
+    while taken.len() < count {
+        let delivery = within(mailboxes.next(), line!())
+            .await
+            .unwrap()
+            .expect("the stream ended");
+        taken.push((
+            delivery.mailbox,
+            delivery.offset,
+            String::from_utf8(delivery.payload.to_vec()).unwrap(),
+        ));
+    }
+    taken
+}
+
+/// Groups deliveries by mailbox, keeping each mailbox's arrival order.
+fn by_mailbox(deliveries: &[(u32, u64, String)]) -> HashMap<u32, Vec<(u64, String)>> {
+    let mut grouped: HashMap<u32, Vec<(u64, String)>> = HashMap::new();
+    for (mailbox, offset, payload) in deliveries {
+        grouped
+            .entry(*mailbox)
+            .or_default()
+            .push((*offset, payload.clone()));
+    }
+    grouped
+}
+
+/// Asserts that nothing is delivered within 300 ms.
+async fn assert_quiet(mailboxes: &mut Mailboxes, line: u32) {
+    let more = tokio::time::timeout(Duration::from_millis(300), mailboxes.next()).await;
+    assert!(more.is_err(), "line {line}: unexpected delivery {more:?}");
+}
+
+async fn append(client: &Client, queue: &str, from: u64, to: u64) {
+    for index in from..to {
+        client
+            .append(queue.as_bytes(), format!("{queue}-{index}").as_bytes())
+            .await
+            .unwrap();
+    }
+}
+
+/// Counts the deliveries that arrive until the stream is quiet for 300 ms.
+async fn delivered(responses: &mut tonic::Streaming<SubscribeManyResponse>) -> usize {
+    let mut count = 0;
+    while let Ok(Some(response)) =
+        tokio::time::timeout(Duration::from_millis(300), responses.message())
+            .await
+            .map(Result::unwrap)
+    {
+        count += response.deliveries.len();
+    }
+    count
+}
+
+fn expected(queue: &str, from: u64, to: u64) -> Vec<(u64, String)> {
+    (from..to)
+        .map(|index| (index, format!("{queue}-{index}")))
+        .collect()
+}
+
+#[test]
+#[allow(clippy::too_many_lines, reason = "one scenario, step by step")]
+fn given_many_mailboxes_then_each_gets_its_messages_in_order_and_acks_survive_a_kill() {
+    let directory = tempfile::tempdir().unwrap();
+    let data_dir = directory.path().join("data");
+    let mut server = LeveeProcess::start_in(&data_dir, &["--queue-sync", "always"]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        // Offline messages: appended before anyone subscribed.
+        append(&client, "user-b", 0, 2).await;
+        let mut mailboxes = client.subscribe_many("app", 4).await.unwrap();
+        let numbers = within(
+            mailboxes.add(&[b"user-a".as_slice(), b"user-b", b"user-c"]),
+            line!(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(numbers, 0..3);
+        append(&client, "user-a", 0, 5).await;
+        append(&client, "user-c", 0, 3).await;
+        let grouped = by_mailbox(&take(&mut mailboxes, 10).await);
+        assert_eq!(grouped[&0], expected("user-a", 0, 5));
+        assert_eq!(grouped[&1], expected("user-b", 0, 2));
+        assert_eq!(grouped[&2], expected("user-c", 0, 3));
+        assert_quiet(&mut mailboxes, line!()).await;
+
+        // Acks: user-a through 2, user-c through 0; user-b not at all.
+        mailboxes.ack(0, 1);
+        mailboxes.ack(0, 2);
+        mailboxes.ack(2, 0);
+        within(mailboxes.flush_acks(), line!()).await.unwrap();
+
+        // Removed: its queue's new messages are no longer delivered; the others' still are.
+        within(mailboxes.remove(&[1]), line!()).await.unwrap();
+        append(&client, "user-b", 2, 3).await;
+        append(&client, "user-c", 3, 4).await;
+        assert_eq!(
+            take(&mut mailboxes, 1).await,
+            vec![(2, 3, "user-c-3".to_owned())]
+        );
+        assert_quiet(&mut mailboxes, line!()).await;
+
+        // Adding a queue twice to one stream is refused, naming it.
+        let error = within(mailboxes.add(&[b"user-a".as_slice()]), line!())
+            .await
+            .unwrap_err();
+        assert_eq!(error.code(), Some(ErrorCode::InvalidArgument));
+        assert!(error.to_string().contains("already mailbox 0"), "{error}");
+    });
+
+    // kill -9: the acks were durable (sync always) when flush_acks returned.
+    server.signal("KILL");
+    server.wait_exit(WAIT);
+    let server = LeveeProcess::start_in(&data_dir, &["--queue-sync", "always"]);
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        let mut mailboxes = client.subscribe_many("app", 100).await.unwrap();
+        // Another order, other numbers: positions belong to (consumer, queue).
+        let numbers = within(
+            mailboxes.add(&[b"user-c".as_slice(), b"user-a", b"user-b"]),
+            line!(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(numbers, 0..3);
+        let grouped = by_mailbox(&take(&mut mailboxes, 3 + 2 + 3).await);
+        assert_eq!(grouped[&0], expected("user-c", 1, 4));
+        assert_eq!(grouped[&1], expected("user-a", 3, 5));
+        assert_eq!(grouped[&2], expected("user-b", 0, 3));
+        // A single-queue subscription of the same consumer shares the position.
+        let single = client.subscribe(b"user-a", "app", 10).await.unwrap();
+        assert_eq!(single.start_offset(), 3);
+        // Another consumer starts from the beginning.
+        let mut audit = client.subscribe_many("audit", 100).await.unwrap();
+        within(audit.add(&[b"user-a".as_slice()]), line!())
+            .await
+            .unwrap();
+        assert_eq!(take(&mut audit, 5).await[0].1, 0);
+    });
+}
+
+#[test]
+fn given_stream_credit_then_delivery_stops_at_it_and_bad_input_is_refused() {
+    let server = LeveeProcess::start(&[]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        for queue in ["q-0", "q-1", "q-2"] {
+            append(&client, queue, 0, 4).await;
+        }
+        // A raw stream, so that nothing gives credit back: 5 messages of credit over 12.
+        let channel = tonic::transport::Channel::from_shared(format!("http://{}", server.grpc()))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let (requests, receiver) = mpsc::channel(16);
+        let send = |kind: Kind| {
+            let requests = requests.clone();
+            async move {
+                requests
+                    .send(SubscribeManyRequest { kind: Some(kind) })
+                    .await
+                    .unwrap();
+            }
+        };
+        send(Kind::Start(SubscribeManyStart {
+            consumer: "slow".to_owned(),
+            credit: Some(Credit {
+                messages: 5,
+                bytes: 0,
+            }),
+        }))
+        .await;
+        send(Kind::Add(AddMailboxes {
+            queues: vec![b"q-0".to_vec(), b"q-1".to_vec(), b"q-2".to_vec()],
+        }))
+        .await;
+        let mut responses = QueuesClient::new(channel)
+            .subscribe_many(tokio_stream::wrappers::ReceiverStream::new(receiver))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(within(delivered(&mut responses), line!()).await, 5);
+        send(Kind::Credit(Credit {
+            messages: 2,
+            bytes: 0,
+        }))
+        .await;
+        assert_eq!(within(delivered(&mut responses), line!()).await, 2);
+
+        // Bad input: a reserved name ends the stream with an error naming it.
+        send(Kind::Add(AddMailboxes {
+            queues: vec![b"ok".to_vec(), b"\0position".to_vec()],
+        }))
+        .await;
+        let error = within(
+            async {
+                loop {
+                    if let Err(status) = responses.message().await {
+                        return status;
+                    }
+                }
+            },
+            line!(),
+        )
+        .await;
+        assert_eq!(error.code(), tonic::Code::InvalidArgument);
+        assert!(
+            error.message().contains("queues[1]") && error.message().contains("reserved"),
+            "{error:?}"
+        );
+
+        // A bad start: refused at once.
+        let error = within(client.subscribe_many("", 10), line!())
+            .await
+            .unwrap_err();
+        assert_eq!(error.code(), Some(ErrorCode::InvalidArgument));
+        assert!(error.to_string().contains("consumer must be"), "{error}");
+        // An ack of a mailbox never added.
+        let mut mailboxes = client.subscribe_many("app", 10).await.unwrap();
+        within(mailboxes.add(&[b"q-0".as_slice()]), line!())
+            .await
+            .unwrap();
+        mailboxes.ack(7, 0);
+        let error = within(mailboxes.flush_acks(), line!()).await.unwrap_err();
+        assert!(error.to_string().contains("never added"), "{error}");
+    });
+}
