@@ -43,3 +43,15 @@ pub mod redis_baseline {
         )
     }
 }
+
+/// A process's peak resident memory (`VmHWM`) in bytes; `process` is a pid or `self` (0 if
+/// unknown).
+pub fn peak_rss_bytes(process: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{process}/status"))
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|line| line.starts_with("VmHWM:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(0, |kibibytes| kibibytes * 1024)
+}

@@ -116,6 +116,13 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
         address
     };
     let mut report = runtime.block_on(bench(args, &address))?;
+    if let Some(server) = &started_server {
+        report["server_peak_rss_bytes"] = json!(server.peak_rss_bytes());
+        eprintln!(
+            "levee: server peak RSS {} MiB",
+            server.peak_rss_bytes() >> 20
+        );
+    }
     drop(started_server);
     if let Some(against) = &args.against {
         if against != "redis" {
@@ -409,17 +416,29 @@ pub(super) async fn produce_for(
 
 /// Waits (at most 60 s) until `total` messages were consumed.
 pub(super) async fn wait_consumed(consumed: &AtomicU64, total: u64) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(60);
+    if !drain(consumed, total).await {
+        bail!(
+            "consumed {} of {total} messages within {} s",
+            consumed.load(Ordering::Relaxed),
+            DRAIN_LIMIT.as_secs()
+        );
+    }
+    Ok(())
+}
+
+/// How long the consumers may take to catch up once the producers stop.
+pub(super) const DRAIN_LIMIT: Duration = Duration::from_secs(60);
+
+/// Waits until `total` messages were consumed (true) or [`DRAIN_LIMIT`] passed (false).
+pub(super) async fn drain(consumed: &AtomicU64, total: u64) -> bool {
+    let deadline = Instant::now() + DRAIN_LIMIT;
     while consumed.load(Ordering::Relaxed) < total {
         if Instant::now() > deadline {
-            bail!(
-                "consumed {} of {total} messages within 60 s",
-                consumed.load(Ordering::Relaxed)
-            );
+            return false;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    Ok(())
+    true
 }
 
 type Member = tokio::task::JoinHandle<anyhow::Result<()>>;

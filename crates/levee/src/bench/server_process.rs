@@ -21,6 +21,11 @@ pub struct ServerProcess {
 }
 
 impl ServerProcess {
+    /// The server's peak resident memory so far, in bytes (0 if unknown).
+    pub fn peak_rss_bytes(&self) -> u64 {
+        super::peak_rss_bytes(&self.child.id().to_string())
+    }
+
     /// Starts `levee server` (this same binary) with `extra` flags.
     pub fn start(extra: &[&str]) -> anyhow::Result<Self> {
         let data_dir = tempfile::tempdir().context("creating a temporary data dir")?;

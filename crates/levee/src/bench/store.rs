@@ -155,7 +155,7 @@ pub fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
     report["store"] = json!("levee");
     report["open_s"] = json!(open_s);
     report["recovery_s"] = json!(recovery_s);
-    report["peak_rss_bytes"] = json!(peak_rss_bytes());
+    report["peak_rss_bytes"] = json!(super::peak_rss_bytes("self"));
     report["disk_bytes"] = json!(stats.disk_bytes);
     report["raw_disk_write_mb_per_s"] = json!(raw);
     report["put_vs_raw_disk"] = json!(report["put_mb_per_s"].as_f64().unwrap_or(0.0) / raw);
@@ -191,7 +191,7 @@ pub fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
             .as_f64()
             .unwrap_or(0.0),
         recovery_s,
-        peak_rss_bytes() >> 20,
+        super::peak_rss_bytes("self") >> 20,
     );
     if args.json {
         println!("{report}");
@@ -455,17 +455,6 @@ fn raw_disk_write_mb_per_s(directory: &Path, data_bytes: u64) -> anyhow::Result<
     drop(file);
     std::fs::remove_file(&path)?;
     Ok(written as f64 / seconds / 1e6)
-}
-
-/// The process's peak resident memory (`VmHWM`), in bytes.
-fn peak_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            let line = status.lines().find(|line| line.starts_with("VmHWM:"))?;
-            line.split_whitespace().nth(1)?.parse::<u64>().ok()
-        })
-        .map_or(0, |kibibytes| kibibytes * 1024)
 }
 
 #[cfg(feature = "baseline")]
