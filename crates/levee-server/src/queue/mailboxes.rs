@@ -87,7 +87,7 @@ pub struct ManySession {
     inbox: Arc<Inbox>,
     incoming: Streaming<SubscribeManyRequest>,
     outgoing: mpsc::Sender<Result<SubscribeManyResponse, Status>>,
-    mailboxes: HashMap<u32, Mailbox>,
+    mailboxes: HashMap<u32, Mailbox, foldhash::fast::RandomState>,
     /// The number the next added queue gets.
     next_number: u32,
     /// Mailboxes with messages to deliver, in turn.
@@ -124,7 +124,7 @@ impl ManySession {
             inbox: Arc::new(Inbox::default()),
             incoming,
             outgoing,
-            mailboxes: HashMap::new(),
+            mailboxes: HashMap::default(),
             next_number: 0,
             todo: VecDeque::new(),
             credit_messages: credit.messages,

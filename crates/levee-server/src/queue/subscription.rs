@@ -61,7 +61,7 @@ pub struct Waiters {
 
 #[derive(Debug)]
 struct WaiterMap {
-    entries: HashMap<Box<[u8]>, Watchers>,
+    entries: HashMap<Box<[u8]>, Watchers, foldhash::fast::RandomState>,
     /// Entries beyond which dead ones are pruned (amortized: twice the live count after each
     /// prune, at least [`SUBSCRIPTIONS_MAX`]).
     prune_at: usize,
@@ -84,18 +84,21 @@ impl Default for Waiters {
     fn default() -> Self {
         Self {
             queues: Mutex::new(WaiterMap {
-                entries: HashMap::new(),
+                entries: HashMap::default(),
                 prune_at: SUBSCRIPTIONS_MAX,
             }),
         }
     }
 }
 
+/// A set of mailbox numbers.
+pub type MailboxSet = std::collections::HashSet<u32, foldhash::fast::RandomState>;
+
 /// A many-queue stream's wake-ups: the mailbox numbers whose queues grew since it last looked.
 /// Bounded by the stream's mailboxes (a number is held once).
 #[derive(Debug, Default)]
 pub struct Inbox {
-    ready: Mutex<std::collections::HashSet<u32>>,
+    ready: Mutex<MailboxSet>,
     /// Notified (one permit kept) when a number is added.
     pub notify: Notify,
 }
@@ -108,7 +111,7 @@ impl Inbox {
     }
 
     /// Takes the numbers woken since the last call.
-    pub fn take(&self) -> std::collections::HashSet<u32> {
+    pub fn take(&self) -> MailboxSet {
         std::mem::take(&mut *lock(&self.ready))
     }
 }

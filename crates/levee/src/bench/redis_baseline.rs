@@ -113,6 +113,34 @@ async fn connect(
     bail!("redis-server did not answer on port {port} within 5 s")
 }
 
+/// Creates the streams, each with the readers' group.
+async fn create_streams(
+    connection: &mut redis::aio::MultiplexedConnection,
+    streams: &[String],
+) -> anyhow::Result<()> {
+    let setting_up = Instant::now();
+    // Pipelined: a million one-by-one round trips would take longer than the run.
+    for chunk in streams.chunks(SETUP_PIPELINE) {
+        let mut pipe = redis::pipe();
+        for stream in chunk {
+            pipe.cmd("XGROUP")
+                .arg("CREATE")
+                .arg(stream)
+                .arg(GROUP)
+                .arg("$")
+                .arg("MKSTREAM")
+                .ignore();
+        }
+        let () = pipe.query_async(connection).await?;
+    }
+    eprintln!(
+        "redis: {} streams with their group created in {:.1} s",
+        streams.len(),
+        setting_up.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 /// Runs the shape against a fresh Redis and returns the same fields as Levee's report.
 pub async fn run(args: &QueueBenchArgs) -> anyhow::Result<Value> {
     let appendfsync = if args.sync == "always" {
@@ -132,25 +160,7 @@ pub async fn run(args: &QueueBenchArgs) -> anyhow::Result<Value> {
     let streams: Vec<String> = (0..stream_count)
         .map(|index| format!("bench:{index}"))
         .collect();
-    let setting_up = Instant::now();
-    // Pipelined: a million one-by-one round trips would take longer than the run.
-    for chunk in streams.chunks(SETUP_PIPELINE) {
-        let mut pipe = redis::pipe();
-        for stream in chunk {
-            pipe.cmd("XGROUP")
-                .arg("CREATE")
-                .arg(stream)
-                .arg(GROUP)
-                .arg("$")
-                .arg("MKSTREAM")
-                .ignore();
-        }
-        let () = pipe.query_async(&mut connection).await?;
-    }
-    eprintln!(
-        "redis: {stream_count} streams with their group created in {:.1} s",
-        setting_up.elapsed().as_secs_f64()
-    );
+    create_streams(&mut connection, &streams).await?;
     let epoch = Instant::now();
     let consumed = Arc::new(AtomicU64::new(0));
     let latency = Arc::new(std::sync::Mutex::new(Histogram::<u64>::new(3)?));
