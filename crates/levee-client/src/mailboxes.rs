@@ -109,13 +109,12 @@ impl Mailboxes {
         Ok(first..self.added)
     }
 
-    /// Stops delivery from `mailboxes` (their numbers are not reused). Messages of theirs
-    /// already received are still returned by [`Mailboxes::next`].
+    /// Stops delivery from `mailboxes` (their numbers are not reused). Acks recorded before
+    /// are sent first, so they still count; messages of theirs already received are still
+    /// returned by [`Mailboxes::next`] (acks of those are ignored).
     pub async fn remove(&mut self, mailboxes: &[u32]) -> Result<(), ClientError> {
+        self.send_acks().await?;
         for chunk in mailboxes.chunks(MAILBOXES_PER_REQUEST_MAX) {
-            for mailbox in chunk {
-                self.acks.remove(mailbox);
-            }
             let remove = RemoveMailboxes {
                 mailboxes: chunk.to_vec(),
             };
