@@ -380,37 +380,18 @@ impl Committer<'_> {
                 .write_at(self.writer.length, &self.writer.buffer);
         }
         if let Err(error) = result {
-            if rotated_mid_round {
-                return self.fail_round(
-                    plan.round,
-                    &error,
-                    "writing a commit round",
-                    taken,
-                    placed,
-                    taken_keys,
-                    true,
-                );
-            }
-            if let Err(truncate_error) = self.writer.file.truncate(round_start) {
-                return self.fail_round(
-                    plan.round,
-                    &truncate_error,
-                    "truncating",
-                    taken,
-                    placed,
-                    taken_keys,
-                    true,
-                );
-            }
-            self.writer.length = round_start;
+            // Fatal if the round rotated mid-way or its partial write cannot be cut off;
+            // otherwise it is cut off (and a full disk is retried).
+            let (failure, doing, fatal) = if rotated_mid_round {
+                (error, "writing a commit round", true)
+            } else if let Err(truncate_error) = self.writer.file.truncate(round_start) {
+                (truncate_error, "truncating", true)
+            } else {
+                self.writer.length = round_start;
+                (error, "writing a commit round", false)
+            };
             return self.fail_round(
-                plan.round,
-                &error,
-                "writing a commit round",
-                taken,
-                placed,
-                taken_keys,
-                false,
+                plan.round, &failure, doing, taken, placed, taken_keys, fatal,
             );
         }
         self.writer.length += written;

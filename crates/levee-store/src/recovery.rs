@@ -434,41 +434,26 @@ pub(crate) fn recover(
     }
     // Records of this version are never appended to a segment of an older one (whose header
     // tells an older build it can read it): such a store continues in a new segment.
-    let active = match active {
-        Some((id, _, _, version)) if version < FORMAT_VERSION => {
-            let next = id + 1;
-            let file = create_segment(storage, next)?;
+    let (active_segment, active_file, active_bytes) = match active {
+        Some((id, file, end, version)) if version >= FORMAT_VERSION => (id, file, end),
+        older_or_none => {
+            let id = match older_or_none {
+                Some((id, ..)) => id + 1,
+                None => ids.last().map_or(1, |last| last + 1),
+            };
+            let file = create_segment(storage, id)?;
             file_syncs += 1;
             dir_syncs += 1;
             segments.insert(
-                next,
+                id,
                 SegmentEntry {
                     file: file.clone(),
                     live_chunks: 0,
                     chunks_total: 0,
                 },
             );
-            Some((next, file, SEGMENT_HEADER_BYTES))
+            (id, file, SEGMENT_HEADER_BYTES)
         }
-        Some((id, file, end, _)) => Some((id, file, end)),
-        None => None,
-    };
-    let (active_segment, active_file, active_bytes) = if let Some(active) = active {
-        active
-    } else {
-        let id = ids.last().map_or(1, |last| last + 1);
-        let file = create_segment(storage, id)?;
-        file_syncs += 1;
-        dir_syncs += 1;
-        segments.insert(
-            id,
-            SegmentEntry {
-                file: file.clone(),
-                live_chunks: 0,
-                chunks_total: 0,
-            },
-        );
-        (id, file, SEGMENT_HEADER_BYTES)
     };
     let mut shards = Vec::with_capacity(SHARD_COUNT);
     let mut buffered = VecDeque::new();

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use levee_proto::WireError;
 use levee_proto::v1::consume_request::Kind;
 use levee_proto::v1::{
-    Assignment, CommitResult, ConsumeRequest, ConsumeResponse, ConsumeStart, Credit, ErrorCode,
+    Assignment, CommitResult, ConsumeRequest, ConsumeResponse, ConsumeStart, ErrorCode,
     TopicDelivery,
 };
 use tokio::sync::{Notify, mpsc, watch};
@@ -21,9 +21,7 @@ use tonic::{Status, Streaming};
 
 use super::group::{Groups, Membership};
 use super::rate::TokenBucket;
-use super::subscription::{
-    CREDIT_BYTES_DEFAULT, CREDIT_BYTES_MAX, CREDIT_MESSAGES_MAX, ROUND_BYTES_MAX, Waiters,
-};
+use super::subscription::{ROUND_BYTES_MAX, StreamCredit, Waiters, check_credit};
 use super::topic::{Topic, Topics, check_group_name};
 use super::{StoreCalls, lock, storage_error};
 use crate::metrics::{FloatGauge, GroupLabels, Metrics, SecondsCounter};
@@ -185,12 +183,7 @@ pub fn check_start(start: &ConsumeStart) -> Result<Duration, WireError> {
             start.member.len()
         )));
     }
-    let messages = start.credit.as_ref().map_or(0, |credit| credit.messages);
-    if !(1..=CREDIT_MESSAGES_MAX).contains(&messages) {
-        return Err(invalid(format!(
-            "credit.messages must be 1 to {CREDIT_MESSAGES_MAX}, got {messages}"
-        )));
-    }
+    check_credit(start.credit.as_ref())?;
     let lease_ms = match start.lease_ms {
         0 => LEASE_MS_DEFAULT,
         lease if (LEASE_MS_MIN..=LEASE_MS_MAX).contains(&lease) => lease,
@@ -245,8 +238,7 @@ pub struct ConsumeSession {
     lease: Duration,
     cursors: Vec<Cursor>,
     round_robin: usize,
-    credit_messages: u32,
-    credit_bytes: u32,
+    credit: StreamCredit,
 }
 
 /// What one delivery round did.
@@ -293,12 +285,7 @@ impl ConsumeSession {
         let pacer = context
             .pacers
             .get(&start.group, context.topics.rate(&start.group));
-        let credit = start.credit.unwrap_or_default();
-        let credit_bytes = if credit.bytes == 0 {
-            CREDIT_BYTES_DEFAULT
-        } else {
-            credit.bytes.min(CREDIT_BYTES_MAX)
-        };
+        let credit = StreamCredit::initial(start.credit);
         Ok(Self {
             notify: context.waiters.register(&topic_wake_key(&topic.name)),
             context,
@@ -311,8 +298,7 @@ impl ConsumeSession {
             lease,
             cursors: Vec::new(),
             round_robin: 0,
-            credit_messages: credit.messages,
-            credit_bytes,
+            credit,
         })
     }
 
@@ -456,10 +442,10 @@ impl ConsumeSession {
     /// One delivery round: reads the owned partitions round-robin, within the credit and the
     /// group's rate (reads come from the store's index and the page cache, inline).
     async fn deliver(&mut self) -> Result<Delivered, WireError> {
-        if self.cursors.is_empty() || self.credit_messages == 0 || self.credit_bytes == 0 {
+        if self.cursors.is_empty() || !self.credit.is_open() {
             return Ok(Delivered::Nothing);
         }
-        let wanted = u64::from(self.credit_messages.min(ROUND_MESSAGES_MAX));
+        let wanted = u64::from(self.credit.messages.min(ROUND_MESSAGES_MAX));
         let granted = match self.pacer.take(wanted) {
             Ok(granted) => granted,
             Err(wait) => return Ok(Delivered::Throttled(wait)),
@@ -468,7 +454,7 @@ impl ConsumeSession {
         self.round_robin = self.round_robin.wrapping_add(1);
         let store = &self.context.calls.store;
         let mut left = usize::try_from(granted).unwrap_or(usize::MAX);
-        let mut bytes_left = self.credit_bytes.min(ROUND_BYTES_MAX) as usize;
+        let mut bytes_left = self.credit.bytes.min(ROUND_BYTES_MAX) as usize;
         let mut batches = Vec::new();
         for step in 0..self.cursors.len() {
             if left == 0 || bytes_left == 0 {
@@ -510,12 +496,8 @@ impl ConsumeSession {
         if deliveries.is_empty() {
             return Ok(Delivered::Nothing);
         }
-        self.credit_messages = self
-            .credit_messages
-            .saturating_sub(u32::try_from(sent).unwrap_or(u32::MAX));
-        self.credit_bytes = self
-            .credit_bytes
-            .saturating_sub(u32::try_from(bytes).unwrap_or(u32::MAX));
+        self.credit
+            .spend(usize::try_from(sent).unwrap_or(usize::MAX), bytes);
         self.pacer.delivered.inc_by(sent);
         let response = ConsumeResponse {
             deliveries,
@@ -530,15 +512,8 @@ impl ConsumeSession {
     /// Applies one client message; false if the client is gone.
     async fn handle(&mut self, message: ConsumeRequest) -> Result<bool, WireError> {
         match message.kind {
-            Some(Kind::Credit(Credit { messages, bytes })) => {
-                self.credit_messages = self
-                    .credit_messages
-                    .saturating_add(messages)
-                    .min(CREDIT_MESSAGES_MAX);
-                self.credit_bytes = self
-                    .credit_bytes
-                    .saturating_add(bytes)
-                    .min(CREDIT_BYTES_MAX);
+            Some(Kind::Credit(credit)) => {
+                self.credit.grant(credit);
                 Ok(true)
             }
             Some(Kind::Heartbeat(_)) => Ok(true),

@@ -16,8 +16,8 @@ use std::sync::Arc;
 use levee_proto::WireError;
 use levee_proto::v1::subscribe_many_request::Kind;
 use levee_proto::v1::{
-    AddMailboxes, Credit, ErrorCode, MailboxAcks, MailboxDelivery, RemoveMailboxes,
-    SubscribeManyRequest, SubscribeManyResponse, SubscribeManyStart,
+    AddMailboxes, ErrorCode, MailboxAcks, MailboxDelivery, RemoveMailboxes, SubscribeManyRequest,
+    SubscribeManyResponse, SubscribeManyStart,
 };
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
@@ -26,8 +26,8 @@ use tonic::{Status, Streaming};
 
 use super::StoreCalls;
 use super::subscription::{
-    CREDIT_BYTES_DEFAULT, CREDIT_BYTES_MAX, CREDIT_MESSAGES_MAX, Inbox, ROUND_BYTES_MAX, Waiters,
-    check_consumer_and_credit, check_queue_name, load_position, position_queue, position_record,
+    Inbox, ROUND_BYTES_MAX, StreamCredit, Waiters, check_consumer_and_credit, check_queue_name,
+    load_position, position_queue, position_record,
 };
 
 /// Most mailboxes on one stream.
@@ -92,8 +92,7 @@ pub struct ManySession {
     next_number: u32,
     /// Mailboxes with messages to deliver, in turn.
     todo: VecDeque<u32>,
-    credit_messages: u32,
-    credit_bytes: u32,
+    credit: StreamCredit,
     ack_waits: Arc<Semaphore>,
 }
 
@@ -112,12 +111,6 @@ impl ManySession {
         incoming: Streaming<SubscribeManyRequest>,
         outgoing: mpsc::Sender<Result<SubscribeManyResponse, Status>>,
     ) -> Self {
-        let credit = start.credit.unwrap_or_default();
-        let credit_bytes = if credit.bytes == 0 {
-            CREDIT_BYTES_DEFAULT
-        } else {
-            credit.bytes.min(CREDIT_BYTES_MAX)
-        };
         Self {
             context,
             consumer: start.consumer,
@@ -127,8 +120,7 @@ impl ManySession {
             mailboxes: HashMap::default(),
             next_number: 0,
             todo: VecDeque::new(),
-            credit_messages: credit.messages,
-            credit_bytes,
+            credit: StreamCredit::initial(start.credit),
             ack_waits: Arc::new(Semaphore::new(ACK_WAITS_MAX)),
         }
     }
@@ -146,10 +138,6 @@ impl ManySession {
         }
     }
 
-    fn has_credit(&self) -> bool {
-        self.credit_messages > 0 && self.credit_bytes > 0
-    }
-
     async fn serve(&mut self) -> Result<(), WireError> {
         let mut closing = self.context.closing.clone();
         loop {
@@ -157,7 +145,7 @@ impl ManySession {
             if !self.deliver().await? {
                 return Ok(());
             }
-            let busy = self.has_credit() && !self.todo.is_empty();
+            let busy = self.credit.is_open() && !self.todo.is_empty();
             let inbox = Arc::clone(&self.inbox);
             // Client messages first, so acks and credits are not starved by a long backlog.
             let event = tokio::select! {
@@ -201,7 +189,7 @@ impl ManySession {
         let mut deliveries = Vec::new();
         let mut bytes = 0_u32;
         let mut turns = self.todo.len();
-        while self.has_credit() && turns > 0 {
+        while self.credit.is_open() && turns > 0 {
             turns -= 1;
             let sent = u32::try_from(deliveries.len()).unwrap_or(u32::MAX);
             if sent >= ROUND_MESSAGES_MAX || bytes >= ROUND_BYTES_MAX {
@@ -213,8 +201,8 @@ impl ManySession {
             let Some(mailbox) = self.mailboxes.get_mut(&number) else {
                 continue;
             };
-            let count = self.credit_messages.min(ROUND_MESSAGES_MAX - sent);
-            let byte_room = self.credit_bytes.min(ROUND_BYTES_MAX - bytes);
+            let count = self.credit.messages.min(ROUND_MESSAGES_MAX - sent);
+            let byte_room = self.credit.bytes.min(ROUND_BYTES_MAX - bytes);
             let batch = self
                 .context
                 .calls
@@ -243,9 +231,8 @@ impl ManySession {
                     payload,
                 },
             ));
-            let read = u32::try_from(next_offset - first_offset).unwrap_or(u32::MAX);
-            self.credit_messages = self.credit_messages.saturating_sub(read);
-            self.credit_bytes = self.credit_bytes.saturating_sub(read_bytes);
+            let read = usize::try_from(next_offset - first_offset).unwrap_or(usize::MAX);
+            self.credit.spend(read, read_bytes as usize);
             bytes = bytes.saturating_add(read_bytes);
             mailbox.next = next_offset;
             if caught_up {
@@ -279,15 +266,8 @@ impl ManySession {
                 self.remove(&mailboxes);
                 Ok(())
             }
-            Some(Kind::Credit(Credit { messages, bytes })) => {
-                self.credit_messages = self
-                    .credit_messages
-                    .saturating_add(messages)
-                    .min(CREDIT_MESSAGES_MAX);
-                self.credit_bytes = self
-                    .credit_bytes
-                    .saturating_add(bytes)
-                    .min(CREDIT_BYTES_MAX);
+            Some(Kind::Credit(credit)) => {
+                self.credit.grant(credit);
                 Ok(())
             }
             Some(Kind::Ack(acks)) => self.ack(acks).await,

@@ -333,6 +333,11 @@ pub(crate) fn check_consumer_and_credit(
             consumer.len()
         )));
     }
+    check_credit(credit)
+}
+
+/// Checks a stream's initial credit: 1 to [`CREDIT_MESSAGES_MAX`] messages.
+pub(crate) fn check_credit(credit: Option<&Credit>) -> Result<(), WireError> {
     let messages = credit.map_or(0, |credit| credit.messages);
     if !(1..=CREDIT_MESSAGES_MAX).contains(&messages) {
         return Err(invalid(format!(
@@ -340,6 +345,59 @@ pub(crate) fn check_consumer_and_credit(
         )));
     }
     Ok(())
+}
+
+/// What a stream's client still lets the server send: messages and payload bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamCredit {
+    /// Messages.
+    pub messages: u32,
+    /// Payload bytes.
+    pub bytes: u32,
+}
+
+impl StreamCredit {
+    /// The credit of a checked start: bytes 0 means [`CREDIT_BYTES_DEFAULT`]; capped at
+    /// [`CREDIT_MESSAGES_MAX`] and [`CREDIT_BYTES_MAX`].
+    pub fn initial(credit: Option<Credit>) -> Self {
+        let credit = credit.unwrap_or_default();
+        let bytes = if credit.bytes == 0 {
+            CREDIT_BYTES_DEFAULT
+        } else {
+            credit.bytes
+        };
+        Self {
+            messages: credit.messages.min(CREDIT_MESSAGES_MAX),
+            bytes: bytes.min(CREDIT_BYTES_MAX),
+        }
+    }
+
+    /// Adds the client's grant, within the caps.
+    pub fn grant(&mut self, credit: Credit) {
+        self.messages = self
+            .messages
+            .saturating_add(credit.messages)
+            .min(CREDIT_MESSAGES_MAX);
+        self.bytes = self
+            .bytes
+            .saturating_add(credit.bytes)
+            .min(CREDIT_BYTES_MAX);
+    }
+
+    /// Takes what was sent (a message may pass the byte credit alone: it ends at 0).
+    pub fn spend(&mut self, messages: usize, bytes: usize) {
+        self.messages = self
+            .messages
+            .saturating_sub(u32::try_from(messages).unwrap_or(u32::MAX));
+        self.bytes = self
+            .bytes
+            .saturating_sub(u32::try_from(bytes).unwrap_or(u32::MAX));
+    }
+
+    /// Whether anything may be sent.
+    pub fn is_open(&self) -> bool {
+        self.messages > 0 && self.bytes > 0
+    }
 }
 
 /// One subscription's state.
@@ -372,17 +430,10 @@ impl Session {
     async fn serve(&mut self) -> Result<(), WireError> {
         let (queue, consumer) = (self.start.queue.clone(), self.start.consumer.clone());
         let next = load_position(&self.calls.store, &consumer, &queue)?;
-        let credit = self.start.credit.unwrap_or_default();
-        let bytes = if credit.bytes == 0 {
-            CREDIT_BYTES_DEFAULT
-        } else {
-            credit.bytes
-        };
         let mut progress = Progress {
             next,
             acked: next,
-            credit_messages: credit.messages,
-            credit_bytes: bytes.min(CREDIT_BYTES_MAX),
+            credit: StreamCredit::initial(self.start.credit),
         };
         let start = SubscribeResponse {
             start_offset: next,
@@ -425,12 +476,12 @@ impl Session {
 
     /// Sends what the credit allows from the next offset.
     async fn deliver(&mut self, progress: &mut Progress) -> Result<Delivered, WireError> {
-        if progress.credit_messages == 0 || progress.credit_bytes == 0 {
+        if !progress.credit.is_open() {
             return Ok(Delivered::Nothing);
         }
         let (queue, from) = (&self.start.queue, progress.next);
-        let count = progress.credit_messages.min(READ_MESSAGES_MAX) as usize;
-        let bytes = progress.credit_bytes.min(ROUND_BYTES_MAX) as usize;
+        let count = progress.credit.messages.min(READ_MESSAGES_MAX) as usize;
+        let bytes = progress.credit.bytes.min(ROUND_BYTES_MAX) as usize;
         let batch = self
             .calls
             .store
@@ -442,7 +493,7 @@ impl Session {
             }
             return Ok(Delivered::Nothing);
         }
-        let sent_bytes = u32::try_from(batch.bytes()).unwrap_or(u32::MAX);
+        let sent_bytes = batch.bytes();
         let first_offset = batch.first_offset;
         let next_offset = batch.next_offset();
         let caught_up = next_offset >= batch.visible_end_offset;
@@ -450,9 +501,7 @@ impl Session {
             .zip(first_offset..)
             .map(|(payload, offset)| Delivery { offset, payload })
             .collect();
-        let sent = u32::try_from(deliveries.len()).unwrap_or(u32::MAX);
-        progress.credit_messages = progress.credit_messages.saturating_sub(sent);
-        progress.credit_bytes = progress.credit_bytes.saturating_sub(sent_bytes);
+        progress.credit.spend(deliveries.len(), sent_bytes);
         progress.next = next_offset;
         self.delivered.inc_by(deliveries.len() as u64);
         let response = SubscribeResponse {
@@ -473,15 +522,8 @@ impl Session {
         progress: &mut Progress,
     ) -> Result<(), WireError> {
         match message.kind {
-            Some(Kind::Credit(Credit { messages, bytes })) => {
-                progress.credit_messages = progress
-                    .credit_messages
-                    .saturating_add(messages)
-                    .min(CREDIT_MESSAGES_MAX);
-                progress.credit_bytes = progress
-                    .credit_bytes
-                    .saturating_add(bytes)
-                    .min(CREDIT_BYTES_MAX);
+            Some(Kind::Credit(credit)) => {
+                progress.credit.grant(credit);
                 Ok(())
             }
             Some(Kind::Ack(ack)) => {
@@ -528,8 +570,7 @@ struct Progress {
     next: u64,
     /// The offset after the last acked one (what a new subscription starts from).
     acked: u64,
-    credit_messages: u32,
-    credit_bytes: u32,
+    credit: StreamCredit,
 }
 
 /// What one delivery attempt did.
