@@ -1,14 +1,37 @@
-//! The committed fixture of on-disk format version 1. Every later version of the crate must
-//! still open `tests/fixtures/format-v1/` and find exactly these messages. The generator is
-//! `#[ignore]`d: run it only to create a fixture for a new format version, never to refresh
-//! this one.
+//! The committed fixtures of the on-disk format, one per version (`tests/fixtures/format-vN/`,
+//! all written by the same workload). Every later version of the crate must still open each of
+//! them and find exactly these messages. The generator is `#[ignore]`d: run it only to create
+//! the fixture of a new format version, never to refresh an existing one.
 
 use std::path::{Path, PathBuf};
 
+use levee_store::format::FORMAT_VERSION;
 use levee_store::{Retention, Store, StoreOptions};
 
-fn fixture_directory() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/format-v1")
+/// The format versions with a committed fixture.
+const FIXTURE_VERSIONS: [u32; 2] = [1, 2];
+
+fn fixture_directory(version: u32) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/format-v{version}"))
+}
+
+/// A copy of the fixture of `version` in a temporary directory; the id of its last segment.
+fn copy_fixture(version: u32) -> (tempfile::TempDir, u32) {
+    let copy = tempfile::tempdir().unwrap();
+    let mut last_id = 0;
+    let mut files = 0;
+    for entry in std::fs::read_dir(fixture_directory(version)).expect("fixture committed") {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), copy.path().join(entry.file_name())).unwrap();
+        let name = entry.file_name().into_string().unwrap();
+        last_id = last_id.max(levee_store::format::parse_segment_file_name(&name).unwrap());
+        files += 1;
+    }
+    assert!(
+        files > 1,
+        "the fixture of version {version} spans several segments"
+    );
+    (copy, last_id)
 }
 
 fn options() -> StoreOptions {
@@ -35,8 +58,8 @@ fn beta(index: u64) -> Vec<u8> {
 
 #[test]
 #[ignore = "writes the committed fixture; run only for a new format version"]
-fn generate_format_v1_fixture() {
-    let directory = fixture_directory();
+fn generate_fixture_of_this_format_version() {
+    let directory = fixture_directory(FORMAT_VERSION);
     let _ = std::fs::remove_dir_all(&directory);
     let (store, _) = Store::open(&directory, options()).unwrap();
     for index in 0..51 {
@@ -73,6 +96,8 @@ fn generate_format_v1_fixture() {
     };
     store.enforce_retention(0, policy).unwrap();
     store.close().unwrap();
+    // The lock file is created by every open: not part of the fixture.
+    std::fs::remove_file(directory.join(levee_store::LOCK_FILE_NAME)).unwrap();
 }
 
 fn read_all(store: &Store, queue: &[u8]) -> (u64, Vec<Vec<u8>>) {
@@ -90,35 +115,33 @@ fn read_all(store: &Store, queue: &[u8]) -> (u64, Vec<Vec<u8>>) {
 }
 
 #[test]
-fn given_format_v1_fixture_when_opening_should_read_every_message() {
-    let copy = tempfile::tempdir().unwrap();
-    let mut files = 0;
-    for entry in std::fs::read_dir(fixture_directory()).expect("fixture committed") {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), copy.path().join(entry.file_name())).unwrap();
-        files += 1;
+fn given_each_format_fixture_when_opening_should_read_every_message() {
+    for version in FIXTURE_VERSIONS {
+        let (copy, _) = copy_fixture(version);
+        let (store, report) = Store::open(copy.path(), options()).unwrap();
+        assert!(report.truncated.is_empty(), "version {version}: {report:?}");
+        assert_eq!(report.queues, 4, "version {version}");
+        check_fixture_messages(&store);
     }
-    assert!(files > 1, "the fixture spans several segments");
-    let (store, report) = Store::open(copy.path(), options()).unwrap();
-    assert!(report.truncated.is_empty(), "{report:?}");
-    assert_eq!(report.queues, 4);
+}
 
-    let (first, messages) = read_all(&store, b"alpha");
+fn check_fixture_messages(store: &Store) {
+    let (first, messages) = read_all(store, b"alpha");
     assert_eq!(first, 0);
     assert_eq!(messages, (0..51).map(alpha).collect::<Vec<_>>());
 
-    let (first, messages) = read_all(&store, b"beta");
+    let (first, messages) = read_all(store, b"beta");
     assert_eq!(first, 0);
     assert_eq!(messages, (0..10).map(beta).collect::<Vec<_>>());
 
-    let (first, messages) = read_all(&store, b"gamma");
+    let (first, messages) = read_all(store, b"gamma");
     assert_eq!(first, 0, "a deleted and re-created queue restarts at 0");
     assert_eq!(
         messages,
         vec![b"gamma-new-0".to_vec(), b"gamma-new-1".to_vec()]
     );
 
-    let (first, messages) = read_all(&store, b"delta");
+    let (first, messages) = read_all(store, b"delta");
     assert!(
         first > 0 && first < 40,
         "delta was trimmed: first retained {first}"
@@ -142,37 +165,35 @@ fn given_format_v1_fixture_when_opening_should_read_every_message() {
 }
 
 #[test]
-fn given_format_v1_fixture_when_appending_should_continue_in_a_version_2_segment() {
-    let copy = tempfile::tempdir().unwrap();
-    let mut last_id = 0;
-    for entry in std::fs::read_dir(fixture_directory()).expect("fixture committed") {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), copy.path().join(entry.file_name())).unwrap();
-        let name = entry.file_name().into_string().unwrap();
-        last_id = last_id.max(levee_store::format::parse_segment_file_name(&name).unwrap());
+fn given_an_older_format_fixture_when_appending_should_continue_in_a_segment_of_this_version() {
+    for version in FIXTURE_VERSIONS
+        .into_iter()
+        .filter(|version| *version < FORMAT_VERSION)
+    {
+        let (copy, last_id) = copy_fixture(version);
+        let (store, _) = Store::open(copy.path(), options()).unwrap();
+        assert_eq!(store.append(b"alpha", b"alpha-51").unwrap(), 51);
+        store.close().unwrap();
+        let version_of = |id: u32| {
+            let path = copy.path().join(levee_store::format::segment_file_name(id));
+            let bytes = std::fs::read(path).unwrap();
+            u32::from_le_bytes(bytes[8..12].try_into().unwrap())
+        };
+        assert_eq!(
+            version_of(last_id),
+            version,
+            "the version-{version} segment is left as it was"
+        );
+        assert_eq!(
+            version_of(last_id + 1),
+            FORMAT_VERSION,
+            "new records go to a segment of this version"
+        );
+        let (store, report) = Store::open(copy.path(), options()).unwrap();
+        assert!(report.truncated.is_empty(), "{report:?}");
+        let (_, messages) = read_all(&store, b"alpha");
+        let mut expected: Vec<Vec<u8>> = (0..51).map(alpha).collect();
+        expected.push(b"alpha-51".to_vec());
+        assert_eq!(messages, expected, "version {version}");
     }
-    let (store, _) = Store::open(copy.path(), options()).unwrap();
-    assert_eq!(store.append(b"alpha", b"alpha-51").unwrap(), 51);
-    store.close().unwrap();
-    let version_of = |id: u32| {
-        let path = copy.path().join(levee_store::format::segment_file_name(id));
-        let bytes = std::fs::read(path).unwrap();
-        u32::from_le_bytes(bytes[8..12].try_into().unwrap())
-    };
-    assert_eq!(
-        version_of(last_id),
-        1,
-        "the version-1 segment is left as it was"
-    );
-    assert_eq!(
-        version_of(last_id + 1),
-        2,
-        "new records go to a version-2 segment"
-    );
-    let (store, report) = Store::open(copy.path(), options()).unwrap();
-    assert!(report.truncated.is_empty(), "{report:?}");
-    let (_, messages) = read_all(&store, b"alpha");
-    let mut expected: Vec<Vec<u8>> = (0..51).map(alpha).collect();
-    expected.push(b"alpha-51".to_vec());
-    assert_eq!(messages, expected);
 }
