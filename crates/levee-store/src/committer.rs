@@ -5,20 +5,27 @@
 //! index and wakes every append waiting on that round (group commit). After a round it deletes
 //! the oldest segment files once nothing live remains in them.
 
+use std::collections::VecDeque;
 use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::error::WriteError;
-use crate::format::{self, RECORD_HEADER_BYTES, Record, SEGMENT_HEADER_BYTES};
+use crate::format::{
+    self, FLOOR_RECORD_BYTES, LogFloor, RECORD_HEADER_BYTES, Record, SEGMENT_HEADER_BYTES,
+};
 use crate::options::SyncPolicy;
 use crate::queue::{ChunkEntry, FRAME_BYTES, NO_SEGMENT};
 use crate::recovery::Scanner;
 use crate::storage::StorageFile;
 use crate::store::{
-    FAILURES_MAX, Inner, QueueKey, RecordEffect, SHARD_COUNT, SegmentEntry, Shard, lock,
+    FAILURES_MAX, Inner, Listed, QueueKey, RecordEffect, SHARD_COUNT, SegmentEntry, Shard, lock,
 };
+
+/// Round starts are remembered at most once per this many bytes of a segment (an earlier one
+/// stands for the rounds after it, conservatively: see `Committer::floor_for`).
+const ROUND_START_SPACING_BYTES: u64 = 1 << 20;
 
 /// The oldest segment is relocated once at most 1 in this many of its chunks is still live.
 const RELOCATE_LIVE_RATIO_MAX: u64 = 4;
@@ -48,8 +55,8 @@ enum Seal {
     Round,
     /// Everything logged so far (the queue came from the buffered list: a budget flush or a
     /// checkpoint); its `queued` flag is cleared, or the key goes back on the list if
-    /// messages remain.
-    All,
+    /// messages remain. Holds the list entry's `since_round`.
+    All(u64),
 }
 
 /// A queue to seal: its shard index, how, and its key.
@@ -108,7 +115,7 @@ struct TakenLog {
 #[derive(Debug, Default)]
 struct TakenKeys {
     direct: Vec<QueueKey>,
-    all: Vec<QueueKey>,
+    all: Vec<Listed>,
 }
 
 /// A live chunk being relocated: its queue, first offset, old position and its position in
@@ -118,7 +125,7 @@ type Moved = (QueueKey, u64, u32, usize);
 struct Plan {
     round: u64,
     /// Queues taken from the buffered list (budget flush or checkpoint).
-    all: Vec<QueueKey>,
+    all: Vec<Listed>,
     is_checkpoint: bool,
     shutdown: bool,
 }
@@ -141,10 +148,36 @@ struct Committer<'a> {
     /// The current round's log records, kept once the buffer holding them was written early:
     /// a failed round puts them back in the shard logs.
     round_log: Vec<u8>,
+    /// Where rounds started, oldest first, at most one per [`ROUND_START_SPACING_BYTES`] of a
+    /// segment; round 0 stands for the log replayed at open (it starts at the recovered
+    /// floor). Pruned to the floor at each rotation.
+    round_starts: VecDeque<(u64, LogFloor)>,
+    /// The floor written at the start of the next segment: every log record before it is
+    /// dead. Refreshed before each rotation at the start of a round.
+    floor: LogFloor,
 }
 
-/// Runs the committer until shutdown or a fatal error.
-pub(crate) fn run(inner: &Inner, writer: Writer, log_floor: u32) {
+/// Runs the committer until shutdown or a fatal error, poisoning the store if it panics (a
+/// bug), so that appenders waiting for a round get an error instead of waiting forever.
+/// `floor` is the log floor recovery used: every log record it replayed is at or after it.
+pub(crate) fn run_guarded(inner: &Inner, writer: Writer, log_floor: u32, floor: LogFloor) {
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        run(inner, writer, log_floor, floor);
+    }));
+    if let Err(panic) = ran {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(ToString::to_string)
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        let mut commit = lock(&inner.commit);
+        commit.poisoned = Some(format!("the committer thread panicked: {what}"));
+        inner.poisoned.store(true, Ordering::Release);
+        inner.committed.notify_all();
+    }
+}
+
+fn run(inner: &Inner, writer: Writer, log_floor: u32, floor: LogFloor) {
     let mut committer = Committer {
         inner,
         writer,
@@ -155,6 +188,8 @@ pub(crate) fn run(inner: &Inner, writer: Writer, log_floor: u32) {
         round_flushed: 0,
         round_log_buffered: 0,
         round_log: Vec::new(),
+        round_starts: VecDeque::from([(0, floor)]),
+        floor,
     };
     loop {
         let plan = committer.next_plan();
@@ -223,7 +258,7 @@ impl Committer<'_> {
             if due || is_checkpoint || wanted || pending.budget_flush_requested {
                 inner.committer_sleeping.store(false, Ordering::SeqCst);
                 let round = inner.rounds_started.fetch_add(1, Ordering::SeqCst) + 1;
-                let all: Vec<QueueKey> = if is_checkpoint {
+                let all: Vec<Listed> = if is_checkpoint {
                     pending.buffered.drain(..).collect()
                 } else if pending.budget_flush_requested {
                     // An append waits for room in the budget: seal the older half of the
@@ -322,7 +357,7 @@ impl Committer<'_> {
             all: plan.all.clone(),
         };
         if self.writer.length >= self.inner.options.segment_bytes_max
-            && let Err(error) = self.rotate()
+            && let Err(error) = self.rotate_with_floor(plan.round, &plan.all)
         {
             return self.fail_round(
                 plan.round,
@@ -336,6 +371,7 @@ impl Committer<'_> {
         }
         let round_start = self.writer.length;
         let log_segment = self.writer.segment;
+        self.note_round_start(plan.round);
         let timestamp_ms = now_ms();
         let mut placed = Vec::new();
         let mut rotated_mid_round = false;
@@ -353,11 +389,13 @@ impl Committer<'_> {
         taken_keys
             .direct
             .extend(run.iter().map(|(_, _, key)| key.clone()));
-        run.extend(
-            plan.all
-                .into_iter()
-                .map(|key| (self.inner.shard_index(&key.name), Seal::All, key)),
-        );
+        run.extend(plan.all.into_iter().map(|listed| {
+            (
+                self.inner.shard_index(&listed.key.name),
+                Seal::All(listed.since_round),
+                listed.key,
+            )
+        }));
         let mut requeue = Vec::new();
         if result.is_ok() {
             result = self.freeze_run(
@@ -433,6 +471,73 @@ impl Committer<'_> {
         self.collect_garbage()
     }
 
+    /// Remembers where round `round` starts (the end of the active segment), unless a round
+    /// started less than [`ROUND_START_SPACING_BYTES`] before in the same segment.
+    fn note_round_start(&mut self, round: u64) {
+        let here = LogFloor {
+            segment: self.writer.segment,
+            position: self.writer.length,
+        };
+        let near = self.round_starts.back().is_some_and(|(_, last)| {
+            last.segment == here.segment
+                && here.position.saturating_sub(last.position) < ROUND_START_SPACING_BYTES
+        });
+        if !near {
+            self.round_starts.push_back((round, here));
+        }
+    }
+
+    /// The log floor before round `round` starts, `all` being the queues it took off the
+    /// buffered list. Every message logged but not yet sealed belongs to a queue on the
+    /// buffered list or in `all` (the rounds before `round` are complete, so nothing is
+    /// frozen), and each such entry's `since_round` is no later than the round that logged
+    /// the queue's oldest unsealed message. So every log record before the start of the
+    /// oldest such round is dead: its messages are in chunks of completed rounds, or trimmed,
+    /// or deleted. A remembered start at or before that round stands for it (positions only
+    /// grow). Prunes the starts before the one used.
+    fn floor_for(&mut self, round: u64, all: &[Listed]) -> LogFloor {
+        let oldest = {
+            let pending = lock(&self.inner.pending);
+            pending
+                .buffered
+                .iter()
+                .chain(all)
+                .map(|listed| listed.since_round)
+                .min()
+                .unwrap_or(round)
+        };
+        if oldest >= round {
+            // Nothing unsealed was logged before this round: all of the log so far is dead.
+            return LogFloor {
+                segment: self.writer.segment,
+                position: self.writer.length,
+            };
+        }
+        let known = self
+            .round_starts
+            .partition_point(|(started, _)| *started <= oldest);
+        if known == 0 {
+            // Not expected (round 0 is always known); the last floor stays true.
+            return self.floor;
+        }
+        self.round_starts.drain(..known - 1);
+        self.round_starts[0].1
+    }
+
+    /// Rotates at the start of round `round` (see `floor_for` for `all`), writing the log
+    /// floor as of now at the start of the new segment.
+    fn rotate_with_floor(&mut self, round: u64, all: &[Listed]) -> io::Result<()> {
+        // A floor may come out lower than the last one (a remembered round start stands
+        // for later rounds, and a rotation that failed wrote its floor nowhere); both are
+        // true, so the higher one is kept.
+        let floor = self.floor_for(round, all);
+        self.floor = floor.max(self.floor);
+        self.rotate()?;
+        // Segments before the floor's hold no needed log record.
+        self.log_floor = self.log_floor.max(self.floor.segment);
+        Ok(())
+    }
+
     /// Writes the round buffer so far (no fsync) and empties it; its log records are kept
     /// aside for a failure. A failed round truncates the segment back to where it started.
     fn write_early(&mut self) -> io::Result<()> {
@@ -478,7 +583,7 @@ impl Committer<'_> {
         round: u64,
         timestamp_ms: u64,
         placed: &mut Vec<Placed>,
-        requeue: &mut Vec<QueueKey>,
+        requeue: &mut Vec<Listed>,
         rotated_mid_round: &mut bool,
     ) -> io::Result<()> {
         run.sort_by_key(|(shard_index, _, _)| *shard_index);
@@ -508,8 +613,10 @@ impl Committer<'_> {
             // Invariant: `held` was set just above.
             let (_, frozen, shard) = held.as_mut().expect("shard locked above");
             *frozen += 1;
-            if self.freeze(shard, shard_index, &key, seal, round, timestamp_ms, placed) {
-                requeue.push(key);
+            if let Some(since_round) =
+                self.freeze(shard, shard_index, &key, seal, round, timestamp_ms, placed)
+            {
+                requeue.push(Listed { key, since_round });
             }
         }
         Ok(())
@@ -517,7 +624,8 @@ impl Committer<'_> {
 
     /// Seals the unfrozen messages of one queue that are logged in round `round` or earlier
     /// into chunk records in the round buffer: whole chunks of `chunk_bytes`, then the rest.
-    /// Returns true if the key must go back on the buffered list.
+    /// Returns the `since_round` with which the key must go back on the buffered list, if it
+    /// must.
     #[allow(
         clippy::too_many_arguments,
         reason = "the round's context, passed down from freeze_run"
@@ -531,20 +639,16 @@ impl Committer<'_> {
         round: u64,
         timestamp_ms: u64,
         placed: &mut Vec<Placed>,
-    ) -> bool {
+    ) -> Option<u64> {
         let chunk_bytes = self.inner.options.chunk_bytes;
-        let Some(state) = shard.queues.get_mut(&*key.name) else {
-            return false;
-        };
+        let state = shard.queues.get_mut(&*key.name)?;
         if state.incarnation != key.incarnation {
-            return false;
+            return None;
         }
-        if seal == Seal::All {
+        if matches!(seal, Seal::All(_)) {
             state.queued = false;
         }
-        let Some(buffer) = state.buffer.as_mut() else {
-            return false;
-        };
+        let buffer = state.buffer.as_mut()?;
         let logged_end = buffer.logged_through(round);
         let sealable = usize::try_from(logged_end - buffer.first_offset)
             .unwrap_or(usize::MAX)
@@ -599,10 +703,18 @@ impl Committer<'_> {
         }
         buffer.frozen = index;
         buffer.frozen_bytes = byte_start;
-        if seal == Seal::All && buffer.count > buffer.frozen {
+        if let Seal::All(since_round) = seal
+            && buffer.count > buffer.frozen
+        {
             // Messages of a later round stay buffered: keep the queue on the buffered list.
+            // Their marks say they were logged after this round, which holds unless marks
+            // were merged.
             state.queued = true;
-            return true;
+            return Some(if buffer.marks_merged {
+                since_round
+            } else {
+                round + 1
+            });
         }
         if state.direct_round < shard.log_round && buffer.unfrozen_payload_bytes() >= chunk_bytes {
             // A whole chunk is still due (its messages were logged in the next round): the
@@ -611,7 +723,7 @@ impl Committer<'_> {
             shard.direct.push(key.clone());
             self.inner.log_pending.fetch_add(1, Ordering::SeqCst);
         }
-        false
+        None
     }
 
     /// Publishes a written round in the index. Chunks come grouped by shard (see
@@ -797,7 +909,7 @@ impl Committer<'_> {
             &round_bytes[..]
         };
         let mut unfreeze: Vec<QueueKey> = placed.into_iter().map(|chunk| chunk.key).collect();
-        unfreeze.extend(taken_keys.all.iter().cloned());
+        unfreeze.extend(taken_keys.all.iter().map(|listed| listed.key.clone()));
         let sealed_keys = taken_keys.all;
         if self.interval().is_some() {
             // Messages of the direct queues have no log record to put back: list the queues
@@ -828,16 +940,18 @@ impl Committer<'_> {
             self.requeue_log(&mut lock(&self.inner.shards[0]), taken, log_bytes, true);
             // Lock order shard -> pending: flag the queues first, then list them.
             let mut relisted = Vec::new();
-            for key in sealed_keys.into_iter().rev() {
+            for listed in sealed_keys.into_iter().rev() {
+                let key = &listed.key;
                 let mut shard = lock(self.inner.shard(&key.name));
                 if let Some(state) = shard.queues.get_mut(&*key.name)
                     && state.incarnation == key.incarnation
                     && state.buffer.is_some()
                 {
                     // Taken off the buffered list by this round (sealed or not): list it again
-                    // (at worst twice, which only costs a look).
+                    // (at worst twice, which only costs a look), with its `since_round`.
                     state.queued = true;
-                    relisted.push(key);
+                    drop(shard);
+                    relisted.push(listed);
                 }
             }
             let mut pending = lock(&self.inner.pending);
@@ -898,14 +1012,15 @@ impl Committer<'_> {
             .buffered_bytes
             .fetch_sub(dropped_bytes, Ordering::SeqCst);
         debug_assert_eq!(shards.len(), SHARD_COUNT);
-        for key in sealed_keys {
+        for listed in sealed_keys {
+            let key = &listed.key;
             let index = self.inner.shard_index(&key.name);
             if let Some(state) = shards[index].queues.get_mut(&*key.name)
                 && state.incarnation == key.incarnation
                 && state.buffer.is_some()
             {
                 state.queued = true;
-                pending.buffered.push_front(key);
+                pending.buffered.push_front(listed);
             }
         }
         for shard in &mut shards {
@@ -939,7 +1054,8 @@ impl Committer<'_> {
         let segment = self.writer.segment + 1;
         let name = format::segment_file_name(segment);
         let file = self.inner.storage.create(&name)?;
-        let header = format::encode_segment_header(segment);
+        let mut header = format::encode_segment_header(segment).to_vec();
+        format::encode_floor(&mut header, self.floor);
         let written = file.write_at(0, &header).and_then(|()| {
             file.sync().map_err(fatal)?;
             self.inner.storage.sync_dir().map_err(fatal)
@@ -970,7 +1086,11 @@ impl Committer<'_> {
         // rotation faulted in and zeroed fresh pages, a seventh of the CPU under budget flushes.
         let mut buffer = std::mem::take(&mut self.writer.buffer);
         buffer.clear();
-        self.writer = Writer::new(segment, file, SEGMENT_HEADER_BYTES);
+        self.writer = Writer::new(
+            segment,
+            file,
+            SEGMENT_HEADER_BYTES + FLOOR_RECORD_BYTES as u64,
+        );
         self.writer.buffer = buffer;
         Ok(())
     }

@@ -1,11 +1,12 @@
-//! The on-disk format, version 2: the segment file header and the four record kinds (chunk,
-//! trim, delete, log). Version 1 (no log records) is still read. Everything is little-endian;
+//! The on-disk format, version 3: the segment file header and the five record kinds (chunk,
+//! trim, delete, log, floor). Versions 1 (no log records) and 2 (no floor records) are still
+//! read. Everything is little-endian;
 //! docs/FORMAT.md describes it byte by byte.
 
 /// Magic bytes at the start of every segment file.
 pub const SEGMENT_MAGIC: [u8; 8] = *b"LEVEEQS\0";
 /// The format version this crate writes (and the newest it reads).
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 /// The oldest format version this crate reads: version 1 has no log records.
 pub const FORMAT_VERSION_OLDEST_READ: u32 = 1;
 /// Bytes in a segment file header.
@@ -18,6 +19,10 @@ pub const CHUNK_FIXED_BYTES: usize = 24;
 pub const TRIM_FIXED_BYTES: usize = 16;
 /// Fixed bytes at the start of a delete body, before the queue name.
 pub const DELETE_FIXED_BYTES: usize = 4;
+/// Bytes of a floor body (it names no queue).
+pub const FLOOR_BODY_BYTES: usize = 16;
+/// Bytes of a floor record, header included.
+pub const FLOOR_RECORD_BYTES: usize = RECORD_HEADER_BYTES + FLOOR_BODY_BYTES;
 /// The largest record body the format allows (1 GiB); longer length fields are corruption.
 pub const RECORD_BODY_BYTES_MAX: usize = 1 << 30;
 /// Longest queue name, in bytes.
@@ -27,6 +32,7 @@ const KIND_CHUNK: u8 = 1;
 const KIND_TRIM: u8 = 2;
 const KIND_DELETE: u8 = 3;
 const KIND_LOG: u8 = 4;
+const KIND_FLOOR: u8 = 5;
 
 /// File name of the segment with this id.
 pub fn segment_file_name(segment: u32) -> String {
@@ -194,7 +200,7 @@ pub fn encode_log(
 }
 
 /// The kind byte of the record starting at `record` (header included): 1 chunk, 2 trim,
-/// 3 delete, 4 log.
+/// 3 delete, 4 log, 5 floor.
 pub fn record_kind(record: &[u8]) -> u8 {
     record[RECORD_HEADER_BYTES]
 }
@@ -215,6 +221,37 @@ pub fn encode_trim(out: &mut Vec<u8>, name: &[u8], first_retained_offset: u64) {
     out.extend_from_slice(&first_retained_offset.to_le_bytes());
     out.extend_from_slice(name);
     seal_record(out, start);
+}
+
+/// Appends one floor record (kind 5, version 3): every log record before `position` of
+/// `segment` (in that segment or an older one) holds only messages that are in chunk records
+/// written before this record, or trimmed, or deleted, so recovery may skip them.
+pub fn encode_floor(out: &mut Vec<u8>, floor: LogFloor) {
+    let start = out.len();
+    out.extend_from_slice(&[0; 4]);
+    out.extend_from_slice(&to_u32(FLOOR_BODY_BYTES).to_le_bytes());
+    out.push(KIND_FLOOR);
+    out.extend_from_slice(&[0; 3]);
+    out.extend_from_slice(&floor.segment.to_le_bytes());
+    out.extend_from_slice(&floor.position.to_le_bytes());
+    seal_record(out, start);
+}
+
+/// A place in the log before which no log record is needed (see [`encode_floor`]). Ordered by
+/// segment, then position.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct LogFloor {
+    /// Segment id.
+    pub segment: u32,
+    /// Byte position in the segment.
+    pub position: u64,
+}
+
+impl LogFloor {
+    /// Whether the floor covers a record at `position` of `segment` (the record is before it).
+    pub fn covers(self, segment: u32, position: u64) -> bool {
+        (segment, position) < (self.segment, self.position)
+    }
 }
 
 /// Appends one delete record: every earlier record of the queue is dead.
@@ -264,6 +301,8 @@ pub enum Record<'a> {
     /// Consecutive messages of one queue, durable but not indexed (format version 2): a
     /// later chunk record of the same offsets supersedes it.
     Log(Chunk<'a>),
+    /// Log records before this place are no longer needed (format version 3).
+    Floor(LogFloor),
 }
 
 /// A decoded chunk body.
@@ -314,6 +353,15 @@ pub fn decode_checked(record: &[u8]) -> Result<Record<'_>, &'static str> {
 /// Decodes a record body whose checksum was already verified.
 pub fn decode_record(body: &[u8]) -> Result<Record<'_>, &'static str> {
     let (&kind, _) = body.split_first().ok_or("empty record body")?;
+    if kind == KIND_FLOOR {
+        if body.len() != FLOOR_BODY_BYTES {
+            return Err("floor record of the wrong length");
+        }
+        return Ok(Record::Floor(LogFloor {
+            segment: read_u32(body, 4),
+            position: read_u64(body, 8),
+        }));
+    }
     let name_bytes = usize::from(*body.get(1).ok_or("record body too short")?);
     let fixed = match kind {
         KIND_CHUNK | KIND_LOG => CHUNK_FIXED_BYTES,
@@ -468,14 +516,42 @@ mod tests {
     }
 
     #[test]
+    fn given_a_floor_when_encoded_should_roundtrip_and_refuse_any_flipped_byte() {
+        let floor = LogFloor {
+            segment: 7,
+            position: 1 << 33,
+        };
+        let mut out = Vec::new();
+        encode_floor(&mut out, floor);
+        assert_eq!(out.len(), FLOOR_RECORD_BYTES);
+        assert_eq!(decode_checked(&out), Ok(Record::Floor(floor)));
+        for index in 0..out.len() {
+            let mut damaged = out.clone();
+            damaged[index] ^= 0x10;
+            assert!(
+                decode_checked(&damaged).is_err(),
+                "flip at {index} accepted"
+            );
+        }
+        assert!(floor.covers(6, u64::MAX));
+        assert!(floor.covers(7, (1 << 33) - 1));
+        assert!(!floor.covers(7, 1 << 33));
+        assert!(!floor.covers(8, 0));
+        assert!(
+            !LogFloor::default().covers(0, 0),
+            "the default floor covers nothing"
+        );
+    }
+
+    #[test]
     fn given_header_when_version_or_magic_differs_should_say_what_was_found() {
         let header = encode_segment_header(5);
         assert_eq!(decode_segment_header(&header), Ok(5));
         let mut other = header;
-        other[8] = 3;
+        other[8] = 4;
         assert_eq!(
             decode_segment_header(&other),
-            Err(HeaderProblem::Version(3))
+            Err(HeaderProblem::Version(4))
         );
         // Version 1 (no log records) is still read.
         let mut version_1 = header;

@@ -51,6 +51,9 @@ pub struct WriteBuffer {
     pub marks: [(u64, u64); MARKS_MAX],
     /// Entries of `marks` in use.
     pub marks_count: usize,
+    /// Two marks were merged (see `mark`): some messages may be logged in an earlier round
+    /// than their mark says, so the committer must not assume otherwise.
+    pub marks_merged: bool,
     /// `(offset, drained_bytes + position in data)` of the buffered messages whose offset is a
     /// multiple of [`BUFFER_POSITION_STRIDE`], oldest first.
     pub positions: VecDeque<(u64, u64)>,
@@ -98,6 +101,7 @@ impl WriteBuffer {
             // messages are then treated as logged later than they are (seen and sealed later).
             self.marks[0] = self.marks[1];
             self.marks_count = 1;
+            self.marks_merged = true;
         }
         self.marks[self.marks_count] = (round, end_offset);
         self.marks_count += 1;
@@ -168,6 +172,7 @@ impl WriteBuffer {
         self.frozen = 0;
         self.frozen_bytes = 0;
         self.first_offset = first_offset;
+        self.marks_merged = false;
     }
 
     /// Drops every message at or after `end_offset` (nothing frozen may remain), and the marks

@@ -9,19 +9,21 @@ use std::time::{Duration, Instant};
 
 use crate::error::OpenError;
 use crate::format::{
-    self, FORMAT_VERSION, HeaderProblem, RECORD_BODY_BYTES_MAX, RECORD_HEADER_BYTES, Record,
-    SEGMENT_HEADER_BYTES,
+    self, FLOOR_RECORD_BYTES, FORMAT_VERSION, HeaderProblem, LogFloor, RECORD_BODY_BYTES_MAX,
+    RECORD_HEADER_BYTES, Record, SEGMENT_HEADER_BYTES,
 };
 use crate::options::StoreOptions;
 use crate::queue::{ChunkEntry, QueueState, WriteBuffer};
 use crate::storage::{LOCK_FILE_NAME, Storage, StorageFile};
-use crate::store::{QueueKey, SHARD_COUNT, SegmentEntry, Shard};
+use crate::store::{Listed, QueueKey, SHARD_COUNT, SegmentEntry, Shard};
 
 /// Bytes read at a time while scanning a segment.
 const SCAN_BLOCK_BYTES: usize = 4 << 20;
 /// Checked records of one read window are applied by two threads (each owning half the lock
 /// shards, so a queue's records keep their order) once there are at least this many.
 const PARALLEL_RECORDS_MIN: usize = 1024;
+/// The first format version whose segments start with a floor record.
+const FLOOR_VERSION: u32 = 3;
 /// Queues created while replaying the upper half of the shards take incarnations from here, so
 /// the two halves never hand out the same one.
 const HIGH_INCARNATION_BASE: u64 = 1 << 62;
@@ -33,6 +35,8 @@ pub struct OpenReport {
     pub segments: u64,
     /// Records scanned.
     pub records: u64,
+    /// Log records skipped unread: before the log floor, so their messages are in chunks.
+    pub log_records_skipped: u64,
     /// Bytes scanned.
     pub bytes_scanned: u64,
     /// Queues recovered.
@@ -73,11 +77,13 @@ pub(crate) struct Recovered {
     pub dir_syncs: u64,
     pub report: OpenReport,
     /// Queues whose log records hold messages not in any chunk: they get write buffers again.
-    pub buffered: VecDeque<QueueKey>,
+    pub buffered: VecDeque<Listed>,
     /// Budget bytes of those buffers.
     pub buffered_bytes: usize,
     /// Oldest segment that may hold a needed log record.
     pub log_floor: u32,
+    /// The floor this recovery used: every log record it replayed is at or after it.
+    pub floor: LogFloor,
 }
 
 type RecoveringMap = HashMap<Arc<[u8]>, Recovering, foldhash::fast::FixedState>;
@@ -95,6 +101,10 @@ struct Replay {
     chunk_records: BTreeMap<u32, u64>,
     /// Format version of the segment being scanned.
     segment_version: u32,
+    /// Log records before this are skipped (their messages are in chunks).
+    floor: LogFloor,
+    /// Log records skipped so far.
+    log_records_skipped: u64,
 }
 
 /// A queue being rebuilt. Chunks may arrive out of offset order (a live chunk relocated
@@ -372,8 +382,11 @@ pub(crate) fn recover(
     storage
         .lock_directory()
         .map_err(io_error("locking the data directory".to_string()))?;
+    let floor = find_floor(storage, &ids)?;
     let hasher = foldhash::fast::FixedState::with_seed(0x1e7e_e5e0);
     let mut replay = Replay {
+        floor,
+        log_records_skipped: 0,
         hasher,
         shards: (0..SHARD_COUNT).map(|_| RecoveringMap::default()).collect(),
         chunk_records: BTreeMap::new(),
@@ -441,7 +454,7 @@ pub(crate) fn recover(
                 Some((id, ..)) => id + 1,
                 None => ids.last().map_or(1, |last| last + 1),
             };
-            let file = create_segment(storage, id)?;
+            let file = create_segment(storage, id, floor)?;
             file_syncs += 1;
             dir_syncs += 1;
             segments.insert(
@@ -452,9 +465,10 @@ pub(crate) fn recover(
                     chunks_total: 0,
                 },
             );
-            (id, file, SEGMENT_HEADER_BYTES)
+            (id, file, SEGMENT_HEADER_BYTES + FLOOR_RECORD_BYTES as u64)
         }
     };
+    report.log_records_skipped = replay.log_records_skipped;
     let mut shards = Vec::with_capacity(SHARD_COUNT);
     let mut buffered = VecDeque::new();
     let mut buffered_bytes = 0;
@@ -476,9 +490,13 @@ pub(crate) fn recover(
             }
             if let Some(buffer) = &state.buffer {
                 buffered_bytes += buffer.budget_bytes();
-                buffered.push_back(QueueKey {
-                    name: state.name.clone(),
-                    incarnation: state.incarnation,
+                // Round 0 stands for the replayed log, which starts at `floor`.
+                buffered.push_back(Listed {
+                    key: QueueKey {
+                        name: state.name.clone(),
+                        incarnation: state.incarnation,
+                    },
+                    since_round: 0,
                 });
             }
             shard.queues.insert(name, state);
@@ -494,6 +512,7 @@ pub(crate) fn recover(
         segments.keys().next().copied().unwrap_or(active_segment)
     };
     Ok(Recovered {
+        floor,
         buffered,
         buffered_bytes,
         log_floor,
@@ -540,13 +559,55 @@ fn check_header(file: &dyn StorageFile, name: &str, id: u32) -> Result<u32, Open
     }
 }
 
-/// Creates segment `id` with its header: create, write, fsync the file, fsync the directory.
-fn create_segment(storage: &dyn Storage, id: u32) -> Result<Arc<dyn StorageFile>, OpenError> {
+/// The newest log floor: the floor record at the start of the newest segment of a version
+/// that has them (a last segment whose first record is torn has nothing after it: the one
+/// before is used). No floor (nothing skipped) if there is none.
+fn find_floor(storage: &dyn Storage, ids: &[u32]) -> Result<LogFloor, OpenError> {
+    const HEADER_BYTES: usize = 32;
+    for &id in ids.iter().rev() {
+        let name = format::segment_file_name(id);
+        let file = storage
+            .open(&name)
+            .map_err(io_error(format!("opening {name}")))?;
+        let length = file
+            .len()
+            .map_err(io_error(format!("reading the length of {name}")))?;
+        let mut start = [0_u8; HEADER_BYTES + FLOOR_RECORD_BYTES];
+        if length < start.len() as u64 {
+            continue;
+        }
+        file.read_at(0, &mut start)
+            .map_err(io_error(format!("reading the start of {name}")))?;
+        let header: [u8; HEADER_BYTES] = start[..HEADER_BYTES].try_into().unwrap_or([0; 32]);
+        if format::decode_segment_header(&header).is_err() {
+            // Refused with the reason by the scan.
+            continue;
+        }
+        if format::read_u32(&header, 8) < FLOOR_VERSION {
+            // Older segments have no floor records.
+            break;
+        }
+        if let Ok(Record::Floor(floor)) = format::decode_checked(&start[HEADER_BYTES..]) {
+            return Ok(floor);
+        }
+    }
+    Ok(LogFloor::default())
+}
+
+/// Creates segment `id` with its header and floor record: create, write, fsync the file,
+/// fsync the directory.
+fn create_segment(
+    storage: &dyn Storage,
+    id: u32,
+    floor: LogFloor,
+) -> Result<Arc<dyn StorageFile>, OpenError> {
     let name = format::segment_file_name(id);
     let file = storage
         .create(&name)
         .map_err(io_error(format!("creating {name}")))?;
-    file.write_at(0, &format::encode_segment_header(id))
+    let mut start = format::encode_segment_header(id).to_vec();
+    format::encode_floor(&mut start, floor);
+    file.write_at(0, &start)
         .and_then(|()| file.sync())
         .map_err(io_error(format!("writing the header of {name}")))?;
     storage
@@ -754,8 +815,24 @@ impl Replay {
         let decoded =
             format::decode_checked(record).map_err(|reason| damaged(reason.to_string()))?;
         let name = match &decoded {
+            Record::Log(_) if self.floor.covers(segment, position) => {
+                // Its messages are in chunks (FORMAT.md, floor record): not needed.
+                self.log_records_skipped += 1;
+                return Ok(record_bytes);
+            }
             Record::Chunk(chunk) | Record::Log(chunk) => chunk.name,
             Record::Trim { name, .. } | Record::Delete { name } => name,
+            Record::Floor(_) if self.segment_version < FLOOR_VERSION => {
+                return Err((
+                    position,
+                    Problem::Inconsistent(format!(
+                        "floor record in a segment of format version {}",
+                        self.segment_version
+                    )),
+                ));
+            }
+            // Used before the scan (`find_floor`).
+            Record::Floor(_) => return Ok(record_bytes),
         };
         // Truncation is intended: the low bits pick the shard, as in `Inner::shard_index`.
         #[allow(clippy::cast_possible_truncation)]
@@ -885,6 +962,8 @@ fn apply_record(
                 "log record in a segment of format version 1".to_string(),
             ));
         }
+        // Never queued: handled in `next_record`.
+        Record::Floor(_) => {}
         Record::Log(log) => {
             if let Some(queue) = shard.get_mut(log.name) {
                 return queue.add_log(&log);

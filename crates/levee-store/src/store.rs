@@ -90,6 +90,15 @@ pub(crate) struct QueueKey {
     pub incarnation: u64,
 }
 
+/// A queue on the buffered list, with a round no later than the one whose log records hold its
+/// oldest unsealed message: the committer's log floor (FORMAT.md, floor record) is computed
+/// from these.
+#[derive(Debug, Clone)]
+pub(crate) struct Listed {
+    pub key: QueueKey,
+    pub since_round: u64,
+}
+
 /// What a trim or delete record does once it is durable: `dead` chunks stop counting as live,
 /// and for a trim the queue's `trim_segment` moves to where the record went.
 #[derive(Debug)]
@@ -102,7 +111,7 @@ pub(crate) struct RecordEffect {
 pub(crate) struct Pending {
     /// Every queue with a write buffer (flag `QueueState::queued`), oldest buffer first; the
     /// budget flushes seal from the front, a checkpoint seals them all.
-    pub buffered: VecDeque<QueueKey>,
+    pub buffered: VecDeque<Listed>,
     /// `sync`, `enforce_retention`: seal every buffer into chunks in the next round.
     pub checkpoint_requested: bool,
     pub budget_flush_requested: bool,
@@ -340,10 +349,11 @@ impl Store {
             recovered.active_bytes,
         );
         let log_floor = recovered.log_floor;
+        let floor = recovered.floor;
         let thread_inner = inner.clone();
         let committer = std::thread::Builder::new()
             .name("levee-store-committer".to_string())
-            .spawn(move || committer::run(&thread_inner, writer, log_floor))
+            .spawn(move || committer::run_guarded(&thread_inner, writer, log_floor, floor))
             .map_err(|source| OpenError::Io {
                 operation: "starting the committer thread".to_string(),
                 source,
@@ -970,7 +980,13 @@ impl Inner {
         if !wakes.is_empty() {
             // Still under the shard lock (order shard -> pending), so the committer never
             // sees a queue's key before its buffer.
-            lock(&self.pending).buffered.extend(wakes.drain(..));
+            // Every message of these queues not yet sealed is logged in `round` or later.
+            lock(&self.pending)
+                .buffered
+                .extend(wakes.drain(..).map(|key| Listed {
+                    key,
+                    since_round: round,
+                }));
         }
         drop(guard);
         Ok(round)

@@ -133,18 +133,24 @@ fn given_directory_of_other_files_when_opening_should_refuse_and_say_what_was_fo
 fn given_segment_of_another_version_when_opening_should_refuse_with_versions() {
     let disk = SimulatedDisk::new();
     let mut header = format::encode_segment_header(1);
-    header[8..12].copy_from_slice(&3_u32.to_le_bytes());
+    let newer = format::FORMAT_VERSION + 1;
+    header[8..12].copy_from_slice(&newer.to_le_bytes());
     disk.put_file(&format::segment_file_name(1), &header);
     let error = Store::open_with_storage(Arc::new(disk), tiny()).unwrap_err();
-    assert!(matches!(
-        error,
-        OpenError::UnsupportedVersion {
-            found: 3,
-            supported: 2,
-            ..
-        }
-    ));
-    assert!(error.to_string().contains("format version 3"), "{error}");
+    assert!(
+        matches!(
+            error,
+            OpenError::UnsupportedVersion { found, supported, .. }
+                if found == newer && supported == format::FORMAT_VERSION
+        ),
+        "{error:?}"
+    );
+    assert!(
+        error
+            .to_string()
+            .contains(&format!("format version {newer}")),
+        "{error}"
+    );
 }
 
 #[test]
@@ -850,5 +856,55 @@ fn given_many_records_per_window_when_recovering_should_rebuild_every_queue_in_o
     assert_eq!(
         store.append(&queues[8], b"more").unwrap(),
         expected[8].len() as u64
+    );
+}
+
+#[test]
+fn given_many_rotations_when_crashing_should_skip_dead_log_records_and_keep_every_message() {
+    let options = StoreOptions {
+        segment_bytes_max: 8192,
+        chunk_bytes: 256,
+        buffer_budget_bytes: 2048,
+        ..tiny()
+    };
+    let names: Vec<Vec<u8>> = (0..50)
+        .map(|index| format!("q-{index}").into_bytes())
+        .collect();
+    let mut model: Vec<Vec<Vec<u8>>> = vec![Vec::new(); names.len()];
+    let mut disk = SimulatedDisk::new();
+    let mut skipped_total = 0;
+    for (crash, mode) in [CrashMode::DropUnsynced, CrashMode::TearAndDamage]
+        .into_iter()
+        .enumerate()
+    {
+        let store = open_sim(&disk, options.clone());
+        for round in 0..40 {
+            let messages: Vec<Vec<u8>> = (0..names.len())
+                .map(|queue| format!("{crash}-{round}-{queue}").into_bytes())
+                .collect();
+            let batch: Vec<(&[u8], &[u8])> = names
+                .iter()
+                .zip(&messages)
+                .map(|(name, message)| (&name[..], &message[..]))
+                .collect();
+            store.append_batch(&batch).unwrap();
+            for (queue, message) in messages.into_iter().enumerate() {
+                model[queue].push(message);
+            }
+        }
+        disk = disk.crash(mode, 7 + crash as u64);
+        drop(store);
+        let (store, report) =
+            Store::open_with_storage(Arc::new(disk.clone()), options.clone()).unwrap();
+        assert!(report.segments > 2, "{report:?}");
+        skipped_total += report.log_records_skipped;
+        for (name, expected) in names.iter().zip(&model) {
+            assert_eq!(&read_all(&store, name), expected, "queue {name:?}");
+        }
+        store.close().unwrap();
+    }
+    assert!(
+        skipped_total > 0,
+        "recovery skipped no log record before the floor"
     );
 }

@@ -9,7 +9,7 @@ use levee_store::format::FORMAT_VERSION;
 use levee_store::{Retention, Store, StoreOptions};
 
 /// The format versions with a committed fixture.
-const FIXTURE_VERSIONS: [u32; 2] = [1, 2];
+const FIXTURE_VERSIONS: [u32; 3] = [1, 2, 3];
 
 fn fixture_directory(version: u32) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/format-v{version}"))
