@@ -344,10 +344,20 @@ pub fn decode_checked(record: &[u8]) -> Result<Record<'_>, &'static str> {
     if record.len() < RECORD_HEADER_BYTES {
         return Err("record shorter than its header");
     }
-    if crc32c::crc32c(&record[4..]) != read_u32(record, 0) {
+    if !checksum_matches(record) {
         return Err("record checksum mismatch");
     }
     decode_record(&record[RECORD_HEADER_BYTES..])
+}
+
+/// Whether a whole record (at least its header) carries the checksum of its bytes.
+pub fn checksum_matches(record: &[u8]) -> bool {
+    record.len() >= RECORD_HEADER_BYTES && crc32c::crc32c(&record[4..]) == read_u32(record, 0)
+}
+
+/// Whether a whole record's kind byte says log record (not verified: check the checksum).
+pub fn is_log_record(record: &[u8]) -> bool {
+    record.get(RECORD_HEADER_BYTES) == Some(&KIND_LOG)
 }
 
 /// Decodes a record body whose checksum was already verified.

@@ -4,7 +4,8 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt::Write as _;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use crate::error::OpenError;
@@ -19,14 +20,13 @@ use crate::store::{Listed, QueueKey, SHARD_COUNT, SegmentEntry, Shard};
 
 /// Bytes read at a time while scanning a segment.
 const SCAN_BLOCK_BYTES: usize = 4 << 20;
-/// Checked records of one read window are applied by two threads (each owning half the lock
-/// shards, so a queue's records keep their order) once there are at least this many.
-const PARALLEL_RECORDS_MIN: usize = 1024;
+/// Read windows queued between the scanning and the applying thread (besides the one each
+/// holds): the log alternates between stretches of chunk records (work for the applier) and of
+/// skipped log records (work for the scanner only), and a queue lets the applier catch up
+/// meanwhile. Bounds the memory at a few windows more.
+const WINDOWS_QUEUED: usize = 16;
 /// The first format version whose segments start with a floor record.
 const FLOOR_VERSION: u32 = 3;
-/// Queues created while replaying the upper half of the shards take incarnations from here, so
-/// the two halves never hand out the same one.
-const HIGH_INCARNATION_BASE: u64 = 1 << 62;
 
 /// What [`crate::Store::open`] found and did; worth logging.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -88,15 +88,18 @@ pub(crate) struct Recovered {
 
 type RecoveringMap = HashMap<Arc<[u8]>, Recovering, foldhash::fast::FixedState>;
 
+/// Replays the records: a scanning side (read, frame, checksum) and an applying side (rebuild
+/// the queues), run on two threads where there are two cores, one window apart.
 struct Replay {
-    hasher: foldhash::fast::FixedState,
-    shards: Vec<RecoveringMap>,
-    /// Next incarnation for queues of the lower half of the shards.
-    next_incarnation: u64,
-    /// Next incarnation for queues of the upper half (from [`HIGH_INCARNATION_BASE`]).
-    next_incarnation_high: u64,
-    /// Use a second thread for large windows.
+    scan: ScanState,
+    apply: ApplyState,
+    /// Scan and apply on two threads.
     parallel: bool,
+}
+
+/// What scanning needs: it checks records and queues them for [`ApplyState`].
+struct ScanState {
+    hasher: foldhash::fast::FixedState,
     /// Chunk records seen per segment.
     chunk_records: BTreeMap<u32, u64>,
     /// Format version of the segment being scanned.
@@ -107,17 +110,28 @@ struct Replay {
     log_records_skipped: u64,
 }
 
+/// The queues being rebuilt.
+struct ApplyState {
+    shards: Vec<RecoveringMap>,
+    /// Next incarnation for a queue created by the replay.
+    next_incarnation: u64,
+}
+
 /// A queue being rebuilt. Chunks may arrive out of offset order (a live chunk relocated
 /// from an old segment is copied to the end of the log), so offsets are settled in `finish`.
 struct Recovering {
-    state: QueueState,
+    name: Arc<[u8]>,
+    incarnation: u64,
+    /// Segment of the latest trim record, or [`crate::queue::NO_SEGMENT`].
+    trim_segment: u32,
     /// The chunks in offset order, with their sizes: one deque, so replaying a record touches
     /// one place in memory (`state.chunks` is filled in `finish`).
     chunks: VecDeque<RecoveredChunk>,
     /// Highest first retained offset of the replayed trim records.
     trimmed_to: u64,
-    /// Messages after the chunks known only from log records, framed as in a write buffer.
-    tail: WriteBuffer,
+    /// Messages after the chunks known only from log records, framed as in a write buffer
+    /// (boxed: most queues have none, and a small entry keeps the replay's map small).
+    tail: Option<Box<WriteBuffer>>,
 }
 
 /// One chunk of a queue being rebuilt.
@@ -139,13 +153,12 @@ impl RecoveredChunk {
 impl Recovering {
     fn new(name: Arc<[u8]>, incarnation: u64, trimmed_to: u64) -> Self {
         Self {
-            state: QueueState::new(name, incarnation, trimmed_to),
+            name,
+            incarnation,
+            trim_segment: crate::queue::NO_SEGMENT,
             chunks: VecDeque::new(),
             trimmed_to,
-            tail: WriteBuffer {
-                first_offset: trimmed_to,
-                ..WriteBuffer::default()
-            },
+            tail: None,
         }
     }
 
@@ -158,7 +171,9 @@ impl Recovering {
 
     /// Drops the tail messages before `offset`.
     fn drop_tail_before(&mut self, offset: u64) {
-        let tail = &mut self.tail;
+        let Some(tail) = self.tail.as_mut() else {
+            return;
+        };
         if offset <= tail.first_offset {
             return;
         }
@@ -177,28 +192,29 @@ impl Recovering {
     fn add_log(&mut self, log: &format::Chunk<'_>) -> Result<(), Problem> {
         let start = log.first_offset;
         let end = start + u64::from(log.count);
-        let have = if self.tail.count > 0 {
-            self.tail.end_offset()
-        } else {
-            self.chunks_end()
+        let tail_count = self.tail.as_ref().map_or(0, |tail| tail.count);
+        let have = match &self.tail {
+            Some(tail) if tail.count > 0 => tail.end_offset(),
+            _ => self.chunks_end(),
         };
         if end <= have {
             return Ok(());
         }
-        if start > have && self.tail.count > 0 {
+        if start > have && tail_count > 0 {
             return Err(Problem::Inconsistent(format!(
                 "log record of queue {:?} at offsets {start}..{end} leaves a gap after {have}",
                 String::from_utf8_lossy(log.name)
             )));
         }
-        if self.tail.count == 0 {
+        let tail = self.tail.get_or_insert_with(Box::default);
+        if tail_count == 0 {
             // If `start > have`, the chunks before it are relocated copies still to come (their
             // originals sat in a deleted segment), or were trimmed: `finish` checks which.
-            self.tail.reset(have.max(start));
+            tail.reset(have.max(start));
         }
         let skip = usize::try_from(have.saturating_sub(start)).unwrap_or(usize::MAX);
         for message in log.messages().skip(skip) {
-            self.tail.push(message);
+            tail.push(message);
         }
         Ok(())
     }
@@ -249,7 +265,11 @@ impl Recovering {
             known.record_bytes = record_bytes;
             return Ok(());
         }
-        if self.tail.count > 0 && start > self.tail.first_offset {
+        if self
+            .tail
+            .as_ref()
+            .is_some_and(|tail| tail.count > 0 && start > tail.first_offset)
+        {
             return Err(inconsistent("starts inside messages only logged so far"));
         }
         if index > 0 && self.chunks[index - 1].end_offset() > start {
@@ -267,7 +287,7 @@ impl Recovering {
     }
 
     fn trim(&mut self, first_retained_offset: u64, segment: u32) {
-        self.state.trim_segment = segment;
+        self.trim_segment = segment;
         self.trimmed_to = self.trimmed_to.max(first_retained_offset);
         while self
             .chunks
@@ -282,7 +302,8 @@ impl Recovering {
     /// Settles the offsets: the queue starts at its first chunk (older chunks sat in deleted
     /// segments) or its trim point, and its chunks must follow each other without a gap.
     fn finish(self) -> Result<QueueState, String> {
-        let mut state = self.state;
+        let mut state = QueueState::new(self.name, self.incarnation, self.trimmed_to);
+        state.trim_segment = self.trim_segment;
         state.first_offset = self.chunks.front().map_or(self.trimmed_to, |front| {
             front.entry.first_offset.max(self.trimmed_to)
         });
@@ -299,23 +320,22 @@ impl Recovering {
             state.next_offset = chunk.end_offset();
         }
         state.next_offset = state.next_offset.max(self.trimmed_to);
-        if self.tail.count > 0 {
-            if self.tail.first_offset != state.next_offset && !self.chunks.is_empty() {
+        if let Some(mut tail) = self.tail.filter(|tail| tail.count > 0) {
+            if tail.first_offset != state.next_offset && !self.chunks.is_empty() {
                 return Err(format!(
                     "queue {:?} has no chunk or log record for offsets {}..{}",
                     String::from_utf8_lossy(&state.name),
                     state.next_offset,
-                    self.tail.first_offset
+                    tail.first_offset
                 ));
             }
             if self.chunks.is_empty() {
-                state.first_offset = self.tail.first_offset.max(self.trimmed_to);
+                state.first_offset = tail.first_offset.max(self.trimmed_to);
             }
-            let mut tail = self.tail;
             tail.logged_end = tail.end_offset();
             state.next_offset = tail.end_offset();
             state.queued = true;
-            state.buffer = Some(Box::new(tail));
+            state.buffer = Some(tail);
         }
         state.stored_bytes = self
             .chunks
@@ -385,15 +405,18 @@ pub(crate) fn recover(
     let floor = find_floor(storage, &ids)?;
     let hasher = foldhash::fast::FixedState::with_seed(0x1e7e_e5e0);
     let mut replay = Replay {
-        floor,
-        log_records_skipped: 0,
-        hasher,
-        shards: (0..SHARD_COUNT).map(|_| RecoveringMap::default()).collect(),
-        chunk_records: BTreeMap::new(),
-        next_incarnation: 0,
-        next_incarnation_high: HIGH_INCARNATION_BASE,
+        scan: ScanState {
+            floor,
+            log_records_skipped: 0,
+            hasher,
+            chunk_records: BTreeMap::new(),
+            segment_version: FORMAT_VERSION,
+        },
+        apply: ApplyState {
+            shards: (0..SHARD_COUNT).map(|_| RecoveringMap::default()).collect(),
+            next_incarnation: 0,
+        },
         parallel: std::thread::available_parallelism().is_ok_and(|cores| cores.get() > 1),
-        segment_version: FORMAT_VERSION,
     };
     let mut segments = BTreeMap::new();
     let mut active: Option<(u32, Arc<dyn StorageFile>, u64, u32)> = None;
@@ -425,7 +448,7 @@ pub(crate) fn recover(
             continue;
         }
         let version = check_header(file.as_ref(), &name, id)?;
-        replay.segment_version = version;
+        replay.scan.segment_version = version;
         let end = replay.scan(id, &name, file.as_ref(), length, last, &mut report)?;
         if end < length {
             file.truncate(end)
@@ -434,7 +457,7 @@ pub(crate) fn recover(
             file_syncs += 1;
         }
         report.bytes_scanned += end;
-        let chunks_total = replay.chunk_records.get(&id).copied().unwrap_or(0);
+        let chunks_total = replay.scan.chunk_records.get(&id).copied().unwrap_or(0);
         segments.insert(
             id,
             SegmentEntry {
@@ -468,40 +491,39 @@ pub(crate) fn recover(
             (id, file, SEGMENT_HEADER_BYTES + FLOOR_RECORD_BYTES as u64)
         }
     };
-    report.log_records_skipped = replay.log_records_skipped;
-    let mut shards = Vec::with_capacity(SHARD_COUNT);
-    let mut buffered = VecDeque::new();
-    let mut buffered_bytes = 0;
-    for recovering in replay.shards {
-        let mut shard = Shard::default();
-        shard.queues.reserve(recovering.len());
-        for (name, queue) in recovering {
-            let state = queue.finish().map_err(|reason| OpenError::Corrupt {
-                file: "the log".to_string(),
-                position: 0,
-                reason,
-            })?;
-            report.queues += 1;
-            report.messages += state.next_offset - state.first_offset;
-            for chunk in &state.chunks {
-                if let Some(segment) = segments.get_mut(&chunk.segment) {
-                    segment.live_chunks += 1;
-                }
-            }
-            if let Some(buffer) = &state.buffer {
-                buffered_bytes += buffer.budget_bytes();
-                // Round 0 stands for the replayed log, which starts at `floor`.
-                buffered.push_back(Listed {
-                    key: QueueKey {
-                        name: state.name.clone(),
-                        incarnation: state.incarnation,
-                    },
-                    since_round: 0,
-                });
-            }
-            shard.queues.insert(name, state);
-        }
-        shards.push(shard);
+    report.log_records_skipped = replay.scan.log_records_skipped;
+    let first_id = ids.first().copied().unwrap_or(0);
+    let last_id = segments.keys().next_back().copied().unwrap_or(first_id);
+    let live_slots = usize::try_from(last_id - first_id + 1).unwrap_or(usize::MAX);
+    let mut maps = replay.apply.shards;
+    let upper_maps = maps.split_off(SHARD_COUNT / 2);
+    let finish_half = |maps: Vec<RecoveringMap>| finish_shards(maps, first_id, live_slots);
+    let (lower, upper) = if replay.parallel {
+        std::thread::scope(|scope| {
+            let upper = scope.spawn(move || finish_half(upper_maps));
+            let lower = finish_half(maps);
+            // Invariant: finishing returns errors rather than panicking.
+            (lower, upper.join().expect("recovery finisher finished"))
+        })
+    } else {
+        (finish_half(maps), finish_half(upper_maps))
+    };
+    let corrupt = |reason| OpenError::Corrupt {
+        file: "the log".to_string(),
+        position: 0,
+        reason,
+    };
+    let (mut lower, upper) = (lower.map_err(corrupt)?, upper.map_err(corrupt)?);
+    lower.shards.extend(upper.shards);
+    let shards = lower.shards;
+    report.queues = lower.queues + upper.queues;
+    report.messages = lower.messages + upper.messages;
+    let buffered: VecDeque<Listed> = lower.buffered.into_iter().chain(upper.buffered).collect();
+    let buffered_bytes = lower.buffered_bytes + upper.buffered_bytes;
+    for (id, segment) in &mut segments {
+        let slot = usize::try_from(id - first_id).unwrap_or(usize::MAX);
+        segment.live_chunks += lower.live_chunks.get(slot).copied().unwrap_or(0)
+            + upper.live_chunks.get(slot).copied().unwrap_or(0);
     }
     report.segments = segments.len() as u64;
     report.elapsed = started.elapsed();
@@ -521,11 +543,72 @@ pub(crate) fn recover(
         active_segment,
         active_file,
         active_bytes,
-        next_incarnation: replay.next_incarnation.max(replay.next_incarnation_high),
+        next_incarnation: replay.apply.next_incarnation,
         file_syncs,
         dir_syncs,
         report,
     })
+}
+
+/// Queues of some lock shards, rebuilt.
+struct FinishedShards {
+    shards: Vec<Shard>,
+    queues: u64,
+    messages: u64,
+    /// Live chunks per segment, by segment id minus the first segment's.
+    live_chunks: Vec<u64>,
+    /// Queues with messages only in log records: they get write buffers again.
+    buffered: Vec<Listed>,
+    buffered_bytes: usize,
+}
+
+/// Settles every queue of `maps` (see [`Recovering::finish`]) into lock shards; counts live
+/// chunks per segment from `first_id` in `live_slots` slots.
+fn finish_shards(
+    maps: Vec<RecoveringMap>,
+    first_id: u32,
+    live_slots: usize,
+) -> Result<FinishedShards, String> {
+    let mut finished = FinishedShards {
+        shards: Vec::with_capacity(maps.len()),
+        queues: 0,
+        messages: 0,
+        live_chunks: vec![0; live_slots],
+        buffered: Vec::new(),
+        buffered_bytes: 0,
+    };
+    for recovering in maps {
+        let mut shard = Shard::default();
+        shard.queues.reserve(recovering.len());
+        for (name, queue) in recovering {
+            let state = queue.finish()?;
+            finished.queues += 1;
+            finished.messages += state.next_offset - state.first_offset;
+            for chunk in &state.chunks {
+                let slot = chunk
+                    .segment
+                    .checked_sub(first_id)
+                    .map(|slot| slot as usize);
+                if let Some(live) = slot.and_then(|slot| finished.live_chunks.get_mut(slot)) {
+                    *live += 1;
+                }
+            }
+            if let Some(buffer) = &state.buffer {
+                finished.buffered_bytes += buffer.budget_bytes();
+                // Round 0 stands for the replayed log, which starts at `floor`.
+                finished.buffered.push(Listed {
+                    key: QueueKey {
+                        name: state.name.clone(),
+                        incarnation: state.incarnation,
+                    },
+                    since_round: 0,
+                });
+            }
+            shard.queues.insert(name, state);
+        }
+        finished.shards.push(shard);
+    }
+    Ok(finished)
 }
 
 /// Refuses a segment whose header is not a Levee header of a version this build reads naming
@@ -628,7 +711,9 @@ enum Problem {
 pub(crate) struct Scanner<'a> {
     file: &'a dyn StorageFile,
     length: u64,
+    /// The buffer; its first `filled` bytes are the file's from `window_start`.
     window: Vec<u8>,
+    filled: usize,
     window_start: u64,
 }
 
@@ -638,6 +723,7 @@ impl<'a> Scanner<'a> {
             file,
             length,
             window: Vec::new(),
+            filled: 0,
             window_start: 0,
         }
     }
@@ -645,26 +731,49 @@ impl<'a> Scanner<'a> {
     /// Whether `count` bytes at `position` are in the current window (no read needed).
     fn contains(&self, position: u64, count: usize) -> bool {
         position >= self.window_start
-            && position + count as u64 <= self.window_start + self.window.len() as u64
+            && position + count as u64 <= self.window_start + self.filled as u64
     }
 
     /// `count` bytes at `position`; the caller keeps `position + count` within the length.
     pub(crate) fn bytes(&mut self, position: u64, count: usize) -> std::io::Result<&[u8]> {
-        let window_end = self.window_start + self.window.len() as u64;
-        if position < self.window_start || position + count as u64 > window_end {
+        if !self.contains(position, count) {
             let left = usize::try_from(self.length - position).unwrap_or(usize::MAX);
             let read = count.max(SCAN_BLOCK_BYTES).min(left);
-            self.window.resize(read, 0);
-            self.file.read_at(position, &mut self.window)?;
+            if self.window.len() < read {
+                self.window.resize(read, 0);
+            }
+            self.filled = 0;
+            self.file.read_at(position, &mut self.window[..read])?;
+            self.filled = read;
             self.window_start = position;
         }
         let start = usize::try_from(position - self.window_start).unwrap_or(usize::MAX);
         Ok(&self.window[start..start + count])
     }
+
+    /// Hands the window's buffer to `flush` (which leaves another in its place): the next
+    /// read fills the new one.
+    fn flush_window(
+        &mut self,
+        pending: &mut Vec<PendingRecord>,
+        flush: &mut Flush<'_>,
+    ) -> Result<(), (u64, String)> {
+        self.filled = 0;
+        flush(&mut self.window, pending)
+    }
 }
 
+/// Called with the scanner's window and the checked records in it before the window moves:
+/// applies them (or hands them to the applying thread) and leaves both empty for reuse.
+type Flush<'f> = dyn FnMut(&mut Vec<u8>, &mut Vec<PendingRecord>) -> Result<(), (u64, String)> + 'f;
+
+/// Says the applying thread refused a record; its own error replaces this one.
+const APPLIER_FAILED: &str = "a record contradicts the log (see the applying thread's error)";
+
 impl Replay {
-    /// Applies every record of one segment; returns where the valid records end.
+    /// Applies every record of one segment; returns where the valid records end. With two
+    /// cores, a second thread applies each window's records while this one reads and checks
+    /// the next window.
     fn scan(
         &mut self,
         segment: u32,
@@ -674,12 +783,120 @@ impl Replay {
         last: bool,
         report: &mut OpenReport,
     ) -> Result<u64, OpenError> {
-        let mut scanner = Scanner {
-            file,
-            length,
-            window: Vec::new(),
-            window_start: 0,
-        };
+        let version = self.scan.segment_version;
+        let apply = &mut self.apply;
+        let scan = &mut self.scan;
+        if !self.parallel {
+            let mut flush = |window: &mut Vec<u8>, pending: &mut Vec<PendingRecord>| {
+                let applied = apply.apply(window, pending, segment, version);
+                pending.clear();
+                applied
+            };
+            return scan.scan(segment, name, file, length, last, report, &mut flush);
+        }
+        let failed = &AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            let (batches, received) = mpsc::sync_channel::<Batch>(WINDOWS_QUEUED);
+            let (returned, spares) = mpsc::sync_channel::<Batch>(WINDOWS_QUEUED + 1);
+            let applier = scope.spawn(move || {
+                let mut applied = Ok(());
+                for (window, mut pending) in received {
+                    if applied.is_ok() {
+                        applied = apply.apply(&window, &pending, segment, version);
+                        failed.store(applied.is_err(), Ordering::Relaxed);
+                    }
+                    pending.clear();
+                    // A window grown for one large record, or a full return queue (the scanner
+                    // is done): the buffers are dropped.
+                    if window.len() <= SCAN_BLOCK_BYTES {
+                        let _ = returned.try_send((window, pending));
+                    }
+                }
+                applied
+            });
+            let mut flush = move |window: &mut Vec<u8>, pending: &mut Vec<PendingRecord>| {
+                if failed.load(Ordering::Relaxed) {
+                    return Err((0, APPLIER_FAILED.to_string()));
+                }
+                let (spare_window, spare_pending) = spares.try_recv().unwrap_or_default();
+                let full = (
+                    std::mem::replace(window, spare_window),
+                    std::mem::replace(pending, spare_pending),
+                );
+                batches
+                    .send(full)
+                    .map_err(|_| (0, APPLIER_FAILED.to_string()))
+            };
+            let scanned = scan.scan(segment, name, file, length, last, report, &mut flush);
+            // Closes the channel: the applier ends after the last window.
+            drop(flush);
+            // Invariant: `apply` returns errors rather than panicking on any input.
+            let outcome = applier.join().expect("recovery applier finished");
+            // The applier's records all precede any damage the scan found.
+            outcome.map_err(|(position, reason)| OpenError::Corrupt {
+                file: name.to_string(),
+                position,
+                reason,
+            })?;
+            scanned
+        })
+    }
+}
+
+/// A read window and the checked records in it.
+type Batch = (Vec<u8>, Vec<PendingRecord>);
+
+impl ApplyState {
+    /// Applies the checked records of a window in log order; returns the position of the
+    /// first record that contradicts the log, and why.
+    fn apply(
+        &mut self,
+        window: &[u8],
+        pending: &[PendingRecord],
+        segment: u32,
+        segment_version: u32,
+    ) -> Result<(), (u64, String)> {
+        for record in pending {
+            let bytes = &window[record.window_start..record.window_start + record.bytes];
+            let outcome = format::decode_record(&bytes[RECORD_HEADER_BYTES..])
+                .map_err(|reason| Problem::Inconsistent(reason.to_string()))
+                .and_then(|decoded| {
+                    apply_record(
+                        &mut self.shards[record.shard],
+                        decoded,
+                        segment,
+                        record.position,
+                        record.bytes,
+                        segment_version,
+                        &mut self.next_incarnation,
+                    )
+                });
+            if let Err(Problem::Inconsistent(reason) | Problem::Damaged(reason)) = outcome {
+                return Err((u64::from(record.position), reason));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl ScanState {
+    /// Checks every record of one segment, handing them to `flush` window by window; returns
+    /// where the valid records end.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the segment, where to report and where to send records"
+    )]
+    fn scan(
+        &mut self,
+        segment: u32,
+        name: &str,
+        file: &dyn StorageFile,
+        length: u64,
+        last: bool,
+        report: &mut OpenReport,
+        flush: &mut Flush<'_>,
+    ) -> Result<u64, OpenError> {
+        let mut scanner = Scanner::new(file, length);
         let mut position = SEGMENT_HEADER_BYTES;
         let mut pending = Vec::new();
         let inconsistent = |(position, reason): (u64, String)| OpenError::Corrupt {
@@ -688,19 +905,20 @@ impl Replay {
             reason,
         };
         while position < length {
-            let problem = match self.next_record(&mut scanner, segment, position, &mut pending) {
-                Ok(record_bytes) => {
-                    report.records += 1;
-                    position += record_bytes;
-                    continue;
-                }
-                Err((_, Problem::Damaged(problem))) => problem,
-                Err((position, Problem::Inconsistent(reason))) => {
-                    // The record passed its checksum: this is not a torn write, and cutting
-                    // here could drop acknowledged data. Refuse instead.
-                    return Err(inconsistent((position, reason)));
-                }
-            };
+            let problem =
+                match self.next_record(&mut scanner, segment, position, &mut pending, flush) {
+                    Ok(record_bytes) => {
+                        report.records += 1;
+                        position += record_bytes;
+                        continue;
+                    }
+                    Err((_, Problem::Damaged(problem))) => problem,
+                    Err((position, Problem::Inconsistent(reason))) => {
+                        // The record passed its checksum: this is not a torn write, and cutting
+                        // here could drop acknowledged data. Refuse instead.
+                        return Err(inconsistent((position, reason)));
+                    }
+                };
             if !last {
                 return Err(OpenError::Corrupt {
                     file: name.to_string(),
@@ -709,7 +927,8 @@ impl Replay {
                 });
             }
             // The records before the damage are good: apply them, then cut.
-            self.apply_pending(&scanner, segment, &mut pending)
+            scanner
+                .flush_window(&mut pending, flush)
                 .map_err(inconsistent)?;
             report.truncated.push(TruncatedTail {
                 file: name.to_string(),
@@ -719,58 +938,13 @@ impl Replay {
             });
             return Ok(position);
         }
-        self.apply_pending(&scanner, segment, &mut pending)
+        scanner
+            .flush_window(&mut pending, flush)
             .map_err(inconsistent)?;
         Ok(position)
     }
 
-    /// Applies the checked records of the scanner's window, in order per lock shard: with two
-    /// threads (each owning half the shards) when there are many.
-    fn apply_pending(
-        &mut self,
-        scanner: &Scanner<'_>,
-        segment: u32,
-        pending: &mut Vec<PendingRecord>,
-    ) -> Result<(), (u64, String)> {
-        let window = &scanner.window[..];
-        let version = self.segment_version;
-        let (low, high) = self.shards.split_at_mut(SHARD_COUNT / 2);
-        let (low_next, high_next) = (&mut self.next_incarnation, &mut self.next_incarnation_high);
-        let pending_records: &[PendingRecord] = pending;
-        let mut apply_lower =
-            move || apply_half(low, 0, pending_records, window, segment, version, low_next);
-        let mut apply_upper = move || {
-            let first = SHARD_COUNT / 2;
-            apply_half(
-                high,
-                first,
-                pending_records,
-                window,
-                segment,
-                version,
-                high_next,
-            )
-        };
-        let result = if self.parallel && pending.len() >= PARALLEL_RECORDS_MIN {
-            std::thread::scope(|scope| {
-                let upper = scope.spawn(apply_upper);
-                let lower = apply_lower();
-                // Invariant: apply_half does not panic on any input (it returns errors).
-                let upper = upper.join().expect("recovery thread finished");
-                match (lower, upper) {
-                    (Err(lower), Err(upper)) => Err(if lower.0 <= upper.0 { lower } else { upper }),
-                    (Err(error), Ok(())) | (Ok(()), Err(error)) => Err(error),
-                    (Ok(()), Ok(())) => Ok(()),
-                }
-            })
-        } else {
-            apply_lower().and_then(|()| apply_upper())
-        };
-        pending.clear();
-        result
-    }
-
-    /// Checks the record at `position` and queues it in `pending` (applying the pending ones
+    /// Checks the record at `position` and queues it in `pending` (flushing the pending ones
     /// first if the record needs the window moved); returns its length, or what is wrong and
     /// where.
     fn next_record(
@@ -779,8 +953,14 @@ impl Replay {
         segment: u32,
         position: u64,
         pending: &mut Vec<PendingRecord>,
+        flush: &mut Flush<'_>,
     ) -> Result<u64, (u64, Problem)> {
         let damaged = |reason: String| (position, Problem::Damaged(reason));
+        let mut flush_window = |scanner: &mut Scanner<'_>, pending: &mut Vec<PendingRecord>| {
+            scanner
+                .flush_window(pending, flush)
+                .map_err(|(at, reason)| (at, Problem::Inconsistent(reason)))
+        };
         let left = scanner.length - position;
         if left < RECORD_HEADER_BYTES as u64 {
             return Err(damaged(format!(
@@ -788,8 +968,7 @@ impl Replay {
             )));
         }
         if !scanner.contains(position, RECORD_HEADER_BYTES) {
-            self.apply_pending(scanner, segment, pending)
-                .map_err(|(at, reason)| (at, Problem::Inconsistent(reason)))?;
+            flush_window(scanner, pending)?;
         }
         let header = scanner
             .bytes(position, RECORD_HEADER_BYTES)
@@ -806,20 +985,23 @@ impl Replay {
         }
         let bytes = usize::try_from(record_bytes).unwrap_or(usize::MAX);
         if !scanner.contains(position, bytes) {
-            self.apply_pending(scanner, segment, pending)
-                .map_err(|(at, reason)| (at, Problem::Inconsistent(reason)))?;
+            flush_window(scanner, pending)?;
         }
         let record = scanner
             .bytes(position, bytes)
             .map_err(|error| damaged(error.to_string()))?;
+        if format::is_log_record(record) && self.floor.covers(segment, position) {
+            // Its messages are in chunks (FORMAT.md, floor record): not needed, not decoded;
+            // checked still, so that a damaged length is caught where it is.
+            if !format::checksum_matches(record) {
+                return Err(damaged("record checksum mismatch".to_string()));
+            }
+            self.log_records_skipped += 1;
+            return Ok(record_bytes);
+        }
         let decoded =
             format::decode_checked(record).map_err(|reason| damaged(reason.to_string()))?;
         let name = match &decoded {
-            Record::Log(_) if self.floor.covers(segment, position) => {
-                // Its messages are in chunks (FORMAT.md, floor record): not needed.
-                self.log_records_skipped += 1;
-                return Ok(record_bytes);
-            }
             Record::Chunk(chunk) | Record::Log(chunk) => chunk.name,
             Record::Trim { name, .. } | Record::Delete { name } => name,
             Record::Floor(_) if self.segment_version < FLOOR_VERSION => {
@@ -867,47 +1049,6 @@ struct PendingRecord {
     position: u32,
     /// Its queue's lock shard.
     shard: usize,
-}
-
-/// Applies, in order, the pending records whose shard is in `first_shard..first_shard +
-/// shards.len()`; `next_incarnation` numbers the queues it creates. Returns the position of
-/// the first record that contradicts the log, and why.
-fn apply_half(
-    shards: &mut [RecoveringMap],
-    first_shard: usize,
-    pending: &[PendingRecord],
-    window: &[u8],
-    segment: u32,
-    segment_version: u32,
-    next_incarnation: &mut u64,
-) -> Result<(), (u64, String)> {
-    let shard_range = first_shard..first_shard + shards.len();
-    for record in pending
-        .iter()
-        .filter(|record| shard_range.contains(&record.shard))
-    {
-        let bytes = &window[record.window_start..record.window_start + record.bytes];
-        let outcome = format::decode_record(&bytes[RECORD_HEADER_BYTES..])
-            .map_err(|reason| Problem::Inconsistent(reason.to_string()))
-            .and_then(|decoded| {
-                apply_record(
-                    &mut shards[record.shard - first_shard],
-                    decoded,
-                    segment,
-                    record.position,
-                    record.bytes,
-                    segment_version,
-                    next_incarnation,
-                )
-            });
-        match outcome {
-            Ok(()) => {}
-            Err(Problem::Inconsistent(reason) | Problem::Damaged(reason)) => {
-                return Err((u64::from(record.position), reason));
-            }
-        }
-    }
-    Ok(())
 }
 
 /// Applies one checked record to the queues of its shard being rebuilt.

@@ -807,13 +807,14 @@ fn given_messages_only_in_log_records_when_crashing_should_recover_them_into_buf
 
 #[test]
 fn given_many_records_per_window_when_recovering_should_rebuild_every_queue_in_order() {
-    // Thousands of records in one read window: recovery applies them with two threads (each
-    // owning half the lock shards), which must keep every queue's order and numbering.
+    // Thousands of records over several 4 MiB read windows: recovery checks them on one
+    // thread and applies them on another, a window behind, which must keep every queue's order
+    // and numbering, and cut a torn tail in a later window with nothing after it applied.
     let disk = SimulatedDisk::new();
     let options = StoreOptions {
-        segment_bytes_max: 8 << 20,
-        chunk_bytes: 256,
-        buffer_budget_bytes: 64 << 10,
+        segment_bytes_max: 64 << 20,
+        chunk_bytes: 4096,
+        buffer_budget_bytes: 1 << 20,
         message_bytes_max: 1024,
         ..StoreOptions::default()
     };
@@ -822,14 +823,13 @@ fn given_many_records_per_window_when_recovering_should_rebuild_every_queue_in_o
         .map(|queue| format!("q{queue}").into_bytes())
         .collect();
     let mut expected: Vec<Vec<Vec<u8>>> = vec![Vec::new(); queues.len()];
-    for round in 0..40_u32 {
+    for round in 0..120_u32 {
         let batch: Vec<(Vec<u8>, Vec<u8>)> = (0..queues.len())
             .filter(|queue| !(queue + round as usize).is_multiple_of(3))
             .map(|queue| {
-                (
-                    queues[queue].clone(),
-                    format!("{queue}:{round}").into_bytes(),
-                )
+                let mut message = format!("{queue}:{round}:").into_bytes();
+                message.resize(300, b'.');
+                (queues[queue].clone(), message)
             })
             .collect();
         let refs: Vec<(&[u8], &[u8])> = batch
@@ -846,8 +846,15 @@ fn given_many_records_per_window_when_recovering_should_rebuild_every_queue_in_o
     expected[7].clear();
     let survivor = disk.crash(CrashMode::DropUnsynced, 5);
     drop(store);
-    let (store, report) = Store::open_with_storage(Arc::new(survivor), options).expect("open");
-    assert!(report.records > 2_000, "{report:?}");
+    let name = format::segment_file_name(1);
+    let length = survivor.file_bytes(&name).unwrap().len();
+    assert!(
+        length > 3 * (4 << 20),
+        "several read windows: {length} bytes"
+    );
+    let (store, report) =
+        Store::open_with_storage(Arc::new(survivor.clone()), options.clone()).expect("open");
+    assert!(report.records > 10_000, "{report:?}");
     for (queue, messages) in queues.iter().zip(&expected) {
         assert_eq!(&read_all(&store, queue), messages, "queue {queue:?}");
     }
@@ -857,6 +864,27 @@ fn given_many_records_per_window_when_recovering_should_rebuild_every_queue_in_o
         store.append(&queues[8], b"more").unwrap(),
         expected[8].len() as u64
     );
+    drop(store);
+    // A torn write in the third window: what precedes it is kept, what follows never served.
+    let torn = SimulatedDisk::new();
+    let mut bytes = survivor.file_bytes(&name).unwrap();
+    bytes.truncate(length - 1);
+    let cut_at = (9 << 20) + 4321;
+    bytes[cut_at] ^= 0x5a;
+    torn.put_file(&name, &bytes);
+    let (store, report) = Store::open_with_storage(Arc::new(torn), options).expect("open");
+    assert_eq!(report.truncated.len(), 1, "{report:?}");
+    assert!(report.truncated[0].position <= cut_at as u64, "{report:?}");
+    assert!(report.truncated[0].position > 8 << 20, "{report:?}");
+    // (Queue 7's delete record was cut off with the tail: it is back, not checked here.)
+    for (queue, messages) in queues
+        .iter()
+        .zip(&expected)
+        .filter(|(queue, _)| *queue != b"q7")
+    {
+        let read = read_all(&store, queue);
+        assert!(messages.starts_with(&read), "queue {queue:?}: a prefix");
+    }
 }
 
 #[test]
