@@ -1130,17 +1130,11 @@ impl Committer<'_> {
             let live = {
                 let shard = lock(self.inner.shard(chunk.name));
                 shard.queues.get(chunk.name).and_then(|state| {
-                    let index = state
-                        .chunks
-                        .partition_point(|known| known.first_offset < chunk.first_offset);
-                    let known = state.chunks.get(index)?;
-                    (known.first_offset == chunk.first_offset
-                        && known.segment == oldest
-                        && known.position == old_position)
-                        .then(|| QueueKey {
-                            name: state.name.clone(),
-                            incarnation: state.incarnation,
-                        })
+                    let (_, known) = state.chunks.find(chunk.first_offset)?;
+                    (known.segment == oldest && known.position == old_position).then(|| QueueKey {
+                        name: state.name.clone(),
+                        incarnation: state.incarnation,
+                    })
                 })
             };
             if let Some(key) = live {
@@ -1203,22 +1197,22 @@ impl Committer<'_> {
             if state.incarnation != key.incarnation {
                 continue;
             }
-            let index = state
-                .chunks
-                .partition_point(|known| known.first_offset < first_offset);
-            let Some(known) = state.chunks.get_mut(index) else {
+            let Some((index, known)) = state.chunks.find(first_offset) else {
                 continue;
             };
-            if known.first_offset != first_offset
-                || known.segment != oldest
-                || known.position != old_position
-            {
+            if known.segment != oldest || known.position != old_position {
                 // Trimmed or deleted meanwhile: the copy is dead on arrival.
                 continue;
             }
-            // Invariant: base + copy length < POSITION_SOFT_MAX (checked above).
-            known.position = u32::try_from(base + offset_in_copy as u64).expect("position fits");
-            known.segment = new_segment;
+            state.chunks.set(
+                index,
+                ChunkEntry {
+                    first_offset,
+                    segment: new_segment,
+                    // Invariant: base + copy length < POSITION_SOFT_MAX (checked above).
+                    position: u32::try_from(base + offset_in_copy as u64).expect("position fits"),
+                },
+            );
             let mut segments = lock(&self.inner.segments);
             if let Some(old) = segments.get_mut(&oldest) {
                 old.live_chunks = old.live_chunks.saturating_sub(1);

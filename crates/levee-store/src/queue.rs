@@ -12,7 +12,7 @@ use std::sync::Arc;
 pub const NO_SEGMENT: u32 = u32::MAX;
 
 /// Where one chunk of a queue is on disk: 16 bytes per chunk.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ChunkEntry {
     /// Offset of the chunk's first message.
     pub first_offset: u64,
@@ -20,6 +20,388 @@ pub struct ChunkEntry {
     pub segment: u32,
     /// Byte position of the record in the segment.
     pub position: u32,
+}
+
+/// Entries per block of a [`ChunkIndex`]: a lookup decodes at most this many.
+pub const INDEX_BLOCK_ENTRIES: usize = 1 << INDEX_POPPED_BITS;
+/// Bits of [`ChunkIndex::counts`] that count the popped entries of the first block.
+const INDEX_POPPED_BITS: u32 = 5;
+
+/// Low bits of an entry's header varint that say how its segment and position are encoded.
+const INDEX_CODE_BITS: u32 = 2;
+/// Same segment as the entry before; the position is that one's plus a varint.
+const INDEX_SAME_AFTER: u64 = 0;
+/// Same segment as the entry before; the position is that one's minus a varint.
+const INDEX_SAME_BEFORE: u64 = 1;
+/// The segment after the entry before's; the position is a varint.
+const INDEX_NEXT_SEGMENT: u64 = 2;
+/// Segment and position are varints.
+const INDEX_ANY_SEGMENT: u64 = 3;
+
+/// The chunks of one queue on disk, in offset order, delta-encoded: at a million queues a
+/// chunk costs about 5 bytes here (one byte of offset delta and segment change, the position
+/// in four) instead of 16 as a [`ChunkEntry`]. Entries come in blocks of
+/// [`INDEX_BLOCK_ENTRIES`]: a block's first entry is written in full (three LEB128 varints:
+/// first offset, segment, position) and each later one against the entry before it (a varint
+/// `offset delta << 2 | code`, then the position, and the segment for code 3), so a lookup
+/// binary-searches the blocks and decodes at most one block. Appending encodes against the
+/// last entry (kept decoded); popping from the front drops a block's bytes once all of its
+/// entries are popped.
+#[derive(Debug, Default)]
+pub struct ChunkIndex {
+    /// The blocks back to back.
+    bytes: Vec<u8>,
+    /// Byte position in `bytes` of every block after the first; none (no allocation) while
+    /// there is one block.
+    #[allow(
+        clippy::box_collection,
+        reason = "8 bytes in every queue's state instead of 24; most queues have one block"
+    )]
+    restarts: Option<Box<Vec<u64>>>,
+    /// The last entry (meaningless while empty).
+    last: ChunkEntry,
+    /// The entries in the index, shifted left by [`INDEX_POPPED_BITS`], plus the entries at
+    /// the start of the first block that were popped (their bytes stay until the whole block
+    /// is popped): one word, so that a million idle queues pay little for their index.
+    counts: u64,
+}
+
+impl ChunkIndex {
+    /// Entries in the index.
+    pub fn len(&self) -> usize {
+        usize::try_from(self.counts >> INDEX_POPPED_BITS).unwrap_or(usize::MAX)
+    }
+
+    /// Whether the index has no entry.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Popped entries whose bytes are still in the first block.
+    fn popped(&self) -> usize {
+        usize::try_from(self.counts & ((1 << INDEX_POPPED_BITS) - 1)).unwrap_or(0)
+    }
+
+    fn set_counts(&mut self, len: usize, popped: usize) {
+        debug_assert!(popped < INDEX_BLOCK_ENTRIES);
+        self.counts = ((len as u64) << INDEX_POPPED_BITS) | popped as u64;
+    }
+
+    fn restarts(&self) -> &[u64] {
+        self.restarts.as_deref().map_or(&[], Vec::as_slice)
+    }
+
+    /// Heap bytes the index holds (capacity included).
+    pub fn heap_bytes(&self) -> usize {
+        self.bytes.capacity()
+            + self.restarts.as_ref().map_or(0, |restarts| {
+                std::mem::size_of::<Vec<u64>>() + restarts.capacity() * std::mem::size_of::<u64>()
+            })
+    }
+
+    /// Gives back the growth slack (for an index that is done growing for now).
+    pub fn shrink_to_fit(&mut self) {
+        self.bytes.shrink_to_fit();
+        if let Some(restarts) = &mut self.restarts {
+            restarts.shrink_to_fit();
+        }
+    }
+
+    /// Appends an entry; its first offset is above every other's.
+    pub fn push_back(&mut self, entry: ChunkEntry) {
+        debug_assert!(self.is_empty() || entry.first_offset > self.last.first_offset);
+        let (len, popped) = (self.len(), self.popped());
+        if len == 0 {
+            *self = Self::default();
+            encode_full(&mut self.bytes, entry);
+        } else if (popped + len).is_multiple_of(INDEX_BLOCK_ENTRIES) {
+            let start = self.bytes.len() as u64;
+            self.restarts.get_or_insert_with(Box::default).push(start);
+            encode_full(&mut self.bytes, entry);
+        } else {
+            encode_next(&mut self.bytes, self.last, entry);
+        }
+        self.last = entry;
+        self.set_counts(len + 1, if len == 0 { 0 } else { popped });
+    }
+
+    /// The first entry.
+    pub fn front(&self) -> Option<ChunkEntry> {
+        self.iter().next()
+    }
+
+    /// Removes and returns the first entry.
+    pub fn pop_front(&mut self) -> Option<ChunkEntry> {
+        let front = self.front()?;
+        let (len, popped) = (self.len() - 1, self.popped() + 1);
+        if len == 0 {
+            *self = Self::default();
+        } else if popped == INDEX_BLOCK_ENTRIES {
+            // Invariant: entries remain after a full first block, so a second block exists.
+            let restarts = self.restarts.get_or_insert_with(Box::default);
+            let cut = restarts.remove(0);
+            for restart in restarts.iter_mut() {
+                *restart -= cut;
+            }
+            if restarts.is_empty() {
+                self.restarts = None;
+            }
+            let cut_bytes = usize::try_from(cut).expect("block start within the index");
+            self.bytes.drain(..cut_bytes);
+            self.set_counts(len, 0);
+        } else {
+            self.set_counts(len, popped);
+        }
+        Some(front)
+    }
+
+    /// Entries (from the front) for which `before` holds, `before` being true then false along
+    /// the index, as [`slice::partition_point`].
+    pub fn partition_point(&self, before: impl Fn(&ChunkEntry) -> bool) -> usize {
+        if self.is_empty() {
+            return 0;
+        }
+        // Blocks whose first entry (popped or not) is before: the answer is in the last one.
+        let blocks = self.restarts().len() + 1;
+        let mut low = 0;
+        let mut high = blocks;
+        while low < high {
+            let middle = low + (high - low) / 2;
+            let mut at = self.block_start(middle);
+            if before(&decode_full(&self.bytes, &mut at)) {
+                low = middle + 1;
+            } else {
+                high = middle;
+            }
+        }
+        let Some(block) = low.checked_sub(1) else {
+            return 0;
+        };
+        let mut absolute = block * INDEX_BLOCK_ENTRIES;
+        let end = self.popped() + self.len();
+        for entry in self.entries_from(absolute) {
+            if !before(&entry) {
+                break;
+            }
+            absolute += 1;
+        }
+        absolute.min(end).saturating_sub(self.popped())
+    }
+
+    /// The entry whose first offset is `first_offset`, with its index.
+    pub fn find(&self, first_offset: u64) -> Option<(usize, ChunkEntry)> {
+        let index = self.partition_point(|entry| entry.first_offset < first_offset);
+        self.iter_from(index)
+            .next()
+            .filter(|entry| entry.first_offset == first_offset)
+            .map(|entry| (index, entry))
+    }
+
+    /// Replaces the entry at `index` with one of the same first offset (a relocated chunk):
+    /// re-encodes its block.
+    pub fn set(&mut self, index: usize, entry: ChunkEntry) {
+        let len = self.len();
+        assert!(index < len, "index {index} past {len} entries");
+        let absolute = self.popped() + index;
+        let block = absolute / INDEX_BLOCK_ENTRIES;
+        let start = self.block_start(block);
+        let end = self
+            .restarts()
+            .get(block)
+            .map_or(self.bytes.len(), |&next| {
+                usize::try_from(next).expect("block start within the index")
+            });
+        let mut entries: Vec<ChunkEntry> = self
+            .entries_from(block * INDEX_BLOCK_ENTRIES)
+            .take(INDEX_BLOCK_ENTRIES)
+            .collect();
+        let slot = &mut entries[absolute % INDEX_BLOCK_ENTRIES];
+        debug_assert_eq!(slot.first_offset, entry.first_offset);
+        *slot = entry;
+        let mut encoded = Vec::with_capacity(end - start + 8);
+        let mut previous = None;
+        for &entry in &entries {
+            match previous {
+                None => encode_full(&mut encoded, entry),
+                Some(previous) => encode_next(&mut encoded, previous, entry),
+            }
+            previous = Some(entry);
+        }
+        let (old_bytes, new_bytes) = ((end - start) as u64, encoded.len() as u64);
+        self.bytes.splice(start..end, encoded);
+        let restarts = self
+            .restarts
+            .as_deref_mut()
+            .map_or(&mut [][..], Vec::as_mut_slice);
+        for restart in &mut restarts[block..] {
+            *restart = *restart - old_bytes + new_bytes;
+        }
+        if index + 1 == len {
+            self.last = entry;
+        }
+    }
+
+    /// The entries, in offset order.
+    pub fn iter(&self) -> impl Iterator<Item = ChunkEntry> + '_ {
+        self.iter_from(0)
+    }
+
+    /// The entries from index `index` on.
+    pub fn iter_from(&self, index: usize) -> impl Iterator<Item = ChunkEntry> + '_ {
+        let absolute = self.popped() + index.min(self.len());
+        let block = absolute / INDEX_BLOCK_ENTRIES;
+        self.entries_from(block * INDEX_BLOCK_ENTRIES)
+            .skip(absolute % INDEX_BLOCK_ENTRIES)
+    }
+
+    /// Entries from the start of a block, popped ones included, to the end.
+    fn entries_from(&self, absolute: usize) -> Entries<'_> {
+        debug_assert!(absolute.is_multiple_of(INDEX_BLOCK_ENTRIES));
+        let end = self.popped() + self.len();
+        Entries {
+            bytes: &self.bytes,
+            at: if absolute < end {
+                self.block_start(absolute / INDEX_BLOCK_ENTRIES)
+            } else {
+                self.bytes.len()
+            },
+            next: absolute.min(end),
+            end,
+            previous: ChunkEntry::default(),
+        }
+    }
+
+    /// Byte position of a block.
+    fn block_start(&self, block: usize) -> usize {
+        block.checked_sub(1).map_or(0, |index| {
+            usize::try_from(self.restarts()[index]).expect("block start within the index")
+        })
+    }
+}
+
+impl FromIterator<ChunkEntry> for ChunkIndex {
+    fn from_iter<I: IntoIterator<Item = ChunkEntry>>(entries: I) -> Self {
+        let mut index = Self::default();
+        for entry in entries {
+            index.push_back(entry);
+        }
+        index.shrink_to_fit();
+        index
+    }
+}
+
+/// Decodes entries of a [`ChunkIndex`] from the start of a block.
+struct Entries<'a> {
+    bytes: &'a [u8],
+    at: usize,
+    /// Absolute number of the next entry.
+    next: usize,
+    end: usize,
+    previous: ChunkEntry,
+}
+
+impl Iterator for Entries<'_> {
+    type Item = ChunkEntry;
+
+    fn next(&mut self) -> Option<ChunkEntry> {
+        if self.next >= self.end {
+            return None;
+        }
+        let entry = if self.next.is_multiple_of(INDEX_BLOCK_ENTRIES) {
+            decode_full(self.bytes, &mut self.at)
+        } else {
+            decode_next(self.bytes, &mut self.at, self.previous)
+        };
+        self.previous = entry;
+        self.next += 1;
+        Some(entry)
+    }
+}
+
+fn put_varint(bytes: &mut Vec<u8>, mut value: u64) {
+    while value >= 0x80 {
+        // Truncation intended: the low seven bits, with the continuation bit.
+        #[allow(clippy::cast_possible_truncation)]
+        bytes.push(value as u8 | 0x80);
+        value >>= 7;
+    }
+    #[allow(clippy::cast_possible_truncation)]
+    bytes.push(value as u8);
+}
+
+/// Reads a varint written by [`put_varint`] (the index only holds its own encodings).
+fn get_varint(bytes: &[u8], at: &mut usize) -> u64 {
+    let mut value = 0;
+    let mut shift = 0;
+    loop {
+        let byte = bytes[*at];
+        *at += 1;
+        value |= u64::from(byte & 0x7f) << shift;
+        if byte < 0x80 {
+            return value;
+        }
+        shift += 7;
+    }
+}
+
+fn encode_full(bytes: &mut Vec<u8>, entry: ChunkEntry) {
+    put_varint(bytes, entry.first_offset);
+    put_varint(bytes, u64::from(entry.segment));
+    put_varint(bytes, u64::from(entry.position));
+}
+
+fn decode_full(bytes: &[u8], at: &mut usize) -> ChunkEntry {
+    let first_offset = get_varint(bytes, at);
+    // The index holds only what `encode_full` wrote from u32 values.
+    let segment = u32::try_from(get_varint(bytes, at)).unwrap_or(u32::MAX);
+    let position = u32::try_from(get_varint(bytes, at)).unwrap_or(u32::MAX);
+    ChunkEntry {
+        first_offset,
+        segment,
+        position,
+    }
+}
+
+fn encode_next(bytes: &mut Vec<u8>, previous: ChunkEntry, entry: ChunkEntry) {
+    let delta = entry.first_offset - previous.first_offset;
+    let (code, position) = if entry.segment == previous.segment {
+        if entry.position >= previous.position {
+            (INDEX_SAME_AFTER, entry.position - previous.position)
+        } else {
+            (INDEX_SAME_BEFORE, previous.position - entry.position)
+        }
+    } else if Some(entry.segment) == previous.segment.checked_add(1) {
+        (INDEX_NEXT_SEGMENT, entry.position)
+    } else {
+        (INDEX_ANY_SEGMENT, entry.position)
+    };
+    put_varint(bytes, (delta << INDEX_CODE_BITS) | code);
+    if code == INDEX_ANY_SEGMENT {
+        put_varint(bytes, u64::from(entry.segment));
+    }
+    put_varint(bytes, u64::from(position));
+}
+
+fn decode_next(bytes: &[u8], at: &mut usize, previous: ChunkEntry) -> ChunkEntry {
+    let header = get_varint(bytes, at);
+    let code = header & ((1 << INDEX_CODE_BITS) - 1);
+    let first_offset = previous.first_offset + (header >> INDEX_CODE_BITS);
+    let segment = match code {
+        INDEX_SAME_AFTER | INDEX_SAME_BEFORE => previous.segment,
+        INDEX_NEXT_SEGMENT => previous.segment.wrapping_add(1),
+        _ => u32::try_from(get_varint(bytes, at)).unwrap_or(u32::MAX),
+    };
+    let value = u32::try_from(get_varint(bytes, at)).unwrap_or(u32::MAX);
+    let position = match code {
+        INDEX_SAME_AFTER => previous.position.wrapping_add(value),
+        INDEX_SAME_BEFORE => previous.position.wrapping_sub(value),
+        _ => value,
+    };
+    ChunkEntry {
+        first_offset,
+        segment,
+        position,
+    }
 }
 
 /// Bytes before each message in a [`WriteBuffer`]: its length, a little-endian u32.
@@ -250,7 +632,7 @@ pub struct QueueState {
     /// Offset the next message gets.
     pub next_offset: u64,
     /// Chunks on disk covering `[first_offset, disk_end_offset())`, in offset order.
-    pub chunks: VecDeque<ChunkEntry>,
+    pub chunks: ChunkIndex,
     /// Messages after the chunks; `None` while the queue is idle.
     pub buffer: Option<Box<WriteBuffer>>,
     /// Bytes of this queue's live chunk records on disk.
@@ -272,7 +654,7 @@ impl QueueState {
             incarnation,
             first_offset: next_offset,
             next_offset,
-            chunks: VecDeque::new(),
+            chunks: ChunkIndex::default(),
             buffer: None,
             stored_bytes: 0,
             trim_segment: NO_SEGMENT,
@@ -320,6 +702,107 @@ mod tests {
             1 => (0_usize..200).prop_map(Step::Truncate),
             1 => (0_u64..1000).prop_map(Step::Reset),
         ]
+    }
+
+    #[derive(Debug, Clone)]
+    enum IndexStep {
+        /// Offset delta, segment step (0 same, 1 next, else any), position.
+        Push(u64, u8, u32),
+        Pop(usize),
+        /// Which entry (modulo the length), new segment and position.
+        Relocate(usize, u32, u32),
+    }
+
+    fn index_step() -> impl Strategy<Value = IndexStep> {
+        prop_oneof![
+            8 => (1_u64..2000, 0_u8..4, any::<u32>()).prop_map(|(delta, step, position)| {
+                IndexStep::Push(delta, step, position)
+            }),
+            1 => (0_usize..40).prop_map(IndexStep::Pop),
+            1 => (any::<usize>(), 0_u32..5, any::<u32>())
+                .prop_map(|(index, segment, position)| IndexStep::Relocate(index, segment, position)),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn given_pushes_pops_and_relocations_when_reading_the_index_should_match_a_deque(
+            first_offset in 0_u64..(1 << 40),
+            steps in prop::collection::vec(index_step(), 1..300),
+        ) {
+            let mut index = ChunkIndex::default();
+            let mut model: VecDeque<ChunkEntry> = VecDeque::new();
+            let mut next_offset = first_offset;
+            let mut segment = 1_u32;
+            for step in steps {
+                match step {
+                    IndexStep::Push(delta, step, position) => {
+                        segment = match step {
+                            0 => segment,
+                            1 => segment + 1,
+                            _ => position % 1000,
+                        };
+                        let entry = ChunkEntry { first_offset: next_offset, segment, position };
+                        next_offset += delta;
+                        index.push_back(entry);
+                        model.push_back(entry);
+                    }
+                    IndexStep::Pop(count) => {
+                        for _ in 0..count {
+                            prop_assert_eq!(index.pop_front(), model.pop_front());
+                        }
+                    }
+                    IndexStep::Relocate(at, new_segment, position) => {
+                        if !model.is_empty() {
+                            let at = at % model.len();
+                            let entry = ChunkEntry { segment: new_segment, position, ..model[at] };
+                            index.set(at, entry);
+                            model[at] = entry;
+                        }
+                    }
+                }
+                prop_assert_eq!(index.len(), model.len());
+                prop_assert_eq!(index.front(), model.front().copied());
+                prop_assert_eq!(index.iter().collect::<Vec<_>>(), model.iter().copied().collect::<Vec<_>>());
+                let probes = model.iter().flat_map(|entry| {
+                    [entry.first_offset.saturating_sub(1), entry.first_offset, entry.first_offset + 1]
+                });
+                for offset in probes.chain([0, u64::MAX]) {
+                    let expected = model.partition_point(|entry| entry.first_offset <= offset);
+                    prop_assert_eq!(index.partition_point(|entry| entry.first_offset <= offset), expected);
+                    let found = model.iter().position(|entry| entry.first_offset == offset);
+                    prop_assert_eq!(index.find(offset), found.map(|at| (at, model[at])));
+                    prop_assert_eq!(
+                        index.iter_from(expected.saturating_sub(1)).collect::<Vec<_>>(),
+                        model.range(expected.saturating_sub(1)..).copied().collect::<Vec<_>>()
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn given_a_queue_among_a_million_when_indexing_should_take_about_five_bytes_per_chunk() {
+        // At a million queues a queue's consecutive chunks are a budget flush apart: about
+        // four messages each, in the next segment or 100-200 MB further in the same one.
+        let mut index = ChunkIndex::default();
+        let (mut segment, mut position) = (3_u32, 1_000_u32);
+        for chunk in 0..1000_u64 {
+            index.push_back(ChunkEntry {
+                first_offset: chunk * 4,
+                segment,
+                position,
+            });
+            position += 190 << 20;
+            if position > 256 << 20 {
+                segment += 1;
+                position -= 256 << 20;
+            }
+        }
+        index.shrink_to_fit();
+        let bytes = index.heap_bytes();
+        assert!(bytes <= 5_500, "{bytes} bytes for 1,000 chunks");
+        assert_eq!(index.find(400).map(|(at, _)| at), Some(100));
     }
 
     proptest! {

@@ -584,7 +584,7 @@ fn finish_shards(
             let state = queue.finish()?;
             finished.queues += 1;
             finished.messages += state.next_offset - state.first_offset;
-            for chunk in &state.chunks {
+            for chunk in state.chunks.iter() {
                 let slot = chunk
                     .segment
                     .checked_sub(first_id)

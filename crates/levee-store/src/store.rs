@@ -616,8 +616,7 @@ impl Store {
             for (name, state) in &shard.queues {
                 usage.queues += 1;
                 usage.index_entries += state.chunks.len() as u64;
-                let index = state.chunks.capacity() * std::mem::size_of::<ChunkEntry>();
-                usage.index_bytes += index as u64;
+                usage.index_bytes += state.chunks.heap_bytes() as u64;
                 let buffer = state.buffer.as_ref().map_or(0, |buffer| {
                     std::mem::size_of::<WriteBuffer>()
                         + buffer.data.capacity()
@@ -683,9 +682,7 @@ fn log_budget_bytes(queue: &[u8], message: &[u8]) -> usize {
     RECORD_HEADER_BYTES + format::CHUNK_FIXED_BYTES + queue.len() + 4 + message.len()
 }
 
-pub(crate) fn count_by_segment<'a>(
-    chunks: impl Iterator<Item = &'a ChunkEntry>,
-) -> Vec<(u32, u64)> {
+pub(crate) fn count_by_segment(chunks: impl Iterator<Item = ChunkEntry>) -> Vec<(u32, u64)> {
     let mut dead: Vec<(u32, u64)> = Vec::new();
     for chunk in chunks {
         match dead.last_mut() {
@@ -1037,7 +1034,7 @@ impl Inner {
         bytes: &mut Vec<u8>,
     ) -> Option<RecordEffect> {
         let mut removed = Vec::new();
-        while let Some(front) = state.chunks.front().copied() {
+        while let Some(front) = state.chunks.front() {
             let over_size = retention
                 .max_bytes
                 .is_some_and(|max| state.stored_bytes > max);
@@ -1071,7 +1068,7 @@ impl Inner {
             incarnation: state.incarnation,
         };
         Some(RecordEffect {
-            dead: count_by_segment(removed.iter()),
+            dead: count_by_segment(removed.into_iter()),
             trim_of: Some(key),
         })
     }
@@ -1155,19 +1152,15 @@ impl Inner {
                 let per_message_bytes = state.stored_bytes / disk_messages;
                 let segments = lock(&self.segments);
                 let first = first.saturating_sub(1);
-                for (index, chunk) in state
-                    .chunks
-                    .range(first..)
-                    .take(READ_CHUNKS_MAX)
-                    .enumerate()
-                {
+                let mut chunks = state.chunks.iter_from(first).peekable();
+                for _ in 0..READ_CHUNKS_MAX {
+                    let Some(chunk) = chunks.next() else {
+                        break;
+                    };
                     if chunk.first_offset >= wanted_end {
                         break;
                     }
-                    let chunk_end = state
-                        .chunks
-                        .get(first + index + 1)
-                        .map_or(disk_end, |next| next.first_offset);
+                    let chunk_end = chunks.peek().map_or(disk_end, |next| next.first_offset);
                     let guess = (chunk_end - chunk.first_offset)
                         .saturating_mul(per_message_bytes)
                         .saturating_mul(READ_GUESS_SLACK);
@@ -1190,7 +1183,7 @@ impl Inner {
                             })?;
                         files.push(file);
                     }
-                    planned.push((*chunk, files.len() - 1, guess));
+                    planned.push((chunk, files.len() - 1, guess));
                 }
             }
             if let Some(buffer) = &state.buffer
