@@ -492,18 +492,23 @@ mod tests {
         assert_eq!(messages, vec![&b"a"[..], b"", b"bcd"]);
     }
 
-    #[test]
-    fn given_any_flipped_byte_when_decoded_should_refuse() {
-        let mut out = Vec::new();
-        encode_chunk(&mut out, b"queue", 1, 2, &[5], b"hello");
-        for index in 0..out.len() {
-            let mut damaged = out.clone();
+    /// Flips each byte of an encoded record in turn: the decoder must refuse every copy.
+    fn assert_every_flipped_byte_refused(record: &[u8]) {
+        for index in 0..record.len() {
+            let mut damaged = record.to_vec();
             damaged[index] ^= 0x10;
             assert!(
                 decode_checked(&damaged).is_err(),
                 "flip at {index} accepted"
             );
         }
+    }
+
+    #[test]
+    fn given_any_flipped_byte_when_decoded_should_refuse() {
+        let mut out = Vec::new();
+        encode_chunk(&mut out, b"queue", 1, 2, &[5], b"hello");
+        assert_every_flipped_byte_refused(&out);
     }
 
     #[test]
@@ -535,14 +540,7 @@ mod tests {
         encode_floor(&mut out, floor);
         assert_eq!(out.len(), FLOOR_RECORD_BYTES);
         assert_eq!(decode_checked(&out), Ok(Record::Floor(floor)));
-        for index in 0..out.len() {
-            let mut damaged = out.clone();
-            damaged[index] ^= 0x10;
-            assert!(
-                decode_checked(&damaged).is_err(),
-                "flip at {index} accepted"
-            );
-        }
+        assert_every_flipped_byte_refused(&out);
         assert!(floor.covers(6, u64::MAX));
         assert!(floor.covers(7, (1 << 33) - 1));
         assert!(!floor.covers(7, 1 << 33));
