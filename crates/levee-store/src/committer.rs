@@ -35,6 +35,16 @@ const POSITION_SOFT_MAX: u64 = 3 << 30;
 
 /// Most queues the committer seals or publishes under one shard lock before letting
 /// appenders in: a few hundred microseconds of work.
+/// A budget flush seals this fraction (1 / divisor) of the buffered queues, the oldest: a
+/// small fraction keeps the buffers near the budget, so chunks are larger (about
+/// `(2 - 1/divisor)` times the average buffer instead of 1.5 times with halves).
+const BUDGET_FLUSH_DIVISOR: usize = 8;
+/// A budget flush seals nothing from the buffered list while the shard logs not yet written
+/// hold at least this fraction (1 / divisor) of the budget: writing them frees enough.
+const BUDGET_LOG_SHARE_DIVISOR: usize = 4;
+/// Garbage collection asks for a checkpoint when the oldest segment is kept only by log
+/// records of buffered messages and the active segment is this many segments ahead.
+const CHECKPOINT_LAG_SEGMENTS: u32 = 2;
 const FREEZE_QUEUES_PER_LOCK_MAX: usize = 256;
 
 /// A shard log whose capacity grew past this is given back after the round (bursts must not
@@ -122,11 +132,21 @@ struct TakenKeys {
 /// the copied bytes.
 type Moved = (QueueKey, u64, u32, usize);
 
+/// How copying trim records forward before a segment deletion went.
+enum Carried {
+    Done,
+    /// The disk is full: the segment stays for now.
+    NoSpace,
+    Poisoned,
+}
+
 struct Plan {
     round: u64,
     /// Queues taken from the buffered list (budget flush or checkpoint).
     all: Vec<Listed>,
     is_checkpoint: bool,
+    /// The round answers a budget flush request (see `Inner::flush_soon`).
+    budget_flush: bool,
     shutdown: bool,
 }
 
@@ -260,22 +280,28 @@ impl Committer<'_> {
                 let round = inner.rounds_started.fetch_add(1, Ordering::SeqCst) + 1;
                 let all: Vec<Listed> = if is_checkpoint {
                     pending.buffered.drain(..).collect()
-                } else if pending.budget_flush_requested {
-                    // An append waits for room in the budget: seal the older half of the
-                    // buffered queues (write buffers stay after their round, so only sealing
-                    // frees their bytes).
-                    let older_half = pending.buffered.len().div_ceil(2);
-                    pending.buffered.drain(..older_half).collect()
+                } else if pending.budget_flush_requested
+                    && inner.unwritten_log_bytes.load(Ordering::Relaxed)
+                        < inner.options.buffer_budget_bytes / BUDGET_LOG_SHARE_DIVISOR
+                {
+                    // The budget is (nearly) full of write buffers: seal the older part of
+                    // the buffered queues (write buffers stay after their round, so only
+                    // sealing frees their bytes). When the shard logs hold a large share
+                    // instead, the round frees them by writing them and seals nothing more:
+                    // buffers left to grow make larger chunks, so a smaller index.
+                    let older = pending.buffered.len().div_ceil(BUDGET_FLUSH_DIVISOR);
+                    pending.buffered.drain(..older).collect()
                 } else {
                     Vec::new()
                 };
-                pending.budget_flush_requested = false;
+                let budget_flush = std::mem::take(&mut pending.budget_flush_requested);
                 pending.checkpoint_requested = false;
                 self.checkpoint_wanted = false;
                 return Plan {
                     round,
                     all,
                     is_checkpoint,
+                    budget_flush,
                     shutdown: pending.shutdown,
                 };
             }
@@ -333,7 +359,11 @@ impl Committer<'_> {
                 taken
                     .effects
                     .extend(shard.log_effects.drain(..).map(|effect| (effect, segment)));
-                taken.budget_bytes += std::mem::take(&mut shard.log_budget_bytes);
+                let budget = std::mem::take(&mut shard.log_budget_bytes);
+                self.inner
+                    .unwritten_log_bytes
+                    .fetch_sub(budget, Ordering::Relaxed);
+                taken.budget_bytes += budget;
             }
             // Rotation fsyncs: never with a shard locked.
             self.overflow_rotate(rotated_mid_round)?;
@@ -343,11 +373,21 @@ impl Committer<'_> {
     }
 
     /// Runs one round; false once the store is poisoned.
+    fn run_round(&mut self, plan: Plan) -> bool {
+        let budget_flush = plan.budget_flush;
+        let running = self.run_planned_round(plan);
+        if budget_flush {
+            // Budget freed (or the round failed): an append may ask for a flush again.
+            self.inner.flush_soon.store(false, Ordering::SeqCst);
+        }
+        running
+    }
+
     #[allow(
         clippy::too_many_lines,
         reason = "the steps of a round in order, easier to audit in one place"
     )]
-    fn run_round(&mut self, plan: Plan) -> bool {
+    fn run_planned_round(&mut self, plan: Plan) -> bool {
         self.round_flushed = 0;
         self.round_log_buffered = 0;
         self.round_log.clear();
@@ -867,6 +907,9 @@ impl Committer<'_> {
         effects.append(&mut shard.log_effects);
         shard.log_effects = effects;
         shard.log_budget_bytes += taken.budget_bytes;
+        self.inner
+            .unwritten_log_bytes
+            .fetch_add(taken.budget_bytes, Ordering::Relaxed);
         if requeued {
             self.inner.log_pending.fetch_add(1, Ordering::SeqCst);
         }
@@ -989,6 +1032,9 @@ impl Committer<'_> {
             let log = std::mem::take(&mut shard.log);
             let effects = std::mem::take(&mut shard.log_effects);
             let budget = std::mem::take(&mut shard.log_budget_bytes);
+            self.inner
+                .unwritten_log_bytes
+                .fetch_sub(budget, Ordering::Relaxed);
             let mut pending_taken = TakenLog {
                 bytes: log.len(),
                 effects: effects.into_iter().map(|effect| (effect, 0)).collect(),
@@ -1171,23 +1217,11 @@ impl Committer<'_> {
         if self.writer.length + copy.len() as u64 >= POSITION_SOFT_MAX {
             return true;
         }
-        let written = self.writer.file.write_at(self.writer.length, &copy);
-        if let Err(error) = written.and_then(|()| self.writer.file.sync()) {
-            if is_no_space(&error) && self.writer.file.truncate(self.writer.length).is_ok() {
-                return true;
-            }
-            return self.poison(format!("writing relocated chunks: {error}"));
-        }
-        let base = self.writer.length;
-        self.writer.length += copy.len() as u64;
-        self.inner
-            .counters
-            .bytes_written
-            .fetch_add(copy.len() as u64, Ordering::Relaxed);
-        self.inner
-            .counters
-            .file_syncs
-            .fetch_add(1, Ordering::Relaxed);
+        let base = match self.append_synced(&copy) {
+            Ok(base) => base,
+            Err(None) => return true,
+            Err(Some(error)) => return self.poison(format!("writing relocated chunks: {error}")),
+        };
         let new_segment = self.writer.segment;
         for (key, first_offset, old_position, offset_in_copy) in moved {
             let mut shard = lock(self.inner.shard(&key.name));
@@ -1229,6 +1263,67 @@ impl Committer<'_> {
         true
     }
 
+    /// Appends `bytes` to the active segment outside a round and fsyncs it; returns where
+    /// they start. `Err(None)`: the disk is full and the segment was cut back to where it was.
+    fn append_synced(&mut self, bytes: &[u8]) -> Result<u64, Option<io::Error>> {
+        let written = self.writer.file.write_at(self.writer.length, bytes);
+        if let Err(error) = written.and_then(|()| self.writer.file.sync()) {
+            if is_no_space(&error) && self.writer.file.truncate(self.writer.length).is_ok() {
+                return Err(None);
+            }
+            return Err(Some(error));
+        }
+        let base = self.writer.length;
+        self.writer.length += bytes.len() as u64;
+        self.inner
+            .counters
+            .bytes_written
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        self.inner
+            .counters
+            .file_syncs
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(base)
+    }
+
+    /// Copies to the active segment (and fsyncs it) the trim records of `oldest` that still
+    /// carry a queue's offsets: queues with no chunk left, whose trim record is in it.
+    fn carry_trims_forward(&mut self, oldest: u32) -> Carried {
+        let mut carry = Vec::new();
+        let mut carried = Vec::new();
+        for shard in &self.inner.shards {
+            let shard = lock(shard);
+            for state in shard.queues.values() {
+                if state.trim_segment == oldest && state.chunks.is_empty() {
+                    format::encode_trim(&mut carry, &state.name, state.first_offset);
+                    carried.push(QueueKey {
+                        name: state.name.clone(),
+                        incarnation: state.incarnation,
+                    });
+                }
+            }
+        }
+        if !carry.is_empty() {
+            match self.append_synced(&carry) {
+                Ok(_) => {}
+                Err(None) => return Carried::NoSpace,
+                Err(Some(error)) => {
+                    self.poison(format!("copying trim records forward: {error}"));
+                    return Carried::Poisoned;
+                }
+            }
+            for key in carried {
+                let mut shard = lock(self.inner.shard(&key.name));
+                if let Some(state) = shard.queues.get_mut(&*key.name)
+                    && state.incarnation == key.incarnation
+                {
+                    state.trim_segment = self.writer.segment;
+                }
+            }
+        }
+        Carried::Done
+    }
+
     /// Deletes the oldest segments while nothing live remains in them. Trim records in such a
     /// segment that still carry a queue's offsets (queues with no chunk left) are first
     /// copied to the active segment. Returns false once poisoned.
@@ -1243,9 +1338,14 @@ impl Committer<'_> {
                             && entry.live_chunks == 0
                             && id >= self.log_floor =>
                     {
-                        // Only log records of buffered messages keep it: seal every buffer
-                        // in the next round (a checkpoint), then it can go.
-                        self.checkpoint_wanted = true;
+                        // Only log records of buffered messages keep it. Budget flushes seal
+                        // the oldest buffers first, so the floor usually passes it by a later
+                        // rotation; else, once `CHECKPOINT_LAG_SEGMENTS` behind, seal every
+                        // buffer in the next round (a checkpoint: a million small chunks at
+                        // a million queues, which is why it waits), then it can go.
+                        if self.writer.segment - id >= CHECKPOINT_LAG_SEGMENTS {
+                            self.checkpoint_wanted = true;
+                        }
                         return true;
                     }
                     Some((&id, entry)) if id != self.writer.segment && entry.live_chunks == 0 => {
@@ -1271,46 +1371,10 @@ impl Committer<'_> {
                 }
                 continue;
             }
-            let mut carry = Vec::new();
-            let mut carried = Vec::new();
-            for shard in &self.inner.shards {
-                let shard = lock(shard);
-                for state in shard.queues.values() {
-                    if state.trim_segment == oldest && state.chunks.is_empty() {
-                        format::encode_trim(&mut carry, &state.name, state.first_offset);
-                        carried.push(QueueKey {
-                            name: state.name.clone(),
-                            incarnation: state.incarnation,
-                        });
-                    }
-                }
-            }
-            if !carry.is_empty() {
-                let written = self.writer.file.write_at(self.writer.length, &carry);
-                if let Err(error) = written.and_then(|()| self.writer.file.sync()) {
-                    if is_no_space(&error) && self.writer.file.truncate(self.writer.length).is_ok()
-                    {
-                        return true;
-                    }
-                    return self.poison(format!("copying trim records forward: {error}"));
-                }
-                self.writer.length += carry.len() as u64;
-                self.inner
-                    .counters
-                    .bytes_written
-                    .fetch_add(carry.len() as u64, Ordering::Relaxed);
-                self.inner
-                    .counters
-                    .file_syncs
-                    .fetch_add(1, Ordering::Relaxed);
-                for key in carried {
-                    let mut shard = lock(self.inner.shard(&key.name));
-                    if let Some(state) = shard.queues.get_mut(&*key.name)
-                        && state.incarnation == key.incarnation
-                    {
-                        state.trim_segment = self.writer.segment;
-                    }
-                }
+            match self.carry_trims_forward(oldest) {
+                Carried::Done => {}
+                Carried::NoSpace => return true,
+                Carried::Poisoned => return false,
             }
             let name = format::segment_file_name(oldest);
             if let Err(error) = self.inner.storage.remove(&name) {

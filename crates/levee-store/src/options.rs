@@ -72,8 +72,11 @@ pub struct StoreOptions {
     /// payload bytes; a chunk holds at most this many payload bytes unless a single message is
     /// larger.
     pub chunk_bytes: usize,
-    /// Global bound on buffered message bytes over all queues. Under `interval`, appends block
-    /// while it is exceeded and the oldest buffers are flushed first.
+    /// Global bound on buffered message bytes and unwritten log records over all queues
+    /// (default 320 MiB). Appends block while it is exceeded; past seven eighths a flush is
+    /// asked for early, which writes the logs or seals the oldest eighth of the buffers. At
+    /// a million queues it sets the chunk size, so the index per message: 320 MiB gives about
+    /// seven messages of 58 bytes per chunk and 0.87 bytes of index per message.
     pub buffer_budget_bytes: usize,
     /// Largest message accepted, in bytes.
     pub message_bytes_max: usize,
@@ -89,7 +92,7 @@ impl Default for StoreOptions {
             sync: SyncPolicy::Always,
             segment_bytes_max: 256 << 20,
             chunk_bytes: 4096,
-            buffer_budget_bytes: 256 << 20,
+            buffer_budget_bytes: 320 << 20,
             message_bytes_max: 1 << 20,
             round_write_bytes: 8 << 20,
         }

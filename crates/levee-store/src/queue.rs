@@ -113,10 +113,24 @@ impl ChunkIndex {
         let (len, popped) = (self.len(), self.popped());
         if len == 0 {
             *self = Self::default();
-            encode_full(&mut self.bytes, entry);
-        } else if (popped + len).is_multiple_of(INDEX_BLOCK_ENTRIES) {
-            let start = self.bytes.len() as u64;
-            self.restarts.get_or_insert_with(Box::default).push(start);
+        }
+        let full = len == 0 || (popped + len).is_multiple_of(INDEX_BLOCK_ENTRIES);
+        let mut size = 0;
+        if full {
+            encode_full(&mut size, entry);
+        } else {
+            encode_next(&mut size, self.last, entry);
+        }
+        if self.bytes.capacity() - self.bytes.len() < size {
+            // Grow by an eighth, not by doubling: a million queues' indexes would otherwise
+            // carry a third of slack on average (measured: 2.35 instead of 1.42 B/message).
+            self.bytes.reserve_exact(size.max(self.bytes.len() / 8));
+        }
+        if full {
+            if len > 0 {
+                let start = self.bytes.len() as u64;
+                self.restarts.get_or_insert_with(Box::default).push(start);
+            }
             encode_full(&mut self.bytes, entry);
         } else {
             encode_next(&mut self.bytes, self.last, entry);
@@ -318,15 +332,32 @@ impl Iterator for Entries<'_> {
     }
 }
 
-fn put_varint(bytes: &mut Vec<u8>, mut value: u64) {
+/// Where index entries are encoded: the index's bytes, or a byte count (to size a growth).
+trait IndexSink {
+    fn put(&mut self, byte: u8);
+}
+
+impl IndexSink for Vec<u8> {
+    fn put(&mut self, byte: u8) {
+        self.push(byte);
+    }
+}
+
+impl IndexSink for usize {
+    fn put(&mut self, _byte: u8) {
+        *self += 1;
+    }
+}
+
+fn put_varint(bytes: &mut impl IndexSink, mut value: u64) {
     while value >= 0x80 {
         // Truncation intended: the low seven bits, with the continuation bit.
         #[allow(clippy::cast_possible_truncation)]
-        bytes.push(value as u8 | 0x80);
+        bytes.put(value as u8 | 0x80);
         value >>= 7;
     }
     #[allow(clippy::cast_possible_truncation)]
-    bytes.push(value as u8);
+    bytes.put(value as u8);
 }
 
 /// Reads a varint written by [`put_varint`] (the index only holds its own encodings).
@@ -344,7 +375,7 @@ fn get_varint(bytes: &[u8], at: &mut usize) -> u64 {
     }
 }
 
-fn encode_full(bytes: &mut Vec<u8>, entry: ChunkEntry) {
+fn encode_full(bytes: &mut impl IndexSink, entry: ChunkEntry) {
     put_varint(bytes, entry.first_offset);
     put_varint(bytes, u64::from(entry.segment));
     put_varint(bytes, u64::from(entry.position));
@@ -362,7 +393,7 @@ fn decode_full(bytes: &[u8], at: &mut usize) -> ChunkEntry {
     }
 }
 
-fn encode_next(bytes: &mut Vec<u8>, previous: ChunkEntry, entry: ChunkEntry) {
+fn encode_next(bytes: &mut impl IndexSink, previous: ChunkEntry, entry: ChunkEntry) {
     let delta = entry.first_offset - previous.first_offset;
     let (code, position) = if entry.segment == previous.segment {
         if entry.position >= previous.position {
@@ -803,6 +834,33 @@ mod tests {
         let bytes = index.heap_bytes();
         assert!(bytes <= 5_500, "{bytes} bytes for 1,000 chunks");
         assert_eq!(index.find(400).map(|(at, _)| at), Some(100));
+    }
+
+    #[test]
+    fn given_an_index_growing_when_pushing_should_keep_its_slack_to_an_eighth() {
+        // A million indexes that are growing (under load, none shrunk yet) must not carry the
+        // slack of doubling vectors: that was 2.35 instead of 1.42 bytes per message.
+        let mut index = ChunkIndex::default();
+        let (mut segment, mut position) = (1_u32, 0_u32);
+        for chunk in 0..500_u64 {
+            index.push_back(ChunkEntry {
+                first_offset: chunk * 6,
+                segment,
+                position,
+            });
+            let (used, capacity) = (index.bytes.len(), index.bytes.capacity());
+            assert!(
+                capacity <= used + used / 8 + 20,
+                "{capacity} bytes held for {used} after {chunk} pushes"
+            );
+            position += 70 << 20;
+            if position > 256 << 20 {
+                segment += 2;
+                position -= 256 << 20;
+            }
+        }
+        assert_eq!(index.len(), 500);
+        assert_eq!(index.find(6 * 321).map(|(at, _)| at), Some(321));
     }
 
     proptest! {

@@ -44,6 +44,10 @@ const BATCH_RUN_MESSAGES_MAX: usize = 256;
 /// at most an eighth of the budget), so one reservation stays far below the budget.
 const BATCH_RUN_BYTES_MAX: usize = 64 << 10;
 /// Budget bytes a buffered message costs beyond its payload (its length field).
+/// Past this fraction of the budget (numerator, denominator), an append asks for a budget
+/// flush without waiting, so the committer seals while appenders go on instead of after they
+/// have all stopped at a full budget.
+pub(crate) const BUDGET_SOFT_FRACTION: (usize, usize) = (7, 8);
 pub(crate) const MESSAGE_OVERHEAD_BYTES: usize = crate::queue::FRAME_BYTES;
 
 pub(crate) type QueueMap = HashMap<Arc<[u8]>, QueueState, foldhash::fast::FixedState>;
@@ -171,6 +175,13 @@ pub(crate) struct Inner {
     /// Highest round any caller waits for; the committer runs rounds until it is reached.
     pub wanted_round: AtomicU64,
     pub buffered_bytes: AtomicUsize,
+    /// The part of `buffered_bytes` that is shard logs not yet taken by a round: a budget
+    /// flush only takes the logs when they hold a large share (see `Committer::next_plan`).
+    pub unwritten_log_bytes: AtomicUsize,
+    /// A budget flush was asked for (early, past [`BUDGET_SOFT_FRACTION`] of the budget, or
+    /// by an append that found the budget full); the committer clears it after each round,
+    /// so appends ask at most once per round.
+    pub flush_soon: AtomicBool,
     pub next_incarnation: AtomicU64,
     /// Under `interval`, a write failed for lack of space: appends are refused until the
     /// committer writes the buffered data.
@@ -328,6 +339,8 @@ impl Store {
             committer_sleeping: AtomicBool::new(false),
             wanted_round: AtomicU64::new(0),
             buffered_bytes: AtomicUsize::new(recovered.buffered_bytes),
+            unwritten_log_bytes: AtomicUsize::new(0),
+            flush_soon: AtomicBool::new(false),
             next_incarnation: AtomicU64::new(recovered.next_incarnation),
             disk_full: AtomicBool::new(false),
             poisoned: AtomicBool::new(false),
@@ -756,12 +769,22 @@ impl Inner {
         loop {
             let before = self.buffered_bytes.fetch_add(bytes, Ordering::SeqCst);
             if before == 0 || before + bytes <= budget {
+                let (numerator, denominator) = BUDGET_SOFT_FRACTION;
+                if before + bytes > budget / denominator * numerator
+                    && !self.flush_soon.swap(true, Ordering::SeqCst)
+                {
+                    lock(&self.pending).budget_flush_requested = true;
+                    self.work.notify_one();
+                }
                 return Ok(());
             }
             self.buffered_bytes.fetch_sub(bytes, Ordering::SeqCst);
             // Under a full disk the budget frees only once space returns: fail fast instead.
             self.check_writable()?;
-            {
+            // One request per round: a flush already asked for (early, or by another
+            // append) frees bytes when it completes, and a second one queued behind it would
+            // seal more buffers than needed, so smaller chunks.
+            if !self.flush_soon.swap(true, Ordering::SeqCst) {
                 let mut pending = lock(&self.pending);
                 pending.budget_flush_requested = true;
                 self.work.notify_one();
@@ -973,6 +996,8 @@ impl Inner {
             start = end;
         }
         shard.log_budget_bytes += log_cost;
+        self.unwritten_log_bytes
+            .fetch_add(log_cost, Ordering::Relaxed);
         self.note_log_appended();
         if !wakes.is_empty() {
             // Still under the shard lock (order shard -> pending), so the committer never

@@ -936,3 +936,55 @@ fn given_many_rotations_when_crashing_should_skip_dead_log_records_and_keep_ever
         "recovery skipped no log record before the floor"
     );
 }
+
+#[test]
+fn given_log_records_filling_the_budget_when_appending_should_write_them_without_sealing_small_chunks()
+ {
+    // Long names and tiny messages: the log records take twenty times the bytes of the
+    // buffered messages. A full budget is freed by writing the logs, so the buffers keep
+    // growing into chunks of a dozen messages or more (sealing the oldest buffers at every
+    // flush, as before, made about 200 chunks of one to six messages).
+    const QUEUES: usize = 40;
+    const ROUNDS: usize = 30;
+    let disk = SimulatedDisk::new();
+    let options = StoreOptions {
+        sync: SyncPolicy::Interval {
+            interval_ms: 60_000,
+        },
+        segment_bytes_max: 1 << 20,
+        chunk_bytes: 1024,
+        buffer_budget_bytes: 8192,
+        ..tiny()
+    };
+    let store = open_sim(&disk, options.clone());
+    let names: Vec<Vec<u8>> = (0..QUEUES)
+        .map(|queue| format!("{queue:0>200}").into_bytes())
+        .collect();
+    for round in 0..ROUNDS {
+        for name in &names {
+            let message = format!("m{round:05}");
+            assert_eq!(
+                store.append(name, message.as_bytes()).unwrap(),
+                round as u64
+            );
+        }
+    }
+    let messages = QUEUES * ROUNDS;
+    let usage = store.memory_usage();
+    assert!(
+        usage.index_entries <= (messages / 12) as u64,
+        "{} chunks for {messages} messages",
+        usage.index_entries
+    );
+    let expected: Vec<Vec<u8>> = (0..ROUNDS)
+        .map(|round| format!("m{round:05}").into_bytes())
+        .collect();
+    for name in &names {
+        assert_eq!(read_all(&store, name), expected);
+    }
+    store.close().unwrap();
+    let store = open_sim(&disk, options);
+    for name in &names {
+        assert_eq!(read_all(&store, name), expected);
+    }
+}
