@@ -587,6 +587,23 @@ impl Store {
         self.inner.wait_round(round)
     }
 
+    /// Blocks until every append acknowledged before the call is fsynced: one commit round,
+    /// started at once (under [`SyncPolicy::Interval`], instead of within the interval).
+    /// Unlike [`Store::sync`] it seals no write buffer into chunks: the messages are durable
+    /// in the round's log records, and the buffers go on growing into full chunks.
+    pub fn flush(&self) -> Result<(), WriteError> {
+        self.inner.check_poisoned()?;
+        // Each shard's log goes out in its `log_round`: the highest covers every append so far.
+        let round = self
+            .inner
+            .shards
+            .iter()
+            .map(|shard| lock(shard).log_round)
+            .max()
+            .unwrap_or(1);
+        self.inner.wait_round(round)
+    }
+
     /// Counters and sizes.
     pub fn stats(&self) -> StoreStats {
         let counters = &self.inner.counters;
