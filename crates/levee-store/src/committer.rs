@@ -33,8 +33,6 @@ const RELOCATE_LIVE_RATIO_MAX: u64 = 4;
 /// Past this position a round starts a new segment even mid-round, so positions fit in u32.
 const POSITION_SOFT_MAX: u64 = 3 << 30;
 
-/// Most queues the committer seals or publishes under one shard lock before letting
-/// appenders in: a few hundred microseconds of work.
 /// A budget flush seals this fraction (1 / divisor) of the buffered queues, the oldest: a
 /// small fraction keeps the buffers near the budget, so chunks are larger (about
 /// `(2 - 1/divisor)` times the average buffer instead of 1.5 times with halves).
@@ -45,6 +43,8 @@ const BUDGET_LOG_SHARE_DIVISOR: usize = 4;
 /// Garbage collection asks for a checkpoint when the oldest segment is kept only by log
 /// records of buffered messages and the active segment is this many segments ahead.
 const CHECKPOINT_LAG_SEGMENTS: u32 = 2;
+/// Most queues the committer seals or publishes under one shard lock before letting
+/// appenders in: a few hundred microseconds of work.
 const FREEZE_QUEUES_PER_LOCK_MAX: usize = 256;
 
 /// A shard log whose capacity grew past this is given back after the round (bursts must not
@@ -267,9 +267,13 @@ impl Committer<'_> {
             // sees the flag and wakes us (see `Inner::wake_committer`).
             inner.committer_sleeping.store(true, Ordering::SeqCst);
             let log_work = inner.log_pending.load(Ordering::SeqCst) > 0;
+            // Under `interval` a round that failed on a full disk is retried every interval,
+            // even with nothing logged (a failed checkpoint or budget flush), so appends,
+            // refused meanwhile, resume once space returns.
+            let retry = inner.disk_full.load(Ordering::SeqCst);
             let due = match interval {
                 None => log_work,
-                Some(interval) => log_work && self.last_round.elapsed() >= interval,
+                Some(interval) => (log_work || retry) && self.last_round.elapsed() >= interval,
             };
             let is_checkpoint =
                 pending.shutdown || pending.checkpoint_requested || self.checkpoint_wanted;
@@ -377,7 +381,8 @@ impl Committer<'_> {
         let budget_flush = plan.budget_flush;
         let running = self.run_planned_round(plan);
         if budget_flush {
-            // Budget freed (or the round failed): an append may ask for a flush again.
+            // Also when the round failed (a successful one cleared it after publishing): an
+            // append may ask for a flush again.
             self.inner.flush_soon.store(false, Ordering::SeqCst);
         }
         running
@@ -494,12 +499,20 @@ impl Committer<'_> {
                 .counters
                 .file_syncs
                 .fetch_add(1, Ordering::Relaxed);
-            self.inner.disk_full.store(false, Ordering::SeqCst);
         }
+        // Whatever the round had to write is durable (with nothing to write, nothing
+        // acknowledged waits for the disk): appends may be taken again, and a later round
+        // that fails sets the flag again.
+        self.inner.disk_full.store(false, Ordering::SeqCst);
         // Published only once durable: under `always` readers see exactly the indexed chunks
         // and the buffered messages of completed rounds, so they never see a message that a
         // crash or a full disk could still take back.
         self.apply(placed, taken);
+        if plan.budget_flush {
+            // Budget freed: an append may ask for a flush again, without waiting for the
+            // garbage collection below (relocation and deletions fsync).
+            self.inner.flush_soon.store(false, Ordering::SeqCst);
+        }
         self.inner.counters.rounds.fetch_add(1, Ordering::Relaxed);
         self.complete(plan.round, None);
         if plan.is_checkpoint {

@@ -242,6 +242,9 @@ impl ChunkIndex {
             previous = Some(entry);
         }
         let (old_bytes, new_bytes) = ((end - start) as u64, encoded.len() as u64);
+        // A longer block grows the bytes exactly, not by doubling (see `push_back`).
+        self.bytes
+            .reserve_exact(encoded.len().saturating_sub(end - start));
         self.bytes.splice(start..end, encoded);
         let restarts = self
             .restarts

@@ -43,11 +43,11 @@ const BATCH_RUN_MESSAGES_MAX: usize = 256;
 /// Most budget bytes a batch append reserves at once (a single larger message excepted; and
 /// at most an eighth of the budget), so one reservation stays far below the budget.
 const BATCH_RUN_BYTES_MAX: usize = 64 << 10;
-/// Budget bytes a buffered message costs beyond its payload (its length field).
 /// Past this fraction of the budget (numerator, denominator), an append asks for a budget
 /// flush without waiting, so the committer seals while appenders go on instead of after they
 /// have all stopped at a full budget.
 pub(crate) const BUDGET_SOFT_FRACTION: (usize, usize) = (7, 8);
+/// Budget bytes a buffered message costs beyond its payload (its length field).
 pub(crate) const MESSAGE_OVERHEAD_BYTES: usize = crate::queue::FRAME_BYTES;
 
 pub(crate) type QueueMap = HashMap<Arc<[u8]>, QueueState, foldhash::fast::FixedState>;

@@ -1018,3 +1018,35 @@ fn given_interval_appends_when_flushed_should_survive_a_crash_without_sealing_bu
     assert_eq!(messages[..20], expected[..]);
     assert!(messages.len() <= 21);
 }
+
+#[test]
+fn given_a_checkpoint_failing_on_a_full_disk_with_nothing_logged_when_space_returns_should_resume()
+{
+    // Every message is already durable in log records; only the sealing round fails. Appends
+    // are refused while the disk is full, and must be taken again once space returns without
+    // anyone calling `sync`.
+    let disk = SimulatedDisk::new();
+    let options = StoreOptions {
+        sync: SyncPolicy::Interval { interval_ms: 2 },
+        ..tiny()
+    };
+    let store = open_sim(&disk, options.clone());
+    for index in 0..5 {
+        store.append(b"q", format!("m-{index}").as_bytes()).unwrap();
+    }
+    store.flush().unwrap();
+    disk.set_fault(Fault::NoSpace);
+    assert!(matches!(store.sync(), Err(WriteError::StorageFull { .. })));
+    disk.set_fault(Fault::None);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while store.append(b"q", b"m-5").is_err() {
+        assert!(std::time::Instant::now() < deadline, "writes never resumed");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    store.close().unwrap();
+    let store = open_sim(&disk, options);
+    let expected: Vec<Vec<u8>> = (0..6)
+        .map(|index| format!("m-{index}").into_bytes())
+        .collect();
+    assert_eq!(read_all(&store, b"q"), expected);
+}
