@@ -418,6 +418,26 @@ impl Collector for StoreCollector {
                 "group-commit rounds since start",
                 stats.commit_rounds,
             ),
+            (
+                "levee_store_budget_flushes",
+                "rounds that answered a full buffer budget since start",
+                stats.budget_flushes,
+            ),
+            (
+                "levee_store_checkpoints",
+                "rounds that sealed every write buffer since start",
+                stats.checkpoints,
+            ),
+            (
+                "levee_store_segments_deleted",
+                "segment files deleted since start",
+                stats.segments_deleted,
+            ),
+            (
+                "levee_store_chunks_relocated",
+                "live chunks copied out of old segments since start",
+                stats.chunks_relocated,
+            ),
         ];
         for (name, help, value) in counters {
             let counter = ConstCounter::new(value);

@@ -508,7 +508,17 @@ impl Committer<'_> {
         // and the buffered messages of completed rounds, so they never see a message that a
         // crash or a full disk could still take back.
         self.apply(placed, taken);
+        if plan.is_checkpoint {
+            self.inner
+                .counters
+                .checkpoints
+                .fetch_add(1, Ordering::Relaxed);
+        }
         if plan.budget_flush {
+            self.inner
+                .counters
+                .budget_flushes
+                .fetch_add(1, Ordering::Relaxed);
             // Budget freed: an append may ask for a flush again, without waiting for the
             // garbage collection below (relocation and deletions fsync).
             self.inner.flush_soon.store(false, Ordering::SeqCst);

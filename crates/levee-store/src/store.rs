@@ -151,6 +151,8 @@ pub(crate) struct Counters {
     pub rounds: AtomicU64,
     pub segments_deleted: AtomicU64,
     pub chunks_relocated: AtomicU64,
+    pub budget_flushes: AtomicU64,
+    pub checkpoints: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -260,6 +262,13 @@ pub struct StoreStats {
     pub segments_deleted: u64,
     /// Live chunks copied out of old segments so those could be deleted, since open.
     pub chunks_relocated: u64,
+    /// Rounds since open that answered a full (or nearly full) buffer budget, by writing the
+    /// logs or sealing the oldest buffers. Many of them at many queues mean small chunks: a
+    /// larger `buffer_budget_bytes` makes larger chunks and a smaller index.
+    pub budget_flushes: u64,
+    /// Rounds since open that sealed every write buffer (`sync`, retention, close, or to free
+    /// a segment kept only by log records).
+    pub checkpoints: u64,
     /// Bytes buffered in memory, not yet written.
     pub buffered_bytes: u64,
 }
@@ -631,6 +640,8 @@ impl Store {
             commit_rounds: counters.rounds.load(Ordering::Relaxed),
             segments_deleted: counters.segments_deleted.load(Ordering::Relaxed),
             chunks_relocated: counters.chunks_relocated.load(Ordering::Relaxed),
+            budget_flushes: counters.budget_flushes.load(Ordering::Relaxed),
+            checkpoints: counters.checkpoints.load(Ordering::Relaxed),
             buffered_bytes: self.inner.buffered_bytes.load(Ordering::Relaxed) as u64,
         }
     }

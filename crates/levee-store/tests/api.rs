@@ -970,6 +970,9 @@ fn given_log_records_filling_the_budget_when_appending_should_write_them_without
         }
     }
     let messages = QUEUES * ROUNDS;
+    let stats = store.stats();
+    assert!(stats.budget_flushes > 0, "{stats:?}");
+    assert_eq!(stats.checkpoints, 0, "{stats:?}");
     let usage = store.memory_usage();
     assert!(
         usage.index_entries <= (messages / 12) as u64,
@@ -982,6 +985,8 @@ fn given_log_records_filling_the_budget_when_appending_should_write_them_without
     for name in &names {
         assert_eq!(read_all(&store, name), expected);
     }
+    store.sync().unwrap();
+    assert_eq!(store.stats().checkpoints, 1, "sync is a checkpoint");
     store.close().unwrap();
     let store = open_sim(&disk, options);
     for name in &names {
@@ -1006,6 +1011,7 @@ fn given_interval_appends_when_flushed_should_survive_a_crash_without_sealing_bu
     store.flush().unwrap();
     let usage = store.memory_usage();
     assert_eq!(usage.index_entries, 0, "flush seals no buffer: {usage:?}");
+    assert_eq!(store.stats().checkpoints, 0);
     // Appended after the flush, within the interval: a crash may take these back.
     store.append(b"q", b"late").unwrap();
     let crashed = disk.crash(CrashMode::DropUnsynced, 3);

@@ -82,6 +82,17 @@ fn given_appends_then_reads_return_them_in_order_with_dense_offsets() {
         "{metrics}"
     );
     assert!(metrics.contains("levee_store_queues 2"), "{metrics}");
+    for counter in [
+        "levee_store_budget_flushes_total",
+        "levee_store_checkpoints_total",
+        "levee_store_segments_deleted_total",
+        "levee_store_chunks_relocated_total",
+    ] {
+        assert!(
+            metrics.contains(&format!("\n{counter} ")),
+            "{counter}: {metrics}"
+        );
+    }
 }
 
 #[test]
