@@ -36,6 +36,12 @@ pub const HOTKEY_BATCH_KEYS_MAX_DEFAULT: u32 = 10_000;
 pub const QUEUE_MESSAGE_BYTES_MAX_DEFAULT: u32 = 1 << 20;
 /// Highest allowed `queue_message_bytes_max` (4 MiB, under the gRPC message limit).
 pub const QUEUE_MESSAGE_BYTES_MAX_MAX: u32 = 4 << 20;
+/// Default memory budget of the queue store's write buffers and unwritten logs, in MiB.
+pub const QUEUE_BUFFER_BUDGET_MB_DEFAULT: u64 = 320;
+/// Smallest queue buffer budget, in MiB: above the largest allowed message.
+pub const QUEUE_BUFFER_BUDGET_MB_MIN: u64 = 8;
+/// Largest queue buffer budget, in MiB (64 GiB).
+pub const QUEUE_BUFFER_BUDGET_MB_MAX: u64 = 65_536;
 /// Highest allowed `hotkey_batch_keys_max`.
 pub const HOTKEY_BATCH_KEYS_MAX_MAX: u32 = 65_536;
 
@@ -70,6 +76,10 @@ pub struct Config {
     pub queue_sync: QueueSync,
     /// Largest queue message, in bytes.
     pub queue_message_bytes_max: u32,
+    /// Memory bound of the queue store's write buffers and not yet written log records, in
+    /// MiB. With many queues it sets the chunk size, so the index per message: see
+    /// docs/ARCHITECTURE-store.md, memory budget.
+    pub queue_buffer_budget_mb: u64,
 }
 
 impl Default for Config {
@@ -88,6 +98,7 @@ impl Default for Config {
             hotkey_unknown_app: UnknownApp::Create,
             queue_sync: QueueSync(levee_store::SyncPolicy::Always),
             queue_message_bytes_max: QUEUE_MESSAGE_BYTES_MAX_DEFAULT,
+            queue_buffer_budget_mb: QUEUE_BUFFER_BUDGET_MB_DEFAULT,
         }
     }
 }
@@ -109,6 +120,7 @@ struct FileConfig {
     hotkey_unknown_app: Option<String>,
     queue_sync: Option<String>,
     queue_message_bytes_max: Option<u32>,
+    queue_buffer_budget_mb: Option<u64>,
 }
 
 /// Where a setting's value came from, so an error can point at it.
@@ -170,6 +182,8 @@ pub struct Overrides {
     pub queue_sync: Option<Override>,
     /// `--queue-message-bytes-max` / `LEVEE_QUEUE_MESSAGE_BYTES_MAX`.
     pub queue_message_bytes_max: Option<Override>,
+    /// `--queue-buffer-budget-mb` / `LEVEE_QUEUE_BUFFER_BUDGET_MB`.
+    pub queue_buffer_budget_mb: Option<Override>,
 }
 
 /// Why the configuration could not be built. Each message names the problem and the fix.
@@ -283,6 +297,11 @@ impl Config {
             queue_message_bytes_max,
             small(file_config.queue_message_bytes_max),
             |raw| { parse_bounded(raw, 1, QUEUE_MESSAGE_BYTES_MAX_MAX) }
+        );
+        layer!(
+            queue_buffer_budget_mb,
+            text(file_config.queue_buffer_budget_mb),
+            |raw| { parse_bounded(raw, QUEUE_BUFFER_BUDGET_MB_MIN, QUEUE_BUFFER_BUDGET_MB_MAX) }
         );
         Ok(config)
     }
@@ -611,6 +630,31 @@ mod tests {
         assert!(message.contains("from 1 to 1000000"), "{message}");
         let file = write_file("shutdown_grace_ms = \"ten\"\n");
         assert!(Config::load(Some(file.path()), &Overrides::default()).is_err());
+    }
+
+    #[test]
+    fn given_queue_buffer_budget_then_file_and_environment_apply_within_range() {
+        assert_eq!(
+            Config::load(None, &Overrides::default())
+                .unwrap()
+                .queue_buffer_budget_mb,
+            QUEUE_BUFFER_BUDGET_MB_DEFAULT
+        );
+        let file = write_file("queue_buffer_budget_mb = 64\n");
+        let config = Config::load(Some(file.path()), &Overrides::default()).unwrap();
+        assert_eq!(config.queue_buffer_budget_mb, 64);
+        let overrides = Overrides {
+            queue_buffer_budget_mb: Some(environment("4", "LEVEE_QUEUE_BUFFER_BUDGET_MB")),
+            ..Overrides::default()
+        };
+        let message = Config::load(Some(file.path()), &overrides)
+            .unwrap_err()
+            .to_string();
+        assert!(message.contains("from 8 to 65536"), "{message}");
+        assert!(
+            message.contains("LEVEE_QUEUE_BUFFER_BUDGET_MB"),
+            "{message}"
+        );
     }
 
     #[test]

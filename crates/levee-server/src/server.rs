@@ -374,6 +374,9 @@ async fn open_store(config: &Config) -> Result<Store, StartError> {
     let options = StoreOptions {
         sync: config.queue_sync.0,
         message_bytes_max: config.queue_message_bytes_max as usize,
+        // At most 64 GiB (checked by the config), so the shift cannot overflow on 64 bits.
+        buffer_budget_bytes: usize::try_from(config.queue_buffer_budget_mb << 20)
+            .unwrap_or(usize::MAX),
         ..StoreOptions::default()
     };
     let opening = path.clone();

@@ -59,6 +59,10 @@ pub struct ServerArgs {
     /// Largest queue message, in bytes [default: 1048576]
     #[arg(long, env = "LEVEE_QUEUE_MESSAGE_BYTES_MAX", value_name = "BYTES")]
     queue_message_bytes_max: Option<String>,
+    /// Memory for the queue store's write buffers and unwritten logs, in MiB; with many queues
+    /// a larger budget makes larger chunks and a smaller index [default: 320]
+    #[arg(long, env = "LEVEE_QUEUE_BUFFER_BUDGET_MB", value_name = "MIB")]
+    queue_buffer_budget_mb: Option<String>,
     /// Print the effective configuration as TOML and exit
     #[arg(long)]
     print_config: bool,
@@ -147,6 +151,12 @@ impl ServerArgs {
                 "--queue-message-bytes-max",
                 "LEVEE_QUEUE_MESSAGE_BYTES_MAX",
                 &self.queue_message_bytes_max,
+            ),
+            queue_buffer_budget_mb: given(
+                "queue_buffer_budget_mb",
+                "--queue-buffer-budget-mb",
+                "LEVEE_QUEUE_BUFFER_BUDGET_MB",
+                &self.queue_buffer_budget_mb,
             ),
         }
     }

@@ -326,6 +326,8 @@ fn given_flag_env_and_file_then_print_config_shows_flag_over_env_over_file() {
             "--print-config",
             "--grpc-addr",
             "127.0.0.1:3001",
+            "--queue-buffer-budget-mb",
+            "96",
         ],
         &[
             ("LEVEE_GRPC_ADDR", "127.0.0.1:2001"),
@@ -333,6 +335,7 @@ fn given_flag_env_and_file_then_print_config_shows_flag_over_env_over_file() {
         ],
     );
     assert_eq!(code, Some(0));
+    assert!(stdout.contains("queue_buffer_budget_mb = 96"), "{stdout}");
     assert!(
         stdout.contains("grpc_addr = \"127.0.0.1:3001\""),
         "{stdout}"
