@@ -687,6 +687,12 @@ impl HotKeyEngine {
         })
     }
 
+    /// The engine's time: the latest `now_ms` it was given (it never goes back, so an event
+    /// made by a call whose `now_ms` was older is dated by this).
+    pub fn now_ms(&self) -> u64 {
+        self.clock_ms
+    }
+
     /// Memory use against the budget.
     pub fn memory(&self) -> MemoryStats {
         MemoryStats {

@@ -824,3 +824,19 @@ fn given_the_server_shares_engines_across_threads_when_compiled_should_be_send_a
     assert_send_sync::<HotKeyEngine>();
     assert_send_sync::<Event>();
 }
+
+#[test]
+fn given_a_report_older_than_the_engine_clock_when_hot_should_date_it_by_the_engine_clock() {
+    // The server's ticker can move a shard's clock past the time a report was stamped with;
+    // the hot event is then made at the engine's time, which `now_ms` tells the caller, so
+    // the duration it pushes (hot_until - now) is never longer than the rule's.
+    let mut engine = engine_with(vec![rule(prefix("pin_"), 1_000, 2, 1_500)]);
+    let mut events = Vec::new();
+    engine.tick(5_000, &mut events);
+    assert_eq!(engine.now_ms(), 5_000);
+    let events = report(&mut engine, "pin_1", 3, 4_990);
+    let hot = hot_events(&events);
+    assert_eq!(hot.len(), 1);
+    assert_eq!(engine.now_ms(), 5_000, "the clock never goes back");
+    assert_eq!(hot[0].hot_until_ms - engine.now_ms(), 1_500);
+}

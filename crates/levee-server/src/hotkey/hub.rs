@@ -243,8 +243,10 @@ impl HotKeyHub {
 
     /// The app's hot keys now, on the wire.
     pub fn snapshot(&self, app: &str) -> Vec<HotKeyEvent> {
-        let now_ms = self.clock.now_ms();
         let hot = self.hot_keys(app);
+        // Read after the engines: every key was made hot at or before this time, so `hot_for`
+        // never comes out longer than its duration.
+        let now_ms = self.clock.now_ms();
         let rules = lock(&self.rules).get(app).cloned().unwrap_or_default();
         hot.iter()
             .map(|event| {
@@ -270,6 +272,10 @@ impl HotKeyHub {
             ));
         }
         let now_ms = self.clock.now_ms();
+        // Events are dated by the latest engine time: a shard whose clock another thread
+        // (the ticker) moved past `now_ms` makes its events at that time, and `hot_for` must
+        // not come out longer than the rule's duration.
+        let mut publish_ms = now_ms;
         let mut outcome = BatchOutcome::default();
         let mut events = Vec::new();
         let mut by_shard: Vec<Vec<(&[u8], u32)>> = vec![Vec::new(); self.shards.len()];
@@ -294,12 +300,17 @@ impl HotKeyHub {
             if items.is_empty() {
                 continue;
             }
-            let result = lock(shard).report_batch(app, items, now_ms, &mut events);
+            let result = {
+                let mut engine = lock(shard);
+                let result = engine.report_batch(app, items, now_ms, &mut events);
+                publish_ms = publish_ms.max(engine.now_ms());
+                result
+            };
             match result {
                 Ok(counted) => outcome.accepted += counted.accepted as u64,
                 Err(error) => {
                     self.reject(reject_reason(&error), items.len() as u64);
-                    self.publish(&events, now_ms);
+                    self.publish(&events, publish_ms);
                     let code = if matches!(error, ReportError::UnknownApp { .. }) {
                         ErrorCode::NotFound
                     } else {
@@ -318,7 +329,7 @@ impl HotKeyHub {
             .hotkey_hits_received
             .get_or_create(&labels)
             .inc_by(hits);
-        self.publish(&events, now_ms);
+        self.publish(&events, publish_ms);
         Ok(outcome)
     }
 
@@ -332,6 +343,8 @@ impl HotKeyHub {
     /// Expires hot keys and reclaims idle state; publishes cool events. Call every few ms.
     pub fn tick(&self) {
         let now_ms = self.clock.now_ms();
+        // Dated by the latest engine time (see `report`).
+        let mut publish_ms = now_ms;
         let mut events = Vec::new();
         let mut used_bytes = 0;
         let mut keys_tracked = 0;
@@ -339,6 +352,7 @@ impl HotKeyHub {
         for shard in &self.shards {
             let mut engine = lock(shard);
             engine.tick(now_ms, &mut events);
+            publish_ms = publish_ms.max(engine.now_ms());
             let memory = engine.memory();
             used_bytes += memory.used_bytes;
             keys_tracked += memory.keys_tracked;
@@ -440,10 +454,14 @@ impl HotKeyHub {
         check_app_name(app)?;
         let now_ms = self.clock.now_ms();
         let mut events = Vec::new();
-        lock(&self.shards[self.shard_of(key)])
-            .set_manual_hot(app, key, duration_ms, now_ms, &mut events)
-            .map_err(|error| wire(ErrorCode::InvalidArgument, error.to_string()))?;
-        self.publish(&events, now_ms);
+        let publish_ms = {
+            let mut engine = lock(&self.shards[self.shard_of(key)]);
+            engine
+                .set_manual_hot(app, key, duration_ms, now_ms, &mut events)
+                .map_err(|error| wire(ErrorCode::InvalidArgument, error.to_string()))?;
+            engine.now_ms()
+        };
+        self.publish(&events, publish_ms);
         Ok(())
     }
 
@@ -451,9 +469,12 @@ impl HotKeyHub {
     pub fn remove_hot(&self, app: &str, key: &[u8]) -> bool {
         let now_ms = self.clock.now_ms();
         let mut events = Vec::new();
-        let was_hot =
-            lock(&self.shards[self.shard_of(key)]).remove_hot(app, key, now_ms, &mut events);
-        self.publish(&events, now_ms);
+        let (was_hot, publish_ms) = {
+            let mut engine = lock(&self.shards[self.shard_of(key)]);
+            let was_hot = engine.remove_hot(app, key, now_ms, &mut events);
+            (was_hot, engine.now_ms())
+        };
+        self.publish(&events, publish_ms);
         was_hot
     }
 
