@@ -789,6 +789,16 @@ impl Inner {
     }
 
     /// Waits, while the budget is exhausted, until `bytes` more fit.
+    /// Asks the committer for a budget flush, once per round: a flush already asked for
+    /// (early, or by another append) frees bytes when it completes, and a second one queued
+    /// behind it would seal more buffers than needed, so smaller chunks.
+    fn request_budget_flush(&self) {
+        if !self.flush_soon.swap(true, Ordering::SeqCst) {
+            lock(&self.pending).budget_flush_requested = true;
+            self.work.notify_one();
+        }
+    }
+
     fn reserve_budget(&self, bytes: usize) -> Result<(), WriteError> {
         let budget = self.options.buffer_budget_bytes;
         // A round that fails after we start waiting (a full disk) fails this append too:
@@ -798,25 +808,15 @@ impl Inner {
             let before = self.buffered_bytes.fetch_add(bytes, Ordering::SeqCst);
             if before == 0 || before + bytes <= budget {
                 let (numerator, denominator) = BUDGET_SOFT_FRACTION;
-                if before + bytes > budget / denominator * numerator
-                    && !self.flush_soon.swap(true, Ordering::SeqCst)
-                {
-                    lock(&self.pending).budget_flush_requested = true;
-                    self.work.notify_one();
+                if before + bytes > budget / denominator * numerator {
+                    self.request_budget_flush();
                 }
                 return Ok(());
             }
             self.buffered_bytes.fetch_sub(bytes, Ordering::SeqCst);
             // Under a full disk the budget frees only once space returns: fail fast instead.
             self.check_writable()?;
-            // One request per round: a flush already asked for (early, or by another
-            // append) frees bytes when it completes, and a second one queued behind it would
-            // seal more buffers than needed, so smaller chunks.
-            if !self.flush_soon.swap(true, Ordering::SeqCst) {
-                let mut pending = lock(&self.pending);
-                pending.budget_flush_requested = true;
-                self.work.notify_one();
-            }
+            self.request_budget_flush();
             let commit = lock(&self.commit);
             if let Some(reason) = &commit.poisoned {
                 return Err(WriteError::Poisoned(reason.clone()));

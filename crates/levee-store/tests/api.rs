@@ -38,6 +38,15 @@ fn read_all(store: &Store, queue: &[u8]) -> Vec<Vec<u8>> {
     }
 }
 
+/// Retries an append refused for a full disk until the store takes it (at most 5 s).
+fn append_once_space_returns(store: &Store, queue: &[u8], message: &[u8]) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while store.append(queue, message).is_err() {
+        assert!(std::time::Instant::now() < deadline, "writes never resumed");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
 #[test]
 fn given_appends_when_reading_should_return_dense_offsets_and_respect_limits() {
     let directory = tempfile::tempdir().unwrap();
@@ -416,11 +425,7 @@ fn given_full_disk_under_interval_when_space_returns_should_write_buffered_messa
         "acknowledged data stays readable"
     );
     disk.set_fault(Fault::None);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while store.append(b"q", b"three").is_err() {
-        assert!(std::time::Instant::now() < deadline, "writes never resumed");
-        std::thread::sleep(std::time::Duration::from_millis(2));
-    }
+    append_once_space_returns(&store, b"q", b"three");
     store.sync().unwrap();
     disk.set_fault(Fault::NoSpace);
     store.append(b"q", b"four").unwrap();
@@ -1044,11 +1049,7 @@ fn given_a_checkpoint_failing_on_a_full_disk_with_nothing_logged_when_space_retu
     disk.set_fault(Fault::NoSpace);
     assert!(matches!(store.sync(), Err(WriteError::StorageFull { .. })));
     disk.set_fault(Fault::None);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while store.append(b"q", b"m-5").is_err() {
-        assert!(std::time::Instant::now() < deadline, "writes never resumed");
-        std::thread::sleep(std::time::Duration::from_millis(2));
-    }
+    append_once_space_returns(&store, b"q", b"m-5");
     store.close().unwrap();
     let store = open_sim(&disk, options);
     let expected: Vec<Vec<u8>> = (0..6)
