@@ -1,5 +1,6 @@
 //! [`Client`]: a connection to one Levee server and the calls it offers.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use levee_proto::v1::admin_client::AdminClient;
@@ -11,9 +12,9 @@ use levee_proto::v1::{
     ListQueuesRequest, ReadRequest, ReadResponse, SetRetentionRequest,
 };
 use levee_proto::v1::{
-    CreateTopicRequest, DescribeGroupRequest, DescribeGroupResponse, DescribeTopicRequest,
-    DescribeTopicResponse, ListTopicsRequest, PublishMessage, PublishRequest, SetGroupRateRequest,
-    TopicSummary,
+    CreateTopicRequest, DescribeGroupRequest, DescribeGroupResponse, DescribeProducerRequest,
+    DescribeProducerResponse, DescribeTopicRequest, DescribeTopicResponse, ListTopicsRequest,
+    PublishMessage, PublishRequest, SetGroupRateRequest, SetProducerRateRequest, TopicSummary,
 };
 use levee_proto::v1::{
     EchoRequest, GetAppStatsRequest, GetAppStatsResponse, GetRulesRequest, GetServerInfoRequest,
@@ -63,6 +64,8 @@ pub enum HealthStatus {
 #[derive(Debug, Clone)]
 pub struct Client {
     channel: Channel,
+    /// Sent with every append and publish: the server paces them by this name's rate limit.
+    producer_name: Option<Arc<str>>,
 }
 
 impl Client {
@@ -92,7 +95,26 @@ impl Client {
                 address: address.to_owned(),
                 source,
             })?;
-        Ok(Self { channel })
+        Ok(Self {
+            channel,
+            producer_name: None,
+        })
+    }
+
+    /// This connection, naming its appends and publishes (and those of every [`crate::Producer`]
+    /// built on it) as coming from `producer_name` (1 to 64 bytes): an operator's rate limit for
+    /// that name (`set_producer_rate`) then paces them on the server. Many processes may share
+    /// a name.
+    #[must_use]
+    pub fn with_producer_name(&self, producer_name: &str) -> Self {
+        Self {
+            channel: self.channel.clone(),
+            producer_name: Some(Arc::from(producer_name)),
+        }
+    }
+
+    fn producer_name(&self) -> String {
+        self.producer_name.as_deref().unwrap_or_default().to_owned()
     }
 
     /// The server's version, addresses, data directory and uptime.
@@ -259,6 +281,7 @@ impl Client {
                 })
                 .collect(),
             producer_id: String::new(),
+            producer_name: self.producer_name(),
         };
         self.send_append(request).await
     }
@@ -281,6 +304,7 @@ impl Client {
                 })
                 .collect(),
             producer_id: producer_id.to_owned(),
+            producer_name: self.producer_name(),
         };
         self.send_append(request).await
     }
@@ -456,6 +480,7 @@ impl Client {
                 })
                 .collect(),
             producer_id: String::new(),
+            producer_name: self.producer_name(),
         };
         self.publish_request(request).await
     }
@@ -502,6 +527,36 @@ impl Client {
         };
         self.topics_client().set_group_rate(request).await?;
         Ok(())
+    }
+
+    /// Sets the append rate limit of every request naming `producer_name` (see
+    /// [`Client::with_producer_name`]) in messages per second (0 clears it).
+    pub async fn set_producer_rate(
+        &self,
+        producer_name: &str,
+        messages_per_s: f64,
+    ) -> Result<(), ClientError> {
+        let request = SetProducerRateRequest {
+            producer_name: producer_name.to_owned(),
+            messages_per_s,
+        };
+        self.topics_client().set_producer_rate(request).await?;
+        Ok(())
+    }
+
+    /// A producer name's rate limit, the messages admitted under it and the seconds waited.
+    pub async fn describe_producer(
+        &self,
+        producer_name: &str,
+    ) -> Result<DescribeProducerResponse, ClientError> {
+        let request = DescribeProducerRequest {
+            producer_name: producer_name.to_owned(),
+        };
+        Ok(self
+            .topics_client()
+            .describe_producer(request)
+            .await?
+            .into_inner())
     }
 
     /// The raw `Topics` gRPC client on this connection (for the consumer).

@@ -8,6 +8,10 @@
 //! timeout, a sequence gap left by a batch still in flight) is resent with the same numbers up
 //! to `retries_max` times, and the server stores nothing twice. Without it nothing is resent,
 //! since a resend could duplicate. The producer keeps one counter per queue it has sent to.
+//!
+//! A producer built on a named client ([`Client::with_producer_name`]) sends that name with
+//! every batch, so an operator's rate limit for the name paces it: the server holds a batch
+//! until the limit admits it, which the producer feels as back-pressure.
 
 use std::time::Duration;
 

@@ -63,6 +63,22 @@ impl GroupLabels {
     }
 }
 
+/// The label of per-producer-name metrics (only names with a rate limit have them).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProducerLabels {
+    /// The producer name requests carry.
+    pub producer_name: String,
+}
+
+impl ProducerLabels {
+    /// Labels for `producer_name`.
+    pub fn new(producer_name: &str) -> Self {
+        Self {
+            producer_name: producer_name.to_owned(),
+        }
+    }
+}
+
 /// A counter of seconds.
 pub type SecondsCounter = Counter<f64, std::sync::atomic::AtomicU64>;
 /// A gauge of a fractional value.
@@ -133,6 +149,12 @@ pub struct Metrics {
     pub group_rate_limit_per_second: Family<GroupLabels, FloatGauge>,
     /// Seconds group deliveries waited for the rate limit, by group.
     pub group_throttled_seconds: Family<GroupLabels, SecondsCounter>,
+    /// Each rate-limited producer name's limit in messages per second (0: cleared).
+    pub producer_rate_limit_per_second: Family<ProducerLabels, FloatGauge>,
+    /// Messages admitted under a producer rate limit, by producer name.
+    pub producer_messages_admitted: Family<ProducerLabels, Counter>,
+    /// Seconds appends waited for their producer's rate limit, by producer name.
+    pub producer_throttled_seconds: Family<ProducerLabels, SecondsCounter>,
     /// Consumer-group members connected, by group.
     pub group_members: Family<GroupLabels, Gauge>,
     /// Rebalances, by group.
@@ -317,6 +339,24 @@ impl Metrics {
                 registry_ref,
                 "levee_group_throttled_seconds",
                 "seconds group deliveries waited for the group's rate limit",
+                Family::default(),
+            ),
+            producer_rate_limit_per_second: registered(
+                registry_ref,
+                "levee_producer_rate_limit_per_second",
+                "each rate-limited producer name's append limit in messages per second (0: cleared)",
+                Family::default(),
+            ),
+            producer_messages_admitted: registered(
+                registry_ref,
+                "levee_producer_messages_admitted",
+                "messages admitted under a producer rate limit, by producer name",
+                Family::default(),
+            ),
+            producer_throttled_seconds: registered(
+                registry_ref,
+                "levee_producer_throttled_seconds",
+                "seconds appends waited for their producer name's rate limit",
                 Family::default(),
             ),
             group_members: registered(

@@ -32,6 +32,7 @@ use crate::metrics::Metrics;
 use crate::queue::STORE_DIR_NAME;
 use crate::queue::consume::{ConsumeContext, Pacers};
 use crate::queue::group::Groups;
+use crate::queue::producer_rate::ProducerRates;
 use crate::queue::service::QueueService;
 use crate::queue::subscription::{self, POSITION_TRIM_INTERVAL};
 use crate::queue::topic::Topics;
@@ -328,10 +329,15 @@ fn queue_services(
     let calls =
         StoreCalls::new(Arc::clone(store), config.queue_sync.0).map_err(StartError::Thread)?;
     let waiters = Arc::new(Waiters::default());
+    let producer_rates = Arc::new(ProducerRates::new(
+        metrics.clone(),
+        &topics.producer_rates(),
+    ));
     let queues = QueueService::new(
         calls.clone(),
         Arc::clone(&waiters),
         Arc::clone(&topics),
+        Arc::clone(&producer_rates),
         metrics.clone(),
         stop_sessions.subscribe(),
     );
@@ -340,6 +346,7 @@ fn queue_services(
         topics,
         groups: Arc::new(Groups::default()),
         pacers: Arc::new(Pacers::new(metrics.clone())),
+        producer_rates,
         waiters,
         metrics: metrics.clone(),
         closing: stop_sessions.subscribe(),

@@ -45,6 +45,9 @@ enum Command {
     /// Consumer groups: describe, set a rate limit.
     #[command(subcommand)]
     Group(topic_commands::GroupCommand),
+    /// Producers: describe, set an append rate limit per producer name.
+    #[command(subcommand)]
+    Producer(topic_commands::ProducerCommand),
     /// Hot keys: rules, hot keys by hand, top keys, stats.
     #[command(subcommand)]
     Hotkey(hotkey_commands::HotKeyCommand),
@@ -77,6 +80,7 @@ fn main() -> ExitCode {
         Command::Queue(command) => queue_commands::run(&command),
         Command::Topic(command) => topic_commands::run_topic(&command),
         Command::Group(command) => topic_commands::run_group(&command),
+        Command::Producer(command) => topic_commands::run_producer(&command),
         Command::Bench(command) => {
             let result = match command {
                 BenchCommand::Hotkey(args) => bench::hotkey::run(&args),

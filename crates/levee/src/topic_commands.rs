@@ -1,5 +1,5 @@
-//! `levee topic ...` and `levee group ...`: operators' commands for topics and consumer
-//! groups, through the Rust SDK.
+//! `levee topic ...`, `levee group ...` and `levee producer ...`: operators' commands for
+//! topics, consumer groups and producer rate limits, through the Rust SDK.
 
 use std::process::ExitCode;
 
@@ -26,6 +26,15 @@ pub enum GroupCommand {
     Describe(GroupArgs),
     /// Set a consumer group's delivery rate limit (0 clears it); takes effect at once
     SetRate(SetRateArgs),
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum ProducerCommand {
+    /// Show a producer name's append rate limit, messages admitted under it, seconds waited
+    Describe(ProducerArgs),
+    /// Set the append rate limit of every request naming this producer (0 clears it); takes
+    /// effect at once and is kept across restarts
+    SetRate(SetProducerRateArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -83,6 +92,29 @@ pub struct SetRateArgs {
     /// The consumer group
     #[arg(long)]
     group: String,
+    #[command(flatten)]
+    rate: RateArgs,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ProducerArgs {
+    #[command(flatten)]
+    address: ServerAddress,
+    /// The producer name its clients send (1 to 64 bytes)
+    #[arg(long)]
+    producer: String,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct SetProducerRateArgs {
+    #[command(flatten)]
+    producer: ProducerArgs,
+    #[command(flatten)]
+    rate: RateArgs,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RateArgs {
     /// Messages per second (0 clears the limit)
     #[arg(
         long,
@@ -93,6 +125,16 @@ pub struct SetRateArgs {
     /// Messages per minute (such as 21000000)
     #[arg(long)]
     per_minute: Option<f64>,
+}
+
+impl RateArgs {
+    fn per_second(&self) -> anyhow::Result<f64> {
+        match (self.per_second, self.per_minute) {
+            (Some(per_second), _) => Ok(per_second),
+            (None, Some(per_minute)) => Ok(per_minute / 60.0),
+            (None, None) => anyhow::bail!("give --per-second or --per-minute"),
+        }
+    }
 }
 
 pub fn run_topic(command: &TopicCommand) -> ExitCode {
@@ -167,13 +209,34 @@ async fn group(command: &GroupCommand, server: &str) -> anyhow::Result<Value> {
             levee_server::queue::http::group_json(&described)
         }
         GroupCommand::SetRate(args) => {
-            let per_second = match (args.per_second, args.per_minute) {
-                (Some(per_second), _) => per_second,
-                (None, Some(per_minute)) => per_minute / 60.0,
-                (None, None) => anyhow::bail!("give --per-second or --per-minute"),
-            };
+            let per_second = args.rate.per_second()?;
             client.set_group_rate(&args.group, per_second).await?;
             json!({"group": args.group, "messages_per_s": per_second})
+        }
+    })
+}
+
+pub fn run_producer(command: &ProducerCommand) -> ExitCode {
+    let address = match command {
+        ProducerCommand::Describe(args) => &args.address,
+        ProducerCommand::SetRate(args) => &args.producer.address,
+    };
+    crate::client_commands::print_result(address.json, producer(command, &address.server))
+}
+
+async fn producer(command: &ProducerCommand, server: &str) -> anyhow::Result<Value> {
+    let client = Client::connect(server).await?;
+    Ok(match command {
+        ProducerCommand::Describe(args) => {
+            let described = client.describe_producer(&args.producer).await?;
+            levee_server::queue::http::producer_json(&described)
+        }
+        ProducerCommand::SetRate(args) => {
+            let per_second = args.rate.per_second()?;
+            client
+                .set_producer_rate(&args.producer.producer, per_second)
+                .await?;
+            json!({"producer_name": args.producer.producer, "messages_per_s": per_second})
         }
     })
 }

@@ -548,6 +548,154 @@ fn given_group_rate_then_deliveries_are_paced_and_metrics_show_it() {
     assert!(body.contains(r#""messages_per_s":0.0"#), "{body}");
 }
 
+/// Appends batches of 50 (to a queue, or published to a topic) through `client` until
+/// `until`; returns the messages acknowledged.
+async fn append_until(client: Client, task: usize, until: Instant) -> u64 {
+    let payloads: Vec<String> = (0..50).map(|index| format!("m{task}-{index}")).collect();
+    let queue = format!("limited-{task}");
+    let mut acknowledged = 0;
+    while Instant::now() < until {
+        let batch: Vec<(&[u8], &[u8])> = payloads
+            .iter()
+            .map(|payload| (queue.as_bytes(), payload.as_bytes()))
+            .collect();
+        if task.is_multiple_of(2) {
+            client.append_batch(&batch).await.unwrap();
+        } else {
+            client.publish("limited", &batch).await.unwrap();
+        }
+        acknowledged += 50;
+    }
+    acknowledged
+}
+
+/// Unnamed appends are not paced; a named request that would wait over 10 s is refused.
+fn assert_unnamed_free_and_long_wait_refused(
+    runtime: &tokio::runtime::Runtime,
+    client: &Client,
+    named: &Client,
+) {
+    // Unnamed appends are not paced: 10,000 messages go in one request at once.
+    let payloads: Vec<String> = (0..10_000).map(|index| format!("u{index}")).collect();
+    let batch: Vec<(&[u8], &[u8])> = payloads
+        .iter()
+        .map(|payload| (&b"free"[..], payload.as_bytes()))
+        .collect();
+    let unnamed_started = Instant::now();
+    runtime.block_on(client.append_batch(&batch)).unwrap();
+    assert!(unnamed_started.elapsed() < Duration::from_secs(5));
+    // A request that would wait over 10 s is refused at once, and stores nothing.
+    runtime
+        .block_on(client.set_producer_rate("checkout", 100.0))
+        .unwrap();
+    let error = runtime
+        .block_on(named.append_batch(&batch[..2_000]))
+        .unwrap_err();
+    assert_eq!(error.code(), Some(ErrorCode::ResourceExhausted), "{error}");
+    assert!(error.to_string().contains("limited to 100"), "{error}");
+    let info = runtime.block_on(client.queue_info(b"free")).unwrap();
+    assert_eq!(
+        info.next_offset, 10_000,
+        "the refused request stored nothing"
+    );
+}
+
+#[test]
+fn given_producer_rate_then_its_appends_and_publishes_are_paced_and_others_are_not() {
+    let directory = tempfile::tempdir().unwrap();
+    let server = LeveeProcess::start_in(directory.path(), &["--queue-sync", "interval(5)"]);
+    let runtime = runtime();
+    let client = runtime.block_on(Client::connect(&server.grpc())).unwrap();
+    runtime.block_on(client.create_topic("limited", 4)).unwrap();
+    // Set through the admin HTTP port, as an operator would.
+    let (status, body) = http_request(
+        server.admin_addr,
+        "PUT",
+        "/v1/producers/checkout/rate",
+        r#"{"messages_per_s": 1000}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    let named = client.with_producer_name("checkout");
+    let started = Instant::now();
+    let until = started + Duration::from_secs(2);
+    let tasks: Vec<_> = (0..4)
+        .map(|task| runtime.spawn(append_until(named.clone(), task, until)))
+        .collect();
+    let acknowledged: u64 = tasks
+        .into_iter()
+        .map(|task| runtime.block_on(task).unwrap())
+        .sum();
+    let elapsed = started.elapsed().as_secs_f64();
+    // 1,000/s over appends and publishes together: never more than the rate allows (plus the
+    // bucket's 10 ms), and not far below it.
+    #[allow(clippy::cast_precision_loss)]
+    let acknowledged = acknowledged as f64;
+    let allowed = 1_000.0 * elapsed + 10.0;
+    assert!(acknowledged <= allowed, "{acknowledged} in {elapsed:.2} s");
+    assert!(
+        acknowledged >= 0.8 * 1_000.0 * elapsed,
+        "{acknowledged} in {elapsed:.2} s"
+    );
+    assert_unnamed_free_and_long_wait_refused(&runtime, &client, &named);
+    // Figures: on the admin port, through the CLI, and in /metrics.
+    let (_, body) = http_get(server.admin_addr, "/v1/producers/checkout/rate");
+    assert!(body.contains(r#""messages_per_s":100.0"#), "{body}");
+    let (code, stdout, stderr) = support::run_to_exit(
+        &[
+            "producer",
+            "describe",
+            "--producer",
+            "checkout",
+            "--json",
+            "--server",
+            &server.grpc(),
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(0), "{stderr}");
+    let described: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert!(
+        described["admitted"].as_u64().unwrap() >= 1_000,
+        "{described}"
+    );
+    assert!(
+        described["throttled_s"].as_f64().unwrap() > 0.0,
+        "{described}"
+    );
+    let (_, metrics) = http_get(server.admin_addr, "/metrics");
+    assert!(
+        metrics.contains(r#"levee_producer_rate_limit_per_second{producer_name="checkout"} 100"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"levee_producer_throttled_seconds_total{producer_name="checkout"}"#)
+    );
+    assert!(
+        metrics.contains(r#"levee_producer_messages_admitted_total{producer_name="checkout"}"#)
+    );
+    // Kept across a restart, cleared through the CLI.
+    drop(server);
+    let server = LeveeProcess::start_in(directory.path(), &[]);
+    let (_, body) = http_get(server.admin_addr, "/v1/producers/checkout/rate");
+    assert!(body.contains(r#""messages_per_s":100.0"#), "{body}");
+    let (code, _, stderr) = support::run_to_exit(
+        &[
+            "producer",
+            "set-rate",
+            "--producer",
+            "checkout",
+            "--per-second",
+            "0",
+            "--server",
+            &server.grpc(),
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(0), "{stderr}");
+    let (_, body) = http_get(server.admin_addr, "/v1/producers/checkout/rate");
+    assert!(body.contains(r#""messages_per_s":0.0"#), "{body}");
+}
+
 #[test]
 fn given_idempotent_producer_when_batches_are_resent_then_nothing_is_stored_twice() {
     let server = LeveeProcess::start(&[]);

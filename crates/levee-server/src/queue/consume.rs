@@ -20,6 +20,7 @@ use tokio::sync::{Notify, mpsc, watch};
 use tonic::{Status, Streaming};
 
 use super::group::{Groups, Membership};
+use super::producer_rate::ProducerRates;
 use super::rate::TokenBucket;
 use super::subscription::{ROUND_BYTES_MAX, StreamCredit, Waiters, check_credit};
 use super::topic::{Topic, Topics, check_group_name};
@@ -162,6 +163,8 @@ pub struct ConsumeContext {
     pub groups: Arc<Groups>,
     /// Group pacers.
     pub pacers: Arc<Pacers>,
+    /// Producer rate limits (shared with the queue service).
+    pub producer_rates: Arc<ProducerRates>,
     /// Topic wake-ups.
     pub waiters: Arc<Waiters>,
     /// Metrics.

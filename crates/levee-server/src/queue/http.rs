@@ -2,7 +2,8 @@
 //! `GET /v1/topics/{topic}/groups/{group}` (members, owners, epochs, committed offsets, lag,
 //! rate) and `GET`/`PUT /v1/groups/{group}/rate` with `{"messages_per_s": N}` or
 //! `{"messages_per_minute": N}` (0 clears the limit; it takes effect at once and is kept across
-//! restarts).
+//! restarts); `GET`/`PUT /v1/producers/{producer_name}/rate` likewise for a producer name's
+//! append limit (the GET also gives the messages admitted under it and the seconds waited).
 
 use std::sync::Arc;
 
@@ -25,6 +26,10 @@ pub fn router(context: Arc<ConsumeContext>) -> Router {
         .route("/v1/topics", get(list_topics))
         .route("/v1/topics/{topic}/groups/{group}", get(describe_group))
         .route("/v1/groups/{group}/rate", get(get_rate).put(put_rate))
+        .route(
+            "/v1/producers/{producer_name}/rate",
+            get(get_producer_rate).put(put_producer_rate),
+        )
         .with_state(context)
 }
 
@@ -93,7 +98,8 @@ async fn get_rate(
     Json(json!({"group": group, "messages_per_s": context.topics.rate(&group)}))
 }
 
-/// The body of `PUT /v1/groups/{group}/rate`: exactly one of the two.
+/// The body of `PUT /v1/groups/{group}/rate` and `/v1/producers/{producer_name}/rate`: exactly
+/// one of the two.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RateBody {
@@ -106,23 +112,56 @@ async fn put_rate(
     Path(group): Path<String>,
     body: axum::body::Bytes,
 ) -> Result<Json<Value>, ApiError> {
+    let rate = parse_rate(&body)?;
+    TopicService::set_rate(&context, group.clone(), rate).await?;
+    Ok(Json(json!({"group": group, "messages_per_s": rate})))
+}
+
+async fn get_producer_rate(
+    State(context): State<Arc<ConsumeContext>>,
+    Path(producer_name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let described = TopicService::describe_producer_now(&context, &producer_name)?;
+    Ok(Json(producer_json(&described)))
+}
+
+/// A producer name's limit and figures as JSON (the admin port and the CLI print the same form).
+pub fn producer_json(described: &levee_proto::v1::DescribeProducerResponse) -> Value {
+    json!({
+        "producer_name": described.producer_name,
+        "messages_per_s": described.rate_limit_per_s,
+        "admitted": described.admitted,
+        "throttled_s": described.throttled_s,
+    })
+}
+
+async fn put_producer_rate(
+    State(context): State<Arc<ConsumeContext>>,
+    Path(producer_name): Path<String>,
+    body: axum::body::Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let rate = parse_rate(&body)?;
+    TopicService::set_producer_rate(&context, producer_name.clone(), rate).await?;
+    Ok(Json(
+        json!({"producer_name": producer_name, "messages_per_s": rate}),
+    ))
+}
+
+/// A rate body's limit in messages per second.
+fn parse_rate(body: &[u8]) -> Result<f64, ApiError> {
     let invalid = |message: String| ApiError(WireError::new(ErrorCode::InvalidArgument, message));
     // The body is read as JSON whatever its Content-Type (curl -d sends a form type).
-    let body: RateBody = serde_json::from_slice(&body).map_err(|error| {
+    let body: RateBody = serde_json::from_slice(body).map_err(|error| {
         invalid(format!(
             "the body must be JSON like {{\"messages_per_s\": 1000}} or \
              {{\"messages_per_minute\": 21000000}}: {error}"
         ))
     })?;
-    let rate = match (body.messages_per_s, body.messages_per_minute) {
-        (Some(per_s), None) => per_s,
-        (None, Some(per_minute)) => per_minute / 60.0,
-        _ => {
-            return Err(invalid(
-                "give exactly one of messages_per_s and messages_per_minute".to_owned(),
-            ));
-        }
-    };
-    TopicService::set_rate(&context, group.clone(), rate).await?;
-    Ok(Json(json!({"group": group, "messages_per_s": rate})))
+    match (body.messages_per_s, body.messages_per_minute) {
+        (Some(per_s), None) => Ok(per_s),
+        (None, Some(per_minute)) => Ok(per_minute / 60.0),
+        _ => Err(invalid(
+            "give exactly one of messages_per_s and messages_per_minute".to_owned(),
+        )),
+    }
 }

@@ -20,6 +20,7 @@ pub mod group;
 pub mod http;
 pub mod mailboxes;
 pub mod producer;
+pub mod producer_rate;
 pub mod rate;
 pub mod service;
 pub mod subscription;

@@ -1,4 +1,5 @@
-//! [`TokenBucket`]: paces a consumer group's deliveries to its configured rate. The bucket
+//! [`TokenBucket`]: paces a consumer group's deliveries (and a producer's appends) to its
+//! configured rate. The bucket
 //! holds at most [`BURST`] worth of tokens (10 ms of the rate, at least one message), so over
 //! any interval T the group gets at most rate x T + burst messages: at 1,000 messages/s over
 //! 10 s that is 10,010, within 0.1%. Deliveries wait for tokens; nothing is dropped. The time
@@ -72,6 +73,31 @@ impl TokenBucket {
         Ok(granted)
     }
 
+    /// Reserves `count` tokens for a request that then waits its turn: the bucket may go into
+    /// debt, and the answer is how long the request waits before it goes (zero when the tokens
+    /// were there), so requests go in the order they reserved and never ahead of the rate.
+    /// `Err(wait)` when that wait would be over `wait_max`: nothing is reserved then.
+    pub fn reserve(
+        &mut self,
+        count: u64,
+        now: Instant,
+        wait_max: Duration,
+    ) -> Result<Duration, Duration> {
+        self.refill(now);
+        #[allow(clippy::cast_precision_loss, reason = "a request's message count")]
+        let after = self.tokens - count as f64;
+        let wait = if after >= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(-after / self.rate_per_s)
+        };
+        if wait > wait_max {
+            return Err(wait);
+        }
+        self.tokens = after;
+        Ok(wait)
+    }
+
     /// Gives back `count` tokens taken but not used (a read found fewer messages).
     pub fn give_back(&mut self, count: u64) {
         #[allow(clippy::cast_precision_loss, reason = "a small count")]
@@ -111,6 +137,43 @@ mod tests {
         assert_eq!(bucket.take(1, start + wait), Ok(1));
         bucket.give_back(1);
         assert_eq!(bucket.take(3, start + wait), Ok(1), "capped at the depth");
+    }
+
+    #[test]
+    fn given_reservations_then_each_goes_when_the_rate_allows_and_never_ahead_of_it() {
+        let start = Instant::now();
+        let wait_max = Duration::from_secs(10);
+        let mut bucket = TokenBucket::new(1_000.0, start);
+        // The first 10 go at once (the bucket's depth), the next 100 wait 0.1 s, then 0.2 s.
+        assert_eq!(bucket.reserve(10, start, wait_max), Ok(Duration::ZERO));
+        let first = bucket.reserve(100, start, wait_max).unwrap();
+        assert!((first.as_secs_f64() - 0.1).abs() < 1e-9, "{first:?}");
+        let second = bucket.reserve(100, start, wait_max).unwrap();
+        assert!((second.as_secs_f64() - 0.2).abs() < 1e-9, "{second:?}");
+        // Over the limit: refused, nothing reserved.
+        let refused = bucket.reserve(20_000, start, wait_max).unwrap_err();
+        assert!(refused > wait_max, "{refused:?}");
+        let third = bucket.reserve(100, start, wait_max).unwrap();
+        assert!((third.as_secs_f64() - 0.3).abs() < 1e-9, "{third:?}");
+    }
+
+    #[test]
+    fn given_greedy_reserver_then_admitted_follow_the_rate_within_the_burst() {
+        let start = Instant::now();
+        let mut bucket = TokenBucket::new(1_000.0, start);
+        let end = start + Duration::from_secs(10);
+        let (mut admitted, mut now) = (0, start);
+        // Requests of 64 one after another, each sent when the previous one was admitted.
+        loop {
+            let wait = bucket.reserve(64, now, Duration::from_secs(10)).unwrap();
+            now += wait;
+            if now > end {
+                break;
+            }
+            admitted += 64;
+        }
+        // 10,000 earned plus the first full bucket of 10, in whole requests.
+        assert!((9_936..=10_010).contains(&admitted), "{admitted}");
     }
 
     #[test]

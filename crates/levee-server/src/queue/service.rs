@@ -27,6 +27,7 @@ use super::subscription::{
 
 use super::mailboxes::{self, ManyContext, ManySession};
 use super::producer::{Producers, SequencedMessage};
+use super::producer_rate::ProducerRates;
 use super::topic::{RetentionRule, Topics};
 use super::{StoreCalls, write_error};
 use crate::metrics::Metrics;
@@ -55,6 +56,7 @@ pub struct QueueService {
     calls: StoreCalls,
     topics: Arc<Topics>,
     producers: Arc<Producers>,
+    producer_rates: Arc<ProducerRates>,
     subscriptions: Arc<Semaphore>,
     waiters: Arc<Waiters>,
     metrics: Metrics,
@@ -68,12 +70,14 @@ impl QueueService {
         calls: StoreCalls,
         waiters: Arc<Waiters>,
         topics: Arc<Topics>,
+        producer_rates: Arc<ProducerRates>,
         metrics: Metrics,
         closing: watch::Receiver<bool>,
     ) -> Self {
         Self {
             calls,
             topics,
+            producer_rates,
             producers: Arc::new(Producers::new(
                 metrics.producer_messages_deduplicated.clone(),
             )),
@@ -91,6 +95,16 @@ impl QueueService {
         T: Send + 'static,
     {
         self.calls.run(call).await.map_err(Status::from)
+    }
+
+    /// Holds a request of `messages` messages until `producer_name`'s rate limit (if any)
+    /// admits them.
+    pub(crate) async fn admit_producer(
+        &self,
+        producer_name: &str,
+        messages: u64,
+    ) -> Result<(), WireError> {
+        self.producer_rates.admit(producer_name, messages).await
     }
 }
 
@@ -271,6 +285,7 @@ impl Queues for QueueService {
             check_not_reserved(&message.queue)?;
         }
         let count = messages.len() as u64;
+        self.admit_producer(&request.producer_name, count).await?;
         let offsets = if producer.is_empty() {
             let batch: Vec<(&[u8], &[u8])> = messages
                 .iter()

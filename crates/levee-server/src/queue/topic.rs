@@ -1,6 +1,6 @@
 //! Topics: named sets of partitions, each a queue of the store named
-//! `\0topic\0{topic}\0{partition}`. Topic definitions, group rate limits and queue retention
-//! rules are kept as JSON records in the server's metadata queue (`\0meta`), written through the
+//! `\0topic\0{topic}\0{partition}`. Topic definitions, group and producer rate limits and queue
+//! retention rules are kept as JSON records in the server's metadata queue (`\0meta`), written through the
 //! store's log and replayed on start, so they survive restarts.
 
 use std::collections::BTreeMap;
@@ -21,6 +21,10 @@ pub const TOPIC_BYTES_MAX: usize = 200;
 pub const TOPICS_MAX: usize = 10_000;
 /// Most bytes of a group name.
 pub const GROUP_BYTES_MAX: usize = 64;
+/// Most bytes of a producer name.
+pub const PRODUCER_NAME_BYTES_MAX: usize = 64;
+/// Most producer names with a rate limit at once.
+pub const PRODUCER_RATES_MAX: usize = 10_000;
 /// The metadata queue.
 const META_QUEUE: &[u8] = b"\0meta";
 /// Prefix of every partition queue.
@@ -72,6 +76,10 @@ enum MetaRecord {
         group: String,
         messages_per_s: f64,
     },
+    ProducerRate {
+        producer_name: String,
+        messages_per_s: f64,
+    },
     Retention {
         prefix_hex: String,
         max_age_ms: u64,
@@ -121,6 +129,8 @@ fn from_hex(text: &str) -> Option<Vec<u8>> {
 pub struct Topics {
     by_name: RwLock<BTreeMap<String, Arc<Topic>>>,
     rates: Mutex<BTreeMap<String, f64>>,
+    /// Producer names with a limit (none at 0).
+    producer_rates: Mutex<BTreeMap<String, f64>>,
     retention: RwLock<BTreeMap<Vec<u8>, RetentionRule>>,
     /// Serialises metadata writes so the last record of a name is the newest.
     writing: Mutex<()>,
@@ -142,6 +152,27 @@ pub fn check_topic_name(topic: &str) -> Result<(), WireError> {
     Ok(())
 }
 
+/// Checks a rate limit: 0 (none) or a positive number of messages per second.
+fn check_rate(messages_per_s: f64) -> Result<(), WireError> {
+    if !messages_per_s.is_finite() || messages_per_s < 0.0 {
+        return Err(invalid(format!(
+            "messages_per_s must be 0 (no limit) or positive, got {messages_per_s}"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a producer name: 1 to [`PRODUCER_NAME_BYTES_MAX`] bytes.
+pub fn check_producer_name(producer_name: &str) -> Result<(), WireError> {
+    if producer_name.is_empty() || producer_name.len() > PRODUCER_NAME_BYTES_MAX {
+        return Err(invalid(format!(
+            "producer_name must be 1 to {PRODUCER_NAME_BYTES_MAX} bytes, got {}",
+            producer_name.len()
+        )));
+    }
+    Ok(())
+}
+
 /// Checks a group name: 1 to [`GROUP_BYTES_MAX`] bytes.
 pub fn check_group_name(group: &str) -> Result<(), WireError> {
     if group.is_empty() || group.len() > GROUP_BYTES_MAX {
@@ -158,6 +189,7 @@ impl Topics {
     pub fn load(store: &Store) -> Result<Self, String> {
         let mut topics = BTreeMap::new();
         let mut rates = BTreeMap::new();
+        let mut producer_rates = BTreeMap::new();
         let mut retention = BTreeMap::new();
         let info = store
             .queue_info(META_QUEUE)
@@ -182,6 +214,16 @@ impl Topics {
                             messages_per_s,
                         }) => {
                             rates.insert(group, messages_per_s);
+                        }
+                        Ok(MetaRecord::ProducerRate {
+                            producer_name,
+                            messages_per_s,
+                        }) => {
+                            if messages_per_s > 0.0 {
+                                producer_rates.insert(producer_name, messages_per_s);
+                            } else {
+                                producer_rates.remove(&producer_name);
+                            }
                         }
                         Ok(MetaRecord::Retention {
                             prefix_hex,
@@ -212,6 +254,7 @@ impl Topics {
         Ok(Self {
             by_name: RwLock::new(topics),
             rates: Mutex::new(rates),
+            producer_rates: Mutex::new(producer_rates),
             retention: RwLock::new(retention),
             writing: Mutex::new(()),
         })
@@ -318,11 +361,7 @@ impl Topics {
         messages_per_s: f64,
     ) -> Result<(), WireError> {
         check_group_name(group)?;
-        if !messages_per_s.is_finite() || messages_per_s < 0.0 {
-            return Err(invalid(format!(
-                "messages_per_s must be 0 (no limit) or positive, got {messages_per_s}"
-            )));
-        }
+        check_rate(messages_per_s)?;
         let _writing = lock(&self.writing);
         Self::write(
             store,
@@ -333,6 +372,53 @@ impl Topics {
         )?;
         lock(&self.rates).insert(group.to_owned(), messages_per_s);
         Ok(())
+    }
+
+    /// Sets the append rate limit of `producer_name` (0 clears it), durably. Blocks on the
+    /// store.
+    pub fn set_producer_rate(
+        &self,
+        store: &Store,
+        producer_name: &str,
+        messages_per_s: f64,
+    ) -> Result<(), WireError> {
+        check_producer_name(producer_name)?;
+        check_rate(messages_per_s)?;
+        let _writing = lock(&self.writing);
+        {
+            let rates = lock(&self.producer_rates);
+            if messages_per_s > 0.0
+                && !rates.contains_key(producer_name)
+                && rates.len() >= PRODUCER_RATES_MAX
+            {
+                return Err(WireError::new(
+                    ErrorCode::ResourceExhausted,
+                    format!(
+                        "at most {PRODUCER_RATES_MAX} producer names may have a rate limit; \
+                         clear one (rate 0) before limiting '{producer_name}'"
+                    ),
+                ));
+            }
+        }
+        Self::write(
+            store,
+            &MetaRecord::ProducerRate {
+                producer_name: producer_name.to_owned(),
+                messages_per_s,
+            },
+        )?;
+        let mut rates = lock(&self.producer_rates);
+        if messages_per_s > 0.0 {
+            rates.insert(producer_name.to_owned(), messages_per_s);
+        } else {
+            rates.remove(producer_name);
+        }
+        Ok(())
+    }
+
+    /// Every producer name with a rate limit, and the limit.
+    pub fn producer_rates(&self) -> BTreeMap<String, f64> {
+        lock(&self.producer_rates).clone()
     }
 
     /// Sets the retention of queues starting with `prefix` (both bounds 0: removes the rule),
@@ -431,6 +517,20 @@ mod tests {
         topics
             .set_rate(&store, "billing", 350_000.0 / 60.0)
             .unwrap();
+        topics.set_producer_rate(&store, "checkout", 500.0).unwrap();
+        topics.set_producer_rate(&store, "cleared", 20.0).unwrap();
+        topics.set_producer_rate(&store, "cleared", 0.0).unwrap();
+        assert_eq!(
+            topics.set_producer_rate(&store, "", 1.0).unwrap_err().code,
+            ErrorCode::InvalidArgument
+        );
+        assert_eq!(
+            topics
+                .set_producer_rate(&store, "checkout", f64::NAN)
+                .unwrap_err()
+                .code,
+            ErrorCode::InvalidArgument
+        );
         store.close().unwrap();
 
         let (store, _) =
@@ -440,6 +540,8 @@ mod tests {
         assert_eq!(orders.partitions(), 8);
         assert_eq!(orders.queues[3], b"\0topic\0orders\x003".to_vec());
         assert!((topics.rate("billing") - 350_000.0 / 60.0).abs() < 1e-9);
+        let producer_rates: Vec<(String, f64)> = topics.producer_rates().into_iter().collect();
+        assert_eq!(producer_rates, vec![("checkout".to_owned(), 500.0)]);
         assert_eq!(
             topics.require("none").unwrap_err().code,
             ErrorCode::NotFound

@@ -11,9 +11,10 @@ use levee_proto::v1::consume_request::Kind as ConsumeKind;
 use levee_proto::v1::topics_server::Topics as TopicsApi;
 use levee_proto::v1::{
     ConsumeRequest, ConsumeResponse, CreateTopicRequest, CreateTopicResponse, DescribeGroupRequest,
-    DescribeGroupResponse, DescribeTopicRequest, DescribeTopicResponse, ErrorCode, GroupMember,
-    GroupPartition, ListTopicsRequest, ListTopicsResponse, PartitionInfo, PublishRequest,
-    PublishResponse, SetGroupRateRequest, SetGroupRateResponse, TopicSummary,
+    DescribeGroupResponse, DescribeProducerRequest, DescribeProducerResponse, DescribeTopicRequest,
+    DescribeTopicResponse, ErrorCode, GroupMember, GroupPartition, ListTopicsRequest,
+    ListTopicsResponse, PartitionInfo, PublishRequest, PublishResponse, SetGroupRateRequest,
+    SetGroupRateResponse, SetProducerRateRequest, SetProducerRateResponse, TopicSummary,
 };
 use levee_proto::{WireError, topic_partition};
 use tokio::sync::{Semaphore, mpsc};
@@ -24,7 +25,7 @@ use super::lock;
 use super::producer::SequencedMessage;
 use super::service::{APPEND_MESSAGES_MAX, QueueService};
 use super::subscription::{RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX};
-use super::topic::check_group_name;
+use super::topic::{check_group_name, check_producer_name};
 
 /// How long a new consume stream may take to send its start message.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
@@ -130,6 +131,37 @@ impl TopicService {
         context.pacers.set(&group, messages_per_s);
         Ok(())
     }
+
+    /// Sets `producer_name`'s append rate durably and applies it at once.
+    pub async fn set_producer_rate(
+        context: &ConsumeContext,
+        producer_name: String,
+        messages_per_s: f64,
+    ) -> Result<(), WireError> {
+        let topics = Arc::clone(&context.topics);
+        let name = producer_name.clone();
+        context
+            .calls
+            .run(move |store| topics.set_producer_rate(store, &name, messages_per_s))
+            .await?;
+        context.producer_rates.set(&producer_name, messages_per_s);
+        Ok(())
+    }
+
+    /// `producer_name`'s limit and figures.
+    pub fn describe_producer_now(
+        context: &ConsumeContext,
+        producer_name: &str,
+    ) -> Result<DescribeProducerResponse, WireError> {
+        check_producer_name(producer_name)?;
+        let figures = context.producer_rates.figures(producer_name);
+        Ok(DescribeProducerResponse {
+            producer_name: producer_name.to_owned(),
+            rate_limit_per_s: figures.rate_limit_per_s,
+            admitted: figures.admitted,
+            throttled_s: figures.throttled_s,
+        })
+    }
 }
 
 type ConsumeStream = Pin<Box<dyn Stream<Item = Result<ConsumeResponse, Status>> + Send>>;
@@ -231,6 +263,9 @@ impl TopicsApi for TopicService {
             partitions.push(partition);
             messages.push((message.payload, message.sequence));
         }
+        self.queues
+            .admit_producer(&request.producer_name, count as u64)
+            .await?;
         let queue_of = |partition: u32| &topic.queues[partition as usize];
         let offsets = if request.producer_id.is_empty() {
             // The partitions' queue names are borrowed, not copied per message.
@@ -329,5 +364,26 @@ impl TopicsApi for TopicService {
         let request = request.into_inner();
         Self::set_rate(&self.context, request.group, request.messages_per_s).await?;
         Ok(Response::new(SetGroupRateResponse {}))
+    }
+
+    async fn set_producer_rate(
+        &self,
+        request: Request<SetProducerRateRequest>,
+    ) -> Result<Response<SetProducerRateResponse>, Status> {
+        let request = request.into_inner();
+        Self::set_producer_rate(&self.context, request.producer_name, request.messages_per_s)
+            .await?;
+        Ok(Response::new(SetProducerRateResponse {}))
+    }
+
+    async fn describe_producer(
+        &self,
+        request: Request<DescribeProducerRequest>,
+    ) -> Result<Response<DescribeProducerResponse>, Status> {
+        let request = request.into_inner();
+        Ok(Response::new(Self::describe_producer_now(
+            &self.context,
+            &request.producer_name,
+        )?))
     }
 }

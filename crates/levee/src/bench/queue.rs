@@ -57,6 +57,11 @@ pub struct QueueBenchArgs {
     /// should offer more. The backlog is not drained at the end
     #[arg(long)]
     pub group_rate: Option<f64>,
+    /// Topic shape: name the producers (one producer name for all tasks), limit that name's
+    /// appends to this many messages per second and report the achieved append rate over
+    /// every 10 s window after a 2 s warm-up; producers should offer more
+    #[arg(long)]
+    pub producer_rate: Option<f64>,
     /// Bytes per message (at least 8: a message starts with its send time)
     #[arg(long, default_value_t = 58)]
     pub message_bytes: usize,
@@ -89,14 +94,18 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
         || args.partitions == 0
         || args.consumers == 0
         || !(1..=10_000).contains(&args.batch)
-        || args
-            .rate
-            .is_some_and(|rate| !(rate.is_finite() && rate > 0.0))
+        || [args.rate, args.group_rate, args.producer_rate]
+            .iter()
+            .flatten()
+            .any(|rate| !(rate.is_finite() && *rate > 0.0))
     {
         bail!(
-            "need --queues, --producers, --partitions and --consumers >= 1, --batch 1 to 10000 \
-             and --message-bytes >= 8"
+            "need --queues, --producers, --partitions and --consumers >= 1, --batch 1 to 10000, \
+             --message-bytes >= 8, and --rate, --group-rate and --producer-rate above 0"
         );
+    }
+    if args.shape == "mailbox" && (args.group_rate.is_some() || args.producer_rate.is_some()) {
+        bail!("--group-rate and --producer-rate apply to --shape topic");
     }
     let sync = match args.sync.as_str() {
         "always" => "always",
@@ -273,6 +282,14 @@ async fn bench_topic(
     if let Some(rate) = args.group_rate {
         client.set_group_rate(GROUP, rate).await?;
     }
+    let producer_client = match args.producer_rate {
+        Some(rate) => {
+            let name = format!("bench-{run_id}");
+            client.set_producer_rate(&name, rate).await?;
+            client.with_producer_name(&name)
+        }
+        None => client.clone(),
+    };
     let (stops, members) = start_group(args, client, &topic, epoch, consumed, latency);
     wait_for_stable_group(args, client, &topic).await?;
     let sampling = Arc::new(AtomicBool::new(true));
@@ -280,14 +297,18 @@ async fn bench_topic(
         Arc::clone(consumed),
         Arc::clone(&sampling),
     ));
+    let appended = Arc::new(AtomicU64::new(0));
+    let append_sampler = tokio::spawn(sample_every_second(
+        Arc::clone(&appended),
+        Arc::clone(&sampling),
+    ));
     let producers = args.producers.unwrap_or(16);
     let started = Instant::now();
     let stop = Arc::new(AtomicBool::new(false));
-    let appended = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
     for task in 0..producers {
         let (client, topic, stop, appended) = (
-            client.clone(),
+            producer_client.clone(),
             topic.clone(),
             Arc::clone(&stop),
             Arc::clone(&appended),
@@ -317,6 +338,7 @@ async fn bench_topic(
     let total = appended.load(Ordering::Relaxed);
     sampling.store(false, Ordering::Relaxed);
     let consumed_each_second = sampler.await?;
+    let appended_each_second = append_sampler.await?;
     if args.group_rate.is_none() {
         wait_consumed(consumed, total).await?;
     }
@@ -332,6 +354,10 @@ async fn bench_topic(
     if let Some(rate) = args.group_rate {
         result["group_rate"] = rate_windows(rate, &consumed_each_second);
         eprintln!("group rate: {}", result["group_rate"]);
+    }
+    if let Some(rate) = args.producer_rate {
+        result["producer_rate"] = rate_windows(rate, &appended_each_second);
+        eprintln!("producer rate: {}", result["producer_rate"]);
     }
     Ok(result)
 }
