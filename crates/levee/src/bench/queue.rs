@@ -293,18 +293,18 @@ async fn bench_topic(
     let (stops, members) = start_group(args, client, &topic, epoch, consumed, latency);
     wait_for_stable_group(args, client, &topic).await?;
     let sampling = Arc::new(AtomicBool::new(true));
-    let sampler = tokio::spawn(sample_every_second(
-        Arc::clone(consumed),
-        Arc::clone(&sampling),
-    ));
+    let sampler = tokio::spawn(sample_every_second(Arc::clone(consumed), {
+        let sampling = Arc::clone(&sampling);
+        move || sampling.load(Ordering::Relaxed)
+    }));
     let appended = Arc::new(AtomicU64::new(0));
-    let append_sampler = tokio::spawn(sample_every_second(
-        Arc::clone(&appended),
-        Arc::clone(&sampling),
-    ));
+    let stop = Arc::new(AtomicBool::new(false));
+    let append_sampler = tokio::spawn(sample_every_second(Arc::clone(&appended), {
+        let stop = Arc::clone(&stop);
+        move || !stop.load(Ordering::Relaxed)
+    }));
     let producers = args.producers.unwrap_or(16);
     let started = Instant::now();
-    let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
     for task in 0..producers {
         let (client, topic, stop, appended) = (
@@ -396,14 +396,17 @@ const RATE_WINDOW_S: usize = 10;
 const RATE_WARM_UP_S: usize = 2;
 
 /// Samples `counter` once a second (the first sample at once) until `running` turns false.
-async fn sample_every_second(counter: Arc<AtomicU64>, running: Arc<AtomicBool>) -> Vec<u64> {
+async fn sample_every_second(counter: Arc<AtomicU64>, running: impl Fn() -> bool) -> Vec<u64> {
     let mut samples = Vec::new();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
-    while running.load(Ordering::Relaxed) {
+    loop {
         tick.tick().await;
+        // A sample taken once the phase ended would cover part of a second after it.
+        if !running() {
+            return samples;
+        }
         samples.push(counter.load(Ordering::Relaxed));
     }
-    samples
 }
 
 /// The achieved rate over every 10 s window after the warm-up, against the configured one.
