@@ -68,6 +68,11 @@ pub struct QueueBenchArgs {
     /// Length of the append phase, in seconds
     #[arg(long, default_value_t = 10)]
     pub duration_s: u64,
+    /// With `--sync interval`: the server's fsync interval in ms (`interval(N)`). 10 ms fsyncs
+    /// a tenth of the data ten times as often as 100 ms: on the 2-core dev VM the same
+    /// throughput and about half the p99 (see docs/benchmarks.md)
+    #[arg(long, default_value_t = 10)]
+    pub interval_ms: u64,
     /// The server's queue sync policy: always or interval
     #[arg(long, default_value = "always")]
     pub sync: String,
@@ -108,8 +113,8 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
         bail!("--group-rate and --producer-rate apply to --shape topic");
     }
     let sync = match args.sync.as_str() {
-        "always" => "always",
-        "interval" => "interval(100)",
+        "always" => "always".to_owned(),
+        "interval" => format!("interval({})", args.interval_ms),
         other => bail!("--sync must be always or interval, got '{other}'"),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -119,7 +124,7 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
     let address = if let Some(address) = &args.server {
         address.clone()
     } else {
-        let server = ServerProcess::start(&["--queue-sync", sync])?;
+        let server = ServerProcess::start(&["--queue-sync", &sync])?;
         let address = server.grpc_addr.clone();
         started_server = Some(server);
         address
@@ -536,6 +541,7 @@ fn report(
         "producers": args.producers.unwrap_or(if args.shape == "topic" { 16 } else { 4_096 }),
         "message_bytes": args.message_bytes,
         "sync": args.sync,
+        "interval_ms": (args.sync == "interval").then_some(args.interval_ms),
         "offered_rate": args.rate,
         "duration_s": append_s,
         "appended": total,

@@ -2,7 +2,7 @@
 //! queue issue names. The tool starts `redis-server` (from the system, e.g. Debian's package) on
 //! a free loopback port with a fresh directory, AOF on and `appendfsync always` for `--sync
 //! always` or `everysec` for `--sync interval` (Redis has nothing shorter; Levee's interval is
-//! 100 ms, the stricter of the two). One stream per queue or partition; producers XADD
+//! `--interval-ms`, 10 ms by default, the stricter of the two). One stream per queue or partition; producers XADD
 //! (pipelined `--batch` at a time in the topic shape, one command per send in the mailbox
 //! shape); consumers read with XREADGROUP (one group, `--consumers` consumers for the topic
 //! shape, 16 for the mailbox shape, each over its share of the streams) and XACK what they read.
