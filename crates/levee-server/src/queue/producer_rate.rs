@@ -41,6 +41,21 @@ struct ProducerLimit {
     limit: FloatGauge,
 }
 
+/// Tokens a held request reserved: given back if it is dropped before its turn (the client
+/// went away), so later requests are not held for messages never stored.
+struct Reservation<'a> {
+    limit: &'a ProducerLimit,
+    messages: u64,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if let Some(bucket) = lock(&self.limit.bucket).as_mut() {
+            bucket.give_back(self.messages);
+        }
+    }
+}
+
 /// A producer name's limit and figures, as `DescribeProducer` answers.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct ProducerFigures {
@@ -175,8 +190,14 @@ impl ProducerRates {
         match reserved {
             Ok(wait) => {
                 if !wait.is_zero() {
-                    limit.throttled.inc_by(wait.as_secs_f64());
+                    // A request whose client goes away while held gives its tokens back.
+                    let reservation = Reservation {
+                        limit: &limit,
+                        messages,
+                    };
                     tokio::time::sleep(wait).await;
+                    std::mem::forget(reservation);
+                    limit.throttled.inc_by(wait.as_secs_f64());
                 }
                 limit.admitted.inc_by(messages);
                 Ok(())
@@ -245,6 +266,22 @@ mod tests {
         assert!(start.elapsed().is_zero());
         let error = rates.admit(&"x".repeat(65), 1).await.unwrap_err();
         assert_eq!(error.code, ErrorCode::InvalidArgument);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn given_held_request_dropped_then_its_tokens_are_given_back() {
+        let rates = rates();
+        rates.set("checkout", 100.0);
+        rates.admit("checkout", 1).await.unwrap();
+        // Reserves 500 (a 5 s wait), then its client goes away after 1 s.
+        let held = tokio::time::timeout(Duration::from_secs(1), rates.admit("checkout", 500));
+        assert!(held.await.is_err(), "still held after 1 s");
+        // Without the give-back this one would wait out the dropped request's 4 s left.
+        let start = tokio::time::Instant::now();
+        rates.admit("checkout", 50).await.unwrap();
+        let waited = start.elapsed().as_secs_f64();
+        assert!(waited < 0.6, "waited {waited} s");
+        assert_eq!(rates.figures("checkout").admitted, 51);
     }
 
     #[tokio::test(start_paused = true)]
