@@ -384,7 +384,9 @@ impl ManySession {
                 acks.len()
             )));
         }
-        let mut ticket = None;
+        // Every position record of the batch goes to the store in one call (a shard lock per
+        // run of records, not per ack).
+        let mut positions: Vec<(Vec<u8>, Vec<u8>)> = Vec::with_capacity(acks.len());
         for ack in acks {
             let Some(mailbox) = self.mailboxes.get_mut(&ack.mailbox) else {
                 if ack.mailbox < self.next_number {
@@ -410,16 +412,26 @@ impl ManySession {
                 continue;
             }
             mailbox.acked = ack.offset + 1;
-            let name = position_queue(&self.consumer, &mailbox.queue);
-            let record = position_record(mailbox.acked, &mailbox.queue);
+            positions.push((
+                position_queue(&self.consumer, &mailbox.queue),
+                position_record(mailbox.acked, &mailbox.queue),
+            ));
+        }
+        let ticket = if positions.is_empty() {
+            None
+        } else {
+            let batch: Vec<(&[u8], &[u8])> = positions
+                .iter()
+                .map(|(name, record)| (name.as_slice(), record.as_slice()))
+                .collect();
             let (_, appended) = self
                 .context
                 .calls
                 .store
-                .append_deferred(&name, &record)
+                .append_batch_deferred(&batch)
                 .map_err(super::write_error)?;
-            ticket = Some(appended);
-        }
+            Some(appended)
+        };
         let answer = SubscribeManyResponse {
             acked_sequence: sequence,
             ..SubscribeManyResponse::default()
