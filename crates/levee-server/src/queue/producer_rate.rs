@@ -41,16 +41,30 @@ struct ProducerLimit {
     limit: FloatGauge,
 }
 
-/// Tokens a held request reserved: given back if it is dropped before its turn (the client
-/// went away), so later requests are not held for messages never stored.
-struct Reservation<'a> {
-    limit: &'a ProducerLimit,
+/// A request's reservation under its producer's limit (none for an unlimited request). Dropped
+/// without [`Admission::stored`] (the client went away while it was held, or the append
+/// failed), it gives its tokens back, so later requests are not held for messages never stored.
+#[derive(Debug)]
+#[must_use = "call stored() once the messages are stored; dropping gives the tokens back"]
+pub struct Admission {
+    limit: Option<Arc<ProducerLimit>>,
     messages: u64,
 }
 
-impl Drop for Reservation<'_> {
+impl Admission {
+    /// The messages were stored: they count as admitted.
+    pub fn stored(mut self) {
+        if let Some(limit) = self.limit.take() {
+            limit.admitted.inc_by(self.messages);
+        }
+    }
+}
+
+impl Drop for Admission {
     fn drop(&mut self) {
-        if let Some(bucket) = lock(&self.limit.bucket).as_mut() {
+        if let Some(limit) = &self.limit
+            && let Some(bucket) = lock(&limit.bucket).as_mut()
+        {
             bucket.give_back(self.messages);
         }
     }
@@ -172,35 +186,37 @@ impl ProducerRates {
 
     /// Holds a request of `messages` messages naming `producer_name` (empty: none) until its
     /// limit admits them; refuses it when that would take over [`WAIT_MAX`], or when the name
-    /// is too long.
-    pub async fn admit(&self, producer_name: &str, messages: u64) -> Result<(), WireError> {
+    /// is too long. Call [`Admission::stored`] once the messages are stored: a request dropped
+    /// before (its client went away while held, or the append failed) gives its tokens back.
+    pub async fn admit(&self, producer_name: &str, messages: u64) -> Result<Admission, WireError> {
+        let unlimited = Admission {
+            limit: None,
+            messages,
+        };
         if producer_name.is_empty() {
-            return Ok(());
+            return Ok(unlimited);
         }
         check_producer_name(producer_name)?;
         let Some(limit) = self.find(producer_name) else {
-            return Ok(());
+            return Ok(unlimited);
         };
         let reserved = match lock(&limit.bucket).as_mut() {
-            None => return Ok(()),
+            None => return Ok(unlimited),
             Some(bucket) => bucket
                 .reserve(messages, now(), WAIT_MAX)
                 .map_err(|wait| (wait, bucket.rate_per_s())),
         };
         match reserved {
             Ok(wait) => {
+                let admission = Admission {
+                    limit: Some(Arc::clone(&limit)),
+                    messages,
+                };
                 if !wait.is_zero() {
-                    // A request whose client goes away while held gives its tokens back.
-                    let reservation = Reservation {
-                        limit: &limit,
-                        messages,
-                    };
                     tokio::time::sleep(wait).await;
-                    std::mem::forget(reservation);
                     limit.throttled.inc_by(wait.as_secs_f64());
                 }
-                limit.admitted.inc_by(messages);
-                Ok(())
+                Ok(admission)
             }
             Err((wait, rate)) => Err(WireError::new(
                 ErrorCode::ResourceExhausted,
@@ -230,17 +246,17 @@ mod tests {
         let rates = rates();
         rates.set("checkout", 1_000.0);
         let start = tokio::time::Instant::now();
-        rates.admit("checkout", 10).await.unwrap();
-        rates.admit("checkout", 500).await.unwrap();
-        rates.admit("checkout", 500).await.unwrap();
+        rates.admit("checkout", 10).await.unwrap().stored();
+        rates.admit("checkout", 500).await.unwrap().stored();
+        rates.admit("checkout", 500).await.unwrap().stored();
         let held = start.elapsed().as_secs_f64();
         assert!(
             (0.99..1.01).contains(&held),
             "held {held} s for 1,000 messages"
         );
         // Another name and no name are not paced.
-        rates.admit("other", 1_000_000).await.unwrap();
-        rates.admit("", 1_000_000).await.unwrap();
+        rates.admit("other", 1_000_000).await.unwrap().stored();
+        rates.admit("", 1_000_000).await.unwrap().stored();
         assert!(start.elapsed().as_secs_f64() < 1.01);
         let figures = rates.figures("checkout");
         assert_eq!(figures.admitted, 1_010);
@@ -262,7 +278,7 @@ mod tests {
         );
         assert!(start.elapsed().is_zero());
         // The refused request reserved nothing: a small one goes at once.
-        rates.admit("slow", 1).await.unwrap();
+        rates.admit("slow", 1).await.unwrap().stored();
         assert!(start.elapsed().is_zero());
         let error = rates.admit(&"x".repeat(65), 1).await.unwrap_err();
         assert_eq!(error.code, ErrorCode::InvalidArgument);
@@ -272,26 +288,33 @@ mod tests {
     async fn given_held_request_dropped_then_its_tokens_are_given_back() {
         let rates = rates();
         rates.set("checkout", 100.0);
-        rates.admit("checkout", 1).await.unwrap();
+        rates.admit("checkout", 1).await.unwrap().stored();
         // Reserves 500 (a 5 s wait), then its client goes away after 1 s.
         let held = tokio::time::timeout(Duration::from_secs(1), rates.admit("checkout", 500));
         assert!(held.await.is_err(), "still held after 1 s");
         // Without the give-back this one would wait out the dropped request's 4 s left.
         let start = tokio::time::Instant::now();
-        rates.admit("checkout", 50).await.unwrap();
+        rates.admit("checkout", 50).await.unwrap().stored();
         let waited = start.elapsed().as_secs_f64();
         assert!(waited < 0.6, "waited {waited} s");
-        assert_eq!(rates.figures("checkout").admitted, 51);
+        // Admitted but not stored (the append failed): the tokens come back too.
+        let failed = rates.admit("checkout", 300).await.unwrap();
+        drop(failed);
+        let start = tokio::time::Instant::now();
+        rates.admit("checkout", 50).await.unwrap().stored();
+        let waited = start.elapsed().as_secs_f64();
+        assert!(waited < 0.6, "waited {waited} s after a failed append");
+        assert_eq!(rates.figures("checkout").admitted, 101);
     }
 
     #[tokio::test(start_paused = true)]
     async fn given_limit_cleared_then_not_paced_and_figures_kept() {
         let rates = rates();
         rates.set("batch", 100.0);
-        rates.admit("batch", 1).await.unwrap();
+        rates.admit("batch", 1).await.unwrap().stored();
         rates.set("batch", 0.0);
         let start = tokio::time::Instant::now();
-        rates.admit("batch", 100_000).await.unwrap();
+        rates.admit("batch", 100_000).await.unwrap().stored();
         assert!(start.elapsed().is_zero());
         let figures = rates.figures("batch");
         assert_eq!(figures.admitted, 1);

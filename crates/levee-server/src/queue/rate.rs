@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 
 /// The bucket's depth, as time at the configured rate.
 pub const BURST: Duration = Duration::from_millis(10);
+/// The lowest limit accepted: one message an hour (a lower one would make waits that no
+/// `Duration` holds).
+pub const RATE_MIN_PER_S: f64 = 1.0 / 3600.0;
 
 /// A token bucket in messages.
 #[derive(Debug, Clone)]
@@ -39,9 +42,14 @@ impl TokenBucket {
         self.rate_per_s
     }
 
-    /// Changes the rate, keeping the tokens already earned (up to the new depth).
+    /// Changes the rate, keeping the tokens already earned (up to the new depth). A debt
+    /// (requests held for their reservations) is rescaled so that it is paid off when it would
+    /// have been: requests reserving next queue behind the held ones, not far behind or ahead.
     pub fn set_rate(&mut self, rate_per_s: f64, now: Instant) {
         self.refill(now);
+        if self.tokens < 0.0 {
+            self.tokens *= rate_per_s / self.rate_per_s;
+        }
         self.rate_per_s = rate_per_s;
         self.tokens = self.tokens.min(self.depth());
     }
@@ -86,14 +94,15 @@ impl TokenBucket {
         self.refill(now);
         #[allow(clippy::cast_precision_loss, reason = "a request's message count")]
         let after = self.tokens - count as f64;
-        let wait = if after >= 0.0 {
-            Duration::ZERO
+        let wait_s = if after >= 0.0 {
+            0.0
         } else {
-            Duration::from_secs_f64(-after / self.rate_per_s)
+            -after / self.rate_per_s
         };
-        if wait > wait_max {
-            return Err(wait);
+        if wait_s > wait_max.as_secs_f64() {
+            return Err(Duration::try_from_secs_f64(wait_s).unwrap_or(Duration::MAX));
         }
+        let wait = Duration::from_secs_f64(wait_s);
         self.tokens = after;
         Ok(wait)
     }
@@ -174,6 +183,25 @@ mod tests {
         }
         // 10,000 earned plus the first full bucket of 10, in whole requests.
         assert!((9_936..=10_010).contains(&admitted), "{admitted}");
+    }
+
+    #[test]
+    fn given_debt_when_rate_changes_then_it_is_paid_off_when_it_would_have_been() {
+        let start = Instant::now();
+        let wait_max = Duration::from_secs(60);
+        let mut bucket = TokenBucket::new(100_000.0, start);
+        // 4,010 reserved at 100,000/s, 1,000 from the full bucket: the last held request goes
+        // after 30.1 ms.
+        bucket.reserve(10, start, wait_max).unwrap();
+        bucket.reserve(4_000, start, wait_max).unwrap();
+        // Lowered to 100/s: the next request queues behind the held ones (30.1 ms), then waits
+        // for its own 10 messages at the new rate (100 ms): not 30 s.
+        bucket.set_rate(100.0, start);
+        let next = bucket.reserve(10, start, wait_max).unwrap();
+        assert!((next.as_secs_f64() - 0.1301).abs() < 1e-6, "{next:?}");
+        // A tiny rate refuses with a wait instead of overflowing.
+        let mut slow = TokenBucket::new(RATE_MIN_PER_S, start);
+        assert!(slow.reserve(10_000, start, wait_max).is_err());
     }
 
     #[test]

@@ -27,7 +27,7 @@ use super::subscription::{
 
 use super::mailboxes::{self, ManyContext, ManySession};
 use super::producer::{Producers, SequencedMessage};
-use super::producer_rate::ProducerRates;
+use super::producer_rate::{Admission, ProducerRates};
 use super::topic::{RetentionRule, Topics};
 use super::{StoreCalls, write_error};
 use crate::metrics::Metrics;
@@ -103,7 +103,7 @@ impl QueueService {
         &self,
         producer_name: &str,
         messages: u64,
-    ) -> Result<(), WireError> {
+    ) -> Result<Admission, WireError> {
         self.producer_rates.admit(producer_name, messages).await
     }
 }
@@ -285,7 +285,7 @@ impl Queues for QueueService {
             check_not_reserved(&message.queue)?;
         }
         let count = messages.len() as u64;
-        self.admit_producer(&request.producer_name, count).await?;
+        let admission = self.admit_producer(&request.producer_name, count).await?;
         let offsets = if producer.is_empty() {
             let batch: Vec<(&[u8], &[u8])> = messages
                 .iter()
@@ -307,6 +307,7 @@ impl Queues for QueueService {
             self.wake_each(sequenced.iter().map(|message| message.queue.as_slice()));
             offsets
         };
+        admission.stored();
         self.metrics.queue_messages_appended.inc_by(count);
         Ok(Response::new(AppendResponse { offsets }))
     }

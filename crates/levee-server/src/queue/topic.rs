@@ -11,6 +11,7 @@ use levee_proto::v1::ErrorCode;
 use levee_store::Store;
 use serde::{Deserialize, Serialize};
 
+use super::rate::RATE_MIN_PER_S;
 use super::{lock, write_error};
 
 /// Most partitions of one topic.
@@ -152,11 +153,15 @@ pub fn check_topic_name(topic: &str) -> Result<(), WireError> {
     Ok(())
 }
 
-/// Checks a rate limit: 0 (none) or a positive number of messages per second.
+/// Checks a rate limit: 0 (none), or at least [`RATE_MIN_PER_S`] messages per second.
 fn check_rate(messages_per_s: f64) -> Result<(), WireError> {
-    if !messages_per_s.is_finite() || messages_per_s < 0.0 {
+    if !messages_per_s.is_finite()
+        || messages_per_s < 0.0
+        || (messages_per_s > 0.0 && messages_per_s < RATE_MIN_PER_S)
+    {
         return Err(invalid(format!(
-            "messages_per_s must be 0 (no limit) or positive, got {messages_per_s}"
+            "messages_per_s must be 0 (no limit) or at least one message an hour \
+             ({RATE_MIN_PER_S:.6}), got {messages_per_s}"
         )));
     }
     Ok(())
@@ -374,13 +379,15 @@ impl Topics {
         Ok(())
     }
 
-    /// Sets the append rate limit of `producer_name` (0 clears it), durably. Blocks on the
-    /// store.
+    /// Sets the append rate limit of `producer_name` (0 clears it), durably, then calls
+    /// `apply` (which enforces it) before another metadata write can start, so concurrent
+    /// changes apply in the order they were logged. Blocks on the store.
     pub fn set_producer_rate(
         &self,
         store: &Store,
         producer_name: &str,
         messages_per_s: f64,
+        apply: impl FnOnce(),
     ) -> Result<(), WireError> {
         check_producer_name(producer_name)?;
         check_rate(messages_per_s)?;
@@ -413,6 +420,8 @@ impl Topics {
         } else {
             rates.remove(producer_name);
         }
+        drop(rates);
+        apply();
         Ok(())
     }
 
@@ -517,20 +526,22 @@ mod tests {
         topics
             .set_rate(&store, "billing", 350_000.0 / 60.0)
             .unwrap();
-        topics.set_producer_rate(&store, "checkout", 500.0).unwrap();
-        topics.set_producer_rate(&store, "cleared", 20.0).unwrap();
-        topics.set_producer_rate(&store, "cleared", 0.0).unwrap();
-        assert_eq!(
-            topics.set_producer_rate(&store, "", 1.0).unwrap_err().code,
-            ErrorCode::InvalidArgument
-        );
-        assert_eq!(
-            topics
-                .set_producer_rate(&store, "checkout", f64::NAN)
-                .unwrap_err()
-                .code,
-            ErrorCode::InvalidArgument
-        );
+        let applied = std::cell::Cell::new(0);
+        let apply = || applied.set(applied.get() + 1);
+        topics
+            .set_producer_rate(&store, "checkout", 500.0, apply)
+            .unwrap();
+        topics
+            .set_producer_rate(&store, "cleared", 20.0, apply)
+            .unwrap();
+        topics
+            .set_producer_rate(&store, "cleared", 0.0, apply)
+            .unwrap();
+        for (name, rate) in [("", 1.0), ("checkout", f64::NAN), ("checkout", 1e-20)] {
+            let refused = topics.set_producer_rate(&store, name, rate, apply);
+            assert_eq!(refused.unwrap_err().code, ErrorCode::InvalidArgument);
+        }
+        assert_eq!(applied.get(), 3, "applied only when written");
         store.close().unwrap();
 
         let (store, _) =

@@ -139,13 +139,15 @@ impl TopicService {
         messages_per_s: f64,
     ) -> Result<(), WireError> {
         let topics = Arc::clone(&context.topics);
-        let name = producer_name.clone();
+        let rates = Arc::clone(&context.producer_rates);
         context
             .calls
-            .run(move |store| topics.set_producer_rate(store, &name, messages_per_s))
-            .await?;
-        context.producer_rates.set(&producer_name, messages_per_s);
-        Ok(())
+            .run(move |store| {
+                topics.set_producer_rate(store, &producer_name, messages_per_s, || {
+                    rates.set(&producer_name, messages_per_s);
+                })
+            })
+            .await
     }
 
     /// `producer_name`'s limit and figures.
@@ -263,7 +265,8 @@ impl TopicsApi for TopicService {
             partitions.push(partition);
             messages.push((message.payload, message.sequence));
         }
-        self.queues
+        let admission = self
+            .queues
             .admit_producer(&request.producer_name, count as u64)
             .await?;
         let queue_of = |partition: u32| &topic.queues[partition as usize];
@@ -289,6 +292,7 @@ impl TopicsApi for TopicService {
                 .idempotent_append(&request.producer_id, &sequenced)
                 .await?
         };
+        admission.stored();
         self.context
             .metrics
             .topic_messages_published

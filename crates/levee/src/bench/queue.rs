@@ -287,11 +287,11 @@ async fn bench_topic(
     if let Some(rate) = args.group_rate {
         client.set_group_rate(GROUP, rate).await?;
     }
+    let producer_name = format!("bench-{run_id}");
     let producer_client = match args.producer_rate {
         Some(rate) => {
-            let name = format!("bench-{run_id}");
-            client.set_producer_rate(&name, rate).await?;
-            client.with_producer_name(&name)
+            client.set_producer_rate(&producer_name, rate).await?;
+            client.with_producer_name(&producer_name)
         }
         None => client.clone(),
     };
@@ -340,6 +340,10 @@ async fn bench_topic(
         }));
     }
     let append_s = produce_for(args, started, &stop, tasks).await?;
+    if args.producer_rate.is_some() {
+        // The limit is kept across restarts: a long-running --server must not collect them.
+        client.set_producer_rate(&producer_name, 0.0).await?;
+    }
     let total = appended.load(Ordering::Relaxed);
     sampling.store(false, Ordering::Relaxed);
     let consumed_each_second = sampler.await?;
