@@ -11,7 +11,8 @@ use levee_client::{Client, ErrorCode, Mailboxes};
 use levee_proto::v1::queues_client::QueuesClient;
 use levee_proto::v1::subscribe_many_request::Kind;
 use levee_proto::v1::{
-    AddMailboxes, Credit, SubscribeManyRequest, SubscribeManyResponse, SubscribeManyStart,
+    AddMailboxes, Credit, MailboxAck, MailboxAcks, SubscribeManyRequest, SubscribeManyResponse,
+    SubscribeManyStart,
 };
 use support::{LeveeProcess, runtime};
 use tokio::sync::mpsc;
@@ -80,6 +81,60 @@ async fn delivered(responses: &mut tonic::Streaming<SubscribeManyResponse>) -> u
         count += response.deliveries.len();
     }
     count
+}
+
+/// A raw `SubscribeMany` stream (nothing gives credit back or acks by itself): sends the start
+/// and the adds, returns the request sender and the responses.
+async fn raw_stream(
+    address: &str,
+    consumer: &str,
+    credit: u32,
+    queues: &[&str],
+) -> (
+    mpsc::Sender<SubscribeManyRequest>,
+    tonic::Streaming<SubscribeManyResponse>,
+) {
+    let channel = tonic::transport::Channel::from_shared(format!("http://{address}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let (requests, receiver) = mpsc::channel(16);
+    for kind in [
+        Kind::Start(SubscribeManyStart {
+            consumer: consumer.to_owned(),
+            credit: Some(Credit {
+                messages: credit,
+                bytes: 0,
+            }),
+        }),
+        Kind::Add(AddMailboxes {
+            queues: queues
+                .iter()
+                .map(|queue| queue.as_bytes().to_vec())
+                .collect(),
+        }),
+    ] {
+        requests
+            .send(SubscribeManyRequest { kind: Some(kind) })
+            .await
+            .unwrap();
+    }
+    let responses = QueuesClient::new(channel)
+        .subscribe_many(tokio_stream::wrappers::ReceiverStream::new(receiver))
+        .await
+        .unwrap()
+        .into_inner();
+    (requests, responses)
+}
+
+/// The error that ends `responses`.
+async fn stream_error(responses: &mut tonic::Streaming<SubscribeManyResponse>) -> tonic::Status {
+    loop {
+        if let Err(status) = responses.message().await {
+            return status;
+        }
+    }
 }
 
 fn expected(queue: &str, from: u64, to: u64) -> Vec<(u64, String)> {
@@ -183,12 +238,8 @@ fn given_stream_credit_then_delivery_stops_at_it_and_bad_input_is_refused() {
             append(&client, queue, 0, 4).await;
         }
         // A raw stream, so that nothing gives credit back: 5 messages of credit over 12.
-        let channel = tonic::transport::Channel::from_shared(format!("http://{}", server.grpc()))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-        let (requests, receiver) = mpsc::channel(16);
+        let (requests, mut responses) =
+            raw_stream(&server.grpc(), "slow", 5, &["q-0", "q-1", "q-2"]).await;
         let send = |kind: Kind| {
             let requests = requests.clone();
             async move {
@@ -198,23 +249,6 @@ fn given_stream_credit_then_delivery_stops_at_it_and_bad_input_is_refused() {
                     .unwrap();
             }
         };
-        send(Kind::Start(SubscribeManyStart {
-            consumer: "slow".to_owned(),
-            credit: Some(Credit {
-                messages: 5,
-                bytes: 0,
-            }),
-        }))
-        .await;
-        send(Kind::Add(AddMailboxes {
-            queues: vec![b"q-0".to_vec(), b"q-1".to_vec(), b"q-2".to_vec()],
-        }))
-        .await;
-        let mut responses = QueuesClient::new(channel)
-            .subscribe_many(tokio_stream::wrappers::ReceiverStream::new(receiver))
-            .await
-            .unwrap()
-            .into_inner();
         assert_eq!(within(delivered(&mut responses), line!()).await, 5);
         send(Kind::Credit(Credit {
             messages: 2,
@@ -228,17 +262,7 @@ fn given_stream_credit_then_delivery_stops_at_it_and_bad_input_is_refused() {
             queues: vec![b"ok".to_vec(), b"\0position".to_vec()],
         }))
         .await;
-        let error = within(
-            async {
-                loop {
-                    if let Err(status) = responses.message().await {
-                        return status;
-                    }
-                }
-            },
-            line!(),
-        )
-        .await;
+        let error = within(stream_error(&mut responses), line!()).await;
         assert_eq!(error.code(), tonic::Code::InvalidArgument);
         assert!(
             error.message().contains("queues[1]") && error.message().contains("reserved"),
@@ -259,5 +283,48 @@ fn given_stream_credit_then_delivery_stops_at_it_and_bad_input_is_refused() {
         mailboxes.ack(7, 0);
         let error = within(mailboxes.flush_acks(), line!()).await.unwrap_err();
         assert!(error.to_string().contains("never added"), "{error}");
+    });
+}
+
+#[test]
+fn given_an_ack_batch_with_an_invalid_ack_then_the_acks_before_it_are_kept() {
+    let server = LeveeProcess::start(&["--queue-sync", "always"]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        append(&client, "solo", 0, 3).await;
+        let (requests, mut responses) = raw_stream(&server.grpc(), "c", 10, &["solo"]).await;
+        assert_eq!(within(delivered(&mut responses), line!()).await, 3);
+        // Offsets 0 and 1 of mailbox 0 acked, then an ack of a mailbox never added.
+        let acks = MailboxAcks {
+            acks: vec![
+                MailboxAck {
+                    mailbox: 0,
+                    offset: 1,
+                },
+                MailboxAck {
+                    mailbox: 5,
+                    offset: 0,
+                },
+            ],
+            sequence: 1,
+        };
+        requests
+            .send(SubscribeManyRequest {
+                kind: Some(Kind::Ack(acks)),
+            })
+            .await
+            .unwrap();
+        let error = within(stream_error(&mut responses), line!()).await;
+        assert!(error.message().contains("never added"), "{error:?}");
+        // A new stream of the same consumer starts after the valid ack.
+        let mut mailboxes = client.subscribe_many("c", 10).await.unwrap();
+        within(mailboxes.add(&[b"solo".as_slice()]), line!())
+            .await
+            .unwrap();
+        assert_eq!(
+            take(&mut mailboxes, 1).await,
+            vec![(0, 2, "solo-2".to_owned())]
+        );
     });
 }

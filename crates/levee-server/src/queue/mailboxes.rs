@@ -52,6 +52,9 @@ pub fn check_start(start: &SubscribeManyStart) -> Result<(), WireError> {
     check_consumer_and_credit(&start.consumer, start.credit.as_ref())
 }
 
+/// A position queue's name and the record an ack writes to it.
+type PositionWrite = (Vec<u8>, Vec<u8>);
+
 /// One mailbox of a stream.
 #[derive(Debug)]
 struct Mailbox {
@@ -374,6 +377,42 @@ impl ManySession {
             .dec_by(i64::try_from(removed.len()).unwrap_or(i64::MAX));
     }
 
+    /// Applies one ack: the position queue and record to write, none for an ack that changes
+    /// nothing (already acked, or of a mailbox removed since), or why it is refused.
+    fn position_for(
+        &mut self,
+        ack: &levee_proto::v1::MailboxAck,
+    ) -> Result<Option<PositionWrite>, WireError> {
+        let Some(mailbox) = self.mailboxes.get_mut(&ack.mailbox) else {
+            if ack.mailbox < self.next_number {
+                // Removed since: its ack no longer matters to this stream.
+                return Ok(None);
+            }
+            return Err(invalid(format!(
+                "ack of mailbox {} which was never added (mailboxes 0 to {} exist)",
+                ack.mailbox,
+                i64::from(self.next_number) - 1
+            )));
+        };
+        if ack.offset >= mailbox.next {
+            return Err(invalid(format!(
+                "ack of mailbox {} offset {} is beyond its last delivered offset {}; ack only \
+                 what was delivered",
+                ack.mailbox,
+                ack.offset,
+                i128::from(mailbox.next) - 1
+            )));
+        }
+        if ack.offset < mailbox.acked {
+            return Ok(None);
+        }
+        mailbox.acked = ack.offset + 1;
+        Ok(Some((
+            position_queue(&self.consumer, &mailbox.queue),
+            position_record(mailbox.acked, &mailbox.queue),
+        )))
+    }
+
     /// Writes the acks' positions through the log and answers with the batch's sequence once
     /// they are durable; the wait runs beside the stream (at most [`ACK_WAITS_MAX`] at once) so
     /// delivery goes on meanwhile.
@@ -385,37 +424,18 @@ impl ManySession {
             )));
         }
         // Every position record of the batch goes to the store in one call (a shard lock per
-        // run of records, not per ack).
-        let mut positions: Vec<(Vec<u8>, Vec<u8>)> = Vec::with_capacity(acks.len());
+        // run of records, not per ack). The acks before an invalid one are still written.
+        let mut positions: Vec<PositionWrite> = Vec::with_capacity(acks.len());
+        let mut refused = None;
         for ack in acks {
-            let Some(mailbox) = self.mailboxes.get_mut(&ack.mailbox) else {
-                if ack.mailbox < self.next_number {
-                    // Removed since: its ack no longer matters to this stream.
-                    continue;
+            match self.position_for(&ack) {
+                Ok(Some(position)) => positions.push(position),
+                Ok(None) => {}
+                Err(error) => {
+                    refused = Some(error);
+                    break;
                 }
-                return Err(invalid(format!(
-                    "ack of mailbox {} which was never added (mailboxes 0 to {} exist)",
-                    ack.mailbox,
-                    i64::from(self.next_number) - 1
-                )));
-            };
-            if ack.offset >= mailbox.next {
-                return Err(invalid(format!(
-                    "ack of mailbox {} offset {} is beyond its last delivered offset {}; ack only \
-                     what was delivered",
-                    ack.mailbox,
-                    ack.offset,
-                    i128::from(mailbox.next) - 1
-                )));
             }
-            if ack.offset < mailbox.acked {
-                continue;
-            }
-            mailbox.acked = ack.offset + 1;
-            positions.push((
-                position_queue(&self.consumer, &mailbox.queue),
-                position_record(mailbox.acked, &mailbox.queue),
-            ));
         }
         let ticket = if positions.is_empty() {
             None
@@ -432,6 +452,9 @@ impl ManySession {
                 .map_err(super::write_error)?;
             Some(appended)
         };
+        if let Some(error) = refused {
+            return Err(error);
+        }
         let answer = SubscribeManyResponse {
             acked_sequence: sequence,
             ..SubscribeManyResponse::default()
