@@ -345,13 +345,17 @@ async fn bench_topic(
         client.set_producer_rate(&producer_name, 0.0).await?;
     }
     let total = appended.load(Ordering::Relaxed);
+    if args.group_rate.is_some() {
+        // Paced consumers: the windows cover the append phase only, the backlog is left.
+        sampling.store(false, Ordering::Relaxed);
+    } else {
+        wait_consumed(consumed, total).await?;
+    }
+    // Before awaiting the samplers, which notice the end at their next tick (up to a second).
+    let drained_s = started.elapsed().as_secs_f64();
     sampling.store(false, Ordering::Relaxed);
     let consumed_each_second = sampler.await?;
     let appended_each_second = append_sampler.await?;
-    if args.group_rate.is_none() {
-        wait_consumed(consumed, total).await?;
-    }
-    let drained_s = started.elapsed().as_secs_f64();
     for stop in stops {
         let _ = stop.send(());
     }
