@@ -358,12 +358,14 @@ impl Topics {
             .len()
     }
 
-    /// Sets `group`'s rate (0 clears it), durably. Blocks on the store.
+    /// Sets `group`'s rate (0 clears it), durably, then calls `apply` (which enforces it)
+    /// before another metadata write can start. Blocks on the store.
     pub fn set_rate(
         &self,
         store: &Store,
         group: &str,
         messages_per_s: f64,
+        apply: impl FnOnce(),
     ) -> Result<(), WireError> {
         check_group_name(group)?;
         check_rate(messages_per_s)?;
@@ -376,6 +378,7 @@ impl Topics {
             },
         )?;
         lock(&self.rates).insert(group.to_owned(), messages_per_s);
+        apply();
         Ok(())
     }
 
@@ -524,7 +527,7 @@ mod tests {
             ErrorCode::InvalidArgument
         );
         topics
-            .set_rate(&store, "billing", 350_000.0 / 60.0)
+            .set_rate(&store, "billing", 350_000.0 / 60.0, || {})
             .unwrap();
         let applied = std::cell::Cell::new(0);
         let apply = || applied.set(applied.get() + 1);

@@ -122,14 +122,15 @@ impl TopicService {
         group: String,
         messages_per_s: f64,
     ) -> Result<(), WireError> {
-        let topics = Arc::clone(&context.topics);
-        let name = group.clone();
+        let (topics, pacers) = (Arc::clone(&context.topics), Arc::clone(&context.pacers));
         context
             .calls
-            .run(move |store| topics.set_rate(store, &name, messages_per_s))
-            .await?;
-        context.pacers.set(&group, messages_per_s);
-        Ok(())
+            .run(move |store| {
+                topics.set_rate(store, &group, messages_per_s, || {
+                    pacers.set(&group, messages_per_s);
+                })
+            })
+            .await
     }
 
     /// Sets `producer_name`'s append rate durably and applies it at once.
