@@ -140,15 +140,7 @@ impl Pacers {
 }
 
 fn set_bucket(pacer: &Pacer, rate_per_s: f64) {
-    let mut bucket = lock(&pacer.bucket);
-    if rate_per_s > 0.0 {
-        match bucket.as_mut() {
-            Some(existing) => existing.set_rate(rate_per_s, Instant::now()),
-            None => *bucket = Some(TokenBucket::new(rate_per_s, Instant::now())),
-        }
-    } else {
-        *bucket = None;
-    }
+    TokenBucket::apply(&mut lock(&pacer.bucket), rate_per_s, Instant::now());
     pacer.limit.set(rate_per_s);
 }
 

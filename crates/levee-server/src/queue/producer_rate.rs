@@ -14,11 +14,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-/// The time on tokio's clock (virtual in tests with paused time), as the buckets take it.
-fn now() -> Instant {
-    tokio::time::Instant::now().into_std()
-}
-
 use levee_proto::WireError;
 use levee_proto::v1::ErrorCode;
 use prometheus_client::metrics::counter::Counter;
@@ -27,6 +22,11 @@ use super::lock;
 use super::rate::TokenBucket;
 use super::topic::{PRODUCER_RATES_MAX, check_producer_name};
 use crate::metrics::{FloatGauge, Metrics, ProducerLabels, SecondsCounter};
+
+/// The time on tokio's clock (virtual in tests with paused time), as the buckets take it.
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
 
 /// Longest a request is held for its producer's rate limit; one that would wait longer is
 /// refused.
@@ -146,12 +146,7 @@ impl ProducerRates {
             limits.insert(producer_name.to_owned(), Arc::new(limit));
         }
         let limit = &limits[producer_name];
-        let mut bucket = lock(&limit.bucket);
-        match (bucket.as_mut(), rate_per_s > 0.0) {
-            (Some(existing), true) => existing.set_rate(rate_per_s, now()),
-            (None, true) => *bucket = Some(TokenBucket::new(rate_per_s, now())),
-            (_, false) => *bucket = None,
-        }
+        TokenBucket::apply(&mut lock(&limit.bucket), rate_per_s, now());
         limit.limit.set(rate_per_s.max(0.0));
     }
 

@@ -37,6 +37,16 @@ impl TokenBucket {
         (self.rate_per_s * BURST.as_secs_f64()).max(1.0)
     }
 
+    /// Sets the limit of an optional bucket: a new full bucket, a changed rate (see
+    /// [`TokenBucket::set_rate`]), or none for a rate of 0.
+    pub fn apply(bucket: &mut Option<Self>, rate_per_s: f64, now: Instant) {
+        match (bucket.as_mut(), rate_per_s > 0.0) {
+            (Some(existing), true) => existing.set_rate(rate_per_s, now),
+            (None, true) => *bucket = Some(Self::new(rate_per_s, now)),
+            (_, false) => *bucket = None,
+        }
+    }
+
     /// The configured rate.
     pub fn rate_per_s(&self) -> f64 {
         self.rate_per_s
