@@ -245,9 +245,9 @@ enum Delivered {
 }
 
 impl ConsumeSession {
-    /// Joins the group (reading its last commit from the store on first use) and returns the
-    /// session.
-    pub fn join(
+    /// Joins the group (reading its last commit from the store on first use, on the blocking
+    /// pool) and returns the session.
+    pub async fn join(
         context: Arc<ConsumeContext>,
         start: ConsumeStart,
         incoming: Streaming<ConsumeRequest>,
@@ -262,14 +262,12 @@ impl ConsumeSession {
             Arc::clone(&topic),
         );
         let lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
-        let membership = groups.join(
-            &context.calls.store,
-            &group,
-            &joined_topic,
-            &member,
-            lease_ms,
-            now_ms(),
-        )?;
+        let membership = context
+            .calls
+            .run(move |store| {
+                groups.join(store, &group, &joined_topic, &member, lease_ms, now_ms())
+            })
+            .await?;
         let labels = GroupLabels::new(&start.group);
         context.metrics.group_members.get_or_create(&labels).inc();
         context

@@ -372,6 +372,13 @@ impl Groups {
         topic: &Arc<Topic>,
     ) -> Result<Arc<Mutex<Group>>, WireError> {
         let key = (group.to_owned(), topic.name.clone());
+        if let Some(existing) = lock(&self.groups).get(&key) {
+            return Ok(Arc::clone(existing));
+        }
+        // Loaded outside the lock: the read may wait for a commit round (`last_record`).
+        let committed = super::last_record(store, &commit_queue(group, &topic.name))?
+            .map(|record| decode_committed(&record))
+            .unwrap_or_default();
         let mut groups = lock(&self.groups);
         if let Some(existing) = groups.get(&key) {
             return Ok(Arc::clone(existing));
@@ -381,18 +388,6 @@ impl Groups {
                 ErrorCode::ResourceExhausted,
                 format!("{GROUPS_MAX} consumer groups exist on this server, the most it holds"),
             ));
-        }
-        let queue = commit_queue(group, &topic.name);
-        let mut committed = Vec::new();
-        if let Some(info) = store.queue_info(&queue).map_err(|e| storage_error(&e))?
-            && info.next_offset > info.first_offset
-        {
-            let batch = store
-                .read(&queue, info.next_offset - 1, 1, usize::MAX)
-                .map_err(|error| storage_error(&error))?;
-            if let Some(record) = batch.iter().next() {
-                committed = decode_committed(record);
-            }
         }
         let created = Arc::new(Mutex::new(Group {
             state: GroupState::new(topic.partitions(), committed),
@@ -546,6 +541,27 @@ mod tests {
 
     fn count(state: &GroupState, member: &str) -> usize {
         state.assignment(member).partitions.len()
+    }
+
+    #[test]
+    fn given_a_commit_not_yet_fsynced_under_always_then_loading_the_group_waits_for_it() {
+        let directory = tempfile::tempdir().unwrap();
+        let options = levee_store::StoreOptions {
+            sync: levee_store::SyncPolicy::Always,
+            ..levee_store::StoreOptions::default()
+        };
+        let (store, _) = Store::open(directory.path(), options).unwrap();
+        let topic = Arc::new(Topic::new("t", 2));
+        let queue = commit_queue("g", "t");
+        store.append(&queue, &encode_committed(&[1, 2])).unwrap();
+        // The newest commit is buffered and its round not started: unreadable under `always`.
+        store
+            .append_deferred(&queue, &encode_committed(&[5, 6]))
+            .unwrap();
+        let groups = Groups::default();
+        let group = groups.find(&store, "g", &topic).unwrap().unwrap();
+        assert_eq!(lock(&group).state.committed(), [5, 6]);
+        assert!(groups.find(&store, "never", &topic).unwrap().is_none());
     }
 
     #[test]

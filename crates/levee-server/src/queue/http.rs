@@ -47,7 +47,7 @@ async fn describe_group(
     State(context): State<Arc<ConsumeContext>>,
     Path((topic, group)): Path<(String, String)>,
 ) -> Result<Json<Value>, ApiError> {
-    let described = TopicService::describe_group_now(&context, &group, &topic)?;
+    let described = TopicService::describe_group_now(&context, &group, &topic).await?;
     Ok(Json(group_json(&described)))
 }
 

@@ -37,7 +37,6 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// A store failure as a wire error.
 /// The messages of a read as payloads that share the batch's one buffer (no copy each).
 pub(crate) fn payloads(batch: levee_store::ReadBatch) -> impl Iterator<Item = levee_proto::Bytes> {
     let (data, ends) = batch.into_parts();
@@ -49,8 +48,42 @@ pub(crate) fn payloads(batch: levee_store::ReadBatch) -> impl Iterator<Item = le
     })
 }
 
+/// A store failure as a wire error.
 pub(crate) fn storage_error(error: &impl std::fmt::Display) -> WireError {
     WireError::new(ErrorCode::StorageFailed, error.to_string())
+}
+
+/// The newest record of a server-owned log queue (consumer positions, group commits), or
+/// `None` if it holds none. Under `always` a reader sees only fsynced records, so a record
+/// appended but not yet fsynced (an ack whose round is still running when its stream ends and
+/// the consumer comes back) is not readable yet: then this waits for one commit round and
+/// reads again. Blocks on the store: call it on the blocking pool.
+pub(crate) fn last_record(store: &Store, queue: &[u8]) -> Result<Option<Vec<u8>>, WireError> {
+    let Some(info) = store
+        .queue_info(queue)
+        .map_err(|error| storage_error(&error))?
+    else {
+        return Ok(None);
+    };
+    if info.next_offset <= info.first_offset {
+        return Ok(None);
+    }
+    let read = || {
+        store
+            .read(queue, info.next_offset - 1, 1, usize::MAX)
+            .map(|batch| batch.iter().next().map(<[u8]>::to_vec))
+            .map_err(|error| storage_error(&error))
+    };
+    if let Some(record) = read()? {
+        return Ok(Some(record));
+    }
+    store.flush().map_err(write_error)?;
+    read()?.map(Some).ok_or_else(|| {
+        storage_error(&format!(
+            "the newest record of a log queue ({} bytes of name) is unreadable after a flush",
+            queue.len()
+        ))
+    })
 }
 
 /// A failed write as a wire error that says what to do.

@@ -270,23 +270,12 @@ pub(crate) fn position_record(next: u64, queue: &[u8]) -> Vec<u8> {
     record
 }
 
-/// The consumer's next offset on `queue`: after its last ack, or 0.
+/// The consumer's next offset on `queue`: after its last ack, or 0. Blocks on the store (it
+/// may wait for a commit round, see [`super::last_record`]): call it on the blocking pool.
 pub(crate) fn load_position(store: &Store, consumer: &str, queue: &[u8]) -> Result<u64, WireError> {
-    let name = position_queue(consumer, queue);
-    let storage = |error: String| WireError::new(ErrorCode::StorageFailed, error);
-    let Some(info) = store
-        .queue_info(&name)
-        .map_err(|error| storage(error.to_string()))?
-    else {
+    let Some(record) = super::last_record(store, &position_queue(consumer, queue))? else {
         return Ok(0);
     };
-    if info.next_offset == 0 {
-        return Ok(0);
-    }
-    let batch = store
-        .read(&name, info.next_offset - 1, 1, usize::MAX)
-        .map_err(|error| storage(error.to_string()))?;
-    let record = batch.iter().next().unwrap_or_default();
     match record.split_at_checked(8) {
         Some((next, stored_queue)) if stored_queue == queue => {
             Ok(u64::from_le_bytes(next.try_into().unwrap_or([0; 8])))
@@ -429,7 +418,12 @@ impl Session {
 
     async fn serve(&mut self) -> Result<(), WireError> {
         let (queue, consumer) = (self.start.queue.clone(), self.start.consumer.clone());
-        let next = load_position(&self.calls.store, &consumer, &queue)?;
+        let next = {
+            let (consumer, queue) = (consumer.clone(), queue.clone());
+            self.calls
+                .run(move |store| load_position(store, &consumer, &queue))
+                .await?
+        };
         let mut progress = Progress {
             next,
             acked: next,
@@ -619,6 +613,34 @@ mod tests {
         waiters.wake(b"b");
         assert!(one.take().is_empty());
         assert_eq!(two.take().len(), 1);
+    }
+
+    #[test]
+    fn given_an_ack_not_yet_fsynced_under_always_then_loading_the_position_waits_for_it() {
+        let directory = tempfile::tempdir().unwrap();
+        let options = levee_store::StoreOptions {
+            sync: levee_store::SyncPolicy::Always,
+            ..levee_store::StoreOptions::default()
+        };
+        let (store, _) = Store::open(directory.path(), options).unwrap();
+        let name = position_queue("app", b"orders");
+        store.append(&name, &position_record(3, b"orders")).unwrap();
+        // The next ack is buffered and nobody waits for its round: under `always` a reader
+        // does not see it yet, but its queue's next offset already counts it.
+        store
+            .append_deferred(&name, &position_record(7, b"orders"))
+            .unwrap();
+        assert_eq!(load_position(&store, "app", b"orders").unwrap(), 7);
+        assert_eq!(load_position(&store, "other", b"orders").unwrap(), 0);
+        // A record of another queue (a hash collision) is still refused.
+        store
+            .append(&name, &position_record(9, b"not orders"))
+            .unwrap();
+        let error = load_position(&store, "app", b"orders").unwrap_err();
+        assert!(
+            error.message.contains("use another consumer name"),
+            "{error:?}"
+        );
     }
 
     #[test]

@@ -41,7 +41,7 @@ pub struct Topic {
 }
 
 impl Topic {
-    fn new(name: &str, partitions: u32) -> Self {
+    pub(crate) fn new(name: &str, partitions: u32) -> Self {
         Self {
             name: name.to_owned(),
             queues: (0..partitions)

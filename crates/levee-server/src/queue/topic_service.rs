@@ -48,26 +48,35 @@ impl TopicService {
         }
     }
 
-    /// Describes `group` on `topic` (for the admin HTTP port too).
-    pub fn describe_group_now(
+    /// Describes `group` on `topic` (for the admin HTTP port too). A group not in memory is
+    /// loaded from its commits on the blocking pool.
+    pub async fn describe_group_now(
         context: &ConsumeContext,
         group: &str,
         topic: &str,
     ) -> Result<DescribeGroupResponse, WireError> {
         check_group_name(group)?;
         let found = context.topics.require(topic)?;
-        let handle = context
-            .groups
-            .find(&context.calls.store, group, &found)?
-            .ok_or_else(|| {
-                WireError::new(
-                    ErrorCode::NotFound,
-                    format!(
-                        "group '{group}' has no member and no commit on topic '{topic}'; it \
+        let handle = {
+            let (groups, group, found) = (
+                Arc::clone(&context.groups),
+                group.to_owned(),
+                Arc::clone(&found),
+            );
+            context
+                .calls
+                .run(move |store| groups.find(store, &group, &found))
+                .await?
+        }
+        .ok_or_else(|| {
+            WireError::new(
+                ErrorCode::NotFound,
+                format!(
+                    "group '{group}' has no member and no commit on topic '{topic}'; it \
                          exists once a member joins"
-                    ),
-                )
-            })?;
+                ),
+            )
+        })?;
         let now = now_ms();
         let state = &lock(&handle).state;
         let mut members: Vec<GroupMember> = state
@@ -340,7 +349,8 @@ impl TopicsApi for TopicService {
             )
         })?;
         let (outgoing, responses) = mpsc::channel(RESPONSES_QUEUED_MAX);
-        let session = ConsumeSession::join(Arc::clone(&self.context), start, incoming, outgoing)?;
+        let session =
+            ConsumeSession::join(Arc::clone(&self.context), start, incoming, outgoing).await?;
         tokio::spawn(async move {
             session.run().await;
             drop(permit);
@@ -355,11 +365,9 @@ impl TopicsApi for TopicService {
         request: Request<DescribeGroupRequest>,
     ) -> Result<Response<DescribeGroupResponse>, Status> {
         let request = request.into_inner();
-        Ok(Response::new(Self::describe_group_now(
-            &self.context,
-            &request.group,
-            &request.topic,
-        )?))
+        Ok(Response::new(
+            Self::describe_group_now(&self.context, &request.group, &request.topic).await?,
+        ))
     }
 
     async fn set_group_rate(
