@@ -119,9 +119,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let started = Instant::now();
     let (store, report) = Store::open(&directory, options)?;
     println!(
-        "recovery {:.3} s, {} records, {} bytes, {} messages",
+        "recovery {:.3} s, {} records ({} log records before the floor), {} bytes, {} messages",
         started.elapsed().as_secs_f64(),
         report.records,
+        report.log_records_skipped,
         report.bytes_scanned,
         report.messages
     );

@@ -27,6 +27,9 @@ use crate::store::{
 /// stands for the rounds after it, conservatively: see `Committer::floor_for`).
 const ROUND_START_SPACING_BYTES: u64 = 1 << 20;
 
+/// Most buffered-list entries one round refreshes (see `Committer::refresh_listed`).
+const REFRESH_PER_ROUND_MAX: usize = 1024;
+
 /// The oldest segment is relocated once at most 1 in this many of its chunks is still live.
 const RELOCATE_LIVE_RATIO_MAX: u64 = 4;
 
@@ -401,6 +404,7 @@ impl Committer<'_> {
             direct: Vec::new(),
             all: plan.all.clone(),
         };
+        self.refresh_listed();
         if self.writer.length >= self.inner.options.segment_bytes_max
             && let Err(error) = self.rotate_with_floor(plan.round, &plan.all)
         {
@@ -507,7 +511,7 @@ impl Committer<'_> {
         // Published only once durable: under `always` readers see exactly the indexed chunks
         // and the buffered messages of completed rounds, so they never see a message that a
         // crash or a full disk could still take back.
-        self.apply(placed, taken);
+        self.apply(plan.round, placed, taken);
         if plan.is_checkpoint {
             self.inner
                 .counters
@@ -548,6 +552,57 @@ impl Committer<'_> {
         if !near {
             self.round_starts.push_back((round, here));
         }
+    }
+
+    /// Raises stale entries at the front of the buffered list: a queue stays listed, with
+    /// the round it was first listed in, while rounds seal its buffer chunk by chunk (its
+    /// messages keep coming), so the entry says far older than the queue's oldest unsealed
+    /// message (its `unsealed_since`) and would hold the log floor, and so recovery's replay,
+    /// back. From the front, at most [`REFRESH_PER_ROUND_MAX`] entries a round: a stale one
+    /// goes to the back with its queue's round, one of a queue no longer listed is dropped,
+    /// and the first one that is accurate stops the walk (that queue really holds an old
+    /// message; the budget flush or a checkpoint seals it). Runs between rounds on the
+    /// committer, the only thread that takes entries off the list; shard locks are taken
+    /// without the pending lock (the order is shard, then pending).
+    fn refresh_listed(&self) {
+        let front: Vec<Listed> = {
+            let mut pending = lock(&self.inner.pending);
+            let count = pending.buffered.len().min(REFRESH_PER_ROUND_MAX);
+            pending.buffered.drain(..count).collect()
+        };
+        let mut kept = Vec::new();
+        let mut moved = Vec::new();
+        let mut entries = front.into_iter();
+        for mut listed in entries.by_ref() {
+            let since = {
+                let shard = lock(self.inner.shard(&listed.key.name));
+                shard
+                    .queues
+                    .get(&*listed.key.name)
+                    .filter(|state| state.incarnation == listed.key.incarnation && state.queued)
+                    .map(|state| state.unsealed_since)
+            };
+            match since {
+                None => {}
+                Some(since) if since > listed.since_round => {
+                    listed.since_round = since;
+                    moved.push(listed);
+                }
+                Some(_) => {
+                    kept.push(listed);
+                    break;
+                }
+            }
+        }
+        kept.extend(entries);
+        if kept.is_empty() && moved.is_empty() {
+            return;
+        }
+        let mut pending = lock(&self.inner.pending);
+        for listed in kept.into_iter().rev() {
+            pending.buffered.push_front(listed);
+        }
+        pending.buffered.extend(moved);
     }
 
     /// The log floor before round `round` starts, `all` being the queues it took off the
@@ -794,7 +849,7 @@ impl Committer<'_> {
     /// [`FREEZE_QUEUES_PER_LOCK_MAX`] chunks; the segments' live counts and the budget are
     /// updated once per round. The trim and delete records' effects come first: they were
     /// written before the chunks.
-    fn apply(&self, placed: Vec<Placed>, taken: TakenLog) {
+    fn apply(&self, round: u64, placed: Vec<Placed>, taken: TakenLog) {
         let inner = self.inner;
         for (effect, segment) in taken.effects {
             {
@@ -861,6 +916,11 @@ impl Committer<'_> {
             let buffer = state.buffer.as_mut().expect("frozen messages are buffered");
             debug_assert_eq!(buffer.first_offset, chunks[0].entry.first_offset);
             buffer.drain_front(count, bytes);
+            // The round sealed everything this queue logged through it, unless merged marks
+            // hid a message's round (see `WriteBuffer::marks`).
+            if !buffer.marks_merged {
+                state.unsealed_since = state.unsealed_since.max(round + 1);
+            }
             if buffer.count == 0 {
                 state.buffer = None;
             }

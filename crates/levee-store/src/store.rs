@@ -414,7 +414,10 @@ impl Store {
     /// Like [`Store::append`] but never waits for the fsync: the message is readable at once
     /// and durable once [`Store::wait_durable`] returns `Ok` for the ticket. Lets one thread
     /// keep many appends in flight (a server acknowledging asynchronously, a pipelined load
-    /// tool); an error from `wait_durable` means the append may not be stored.
+    /// tool); an error from `wait_durable` means the append may not be stored. Tickets are
+    /// ordered but a later append may get an earlier one (a round takes the shard logs one
+    /// by one, so an append to a shard it has not reached yet joins it): to cover many
+    /// appends, wait on the highest of their tickets, not the last.
     pub fn append_deferred(
         &self,
         queue: &[u8],
@@ -997,7 +1000,7 @@ impl Inner {
                 let message = batch[index].1;
                 offsets[index] = state.next_offset;
                 state.next_offset += 1;
-                buffer.push(message);
+                buffer.push_toward_chunk(message, chunk_bytes);
                 messages.push(message);
             }
             buffer.mark(round, state.next_offset, completed);
