@@ -494,14 +494,6 @@ impl WriteBuffer {
         self.data.len()
     }
 
-    /// Appends one message.
-    pub fn push(&mut self, message: &[u8]) {
-        // One growth for length and bytes together: an empty buffer gets one allocation of
-        // the framed message, not one for the length and a reallocation for the bytes.
-        self.data.reserve(FRAME_BYTES + message.len());
-        self.push_reserved(message);
-    }
-
     /// Appends one message to a buffer that the committer seals once it holds `chunk_bytes`:
     /// the data grows by doubling, except that the step past a chunk goes to a chunk and a
     /// quarter, not to twice the last size (most of which a sealed buffer never used: with
@@ -519,10 +511,6 @@ impl WriteBuffer {
             };
             self.data.reserve_exact(target - self.data.len());
         }
-        self.push_reserved(message);
-    }
-
-    fn push_reserved(&mut self, message: &[u8]) {
         // Invariant: message_bytes_max <= 64 MiB (checked by StoreOptions::validate).
         let length = u32::try_from(message.len()).expect("message length checked");
         let offset = self.end_offset();

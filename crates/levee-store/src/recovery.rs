@@ -113,6 +113,8 @@ struct ScanState {
 /// The queues being rebuilt.
 struct ApplyState {
     shards: Vec<RecoveringMap>,
+    /// The store's chunk size: a tail grows toward it (see `WriteBuffer::push_toward_chunk`).
+    chunk_bytes: usize,
     /// Next incarnation for a queue created by the replay.
     next_incarnation: u64,
 }
@@ -189,7 +191,7 @@ impl Recovering {
     }
 
     /// A log record: its messages past what chunks and the tail already hold join the tail.
-    fn add_log(&mut self, log: &format::Chunk<'_>) -> Result<(), Problem> {
+    fn add_log(&mut self, log: &format::Chunk<'_>, chunk_bytes: usize) -> Result<(), Problem> {
         let start = log.first_offset;
         let end = start + u64::from(log.count);
         let tail_count = self.tail.as_ref().map_or(0, |tail| tail.count);
@@ -214,7 +216,7 @@ impl Recovering {
         }
         let skip = usize::try_from(have.saturating_sub(start)).unwrap_or(usize::MAX);
         for message in log.messages().skip(skip) {
-            tail.push(message);
+            tail.push_toward_chunk(message, chunk_bytes);
         }
         Ok(())
     }
@@ -358,7 +360,7 @@ fn io_error(operation: String) -> impl FnOnce(std::io::Error) -> OpenError {
 )]
 pub(crate) fn recover(
     storage: &dyn Storage,
-    _options: &StoreOptions,
+    options: &StoreOptions,
 ) -> Result<Recovered, OpenError> {
     let started = Instant::now();
     let mut report = OpenReport::default();
@@ -414,6 +416,7 @@ pub(crate) fn recover(
         },
         apply: ApplyState {
             shards: (0..SHARD_COUNT).map(|_| RecoveringMap::default()).collect(),
+            chunk_bytes: options.chunk_bytes,
             next_incarnation: 0,
         },
         parallel: std::thread::available_parallelism().is_ok_and(|cores| cores.get() > 1),
@@ -767,7 +770,11 @@ impl<'a> Scanner<'a> {
 /// applies them (or hands them to the applying thread) and leaves both empty for reuse.
 type Flush<'f> = dyn FnMut(&mut Vec<u8>, &mut Vec<PendingRecord>) -> Result<(), (u64, String)> + 'f;
 
-/// Says the applying thread refused a record; its own error replaces this one.
+/// Applying threads where there are two cores or more: each rebuilds the queues of its share
+/// of the shards.
+const APPLIERS: usize = 2;
+
+/// Says an applying thread refused a record; its own error replaces this one.
 const APPLIER_FAILED: &str = "a record contradicts the log (see the applying thread's error)";
 
 impl Replay {
@@ -784,71 +791,141 @@ impl Replay {
         report: &mut OpenReport,
     ) -> Result<u64, OpenError> {
         let version = self.scan.segment_version;
-        let apply = &mut self.apply;
         let scan = &mut self.scan;
         if !self.parallel {
+            let mut ranges = self.apply.ranges(1);
+            let range = &mut ranges[0];
             let mut flush = |window: &mut Vec<u8>, pending: &mut Vec<PendingRecord>| {
-                let applied = apply.apply(window, pending, segment, version);
+                let applied = range.apply(window, pending, segment, version);
                 pending.clear();
                 applied
             };
-            return scan.scan(segment, name, file, length, last, report, &mut flush);
+            let scanned = scan.scan(segment, name, file, length, last, report, &mut flush);
+            let next_incarnation = ranges[0].next_incarnation;
+            self.apply.next_incarnation = next_incarnation;
+            return scanned;
         }
         let failed = &AtomicBool::new(false);
-        std::thread::scope(|scope| {
-            let (batches, received) = mpsc::sync_channel::<Batch>(WINDOWS_QUEUED);
+        let ranges = self.apply.ranges(APPLIERS);
+        let (next_incarnation, scanned) = std::thread::scope(|scope| {
+            // Each window goes to every applier, each applying the records of its own shards
+            // (a queue's records stay in log order); the last one done returns the buffers.
             let (returned, spares) = mpsc::sync_channel::<Batch>(WINDOWS_QUEUED + 1);
-            let applier = scope.spawn(move || {
-                let mut applied = Ok(());
-                for (window, mut pending) in received {
-                    if applied.is_ok() {
-                        applied = apply.apply(&window, &pending, segment, version);
-                        failed.store(applied.is_err(), Ordering::Relaxed);
+            let mut senders = Vec::with_capacity(APPLIERS);
+            let mut appliers = Vec::with_capacity(APPLIERS);
+            for mut range in ranges {
+                let (batches, received) = mpsc::sync_channel::<Arc<Batch>>(WINDOWS_QUEUED);
+                senders.push(batches);
+                let returned = returned.clone();
+                appliers.push(scope.spawn(move || {
+                    let mut applied = Ok(());
+                    for batch in received {
+                        if applied.is_ok() {
+                            applied = range.apply(&batch.0, &batch.1, segment, version);
+                            if applied.is_err() {
+                                failed.store(true, Ordering::Relaxed);
+                            }
+                        }
+                        // A window grown for one large record, or a full return queue (the
+                        // scanner is done): the buffers are dropped.
+                        if let Some((window, mut pending)) = Arc::into_inner(batch)
+                            && window.len() <= SCAN_BLOCK_BYTES
+                        {
+                            pending.clear();
+                            let _ = returned.try_send((window, pending));
+                        }
                     }
-                    pending.clear();
-                    // A window grown for one large record, or a full return queue (the scanner
-                    // is done): the buffers are dropped.
-                    if window.len() <= SCAN_BLOCK_BYTES {
-                        let _ = returned.try_send((window, pending));
-                    }
-                }
-                applied
-            });
+                    applied.map(|()| range.next_incarnation)
+                }));
+            }
+            drop(returned);
             let mut flush = move |window: &mut Vec<u8>, pending: &mut Vec<PendingRecord>| {
                 if failed.load(Ordering::Relaxed) {
                     return Err((0, APPLIER_FAILED.to_string()));
                 }
                 let (spare_window, spare_pending) = spares.try_recv().unwrap_or_default();
-                let full = (
+                let full = Arc::new((
                     std::mem::replace(window, spare_window),
                     std::mem::replace(pending, spare_pending),
-                );
-                batches
-                    .send(full)
-                    .map_err(|_| (0, APPLIER_FAILED.to_string()))
+                ));
+                // The scanner keeps no reference, so an applier is always the last holder.
+                let gone = |_| (0, APPLIER_FAILED.to_string());
+                if let Some((last, others)) = senders.split_last() {
+                    for sender in others {
+                        sender.send(Arc::clone(&full)).map_err(gone)?;
+                    }
+                    last.send(full).map_err(gone)?;
+                }
+                Ok(())
             };
             let scanned = scan.scan(segment, name, file, length, last, report, &mut flush);
-            // Closes the channel: the applier ends after the last window.
+            // Closes the channels: the appliers end after the last window.
             drop(flush);
-            // Invariant: `apply` returns errors rather than panicking on any input.
-            let outcome = applier.join().expect("recovery applier finished");
-            // The applier's records all precede any damage the scan found.
-            outcome.map_err(|(position, reason)| OpenError::Corrupt {
-                file: name.to_string(),
-                position,
-                reason,
-            })?;
-            scanned
-        })
+            let mut next_incarnation = 0;
+            let mut first_error: Option<(u64, String)> = None;
+            for applier in appliers {
+                // Invariant: `apply` returns errors rather than panicking on any input.
+                match applier.join().expect("recovery applier finished") {
+                    Ok(next) => next_incarnation = next_incarnation.max(next),
+                    Err(error) => {
+                        if first_error.as_ref().is_none_or(|first| error.0 < first.0) {
+                            first_error = Some(error);
+                        }
+                    }
+                }
+            }
+            // The appliers' records all precede any damage the scan found.
+            let scanned = match first_error {
+                Some((position, reason)) => Err(OpenError::Corrupt {
+                    file: name.to_string(),
+                    position,
+                    reason,
+                }),
+                None => scanned,
+            };
+            (next_incarnation, scanned)
+        });
+        self.apply.next_incarnation = self.apply.next_incarnation.max(next_incarnation);
+        scanned
     }
 }
 
 /// A read window and the checked records in it.
 type Batch = (Vec<u8>, Vec<PendingRecord>);
 
+/// The queues of a run of shards, rebuilt by one applying thread, and how that thread numbers
+/// the queues it creates: `next_incarnation`, then every `step`th number after it, so two
+/// threads never hand out the same one.
+struct ShardRange<'a> {
+    shards: &'a mut [RecoveringMap],
+    /// Index of `shards[0]` among all shards.
+    first: usize,
+    next_incarnation: u64,
+    step: u64,
+    chunk_bytes: usize,
+}
+
 impl ApplyState {
-    /// Applies the checked records of a window in log order; returns the position of the
-    /// first record that contradicts the log, and why.
+    /// The shards split into `parts` runs (one per applying thread).
+    fn ranges(&mut self, parts: usize) -> Vec<ShardRange<'_>> {
+        let per_part = self.shards.len().div_ceil(parts);
+        let (next_incarnation, chunk_bytes) = (self.next_incarnation, self.chunk_bytes);
+        (0_u64..)
+            .zip(self.shards.chunks_mut(per_part))
+            .map(|(part, shards)| ShardRange {
+                first: usize::try_from(part).unwrap_or(0) * per_part,
+                shards,
+                next_incarnation: next_incarnation + part,
+                step: parts as u64,
+                chunk_bytes,
+            })
+            .collect()
+    }
+}
+
+impl ShardRange<'_> {
+    /// Applies, in log order, the checked records of a window that belong to its shards;
+    /// returns the position of the first record that contradicts the log, and why.
     fn apply(
         &mut self,
         window: &[u8],
@@ -857,18 +934,24 @@ impl ApplyState {
         segment_version: u32,
     ) -> Result<(), (u64, String)> {
         for record in pending {
+            let Some(shard) = record
+                .shard
+                .checked_sub(self.first)
+                .and_then(|index| self.shards.get_mut(index))
+            else {
+                continue;
+            };
             let bytes = &window[record.window_start..record.window_start + record.bytes];
             let outcome = format::decode_record(&bytes[RECORD_HEADER_BYTES..])
                 .map_err(|reason| Problem::Inconsistent(reason.to_string()))
                 .and_then(|decoded| {
                     apply_record(
-                        &mut self.shards[record.shard],
+                        shard,
                         decoded,
-                        segment,
-                        record.position,
-                        record.bytes,
+                        (segment, record),
                         segment_version,
-                        &mut self.next_incarnation,
+                        (&mut self.next_incarnation, self.step),
+                        self.chunk_bytes,
                     )
                 });
             if let Err(Problem::Inconsistent(reason) | Problem::Damaged(reason)) = outcome {
@@ -1055,16 +1138,16 @@ struct PendingRecord {
 fn apply_record(
     shard: &mut RecoveringMap,
     record: Record<'_>,
-    segment: u32,
-    position: u32,
-    record_bytes: usize,
+    (segment, at): (u32, &PendingRecord),
     segment_version: u32,
-    next_incarnation: &mut u64,
+    (next_incarnation, step): (&mut u64, u64),
+    chunk_bytes: usize,
 ) -> Result<(), Problem> {
+    let (position, record_bytes) = (at.position, at.bytes);
     let mut new_queue = |name: &[u8], trimmed_to: u64| {
         let name: Arc<[u8]> = Arc::from(name);
         let queue = Recovering::new(name.clone(), *next_incarnation, trimmed_to);
-        *next_incarnation += 1;
+        *next_incarnation += step;
         (name, queue)
     };
     // Record bodies are at most 2^30 bytes (checked when scanned), so the size fits in u32.
@@ -1107,10 +1190,10 @@ fn apply_record(
         Record::Floor(_) => {}
         Record::Log(log) => {
             if let Some(queue) = shard.get_mut(log.name) {
-                return queue.add_log(&log);
+                return queue.add_log(&log, chunk_bytes);
             }
             let (name, mut queue) = new_queue(log.name, 0);
-            queue.add_log(&log)?;
+            queue.add_log(&log, chunk_bytes)?;
             shard.insert(name, queue);
         }
     }
