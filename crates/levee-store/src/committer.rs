@@ -178,6 +178,11 @@ struct Committer<'a> {
     /// The floor written at the start of the next segment: every log record before it is
     /// dead. Refreshed before each rotation at the start of a round.
     floor: LogFloor,
+    /// Buffered-list entries of queues found deleted (or deleted and created again), each with
+    /// a round whose log holds the delete record or a later one: the floor still counts them
+    /// until that round is complete, because until then a crash brings the queue back with
+    /// the log records the entry stands for.
+    gone: Vec<(Listed, u64)>,
 }
 
 /// Runs the committer until shutdown or a fatal error, poisoning the store if it panics (a
@@ -213,6 +218,7 @@ fn run(inner: &Inner, writer: Writer, log_floor: u32, floor: LogFloor) {
         round_log: Vec::new(),
         round_starts: VecDeque::from([(0, floor)]),
         floor,
+        gone: Vec::new(),
     };
     loop {
         let plan = committer.next_plan();
@@ -404,7 +410,7 @@ impl Committer<'_> {
             direct: Vec::new(),
             all: plan.all.clone(),
         };
-        self.refresh_listed();
+        self.refresh_listed(plan.round);
         if self.writer.length >= self.inner.options.segment_bytes_max
             && let Err(error) = self.rotate_with_floor(plan.round, &plan.all)
         {
@@ -554,17 +560,21 @@ impl Committer<'_> {
         }
     }
 
-    /// Raises stale entries at the front of the buffered list: a queue stays listed, with
-    /// the round it was first listed in, while rounds seal its buffer chunk by chunk (its
-    /// messages keep coming), so the entry says far older than the queue's oldest unsealed
-    /// message (its `unsealed_since`) and would hold the log floor, and so recovery's replay,
-    /// back. From the front, at most [`REFRESH_PER_ROUND_MAX`] entries a round: a stale one
-    /// goes to the back with its queue's round, one of a queue no longer listed is dropped,
-    /// and the first one that is accurate stops the walk (that queue really holds an old
-    /// message; the budget flush or a checkpoint seals it). Runs between rounds on the
-    /// committer, the only thread that takes entries off the list; shard locks are taken
-    /// without the pending lock (the order is shard, then pending).
-    fn refresh_listed(&self) {
+    /// Raises stale entries at the front of the buffered list, before round `round`: a queue
+    /// stays listed, with the round it was first listed in, while rounds seal its buffer
+    /// chunk by chunk (its messages keep coming), so the entry says far older than the
+    /// queue's oldest unsealed message (its `unsealed_since`) and would hold the log floor,
+    /// and so recovery's replay, back. From the front, at most [`REFRESH_PER_ROUND_MAX`]
+    /// entries a round: a stale one goes to the back with its queue's round; one of a queue
+    /// with nothing buffered is dropped (and the queue unlisted); one of a deleted queue
+    /// moves to `gone` until its delete record is durable; the first accurate one stops the
+    /// walk (that queue really holds an old message; the budget flush or a checkpoint seals
+    /// it). Runs between rounds on the committer, the only thread that takes entries off the
+    /// list; shard locks are taken without the pending lock (the order is shard, then
+    /// pending).
+    fn refresh_listed(&mut self, round: u64) {
+        // The rounds before `round` are complete: so are the delete records they held.
+        self.gone.retain(|(_, until)| *until >= round);
         let front: Vec<Listed> = {
             let mut pending = lock(&self.inner.pending);
             let count = pending.buffered.len().min(REFRESH_PER_ROUND_MAX);
@@ -575,20 +585,32 @@ impl Committer<'_> {
         let mut entries = front.into_iter();
         for mut listed in entries.by_ref() {
             let since = {
-                let shard = lock(self.inner.shard(&listed.key.name));
-                shard
-                    .queues
-                    .get(&*listed.key.name)
-                    .filter(|state| state.incarnation == listed.key.incarnation && state.queued)
-                    .map(|state| state.unsealed_since)
+                let mut shard = lock(self.inner.shard(&listed.key.name));
+                match shard.queues.get_mut(&*listed.key.name) {
+                    Some(state) if state.incarnation == listed.key.incarnation => {
+                        if !state.queued {
+                            Some(None)
+                        } else if state.buffer.is_none() {
+                            // Nothing unsealed (between rounds nothing is frozen): unlisted;
+                            // its next append lists it again.
+                            state.queued = false;
+                            Some(None)
+                        } else {
+                            Some(Some(state.unsealed_since))
+                        }
+                    }
+                    // Deleted: the delete record is in this round's log at the latest.
+                    _ => None,
+                }
             };
             match since {
-                None => {}
-                Some(since) if since > listed.since_round => {
+                None => self.gone.push((listed, round)),
+                Some(None) => {}
+                Some(Some(since)) if since > listed.since_round => {
                     listed.since_round = since;
                     moved.push(listed);
                 }
-                Some(_) => {
+                Some(Some(_)) => {
                     kept.push(listed);
                     break;
                 }
@@ -620,6 +642,7 @@ impl Committer<'_> {
                 .buffered
                 .iter()
                 .chain(all)
+                .chain(self.gone.iter().map(|(listed, _)| listed))
                 .map(|listed| listed.since_round)
                 .min()
                 .unwrap_or(round)
@@ -759,10 +782,22 @@ impl Committer<'_> {
         placed: &mut Vec<Placed>,
     ) -> Option<u64> {
         let chunk_bytes = self.inner.options.chunk_bytes;
-        let state = shard.queues.get_mut(&*key.name)?;
-        if state.incarnation != key.incarnation {
+        let Some(state) = shard
+            .queues
+            .get_mut(&*key.name)
+            .filter(|state| state.incarnation == key.incarnation)
+        else {
+            // Deleted: its delete record may be in the next round's log (the delete came after
+            // this round took that shard's log), and the floor must count the entry till then.
+            if let Seal::All(since_round) = seal {
+                let listed = Listed {
+                    key: key.clone(),
+                    since_round,
+                };
+                self.gone.push((listed, round + 1));
+            }
             return None;
-        }
+        };
         if matches!(seal, Seal::All(_)) {
             state.queued = false;
         }
@@ -1025,6 +1060,11 @@ impl Committer<'_> {
             operation: operation.to_string(),
         };
         self.backing_off = true;
+        // The round's delete records go back into the logs for the next round: the floor
+        // counts the deleted queues' entries until that one completes.
+        for (_, until) in &mut self.gone {
+            *until = (*until).max(round + 1);
+        }
         let round_bytes = std::mem::take(&mut self.writer.buffer);
         // The round's log records: still at the start of its buffer, or kept aside if the
         // buffer was written early (the write was truncated away with the rest of the round).

@@ -1,11 +1,13 @@
 //! Behaviour of the public API: bad input, reopening, refusing foreign directories, torn and
 //! damaged tails, deletes, retention, listing, a full disk, fatal I/O errors.
 
-use std::sync::Arc;
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use levee_store::{
-    CrashMode, Fault, InputError, OpenError, Retention, SimulatedDisk, Store, StoreOptions,
-    SyncPolicy, WriteError, format,
+    CrashMode, Fault, InputError, OpenError, Retention, SimulatedDisk, Storage, StorageFile, Store,
+    StoreOptions, SyncPolicy, WriteError, format,
 };
 
 fn tiny() -> StoreOptions {
@@ -1102,4 +1104,166 @@ fn given_a_checkpoint_failing_on_a_full_disk_with_nothing_logged_when_space_retu
         .map(|index| format!("m-{index}").into_bytes())
         .collect();
     assert_eq!(read_all(&store, b"q"), expected);
+}
+
+// A queue deleted while on the buffered list must not let the log floor pass its log records
+// before its delete record is durable, or a crash in between brings the queue back neither
+// deleted nor intact. `CutStorage` cuts the power at the first round write after a rotation.
+
+#[derive(Debug)]
+struct Cut {
+    disk: SimulatedDisk,
+    armed: AtomicBool,
+    survivor: Mutex<Option<SimulatedDisk>>,
+}
+
+#[derive(Debug, Clone)]
+struct CutStorage(Arc<Cut>);
+
+#[derive(Debug)]
+struct CutFile {
+    inner: Arc<dyn StorageFile>,
+    writes: AtomicUsize,
+    cut: Arc<Cut>,
+}
+
+impl StorageFile for CutFile {
+    fn len(&self) -> io::Result<u64> {
+        self.inner.len()
+    }
+    fn read_at(&self, position: u64, buffer: &mut [u8]) -> io::Result<()> {
+        self.inner.read_at(position, buffer)
+    }
+    fn read_up_to(&self, position: u64, buffer: &mut [u8]) -> io::Result<usize> {
+        self.inner.read_up_to(position, buffer)
+    }
+    fn write_at(&self, position: u64, data: &[u8]) -> io::Result<()> {
+        // First write: header and floor (rotation). Second: the round. Power is cut there.
+        if self.writes.fetch_add(1, Ordering::SeqCst) == 1 {
+            let survivor = self.cut.disk.crash(CrashMode::DropUnsynced, 0);
+            *self.cut.survivor.lock().unwrap() = Some(survivor);
+            return Err(io::Error::other("power cut"));
+        }
+        self.inner.write_at(position, data)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.inner.sync()
+    }
+    fn truncate(&self, length: u64) -> io::Result<()> {
+        self.inner.truncate(length)
+    }
+}
+
+impl Storage for CutStorage {
+    fn list(&self) -> io::Result<Vec<String>> {
+        self.0.disk.list()
+    }
+    fn create(&self, name: &str) -> io::Result<Arc<dyn StorageFile>> {
+        let file = self.0.disk.create(name)?;
+        if self.0.armed.load(Ordering::SeqCst) {
+            return Ok(Arc::new(CutFile {
+                inner: file,
+                writes: AtomicUsize::new(0),
+                cut: self.0.clone(),
+            }));
+        }
+        Ok(file)
+    }
+    fn open(&self, name: &str) -> io::Result<Arc<dyn StorageFile>> {
+        self.0.disk.open(name)
+    }
+    fn remove(&self, name: &str) -> io::Result<()> {
+        self.0.disk.remove(name)
+    }
+    fn sync_dir(&self) -> io::Result<()> {
+        self.0.disk.sync_dir()
+    }
+    fn lock_directory(&self) -> io::Result<()> {
+        self.0.disk.lock_directory()
+    }
+}
+
+fn active_segment_length(disk: &SimulatedDisk) -> (String, u64) {
+    let mut names: Vec<String> = disk
+        .list()
+        .unwrap()
+        .into_iter()
+        .filter(|name| name != levee_store::LOCK_FILE_NAME)
+        .collect();
+    names.sort();
+    let last = names.pop().unwrap();
+    let length = disk.file_bytes(&last).unwrap().len() as u64;
+    (last, length)
+}
+
+#[test]
+fn given_a_listed_queue_deleted_when_power_is_cut_after_the_rotation_should_be_deleted_or_intact() {
+    let options = StoreOptions {
+        segment_bytes_max: 4096,
+        chunk_bytes: 1 << 16,
+        buffer_budget_bytes: 1 << 22,
+        message_bytes_max: 1024,
+        ..StoreOptions::default()
+    };
+    let cut = Arc::new(Cut {
+        disk: SimulatedDisk::new(),
+        armed: AtomicBool::new(false),
+        survivor: Mutex::new(None),
+    });
+    let storage = CutStorage(cut.clone());
+    let (store, _) = Store::open_with_storage(Arc::new(storage), options.clone()).unwrap();
+    let message = [7_u8; 32];
+    let mut q_count = 0_u64;
+    for _ in 0..3 {
+        store.append(b"q", &message).unwrap();
+        q_count += 1;
+    }
+    store.sync().unwrap(); // q gets a chunk in the first segment
+    let (first_segment, _) = active_segment_length(&cut.disk);
+    // q's log records fill the first segment and spill into the next.
+    loop {
+        store.append(b"q", &message).unwrap();
+        q_count += 1;
+        if active_segment_length(&cut.disk).0 != first_segment {
+            break;
+        }
+    }
+    for _ in 0..5 {
+        store.append(b"q", &message).unwrap();
+        q_count += 1;
+    }
+    store.append(b"p", b"pin").unwrap();
+    // Fill the active segment: the next round rotates.
+    while active_segment_length(&cut.disk).1 < options.segment_bytes_max {
+        store.append(b"q", &message).unwrap();
+        q_count += 1;
+    }
+    let before = cut.disk.list().unwrap().len();
+    cut.armed.store(true, Ordering::SeqCst);
+    // The round that rotates (writing the floor) and would write the delete record is cut.
+    let deleted = store.delete_queue(b"q");
+    assert!(
+        deleted.is_err(),
+        "the delete's round was cut: {deleted:?} ({before} files)"
+    );
+    drop(store);
+    let survivor = cut
+        .survivor
+        .lock()
+        .unwrap()
+        .take()
+        .expect("power was cut after the rotation");
+    let opened = Store::open_with_storage(Arc::new(survivor), options);
+    let (store, report) = match opened {
+        Ok(opened) => opened,
+        Err(error) => panic!("open refused after a crash mid-delete: {error}"),
+    };
+    let q = read_all(&store, b"q");
+    let info = store.queue_info(b"q").unwrap();
+    assert!(
+        q.is_empty() && info.is_none() || q.len() as u64 == q_count,
+        "q neither deleted nor intact: {} of {q_count} messages, {info:?}, {report:?}",
+        q.len()
+    );
+    assert_eq!(read_all(&store, b"p"), vec![b"pin".to_vec()]);
 }
