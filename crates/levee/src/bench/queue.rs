@@ -68,6 +68,11 @@ pub struct QueueBenchArgs {
     /// Length of the append phase, in seconds
     #[arg(long, default_value_t = 10)]
     pub duration_s: u64,
+    /// Latency is reported for messages sent after this many seconds of the append phase;
+    /// the first ones (a fresh server and client fault in memory, open HTTP/2 windows, fill
+    /// buffers) go to `warmup_latency_ms`. Throughput counts the whole phase. 0: all
+    #[arg(long, default_value_t = 1)]
+    pub warmup_s: u64,
     /// With `--sync interval`: the server's fsync interval in ms (`interval(N)`). 10 ms fsyncs
     /// a tenth of the data ten times as often as 100 ms: on the 2-core dev VM the same
     /// throughput and about half the p99 (see docs/benchmarks.md)
@@ -92,6 +97,13 @@ pub struct QueueBenchArgs {
 pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
     if args.shape != "mailbox" && args.shape != "topic" {
         bail!("--shape must be mailbox or topic, got '{}'", args.shape);
+    }
+    if args.warmup_s >= args.duration_s {
+        bail!(
+            "--warmup-s ({}) must be below --duration-s ({}): latency is measured after it",
+            args.warmup_s,
+            args.duration_s
+        );
     }
     if args.queues == 0
         || args.producers == Some(0)
@@ -200,26 +212,68 @@ pub(super) fn stamped_payload(epoch: Instant, bytes: usize) -> anyhow::Result<Ve
     Ok(payload)
 }
 
-/// Records one delivery's append-to-delivery latency.
-pub(super) fn record_latency(
-    epoch: Instant,
-    payload: &[u8],
-    latency: &std::sync::Mutex<Histogram<u64>>,
-) -> anyhow::Result<()> {
-    let sent = u64::from_le_bytes(payload[..8].try_into()?);
-    let now = u64::try_from(epoch.elapsed().as_micros())?;
-    latency
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .record(now.saturating_sub(sent).max(1))?;
-    Ok(())
+/// Append-to-delivery latencies, split by send time: messages sent in the first `--warmup-s`
+/// seconds of the append phase, and the rest (`latency_ms`).
+pub(super) struct Latencies {
+    /// Microseconds after the epoch from which a send counts as measured.
+    measured_from_us: AtomicU64,
+    warmup: std::sync::Mutex<Histogram<u64>>,
+    measured: std::sync::Mutex<Histogram<u64>>,
+}
+
+impl Latencies {
+    pub(super) fn new() -> anyhow::Result<Arc<Self>> {
+        Ok(Arc::new(Self {
+            measured_from_us: AtomicU64::new(0),
+            warmup: std::sync::Mutex::new(Histogram::new(3)?),
+            measured: std::sync::Mutex::new(Histogram::new(3)?),
+        }))
+    }
+
+    /// The append phase starts now: sends in its first `warmup_s` seconds are warm-up.
+    pub(super) fn start(&self, epoch: Instant, warmup_s: u64) -> anyhow::Result<()> {
+        let from = epoch.elapsed() + Duration::from_secs(warmup_s);
+        self.measured_from_us
+            .store(u64::try_from(from.as_micros())?, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Records one delivery's append-to-delivery latency.
+    pub(super) fn record(&self, epoch: Instant, payload: &[u8]) -> anyhow::Result<()> {
+        let sent = u64::from_le_bytes(payload[..8].try_into()?);
+        let now = u64::try_from(epoch.elapsed().as_micros())?;
+        let histogram = if sent < self.measured_from_us.load(Ordering::Relaxed) {
+            &self.warmup
+        } else {
+            &self.measured
+        };
+        histogram
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .record(now.saturating_sub(sent).max(1))?;
+        Ok(())
+    }
+
+    /// `latency_ms`, `latency_samples` and `warmup_latency_ms` of a report.
+    pub(super) fn report(&self, report: &mut Value) {
+        let read = |histogram: &std::sync::Mutex<Histogram<u64>>| {
+            histogram
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone()
+        };
+        let measured = read(&self.measured);
+        report["latency_ms"] = percentiles_ms(&measured);
+        report["latency_samples"] = json!(measured.len());
+        report["warmup_latency_ms"] = percentiles_ms(&read(&self.warmup));
+    }
 }
 
 async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<Value> {
     let client = Client::connect(address).await?;
     let epoch = Instant::now();
     let consumed = Arc::new(AtomicU64::new(0));
-    let latency = Arc::new(std::sync::Mutex::new(Histogram::<u64>::new(3)?));
+    let latency = Latencies::new()?;
     let run_id = format!("{:x}", std::process::id());
     if args.shape == "topic" {
         return bench_topic(args, &client, epoch, &consumed, &latency, &run_id).await;
@@ -242,6 +296,7 @@ async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<Value> {
     let stop = Arc::new(AtomicBool::new(false));
     let appended = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
+    latency.start(epoch, args.warmup_s)?;
     let mut producers = Vec::new();
     for task in 0..producer_tasks {
         let (producer, stop, appended) =
@@ -279,7 +334,7 @@ async fn bench_topic(
     client: &Client,
     epoch: Instant,
     consumed: &Arc<AtomicU64>,
-    latency: &Arc<std::sync::Mutex<Histogram<u64>>>,
+    latency: &Arc<Latencies>,
     run_id: &str,
 ) -> anyhow::Result<Value> {
     let topic = format!("bench-{run_id}");
@@ -310,6 +365,7 @@ async fn bench_topic(
     }));
     let producers = args.producers.unwrap_or(16);
     let started = Instant::now();
+    latency.start(epoch, args.warmup_s)?;
     let mut tasks = Vec::new();
     for task in 0..producers {
         let (client, topic, stop, appended) = (
@@ -492,7 +548,7 @@ fn start_group(
     topic: &str,
     epoch: Instant,
     consumed: &Arc<AtomicU64>,
-    latency: &Arc<std::sync::Mutex<Histogram<u64>>>,
+    latency: &Arc<Latencies>,
 ) -> (Vec<tokio::sync::oneshot::Sender<()>>, Vec<Member>) {
     let mut stops = Vec::new();
     let mut members = Vec::new();
@@ -514,7 +570,7 @@ fn start_group(
                     move |message| {
                         let (consumed, latency) = (Arc::clone(&consumed), Arc::clone(&latency));
                         async move {
-                            let _ = record_latency(epoch, &message.payload, &latency);
+                            let _ = latency.record(epoch, &message.payload);
                             consumed.fetch_add(1, Ordering::Relaxed);
                         }
                     },
@@ -535,13 +591,9 @@ fn report(
     consumed: u64,
     append_s: f64,
     drained_s: f64,
-    latency: &std::sync::Mutex<Histogram<u64>>,
+    latency: &Latencies,
 ) -> Value {
-    let histogram = latency
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .clone();
-    let report = json!({
+    let mut report = json!({
         "bench": "queue",
         "shape": args.shape,
         "queues": if args.shape == "topic" { u64::from(args.partitions) } else { args.queues },
@@ -552,13 +604,13 @@ fn report(
         "interval_ms": (args.sync == "interval").then_some(args.interval_ms),
         "offered_rate": args.rate,
         "duration_s": append_s,
+        "warmup_s": args.warmup_s,
         "appended": total,
         "appends_per_s": total as f64 / append_s,
         "consumed": consumed,
         "consumed_per_s": consumed as f64 / drained_s,
-        "latency_ms": percentiles_ms(&histogram),
-        "latency_samples": histogram.len(),
     });
+    latency.report(&mut report);
     print_summary("levee", &report);
     report
 }
@@ -585,7 +637,7 @@ async fn start_consumers(
     names: &[Vec<u8>],
     epoch: Instant,
     consumed: &Arc<AtomicU64>,
-    latency: &Arc<std::sync::Mutex<Histogram<u64>>>,
+    latency: &Arc<Latencies>,
 ) -> anyhow::Result<Vec<tokio::task::JoinHandle<anyhow::Result<()>>>> {
     let streams = usize::try_from(args.consumers)?;
     let mut subscribing = Vec::new();
@@ -610,7 +662,7 @@ async fn start_consumers(
         let (consumed, latency) = (Arc::clone(consumed), Arc::clone(latency));
         consumers.push(tokio::spawn(async move {
             while let Some(delivery) = mailboxes.next().await? {
-                record_latency(epoch, &delivery.payload, &latency)?;
+                latency.record(epoch, &delivery.payload)?;
                 consumed.fetch_add(1, Ordering::Relaxed);
                 mailboxes.ack(delivery.mailbox, delivery.offset);
             }
@@ -618,4 +670,34 @@ async fn start_consumers(
         }));
     }
     Ok(consumers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sent_at(micros: u64) -> Vec<u8> {
+        let mut payload = micros.to_le_bytes().to_vec();
+        payload.extend_from_slice(&[0; 50]);
+        payload
+    }
+
+    #[test]
+    fn given_a_warm_up_then_only_later_sends_count_as_measured() {
+        let epoch = Instant::now().checked_sub(Duration::from_secs(5)).unwrap();
+        let latencies = Latencies::new().unwrap();
+        // The phase starts about 5 s after the epoch: sends before about 6 s are warm-up.
+        latencies.start(epoch, 1).unwrap();
+        latencies.record(epoch, &sent_at(5_500_000)).unwrap();
+        latencies.record(epoch, &sent_at(4_000_000)).unwrap();
+        latencies.record(epoch, &sent_at(6_500_000)).unwrap();
+        let mut report = json!({});
+        latencies.report(&mut report);
+        assert_eq!(report["warmup_latency_ms"]["count"], 2);
+        assert_eq!(report["latency_ms"]["count"], 1);
+        assert_eq!(report["latency_samples"], 1);
+        // The send at 4 s waited about 1 s.
+        let warm_max = report["warmup_latency_ms"]["max"].as_f64().unwrap();
+        assert!((1_000.0..1_100.0).contains(&warm_max), "{warm_max}");
+    }
 }

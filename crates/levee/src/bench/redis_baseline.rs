@@ -14,14 +14,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use hdrhistogram::Histogram;
 use redis::AsyncCommands;
 use redis::streams::{StreamReadOptions, StreamReadReply};
 use serde_json::{Value, json};
 
 use super::queue::{
-    DRAIN_LIMIT, QueueBenchArgs, drain, next_send, pacing, produce_for, record_latency,
-    stamped_payload,
+    DRAIN_LIMIT, Latencies, QueueBenchArgs, drain, next_send, pacing, produce_for, stamped_payload,
 };
 
 /// The consumer group every reader joins.
@@ -163,7 +161,7 @@ pub async fn run(args: &QueueBenchArgs) -> anyhow::Result<Value> {
     create_streams(&mut connection, &streams).await?;
     let epoch = Instant::now();
     let consumed = Arc::new(AtomicU64::new(0));
-    let latency = Arc::new(std::sync::Mutex::new(Histogram::<u64>::new(3)?));
+    let latency = Latencies::new()?;
     let stop_readers = Arc::new(AtomicBool::new(false));
     let readers = if topic {
         args.consumers
@@ -195,6 +193,7 @@ pub async fn run(args: &QueueBenchArgs) -> anyhow::Result<Value> {
         )));
     }
     let started = Instant::now();
+    latency.start(epoch, args.warmup_s)?;
     let stop = Arc::new(AtomicBool::new(false));
     let appended = Arc::new(AtomicU64::new(0));
     // Shared, not copied per producer task (4,096 copies of a million names would not fit).
@@ -218,22 +217,20 @@ pub async fn run(args: &QueueBenchArgs) -> anyhow::Result<Value> {
     for reader in reader_tasks {
         reader.await??;
     }
-    let histogram = latency
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .clone();
-    Ok(json!({
+    let mut report = json!({
         "system": format!("redis-server (AOF appendfsync {appendfsync})"),
         "streams": stream_count,
         "readers": readers,
         "duration_s": append_s,
+        "warmup_s": args.warmup_s,
         "appended": total,
         "appends_per_s": total as f64 / append_s,
         "consumed": handled,
         "consumed_per_s": handled as f64 / drained_s,
         "drained": drained,
-        "latency_ms": super::percentiles_ms(&histogram),
-    }))
+    });
+    latency.report(&mut report);
+    Ok(report)
 }
 
 /// Producer tasks XADDing to `streams` until `stop`.
@@ -290,7 +287,7 @@ async fn read_loop(
     streams: Vec<String>,
     epoch: Instant,
     consumed: Arc<AtomicU64>,
-    latency: Arc<std::sync::Mutex<Histogram<u64>>>,
+    latency: Arc<Latencies>,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<()> {
     let read_options = || {
@@ -326,7 +323,7 @@ async fn read_loop(
             let mut entry_ids = Vec::with_capacity(key.ids.len());
             for entry in key.ids {
                 let payload: Vec<u8> = entry.get("p").context("an entry without its payload")?;
-                record_latency(epoch, &payload, &latency)?;
+                latency.record(epoch, &payload)?;
                 entry_ids.push(entry.id);
                 read += 1;
             }
