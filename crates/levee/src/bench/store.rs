@@ -91,14 +91,42 @@ impl BenchTarget for LeveeTarget {
 /// The deterministic content of message `offset` of queue `queue`.
 fn message(queue: u64, offset: u64, bytes: usize, out: &mut Vec<u8>) {
     out.clear();
+    push_message(queue, offset, bytes, out);
+}
+
+/// Appends the message at `offset` of `queue`: the two numbers, then a filler repeating the
+/// bytes of a seed derived from them (written 8 bytes at a time: load-generator work per
+/// message is charged to the store under test).
+fn push_message(queue: u64, offset: u64, bytes: usize, out: &mut Vec<u8>) {
     out.extend_from_slice(&queue.to_le_bytes());
     out.extend_from_slice(&offset.to_le_bytes());
-    let seed = queue.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ offset;
-    out.extend((0..bytes.saturating_sub(16)).map(|index| (seed >> ((index % 8) * 8)) as u8));
+    let seed = (queue.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ offset).to_le_bytes();
+    let start = out.len();
+    out.resize(start + bytes.saturating_sub(16), 0);
+    for chunk in out[start..].chunks_mut(8) {
+        chunk.copy_from_slice(&seed[..chunk.len()]);
+    }
 }
 
 fn queue_name(queue: u64) -> Vec<u8> {
-    format!("q{queue:08}").into_bytes()
+    let mut name = Vec::with_capacity(9);
+    push_queue_name(queue, &mut name);
+    name
+}
+
+/// Appends `q` and the queue number in at least 8 digits (as `format!("q{queue:08}")`, without
+/// the formatting machinery: it ran per message).
+fn push_queue_name(queue: u64, out: &mut Vec<u8>) {
+    out.push(b'q');
+    let mut digits = [b'0'; 20];
+    let (mut rest, mut used) = (queue, 0);
+    while rest > 0 || used < 8 {
+        used += 1;
+        // Invariant: a digit is below 10.
+        digits[20 - used] = b'0' + u8::try_from(rest % 10).unwrap_or(0);
+        rest /= 10;
+    }
+    out.extend_from_slice(&digits[20 - used..]);
 }
 
 fn sync_policy(text: &str) -> anyhow::Result<SyncPolicy> {
@@ -348,7 +376,6 @@ struct PutBuffer {
     names: Vec<u8>,
     contents: Vec<u8>,
     ends: Vec<(usize, usize)>,
-    content: Vec<u8>,
 }
 
 fn put(
@@ -364,9 +391,8 @@ fn put(
     buffer.contents.clear();
     buffer.ends.clear();
     for &(queue, offset) in pending {
-        write!(buffer.names, "q{queue:08}")?;
-        message(queue, offset, message_bytes, &mut buffer.content);
-        buffer.contents.extend_from_slice(&buffer.content);
+        push_queue_name(queue, &mut buffer.names);
+        push_message(queue, offset, message_bytes, &mut buffer.contents);
         buffer
             .ends
             .push((buffer.names.len(), buffer.contents.len()));
@@ -566,6 +592,43 @@ mod fjall_target {
 
         fn fsyncs(&self) -> u64 {
             self.fsyncs.load(Ordering::Relaxed)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn given_queue_numbers_then_names_match_the_formatted_ones() {
+        for queue in [
+            0,
+            7,
+            12_345_678,
+            99_999_999,
+            100_000_000,
+            123_456_789_012,
+            u64::MAX,
+        ] {
+            assert_eq!(
+                queue_name(queue),
+                format!("q{queue:08}").into_bytes(),
+                "{queue}"
+            );
+        }
+    }
+
+    #[test]
+    fn given_a_queue_and_offset_then_the_message_repeats_its_seed() {
+        for (queue, offset, bytes) in [(0, 0, 16), (3, 9, 58), (123_456, 77, 61), (1, 2, 4096)] {
+            let mut message_bytes = Vec::new();
+            message(queue, offset, bytes, &mut message_bytes);
+            let seed = queue.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ offset;
+            let mut expected = queue.to_le_bytes().to_vec();
+            expected.extend_from_slice(&offset.to_le_bytes());
+            expected.extend((0..bytes - 16).map(|index| seed.to_le_bytes()[index % 8]));
+            assert_eq!(message_bytes, expected);
         }
     }
 }
