@@ -535,7 +535,9 @@ impl Committer<'_> {
         }
         self.inner.counters.rounds.fetch_add(1, Ordering::Relaxed);
         self.complete(plan.round, None);
-        if plan.is_checkpoint {
+        // A queue deleted with its delete record still to be written (`gone`) may hold
+        // unsealed messages logged before `log_segment`: no raise until that record is durable.
+        if plan.is_checkpoint && self.gone.iter().all(|(_, until)| *until <= plan.round) {
             // Every message logged in this round or earlier is now in a chunk, except those
             // marked with a later round, whose log records are in this round's log (in
             // `log_segment` or later) or in later rounds.
@@ -1060,10 +1062,16 @@ impl Committer<'_> {
             operation: operation.to_string(),
         };
         self.backing_off = true;
-        // The round's delete records go back into the logs for the next round: the floor
-        // counts the deleted queues' entries until that one completes.
+        // The round's delete records go back into the logs for the next round that writes
+        // (under `always` the one after next: both fail): the floor counts the deleted queues'
+        // entries until it completes.
+        let next = if self.interval().is_some() {
+            round + 1
+        } else {
+            round + 2
+        };
         for (_, until) in &mut self.gone {
-            *until = (*until).max(round + 1);
+            *until = (*until).max(next);
         }
         let round_bytes = std::mem::take(&mut self.writer.buffer);
         // The round's log records: still at the start of its buffer, or kept aside if the
@@ -1108,16 +1116,27 @@ impl Committer<'_> {
             let mut relisted = Vec::new();
             for listed in sealed_keys.into_iter().rev() {
                 let key = &listed.key;
-                let mut shard = lock(self.inner.shard(&key.name));
-                if let Some(state) = shard.queues.get_mut(&*key.name)
-                    && state.incarnation == key.incarnation
-                    && state.buffer.is_some()
+                let inner = self.inner;
+                let mut shard = lock(inner.shard(&key.name));
+                match shard
+                    .queues
+                    .get_mut(&*key.name)
+                    .filter(|state| state.incarnation == key.incarnation)
                 {
                     // Taken off the buffered list by this round (sealed or not): list it again
                     // (at worst twice, which only costs a look), with its `since_round`.
-                    state.queued = true;
-                    drop(shard);
-                    relisted.push(listed);
+                    Some(state) if state.buffer.is_some() => {
+                        state.queued = true;
+                        drop(shard);
+                        relisted.push(listed);
+                    }
+                    // Nothing buffered: unlisted, so its next append lists it again.
+                    Some(state) => state.queued = false,
+                    // Deleted: the floor counts it until its delete record is rewritten.
+                    None => {
+                        drop(shard);
+                        self.gone.push((listed, round + 1));
+                    }
                 }
             }
             let mut pending = lock(&self.inner.pending);
@@ -1184,12 +1203,18 @@ impl Committer<'_> {
         for listed in sealed_keys {
             let key = &listed.key;
             let index = self.inner.shard_index(&key.name);
-            if let Some(state) = shards[index].queues.get_mut(&*key.name)
-                && state.incarnation == key.incarnation
-                && state.buffer.is_some()
+            match shards[index]
+                .queues
+                .get_mut(&*key.name)
+                .filter(|state| state.incarnation == key.incarnation)
             {
-                state.queued = true;
-                pending.buffered.push_front(listed);
+                Some(state) if state.buffer.is_some() => {
+                    state.queued = true;
+                    pending.buffered.push_front(listed);
+                }
+                // As under `interval`; the delete record goes out in `round + 2`.
+                Some(state) => state.queued = false,
+                None => self.gone.push((listed, round + 2)),
             }
         }
         for shard in &mut shards {

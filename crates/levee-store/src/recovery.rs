@@ -1217,9 +1217,12 @@ mod tests {
     use super::*;
     use crate::{CrashMode, SimulatedDisk, Store};
 
-    /// Each queue's offsets and buffered count after a recovery, sorted by name.
-    fn queues(recovered: &Recovered) -> Vec<(Vec<u8>, u64, u64, usize, usize)> {
-        let mut queues: Vec<_> = recovered
+    /// A queue after a recovery: name, offsets, chunk entries, buffered count and bytes.
+    type Rebuilt = (Vec<u8>, u64, u64, Vec<ChunkEntry>, usize, Vec<u8>);
+
+    /// Every queue after a recovery, sorted by name.
+    fn queues(recovered: &Recovered) -> Vec<Rebuilt> {
+        let mut queues: Vec<Rebuilt> = recovered
             .shards
             .iter()
             .flat_map(|shard| shard.queues.values())
@@ -1228,12 +1231,16 @@ mod tests {
                     state.name.to_vec(),
                     state.first_offset,
                     state.next_offset,
-                    state.chunks.len(),
+                    state.chunks.iter().collect(),
                     state.buffer.as_ref().map_or(0, |buffer| buffer.count),
+                    state
+                        .buffer
+                        .as_ref()
+                        .map_or_else(Vec::new, |buffer| buffer.data.clone()),
                 )
             })
             .collect();
-        queues.sort();
+        queues.sort_by(|one, other| one.0.cmp(&other.0));
         queues
     }
 

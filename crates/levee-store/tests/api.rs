@@ -1196,20 +1196,9 @@ fn active_segment_length(disk: &SimulatedDisk) -> (String, u64) {
     (last, length)
 }
 
-#[test]
-fn given_a_listed_queue_deleted_when_power_is_cut_after_the_rotation_should_be_deleted_or_intact() {
-    let options = StoreOptions {
-        segment_bytes_max: 4096,
-        chunk_bytes: 1 << 16,
-        buffer_budget_bytes: 1 << 22,
-        message_bytes_max: 1024,
-        ..StoreOptions::default()
-    };
-    let cut = Arc::new(Cut {
-        disk: SimulatedDisk::new(),
-        armed: AtomicBool::new(false),
-        survivor: Mutex::new(None),
-    });
+/// Queue `q` with a chunk in the first segment, log records after it into the second, and the
+/// active segment full (the next round rotates); returns the store and `q`'s message count.
+fn listed_queue_before_a_rotation(cut: &Arc<Cut>, options: &StoreOptions) -> (Store, u64) {
     let storage = CutStorage(cut.clone());
     let (store, _) = Store::open_with_storage(Arc::new(storage), options.clone()).unwrap();
     let message = [7_u8; 32];
@@ -1238,15 +1227,11 @@ fn given_a_listed_queue_deleted_when_power_is_cut_after_the_rotation_should_be_d
         store.append(b"q", &message).unwrap();
         q_count += 1;
     }
-    let before = cut.disk.list().unwrap().len();
-    cut.armed.store(true, Ordering::SeqCst);
-    // The round that rotates (writing the floor) and would write the delete record is cut.
-    let deleted = store.delete_queue(b"q");
-    assert!(
-        deleted.is_err(),
-        "the delete's round was cut: {deleted:?} ({before} files)"
-    );
-    drop(store);
+    (store, q_count)
+}
+
+/// Reopens what survived the cut: `q` must be deleted or whole, `p` whole.
+fn assert_deleted_or_intact(cut: &Cut, options: StoreOptions, q_count: u64) {
     let survivor = cut
         .survivor
         .lock()
@@ -1265,5 +1250,120 @@ fn given_a_listed_queue_deleted_when_power_is_cut_after_the_rotation_should_be_d
         "q neither deleted nor intact: {} of {q_count} messages, {info:?}, {report:?}",
         q.len()
     );
-    assert_eq!(read_all(&store, b"p"), vec![b"pin".to_vec()]);
+    assert_eq!(read_all(&store, b"p")[0], b"pin".to_vec());
+}
+
+fn cut_options() -> StoreOptions {
+    StoreOptions {
+        segment_bytes_max: 4096,
+        chunk_bytes: 1 << 16,
+        buffer_budget_bytes: 1 << 22,
+        message_bytes_max: 1024,
+        ..StoreOptions::default()
+    }
+}
+
+fn new_cut() -> Arc<Cut> {
+    Arc::new(Cut {
+        disk: SimulatedDisk::new(),
+        armed: AtomicBool::new(false),
+        survivor: Mutex::new(None),
+    })
+}
+
+#[test]
+fn given_a_listed_queue_deleted_when_power_is_cut_after_the_rotation_should_be_deleted_or_intact() {
+    let (options, cut) = (cut_options(), new_cut());
+    let (store, q_count) = listed_queue_before_a_rotation(&cut, &options);
+    cut.armed.store(true, Ordering::SeqCst);
+    // The round that rotates (writing the floor) and would write the delete record is cut.
+    let deleted = store.delete_queue(b"q");
+    assert!(deleted.is_err(), "the delete's round was cut: {deleted:?}");
+    drop(store);
+    assert_deleted_or_intact(&cut, options, q_count);
+}
+
+#[test]
+fn given_a_delete_failed_on_a_full_disk_when_power_is_cut_at_the_next_rotation_should_be_deleted_or_intact()
+ {
+    // Under `always` a failed round's delete record is written two rounds later.
+    let (options, cut) = (cut_options(), new_cut());
+    let (store, q_count) = listed_queue_before_a_rotation(&cut, &options);
+    cut.disk.set_fault(Fault::NoSpace);
+    let deleted = store.delete_queue(b"q");
+    assert!(
+        matches!(deleted, Err(WriteError::StorageFull { .. })),
+        "{deleted:?}"
+    );
+    cut.disk.set_fault(Fault::None);
+    cut.armed.store(true, Ordering::SeqCst);
+    let _ = store.append(b"p", b"after");
+    drop(store);
+    assert_deleted_or_intact(&cut, options, q_count);
+}
+
+/// A queue whose every append is a whole chunk (sealed at once, its buffer freed, its list
+/// entry left behind), then a checkpoint that fails on a full disk: later appends must still
+/// be listed, sealed and recovered.
+fn queue_listed_again_after_a_failed_checkpoint(sync: SyncPolicy) {
+    let options = StoreOptions {
+        segment_bytes_max: 4096,
+        chunk_bytes: 64,
+        buffer_budget_bytes: 1 << 22,
+        message_bytes_max: 1024,
+        sync,
+        ..StoreOptions::default()
+    };
+    let disk = SimulatedDisk::new();
+    let (store, _) = Store::open_with_storage(Arc::new(disk.clone()), options.clone()).unwrap();
+    let whole_chunk = [1_u8; 64];
+    let mut expected: Vec<Vec<u8>> = Vec::new();
+    while active_segment_length(&disk).1 < options.segment_bytes_max {
+        let (_, ticket) = store.append_deferred(b"a", &whole_chunk).unwrap();
+        store.wait_durable(ticket).unwrap();
+        expected.push(whole_chunk.to_vec());
+    }
+    disk.set_fault(Fault::NoSpace);
+    assert!(store.sync().is_err());
+    disk.set_fault(Fault::None);
+    let message = b"small-0".to_vec();
+    append_once_space_returns(&store, b"a", &message);
+    expected.push(message);
+    for index in 1..3 {
+        let message = format!("small-{index}").into_bytes();
+        store.append(b"a", &message).unwrap();
+        expected.push(message);
+    }
+    store.sync().unwrap();
+    // Another queue's traffic rotates twice: a's log records fall behind the floor.
+    let mut last = active_segment_length(&disk).0;
+    let mut rotations = 0;
+    while rotations < 2 {
+        let (_, ticket) = store.append_deferred(b"f", &whole_chunk).unwrap();
+        store.wait_durable(ticket).unwrap();
+        let now = active_segment_length(&disk).0;
+        if now != last {
+            rotations += 1;
+            last = now;
+        }
+    }
+    assert_eq!(read_all(&store, b"a"), expected, "before the crash");
+    drop(store);
+    let survivor = disk.crash(CrashMode::DropUnsynced, 0);
+    let (store, report) = Store::open_with_storage(Arc::new(survivor), options).unwrap();
+    assert_eq!(
+        read_all(&store, b"a"),
+        expected,
+        "after the crash: {report:?}"
+    );
+}
+
+#[test]
+fn given_a_failed_checkpoint_under_always_when_appending_again_should_keep_the_queue_listed() {
+    queue_listed_again_after_a_failed_checkpoint(SyncPolicy::Always);
+}
+
+#[test]
+fn given_a_failed_checkpoint_under_interval_when_appending_again_should_keep_the_queue_listed() {
+    queue_listed_again_after_a_failed_checkpoint(SyncPolicy::Interval { interval_ms: 2 });
 }
