@@ -514,7 +514,10 @@ impl Store {
     }
 
     /// Deletes `queue` and all its messages; returns whether it existed. Durable on return
-    /// under both sync policies. A new queue of the same name starts again at offset 0.
+    /// under both sync policies. A new queue of the same name starts again at offset 0. On an
+    /// error from a full disk the queue is already gone for readers and writers and its
+    /// delete record is written again by the next round that succeeds; a crash before that
+    /// brings the queue back whole: retry the delete once space returns.
     pub fn delete_queue(&self, queue: &[u8]) -> Result<bool, WriteError> {
         check_name(queue)?;
         self.inner.check_writable()?;
