@@ -535,15 +535,37 @@ impl Committer<'_> {
         }
         self.inner.counters.rounds.fetch_add(1, Ordering::Relaxed);
         self.complete(plan.round, None);
-        // A queue deleted with its delete record still to be written (`gone`) may hold
-        // unsealed messages logged before `log_segment`: no raise until that record is durable.
-        if plan.is_checkpoint && self.gone.iter().all(|(_, until)| *until <= plan.round) {
-            // Every message logged in this round or earlier is now in a chunk, except those
-            // marked with a later round, whose log records are in this round's log (in
-            // `log_segment` or later) or in later rounds.
-            self.log_floor = self.log_floor.max(log_segment);
+        if plan.is_checkpoint
+            && let Some(segment) = self.checkpoint_floor(plan.round, log_segment)
+        {
+            self.log_floor = self.log_floor.max(segment);
         }
         self.collect_garbage()
+    }
+
+    /// The segment-deletion floor a completed checkpoint round `round`, whose log went to
+    /// `log_segment`, allows. Every message logged in this round or earlier is now in a chunk,
+    /// except those marked with a later round, whose log records are in this round's log (in
+    /// `log_segment` or later) or in later rounds; and except those of queues deleted with
+    /// their delete record still to be written (`gone`): their log records must stay until it
+    /// is durable, so the floor stops at the segment where the oldest of those began (`None`:
+    /// not known, no raise). Stopping there rather than not raising at all matters: garbage
+    /// collection asks for another checkpoint while the floor does not move.
+    fn checkpoint_floor(&self, round: u64, log_segment: u32) -> Option<u32> {
+        let Some(oldest) = self
+            .gone
+            .iter()
+            .filter(|(_, until)| *until > round)
+            .map(|(listed, _)| listed.since_round)
+            .min()
+        else {
+            return Some(log_segment);
+        };
+        let known = self
+            .round_starts
+            .partition_point(|(started, _)| *started <= oldest);
+        let start = self.round_starts.get(known.checked_sub(1)?)?;
+        Some(start.1.segment.min(log_segment))
     }
 
     /// Remembers where round `round` starts (the end of the active segment), unless a round

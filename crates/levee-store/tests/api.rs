@@ -1367,3 +1367,38 @@ fn given_a_failed_checkpoint_under_always_when_appending_again_should_keep_the_q
 fn given_a_failed_checkpoint_under_interval_when_appending_again_should_keep_the_queue_listed() {
     queue_listed_again_after_a_failed_checkpoint(SyncPolicy::Interval { interval_ms: 2 });
 }
+
+#[test]
+fn given_queues_created_and_deleted_between_checkpoints_should_delete_old_segments() {
+    // Every checkpoint meets a queue deleted since the last one (its delete record still to
+    // be written): old segments must still go (the rotations' floors and the checkpoints'
+    // raises, which stop where such a queue's records begin), not pile up.
+    let options = StoreOptions {
+        segment_bytes_max: 4096,
+        chunk_bytes: 1 << 12,
+        buffer_budget_bytes: 1 << 22,
+        message_bytes_max: 1024,
+        ..StoreOptions::default()
+    };
+    let disk = SimulatedDisk::new();
+    let (store, _) = Store::open_with_storage(Arc::new(disk.clone()), options).unwrap();
+    let message = [3_u8; 100];
+    for index in 0..600_u32 {
+        let name = format!("t{index}");
+        store.append(name.as_bytes(), &message).unwrap();
+        store.append(name.as_bytes(), &message).unwrap();
+        if index > 0 {
+            store
+                .delete_queue(format!("t{}", index - 1).as_bytes())
+                .unwrap();
+        }
+        store.sync().unwrap();
+    }
+    let segments = disk
+        .list()
+        .unwrap()
+        .iter()
+        .filter(|name| name.ends_with(".lvq"))
+        .count();
+    assert!(segments <= 8, "{segments} segment files for one live queue");
+}
