@@ -1398,7 +1398,7 @@ fn given_queues_created_and_deleted_between_checkpoints_should_delete_old_segmen
         .list()
         .unwrap()
         .iter()
-        .filter(|name| name.ends_with(".lvq"))
+        .filter(|name| name.starts_with("segment-"))
         .count();
     assert!(segments <= 8, "{segments} segment files for one live queue");
 }
