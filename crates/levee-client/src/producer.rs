@@ -1,6 +1,8 @@
 //! [`Producer`]: batches appends from many callers into few requests. A message waits at most
 //! `linger` for others to join its batch; a batch closes at `batch_messages_max` messages or
-//! `batch_bytes_max` bytes. Each caller gets its own message's offset once the batch is durable.
+//! `batch_bytes_max` bytes, and (with `send_when_idle`, the default) as soon as no request is
+//! in flight, so a lightly loaded producer adds no linger while a busy one batches what arrives
+//! during each round trip. Each caller gets its own message's offset once the batch is durable.
 //! At most `queued_messages_max` messages wait at once: further sends wait (back-pressure).
 //!
 //! With `idempotent`, the producer takes a fresh producer id and numbers each queue's messages;
@@ -19,7 +21,7 @@ use levee_proto::WireError;
 use levee_proto::v1::ErrorCode;
 use std::sync::Arc;
 
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
 
 use crate::client::Client;
 use crate::error::ClientError;
@@ -29,6 +31,10 @@ use crate::error::ClientError;
 pub struct ProducerOptions {
     /// Longest a message waits for others to join its batch (default 1 ms).
     pub linger: Duration,
+    /// Send a batch before its linger is up when no request is in flight (default true): what
+    /// is queued goes at once, and messages arriving during a request's round trip make the
+    /// next batch. False waits out the linger always (fewer, larger requests; more latency).
+    pub send_when_idle: bool,
     /// Most messages per append request, 1 to 10000 (default 1000).
     pub batch_messages_max: usize,
     /// Most payload bytes per append request (default 4 MiB; a larger single message goes alone).
@@ -49,6 +55,7 @@ impl Default for ProducerOptions {
     fn default() -> Self {
         Self {
             linger: Duration::from_millis(1),
+            send_when_idle: true,
             batch_messages_max: 1_000,
             batch_bytes_max: 4 << 20,
             queued_messages_max: 100_000,
@@ -128,6 +135,8 @@ fn fresh_producer_id() -> String {
 
 async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Receiver<Pending>) {
     let in_flight = Arc::new(Semaphore::new(options.requests_in_flight_max));
+    // Signalled when a request completes, so a batch waiting for an idle line re-checks.
+    let completed = Arc::new(Notify::new());
     let producer_id = options.idempotent.then(fresh_producer_id);
     let mut sequences: std::collections::HashMap<Vec<u8>, u64> = std::collections::HashMap::new();
     while let Some(first) = receiver.recv().await {
@@ -135,9 +144,21 @@ async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Recei
         let mut batch = vec![first];
         let deadline = tokio::time::Instant::now() + options.linger;
         while batch.len() < options.batch_messages_max && bytes < options.batch_bytes_max {
-            let next = tokio::select! {
-                next = receiver.recv() => next,
-                () = tokio::time::sleep_until(deadline) => None,
+            // What is queued already joins without waiting.
+            let next = match receiver.try_recv() {
+                Ok(next) => Some(next),
+                Err(mpsc::error::TryRecvError::Disconnected) => None,
+                Err(mpsc::error::TryRecvError::Empty) => {
+                    let idle = in_flight.available_permits() == options.requests_in_flight_max;
+                    if options.send_when_idle && idle {
+                        break;
+                    }
+                    tokio::select! {
+                        next = receiver.recv() => next,
+                        () = completed.notified(), if options.send_when_idle => continue,
+                        () = tokio::time::sleep_until(deadline) => None,
+                    }
+                }
             };
             let Some(next) = next else { break };
             bytes += next.payload.len();
@@ -157,9 +178,11 @@ async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Recei
         let client = client.clone();
         let producer_id = producer_id.clone();
         let retries_max = options.retries_max;
+        let completed = Arc::clone(&completed);
         tokio::spawn(async move {
             send_batch(&client, batch, producer_id.as_deref(), retries_max).await;
             drop(permit);
+            completed.notify_one();
         });
     }
 }

@@ -365,6 +365,50 @@ fn given_producer_then_concurrent_sends_share_requests_and_get_their_own_offsets
 }
 
 #[test]
+fn given_an_idle_producer_then_a_lone_send_does_not_wait_out_the_linger() {
+    let server = LeveeProcess::start(&["--queue-sync", "always"]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        let linger = Duration::from_secs(60);
+        let eager = levee_client::Producer::new(
+            client.clone(),
+            levee_client::ProducerOptions {
+                linger,
+                ..levee_client::ProducerOptions::default()
+            },
+        )
+        .unwrap();
+        // Nothing in flight: the message goes at once, not after the minute of linger.
+        let offset = tokio::time::timeout(Duration::from_secs(20), eager.send(b"idle", b"first"))
+            .await
+            .expect("a lone send on an idle producer answered before its linger")
+            .unwrap();
+        assert_eq!(offset, 0);
+
+        let patient = levee_client::Producer::new(
+            client.clone(),
+            levee_client::ProducerOptions {
+                linger: Duration::from_millis(300),
+                send_when_idle: false,
+                ..levee_client::ProducerOptions::default()
+            },
+        )
+        .unwrap();
+        let started = std::time::Instant::now();
+        let offset = patient.send(b"idle", b"second").await.unwrap();
+        assert_eq!(offset, 1);
+        assert!(
+            started.elapsed() >= Duration::from_millis(300),
+            "send_when_idle off waits out the linger, answered after {:?}",
+            started.elapsed()
+        );
+        let read = client.read(b"idle", 0, 10, 0).await.unwrap();
+        assert_eq!(read.payloads, vec![b"first".to_vec(), b"second".to_vec()]);
+    });
+}
+
+#[test]
 fn given_retention_rule_then_oldest_messages_go_and_the_rule_survives_restart() {
     let directory = tempfile::tempdir().unwrap();
     let data_dir = directory.path().join("data");

@@ -196,10 +196,12 @@ pub(super) fn pacing(
     ))
 }
 
-/// Waits for the next send of a paced producer (at once without pacing).
-pub(super) async fn next_send(pace: &mut Option<tokio::time::Interval>) {
-    if let Some(interval) = pace {
-        interval.tick().await;
+/// Waits for the next send of a paced producer (at once without pacing); returns how late
+/// the send is against its schedule (`None` without pacing).
+pub(super) async fn next_send(pace: &mut Option<tokio::time::Interval>) -> Option<Duration> {
+    match pace {
+        Some(interval) => Some(interval.tick().await.elapsed()),
+        None => None,
     }
 }
 
@@ -213,12 +215,16 @@ pub(super) fn stamped_payload(epoch: Instant, bytes: usize) -> anyhow::Result<Ve
 }
 
 /// Append-to-delivery latencies, split by send time: messages sent in the first `--warmup-s`
-/// seconds of the append phase, and the rest (`latency_ms`).
+/// seconds of the append phase, and the rest (`latency_ms`); and the append calls' own
+/// latencies (send to acknowledgement) after the warm-up (`append_latency_ms`).
 pub(super) struct Latencies {
     /// Microseconds after the epoch from which a send counts as measured.
     measured_from_us: AtomicU64,
     warmup: std::sync::Mutex<Histogram<u64>>,
     measured: std::sync::Mutex<Histogram<u64>>,
+    appends: std::sync::Mutex<Histogram<u64>>,
+    /// With `--rate`: how late each paced send left against its schedule.
+    send_lags: std::sync::Mutex<Histogram<u64>>,
 }
 
 impl Latencies {
@@ -227,6 +233,8 @@ impl Latencies {
             measured_from_us: AtomicU64::new(0),
             warmup: std::sync::Mutex::new(Histogram::new(3)?),
             measured: std::sync::Mutex::new(Histogram::new(3)?),
+            appends: std::sync::Mutex::new(Histogram::new(3)?),
+            send_lags: std::sync::Mutex::new(Histogram::new(3)?),
         }))
     }
 
@@ -240,21 +248,48 @@ impl Latencies {
 
     /// Records one delivery's append-to-delivery latency.
     pub(super) fn record(&self, epoch: Instant, payload: &[u8]) -> anyhow::Result<()> {
-        let sent = u64::from_le_bytes(payload[..8].try_into()?);
-        let now = u64::try_from(epoch.elapsed().as_micros())?;
+        let sent = send_time(payload)?;
         let histogram = if sent < self.measured_from_us.load(Ordering::Relaxed) {
             &self.warmup
         } else {
             &self.measured
         };
-        histogram
+        record_since(histogram, epoch, sent)
+    }
+
+    /// Records the latency of one append call that sent `payload` (the first of its batch)
+    /// and was just acknowledged; calls that started in the warm-up are not counted.
+    pub(super) fn record_append(&self, epoch: Instant, payload: &[u8]) -> anyhow::Result<()> {
+        let sent = send_time(payload)?;
+        if sent < self.measured_from_us.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        record_since(&self.appends, epoch, sent)
+    }
+
+    /// Records how late a paced send left (`next_send`'s answer), after the warm-up only.
+    pub(super) fn record_send_lag(
+        &self,
+        epoch: Instant,
+        lag: Option<Duration>,
+    ) -> anyhow::Result<()> {
+        let Some(lag) = lag else {
+            return Ok(());
+        };
+        let now = u64::try_from(epoch.elapsed().as_micros())?;
+        if now < self.measured_from_us.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let lag = u64::try_from(lag.as_micros())?;
+        self.send_lags
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .record(now.saturating_sub(sent).max(1))?;
+            .record(lag.max(1))?;
         Ok(())
     }
 
-    /// `latency_ms`, `latency_samples` and `warmup_latency_ms` of a report.
+    /// `latency_ms`, `latency_samples`, `warmup_latency_ms`, `append_latency_ms` and (paced
+    /// runs) `send_lag_ms` of a report.
     pub(super) fn report(&self, report: &mut Value) {
         let read = |histogram: &std::sync::Mutex<Histogram<u64>>| {
             histogram
@@ -266,7 +301,34 @@ impl Latencies {
         report["latency_ms"] = percentiles_ms(&measured);
         report["latency_samples"] = json!(measured.len());
         report["warmup_latency_ms"] = percentiles_ms(&read(&self.warmup));
+        report["append_latency_ms"] = percentiles_ms(&read(&self.appends));
+        let lags = read(&self.send_lags);
+        if !lags.is_empty() {
+            report["send_lag_ms"] = percentiles_ms(&lags);
+        }
     }
+}
+
+/// The send time (microseconds after the epoch) a payload starts with.
+fn send_time(payload: &[u8]) -> anyhow::Result<u64> {
+    let stamp = payload
+        .get(..8)
+        .context("a bench payload starts with its 8-byte send time")?;
+    Ok(u64::from_le_bytes(stamp.try_into()?))
+}
+
+/// Records in `histogram` the microseconds from `sent` (after the epoch) to now.
+fn record_since(
+    histogram: &std::sync::Mutex<Histogram<u64>>,
+    epoch: Instant,
+    sent: u64,
+) -> anyhow::Result<()> {
+    let now = u64::try_from(epoch.elapsed().as_micros())?;
+    histogram
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .record(now.saturating_sub(sent).max(1))?;
+    Ok(())
 }
 
 async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<Value> {
@@ -299,16 +361,22 @@ async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<Value> {
     latency.start(epoch, args.warmup_s)?;
     let mut producers = Vec::new();
     for task in 0..producer_tasks {
-        let (producer, stop, appended) =
-            (producer.clone(), Arc::clone(&stop), Arc::clone(&appended));
+        let (producer, stop, appended, latency) = (
+            producer.clone(),
+            Arc::clone(&stop),
+            Arc::clone(&appended),
+            Arc::clone(&latency),
+        );
         let (bytes, names) = (args.message_bytes, Arc::clone(&names));
         let mut pace = pacing(args, task, producer_tasks, 1);
         producers.push(tokio::spawn(async move {
             let mut index = usize::try_from(task)?;
             while !stop.load(Ordering::Relaxed) {
-                next_send(&mut pace).await;
+                let lag = next_send(&mut pace).await;
+                latency.record_send_lag(epoch, lag)?;
                 let payload = stamped_payload(epoch, bytes)?;
                 producer.send(&names[index % names.len()], &payload).await?;
+                latency.record_append(epoch, &payload)?;
                 appended.fetch_add(1, Ordering::Relaxed);
                 index += 1;
             }
@@ -368,18 +436,20 @@ async fn bench_topic(
     latency.start(epoch, args.warmup_s)?;
     let mut tasks = Vec::new();
     for task in 0..producers {
-        let (client, topic, stop, appended) = (
+        let (client, topic, stop, appended, latency) = (
             producer_client.clone(),
             topic.clone(),
             Arc::clone(&stop),
             Arc::clone(&appended),
+            Arc::clone(latency),
         );
         let (batch, bytes) = (args.batch, args.message_bytes);
         let mut pace = pacing(args, task, producers, batch);
         tasks.push(tokio::spawn(async move {
             let mut key = task * 1_000_000_007;
             while !stop.load(Ordering::Relaxed) {
-                next_send(&mut pace).await;
+                let lag = next_send(&mut pace).await;
+                latency.record_send_lag(epoch, lag)?;
                 let mut messages = Vec::with_capacity(batch);
                 for _ in 0..batch {
                     key += 1;
@@ -390,6 +460,7 @@ async fn bench_topic(
                     .map(|(key, payload)| (&key[..], payload.as_slice()))
                     .collect();
                 client.publish(&topic, &refs).await?;
+                latency.record_append(epoch, &messages[0].1)?;
                 appended.fetch_add(batch as u64, Ordering::Relaxed);
             }
             anyhow::Ok(())
@@ -699,5 +770,28 @@ mod tests {
         // The send at 4 s waited about 1 s.
         let warm_max = report["warmup_latency_ms"]["max"].as_f64().unwrap();
         assert!((1_000.0..1_100.0).contains(&warm_max), "{warm_max}");
+    }
+
+    #[test]
+    fn given_appends_and_paced_sends_then_only_those_after_the_warm_up_count() {
+        let epoch = Instant::now().checked_sub(Duration::from_secs(5)).unwrap();
+        let latencies = Latencies::new().unwrap();
+        latencies.start(epoch, 0).unwrap();
+        latencies.record_append(epoch, &sent_at(5_500_000)).unwrap();
+        latencies.record_append(epoch, &sent_at(1_000)).unwrap();
+        // Unpaced sends have no schedule to be late against.
+        latencies.record_send_lag(epoch, None).unwrap();
+        let mut report = json!({});
+        latencies.report(&mut report);
+        assert_eq!(report["append_latency_ms"]["count"], 1);
+        assert!(report.get("send_lag_ms").is_none(), "{report}");
+
+        latencies
+            .record_send_lag(epoch, Some(Duration::from_millis(3)))
+            .unwrap();
+        latencies.report(&mut report);
+        assert_eq!(report["send_lag_ms"]["count"], 1);
+        let lag = report["send_lag_ms"]["max"].as_f64().unwrap();
+        assert!((2.9..3.1).contains(&lag), "{lag}");
     }
 }

@@ -198,7 +198,15 @@ pub async fn run(args: &QueueBenchArgs) -> anyhow::Result<Value> {
     let appended = Arc::new(AtomicU64::new(0));
     // Shared, not copied per producer task (4,096 copies of a million names would not fit).
     let shared: Arc<[String]> = streams.into();
-    let tasks = spawn_producers(args, &connection, &shared, epoch, &stop, &appended);
+    let tasks = spawn_producers(
+        args,
+        &connection,
+        &shared,
+        epoch,
+        &stop,
+        &appended,
+        &latency,
+    );
     let append_s = produce_for(args, started, &stop, tasks).await?;
     let total = appended.load(Ordering::Relaxed);
     // Redis may fall far behind (an XREADGROUP costs every stream it names): what it consumed
@@ -241,6 +249,7 @@ fn spawn_producers(
     epoch: Instant,
     stop: &Arc<AtomicBool>,
     appended: &Arc<AtomicU64>,
+    latency: &Arc<Latencies>,
 ) -> Vec<tokio::task::JoinHandle<anyhow::Result<()>>> {
     let topic = args.shape == "topic";
     let producers = args.producers.unwrap_or(if topic { 16 } else { 4_096 });
@@ -248,16 +257,22 @@ fn spawn_producers(
     let mut tasks = Vec::new();
     for task in 0..producers {
         let mut connection = connection.clone();
-        let (stop, appended, streams) =
-            (Arc::clone(stop), Arc::clone(appended), Arc::clone(streams));
+        let (stop, appended, streams, latency) = (
+            Arc::clone(stop),
+            Arc::clone(appended),
+            Arc::clone(streams),
+            Arc::clone(latency),
+        );
         let mut pace = pacing(args, task, producers, unit);
         let (bytes, partitions) = (args.message_bytes, args.partitions);
         tasks.push(tokio::spawn(async move {
             let mut index = task;
             let mut key = task * 1_000_000_007;
             while !stop.load(Ordering::Relaxed) {
-                next_send(&mut pace).await;
+                let lag = next_send(&mut pace).await;
+                latency.record_send_lag(epoch, lag)?;
                 let mut pipe = redis::pipe();
+                let mut first = None;
                 for _ in 0..unit {
                     let stream = if topic {
                         key += 1;
@@ -269,9 +284,13 @@ fn spawn_producers(
                         &streams[(index % streams.len() as u64) as usize]
                     };
                     let payload = stamped_payload(epoch, bytes)?;
+                    first.get_or_insert_with(|| payload.clone());
                     pipe.cmd("XADD").arg(stream).arg("*").arg("p").arg(payload);
                 }
                 let _: Vec<String> = pipe.query_async(&mut connection).await?;
+                if let Some(first) = &first {
+                    latency.record_append(epoch, first)?;
+                }
                 appended.fetch_add(unit as u64, Ordering::Relaxed);
             }
             anyhow::Ok(())
