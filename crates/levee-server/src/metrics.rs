@@ -139,6 +139,8 @@ pub struct Metrics {
     pub queue_messages_delivered: Counter,
     /// Queues subscribed on `SubscribeMany` streams (mailboxes), over all streams.
     pub queue_mailboxes_subscribed: Gauge,
+    /// Compactions of consumers' position logs (`SubscribeMany` acks).
+    pub queue_position_log_compactions: Counter,
     /// Messages published to topics (acknowledged).
     pub topic_messages_published: Counter,
     /// Messages of idempotent appends answered from memory instead of stored again.
@@ -303,6 +305,12 @@ impl Metrics {
                 registry_ref,
                 "levee_queue_messages_delivered",
                 "messages pushed to subscriptions, redeliveries included",
+                Counter::default(),
+            ),
+            queue_position_log_compactions: registered(
+                registry_ref,
+                "levee_queue_position_log_compactions",
+                "compactions of consumers' position logs (acks of SubscribeMany streams)",
                 Counter::default(),
             ),
             queue_mailboxes_subscribed: registered(

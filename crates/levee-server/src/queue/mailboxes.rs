@@ -1,14 +1,17 @@
 //! Many-queue subscriptions (`SubscribeMany`): one consumer's stream over up to
 //! [`MAILBOXES_PER_STREAM_MAX`] queues, the way an app server holds the mailboxes of its
 //! connected users. Each queue added is a mailbox with a number (the order of adds); delivery,
-//! positions and acks are those of a single subscription ([`super::subscription`]): delivery
-//! starts after the consumer's last ack on the queue, acks are cumulative and written through
-//! the store's log into the same position queue. One credit covers the stream.
+//! positions and acks behave as those of a single subscription ([`super::subscription`]):
+//! delivery starts after the consumer's last ack on the queue and acks are cumulative, written
+//! through the store's log. One credit covers the stream.
 //!
 //! Wake-ups cost nothing per idle mailbox: an append puts the mailbox's number in the stream's
 //! [`Inbox`] (a set, so bounded by the stream's mailboxes) and the session reads only the
 //! mailboxes it was told about, round-robin, until each is caught up. A delivery response
 //! carries messages of many mailboxes.
+//!
+//! Positions go to the consumer's position log ([`super::position_log`]): an ack batch is a
+//! few records appended to one queue, not a record per mailbox's position queue.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -25,9 +28,9 @@ use tokio::sync::{Semaphore, mpsc, watch};
 use tonic::{Status, Streaming};
 
 use super::StoreCalls;
+use super::position_log::{ConsumerLog, PositionLogs};
 use super::subscription::{
     Inbox, ROUND_BYTES_MAX, StreamCredit, Waiters, check_consumer_and_credit, check_queue_name,
-    load_position, position_queue, position_record,
 };
 
 /// Most mailboxes on one stream.
@@ -52,9 +55,6 @@ pub fn check_start(start: &SubscribeManyStart) -> Result<(), WireError> {
     check_consumer_and_credit(&start.consumer, start.credit.as_ref())
 }
 
-/// A position queue's name and the record an ack writes to it.
-type PositionWrite = (Vec<u8>, Vec<u8>);
-
 /// One mailbox of a stream.
 #[derive(Debug)]
 struct Mailbox {
@@ -74,6 +74,8 @@ pub struct ManyContext {
     pub calls: StoreCalls,
     /// Wake-ups by queue.
     pub waiters: Arc<Waiters>,
+    /// Consumers' position logs.
+    pub positions: Arc<PositionLogs>,
     /// Messages pushed to subscriptions.
     pub delivered: Counter,
     /// Mailboxes over all streams (also the server-wide bound's count).
@@ -86,7 +88,7 @@ pub struct ManyContext {
 #[derive(Debug)]
 pub struct ManySession {
     context: ManyContext,
-    consumer: String,
+    log: Arc<ConsumerLog>,
     inbox: Arc<Inbox>,
     incoming: Streaming<SubscribeManyRequest>,
     outgoing: mpsc::Sender<Result<SubscribeManyResponse, Status>>,
@@ -110,13 +112,14 @@ impl ManySession {
     /// A session for a checked `start`.
     pub fn new(
         context: ManyContext,
-        start: SubscribeManyStart,
+        start: &SubscribeManyStart,
         incoming: Streaming<SubscribeManyRequest>,
         outgoing: mpsc::Sender<Result<SubscribeManyResponse, Status>>,
     ) -> Self {
+        let log = context.positions.open(&start.consumer);
         Self {
             context,
-            consumer: start.consumer,
+            log,
             inbox: Arc::new(Inbox::default()),
             incoming,
             outgoing,
@@ -314,15 +317,12 @@ impl ManySession {
         }
         let reserved = Reservation::take(&self.context.mailboxes, count)?;
         let queues: Vec<Box<[u8]>> = queues.into_iter().map(Vec::into_boxed_slice).collect();
-        let consumer = self.consumer.clone();
+        let log = Arc::clone(&self.log);
         let (queues, positions) = self
             .context
             .calls
-            .run(move |store| {
-                let positions = queues
-                    .iter()
-                    .map(|queue| load_position(store, &consumer, queue))
-                    .collect::<Result<Vec<u64>, WireError>>()?;
+            .run(move |_| {
+                let positions = log.positions(&queues)?;
                 Ok((queues, positions))
             })
             .await?;
@@ -377,16 +377,13 @@ impl ManySession {
             .dec_by(i64::try_from(removed.len()).unwrap_or(i64::MAX));
     }
 
-    /// Applies one ack: the position queue and record to write, none for an ack that changes
+    /// Applies one ack: whether the mailbox's position moved (none for an ack that changes
     /// nothing (already acked, or of a mailbox removed since), or why it is refused.
-    fn position_for(
-        &mut self,
-        ack: &levee_proto::v1::MailboxAck,
-    ) -> Result<Option<PositionWrite>, WireError> {
+    fn position_for(&mut self, ack: &levee_proto::v1::MailboxAck) -> Result<bool, WireError> {
         let Some(mailbox) = self.mailboxes.get_mut(&ack.mailbox) else {
             if ack.mailbox < self.next_number {
                 // Removed since: its ack no longer matters to this stream.
-                return Ok(None);
+                return Ok(false);
             }
             return Err(invalid(format!(
                 "ack of mailbox {} which was never added (mailboxes 0 to {} exist)",
@@ -404,13 +401,10 @@ impl ManySession {
             )));
         }
         if ack.offset < mailbox.acked {
-            return Ok(None);
+            return Ok(false);
         }
         mailbox.acked = ack.offset + 1;
-        Ok(Some((
-            position_queue(&self.consumer, &mailbox.queue),
-            position_record(mailbox.acked, &mailbox.queue),
-        )))
+        Ok(true)
     }
 
     /// Writes the acks' positions through the log and answers with the batch's sequence once
@@ -423,35 +417,41 @@ impl ManySession {
                 acks.len()
             )));
         }
-        // Every position record of the batch goes to the store in one call (a shard lock per
-        // run of records, not per ack). The acks before an invalid one are still written.
-        let mut positions: Vec<PositionWrite> = Vec::with_capacity(acks.len());
+        // The batch's positions go to the consumer's log in one append (a few records). The
+        // acks before an invalid one are still written.
+        let mut moved: Vec<u32> = Vec::with_capacity(acks.len());
         let mut refused = None;
         for ack in acks {
             match self.position_for(&ack) {
-                Ok(Some(position)) => positions.push(position),
-                Ok(None) => {}
+                Ok(true) => moved.push(ack.mailbox),
+                Ok(false) => {}
                 Err(error) => {
                     refused = Some(error);
                     break;
                 }
             }
         }
-        let ticket = if positions.is_empty() {
-            None
-        } else {
-            let batch: Vec<(&[u8], &[u8])> = positions
-                .iter()
-                .map(|(name, record)| (name.as_slice(), record.as_slice()))
-                .collect();
-            let (_, appended) = self
-                .context
-                .calls
-                .store
-                .append_batch_deferred(&batch)
-                .map_err(super::write_error)?;
-            Some(appended)
-        };
+        let entries: Vec<(&[u8], u64)> = moved
+            .iter()
+            .filter_map(|number| {
+                let mailbox = self.mailboxes.get(number)?;
+                Some((&mailbox.queue[..], mailbox.acked))
+            })
+            .collect();
+        let (ticket, compact) = self.log.append(entries.into_iter())?;
+        if compact {
+            let (calls, log) = (self.context.calls.clone(), Arc::clone(&self.log));
+            tokio::spawn(async move {
+                let consumer = log.consumer().to_owned();
+                if let Err(error) = calls.run(move |_| log.compact()).await {
+                    tracing::warn!(
+                        consumer,
+                        %error,
+                        "compacting a position log failed; retried once it has grown as much again"
+                    );
+                }
+            });
+        }
         if let Some(error) = refused {
             return Err(error);
         }

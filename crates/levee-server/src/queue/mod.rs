@@ -19,6 +19,7 @@ pub mod durable;
 pub mod group;
 pub mod http;
 pub mod mailboxes;
+pub mod position_log;
 pub mod producer;
 pub mod producer_rate;
 pub mod rate;

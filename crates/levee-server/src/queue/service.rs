@@ -26,6 +26,7 @@ use super::subscription::{
 };
 
 use super::mailboxes::{self, ManyContext, ManySession};
+use super::position_log::{COMPACT_ENTRIES_MIN, PositionLogs};
 use super::producer::{Producers, SequencedMessage};
 use super::producer_rate::{Admission, ProducerRates};
 use super::topic::{RetentionRule, Topics};
@@ -59,6 +60,7 @@ pub struct QueueService {
     producer_rates: Arc<ProducerRates>,
     subscriptions: Arc<Semaphore>,
     waiters: Arc<Waiters>,
+    positions: Arc<PositionLogs>,
     metrics: Metrics,
     closing: watch::Receiver<bool>,
 }
@@ -74,8 +76,14 @@ impl QueueService {
         metrics: Metrics,
         closing: watch::Receiver<bool>,
     ) -> Self {
+        let positions = Arc::new(PositionLogs::new(
+            Arc::clone(&calls.store),
+            COMPACT_ENTRIES_MIN,
+            metrics.queue_position_log_compactions.clone(),
+        ));
         Self {
             calls,
+            positions,
             topics,
             producer_rates,
             producers: Arc::new(Producers::new(
@@ -219,6 +227,7 @@ impl Queues for QueueService {
         let session = Session {
             calls: self.calls.clone(),
             notify: self.waiters.register(&start.queue),
+            positions: Arc::clone(&self.positions),
             start,
             incoming,
             outgoing,
@@ -254,11 +263,12 @@ impl Queues for QueueService {
         let context = ManyContext {
             calls: self.calls.clone(),
             waiters: Arc::clone(&self.waiters),
+            positions: Arc::clone(&self.positions),
             delivered: self.metrics.queue_messages_delivered.clone(),
             mailboxes: self.metrics.queue_mailboxes_subscribed.clone(),
             closing: self.closing.clone(),
         };
-        let session = ManySession::new(context, start, incoming, outgoing);
+        let session = ManySession::new(context, &start, incoming, outgoing);
         tokio::spawn(async move {
             session.run().await;
             drop(permit);

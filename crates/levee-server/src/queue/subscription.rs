@@ -47,7 +47,7 @@ pub const POSITION_QUEUE_BYTES_MAX: u64 = 64 << 10;
 /// How often position queues are trimmed.
 pub const POSITION_TRIM_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
 /// The prefix of every position queue's name.
-const POSITION_PREFIX: &[u8] = b"\0position\0";
+pub(crate) const POSITION_PREFIX: &[u8] = b"\0position\0";
 
 /// Who waits on which queue: appends wake the subscriptions of the queues they grew, single
 /// ones ([`Subscribe`], topic members) through a shared [`Notify`], many-queue streams through
@@ -396,6 +396,8 @@ pub struct Session {
     pub calls: super::StoreCalls,
     /// Wakes this session when its queue grows.
     pub notify: Arc<Notify>,
+    /// Consumers' position logs (`SubscribeMany` acks), read with the position queue.
+    pub positions: Arc<super::position_log::PositionLogs>,
     /// The client's start message (already checked).
     pub start: SubscribeStart,
     /// The client's further messages.
@@ -419,9 +421,12 @@ impl Session {
     async fn serve(&mut self) -> Result<(), WireError> {
         let (queue, consumer) = (self.start.queue.clone(), self.start.consumer.clone());
         let next = {
-            let (consumer, queue) = (consumer.clone(), queue.clone());
+            // The larger of this queue's position queue and the consumer's position log, so a
+            // consumer may move a queue between single and many-queue streams.
+            let log = self.positions.open(&consumer);
+            let queues = [queue.clone().into_boxed_slice()];
             self.calls
-                .run(move |store| load_position(store, &consumer, &queue))
+                .run(move |_| Ok(log.positions(&queues)?[0]))
                 .await?
         };
         let mut progress = Progress {
