@@ -479,7 +479,8 @@ pub struct WriteBuffer {
     /// than their mark says, so the committer must not assume otherwise.
     pub marks_merged: bool,
     /// `(offset, drained_bytes + position in data)` of the buffered messages whose offset is a
-    /// multiple of [`BUFFER_POSITION_STRIDE`], oldest first.
+    /// multiple of [`BUFFER_POSITION_STRIDE`], oldest first, except a message pushed into an
+    /// empty buffer (it is at position 0).
     pub positions: VecDeque<(u64, u64)>,
     /// Bytes drained from the front of `data` since the buffer was made.
     pub drained_bytes: u64,
@@ -514,7 +515,9 @@ impl WriteBuffer {
         // Invariant: message_bytes_max <= 64 MiB (checked by StoreOptions::validate).
         let length = u32::try_from(message.len()).expect("message length checked");
         let offset = self.end_offset();
-        if offset.is_multiple_of(BUFFER_POSITION_STRIDE) {
+        // The first message's position is 0: not remembered, so a buffer of a few messages
+        // (a mailbox's) allocates no position list and a read does not touch one.
+        if offset.is_multiple_of(BUFFER_POSITION_STRIDE) && self.count > 0 {
             self.positions
                 .push_back((offset, self.drained_bytes + self.data.len() as u64));
         }
@@ -875,6 +878,24 @@ mod tests {
         let bytes = index.heap_bytes();
         assert!(bytes <= 5_500, "{bytes} bytes for 1,000 chunks");
         assert_eq!(index.find(400).map(|(at, _)| at), Some(100));
+    }
+
+    #[test]
+    fn given_a_buffer_of_a_few_messages_when_reading_should_need_no_position_list() {
+        // A mailbox's buffer holds a message or two: its first message, even at a multiple of
+        // the stride, is at position 0 and is not remembered.
+        let mut buffer = WriteBuffer {
+            first_offset: 32,
+            ..WriteBuffer::default()
+        };
+        buffer.push_toward_chunk(b"first", 4096);
+        buffer.push_toward_chunk(b"second", 4096);
+        assert_eq!(buffer.positions.capacity(), 0);
+        assert_eq!(buffer.position_of(33), FRAME_BYTES + 5);
+        for _ in 2..20 {
+            buffer.push_toward_chunk(b"more", 4096);
+        }
+        assert_eq!(buffer.positions.len(), 1, "offset 48 is remembered");
     }
 
     #[test]
