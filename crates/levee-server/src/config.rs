@@ -34,6 +34,9 @@ pub const HOTKEY_KEY_BYTES_MAX_MAX: u32 = 65_536;
 pub const HOTKEY_BATCH_KEYS_MAX_DEFAULT: u32 = 10_000;
 /// Default largest queue message, in bytes (1 MiB).
 pub const QUEUE_MESSAGE_BYTES_MAX_DEFAULT: u32 = 1 << 20;
+/// Lowest allowed `queue_message_bytes_max`: the server's own records (consumer positions,
+/// group commits, idempotent producers' runs) must fit in a message.
+pub const QUEUE_MESSAGE_BYTES_MAX_MIN: u32 = 1 << 10;
 /// Highest allowed `queue_message_bytes_max` (4 MiB, under the gRPC message limit).
 pub const QUEUE_MESSAGE_BYTES_MAX_MAX: u32 = 4 << 20;
 /// Default memory budget of the queue store's write buffers and unwritten logs, in MiB.
@@ -296,7 +299,13 @@ impl Config {
         layer!(
             queue_message_bytes_max,
             small(file_config.queue_message_bytes_max),
-            |raw| { parse_bounded(raw, 1, QUEUE_MESSAGE_BYTES_MAX_MAX) }
+            |raw| {
+                parse_bounded(
+                    raw,
+                    QUEUE_MESSAGE_BYTES_MAX_MIN,
+                    QUEUE_MESSAGE_BYTES_MAX_MAX,
+                )
+            }
         );
         layer!(
             queue_buffer_budget_mb,
@@ -628,6 +637,13 @@ mod tests {
         };
         let message = Config::load(None, &overrides).unwrap_err().to_string();
         assert!(message.contains("from 1 to 1000000"), "{message}");
+        // The server's own records (positions, commits) must fit in a message.
+        let overrides = Overrides {
+            queue_message_bytes_max: Some(flag("512", "--queue-message-bytes-max")),
+            ..Overrides::default()
+        };
+        let message = Config::load(None, &overrides).unwrap_err().to_string();
+        assert!(message.contains("from 1024 to 4194304"), "{message}");
         let file = write_file("shutdown_grace_ms = \"ten\"\n");
         assert!(Config::load(Some(file.path()), &Overrides::default()).is_err());
     }

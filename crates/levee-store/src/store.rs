@@ -619,6 +619,11 @@ impl Store {
         self.inner.wait_round(round)
     }
 
+    /// The options the store was opened with.
+    pub fn options(&self) -> &StoreOptions {
+        &self.inner.options
+    }
+
     /// Counters and sizes.
     pub fn stats(&self) -> StoreStats {
         let counters = &self.inner.counters;
