@@ -19,7 +19,8 @@ use redis::streams::{StreamReadOptions, StreamReadReply};
 use serde_json::{Value, json};
 
 use super::queue::{
-    DRAIN_LIMIT, Latencies, QueueBenchArgs, drain, next_send, pacing, produce_for, stamped_payload,
+    DRAIN_LIMIT, Latencies, MAILBOX_PRODUCERS, QueueBenchArgs, drain, next_send, pacing,
+    produce_for, stamped_payload,
 };
 
 /// The consumer group every reader joins.
@@ -196,7 +197,7 @@ pub async fn run(args: &QueueBenchArgs) -> anyhow::Result<Value> {
     latency.start(epoch, args.warmup_s)?;
     let stop = Arc::new(AtomicBool::new(false));
     let appended = Arc::new(AtomicU64::new(0));
-    // Shared, not copied per producer task (4,096 copies of a million names would not fit).
+    // Shared, not copied per producer task (a thousand copies of a million names would not fit).
     let shared: Arc<[String]> = streams.into();
     let tasks = spawn_producers(
         args,
@@ -252,7 +253,9 @@ fn spawn_producers(
     latency: &Arc<Latencies>,
 ) -> Vec<tokio::task::JoinHandle<anyhow::Result<()>>> {
     let topic = args.shape == "topic";
-    let producers = args.producers.unwrap_or(if topic { 16 } else { 4_096 });
+    let producers = args
+        .producers
+        .unwrap_or(if topic { 16 } else { MAILBOX_PRODUCERS });
     let unit = if topic { args.batch } else { 1 };
     let mut tasks = Vec::new();
     for task in 0..producers {
