@@ -45,6 +45,10 @@ pub const QUEUE_BUFFER_BUDGET_MB_DEFAULT: u64 = 320;
 pub const QUEUE_BUFFER_BUDGET_MB_MIN: u64 = 8;
 /// Largest queue buffer budget, in MiB (64 GiB).
 pub const QUEUE_BUFFER_BUDGET_MB_MAX: u64 = 65_536;
+/// Default `queue_position_log_compact_entries`.
+pub const QUEUE_POSITION_LOG_COMPACT_ENTRIES_DEFAULT: u64 = 1_000_000;
+/// Highest allowed `queue_position_log_compact_entries`.
+pub const QUEUE_POSITION_LOG_COMPACT_ENTRIES_MAX: u64 = 1_000_000_000;
 /// Highest allowed `hotkey_batch_keys_max`.
 pub const HOTKEY_BATCH_KEYS_MAX_MAX: u32 = 65_536;
 
@@ -83,6 +87,9 @@ pub struct Config {
     /// MiB. With many queues it sets the chunk size, so the index per message: see
     /// docs/ARCHITECTURE-store.md, memory budget.
     pub queue_buffer_budget_mb: u64,
+    /// Acks a consumer's position log (`SubscribeMany`) takes before it is compacted, at the
+    /// least (and twice its last snapshot): see docs/ARCHITECTURE.md, queues step 7.
+    pub queue_position_log_compact_entries: u64,
 }
 
 impl Default for Config {
@@ -102,6 +109,7 @@ impl Default for Config {
             queue_sync: QueueSync(levee_store::SyncPolicy::Always),
             queue_message_bytes_max: QUEUE_MESSAGE_BYTES_MAX_DEFAULT,
             queue_buffer_budget_mb: QUEUE_BUFFER_BUDGET_MB_DEFAULT,
+            queue_position_log_compact_entries: QUEUE_POSITION_LOG_COMPACT_ENTRIES_DEFAULT,
         }
     }
 }
@@ -124,6 +132,7 @@ struct FileConfig {
     queue_sync: Option<String>,
     queue_message_bytes_max: Option<u32>,
     queue_buffer_budget_mb: Option<u64>,
+    queue_position_log_compact_entries: Option<u64>,
 }
 
 /// Where a setting's value came from, so an error can point at it.
@@ -187,6 +196,8 @@ pub struct Overrides {
     pub queue_message_bytes_max: Option<Override>,
     /// `--queue-buffer-budget-mb` / `LEVEE_QUEUE_BUFFER_BUDGET_MB`.
     pub queue_buffer_budget_mb: Option<Override>,
+    /// `--queue-position-log-compact-entries` / `LEVEE_QUEUE_POSITION_LOG_COMPACT_ENTRIES`.
+    pub queue_position_log_compact_entries: Option<Override>,
 }
 
 /// Why the configuration could not be built. Each message names the problem and the fix.
@@ -311,6 +322,11 @@ impl Config {
             queue_buffer_budget_mb,
             text(file_config.queue_buffer_budget_mb),
             |raw| { parse_bounded(raw, QUEUE_BUFFER_BUDGET_MB_MIN, QUEUE_BUFFER_BUDGET_MB_MAX) }
+        );
+        layer!(
+            queue_position_log_compact_entries,
+            text(file_config.queue_position_log_compact_entries),
+            |raw| { parse_bounded(raw, 1, QUEUE_POSITION_LOG_COMPACT_ENTRIES_MAX) }
         );
         Ok(config)
     }

@@ -32,6 +32,7 @@ use crate::metrics::Metrics;
 use crate::queue::STORE_DIR_NAME;
 use crate::queue::consume::{ConsumeContext, Pacers};
 use crate::queue::group::Groups;
+use crate::queue::position_log::PositionLogs;
 use crate::queue::producer_rate::ProducerRates;
 use crate::queue::service::QueueService;
 use crate::queue::subscription::{self, POSITION_TRIM_INTERVAL};
@@ -333,11 +334,17 @@ fn queue_services(
         metrics.clone(),
         &topics.producer_rates(),
     ));
+    let positions = Arc::new(PositionLogs::new(
+        Arc::clone(store),
+        config.queue_position_log_compact_entries,
+        metrics.queue_position_log_compactions.clone(),
+    ));
     let queues = QueueService::new(
         calls.clone(),
         Arc::clone(&waiters),
         Arc::clone(&topics),
         Arc::clone(&producer_rates),
+        positions,
         metrics.clone(),
         stop_sessions.subscribe(),
     );

@@ -63,6 +63,14 @@ pub struct ServerArgs {
     /// a larger budget makes larger chunks and a smaller index [default: 320]
     #[arg(long, env = "LEVEE_QUEUE_BUFFER_BUDGET_MB", value_name = "MIB")]
     queue_buffer_budget_mb: Option<String>,
+    /// Acks a consumer's position log (many-queue streams) takes before it is compacted, at
+    /// the least [default: 1000000]
+    #[arg(
+        long,
+        env = "LEVEE_QUEUE_POSITION_LOG_COMPACT_ENTRIES",
+        value_name = "ACKS"
+    )]
+    queue_position_log_compact_entries: Option<String>,
     /// Print the effective configuration as TOML and exit
     #[arg(long)]
     print_config: bool,
@@ -157,6 +165,12 @@ impl ServerArgs {
                 "--queue-buffer-budget-mb",
                 "LEVEE_QUEUE_BUFFER_BUDGET_MB",
                 &self.queue_buffer_budget_mb,
+            ),
+            queue_position_log_compact_entries: given(
+                "queue_position_log_compact_entries",
+                "--queue-position-log-compact-entries",
+                "LEVEE_QUEUE_POSITION_LOG_COMPACT_ENTRIES",
+                &self.queue_position_log_compact_entries,
             ),
         }
     }

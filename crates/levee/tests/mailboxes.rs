@@ -1,6 +1,7 @@
 //! Many-queue subscriptions (`SubscribeMany`) against the real server process: per-mailbox
 //! order, offline messages, acks that survive a new stream and a kill -9 of the server, positions
-//! shared with single-queue subscriptions, removal, the stream-wide credit, and bad input.
+//! shared with single-queue subscriptions, positions across compactions of the consumer's
+//! position log, removal, the stream-wide credit, and bad input.
 
 mod support;
 
@@ -14,7 +15,7 @@ use levee_proto::v1::{
     AddMailboxes, Credit, MailboxAck, MailboxAcks, SubscribeManyRequest, SubscribeManyResponse,
     SubscribeManyStart,
 };
-use support::{LeveeProcess, runtime};
+use support::{LeveeProcess, http_get, runtime, wait_for};
 use tokio::sync::mpsc;
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -141,6 +142,72 @@ fn expected(queue: &str, from: u64, to: u64) -> Vec<(u64, String)> {
     (from..to)
         .map(|index| (index, format!("{queue}-{index}")))
         .collect()
+}
+
+/// The server's `levee_queue_position_log_compactions_total`.
+fn compactions(server: &LeveeProcess) -> u64 {
+    let (_, metrics) = http_get(server.admin_addr, "/metrics");
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix("levee_queue_position_log_compactions_total "))
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn given_acks_across_position_log_compactions_then_a_kill_keeps_every_acked_position() {
+    let directory = tempfile::tempdir().unwrap();
+    let data_dir = directory.path().join("data");
+    let settings = [
+        "--queue-sync",
+        "always",
+        "--queue-position-log-compact-entries",
+        "30",
+    ];
+    let mut server = LeveeProcess::start_in(&data_dir, &settings);
+    let runtime = runtime();
+    let queues: Vec<String> = (0..20).map(|index| format!("user-{index}")).collect();
+    let names: Vec<&[u8]> = queues.iter().map(String::as_bytes).collect();
+    let rounds = 12;
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        let mut mailboxes = client.subscribe_many("app", 1_000).await.unwrap();
+        within(mailboxes.add(&names), line!()).await.unwrap();
+        // Each round: one message per queue, delivered and acked (20 log entries a round).
+        for round in 0..rounds {
+            for queue in &queues {
+                append(&client, queue, round, round + 1).await;
+            }
+            for (mailbox, offset, _) in take(&mut mailboxes, queues.len()).await {
+                assert_eq!(offset, round, "mailbox {mailbox}");
+                mailboxes.ack(mailbox, offset);
+            }
+            within(mailboxes.flush_acks(), line!()).await.unwrap();
+        }
+    });
+    wait_for("two position log compactions", WAIT, || {
+        compactions(&server) >= 2
+    });
+    server.signal("KILL");
+    server.wait_exit(WAIT);
+    let server = LeveeProcess::start_in(&data_dir, &settings);
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        for queue in &queues {
+            append(&client, queue, rounds, rounds + 1).await;
+        }
+        let mut mailboxes = client.subscribe_many("app", 1_000).await.unwrap();
+        let reversed: Vec<&[u8]> = names.iter().rev().copied().collect();
+        within(mailboxes.add(&reversed), line!()).await.unwrap();
+        // Only the message appended after the kill: every ack before it held.
+        let grouped = by_mailbox(&take(&mut mailboxes, queues.len()).await);
+        for (number, queue) in reversed.iter().enumerate() {
+            let queue = std::str::from_utf8(queue).unwrap();
+            let number = u32::try_from(number).unwrap();
+            assert_eq!(grouped[&number], expected(queue, rounds, rounds + 1));
+        }
+        assert_quiet(&mut mailboxes, line!()).await;
+    });
 }
 
 #[test]

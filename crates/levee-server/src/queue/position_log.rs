@@ -48,8 +48,6 @@ const RECORD_BYTES_MAX: usize = 64 << 10;
 const READ_MESSAGES: usize = 1_024;
 /// Bytes one read of a generation asks for.
 const READ_BYTES: usize = 4 << 20;
-/// The default minimum of entries a generation holds before it is compacted.
-pub const COMPACT_ENTRIES_MIN: u64 = 1_000_000;
 
 /// A generation's store queue.
 fn generation_queue(consumer: &str, generation: u64) -> Vec<u8> {

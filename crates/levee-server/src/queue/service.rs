@@ -26,7 +26,7 @@ use super::subscription::{
 };
 
 use super::mailboxes::{self, ManyContext, ManySession};
-use super::position_log::{COMPACT_ENTRIES_MIN, PositionLogs};
+use super::position_log::PositionLogs;
 use super::producer::{Producers, SequencedMessage};
 use super::producer_rate::{Admission, ProducerRates};
 use super::topic::{RetentionRule, Topics};
@@ -73,14 +73,10 @@ impl QueueService {
         waiters: Arc<Waiters>,
         topics: Arc<Topics>,
         producer_rates: Arc<ProducerRates>,
+        positions: Arc<PositionLogs>,
         metrics: Metrics,
         closing: watch::Receiver<bool>,
     ) -> Self {
-        let positions = Arc::new(PositionLogs::new(
-            Arc::clone(&calls.store),
-            COMPACT_ENTRIES_MIN,
-            metrics.queue_position_log_compactions.clone(),
-        ));
         Self {
             calls,
             positions,
