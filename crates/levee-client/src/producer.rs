@@ -139,7 +139,16 @@ async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Recei
     let completed = Arc::new(Notify::new());
     let producer_id = options.idempotent.then(fresh_producer_id);
     let mut sequences: std::collections::HashMap<Vec<u8>, u64> = std::collections::HashMap::new();
-    while let Some(first) = receiver.recv().await {
+    // A message that would have taken its batch past batch_bytes_max starts the next one.
+    let mut carried = None;
+    loop {
+        let first = match carried.take() {
+            Some(first) => first,
+            None => match receiver.recv().await {
+                Some(first) => first,
+                None => break,
+            },
+        };
         let mut bytes = first.payload.len();
         let mut batch = vec![first];
         let deadline = tokio::time::Instant::now() + options.linger;
@@ -161,6 +170,10 @@ async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Recei
                 }
             };
             let Some(next) = next else { break };
+            if bytes + next.payload.len() > options.batch_bytes_max {
+                carried = Some(next);
+                break;
+            }
             bytes += next.payload.len();
             batch.push(next);
         }

@@ -395,3 +395,61 @@ fn given_an_ack_batch_with_an_invalid_ack_then_the_acks_before_it_are_kept() {
         );
     });
 }
+
+/// Review 2: while streams of a consumer ack steadily (under `always`), another stream of the
+/// same consumer adds mailboxes: every add should succeed.
+#[test]
+fn given_a_consumer_acking_on_other_streams_then_adds_do_not_fail() {
+    let server = LeveeProcess::start(&["--queue-sync", "always"]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut ackers = Vec::new();
+        for acker in 0..4 {
+            let queue = format!("busy-{acker}");
+            let payloads: Vec<Vec<u8>> = (0..3_000)
+                .map(|index: u32| index.to_le_bytes().to_vec())
+                .collect();
+            let batch: Vec<(&[u8], &[u8])> = payloads
+                .iter()
+                .map(|payload| (queue.as_bytes(), &payload[..]))
+                .collect();
+            client.append_batch(&batch).await.unwrap();
+            let (client, stop) = (client.clone(), std::sync::Arc::clone(&stop));
+            ackers.push(tokio::spawn(async move {
+                let mut mailboxes = client.subscribe_many("app", 1_000).await.unwrap();
+                mailboxes.add(&[queue.as_bytes()]).await.unwrap();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    // Bounded: an acker that ran out of messages still sees `stop`.
+                    let next = Duration::from_millis(100);
+                    let Ok(delivery) = tokio::time::timeout(next, mailboxes.next()).await else {
+                        continue;
+                    };
+                    let delivery = delivery.unwrap().unwrap();
+                    mailboxes.ack(delivery.mailbox, delivery.offset);
+                    mailboxes.flush_acks().await.unwrap();
+                }
+            }));
+        }
+        let mut failures = Vec::new();
+        let mut adder = client.subscribe_many("app", 1_000).await.unwrap();
+        for index in 0..300 {
+            let queue = format!("new-{index}");
+            if let Err(error) = within(adder.add(&[queue.as_bytes()]), line!()).await {
+                failures.push(error.to_string());
+                adder = client.subscribe_many("app", 1_000).await.unwrap();
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for acker in ackers {
+            acker.await.unwrap();
+        }
+        assert!(
+            failures.is_empty(),
+            "{} of 300 adds failed, first: {:?}",
+            failures.len(),
+            failures.first()
+        );
+    });
+}

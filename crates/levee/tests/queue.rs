@@ -348,8 +348,17 @@ fn given_producer_then_concurrent_sends_share_requests_and_get_their_own_offsets
             "dense offsets per queue"
         );
     }
+    let appends = append_requests(&server);
+    assert!(
+        appends < 100,
+        "500 sends should share far fewer requests, got {appends}"
+    );
+}
+
+/// The server's count of successful `Append` requests.
+fn append_requests(server: &LeveeProcess) -> u64 {
     let (_, metrics) = http_get(server.admin_addr, "/metrics");
-    let appends: u64 = metrics
+    metrics
         .lines()
         .find(|line| {
             line.starts_with(
@@ -357,11 +366,41 @@ fn given_producer_then_concurrent_sends_share_requests_and_get_their_own_offsets
             )
         })
         .and_then(|line| line.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn given_batch_bytes_max_then_no_request_carries_more_unless_one_message_does() {
+    let server = LeveeProcess::start(&["--queue-sync", "interval(5)"]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        let producer = levee_client::Producer::new(
+            client.clone(),
+            levee_client::ProducerOptions {
+                linger: Duration::from_millis(200),
+                batch_bytes_max: 100,
+                requests_in_flight_max: 1,
+                ..levee_client::ProducerOptions::default()
+            },
+        )
         .unwrap();
-    assert!(
-        appends < 100,
-        "500 sends should share far fewer requests, got {appends}"
-    );
+        // Ten 60-byte messages: two would be 120 bytes, so each goes alone.
+        let sends: Vec<_> = (0..10_u8)
+            .map(|index| {
+                let producer = producer.clone();
+                tokio::spawn(async move { producer.send(b"sized", &[index; 60]).await })
+            })
+            .collect();
+        for send in sends {
+            send.await.unwrap().unwrap();
+        }
+        // A single message over the bound still goes (alone).
+        producer.send(b"sized", &[7; 150]).await.unwrap();
+        let read = client.read(b"sized", 0, 20, 0).await.unwrap();
+        assert_eq!(read.payloads.len(), 11);
+    });
+    assert_eq!(append_requests(&server), 11, "one message per request");
 }
 
 #[test]
@@ -443,5 +482,51 @@ fn given_retention_rule_then_oldest_messages_go_and_the_rule_survives_restart() 
         let client = Client::connect(&server.grpc()).await.unwrap();
         let info = client.queue_info(b"tmp-a").await.unwrap();
         assert_eq!(info.retention_max_bytes, 20_000, "kept across restarts");
+    });
+}
+
+/// Sends arriving while a request is in flight (staggered over many round trips,
+/// several producer clones at once, `requests_in_flight_max` > 1) each answer long before a
+/// minute of linger, and every batch respects `batch_messages_max`.
+#[test]
+fn given_staggered_sends_on_a_busy_producer_then_none_waits_out_the_linger() {
+    let server = LeveeProcess::start(&["--queue-sync", "always"]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        for in_flight in [1, 3, 8] {
+            let producer = levee_client::Producer::new(
+                client.clone(),
+                levee_client::ProducerOptions {
+                    linger: Duration::from_secs(60),
+                    batch_messages_max: 3,
+                    requests_in_flight_max: in_flight,
+                    ..levee_client::ProducerOptions::default()
+                },
+            )
+            .unwrap();
+            let queue = format!("stagger-{in_flight}");
+            let mut tasks = Vec::new();
+            for index in 0..200_u64 {
+                let (producer, queue) = (producer.clone(), queue.clone());
+                tasks.push(tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_micros(300 * (index % 50))).await;
+                    tokio::time::timeout(
+                        Duration::from_secs(20),
+                        producer.send(queue.as_bytes(), &index.to_le_bytes()),
+                    )
+                    .await
+                    .expect("answered well before the minute of linger")
+                    .unwrap()
+                }));
+            }
+            drop(producer);
+            let mut offsets: Vec<u64> = Vec::new();
+            for task in tasks {
+                offsets.push(task.await.unwrap());
+            }
+            offsets.sort_unstable();
+            assert_eq!(offsets, (0..200).collect::<Vec<_>>());
+        }
     });
 }

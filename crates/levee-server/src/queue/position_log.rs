@@ -233,33 +233,49 @@ impl ConsumerLog {
             }
         }
         let _done = Done(&self.compacting);
-        let result = self.compact_now();
-        let snapshot = self.snapshot_entries.load(Ordering::Relaxed);
-        let step = self.compact_entries_min.max(2 * snapshot);
-        let mut writing = lock(&self.writing);
-        writing.due_at = if result.is_ok() {
-            step
-        } else {
-            writing.entries.saturating_add(step)
+        let step = || {
+            self.compact_entries_min
+                .max(2 * self.snapshot_entries.load(Ordering::Relaxed))
         };
-        drop(writing);
-        result
+        // Until it succeeds, the next attempt is due once as many entries came again (so one
+        // that fails, or panics, is not retried at every ack).
+        {
+            let mut writing = lock(&self.writing);
+            writing.due_at = writing.entries.saturating_add(step());
+        }
+        self.compact_now()?;
+        lock(&self.writing).due_at = step();
+        Ok(())
     }
 
     fn compact_now(&self) -> Result<(), WireError> {
-        let mut book = lock(&self.book);
-        self.load(&mut book)?;
-        if book.stale.is_empty() {
-            let mut writing = lock(&self.writing);
-            book.stale.push(writing.generation);
-            writing.generation += 1;
-            writing.entries = 0;
-        }
-        // Nothing is appended to the stale generations any more: read them to their end.
-        self.catch_up_all(&mut book)?;
-        let stale = book.stale.clone();
-        self.finish(&book, &stale)?;
-        book.stale.clear();
+        let (generation, records, stale) = {
+            let mut book = lock(&self.book);
+            self.load(&mut book)?;
+            if book.stale.is_empty() {
+                let mut writing = lock(&self.writing);
+                book.stale.push(writing.generation);
+                writing.generation += 1;
+                writing.entries = 0;
+            }
+            // Nothing is appended to the stale generations any more: read them to their end.
+            self.catch_up_all(&mut book)?;
+            let records = encode_records(
+                book.positions
+                    .iter()
+                    .map(|(queue, next)| (&queue[..], *next)),
+                self.record_bytes_max,
+            );
+            self.snapshot_entries
+                .store(book.positions.len() as u64, Ordering::Relaxed);
+            (book.generation, records, book.stale.clone())
+        };
+        // The writes run without the book's lock, so adds of the consumer's streams go on
+        // meanwhile: they read the snapshot's records too (positions only grow).
+        self.finish(generation, &records, &stale)?;
+        lock(&self.book)
+            .stale
+            .retain(|generation| !stale.contains(generation));
         self.compactions.inc();
         Ok(())
     }
@@ -343,6 +359,9 @@ impl ConsumerLog {
         let name = generation_queue(&self.consumer, book.generation);
         let mut flushed = false;
         let mut entries = 0;
+        // What was appended before the flush: acks appended during it are in the next round,
+        // not readable yet, and not needed (the callers need what was answered before them).
+        let mut target = 0;
         loop {
             let Some(info) = self
                 .store
@@ -372,7 +391,7 @@ impl ConsumerLog {
                 }
                 book.applied = batch.next_offset();
             }
-            if book.applied >= info.next_offset {
+            if book.applied >= info.next_offset || (flushed && book.applied >= target) {
                 return Ok(entries);
             }
             if flushed {
@@ -383,21 +402,16 @@ impl ConsumerLog {
                 )));
             }
             // Under `always` the newest records are readable once fsynced.
+            target = info.next_offset;
             self.store.flush().map_err(write_error)?;
             flushed = true;
         }
     }
 
-    /// Writes the book as a snapshot into its generation, waits until it is durable, points
-    /// the head at it, and deletes the `stale` generations.
-    fn finish(&self, book: &Book, stale: &[u64]) -> Result<(), WireError> {
-        let name = generation_queue(&self.consumer, book.generation);
-        let records = encode_records(
-            book.positions
-                .iter()
-                .map(|(queue, next)| (&queue[..], *next)),
-            self.record_bytes_max,
-        );
+    /// Writes a snapshot (`records`) into `generation`, waits until it is durable, points the
+    /// head at it, and deletes the `stale` generations.
+    fn finish(&self, generation: u64, records: &[Vec<u8>], stale: &[u64]) -> Result<(), WireError> {
+        let name = generation_queue(&self.consumer, generation);
         for chunk in records.chunks(64) {
             let batch: Vec<(&[u8], &[u8])> = chunk
                 .iter()
@@ -407,7 +421,7 @@ impl ConsumerLog {
         }
         self.store.flush().map_err(write_error)?;
         self.store
-            .append(&head_queue(&self.consumer), &book.generation.to_le_bytes())
+            .append(&head_queue(&self.consumer), &generation.to_le_bytes())
             .map_err(write_error)?;
         self.store.flush().map_err(write_error)?;
         for &generation in stale {
@@ -415,8 +429,6 @@ impl ConsumerLog {
                 .delete_queue(&generation_queue(&self.consumer, generation))
                 .map_err(write_error)?;
         }
-        self.snapshot_entries
-            .store(book.positions.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 }
@@ -930,5 +942,75 @@ mod tests {
         let all: Vec<Box<[u8]>> = queues.iter().map(|queue| queue.as_bytes().into()).collect();
         let back = logs(&store, 1_000).open("app").positions(&all).unwrap();
         assert_eq!(back, vec![10; 1_000], "acked positions after a reload");
+    }
+
+    // Adds and compactions while other streams of the consumer ack.
+
+    /// `threads` streams of the consumer acking "a"-queues as `MailboxAcks` does under
+    /// `always` (append, then wait for durability), until `stop`.
+    fn ackers(
+        store: &Arc<Store>,
+        log: &Arc<ConsumerLog>,
+        threads: usize,
+        stop: &Arc<AtomicBool>,
+    ) -> Vec<std::thread::JoinHandle<()>> {
+        (0..threads)
+            .map(|thread| {
+                let (store, log, stop) = (Arc::clone(store), Arc::clone(log), Arc::clone(stop));
+                std::thread::spawn(move || {
+                    let queue = format!("acked-{thread}");
+                    let mut next = 1;
+                    while !stop.load(Ordering::Relaxed) {
+                        let (ticket, _) =
+                            log.append([(queue.as_bytes(), next)].into_iter()).unwrap();
+                        store.wait_durable(ticket.unwrap()).unwrap();
+                        next += 1;
+                    }
+                })
+            })
+            .collect()
+    }
+
+    /// Runs `call` `times` times while four streams of the consumer ack; its errors.
+    fn failures_while_acking(
+        times: usize,
+        call: impl Fn(&ConsumerLog) -> Result<(), WireError>,
+    ) -> Vec<String> {
+        let directory = tempfile::tempdir().unwrap();
+        let store = open(directory.path(), SyncPolicy::Always);
+        let log = logs(&store, 1_000_000).open("app");
+        log.positions(&names(&["a"])).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let threads = ackers(&store, &log, 4, &stop);
+        let failures = (0..times)
+            .filter_map(|_| call(&log).err().map(|error| error.message))
+            .collect();
+        stop.store(true, Ordering::Relaxed);
+        for thread in threads {
+            thread.join().unwrap();
+        }
+        failures
+    }
+
+    #[test]
+    fn given_acks_on_another_stream_then_an_add_does_not_fail() {
+        let failures = failures_while_acking(300, |log| log.positions(&names(&["b"])).map(drop));
+        assert!(
+            failures.is_empty(),
+            "{} of 300 adds failed: {:?}",
+            failures.len(),
+            failures.first()
+        );
+    }
+
+    #[test]
+    fn given_steady_acks_then_compaction_succeeds() {
+        let failures = failures_while_acking(100, ConsumerLog::compact);
+        assert!(
+            failures.is_empty(),
+            "{} of 100 compactions failed: {:?}",
+            failures.len(),
+            failures.first()
+        );
     }
 }
