@@ -309,6 +309,21 @@ impl Client {
         self.send_append(request).await
     }
 
+    /// Appends messages already in their request form (the producer's batches), as
+    /// idempotent producer `producer_id` unless it is empty.
+    pub(crate) async fn append_messages(
+        &self,
+        messages: Vec<AppendMessage>,
+        producer_id: String,
+    ) -> Result<Vec<u64>, ClientError> {
+        let request = AppendRequest {
+            messages,
+            producer_id,
+            producer_name: self.producer_name(),
+        };
+        self.send_append(request).await
+    }
+
     async fn send_append(&self, request: AppendRequest) -> Result<Vec<u64>, ClientError> {
         Ok(self
             .queues_client()

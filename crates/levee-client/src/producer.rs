@@ -18,7 +18,7 @@
 use std::time::Duration;
 
 use levee_proto::WireError;
-use levee_proto::v1::ErrorCode;
+use levee_proto::v1::{AppendMessage, ErrorCode};
 use std::sync::Arc;
 
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
@@ -67,9 +67,8 @@ impl Default for ProducerOptions {
 }
 
 struct Pending {
-    queue: Vec<u8>,
-    payload: Vec<u8>,
-    sequence: u64,
+    /// The message as the request carries it (copied once, at `send`).
+    message: AppendMessage,
     answer: oneshot::Sender<Result<u64, ClientError>>,
 }
 
@@ -112,9 +111,11 @@ impl Producer {
     pub async fn send(&self, queue: &[u8], payload: &[u8]) -> Result<u64, ClientError> {
         let (answer, answered) = oneshot::channel();
         let pending = Pending {
-            queue: queue.to_vec(),
-            payload: payload.to_vec(),
-            sequence: 0,
+            message: AppendMessage {
+                queue: queue.to_vec(),
+                payload: levee_proto::Bytes::copy_from_slice(payload),
+                sequence: 0,
+            },
             answer,
         };
         let stopped = || WireError::new(ErrorCode::Unavailable, "the producer has stopped");
@@ -149,7 +150,7 @@ async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Recei
                 None => break,
             },
         };
-        let mut bytes = first.payload.len();
+        let mut bytes = first.message.payload.len();
         let mut batch = vec![first];
         let deadline = tokio::time::Instant::now() + options.linger;
         while batch.len() < options.batch_messages_max && bytes < options.batch_bytes_max {
@@ -170,17 +171,17 @@ async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Recei
                 }
             };
             let Some(next) = next else { break };
-            if bytes + next.payload.len() > options.batch_bytes_max {
+            if bytes + next.message.payload.len() > options.batch_bytes_max {
                 carried = Some(next);
                 break;
             }
-            bytes += next.payload.len();
+            bytes += next.message.payload.len();
             batch.push(next);
         }
         if producer_id.is_some() {
             for pending in &mut batch {
-                let next = sequences.entry(pending.queue.clone()).or_default();
-                pending.sequence = *next;
+                let next = sequences.entry(pending.message.queue.clone()).or_default();
+                pending.message.sequence = *next;
                 *next += 1;
             }
         }
@@ -221,23 +222,20 @@ async fn send_batch(
     producer_id: Option<&str>,
     retries_max: u32,
 ) {
+    let (messages, answers): (Vec<AppendMessage>, Vec<_>) = batch
+        .into_iter()
+        .map(|pending| (pending.message, pending.answer))
+        .unzip();
     let result = match producer_id {
-        None => {
-            let messages: Vec<(&[u8], &[u8])> = batch
-                .iter()
-                .map(|pending| (&pending.queue[..], &pending.payload[..]))
-                .collect();
-            client.append_batch(&messages).await
-        }
+        None => client.append_messages(messages, String::new()).await,
         Some(producer_id) => {
-            let messages: Vec<(&[u8], &[u8], u64)> = batch
-                .iter()
-                .map(|pending| (&pending.queue[..], &pending.payload[..], pending.sequence))
-                .collect();
             let mut backoff = Duration::from_millis(10);
             let mut attempt = 0;
             loop {
-                let result = client.append_idempotent(producer_id, &messages).await;
+                // A resend carries the same messages (payloads shared, not copied).
+                let result = client
+                    .append_messages(messages.clone(), producer_id.to_owned())
+                    .await;
                 match result {
                     Err(error) if attempt < retries_max && is_retryable(&error) => {
                         attempt += 1;
@@ -251,8 +249,8 @@ async fn send_batch(
     };
     match result {
         Ok(offsets) => {
-            for (pending, offset) in batch.into_iter().zip(offsets) {
-                let _ = pending.answer.send(Ok(offset));
+            for (answer, offset) in answers.into_iter().zip(offsets) {
+                let _ = answer.send(Ok(offset));
             }
         }
         Err(error) => {
@@ -261,10 +259,8 @@ async fn send_batch(
                 ClientError::Server(wire) => wire,
                 other => WireError::new(ErrorCode::Unavailable, other.to_string()),
             };
-            for pending in batch {
-                let _ = pending
-                    .answer
-                    .send(Err(ClientError::Server(failed.clone())));
+            for answer in answers {
+                let _ = answer.send(Err(ClientError::Server(failed.clone())));
             }
         }
     }

@@ -207,9 +207,9 @@ pub(super) async fn next_send(pace: &mut Option<tokio::time::Interval>) -> Optio
 
 /// A payload that starts with its send time in microseconds since `epoch`.
 pub(super) fn stamped_payload(epoch: Instant, bytes: usize) -> anyhow::Result<Vec<u8>> {
-    let mut payload = u64::try_from(epoch.elapsed().as_micros())?
-        .to_le_bytes()
-        .to_vec();
+    let stamp = u64::try_from(epoch.elapsed().as_micros())?.to_le_bytes();
+    let mut payload = Vec::with_capacity(bytes);
+    payload.extend_from_slice(&stamp);
     payload.resize(bytes, 0x5a);
     Ok(payload)
 }
