@@ -529,4 +529,7 @@ fn given_staggered_sends_on_a_busy_producer_then_none_waits_out_the_linger() {
             assert_eq!(offsets, (0..200).collect::<Vec<_>>());
         }
     });
+    // At most 3 messages a request: at least 67 requests for each producer's 200 sends.
+    let requests = append_requests(&server);
+    assert!(requests >= 3 * 67, "{requests} requests for 600 sends");
 }
