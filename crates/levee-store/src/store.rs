@@ -977,6 +977,7 @@ impl Inner {
         let round = shard.log_round;
         let completed = self.completed_round.load(Ordering::SeqCst);
         wakes.clear();
+        warm_queues(&shard.queues, run.iter().map(|&(_, index)| batch[index].0));
         let mut start = 0;
         while start < run.len() {
             let queue = batch[run[start].1].0;
@@ -1353,4 +1354,19 @@ fn read_record(
     out.resize(total, 0);
     file.read_at(position + read as u64, &mut out[read..])
         .map_err(|error| storage_error(error.to_string()))
+}
+
+/// Looks up each queue of a run and reads the end of its write buffer, only to bring them into
+/// the cache: these loads do not depend on each other, so the CPU overlaps their misses, where
+/// the appending loop, one queue after another, waits for each in turn (with 100,000 queues
+/// appended to round-robin, the first touch of a queue's map entry was 10% of the put's CPU).
+fn warm_queues<'a>(queues: &QueueMap, names: impl Iterator<Item = &'a [u8]>) {
+    let mut touched = 0_u8;
+    for name in names {
+        if let Some(buffer) = queues.get(name).and_then(|state| state.buffer.as_ref()) {
+            touched ^= buffer.data.last().copied().unwrap_or(0);
+        }
+    }
+    // Keeps the loads from being optimised away.
+    std::hint::black_box(touched);
 }

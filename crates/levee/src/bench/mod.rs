@@ -44,6 +44,26 @@ pub mod redis_baseline {
     }
 }
 
+/// CPU time a process has used so far, user and system, all threads, in seconds; `process` is
+/// a pid or `self` (0 if unknown). From `/proc/PID/stat` (fields 14 and 15), in the kernel's
+/// `USER_HZ` ticks, which Linux fixes at 100 per second for user space on every architecture we
+/// build for: a resolution of 10 ms, fine for phases of seconds.
+pub fn cpu_seconds(process: &str) -> f64 {
+    const USER_HZ: f64 = 100.0;
+    std::fs::read_to_string(format!("/proc/{process}/stat"))
+        .ok()
+        .and_then(|stat| {
+            // The command name (field 2) is in parentheses and may hold spaces: count the
+            // fields after its closing parenthesis, which is field 3.
+            let rest = &stat[stat.rfind(')')? + 1..];
+            let mut fields = rest.split_whitespace().skip(11);
+            let user: u64 = fields.next()?.parse().ok()?;
+            let system: u64 = fields.next()?.parse().ok()?;
+            Some((user + system) as f64 / USER_HZ)
+        })
+        .unwrap_or(0.0)
+}
+
 /// A process's peak resident memory (`VmHWM`) in bytes; `process` is a pid or `self` (0 if
 /// unknown).
 pub fn peak_rss_bytes(process: &str) -> u64 {
@@ -54,4 +74,29 @@ pub fn peak_rss_bytes(process: &str) -> u64 {
             line.split_whitespace().nth(1)?.parse::<u64>().ok()
         })
         .map_or(0, |kibibytes| kibibytes * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    /// Spinning on this thread raises the process's CPU time as read from `/proc`.
+    #[test]
+    fn cpu_seconds_counts_this_process() {
+        let before = super::cpu_seconds("self");
+        let started = Instant::now();
+        let mut spins = 0_u64;
+        while super::cpu_seconds("self") - before < 0.05
+            && started.elapsed() < Duration::from_secs(20)
+        {
+            spins = std::hint::black_box(spins.wrapping_add(1));
+        }
+        let used = super::cpu_seconds("self") - before;
+        assert!(used >= 0.05, "{used} s of CPU after {spins} spins");
+        assert!(
+            used < started.elapsed().as_secs_f64() * 64.0 + 1.0,
+            "{used}"
+        );
+        assert!(super::cpu_seconds("no-such-process").abs() < f64::EPSILON);
+    }
 }

@@ -250,11 +250,13 @@ fn run_phases(args: &StoreBenchArgs, target: &dyn BenchTarget) -> anyhow::Result
     let stored = per_queue * args.queues;
     let fsyncs_before = target.fsyncs();
     let put_started = Instant::now();
+    let cpu_before = super::cpu_seconds("self");
     put_phase(args, target, per_queue)?;
     // The put ends when every message is on disk: under `interval` the store would otherwise
     // still be writing the last rounds during the checks, slowing them and flattering the put.
     target.flush()?;
     let put_s = put_started.elapsed().as_secs_f64();
+    let put_cpu_s = super::cpu_seconds("self") - cpu_before;
     let fsyncs = target.fsyncs() - fsyncs_before;
 
     let random_started = Instant::now();
@@ -275,6 +277,10 @@ fn run_phases(args: &StoreBenchArgs, target: &dyn BenchTarget) -> anyhow::Result
         "put_s": put_s,
         "put_messages_per_s": stored as f64 / put_s,
         "put_mb_per_s": put_bytes / put_s / 1e6,
+        // The whole process (load generator and store): on a shared machine whose speed varies
+        // from run to run, CPU per message moves less than messages per second.
+        "put_cpu_s": put_cpu_s,
+        "put_cpu_us_per_message": put_cpu_s * 1e6 / stored as f64,
         "fsyncs": fsyncs,
         "random_check_s": random_s,
         "random_check_gets_per_s": args.queues as f64 / random_s,
