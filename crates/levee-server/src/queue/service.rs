@@ -128,14 +128,10 @@ impl QueueService {
             })
     }
 
-    /// Wakes the subscriptions of each queue appended to, once per queue.
+    /// Wakes the subscriptions of each queue appended to.
     fn wake_each<'a>(&self, queues: impl Iterator<Item = &'a [u8]>) {
-        let mut queues: Vec<&[u8]> = queues.collect();
-        queues.sort_unstable();
-        queues.dedup();
-        for queue in queues {
-            self.waiters.wake(queue);
-        }
+        let queues: Vec<&[u8]> = queues.collect();
+        self.waiters.wake_all(&queues);
     }
 
     /// Appends through the idempotent-producer table: resent runs are answered from memory.

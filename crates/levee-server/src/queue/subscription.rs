@@ -105,8 +105,15 @@ pub struct Inbox {
 }
 
 impl Inbox {
-    fn wake(&self, mailbox: u32) {
-        if lock(&self.ready).insert(mailbox) {
+    /// Adds `mailboxes` to the ready set; notifies the stream if one was not there yet.
+    fn wake_many(&self, mailboxes: impl Iterator<Item = u32>) {
+        let mut ready = lock(&self.ready);
+        let mut added = false;
+        for mailbox in mailboxes {
+            added |= ready.insert(mailbox);
+        }
+        drop(ready);
+        if added {
             self.notify.notify_one();
         }
     }
@@ -171,18 +178,48 @@ impl Waiters {
 
     /// Wakes the subscriptions of `queue`, if any.
     pub fn wake(&self, queue: &[u8]) {
+        self.wake_all(&[queue]);
+    }
+
+    /// Wakes the subscriptions of every queue in `queues` (a queue named twice is woken once
+    /// more, which costs a lookup and nothing else): one lock of the
+    /// registry for all of them, and one of each stream's ready set however many of its
+    /// mailboxes grew.
+    pub fn wake_all(&self, queues: &[&[u8]]) {
+        let mut woken: Vec<(usize, &Weak<Inbox>, u32)> = Vec::new();
         let map = lock(&self.queues);
-        let Some(watchers) = map.entries.get(queue) else {
-            return;
-        };
-        if let Some(notify) = watchers.notify.upgrade() {
-            notify.notify_waiters();
+        // Looked up once first only to bring the entries into the cache: these lookups do not
+        // depend on each other, so their misses overlap (a million mailboxes miss on every one).
+        let mut touched = 0_usize;
+        for queue in queues {
+            touched ^= map
+                .entries
+                .get(*queue)
+                .map_or(0, |watchers| watchers.inboxes.len());
         }
-        for (inbox, mailbox) in &watchers.inboxes {
-            if let Some(inbox) = inbox.upgrade() {
-                inbox.wake(*mailbox);
+        std::hint::black_box(touched);
+        for queue in queues {
+            let Some(watchers) = map.entries.get(*queue) else {
+                continue;
+            };
+            if let Some(notify) = watchers.notify.upgrade() {
+                notify.notify_waiters();
+            }
+            woken.extend(
+                watchers
+                    .inboxes
+                    .iter()
+                    .map(|(inbox, mailbox)| (inbox.as_ptr() as usize, inbox, *mailbox)),
+            );
+        }
+        // Grouped by stream (the sort is stable for equal pointers, not needed for sets).
+        woken.sort_unstable_by_key(|(inbox, _, _)| *inbox);
+        for group in woken.chunk_by(|a, b| a.0 == b.0) {
+            if let Some(inbox) = group[0].1.upgrade() {
+                inbox.wake_many(group.iter().map(|(_, _, mailbox)| *mailbox));
             }
         }
+        drop(map);
     }
 
     /// Queues registered now (live or not yet pruned).
@@ -619,6 +656,48 @@ mod tests {
         waiters.wake(b"b");
         assert!(one.take().is_empty());
         assert_eq!(two.take().len(), 1);
+    }
+
+    #[test]
+    fn given_one_wake_for_many_queues_then_each_inbox_gets_its_mailboxes_and_one_permit() {
+        let waiters = Waiters::default();
+        let (one, two) = (Arc::new(Inbox::default()), Arc::new(Inbox::default()));
+        waiters
+            .add_mailboxes(&one, 0, &names(&["a", "b", "c"]))
+            .unwrap();
+        waiters.add_mailboxes(&two, 7, &names(&["b", "d"])).unwrap();
+        let single = waiters.register(b"d");
+        // Interleaved inboxes, a name twice, an unknown name.
+        waiters.wake_all(&[b"d", b"a", b"b", b"unknown", b"a", b"c"]);
+        let sorted = |inbox: &Inbox| {
+            let mut woken: Vec<u32> = inbox.take().into_iter().collect();
+            woken.sort_unstable();
+            woken
+        };
+        // Whether a wait on `notify` would end at once (a permit is stored, or it was woken).
+        let ready = |notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>| {
+            let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+            std::future::Future::poll(notified, &mut context).is_ready()
+        };
+        for inbox in [&one, &two] {
+            assert!(ready(std::pin::pin!(inbox.notify.notified())));
+            assert!(
+                !ready(std::pin::pin!(inbox.notify.notified())),
+                "one permit, not one per mailbox"
+            );
+        }
+        assert_eq!(sorted(&one), vec![0, 1, 2]);
+        assert_eq!(sorted(&two), vec![7, 8]);
+        // The single subscription of "d" is woken too (`notify_waiters` wakes those waiting).
+        let mut notified = std::pin::pin!(single.notified());
+        notified.as_mut().enable();
+        waiters.wake_all(&[b"d"]);
+        assert!(ready(notified));
+        assert_eq!(sorted(&two), vec![8]);
+        assert!(sorted(&one).is_empty());
+        // Nothing woken: no set grows.
+        waiters.wake_all(&[]);
+        assert!(sorted(&one).is_empty() && sorted(&two).is_empty());
     }
 
     #[test]
