@@ -977,7 +977,9 @@ impl Inner {
         let round = shard.log_round;
         let completed = self.completed_round.load(Ordering::SeqCst);
         wakes.clear();
-        warm_queues(&shard.queues, run.iter().map(|&(_, index)| batch[index].0));
+        if run.len() > 1 {
+            warm_queues(&shard.queues, run.iter().map(|&(_, index)| batch[index].0));
+        }
         let mut start = 0;
         while start < run.len() {
             let queue = batch[run[start].1].0;
