@@ -137,6 +137,8 @@ pub struct Metrics {
     pub queue_messages_read: Counter,
     /// Messages pushed to subscriptions (redeliveries included).
     pub queue_messages_delivered: Counter,
+    /// Of those, mailbox messages handed to their stream by the append (not read back).
+    pub queue_messages_handed_over: Counter,
     /// Queues subscribed on `SubscribeMany` streams (mailboxes), over all streams.
     pub queue_mailboxes_subscribed: Gauge,
     /// Compactions of consumers' position logs (`SubscribeMany` acks).
@@ -305,6 +307,12 @@ impl Metrics {
                 registry_ref,
                 "levee_queue_messages_delivered",
                 "messages pushed to subscriptions, redeliveries included",
+                Counter::default(),
+            ),
+            queue_messages_handed_over: registered(
+                registry_ref,
+                "levee_queue_messages_handed_over",
+                "mailbox messages delivered as their append handed them over, without a store read",
                 Counter::default(),
             ),
             queue_position_log_compactions: registered(

@@ -29,17 +29,22 @@ async fn within<T>(future: impl std::future::Future<Output = T>, line: u32) -> T
 
 /// Takes `count` deliveries: (mailbox, offset, payload) in arrival order.
 async fn take(mailboxes: &mut Mailboxes, count: usize) -> Vec<(u32, u64, String)> {
+    take_raw(mailboxes, count)
+        .await
+        .into_iter()
+        .map(|(mailbox, offset, payload)| (mailbox, offset, String::from_utf8(payload).unwrap()))
+        .collect()
+}
+
+/// Takes `count` deliveries: (mailbox, offset, payload bytes) in arrival order.
+async fn take_raw(mailboxes: &mut Mailboxes, count: usize) -> Vec<(u32, u64, Vec<u8>)> {
     let mut taken = Vec::new();
     while taken.len() < count {
         let delivery = within(mailboxes.next(), line!())
             .await
             .unwrap()
             .expect("the stream ended");
-        taken.push((
-            delivery.mailbox,
-            delivery.offset,
-            String::from_utf8(delivery.payload.to_vec()).unwrap(),
-        ));
+        taken.push((delivery.mailbox, delivery.offset, delivery.payload.to_vec()));
     }
     taken
 }
@@ -144,12 +149,12 @@ fn expected(queue: &str, from: u64, to: u64) -> Vec<(u64, String)> {
         .collect()
 }
 
-/// The server's `levee_queue_position_log_compactions_total`.
-fn compactions(server: &LeveeProcess) -> u64 {
+/// The server's counter `name` (0 if it is not exposed).
+fn counter(server: &LeveeProcess, name: &str) -> u64 {
     let (_, metrics) = http_get(server.admin_addr, "/metrics");
     metrics
         .lines()
-        .find_map(|line| line.strip_prefix("levee_queue_position_log_compactions_total "))
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
         .and_then(|value| value.parse().ok())
         .unwrap_or(0)
 }
@@ -186,7 +191,7 @@ fn given_acks_across_position_log_compactions_then_a_kill_keeps_every_acked_posi
         }
     });
     wait_for("two position log compactions", WAIT, || {
-        compactions(&server) >= 2
+        counter(&server, "levee_queue_position_log_compactions_total") >= 2
     });
     server.signal("KILL");
     server.wait_exit(WAIT);
@@ -292,6 +297,112 @@ fn given_many_mailboxes_then_each_gets_its_messages_in_order_and_acks_survive_a_
             .await
             .unwrap();
         assert_eq!(take(&mut audit, 5).await[0].1, 0);
+    });
+}
+
+/// The payload of message `index` sent by producer task `task`: every 37th is larger than a
+/// message an append hands over with its wake-up, so it is read back from the store.
+fn racing_payload(task: usize, index: usize) -> Vec<u8> {
+    let mut payload = format!("t{task}-{index}").into_bytes();
+    if (task * 1_000 + index).is_multiple_of(37) {
+        payload.resize(5 << 10, b'x');
+    }
+    payload
+}
+
+#[test]
+fn given_appends_racing_on_shared_mailboxes_then_each_message_arrives_once_in_order() {
+    const QUEUES: usize = 8;
+    const TASKS: usize = 16;
+    const PER_TASK: usize = 100;
+    let server = LeveeProcess::start(&[]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        let names: Vec<String> = (0..QUEUES).map(|queue| format!("race-{queue}")).collect();
+        let mut mailboxes = client.subscribe_many("app", 50).await.unwrap();
+        let queues: Vec<&[u8]> = names.iter().map(String::as_bytes).collect();
+        within(mailboxes.add(&queues), line!()).await.unwrap();
+        // Many tasks through one batching producer with several requests in flight: appends
+        // to one queue from different requests wake its stream in any order.
+        let producer =
+            levee_client::Producer::new(client.clone(), levee_client::ProducerOptions::default())
+                .unwrap();
+        let mut tasks = Vec::new();
+        for task in 0..TASKS {
+            let (producer, names) = (producer.clone(), names.clone());
+            tasks.push(tokio::spawn(async move {
+                for index in 0..PER_TASK {
+                    let queue = &names[(task + index) % QUEUES];
+                    producer
+                        .send(queue.as_bytes(), &racing_payload(task, index))
+                        .await
+                        .unwrap();
+                }
+            }));
+        }
+        let deliveries = take_raw(&mut mailboxes, TASKS * PER_TASK).await;
+        for task in tasks {
+            task.await.unwrap();
+        }
+        assert_quiet(&mut mailboxes, line!()).await;
+        // Each mailbox: every offset once, in order, with the payload the queue holds there.
+        let mut grouped: HashMap<u32, Vec<(u64, Vec<u8>)>> = HashMap::new();
+        for (mailbox, offset, payload) in deliveries {
+            grouped.entry(mailbox).or_default().push((offset, payload));
+        }
+        assert_eq!(grouped.len(), QUEUES);
+        for (mailbox, got) in &grouped {
+            let queue = names[*mailbox as usize].as_bytes();
+            let stored = client.read(queue, 0, 1_000, 4 << 20).await.unwrap();
+            let offsets: Vec<u64> = got.iter().map(|(offset, _)| *offset).collect();
+            let count = stored.payloads.len() as u64;
+            assert_eq!(
+                count,
+                (TASKS * PER_TASK / QUEUES) as u64,
+                "mailbox {mailbox}"
+            );
+            assert_eq!(offsets, (0..count).collect::<Vec<_>>(), "mailbox {mailbox}");
+            for ((offset, payload), want) in got.iter().zip(&stored.payloads) {
+                assert_eq!(payload, &want.to_vec(), "mailbox {mailbox} offset {offset}");
+            }
+        }
+    });
+    let large = (0..TASKS)
+        .flat_map(|task| (0..PER_TASK).map(move |index| racing_payload(task, index).len()))
+        .filter(|len| *len > 4 << 10)
+        .count() as u64;
+    let handed = counter(&server, "levee_queue_messages_handed_over_total");
+    assert!(
+        handed > 0 && handed <= (TASKS * PER_TASK) as u64 - large,
+        "handed over {handed} of {} ({large} too large to hand over)",
+        TASKS * PER_TASK
+    );
+}
+
+#[test]
+fn given_appends_after_a_raw_stream_subscribed_then_delivery_stops_at_its_credit() {
+    let server = LeveeProcess::start(&[]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        let (requests, mut responses) =
+            raw_stream(&server.grpc(), "slow", 5, &["h-0", "h-1"]).await;
+        // Nothing yet; the adds are registered once the stream answers nothing for a while.
+        assert_eq!(within(delivered(&mut responses), line!()).await, 0);
+        for queue in ["h-0", "h-1"] {
+            append(&client, queue, 0, 6).await;
+        }
+        assert_eq!(within(delivered(&mut responses), line!()).await, 5);
+        for (messages, expected) in [(3, 3), (100, 4)] {
+            requests
+                .send(SubscribeManyRequest {
+                    kind: Some(Kind::Credit(Credit { messages, bytes: 0 })),
+                })
+                .await
+                .unwrap();
+            assert_eq!(within(delivered(&mut responses), line!()).await, expected);
+        }
     });
 }
 

@@ -30,7 +30,8 @@ use tonic::{Status, Streaming};
 use super::StoreCalls;
 use super::position_log::{ConsumerLog, PositionLogs};
 use super::subscription::{
-    Inbox, ROUND_BYTES_MAX, StreamCredit, Waiters, check_consumer_and_credit, check_queue_name,
+    Hints, Inbox, ROUND_BYTES_MAX, StreamCredit, Waiters, check_consumer_and_credit,
+    check_queue_name,
 };
 
 /// Most mailboxes on one stream.
@@ -78,6 +79,8 @@ pub struct ManyContext {
     pub positions: Arc<PositionLogs>,
     /// Messages pushed to subscriptions.
     pub delivered: Counter,
+    /// Of those, messages handed over by their append (not read back from the store).
+    pub handed_over: Counter,
     /// Mailboxes over all streams (also the server-wide bound's count).
     pub mailboxes: Gauge,
     /// Turns true when the server shuts down.
@@ -147,8 +150,8 @@ impl ManySession {
     async fn serve(&mut self) -> Result<(), WireError> {
         let mut closing = self.context.closing.clone();
         loop {
-            self.take_woken();
-            if !self.deliver().await? {
+            let hints = self.take_woken();
+            if !self.deliver(hints).await? {
                 return Ok(());
             }
             let busy = self.credit.is_open() && !self.todo.is_empty();
@@ -176,9 +179,11 @@ impl ManySession {
         }
     }
 
-    /// Moves the mailboxes woken since the last look to the to-do list.
-    fn take_woken(&mut self) {
-        for number in self.inbox.take() {
+    /// Moves the mailboxes woken since the last look to the to-do list; returns the messages
+    /// handed over with the wake-ups.
+    fn take_woken(&mut self) -> Hints {
+        let woken = self.inbox.take();
+        for number in woken.mailboxes {
             if let Some(mailbox) = self.mailboxes.get_mut(&number)
                 && !mailbox.scheduled
             {
@@ -186,14 +191,59 @@ impl ManySession {
                 self.todo.push_back(number);
             }
         }
+        woken.hints
     }
 
-    /// One delivery round within the credit: mailboxes in turn, each read from its next offset
-    /// (inline: the store's index and page cache); a mailbox not caught up goes to the back of
-    /// the list. Returns false if the client is gone.
-    async fn deliver(&mut self) -> Result<bool, WireError> {
-        let mut deliveries = Vec::new();
+    /// Delivers the handed-over messages that are their mailbox's next one, within the credit
+    /// and the round's bounds; a mailbox whose message cannot go now, or that is behind (an
+    /// earlier message was not handed over, or comes later), is put on the to-do list to be
+    /// read from the store. A message already delivered by a read is dropped.
+    fn deliver_hinted(
+        &mut self,
+        hints: Hints,
+        deliveries: &mut Vec<MailboxDelivery>,
+        bytes: &mut u32,
+    ) {
+        let data = levee_proto::Bytes::from(hints.data);
+        let mut start = 0;
+        for (number, offset, end) in hints.entries {
+            let payload = start..end;
+            start = end;
+            let Some(mailbox) = self.mailboxes.get_mut(&number) else {
+                continue;
+            };
+            if offset < mailbox.next {
+                continue;
+            }
+            let room = self.credit.is_open()
+                && deliveries.len() < ROUND_MESSAGES_MAX as usize
+                && *bytes < ROUND_BYTES_MAX;
+            if offset == mailbox.next && room {
+                let len = payload.len();
+                deliveries.push(MailboxDelivery {
+                    mailbox: number,
+                    offset,
+                    payload: data.slice(payload),
+                });
+                self.credit.spend(1, len);
+                *bytes = bytes.saturating_add(u32::try_from(len).unwrap_or(u32::MAX));
+                mailbox.next = offset + 1;
+                self.context.handed_over.inc();
+            } else if !mailbox.scheduled {
+                mailbox.scheduled = true;
+                self.todo.push_back(number);
+            }
+        }
+    }
+
+    /// One delivery round within the credit: first the messages handed over with the
+    /// wake-ups, then the mailboxes in turn, each read from its next offset (inline: the
+    /// store's index and page cache); a mailbox not caught up goes to the back of the list.
+    /// Returns false if the client is gone.
+    async fn deliver(&mut self, hints: Hints) -> Result<bool, WireError> {
+        let mut deliveries = Vec::with_capacity(hints.entries.len());
         let mut bytes = 0_u32;
+        self.deliver_hinted(hints, &mut deliveries, &mut bytes);
         let mut turns = self.todo.len();
         while self.credit.is_open() && turns > 0 {
             turns -= 1;

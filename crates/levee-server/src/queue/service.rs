@@ -22,7 +22,8 @@ use tokio::sync::{Semaphore, mpsc, watch};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::subscription::{
-    RESERVED_PREFIX, RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX, Session, Waiters, check_start,
+    Appended, RESERVED_PREFIX, RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX, Session, Waiters,
+    check_start,
 };
 
 use super::mailboxes::{self, ManyContext, ManySession};
@@ -257,6 +258,7 @@ impl Queues for QueueService {
             waiters: Arc::clone(&self.waiters),
             positions: Arc::clone(&self.positions),
             delivered: self.metrics.queue_messages_delivered.clone(),
+            handed_over: self.metrics.queue_messages_handed_over.clone(),
             mailboxes: self.metrics.queue_mailboxes_subscribed.clone(),
             closing: self.closing.clone(),
         };
@@ -294,7 +296,18 @@ impl Queues for QueueService {
                 .map(|message| (message.queue.as_slice(), &message.payload[..]))
                 .collect();
             let offsets = self.calls.append_batch(&batch).await?;
-            self.wake_each(batch.iter().map(|(queue, _)| *queue));
+            // Visible to readers now (durable under `always`): caught-up mailboxes get the
+            // messages with their wake-ups instead of reading them back.
+            let appended: Vec<Appended<'_>> = batch
+                .iter()
+                .zip(&offsets)
+                .map(|(&(queue, payload), &offset)| Appended {
+                    queue,
+                    offset,
+                    payload,
+                })
+                .collect();
+            self.waiters.wake_appended(&appended);
             offsets
         } else {
             let sequenced: Vec<SequencedMessage> = messages

@@ -95,31 +95,94 @@ impl Default for Waiters {
 /// A set of mailbox numbers.
 pub type MailboxSet = std::collections::HashSet<u32, foldhash::fast::RandomState>;
 
-/// A many-queue stream's wake-ups: the mailbox numbers whose queues grew since it last looked.
-/// Bounded by the stream's mailboxes (a number is held once).
+/// Most payload bytes of a message an append hands to a stream with its wake-up; a larger one
+/// is read from the store.
+pub const HINT_PAYLOAD_BYTES_MAX: usize = 4 << 10;
+/// Most payload bytes a stream's inbox holds handed over; past it, wake-ups carry no message.
+pub const HINT_BYTES_MAX: usize = 256 << 10;
+/// Most messages a stream's inbox holds handed over.
+pub const HINTS_MAX: usize = 4_096;
+
+/// A message an append has just made visible to readers (durable under `always`).
+#[derive(Debug, Clone, Copy)]
+pub struct Appended<'a> {
+    /// Its queue.
+    pub queue: &'a [u8],
+    /// Its offset.
+    pub offset: u64,
+    /// Its payload.
+    pub payload: &'a [u8],
+}
+
+/// Messages handed to a stream with their wake-ups, so that a caught-up mailbox gets them
+/// without reading them back from the store: (mailbox, offset, end of the payload in
+/// `data`), in the order the appends woke the stream. Bounded by [`HINTS_MAX`] and
+/// [`HINT_BYTES_MAX`].
+#[derive(Debug, Default)]
+pub struct Hints {
+    /// Each message's mailbox number, offset and the end of its payload in `data` (it starts
+    /// where the previous one ends).
+    pub entries: Vec<(u32, u64, usize)>,
+    /// The payloads back to back.
+    pub data: Vec<u8>,
+}
+
+/// What a stream was told since it last looked.
+#[derive(Debug, Default)]
+pub struct Woken {
+    /// Mailboxes whose queues grew (read them from their next offset).
+    pub mailboxes: MailboxSet,
+    /// Messages handed over.
+    pub hints: Hints,
+}
+
+impl Woken {
+    fn is_empty(&self) -> bool {
+        self.mailboxes.is_empty() && self.hints.entries.is_empty()
+    }
+}
+
+/// A many-queue stream's wake-ups: the mailbox numbers whose queues grew since it last looked,
+/// and (bounded) the messages that grew them. Bounded by the stream's mailboxes (a number is
+/// held once) and the hint bounds.
 #[derive(Debug, Default)]
 pub struct Inbox {
-    ready: Mutex<MailboxSet>,
-    /// Notified (one permit kept) when a number is added.
+    ready: Mutex<Woken>,
+    /// Notified (one permit kept) when the inbox stops being empty.
     pub notify: Notify,
 }
 
 impl Inbox {
-    /// Adds `mailboxes` to the ready set; notifies the stream if one was not there yet.
-    fn wake_many(&self, mailboxes: impl Iterator<Item = u32>) {
+    /// Adds mailboxes to the ready set, or hands their message over when it has one (and the
+    /// hint bounds allow); notifies the stream if the inbox was empty.
+    fn wake_many<'a>(&self, mailboxes: impl Iterator<Item = (u32, Option<(u64, &'a [u8])>)>) {
         let mut ready = lock(&self.ready);
-        let mut added = false;
-        for mailbox in mailboxes {
-            added |= ready.insert(mailbox);
+        let was_empty = ready.is_empty();
+        for (mailbox, message) in mailboxes {
+            let hints = &mut ready.hints;
+            match message {
+                Some((offset, payload))
+                    if payload.len() <= HINT_PAYLOAD_BYTES_MAX
+                        && hints.entries.len() < HINTS_MAX
+                        && hints.data.len() + payload.len() <= HINT_BYTES_MAX =>
+                {
+                    hints.data.extend_from_slice(payload);
+                    hints.entries.push((mailbox, offset, hints.data.len()));
+                }
+                _ => {
+                    ready.mailboxes.insert(mailbox);
+                }
+            }
         }
+        let now_empty = ready.is_empty();
         drop(ready);
-        if added {
+        if was_empty && !now_empty {
             self.notify.notify_one();
         }
     }
 
-    /// Takes the numbers woken since the last call.
-    pub fn take(&self) -> MailboxSet {
+    /// Takes what was woken since the last call.
+    pub fn take(&self) -> Woken {
         std::mem::take(&mut *lock(&self.ready))
     }
 }
@@ -185,23 +248,43 @@ impl Waiters {
     /// more, which costs a lookup and nothing else): one lock of the registry for all of them,
     /// and one of each stream's ready set however many of its mailboxes grew.
     pub fn wake_all(&self, queues: &[&[u8]]) {
-        let mut woken: Vec<(usize, &Weak<Inbox>, u32)> = Vec::new();
+        self.wake_inner(queues.iter().map(|queue| (*queue, None)), queues.len());
+    }
+
+    /// As [`Self::wake_all`] for the queues of `appended`, handing each stream the messages of
+    /// its mailboxes (within the hint bounds), in the order given.
+    pub fn wake_appended(&self, appended: &[Appended<'_>]) {
+        self.wake_inner(
+            appended
+                .iter()
+                .map(|message| (message.queue, Some((message.offset, message.payload)))),
+            appended.len(),
+        );
+    }
+
+    fn wake_inner<'a>(
+        &self,
+        queues: impl Iterator<Item = (&'a [u8], Option<(u64, &'a [u8])>)> + Clone,
+        count: usize,
+    ) {
+        type Wake<'w, 'a> = (usize, &'w Weak<Inbox>, u32, Option<(u64, &'a [u8])>);
         let map = lock(&self.queues);
-        if queues.len() > 1 {
+        if count > 1 {
             // Looked up once first only to bring the entries into the cache: these lookups do
             // not depend on each other, so their misses overlap (at a million mailboxes every
             // one misses).
             let mut touched = 0_usize;
-            for queue in queues {
+            for (queue, _) in queues.clone() {
                 touched ^= map
                     .entries
-                    .get(*queue)
+                    .get(queue)
                     .map_or(0, |watchers| watchers.inboxes.len());
             }
             std::hint::black_box(touched);
         }
-        for queue in queues {
-            let Some(watchers) = map.entries.get(*queue) else {
+        let mut woken: Vec<Wake<'_, 'a>> = Vec::with_capacity(count);
+        for (queue, message) in queues {
+            let Some(watchers) = map.entries.get(queue) else {
                 continue;
             };
             if let Some(notify) = watchers.notify.upgrade() {
@@ -211,14 +294,19 @@ impl Waiters {
                 watchers
                     .inboxes
                     .iter()
-                    .map(|(inbox, mailbox)| (inbox.as_ptr() as usize, inbox, *mailbox)),
+                    .map(|(inbox, mailbox)| (inbox.as_ptr() as usize, inbox, *mailbox, message)),
             );
         }
-        // Grouped by stream; the order within a stream does not matter (its ready set is a set).
-        woken.sort_unstable_by_key(|(inbox, _, _)| *inbox);
+        // Grouped by stream, keeping the order within each (a stable sort): a mailbox's
+        // messages are handed over in offset order.
+        woken.sort_by_key(|(inbox, ..)| *inbox);
         for group in woken.chunk_by(|a, b| a.0 == b.0) {
             if let Some(inbox) = group[0].1.upgrade() {
-                inbox.wake_many(group.iter().map(|(_, _, mailbox)| *mailbox));
+                inbox.wake_many(
+                    group
+                        .iter()
+                        .map(|(_, _, mailbox, message)| (*mailbox, *message)),
+                );
             }
         }
         drop(map);
@@ -648,16 +736,88 @@ mod tests {
         }
         waiters.wake(b"a");
         waiters.wake(b"unknown");
-        let mut woken: Vec<u32> = one.take().into_iter().collect();
+        let mut woken: Vec<u32> = one.take().mailboxes.into_iter().collect();
         woken.sort_unstable();
         assert_eq!(woken, vec![0, 1]);
-        assert_eq!(two.take().into_iter().collect::<Vec<_>>(), vec![5]);
-        assert!(one.take().is_empty());
+        assert_eq!(
+            two.take().mailboxes.into_iter().collect::<Vec<_>>(),
+            vec![5]
+        );
+        assert!(one.take().mailboxes.is_empty());
         waiters.remove_mailboxes(&one, &[(b"a", 0), (b"b", 1)]);
         assert_eq!(waiters.len(), 1, "'b' is still watched");
         waiters.wake(b"b");
-        assert!(one.take().is_empty());
-        assert_eq!(two.take().len(), 1);
+        assert!(one.take().mailboxes.is_empty());
+        assert_eq!(two.take().mailboxes.len(), 1);
+    }
+
+    #[test]
+    fn given_appended_messages_then_the_inbox_holds_them_in_order_within_its_bounds() {
+        let waiters = Waiters::default();
+        let inbox = Arc::new(Inbox::default());
+        waiters
+            .add_mailboxes(&inbox, 3, &names(&["a", "b"]))
+            .unwrap();
+        let large = vec![7_u8; HINT_PAYLOAD_BYTES_MAX + 1];
+        let appended = |queue: &'static str, offset: u64, payload: &'static [u8]| Appended {
+            queue: queue.as_bytes(),
+            offset,
+            payload,
+        };
+        waiters.wake_appended(&[
+            appended("b", 0, b"b0"),
+            appended("a", 0, b"a0"),
+            appended("unknown", 0, b"?"),
+            appended("b", 1, b"b1"),
+        ]);
+        waiters.wake_appended(&[Appended {
+            queue: b"a",
+            offset: 1,
+            payload: &large,
+        }]);
+        let woken = inbox.take();
+        let hints = &woken.hints;
+        let offsets: Vec<(u32, u64)> = hints.entries.iter().map(|&(m, o, _)| (m, o)).collect();
+        assert_eq!(
+            offsets,
+            vec![(4, 0), (3, 0), (4, 1)],
+            "in the order appended"
+        );
+        let ends: Vec<usize> = hints.entries.iter().map(|&(.., end)| end).collect();
+        assert_eq!((ends, &hints.data[..]), (vec![2, 4, 6], &b"b0a0b1"[..]));
+        // Too large to hand over: a plain wake-up, read from the store.
+        assert_eq!(woken.mailboxes.into_iter().collect::<Vec<_>>(), vec![3]);
+
+        // Past the byte bound, wake-ups carry no message; the inbox never holds more.
+        let payload = vec![1_u8; HINT_PAYLOAD_BYTES_MAX];
+        let many: Vec<Appended<'_>> = (0..HINT_BYTES_MAX / HINT_PAYLOAD_BYTES_MAX + 2)
+            .map(|offset| Appended {
+                queue: b"a",
+                offset: offset as u64,
+                payload: &payload,
+            })
+            .collect();
+        waiters.wake_appended(&many);
+        let woken = inbox.take();
+        assert_eq!(woken.hints.data.len(), HINT_BYTES_MAX);
+        assert_eq!(
+            woken.hints.entries.len(),
+            HINT_BYTES_MAX / HINT_PAYLOAD_BYTES_MAX
+        );
+        assert_eq!(woken.mailboxes.into_iter().collect::<Vec<_>>(), vec![3]);
+        // And past the count bound.
+        let tiny: Vec<Appended<'_>> = (0..HINTS_MAX + 5)
+            .map(|offset| Appended {
+                queue: b"b",
+                offset: offset as u64,
+                payload: b"t",
+            })
+            .collect();
+        waiters.wake_appended(&tiny);
+        let woken = inbox.take();
+        assert_eq!(woken.hints.entries.len(), HINTS_MAX);
+        assert_eq!(woken.mailboxes.into_iter().collect::<Vec<_>>(), vec![4]);
+        assert!(inbox.take().is_empty());
     }
 
     #[test]
@@ -672,7 +832,7 @@ mod tests {
         // Interleaved inboxes, a name twice, an unknown name.
         waiters.wake_all(&[b"d", b"a", b"b", b"unknown", b"a", b"c"]);
         let sorted = |inbox: &Inbox| {
-            let mut woken: Vec<u32> = inbox.take().into_iter().collect();
+            let mut woken: Vec<u32> = inbox.take().mailboxes.into_iter().collect();
             woken.sort_unstable();
             woken
         };
