@@ -12,7 +12,8 @@
 //! The log lives in generations, store queues named [`LOG_PREFIX`], the generation (16 hex
 //! digits) and the consumer. When a generation holds more than twice the entries of the last
 //! snapshot (and at least the configured minimum), it is compacted: acks switch to the next
-//! generation, the old one is read whole into the book, the book is written to the new one as
+//! generation, the old one is read whole into the book, positions of queues that no longer
+//! exist are dropped from it, the book is written to the new one as
 //! a snapshot (records of at most 64 KiB and at most the store's message size), and once that
 //! is durable the head record (a position queue, trimmed like the others, whose newest record
 //! names the current generation) is written and the old generation deleted. A compaction that
@@ -260,6 +261,12 @@ impl ConsumerLog {
             }
             // Nothing is appended to the stale generations any more: read them to their end.
             self.catch_up_all(&mut book)?;
+            // Positions of queues deleted since are dropped, so the book does not keep every
+            // queue the consumer ever acked (per-session mailboxes come and go); a queue
+            // created again under the name starts from its beginning. Dropping one is always
+            // safe: at worst its messages are delivered again.
+            book.positions
+                .retain(|queue, _| matches!(self.store.queue_info(queue), Ok(Some(_))));
             let records = encode_records(
                 book.positions
                     .iter()
@@ -632,6 +639,9 @@ mod tests {
         let positions = PositionLogs::new(Arc::clone(&store), 100, compactions.clone());
         let log = positions.open("app");
         let queues: Vec<String> = (0..50).map(|queue| format!("queue-{queue}")).collect();
+        for queue in &queues {
+            store.append(queue.as_bytes(), b"m").unwrap();
+        }
         assert_eq!(log.positions(&names(&["queue-0"])).unwrap(), vec![0]);
         let mut due_count = 0;
         for round in 1..=40_u64 {
@@ -669,6 +679,28 @@ mod tests {
         let all: Vec<Box<[u8]>> = queues.iter().map(|queue| queue.as_bytes().into()).collect();
         let fresh = logs(&store, 100).open("app");
         assert_eq!(fresh.positions(&all).unwrap(), vec![40; 50]);
+    }
+
+    #[test]
+    fn given_deleted_queues_then_compaction_drops_their_positions_and_keeps_the_rest() {
+        let directory = tempfile::tempdir().unwrap();
+        let store = open(directory.path(), SyncPolicy::Always);
+        let log = logs(&store, 1).open("app");
+        for queue in ["kept", "deleted", "recreated"] {
+            store.append(queue.as_bytes(), b"m").unwrap();
+        }
+        let entries: [(&[u8], u64); 3] = [(b"kept", 7), (b"deleted", 8), (b"recreated", 9)];
+        log.append(entries.into_iter()).unwrap();
+        assert!(store.delete_queue(b"deleted").unwrap());
+        assert!(store.delete_queue(b"recreated").unwrap());
+        store.append(b"recreated", b"new").unwrap();
+        log.compact().unwrap();
+        let queues = names(&["kept", "deleted", "recreated"]);
+        assert_eq!(log.positions(&queues).unwrap(), vec![7, 0, 9]);
+        assert_eq!(log.snapshot_entries.load(Ordering::Relaxed), 2);
+        // A fresh load (a restart) reads the snapshot: the dropped position stays dropped.
+        let fresh = logs(&store, 1).open("app");
+        assert_eq!(fresh.positions(&queues).unwrap(), vec![7, 0, 9]);
     }
 
     #[test]
@@ -774,9 +806,13 @@ mod tests {
         store.wait_durable(ticket.unwrap()).unwrap();
     }
 
-    /// A store on `disk`, a consumer's log compacted at every ack, and "a" acked through 0.
+    /// A store on `disk` with queues "a", "b" and "c" (compaction keeps only the positions of
+    /// queues that exist), a consumer's log compacted at every ack, and "a" acked through 0.
     fn acked_once(disk: &SimulatedDisk) -> (Arc<Store>, Arc<ConsumerLog>) {
         let store = sim_store(disk);
+        for queue in ["a", "b", "c"] {
+            store.append(queue.as_bytes(), b"m").unwrap();
+        }
         let log = logs(&store, 1).open("app");
         assert_eq!(log.positions(&names(&["a"])).unwrap(), vec![0]);
         durable_ack(&store, &log, "a", 1);
@@ -888,7 +924,7 @@ mod tests {
     }
 
     /// A store whose messages are at most `message_bytes_max`, a loaded log on it, and
-    /// `count` mailbox names.
+    /// `count` mailbox queues (one message each).
     fn limited(
         directory: &std::path::Path,
         message_bytes_max: usize,
@@ -902,9 +938,14 @@ mod tests {
         let store = Arc::new(Store::open(directory, options).unwrap().0);
         let log = logs(&store, 1_000).open("app");
         log.positions(&names(&["a"])).unwrap();
-        let queues = (0..count)
+        let queues: Vec<String> = (0..count)
             .map(|index| format!("user-mailbox-{index:08}"))
             .collect();
+        let created: Vec<(&[u8], &[u8])> = queues
+            .iter()
+            .map(|queue| (queue.as_bytes(), &b"m"[..]))
+            .collect();
+        store.append_batch(&created).unwrap();
         (store, log, queues)
     }
 
