@@ -103,6 +103,9 @@ pub const HINT_BYTES_MAX: usize = 256 << 10;
 /// Most messages a stream's inbox holds handed over.
 pub const HINTS_MAX: usize = 4_096;
 
+/// The message that grew a mailbox's queue, when the wake-up carries it: offset and payload.
+type Carried<'a> = Option<(u64, &'a [u8])>;
+
 /// A message an append has just made visible to readers (durable under `always`).
 #[derive(Debug, Clone, Copy)]
 pub struct Appended<'a> {
@@ -155,7 +158,7 @@ pub struct Inbox {
 impl Inbox {
     /// Adds mailboxes to the ready set, or hands their message over when it has one (and the
     /// hint bounds allow); notifies the stream if the inbox was empty.
-    fn wake_many<'a>(&self, mailboxes: impl Iterator<Item = (u32, Option<(u64, &'a [u8])>)>) {
+    fn wake_many<'a>(&self, mailboxes: impl Iterator<Item = (u32, Carried<'a>)>) {
         let mut ready = lock(&self.ready);
         let was_empty = ready.is_empty();
         for (mailbox, message) in mailboxes {
@@ -264,10 +267,10 @@ impl Waiters {
 
     fn wake_inner<'a>(
         &self,
-        queues: impl Iterator<Item = (&'a [u8], Option<(u64, &'a [u8])>)> + Clone,
+        queues: impl Iterator<Item = (&'a [u8], Carried<'a>)> + Clone,
         count: usize,
     ) {
-        type Wake<'w, 'a> = (usize, &'w Weak<Inbox>, u32, Option<(u64, &'a [u8])>);
+        type Wake<'w, 'a> = (usize, &'w Weak<Inbox>, u32, Carried<'a>);
         let map = lock(&self.queues);
         if count > 1 {
             // Looked up once first only to bring the entries into the cache: these lookups do
@@ -300,16 +303,26 @@ impl Waiters {
         // Grouped by stream, keeping the order within each (a stable sort): a mailbox's
         // messages are handed over in offset order.
         woken.sort_by_key(|(inbox, ..)| *inbox);
+        // The streams are taken under the registry's lock and their inboxes filled after it is
+        // released: copying the handed-over payloads holds up no other wake-up, add or remove.
+        let mut streams: Vec<(Arc<Inbox>, std::ops::Range<usize>)> = Vec::new();
+        let mut start = 0;
         for group in woken.chunk_by(|a, b| a.0 == b.0) {
+            let range = start..start + group.len();
+            start = range.end;
             if let Some(inbox) = group[0].1.upgrade() {
-                inbox.wake_many(
-                    group
-                        .iter()
-                        .map(|(_, _, mailbox, message)| (*mailbox, *message)),
-                );
+                streams.push((inbox, range));
             }
         }
+        let items: Vec<(u32, Carried<'_>)> = woken
+            .iter()
+            .map(|(_, _, mailbox, message)| (*mailbox, *message))
+            .collect();
+        drop(woken);
         drop(map);
+        for (inbox, range) in streams {
+            inbox.wake_many(items[range].iter().copied());
+        }
     }
 
     /// Queues registered now (live or not yet pruned).
