@@ -381,6 +381,47 @@ fn given_appends_racing_on_shared_mailboxes_then_each_message_arrives_once_in_or
 }
 
 #[test]
+fn given_an_idempotent_resend_with_another_payload_then_the_mailbox_gets_the_stored_one() {
+    let server = LeveeProcess::start(&[]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        let mut mailboxes = client.subscribe_many("app", 100).await.unwrap();
+        within(mailboxes.add(&[b"idem".as_slice()]), line!())
+            .await
+            .unwrap();
+        let channel = tonic::transport::Channel::from_shared(format!("http://{}", server.grpc()))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut raw = QueuesClient::new(channel);
+        // Sequence 0, then a resend of sequence 0 with another payload (answered with the
+        // first offset, storing nothing), then sequence 1.
+        for (sequence, payload, offset) in [(0, "first", 0), (0, "changed", 0), (1, "next", 1)] {
+            let request = levee_proto::v1::AppendRequest {
+                messages: vec![levee_proto::v1::AppendMessage {
+                    queue: b"idem".to_vec(),
+                    payload: levee_proto::Bytes::from(payload),
+                    sequence,
+                }],
+                producer_id: "producer-1".to_owned(),
+                producer_name: String::new(),
+            };
+            let offsets = raw.append(request).await.unwrap().into_inner().offsets;
+            assert_eq!(offsets, vec![offset], "{payload}");
+        }
+        assert_eq!(
+            take(&mut mailboxes, 2).await,
+            vec![(0, 0, "first".to_owned()), (0, 1, "next".to_owned())]
+        );
+        assert_quiet(&mut mailboxes, line!()).await;
+    });
+    let handed = counter(&server, "levee_queue_messages_handed_over_total");
+    assert!((1..=2).contains(&handed), "handed over {handed}");
+}
+
+#[test]
 fn given_appends_after_a_raw_stream_subscribed_then_delivery_stops_at_its_credit() {
     let server = LeveeProcess::start(&[]);
     let runtime = runtime();

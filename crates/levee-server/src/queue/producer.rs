@@ -105,6 +105,19 @@ pub struct Producers {
     deduplicated: prometheus_client::metrics::counter::Counter,
 }
 
+/// What an idempotent append did.
+#[derive(Debug)]
+pub struct IdempotentAppend {
+    /// Each message's offset, in request order.
+    pub offsets: Vec<u64>,
+    /// The ticket to wait for before answering (the highest of the new record's and the
+    /// resent runs' rounds).
+    pub ticket: Option<CommitTicket>,
+    /// Whether this call stored each message (false: a resend, answered with the offset the
+    /// first call stored it at, maybe with another payload).
+    pub stored_now: Vec<bool>,
+}
+
 /// One message of an idempotent append: its queue, payload and sequence.
 #[derive(Debug)]
 pub struct SequencedMessage {
@@ -240,14 +253,13 @@ impl Producers {
     }
 
     /// Appends `messages` for `producer`: new runs are stored, resent ones answered from
-    /// memory. Returns the offsets in request order and the ticket to wait for before
-    /// answering (the highest of the new record's and the resent runs' rounds).
+    /// memory.
     pub fn append(
         &self,
         store: &Store,
         producer: &str,
         messages: &[SequencedMessage],
-    ) -> Result<(Vec<u64>, Option<CommitTicket>), WireError> {
+    ) -> Result<IdempotentAppend, WireError> {
         check_producer_id(producer)?;
         // The request's runs: per queue, its messages' indexes in order.
         let mut by_queue: Vec<(&[u8], Vec<usize>)> = Vec::new();
@@ -293,6 +305,7 @@ impl Producers {
             }
         }
         let mut offsets = vec![0; messages.len()];
+        let mut stored_now = vec![false; messages.len()];
         let mut tickets: Vec<CommitTicket> = Vec::new();
         if !batch.is_empty() {
             let (stored, ticket) = store.append_batch_deferred(&batch).map_err(write_error)?;
@@ -304,6 +317,7 @@ impl Producers {
                 }
                 for &index in indexes {
                     offsets[index] = stored.next().unwrap_or_default();
+                    stored_now[index] = true;
                 }
                 let run = Run {
                     first_sequence: messages[indexes[0]].sequence,
@@ -341,7 +355,11 @@ impl Producers {
             }
         }
         drop(state);
-        Ok((offsets, tickets.into_iter().max()))
+        Ok(IdempotentAppend {
+            offsets,
+            ticket: tickets.into_iter().max(),
+            stored_now,
+        })
     }
 }
 
@@ -433,11 +451,12 @@ mod tests {
         producer: &str,
         messages: &[SequencedMessage],
     ) -> Result<Vec<u64>, WireError> {
-        let (offsets, ticket) = producers.append(store, producer, messages)?;
-        if let Some(ticket) = ticket {
+        let appended = producers.append(store, producer, messages)?;
+        if let Some(ticket) = appended.ticket {
             store.wait_durable(ticket).unwrap();
         }
-        Ok(offsets)
+        assert_eq!(appended.stored_now.len(), messages.len());
+        Ok(appended.offsets)
     }
 
     fn open(directory: &std::path::Path) -> Store {
@@ -462,6 +481,23 @@ mod tests {
         assert_eq!(store.queue_info(b"orders").unwrap().unwrap().next_offset, 5);
         let next = send(&producers, &store, "p1", &messages(b"orders", 3..4)).unwrap();
         assert_eq!(next, vec![5]);
+    }
+
+    #[test]
+    fn given_a_batch_with_a_resent_run_then_only_the_new_run_is_marked_stored() {
+        let directory = tempfile::tempdir().unwrap();
+        let store = open(directory.path());
+        let producers = Producers::default();
+        send(&producers, &store, "p1", &messages(b"orders", 0..2)).unwrap();
+        let mut batch = messages(b"orders", 0..2);
+        batch.extend(messages(b"invoices", 0..1));
+        let appended = producers.append(&store, "p1", &batch).unwrap();
+        assert_eq!(appended.offsets, vec![0, 1, 0]);
+        assert_eq!(
+            appended.stored_now,
+            vec![false, false, true],
+            "the resent run is answered, not stored"
+        );
     }
 
     #[test]

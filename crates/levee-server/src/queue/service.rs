@@ -129,23 +129,18 @@ impl QueueService {
             })
     }
 
-    /// Wakes the subscriptions of each queue appended to.
-    fn wake_each<'a>(&self, queues: impl Iterator<Item = &'a [u8]>) {
-        let queues: Vec<&[u8]> = queues.collect();
-        self.waiters.wake_all(&queues);
-    }
-
     /// Appends through the idempotent-producer table: resent runs are answered from memory.
+    /// Returns each message's offset and whether this call stored it.
     pub async fn idempotent_append(
         &self,
         producer: &str,
         messages: &[SequencedMessage],
-    ) -> Result<Vec<u64>, Status> {
-        let (offsets, ticket) = self
+    ) -> Result<(Vec<u64>, Vec<bool>), Status> {
+        let appended = self
             .producers
             .append(&self.calls.store, producer, messages)?;
-        self.calls.durable(ticket).await?;
-        Ok(offsets)
+        self.calls.durable(appended.ticket).await?;
+        Ok((appended.offsets, appended.stored_now))
     }
 }
 
@@ -318,8 +313,26 @@ impl Queues for QueueService {
                     sequence: message.sequence,
                 })
                 .collect();
-            let offsets = self.idempotent_append(&producer, &sequenced).await?;
-            self.wake_each(sequenced.iter().map(|message| message.queue.as_slice()));
+            let (offsets, stored_now) = self.idempotent_append(&producer, &sequenced).await?;
+            // The messages this call stored are handed over as above. A resend's are not (its
+            // payload may differ from the one stored first): its queues are only woken.
+            let mut appended = Vec::with_capacity(sequenced.len());
+            let mut resent = Vec::new();
+            for ((message, &offset), &stored) in sequenced.iter().zip(&offsets).zip(&stored_now) {
+                if stored {
+                    appended.push(Appended {
+                        queue: &message.queue,
+                        offset,
+                        payload: &message.payload,
+                    });
+                } else {
+                    resent.push(message.queue.as_slice());
+                }
+            }
+            self.waiters.wake_appended(&appended);
+            if !resent.is_empty() {
+                self.waiters.wake_all(&resent);
+            }
             offsets
         };
         admission.stored();

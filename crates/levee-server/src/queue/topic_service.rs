@@ -301,6 +301,7 @@ impl TopicsApi for TopicService {
             self.queues
                 .idempotent_append(&request.producer_id, &sequenced)
                 .await?
+                .0
         };
         admission.stored();
         self.context
