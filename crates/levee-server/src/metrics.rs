@@ -485,6 +485,11 @@ impl Collector for StoreCollector {
                 stats.checkpoints,
             ),
             (
+                "levee_store_late_round_waits",
+                "appends under interval held back because the last round started over two intervals ago",
+                stats.late_round_waits,
+            ),
+            (
                 "levee_store_segments_deleted",
                 "segment files deleted since start",
                 stats.segments_deleted,

@@ -31,6 +31,8 @@ pub enum Fault {
     NoSpace,
     /// Writes, creates and syncs fail with a generic I/O error.
     Io,
+    /// Syncs succeed after this long (a slow disk); nothing else changes.
+    SlowSync(std::time::Duration),
 }
 
 /// How a crash treats unsynced bytes.
@@ -187,6 +189,11 @@ impl SimulatedDisk {
             (Some(Fault::NoSpace), Operation::Allocate) => Err(io::Error::from_raw_os_error(28)),
             (Some(Fault::Io), Operation::Allocate | Operation::Sync) => {
                 Err(io::Error::other("simulated I/O error"))
+            }
+            (Some(Fault::SlowSync(delay)), Operation::Sync) => {
+                drop(state);
+                std::thread::sleep(delay);
+                Ok(())
             }
             _ => Ok(()),
         }

@@ -153,6 +153,7 @@ pub(crate) struct Counters {
     pub chunks_relocated: AtomicU64,
     pub budget_flushes: AtomicU64,
     pub checkpoints: AtomicU64,
+    pub late_round_waits: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -269,6 +270,11 @@ pub struct StoreStats {
     /// Rounds since open that sealed every write buffer (`sync`, retention, close, or to free
     /// a segment kept only by log records).
     pub checkpoints: u64,
+    /// Appends (or append batches) under `interval` since open that waited because the last
+    /// completed round started more than two intervals earlier: the committer, or the disk's
+    /// fsyncs, did not keep up with the interval, and appenders were held back so that an
+    /// acknowledged message stays durable within about two intervals.
+    pub late_round_waits: u64,
     /// Bytes buffered in memory, not yet written.
     pub buffered_bytes: u64,
 }
@@ -653,6 +659,7 @@ impl Store {
             chunks_relocated: counters.chunks_relocated.load(Ordering::Relaxed),
             budget_flushes: counters.budget_flushes.load(Ordering::Relaxed),
             checkpoints: counters.checkpoints.load(Ordering::Relaxed),
+            late_round_waits: counters.late_round_waits.load(Ordering::Relaxed),
             buffered_bytes: self.inner.buffered_bytes.load(Ordering::Relaxed) as u64,
         }
     }
@@ -860,12 +867,19 @@ impl Inner {
             return Ok(());
         };
         let late_ms = interval_ms.saturating_mul(INTERVAL_LATE_FACTOR);
+        let mut waited = false;
         loop {
             let behind_ms = self
                 .elapsed_ms()
                 .saturating_sub(self.durable_through_ms.load(Ordering::Acquire));
             if behind_ms <= late_ms {
                 return Ok(());
+            }
+            if !waited {
+                waited = true;
+                self.counters
+                    .late_round_waits
+                    .fetch_add(1, Ordering::Relaxed);
             }
             self.check_writable()?;
             let commit = lock(&self.commit);

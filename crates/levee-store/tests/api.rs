@@ -1402,3 +1402,38 @@ fn given_queues_created_and_deleted_between_checkpoints_should_delete_old_segmen
         .count();
     assert!(segments <= 8, "{segments} segment files for one live queue");
 }
+
+#[test]
+fn given_a_disk_slower_than_the_interval_then_appends_wait_for_the_late_round_and_are_counted() {
+    let disk = SimulatedDisk::new();
+    let options = StoreOptions {
+        sync: SyncPolicy::Interval { interval_ms: 5 },
+        ..StoreOptions::default()
+    };
+    let store = open_sim(&disk, options);
+    store.append(b"q", b"before").unwrap();
+    store.flush().unwrap();
+    assert_eq!(store.stats().late_round_waits, 0);
+    // Every fsync now takes 1 s: the round that takes the next message is stuck in it (long
+    // enough that a stalled test thread still finds it stuck).
+    let slow = std::time::Duration::from_secs(1);
+    disk.set_fault(Fault::SlowSync(slow));
+    store.append(b"q", b"slow").unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    // The last completed round started over two intervals ago: this append waits for the
+    // slow round (back-pressure), so "durable within about two intervals" stays true.
+    let waiting = std::time::Instant::now();
+    store.append(b"q", b"held").unwrap();
+    assert!(
+        waiting.elapsed() >= std::time::Duration::from_millis(50),
+        "held back until the slow round completed: {:?}",
+        waiting.elapsed()
+    );
+    assert_eq!(store.stats().late_round_waits, 1);
+    disk.set_fault(Fault::None);
+    store.flush().unwrap();
+    assert_eq!(
+        read_all(&store, b"q"),
+        vec![b"before".to_vec(), b"slow".to_vec(), b"held".to_vec()]
+    );
+}
