@@ -13,9 +13,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "levee/v1/topic.proto",
     ];
     let file_descriptors = protox::compile(files, [&proto_root])?;
-    // Message payloads (and publish keys) decode as `bytes::Bytes`: a slice of the received
-    // frame, not one allocation and copy per message.
+    // Message payloads (and publish keys, and the queue named by each appended message)
+    // decode as `bytes::Bytes`: a slice of the received frame, not one allocation and copy per
+    // message.
     let payload_fields = [
+        ".levee.v1.AppendMessage.queue",
         ".levee.v1.AppendMessage.payload",
         ".levee.v1.Delivery.payload",
         ".levee.v1.MailboxDelivery.payload",

@@ -275,7 +275,7 @@ impl Client {
             messages: messages
                 .iter()
                 .map(|(queue, payload)| AppendMessage {
-                    queue: queue.to_vec(),
+                    queue: levee_proto::Bytes::copy_from_slice(queue),
                     payload: levee_proto::Bytes::copy_from_slice(payload),
                     sequence: 0,
                 })
@@ -298,7 +298,7 @@ impl Client {
             messages: messages
                 .iter()
                 .map(|(queue, payload, sequence)| AppendMessage {
-                    queue: queue.to_vec(),
+                    queue: levee_proto::Bytes::copy_from_slice(queue),
                     payload: levee_proto::Bytes::copy_from_slice(payload),
                     sequence: *sequence,
                 })

@@ -112,7 +112,7 @@ impl Producer {
         let (answer, answered) = oneshot::channel();
         let pending = Pending {
             message: AppendMessage {
-                queue: queue.to_vec(),
+                queue: levee_proto::Bytes::copy_from_slice(queue),
                 payload: levee_proto::Bytes::copy_from_slice(payload),
                 sequence: 0,
             },
@@ -139,7 +139,8 @@ async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Recei
     // Signalled when a request completes, so a batch waiting for an idle line re-checks.
     let completed = Arc::new(Notify::new());
     let producer_id = options.idempotent.then(fresh_producer_id);
-    let mut sequences: std::collections::HashMap<Vec<u8>, u64> = std::collections::HashMap::new();
+    let mut sequences: std::collections::HashMap<levee_proto::Bytes, u64> =
+        std::collections::HashMap::new();
     // A message that would have taken its batch past batch_bytes_max starts the next one.
     let mut carried = None;
     loop {

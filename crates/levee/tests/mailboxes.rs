@@ -401,7 +401,7 @@ fn given_an_idempotent_resend_with_another_payload_then_the_mailbox_gets_the_sto
         for (sequence, payload, offset) in [(0, "first", 0), (0, "changed", 0), (1, "next", 1)] {
             let request = levee_proto::v1::AppendRequest {
                 messages: vec![levee_proto::v1::AppendMessage {
-                    queue: b"idem".to_vec(),
+                    queue: levee_proto::Bytes::from_static(b"idem"),
                     payload: levee_proto::Bytes::from(payload),
                     sequence,
                 }],

@@ -288,7 +288,7 @@ impl Queues for QueueService {
         let offsets = if producer.is_empty() {
             let batch: Vec<(&[u8], &[u8])> = messages
                 .iter()
-                .map(|message| (message.queue.as_slice(), &message.payload[..]))
+                .map(|message| (&message.queue[..], &message.payload[..]))
                 .collect();
             let offsets = self.calls.append_batch(&batch).await?;
             // Visible to readers now (durable under `always`): caught-up mailboxes get the
@@ -308,7 +308,7 @@ impl Queues for QueueService {
             let sequenced: Vec<SequencedMessage> = messages
                 .into_iter()
                 .map(|message| SequencedMessage {
-                    queue: message.queue,
+                    queue: message.queue.to_vec(),
                     payload: message.payload,
                     sequence: message.sequence,
                 })
