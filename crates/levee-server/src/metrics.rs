@@ -486,7 +486,7 @@ impl Collector for StoreCollector {
             ),
             (
                 "levee_store_late_round_waits",
-                "appends under interval held back because the last round started over two intervals ago",
+                "store append calls under interval held back because the last round started over two intervals ago",
                 stats.late_round_waits,
             ),
             (

@@ -191,8 +191,12 @@ impl SimulatedDisk {
                 Err(io::Error::other("simulated I/O error"))
             }
             (Some(Fault::SlowSync(delay)), Operation::Sync) => {
+                // Not holding the state meanwhile: other files, reads and `set_fault` go on.
                 drop(state);
                 std::thread::sleep(delay);
+                if lock(&self.state).crashed {
+                    return Err(io::Error::other("simulated disk crashed"));
+                }
                 Ok(())
             }
             _ => Ok(()),

@@ -270,10 +270,11 @@ pub struct StoreStats {
     /// Rounds since open that sealed every write buffer (`sync`, retention, close, or to free
     /// a segment kept only by log records).
     pub checkpoints: u64,
-    /// Appends (or append batches) under `interval` since open that waited because the last
-    /// completed round started more than two intervals earlier: the committer, or the disk's
-    /// fsyncs, did not keep up with the interval, and appenders were held back so that an
-    /// acknowledged message stays durable within about two intervals.
+    /// Append calls (one per `append`, or per `append_batch` whatever its size) under
+    /// `interval` since open that waited because the last completed round started more than
+    /// two intervals earlier: the committer, or the disk's fsyncs, did not keep up with the
+    /// interval, and appenders were held back so that an acknowledged message stays durable
+    /// within about two intervals.
     pub late_round_waits: u64,
     /// Bytes buffered in memory, not yet written.
     pub buffered_bytes: u64,
@@ -875,16 +876,16 @@ impl Inner {
             if behind_ms <= late_ms {
                 return Ok(());
             }
+            self.check_writable()?;
+            let commit = lock(&self.commit);
+            if let Some(reason) = &commit.poisoned {
+                return Err(WriteError::Poisoned(reason.clone()));
+            }
             if !waited {
                 waited = true;
                 self.counters
                     .late_round_waits
                     .fetch_add(1, Ordering::Relaxed);
-            }
-            self.check_writable()?;
-            let commit = lock(&self.commit);
-            if let Some(reason) = &commit.poisoned {
-                return Err(WriteError::Poisoned(reason.clone()));
             }
             let _wait = self
                 .committed

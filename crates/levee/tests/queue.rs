@@ -85,6 +85,7 @@ fn given_appends_then_reads_return_them_in_order_with_dense_offsets() {
     for counter in [
         "levee_store_budget_flushes_total",
         "levee_store_checkpoints_total",
+        "levee_store_late_round_waits_total",
         "levee_store_segments_deleted_total",
         "levee_store_chunks_relocated_total",
     ] {
