@@ -121,8 +121,8 @@ pub struct IdempotentAppend {
 /// One message of an idempotent append: its queue, payload and sequence.
 #[derive(Debug)]
 pub struct SequencedMessage {
-    /// The queue.
-    pub queue: Vec<u8>,
+    /// The queue (a slice of the request, as the payload).
+    pub queue: levee_proto::Bytes,
     /// The payload.
     pub payload: levee_proto::Bytes,
     /// The producer's sequence number on the queue.
@@ -437,7 +437,7 @@ mod tests {
     fn messages(queue: &[u8], sequences: std::ops::Range<u64>) -> Vec<SequencedMessage> {
         sequences
             .map(|sequence| SequencedMessage {
-                queue: queue.to_vec(),
+                queue: levee_proto::Bytes::copy_from_slice(queue),
                 payload: sequence.to_le_bytes().to_vec().into(),
                 sequence,
             })

@@ -308,7 +308,7 @@ impl Queues for QueueService {
             let sequenced: Vec<SequencedMessage> = messages
                 .into_iter()
                 .map(|message| SequencedMessage {
-                    queue: message.queue.to_vec(),
+                    queue: message.queue,
                     payload: message.payload,
                     sequence: message.sequence,
                 })
@@ -326,7 +326,7 @@ impl Queues for QueueService {
                         payload: &message.payload,
                     });
                 } else {
-                    resent.push(message.queue.as_slice());
+                    resent.push(&message.queue[..]);
                 }
             }
             self.waiters.wake_appended(&appended);

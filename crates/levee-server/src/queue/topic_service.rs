@@ -293,7 +293,7 @@ impl TopicsApi for TopicService {
                 .iter()
                 .zip(messages)
                 .map(|(&partition, (payload, sequence))| SequencedMessage {
-                    queue: queue_of(partition).clone(),
+                    queue: levee_proto::Bytes::copy_from_slice(queue_of(partition)),
                     payload,
                     sequence,
                 })
