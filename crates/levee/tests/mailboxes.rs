@@ -15,7 +15,7 @@ use levee_proto::v1::{
     AddMailboxes, Credit, MailboxAck, MailboxAcks, SubscribeManyRequest, SubscribeManyResponse,
     SubscribeManyStart,
 };
-use support::{LeveeProcess, http_get, runtime, wait_for};
+use support::{LeveeProcess, metric_value, runtime, wait_for};
 use tokio::sync::mpsc;
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -149,16 +149,6 @@ fn expected(queue: &str, from: u64, to: u64) -> Vec<(u64, String)> {
         .collect()
 }
 
-/// The server's counter `name` (0 if it is not exposed).
-fn counter(server: &LeveeProcess, name: &str) -> u64 {
-    let (_, metrics) = http_get(server.admin_addr, "/metrics");
-    metrics
-        .lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|value| value.parse().ok())
-        .unwrap_or(0)
-}
-
 #[test]
 fn given_acks_across_position_log_compactions_then_a_kill_keeps_every_acked_position() {
     let directory = tempfile::tempdir().unwrap();
@@ -191,7 +181,7 @@ fn given_acks_across_position_log_compactions_then_a_kill_keeps_every_acked_posi
         }
     });
     wait_for("two position log compactions", WAIT, || {
-        counter(&server, "levee_queue_position_log_compactions_total") >= 2
+        metric_value(&server, "levee_queue_position_log_compactions_total") >= 2
     });
     server.signal("KILL");
     server.wait_exit(WAIT);
@@ -372,7 +362,7 @@ fn given_appends_racing_on_shared_mailboxes_then_each_message_arrives_once_in_or
         .flat_map(|task| (0..PER_TASK).map(move |index| racing_payload(task, index).len()))
         .filter(|len| *len > 4 << 10)
         .count() as u64;
-    let handed = counter(&server, "levee_queue_messages_handed_over_total");
+    let handed = metric_value(&server, "levee_queue_messages_handed_over_total");
     assert!(
         handed > 0 && handed <= (TASKS * PER_TASK) as u64 - large,
         "handed over {handed} of {} ({large} too large to hand over)",
@@ -417,7 +407,7 @@ fn given_an_idempotent_resend_with_another_payload_then_the_mailbox_gets_the_sto
         );
         assert_quiet(&mut mailboxes, line!()).await;
     });
-    let handed = counter(&server, "levee_queue_messages_handed_over_total");
+    let handed = metric_value(&server, "levee_queue_messages_handed_over_total");
     assert!((1..=2).contains(&handed), "handed over {handed}");
 }
 

@@ -358,16 +358,10 @@ fn given_producer_then_concurrent_sends_share_requests_and_get_their_own_offsets
 
 /// The server's count of successful `Append` requests.
 fn append_requests(server: &LeveeProcess) -> u64 {
-    let (_, metrics) = http_get(server.admin_addr, "/metrics");
-    metrics
-        .lines()
-        .find(|line| {
-            line.starts_with(
-                "levee_grpc_requests_total{rpc=\"/levee.v1.Queues/Append\",code=\"OK\"}",
-            )
-        })
-        .and_then(|line| line.rsplit(' ').next()?.parse().ok())
-        .unwrap_or(0)
+    support::metric_value(
+        server,
+        "levee_grpc_requests_total{rpc=\"/levee.v1.Queues/Append\",code=\"OK\"}",
+    )
 }
 
 #[test]

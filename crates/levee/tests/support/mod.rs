@@ -202,6 +202,17 @@ pub fn http_get(address: SocketAddr, path: &str) -> (u16, String) {
     http_request(address, "GET", path, "")
 }
 
+/// The value of one series in the server's `/metrics` (its name, with labels if it has any,
+/// as exposed), 0 if it is not there.
+pub fn metric_value(server: &LeveeProcess, series: &str) -> u64 {
+    let (_, metrics) = http_get(server.admin_addr, "/metrics");
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(0)
+}
+
 /// A plain HTTP/1.1 request with a JSON body; returns the status code and body.
 pub fn http_request(address: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
     let mut stream = TcpStream::connect_timeout(&address, Duration::from_secs(5)).unwrap();
