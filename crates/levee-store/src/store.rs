@@ -520,6 +520,20 @@ impl Store {
         names
     }
 
+    /// Calls `visit` with the name of every queue that starts with `prefix`, one shard at a
+    /// time under its lock (keep `visit` short). Every queue pays a prefix comparison: a
+    /// scan, not a lookup.
+    pub fn for_each_queue_with_prefix(&self, prefix: &[u8], mut visit: impl FnMut(&[u8])) {
+        for shard in &self.inner.shards {
+            let shard = lock(shard);
+            for name in shard.queues.keys() {
+                if name.starts_with(prefix) {
+                    visit(name);
+                }
+            }
+        }
+    }
+
     /// Deletes `queue` and all its messages; returns whether it existed. Durable on return
     /// under both sync policies. A new queue of the same name starts again at offset 0. On an
     /// error from a full disk the queue is already gone for readers and writers and its

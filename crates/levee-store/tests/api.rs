@@ -376,6 +376,26 @@ fn given_many_queues_when_listing_in_pages_should_return_each_once() {
 }
 
 #[test]
+fn given_queues_of_two_prefixes_when_visiting_one_prefix_should_name_only_its_queues() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, tiny());
+    for index in 0..200 {
+        store.append(format!("a-{index}").as_bytes(), b"m").unwrap();
+        store.append(format!("b-{index}").as_bytes(), b"m").unwrap();
+    }
+    assert!(store.delete_queue(b"a-7").unwrap());
+    let mut visited = Vec::new();
+    store.for_each_queue_with_prefix(b"a-", |name| visited.push(name.to_vec()));
+    visited.sort();
+    let mut expected: Vec<Vec<u8>> = (0..200)
+        .filter(|index| *index != 7)
+        .map(|index| format!("a-{index}").into_bytes())
+        .collect();
+    expected.sort();
+    assert_eq!(visited, expected);
+}
+
+#[test]
 fn given_full_disk_under_always_when_appending_should_fail_cleanly_and_resume() {
     let disk = SimulatedDisk::new();
     let store = open_sim(&disk, tiny());

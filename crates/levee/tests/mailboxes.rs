@@ -595,3 +595,102 @@ fn given_a_consumer_acking_on_other_streams_then_adds_do_not_fail() {
         );
     });
 }
+
+/// Deletes `queue` once no subscription holds it any more (a stream's remove, or a dropped
+/// subscription, reaches the server a moment after the client returns).
+async fn delete_when_free(client: &Client, queue: &[u8]) {
+    loop {
+        match client.delete_queue(queue).await {
+            Ok(existed) => {
+                assert!(existed);
+                return;
+            }
+            Err(error) if error.code() == Some(ErrorCode::FailedPrecondition) => {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(error) => panic!("delete: {error}"),
+        }
+    }
+}
+
+#[test]
+#[allow(clippy::too_many_lines, reason = "one scenario, step by step")]
+fn given_a_queue_deleted_and_created_again_then_its_consumers_get_the_new_one_from_its_start() {
+    let directory = tempfile::tempdir().unwrap();
+    let data_dir = directory.path().join("data");
+    let settings = ["--queue-sync", "always"];
+    let mut server = LeveeProcess::start_in(&data_dir, &settings);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        append(&client, "driver-1", 0, 5).await;
+        append(&client, "driver-2", 0, 3).await;
+        // "app" takes and acks everything on a many-queue stream, "solo" on a single one.
+        let mut mailboxes = client.subscribe_many("app", 100).await.unwrap();
+        within(mailboxes.add(&[b"driver-1", b"driver-2"]), line!())
+            .await
+            .unwrap();
+        for (mailbox, offset, _) in take(&mut mailboxes, 8).await {
+            mailboxes.ack(mailbox, offset);
+        }
+        within(mailboxes.flush_acks(), line!()).await.unwrap();
+        let mut solo = client.subscribe(b"driver-1", "solo", 100).await.unwrap();
+        for offset in 0..5 {
+            let delivery = within(solo.next(), line!()).await.unwrap().unwrap();
+            assert_eq!(delivery.offset, offset);
+        }
+        within(solo.ack(4), line!()).await.unwrap();
+        // Both hold the queue: the delete is refused and deletes nothing.
+        let refused = client.delete_queue(b"driver-1").await.unwrap_err();
+        assert_eq!(refused.code(), Some(ErrorCode::FailedPrecondition));
+        assert!(
+            refused.to_string().contains("2 open subscription"),
+            "{refused}"
+        );
+        assert_eq!(client.queue_info(b"driver-1").await.unwrap().next_offset, 5);
+        drop(solo);
+        within(mailboxes.remove(&[0]), line!()).await.unwrap();
+        within(delete_when_free(&client, b"driver-1"), line!()).await;
+        for index in 0..2 {
+            let payload = format!("new-{index}");
+            assert_eq!(
+                client
+                    .append(b"driver-1", payload.as_bytes())
+                    .await
+                    .unwrap(),
+                index
+            );
+        }
+        // Both consumers get the new queue from its start, not from their old positions.
+        let added = within(mailboxes.add(&[b"driver-1"]), line!())
+            .await
+            .unwrap();
+        assert_eq!(added, 2..3);
+        assert_eq!(
+            take(&mut mailboxes, 2).await,
+            vec![(2, 0, "new-0".to_owned()), (2, 1, "new-1".to_owned())]
+        );
+        mailboxes.ack(2, 0);
+        within(mailboxes.flush_acks(), line!()).await.unwrap();
+        let solo = client.subscribe(b"driver-1", "solo", 100).await.unwrap();
+        assert_eq!(solo.start_offset(), 0);
+        assert_quiet(&mut mailboxes, line!()).await;
+    });
+    // A kill -9: the ack on the new queue holds, and so does the other queue's.
+    server.signal("KILL");
+    server.wait_exit(WAIT);
+    let server = LeveeProcess::start_in(&data_dir, &settings);
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        append(&client, "driver-2", 3, 4).await;
+        let mut mailboxes = client.subscribe_many("app", 100).await.unwrap();
+        within(mailboxes.add(&[b"driver-1", b"driver-2"]), line!())
+            .await
+            .unwrap();
+        let grouped = by_mailbox(&take(&mut mailboxes, 2).await);
+        assert_eq!(grouped[&0], vec![(1, "new-1".to_owned())]);
+        assert_eq!(grouped[&1], expected("driver-2", 3, 4));
+        assert_quiet(&mut mailboxes, line!()).await;
+        drop(server);
+    });
+}

@@ -280,7 +280,8 @@ impl ConsumeSession {
             .get(&start.group, context.topics.rate(&start.group));
         let credit = StreamCredit::initial(start.credit);
         Ok(Self {
-            notify: context.waiters.register(&topic_wake_key(&topic.name)),
+            // A topic's wake key is a reserved name, never deleted.
+            notify: context.waiters.register(&topic_wake_key(&topic.name))?,
             context,
             topic,
             group: start.group,

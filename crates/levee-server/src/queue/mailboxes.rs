@@ -30,7 +30,7 @@ use tonic::{Status, Streaming};
 use super::StoreCalls;
 use super::position_log::{ConsumerLog, PositionLogs};
 use super::subscription::{
-    Hints, Inbox, ROUND_BYTES_MAX, StreamCredit, Waiters, check_consumer_and_credit,
+    AddRefused, Hints, Inbox, ROUND_BYTES_MAX, StreamCredit, Waiters, check_consumer_and_credit,
     check_queue_name,
 };
 
@@ -367,25 +367,38 @@ impl ManySession {
         }
         let reserved = Reservation::take(&self.context.mailboxes, count)?;
         let queues: Vec<Box<[u8]>> = queues.into_iter().map(Vec::into_boxed_slice).collect();
-        let log = Arc::clone(&self.log);
-        let (queues, positions) = self
-            .context
-            .calls
-            .run(move |_| {
-                let positions = log.positions(&queues)?;
-                Ok((queues, positions))
-            })
-            .await?;
-        if let Err((index, taken)) = self
+        let mut deletes = self.context.positions.deletes();
+        let (mut queues, mut positions) = self.positions(queues).await?;
+        match self
             .context
             .waiters
             .add_mailboxes(&self.inbox, first, &queues)
         {
-            return Err(invalid(format!(
-                "queues[{index}] ('{}') is already mailbox {taken} on this stream; add a queue \
-                 once",
-                String::from_utf8_lossy(&queues[index])
-            )));
+            Ok(()) => {}
+            Err(AddRefused::Twice { index, taken }) => {
+                return Err(invalid(format!(
+                    "queues[{index}] ('{}') is already mailbox {taken} on this stream; add a \
+                     queue once",
+                    String::from_utf8_lossy(&queues[index])
+                )));
+            }
+            Err(AddRefused::Deleting { index }) => {
+                return Err(WireError::new(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "queues[{index}] ('{}') is being deleted; add it again once the delete \
+                         has returned",
+                        String::from_utf8_lossy(&queues[index])
+                    ),
+                ));
+            }
+        }
+        // A delete that completed between the read and the registration may have forgotten
+        // a position just read: read them again (registered now, the queues cannot be
+        // deleted any more).
+        while self.context.positions.deletes() != deletes {
+            deletes = self.context.positions.deletes();
+            (queues, positions) = self.positions(queues).await?;
         }
         reserved.keep();
         for ((queue, next), number) in queues.into_iter().zip(positions).zip(first..) {
@@ -407,6 +420,21 @@ impl ManySession {
         };
         let _ = self.outgoing.send(Ok(answer)).await;
         Ok(())
+    }
+
+    /// The consumer's positions on `queues`, read on the blocking pool.
+    async fn positions(
+        &self,
+        queues: Vec<Box<[u8]>>,
+    ) -> Result<(Vec<Box<[u8]>>, Vec<u64>), WireError> {
+        let log = Arc::clone(&self.log);
+        self.context
+            .calls
+            .run(move |_| {
+                let positions = log.positions(&queues)?;
+                Ok((queues, positions))
+            })
+            .await
     }
 
     /// Drops mailboxes (unknown numbers are ignored) and their wake-ups.

@@ -41,8 +41,19 @@ use super::{last_record, lock, storage_error, write_error};
 
 /// The prefix of every position log generation's name.
 pub const LOG_PREFIX: &[u8] = b"\0poslog\0";
-/// The version byte every log record starts with.
-const RECORD_VERSION: u8 = 1;
+/// The version byte every log record starts with (version 1 records, without an epoch, are
+/// still read).
+const RECORD_VERSION: u8 = 2;
+/// Bytes before a record's first entry: the version and the delete epoch.
+const RECORD_HEADER_BYTES: usize = 9;
+/// The queue whose next offset is the delete epoch: each delete of a queue appends one empty
+/// message to it before it writes its forgets. Never a consumer's position queue (that name
+/// has a consumer of at least one byte before its `\0`).
+fn epoch_queue() -> Vec<u8> {
+    let mut name = super::subscription::POSITION_PREFIX.to_vec();
+    name.extend_from_slice(b"\0delete-epoch");
+    name
+}
 /// Most bytes of one log record (an ack batch or a snapshot spans several).
 const RECORD_BYTES_MAX: usize = 64 << 10;
 /// Messages one read of a generation asks for.
@@ -74,38 +85,59 @@ const ENTRY_BYTES_MAX: usize = 1 + 255 + 8;
 /// (at least one entry each).
 pub(crate) fn encode_records<'a>(
     entries: impl Iterator<Item = (&'a [u8], u64)>,
+    epoch: u64,
     record_bytes_max: usize,
 ) -> Vec<Vec<u8>> {
+    let header = |epoch: u64| {
+        let mut record = Vec::with_capacity(RECORD_HEADER_BYTES);
+        record.push(RECORD_VERSION);
+        record.extend_from_slice(&epoch.to_le_bytes());
+        record
+    };
     let mut records = Vec::new();
-    let mut record = vec![RECORD_VERSION];
+    let mut record = header(epoch);
     for (queue, next) in entries {
         let Ok(length) = u8::try_from(queue.len()) else {
             continue; // Mailbox names are checked to be 1 to 255 bytes on add.
         };
-        if record.len() > 1 && record.len() + 1 + queue.len() + 8 > record_bytes_max {
-            records.push(std::mem::replace(&mut record, vec![RECORD_VERSION]));
+        if record.len() > RECORD_HEADER_BYTES
+            && record.len() + 1 + queue.len() + 8 > record_bytes_max
+        {
+            records.push(std::mem::replace(&mut record, header(epoch)));
         }
         record.push(length);
         record.extend_from_slice(queue);
         record.extend_from_slice(&next.to_le_bytes());
     }
-    if record.len() > 1 {
+    if record.len() > RECORD_HEADER_BYTES {
         records.push(record);
     }
     records
 }
 
+/// A queue's position in the book: the delete epoch its entry was written in, then the next
+/// offset to deliver. Entries compare in that order, so a forget (a delete's entry, next
+/// offset 0, in the delete's epoch) outranks every entry written before the delete and is
+/// outranked by every ack written after it, whatever order they are read in.
+type Stamped = (u64, u64);
+
 /// Applies one log record to `book`; returns its entries, or an error that names what is
 /// wrong with it.
-fn apply_record(book: &mut HashMap<Box<[u8]>, u64>, record: &[u8]) -> Result<u64, String> {
-    let Some((&version, mut rest)) = record.split_first() else {
-        return Err("an empty record".to_owned());
+fn apply_record(book: &mut HashMap<Box<[u8]>, Stamped>, record: &[u8]) -> Result<u64, String> {
+    let (epoch, mut rest) = match record.split_first() {
+        None => return Err("an empty record".to_owned()),
+        // Version 1 (before delete epochs): every entry in epoch 0.
+        Some((&1, rest)) => (0, rest),
+        Some((&RECORD_VERSION, rest)) => match rest.split_at_checked(8) {
+            Some((epoch, rest)) => (u64::from_le_bytes(epoch.try_into().unwrap_or([0; 8])), rest),
+            None => return Err("a record shorter than its epoch".to_owned()),
+        },
+        Some((&version, _)) => {
+            return Err(format!(
+                "record version {version}, this server reads 1 and {RECORD_VERSION}"
+            ));
+        }
     };
-    if version != RECORD_VERSION {
-        return Err(format!(
-            "record version {version}, this server reads {RECORD_VERSION}"
-        ));
-    }
     let mut entries = 0;
     while let Some((&length, after)) = rest.split_first() {
         entries += 1;
@@ -117,11 +149,11 @@ fn apply_record(book: &mut HashMap<Box<[u8]>, u64>, record: &[u8]) -> Result<u64
         }
         let (queue, after) = after.split_at(length);
         let (next, after) = after.split_at(8);
-        let next = u64::from_le_bytes(next.try_into().unwrap_or([0; 8]));
+        let stamped = (epoch, u64::from_le_bytes(next.try_into().unwrap_or([0; 8])));
         match book.get_mut(queue) {
-            Some(known) => *known = (*known).max(next),
+            Some(known) => *known = (*known).max(stamped),
             None => {
-                book.insert(queue.into(), next);
+                book.insert(queue.into(), stamped);
             }
         }
         rest = after;
@@ -141,7 +173,7 @@ struct Writing {
 #[derive(Debug, Default)]
 struct Book {
     loaded: bool,
-    positions: HashMap<Box<[u8]>, u64>,
+    positions: HashMap<Box<[u8]>, Stamped>,
     /// The generation read last and the offset in it read up to; every older generation
     /// still on disk has been read whole.
     generation: u64,
@@ -167,6 +199,8 @@ pub struct ConsumerLog {
     compacting: AtomicBool,
     /// Entries of the last snapshot (the book's size then).
     snapshot_entries: AtomicU64,
+    /// The server's delete epoch, written with every ack record.
+    epoch: Arc<AtomicU64>,
 }
 
 impl ConsumerLog {
@@ -183,13 +217,35 @@ impl ConsumerLog {
         &self,
         entries: impl ExactSizeIterator<Item = (&'a [u8], u64)>,
     ) -> Result<(Option<CommitTicket>, bool), WireError> {
+        let epoch = self.epoch.load(Ordering::Acquire);
+        self.append_in(entries, epoch)
+    }
+
+    fn append_in<'a>(
+        &self,
+        entries: impl ExactSizeIterator<Item = (&'a [u8], u64)>,
+        epoch: u64,
+    ) -> Result<(Option<CommitTicket>, bool), WireError> {
         let count = entries.len() as u64;
-        let records = encode_records(entries, self.record_bytes_max);
+        let records = encode_records(entries, epoch, self.record_bytes_max);
         if records.is_empty() {
             return Ok((None, false));
         }
         let mut writing = lock(&self.writing);
-        let name = generation_queue(&self.consumer, writing.generation);
+        let ticket = self.append_records(writing.generation, &records)?;
+        writing.entries += count;
+        let due =
+            writing.entries >= writing.due_at && !self.compacting.swap(true, Ordering::AcqRel);
+        Ok((Some(ticket), due))
+    }
+
+    /// Appends `records` to `generation` without waiting for durability.
+    fn append_records(
+        &self,
+        generation: u64,
+        records: &[Vec<u8>],
+    ) -> Result<CommitTicket, WireError> {
+        let name = generation_queue(&self.consumer, generation);
         let batch: Vec<(&[u8], &[u8])> = records
             .iter()
             .map(|record| (name.as_slice(), record.as_slice()))
@@ -198,10 +254,7 @@ impl ConsumerLog {
             .store
             .append_batch_deferred(&batch)
             .map_err(write_error)?;
-        writing.entries += count;
-        let due =
-            writing.entries >= writing.due_at && !self.compacting.swap(true, Ordering::AcqRel);
-        Ok((Some(ticket), due))
+        Ok(ticket)
     }
 
     /// The next offset to deliver on each of `queues` for this consumer: the largest of its
@@ -214,12 +267,59 @@ impl ConsumerLog {
         queues
             .iter()
             .map(|queue| {
-                let logged = book.positions.get(&queue[..]).copied().unwrap_or(0);
+                let logged = book.positions.get(&queue[..]).map_or(0, |(_, next)| *next);
                 let legacy =
                     super::subscription::load_position(&self.store, &self.consumer, queue)?;
                 Ok(logged.max(legacy))
             })
             .collect()
+    }
+
+    /// Whether the consumer has a position log at all (a head, or a first generation).
+    fn exists(&self) -> Result<bool, WireError> {
+        for name in [
+            head_queue(&self.consumer),
+            generation_queue(&self.consumer, 0),
+        ] {
+            if self
+                .store
+                .queue_info(&name)
+                .map_err(|error| storage_error(&error))?
+                .is_some()
+            {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Writes a forget of `queue` in a delete's `epoch`: the queue's position reads 0 until an
+    /// ack of a later epoch (see [`Stamped`]). Returns the ticket to wait for (`None` if the
+    /// consumer has no log). Blocks on the store: call it on the blocking pool.
+    fn forget(&self, queue: &[u8], epoch: u64) -> Result<Option<CommitTicket>, WireError> {
+        let book = lock(&self.book);
+        if !book.loaded {
+            // Not read by any stream: the forget goes to the generation acks would go to,
+            // found without reading the log; the book's lock keeps a load from starting
+            // meanwhile (and no compaction runs on a log not loaded).
+            if !self.exists()? {
+                return Ok(None);
+            }
+            let (head, existing) = self.generations_on_disk()?;
+            let records = encode_records([(queue, 0)].into_iter(), epoch, self.record_bytes_max);
+            let current = existing.last().copied().unwrap_or(head);
+            return self.append_records(current, &records).map(Some);
+        }
+        drop(book);
+        let (ticket, due) = self.append_in([(queue, 0)].into_iter(), epoch)?;
+        if due && let Err(error) = self.compact() {
+            tracing::warn!(
+                consumer = self.consumer,
+                %error,
+                "compacting a position log failed; retried once it has grown as much again"
+            );
+        }
+        Ok(ticket)
     }
 
     /// Compacts the log (see the module docs) after [`ConsumerLog::append`] said it is due.
@@ -262,19 +362,29 @@ impl ConsumerLog {
             // Nothing is appended to the stale generations any more: read them to their end.
             self.catch_up_all(&mut book)?;
             // Positions of queues deleted since are dropped, so the book does not keep every
-            // queue the consumer ever acked (per-session mailboxes come and go); a queue
-            // created again under the name after this starts from its beginning (one created
-            // again before it still has the old position: the store keeps no identity of a
-            // queue's incarnations). Dropping one is always safe: at worst its messages are
-            // delivered again.
+            // queue the consumer ever acked (per-session mailboxes come and go). Dropping one
+            // is always safe: at worst its messages are delivered again. (A queue deleted and
+            // created again is not left with its old position either way: the delete wrote
+            // a forget, see [`PositionLogs::forget`].)
             book.positions
                 .retain(|queue, _| matches!(self.store.queue_info(queue), Ok(Some(_))));
-            let records = encode_records(
-                book.positions
-                    .iter()
-                    .map(|(queue, next)| (&queue[..], *next)),
-                self.record_bytes_max,
-            );
+            // Each entry keeps its epoch: one run of records per epoch.
+            let mut entries: Vec<(&[u8], Stamped)> = book
+                .positions
+                .iter()
+                .map(|(queue, stamped)| (&queue[..], *stamped))
+                .collect();
+            entries.sort_unstable_by_key(|(_, (epoch, _))| *epoch);
+            let records: Vec<Vec<u8>> = entries
+                .chunk_by(|(_, (one, _)), (_, (other, _))| one == other)
+                .flat_map(|run| {
+                    encode_records(
+                        run.iter().map(|(queue, (_, next))| (*queue, *next)),
+                        run[0].1.0,
+                        self.record_bytes_max,
+                    )
+                })
+                .collect();
             self.snapshot_entries
                 .store(book.positions.len() as u64, Ordering::Relaxed);
             (book.generation, records, book.stale.clone())
@@ -294,33 +404,7 @@ impl ConsumerLog {
         if book.loaded {
             return Ok(());
         }
-        let head = match last_record(&self.store, &head_queue(&self.consumer))? {
-            Some(record) => u64::from_le_bytes(
-                record
-                    .get(..8)
-                    .and_then(|bytes| bytes.try_into().ok())
-                    .ok_or_else(|| {
-                        storage_error(&format!(
-                            "consumer '{}': its position log head record is {} bytes, not 8",
-                            self.consumer,
-                            record.len()
-                        ))
-                    })?,
-            ),
-            None => 0,
-        };
-        let mut existing = Vec::new();
-        for generation in head.saturating_sub(1)..=head + 1 {
-            let name = generation_queue(&self.consumer, generation);
-            if self
-                .store
-                .queue_info(&name)
-                .map_err(|error| storage_error(&error))?
-                .is_some()
-            {
-                existing.push(generation);
-            }
-        }
+        let (head, existing) = self.generations_on_disk()?;
         let current = existing.last().copied().unwrap_or(head);
         let mut current_entries = 0;
         for &generation in &existing {
@@ -348,6 +432,40 @@ impl ConsumerLog {
             0
         };
         Ok(())
+    }
+
+    /// The generation the head names, and the generations on disk around it (a crash can
+    /// leave the previous one undeleted, or the next one written before the head), oldest
+    /// first: the last one is where acks go.
+    fn generations_on_disk(&self) -> Result<(u64, Vec<u64>), WireError> {
+        let head = match last_record(&self.store, &head_queue(&self.consumer))? {
+            Some(record) => u64::from_le_bytes(
+                record
+                    .get(..8)
+                    .and_then(|bytes| bytes.try_into().ok())
+                    .ok_or_else(|| {
+                        storage_error(&format!(
+                            "consumer '{}': its position log head record is {} bytes, not 8",
+                            self.consumer,
+                            record.len()
+                        ))
+                    })?,
+            ),
+            None => 0,
+        };
+        let mut existing = Vec::new();
+        for generation in head.saturating_sub(1)..=head + 1 {
+            let name = generation_queue(&self.consumer, generation);
+            if self
+                .store
+                .queue_info(&name)
+                .map_err(|error| storage_error(&error))?
+                .is_some()
+            {
+                existing.push(generation);
+            }
+        }
+        Ok((head, existing))
     }
 
     /// Reads every generation from the book's to the one acks go to (see [`Book`]).
@@ -442,25 +560,103 @@ impl ConsumerLog {
     }
 }
 
-/// The position logs of the consumers with open streams.
+/// The position logs of the consumers with open streams, and what a queue's delete does to
+/// every consumer's positions.
 #[derive(Debug)]
 pub struct PositionLogs {
     store: Arc<Store>,
     compact_entries_min: u64,
     compactions: Counter,
     logs: Mutex<(HashMap<String, Weak<ConsumerLog>>, usize)>,
+    /// Every consumer that may hold a position: those with positions in the store at start,
+    /// and every consumer a stream opened since (bounded by the store's position queues and
+    /// logs, one entry per consumer name).
+    consumers: Mutex<std::collections::HashSet<String>>,
+    /// The delete epoch ([`epoch_queue`]'s next offset), written with every ack record.
+    epoch: Arc<AtomicU64>,
+    /// Deletes completed since the start (see [`PositionLogs::deletes`]).
+    deletes: AtomicU64,
 }
 
 impl PositionLogs {
     /// Logs on `store`, compacted past `compact_entries_min` entries (and twice the last
-    /// snapshot); `compactions` counts compactions.
+    /// snapshot); `compactions` counts compactions. Finds every consumer with positions in
+    /// the store: one pass over the store's queue names.
     pub fn new(store: Arc<Store>, compact_entries_min: u64, compactions: Counter) -> Self {
+        let mut consumers = std::collections::HashSet::new();
+        // Generation queues: the prefix, 16 hex digits, the consumer.
+        store.for_each_queue_with_prefix(LOG_PREFIX, |name| {
+            if let Some(consumer) = name.get(LOG_PREFIX.len() + 16..) {
+                consumers.insert(String::from_utf8_lossy(consumer).into_owned());
+            }
+        });
+        // Position queues and log heads: the prefix, the consumer, `\0` and what follows
+        // (16 hex digits, or `log-generation..`: neither holds a `\0`).
+        store.for_each_queue_with_prefix(super::subscription::POSITION_PREFIX, |name| {
+            let rest = &name[super::subscription::POSITION_PREFIX.len()..];
+            if let Some(end) = rest.iter().rposition(|byte| *byte == 0)
+                && end > 0
+            {
+                consumers.insert(String::from_utf8_lossy(&rest[..end]).into_owned());
+            }
+        });
+        let epoch = store
+            .queue_info(&epoch_queue())
+            .ok()
+            .flatten()
+            .map_or(0, |info| info.next_offset);
         Self {
             store,
             compact_entries_min,
             compactions,
             logs: Mutex::new((HashMap::new(), 64)),
+            consumers: Mutex::new(consumers),
+            epoch: Arc::new(AtomicU64::new(epoch)),
+            deletes: AtomicU64::new(0),
         }
+    }
+
+    /// Deletes completed since the start. A stream that read positions before it registered
+    /// its queues compares this before and after: if a delete completed in between, the
+    /// positions it read may predate that delete's forget, and it reads them again.
+    pub fn deletes(&self) -> u64 {
+        self.deletes.load(Ordering::Acquire)
+    }
+
+    /// Makes every consumer forget its position on `queue`, before the queue is deleted, so
+    /// a queue created again under the name is delivered from its start: takes a new delete
+    /// epoch (durably), writes a forget in it to every consumer's log and deletes every
+    /// consumer's position queue of `queue`, and waits until all of it is durable. The caller
+    /// makes sure no stream holds `queue` meanwhile (no ack of it can race the forget), then
+    /// deletes the queue and calls [`PositionLogs::deleted`]. Costs a store write per
+    /// consumer that has a log. Blocks on the store: call it on the blocking pool.
+    pub fn forget(&self, queue: &[u8]) -> Result<(), WireError> {
+        let (offset, ticket) = self
+            .store
+            .append_deferred(&epoch_queue(), &[])
+            .map_err(write_error)?;
+        self.store.wait_durable(ticket).map_err(write_error)?;
+        // Acks from now on are of this epoch or later, so they outrank the forget.
+        let epoch = offset + 1;
+        self.epoch.fetch_max(epoch, Ordering::AcqRel);
+        let consumers: Vec<String> = lock(&self.consumers).iter().cloned().collect();
+        let mut tickets = Vec::new();
+        for consumer in &consumers {
+            let single = super::subscription::position_queue(consumer, queue);
+            if matches!(self.store.queue_info(&single), Ok(Some(_))) {
+                self.store.delete_queue(&single).map_err(write_error)?;
+            }
+            tickets.extend(self.open(consumer).forget(queue, epoch)?);
+        }
+        for ticket in tickets {
+            self.store.wait_durable(ticket).map_err(write_error)?;
+        }
+        Ok(())
+    }
+
+    /// Counts a delete as completed (after [`PositionLogs::forget`] and the store's delete).
+    pub fn deleted(&self) {
+        self.deletes.fetch_add(1, Ordering::AcqRel);
     }
 
     /// The consumer's log, shared by its open streams; loaded from the store on its first
@@ -470,6 +666,12 @@ impl PositionLogs {
         let (map, prune_at) = &mut *logs;
         if let Some(log) = map.get(consumer).and_then(Weak::upgrade) {
             return log;
+        }
+        {
+            let mut consumers = lock(&self.consumers);
+            if !consumers.contains(consumer) {
+                consumers.insert(consumer.to_owned());
+            }
         }
         if map.len() >= *prune_at {
             map.retain(|_, log| log.strong_count() > 0);
@@ -491,6 +693,7 @@ impl PositionLogs {
             book: Mutex::new(Book::default()),
             compacting: AtomicBool::new(false),
             snapshot_entries: AtomicU64::new(0),
+            epoch: Arc::clone(&self.epoch),
         });
         map.insert(consumer.to_owned(), Arc::downgrade(&log));
         log
@@ -539,6 +742,7 @@ mod tests {
             .collect();
         let records = encode_records(
             entries.iter().map(|(name, next)| (&name[..], *next)),
+            0,
             RECORD_BYTES_MAX,
         );
         assert!(records.len() > 1, "264 KB of entries span several records");
@@ -555,16 +759,16 @@ mod tests {
         // An older position read later changes nothing; a newer one wins.
         apply_record(
             &mut book,
-            &encode_records([(&entries[5].0[..], 1)].into_iter(), RECORD_BYTES_MAX)[0],
+            &encode_records([(&entries[5].0[..], 1)].into_iter(), 0, RECORD_BYTES_MAX)[0],
         )
         .unwrap();
-        assert_eq!(book[&entries[5].0[..]], 5);
+        assert_eq!(book[&entries[5].0[..]], (0, 5));
         apply_record(
             &mut book,
-            &encode_records([(&entries[5].0[..], 9)].into_iter(), RECORD_BYTES_MAX)[0],
+            &encode_records([(&entries[5].0[..], 9)].into_iter(), 0, RECORD_BYTES_MAX)[0],
         )
         .unwrap();
-        assert_eq!(book[&entries[5].0[..]], 9);
+        assert_eq!(book[&entries[5].0[..]], (0, 9));
 
         let cut = &records[0][..records[0].len() - 3];
         assert!(
@@ -698,8 +902,8 @@ mod tests {
         store.append(b"recreated", b"new").unwrap();
         log.compact().unwrap();
         let queues = names(&["kept", "deleted", "recreated"]);
-        // "recreated" exists at the compaction, so its old position stays (a known limit:
-        // the store does not tell one incarnation of a name from the next).
+        // "recreated" exists at the compaction, so its old position stays: deleted here
+        // without the server's forget (see the test of deletes below).
         assert_eq!(log.positions(&queues).unwrap(), vec![7, 0, 9]);
         assert_eq!(log.snapshot_entries.load(Ordering::Relaxed), 2);
         // A fresh load (a restart) reads the snapshot: the dropped position stays dropped.
@@ -716,6 +920,7 @@ mod tests {
                 entries
                     .iter()
                     .map(|(queue, next)| (queue.as_bytes(), *next)),
+                0,
                 RECORD_BYTES_MAX,
             )
             .remove(0)
@@ -1057,5 +1262,146 @@ mod tests {
             failures.len(),
             failures.first()
         );
+    }
+
+    /// A store in `directory` holding one message in each of `queues`.
+    fn store_with(directory: &std::path::Path, sync: SyncPolicy, queues: &[&str]) -> Arc<Store> {
+        let store = open(directory, sync);
+        for queue in queues {
+            store.append(queue.as_bytes(), b"m").unwrap();
+        }
+        store
+    }
+
+    /// Deletes `queue` the way the server does: forget, then the store's delete.
+    fn delete(store: &Store, positions: &PositionLogs, queue: &[u8]) {
+        positions.forget(queue).unwrap();
+        assert!(store.delete_queue(queue).unwrap());
+        positions.deleted();
+    }
+
+    #[test]
+    fn given_a_queue_deleted_and_created_again_then_every_consumer_starts_it_from_its_start() {
+        use super::super::subscription::{position_queue, position_record};
+        for sync in [SyncPolicy::Always, SyncPolicy::Interval { interval_ms: 5 }] {
+            let directory = tempfile::tempdir().unwrap();
+            let store = store_with(directory.path(), sync, &["orders", "kept"]);
+            {
+                // "idle" acked on an earlier run and has no stream now; "single" has a
+                // single subscription's position queue only.
+                let positions = logs(&store, 1_000);
+                let idle = positions.open("idle");
+                assert_eq!(idle.positions(&names(&["orders"])).unwrap(), vec![0]);
+                idle.append([(&b"orders"[..], 500), (&b"kept"[..], 4)].into_iter())
+                    .unwrap();
+            }
+            store
+                .append(
+                    &position_queue("single", b"orders"),
+                    &position_record(300, b"orders"),
+                )
+                .unwrap();
+            // A restart: the consumers are found in the store.
+            let positions = logs(&store, 1_000);
+            let live = positions.open("live");
+            assert_eq!(live.positions(&names(&["orders"])).unwrap(), vec![0]);
+            live.append([(&b"orders"[..], 200)].into_iter()).unwrap();
+            assert_eq!(positions.deletes(), 0);
+            delete(&store, &positions, b"orders");
+            assert_eq!(positions.deletes(), 1);
+            store.append(b"orders", b"new").unwrap();
+            assert!(
+                store
+                    .queue_info(&position_queue("single", b"orders"))
+                    .unwrap()
+                    .is_none(),
+                "the single subscription's position queue is deleted"
+            );
+            let both = names(&["orders", "kept"]);
+            for consumer in ["idle", "live", "single"] {
+                assert_eq!(
+                    positions.open(consumer).positions(&both).unwrap()[0],
+                    0,
+                    "{consumer} {sync:?}"
+                );
+            }
+            assert_eq!(live.positions(&both).unwrap(), vec![0, 0], "loaded log");
+            assert_eq!(
+                positions.open("idle").positions(&both).unwrap(),
+                vec![0, 4],
+                "other queues keep their positions"
+            );
+            // Acks after the delete count again, also after a compaction and a restart.
+            live.append([(&b"orders"[..], 1)].into_iter()).unwrap();
+            assert_eq!(live.positions(&both).unwrap(), vec![1, 0]);
+            live.compact().unwrap();
+            drop((live, positions));
+            Arc::try_unwrap(store).unwrap().close().unwrap();
+            let store = open(directory.path(), sync);
+            let positions = logs(&store, 1_000);
+            assert_eq!(positions.open("live").positions(&both).unwrap(), vec![1, 0]);
+            assert_eq!(positions.open("idle").positions(&both).unwrap(), vec![0, 4]);
+            // The epoch survived the restart: an ack now outranks the forget too.
+            let idle = positions.open("idle");
+            idle.append([(&b"orders"[..], 1)].into_iter()).unwrap();
+            assert_eq!(idle.positions(&both).unwrap(), vec![1, 4], "{sync:?}");
+        }
+    }
+
+    #[test]
+    fn given_a_forget_and_older_entries_in_any_order_then_the_forget_wins_and_later_acks_win() {
+        let stale = encode_records([(&b"q"[..], 500)].into_iter(), 3, RECORD_BYTES_MAX);
+        let forget = encode_records([(&b"q"[..], 0)].into_iter(), 4, RECORD_BYTES_MAX);
+        let later = encode_records([(&b"q"[..], 2)].into_iter(), 4, RECORD_BYTES_MAX);
+        let mut version_1 = vec![1_u8, 1];
+        version_1.push(b'q');
+        version_1.extend_from_slice(&900_u64.to_le_bytes());
+        let orders: [&[&Vec<u8>]; 3] = [
+            &[&stale[0], &forget[0], &version_1],
+            &[&forget[0], &version_1, &stale[0]],
+            &[&version_1, &forget[0], &stale[0], &stale[0]],
+        ];
+        for order in orders {
+            let mut book = HashMap::new();
+            for record in order {
+                apply_record(&mut book, record).unwrap();
+            }
+            assert_eq!(book[&b"q"[..]], (4, 0));
+            apply_record(&mut book, &later[0]).unwrap();
+            assert_eq!(book[&b"q"[..]], (4, 2));
+        }
+        let mut book = HashMap::new();
+        apply_record(&mut book, &version_1).unwrap();
+        assert_eq!(
+            book[&b"q"[..]],
+            (0, 900),
+            "a version 1 record reads as epoch 0"
+        );
+        assert!(
+            apply_record(&mut book, &[2, 0, 0])
+                .unwrap_err()
+                .contains("shorter than its epoch")
+        );
+    }
+
+    #[test]
+    fn given_positions_in_several_epochs_then_a_snapshot_keeps_each_entry_in_its_epoch() {
+        let directory = tempfile::tempdir().unwrap();
+        let store = store_with(directory.path(), SyncPolicy::Always, &["a", "b", "c"]);
+        let positions = logs(&store, 1_000);
+        let log = positions.open("app");
+        assert_eq!(log.positions(&names(&["a"])).unwrap(), vec![0]);
+        log.append([(&b"a"[..], 7), (&b"b"[..], 8)].into_iter())
+            .unwrap();
+        delete(&store, &positions, b"b");
+        store.append(b"b", b"m").unwrap();
+        log.append([(&b"c"[..], 9)].into_iter()).unwrap();
+        log.compact().unwrap();
+        let fresh = logs(&store, 1_000).open("app");
+        let all = names(&["a", "b", "c"]);
+        assert_eq!(fresh.positions(&all).unwrap(), vec![7, 0, 9]);
+        let book = lock(&fresh.book);
+        assert_eq!(book.positions[&b"a"[..]], (0, 7));
+        assert_eq!(book.positions[&b"c"[..]], (1, 9));
     }
 }

@@ -22,8 +22,8 @@ use tokio::sync::{Semaphore, mpsc, watch};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::subscription::{
-    Appended, RESERVED_PREFIX, RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX, Session, Waiters,
-    check_start,
+    Appended, DeleteRefused, RESERVED_PREFIX, RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX, Session,
+    Waiters, check_start,
 };
 
 use super::mailboxes::{self, ManyContext, ManySession};
@@ -214,7 +214,7 @@ impl Queues for QueueService {
         let (outgoing, responses) = mpsc::channel(RESPONSES_QUEUED_MAX);
         let session = Session {
             calls: self.calls.clone(),
-            notify: self.waiters.register(&start.queue),
+            notify: self.waiters.register(&start.queue)?,
             positions: Arc::clone(&self.positions),
             start,
             incoming,
@@ -441,8 +441,42 @@ impl Queues for QueueService {
     ) -> Result<Response<DeleteQueueResponse>, Status> {
         let queue = request.into_inner().queue;
         check_not_reserved(&queue)?;
+        let deleting = self.waiters.begin_delete(&queue).map_err(|refused| {
+            let name = String::from_utf8_lossy(&queue);
+            match refused {
+                DeleteRefused::Subscribed(count) => WireError::new(
+                    ErrorCode::FailedPrecondition,
+                    format!(
+                        "queue '{name}' is held by {count} open subscription(s); remove it from \
+                         their mailboxes (or close them) first, or its consumers could ack \
+                         messages of the deleted queue"
+                    ),
+                ),
+                DeleteRefused::InProgress => WireError::new(
+                    ErrorCode::Unavailable,
+                    format!("queue '{name}' is being deleted by another call; retry"),
+                ),
+            }
+        })?;
+        let positions = Arc::clone(&self.positions);
         let existed = self
-            .blocking(move |store| store.delete_queue(&queue).map_err(write_error))
+            .blocking(move |store| {
+                // Held until the delete is done: no subscription of the queue meanwhile.
+                let _deleting = deleting;
+                if store
+                    .queue_info(&queue)
+                    .map_err(|error| input_error(&error))?
+                    .is_none()
+                {
+                    return Ok(false);
+                }
+                // Consumers forget their positions first, so a queue created again under the
+                // name is delivered from its start; a crash in between only redelivers.
+                positions.forget(&queue)?;
+                let existed = store.delete_queue(&queue).map_err(write_error)?;
+                positions.deleted();
+                Ok(existed)
+            })
             .await?;
         Ok(Response::new(DeleteQueueResponse { existed }))
     }

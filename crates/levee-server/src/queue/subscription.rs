@@ -65,6 +65,8 @@ struct WaiterMap {
     /// Entries beyond which dead ones are pruned (amortized: twice the live count after each
     /// prune, at least [`SUBSCRIPTIONS_MAX`]).
     prune_at: usize,
+    /// Queues being deleted: no subscription may register them until the delete is done.
+    deleting: std::collections::HashSet<Box<[u8]>, foldhash::fast::RandomState>,
 }
 
 /// The watchers of one queue. A queue is mostly one stream's mailbox: that one is held inline
@@ -87,6 +89,7 @@ impl Default for Waiters {
             queues: Mutex::new(WaiterMap {
                 entries: HashMap::default(),
                 prune_at: SUBSCRIPTIONS_MAX,
+                deleting: std::collections::HashSet::default(),
             }),
         }
     }
@@ -190,12 +193,90 @@ impl Inbox {
     }
 }
 
+/// Why a mailbox add registered none of its queues.
+#[derive(Debug, PartialEq, Eq)]
+pub enum AddRefused {
+    /// A queue is already a mailbox of the stream (or named twice).
+    Twice {
+        /// Its index in the queues added.
+        index: usize,
+        /// Its mailbox number.
+        taken: u32,
+    },
+    /// A queue is being deleted.
+    Deleting {
+        /// Its index in the queues added.
+        index: usize,
+    },
+}
+
+/// Why a queue cannot be deleted now.
+#[derive(Debug, PartialEq, Eq)]
+pub enum DeleteRefused {
+    /// This many subscriptions (single ones and many-queue streams) hold it.
+    Subscribed(usize),
+    /// Another delete of it is running.
+    InProgress,
+}
+
+/// Marks a queue as being deleted until dropped (see [`Waiters::begin_delete`]).
+#[derive(Debug)]
+pub struct Deleting {
+    waiters: Arc<Waiters>,
+    queue: Box<[u8]>,
+}
+
+impl Drop for Deleting {
+    fn drop(&mut self) {
+        lock(&self.waiters.queues).deleting.remove(&self.queue);
+    }
+}
+
+fn deleting_error(queue: &[u8]) -> WireError {
+    WireError::new(
+        ErrorCode::Unavailable,
+        format!(
+            "queue '{}' is being deleted; subscribe again once the delete has returned",
+            String::from_utf8_lossy(queue)
+        ),
+    )
+}
+
 impl Waiters {
-    /// The queue's wake-up, shared by its subscriptions; dropped with the last of them.
-    pub fn register(&self, queue: &[u8]) -> Arc<Notify> {
+    /// Marks `queue` as being deleted, if no subscription holds it: until the returned guard
+    /// drops, subscriptions of it are refused, so none can read or ack a position of it
+    /// while its consumers' positions are forgotten and the queue deleted.
+    pub fn begin_delete(self: &Arc<Self>, queue: &[u8]) -> Result<Deleting, DeleteRefused> {
         let mut map = lock(&self.queues);
+        if let Some(watchers) = map.entries.get(queue) {
+            let held = usize::from(watchers.notify.strong_count() > 0)
+                + watchers
+                    .inboxes
+                    .iter()
+                    .filter(|(inbox, _)| inbox.strong_count() > 0)
+                    .count();
+            if held > 0 {
+                return Err(DeleteRefused::Subscribed(held));
+            }
+        }
+        if !map.deleting.insert(queue.into()) {
+            return Err(DeleteRefused::InProgress);
+        }
+        Ok(Deleting {
+            waiters: Arc::clone(self),
+            queue: queue.into(),
+        })
+    }
+
+    /// The queue's wake-up, shared by its subscriptions; dropped with the last of them.
+    /// Refused (`UNAVAILABLE`) while the queue is being deleted.
+    pub fn register(&self, queue: &[u8]) -> Result<Arc<Notify>, WireError> {
+        let mut map = lock(&self.queues);
+        if map.deleting.contains(queue) {
+            return Err(deleting_error(queue));
+        }
         if let Some(notify) = map.entries.get(queue).and_then(|w| w.notify.upgrade()) {
-            return notify;
+            return Ok(notify);
         }
         if map.entries.len() >= map.prune_at {
             map.entries.retain(|_, watchers| !watchers.is_dead());
@@ -203,20 +284,25 @@ impl Waiters {
         }
         let notify = Arc::new(Notify::new());
         map.entries.entry(queue.into()).or_default().notify = Arc::downgrade(&notify);
-        notify
+        Ok(notify)
     }
 
     /// Registers `queues` as mailboxes `first..` of `inbox`. If one of them is already a
-    /// mailbox of `inbox` (or named twice), registers none and returns its index in `queues`
-    /// and its mailbox number.
+    /// mailbox of `inbox` (or named twice), or is being deleted, registers none and says
+    /// which.
     pub fn add_mailboxes(
         &self,
         inbox: &Arc<Inbox>,
         first: u32,
         queues: &[Box<[u8]>],
-    ) -> Result<(), (usize, u32)> {
+    ) -> Result<(), AddRefused> {
         let weak = Arc::downgrade(inbox);
         let mut map = lock(&self.queues);
+        if !map.deleting.is_empty()
+            && let Some(index) = queues.iter().position(|queue| map.deleting.contains(queue))
+        {
+            return Err(AddRefused::Deleting { index });
+        }
         for ((index, queue), mailbox) in queues.iter().enumerate().zip(first..) {
             let watchers = map.entries.entry(queue.clone()).or_default();
             if let Some(&(_, taken)) = watchers
@@ -230,7 +316,7 @@ impl Waiters {
                     .map(|(queue, mailbox)| (&queue[..], mailbox))
                     .collect();
                 remove_locked(&mut map, &weak, &added);
-                return Err((index, taken));
+                return Err(AddRefused::Twice { index, taken });
             }
             watchers.inboxes.push((weak.clone(), mailbox));
         }
@@ -732,16 +818,56 @@ mod tests {
     }
 
     #[test]
+    fn given_a_queue_held_or_being_deleted_then_deletes_and_subscriptions_exclude_each_other() {
+        let waiters = Arc::new(Waiters::default());
+        let inbox = Arc::new(Inbox::default());
+        waiters.add_mailboxes(&inbox, 0, &names(&["a"])).unwrap();
+        let single = waiters.register(b"a").unwrap();
+        assert_eq!(
+            waiters.begin_delete(b"a").unwrap_err(),
+            DeleteRefused::Subscribed(2)
+        );
+        drop(single);
+        assert_eq!(
+            waiters.begin_delete(b"a").unwrap_err(),
+            DeleteRefused::Subscribed(1)
+        );
+        waiters.remove_mailboxes(&inbox, &[(b"a", 0)]);
+        let deleting = waiters.begin_delete(b"a").unwrap();
+        assert_eq!(
+            waiters.begin_delete(b"a").unwrap_err(),
+            DeleteRefused::InProgress
+        );
+        let error = waiters.register(b"a").unwrap_err();
+        assert_eq!(error.code, ErrorCode::Unavailable);
+        assert!(error.message.contains("being deleted"), "{}", error.message);
+        assert_eq!(
+            waiters.add_mailboxes(&inbox, 1, &names(&["b", "a"])),
+            Err(AddRefused::Deleting { index: 1 })
+        );
+        waiters.wake(b"b");
+        assert!(inbox.take().mailboxes.is_empty(), "'b' was not registered");
+        // A stream that ended (its inbox dropped) does not hold the queue.
+        let gone = Arc::new(Inbox::default());
+        waiters.add_mailboxes(&gone, 0, &names(&["c"])).unwrap();
+        drop(gone);
+        drop(waiters.begin_delete(b"c").unwrap());
+        drop(deleting);
+        waiters.register(b"a").unwrap();
+        waiters.add_mailboxes(&inbox, 1, &names(&["b"])).unwrap();
+    }
+
+    #[test]
     fn given_mailboxes_then_wakes_reach_their_inbox_once_and_removal_forgets_them() {
         let waiters = Waiters::default();
         let (one, two) = (Arc::new(Inbox::default()), Arc::new(Inbox::default()));
         waiters.add_mailboxes(&one, 0, &names(&["a", "b"])).unwrap();
         waiters.add_mailboxes(&two, 5, &names(&["b"])).unwrap();
-        let _single = waiters.register(b"b");
+        let _single = waiters.register(b"b").unwrap();
         // A queue twice on one inbox (here within one add) registers nothing of that add.
         assert_eq!(
             waiters.add_mailboxes(&one, 2, &names(&["c", "a"])),
-            Err((1, 0))
+            Err(AddRefused::Twice { index: 1, taken: 0 })
         );
         assert_eq!(waiters.len(), 2, "'c' was rolled back");
         for _ in 0..3 {
@@ -841,7 +967,7 @@ mod tests {
             .add_mailboxes(&one, 0, &names(&["a", "b", "c"]))
             .unwrap();
         waiters.add_mailboxes(&two, 7, &names(&["b", "d"])).unwrap();
-        let single = waiters.register(b"d");
+        let single = waiters.register(b"d").unwrap();
         // Interleaved inboxes, a name twice, an unknown name.
         waiters.wake_all(&[b"d", b"a", b"b", b"unknown", b"a", b"c"]);
         let sorted = |inbox: &Inbox| {
