@@ -644,7 +644,7 @@ fn given_a_queue_deleted_and_created_again_then_its_consumers_get_the_new_one_fr
         let refused = client.delete_queue(b"driver-1").await.unwrap_err();
         assert_eq!(refused.code(), Some(ErrorCode::FailedPrecondition));
         assert!(
-            refused.to_string().contains("2 open subscription"),
+            refused.to_string().contains("held by an open subscription"),
             "{refused}"
         );
         assert_eq!(client.queue_info(b"driver-1").await.unwrap().next_offset, 5);

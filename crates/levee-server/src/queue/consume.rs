@@ -262,6 +262,9 @@ impl ConsumeSession {
             Arc::clone(&topic),
         );
         let lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
+        // Before the join, so nothing is left to undo if it failed (a topic's wake key is a
+        // reserved name, never deleted, so it does not).
+        let notify = context.waiters.register(&topic_wake_key(&topic.name))?;
         let membership = context
             .calls
             .run(move |store| {
@@ -280,8 +283,7 @@ impl ConsumeSession {
             .get(&start.group, context.topics.rate(&start.group));
         let credit = StreamCredit::initial(start.credit);
         Ok(Self {
-            // A topic's wake key is a reserved name, never deleted.
-            notify: context.waiters.register(&topic_wake_key(&topic.name))?,
+            notify,
             context,
             topic,
             group: start.group,

@@ -28,7 +28,7 @@ use tokio::sync::{Semaphore, mpsc, watch};
 use tonic::{Status, Streaming};
 
 use super::StoreCalls;
-use super::position_log::{ConsumerLog, PositionLogs};
+use super::position_log::{ConsumerLog, Position, PositionLogs};
 use super::subscription::{
     AddRefused, Hints, Inbox, ROUND_BYTES_MAX, StreamCredit, Waiters, check_consumer_and_credit,
     check_queue_name,
@@ -64,6 +64,8 @@ struct Mailbox {
     next: u64,
     /// The offset after the last acked one.
     acked: u64,
+    /// The epoch its acks are written in (see [`super::position_log::Position`]).
+    epoch: u64,
     /// In the session's to-do list (woken and not yet caught up).
     scheduled: bool,
 }
@@ -386,8 +388,8 @@ impl ManySession {
                 return Err(WireError::new(
                     ErrorCode::Unavailable,
                     format!(
-                        "queues[{index}] ('{}') is being deleted; add it again once the delete \
-                         has returned",
+                        "queues[{index}] ('{}') is being deleted, so this stream ends; open it \
+                         again and add the queue once the delete has returned",
                         String::from_utf8_lossy(&queues[index])
                     ),
                 ));
@@ -401,13 +403,16 @@ impl ManySession {
             (queues, positions) = self.positions(queues).await?;
         }
         reserved.keep();
-        for ((queue, next), number) in queues.into_iter().zip(positions).zip(first..) {
+        for ((queue, Position { epoch, next }), number) in
+            queues.into_iter().zip(positions).zip(first..)
+        {
             self.mailboxes.insert(
                 number,
                 Mailbox {
                     queue,
                     next,
                     acked: next,
+                    epoch,
                     scheduled: true,
                 },
             );
@@ -426,7 +431,7 @@ impl ManySession {
     async fn positions(
         &self,
         queues: Vec<Box<[u8]>>,
-    ) -> Result<(Vec<Box<[u8]>>, Vec<u64>), WireError> {
+    ) -> Result<(Vec<Box<[u8]>>, Vec<Position>), WireError> {
         let log = Arc::clone(&self.log);
         self.context
             .calls
@@ -509,11 +514,11 @@ impl ManySession {
                 }
             }
         }
-        let entries: Vec<(&[u8], u64)> = moved
+        let entries: Vec<(&[u8], u64, u64)> = moved
             .iter()
             .filter_map(|number| {
                 let mailbox = self.mailboxes.get(number)?;
-                Some((&mailbox.queue[..], mailbox.acked))
+                Some((&mailbox.queue[..], mailbox.epoch, mailbox.acked))
             })
             .collect();
         let (ticket, compact) = self.log.append(entries.into_iter())?;

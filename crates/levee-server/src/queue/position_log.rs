@@ -115,11 +115,43 @@ pub(crate) fn encode_records<'a>(
     records
 }
 
-/// A queue's position in the book: the delete epoch its entry was written in, then the next
-/// offset to deliver. Entries compare in that order, so a forget (a delete's entry, next
-/// offset 0, in the delete's epoch) outranks every entry written before the delete and is
-/// outranked by every ack written after it, whatever order they are read in.
+/// A queue's position in the book: the epoch of its entry, then the next offset to deliver.
+/// Entries compare in that order. A delete writes a forget (next offset 0) in a fresh epoch,
+/// higher than any before; an ack is written in its queue's epoch as the stream found it
+/// when it added the queue (the epoch of the queue's entry, or the current epoch if it had
+/// none), so the acks of one incarnation of a queue share an epoch and only grow, a forget
+/// outranks every ack of the incarnations before it and is outranked by every ack after it,
+/// whatever order they are read in.
 type Stamped = (u64, u64);
+
+/// Where a consumer's stream starts on a queue: the next offset to deliver and the epoch its
+/// acks of the queue are written in (see [`Stamped`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Position {
+    /// The epoch of the queue's acks.
+    pub epoch: u64,
+    /// The next offset to deliver.
+    pub next: u64,
+}
+
+/// Encodes `entries` (queue, epoch, next offset) as log records: one run of records per run
+/// of entries of one epoch, in the order given.
+fn encode_stamped<'a>(
+    entries: impl Iterator<Item = (&'a [u8], u64, u64)>,
+    record_bytes_max: usize,
+) -> Vec<Vec<u8>> {
+    let entries: Vec<(&[u8], u64, u64)> = entries.collect();
+    entries
+        .chunk_by(|(_, one, _), (_, other, _)| one == other)
+        .flat_map(|run| {
+            encode_records(
+                run.iter().map(|(queue, _, next)| (*queue, *next)),
+                run[0].1,
+                record_bytes_max,
+            )
+        })
+        .collect()
+}
 
 /// Applies one log record to `book`; returns its entries, or an error that names what is
 /// wrong with it.
@@ -199,8 +231,12 @@ pub struct ConsumerLog {
     compacting: AtomicBool,
     /// Entries of the last snapshot (the book's size then).
     snapshot_entries: AtomicU64,
-    /// The server's delete epoch, written with every ack record.
+    /// The server's delete epoch: the epoch of acks on queues the log has no entry for.
     epoch: Arc<AtomicU64>,
+    /// The consumers a delete writes forgets to; this one joins before its first write.
+    writers: Arc<Mutex<std::collections::HashSet<String>>>,
+    /// Whether this consumer is in `writers` already.
+    noted: AtomicBool,
 }
 
 impl ConsumerLog {
@@ -215,21 +251,16 @@ impl ConsumerLog {
     /// blocking pool). Cheap: call it inline.
     pub fn append<'a>(
         &self,
-        entries: impl ExactSizeIterator<Item = (&'a [u8], u64)>,
-    ) -> Result<(Option<CommitTicket>, bool), WireError> {
-        let epoch = self.epoch.load(Ordering::Acquire);
-        self.append_in(entries, epoch)
-    }
-
-    fn append_in<'a>(
-        &self,
-        entries: impl ExactSizeIterator<Item = (&'a [u8], u64)>,
-        epoch: u64,
+        entries: impl ExactSizeIterator<Item = (&'a [u8], u64, u64)>,
     ) -> Result<(Option<CommitTicket>, bool), WireError> {
         let count = entries.len() as u64;
-        let records = encode_records(entries, epoch, self.record_bytes_max);
+        let records = encode_stamped(entries, self.record_bytes_max);
         if records.is_empty() {
             return Ok((None, false));
+        }
+        if !self.noted.load(Ordering::Acquire) {
+            note_writer(&self.writers, &self.consumer);
+            self.noted.store(true, Ordering::Release);
         }
         let mut writing = lock(&self.writing);
         let ticket = self.append_records(writing.generation, &records)?;
@@ -260,17 +291,26 @@ impl ConsumerLog {
     /// The next offset to deliver on each of `queues` for this consumer: the largest of its
     /// log's and its position queue's (older versions, single-queue subscriptions), 0 if
     /// neither knows it. Blocks on the store: call it on the blocking pool.
-    pub fn positions(&self, queues: &[Box<[u8]>]) -> Result<Vec<u64>, WireError> {
+    pub fn positions(&self, queues: &[Box<[u8]>]) -> Result<Vec<Position>, WireError> {
         let mut book = lock(&self.book);
         self.load(&mut book)?;
         self.catch_up_all(&mut book)?;
+        // Read after the catch-up: at least the epoch of every forget the log holds.
+        let current = self.epoch.load(Ordering::Acquire);
         queues
             .iter()
             .map(|queue| {
-                let logged = book.positions.get(&queue[..]).map_or(0, |(_, next)| *next);
+                let (epoch, logged) = book
+                    .positions
+                    .get(&queue[..])
+                    .copied()
+                    .unwrap_or((current, 0));
                 let legacy =
                     super::subscription::load_position(&self.store, &self.consumer, queue)?;
-                Ok(logged.max(legacy))
+                Ok(Position {
+                    epoch,
+                    next: logged.max(legacy),
+                })
             })
             .collect()
     }
@@ -311,7 +351,7 @@ impl ConsumerLog {
             return self.append_records(current, &records).map(Some);
         }
         drop(book);
-        let (ticket, due) = self.append_in([(queue, 0)].into_iter(), epoch)?;
+        let (ticket, due) = self.append([(queue, epoch, 0)].into_iter())?;
         if due && let Err(error) = self.compact() {
             tracing::warn!(
                 consumer = self.consumer,
@@ -366,8 +406,11 @@ impl ConsumerLog {
             // is always safe: at worst its messages are delivered again. (A queue deleted and
             // created again is not left with its old position either way: the delete wrote
             // a forget, see [`PositionLogs::forget`].)
-            book.positions
-                .retain(|queue, _| matches!(self.store.queue_info(queue), Ok(Some(_))));
+            // Forgets (next offset 0) go too: without an entry a queue's acks are written in
+            // the current epoch, which no forget outranks.
+            book.positions.retain(|queue, (_, next)| {
+                *next > 0 && matches!(self.store.queue_info(queue), Ok(Some(_)))
+            });
             // Each entry keeps its epoch: one run of records per epoch.
             let mut entries: Vec<(&[u8], Stamped)> = book
                 .positions
@@ -560,6 +603,14 @@ impl ConsumerLog {
     }
 }
 
+/// Adds `consumer` to `writers` if it is not there.
+fn note_writer(writers: &Mutex<std::collections::HashSet<String>>, consumer: &str) {
+    let mut writers = lock(writers);
+    if !writers.contains(consumer) {
+        writers.insert(consumer.to_owned());
+    }
+}
+
 /// The position logs of the consumers with open streams, and what a queue's delete does to
 /// every consumer's positions.
 #[derive(Debug)]
@@ -569,9 +620,9 @@ pub struct PositionLogs {
     compactions: Counter,
     logs: Mutex<(HashMap<String, Weak<ConsumerLog>>, usize)>,
     /// Every consumer that may hold a position: those with positions in the store at start,
-    /// and every consumer a stream opened since (bounded by the store's position queues and
-    /// logs, one entry per consumer name).
-    consumers: Mutex<std::collections::HashSet<String>>,
+    /// and every consumer that wrote one since (one entry per consumer name, each with a
+    /// position queue or log in the store, so bounded by what the store holds).
+    writers: Arc<Mutex<std::collections::HashSet<String>>>,
     /// The delete epoch ([`epoch_queue`]'s next offset), written with every ack record.
     epoch: Arc<AtomicU64>,
     /// Deletes completed since the start (see [`PositionLogs::deletes`]).
@@ -610,7 +661,7 @@ impl PositionLogs {
             compact_entries_min,
             compactions,
             logs: Mutex::new((HashMap::new(), 64)),
-            consumers: Mutex::new(consumers),
+            writers: Arc::new(Mutex::new(consumers)),
             epoch: Arc::new(AtomicU64::new(epoch)),
             deletes: AtomicU64::new(0),
         }
@@ -639,7 +690,7 @@ impl PositionLogs {
         // Acks from now on are of this epoch or later, so they outrank the forget.
         let epoch = offset + 1;
         self.epoch.fetch_max(epoch, Ordering::AcqRel);
-        let consumers: Vec<String> = lock(&self.consumers).iter().cloned().collect();
+        let consumers: Vec<String> = lock(&self.writers).iter().cloned().collect();
         let mut tickets = Vec::new();
         for consumer in &consumers {
             let single = super::subscription::position_queue(consumer, queue);
@@ -654,7 +705,14 @@ impl PositionLogs {
         Ok(())
     }
 
-    /// Counts a delete as completed (after [`PositionLogs::forget`] and the store's delete).
+    /// Notes that `consumer` is about to write a position (a `Subscribe` ack), so deletes
+    /// write it forgets from now on. Position logs note their consumer themselves.
+    pub fn note_writer(&self, consumer: &str) {
+        note_writer(&self.writers, consumer);
+    }
+
+    /// Counts a delete as completed (after [`PositionLogs::forget`] and the store's delete,
+    /// whether they succeeded or not).
     pub fn deleted(&self) {
         self.deletes.fetch_add(1, Ordering::AcqRel);
     }
@@ -667,12 +725,7 @@ impl PositionLogs {
         if let Some(log) = map.get(consumer).and_then(Weak::upgrade) {
             return log;
         }
-        {
-            let mut consumers = lock(&self.consumers);
-            if !consumers.contains(consumer) {
-                consumers.insert(consumer.to_owned());
-            }
-        }
+
         if map.len() >= *prune_at {
             map.retain(|_, log| log.strong_count() > 0);
             *prune_at = (2 * map.len()).max(64);
@@ -694,6 +747,8 @@ impl PositionLogs {
             compacting: AtomicBool::new(false),
             snapshot_entries: AtomicU64::new(0),
             epoch: Arc::clone(&self.epoch),
+            writers: Arc::clone(&self.writers),
+            noted: AtomicBool::new(false),
         });
         map.insert(consumer.to_owned(), Arc::downgrade(&log));
         log
@@ -704,6 +759,39 @@ impl PositionLogs {
 mod tests {
     use super::*;
     use levee_store::{StoreOptions, SyncPolicy};
+
+    impl ConsumerLog {
+        /// Next offsets only.
+        fn nexts(&self, queues: &[Box<[u8]>]) -> Result<Vec<u64>, WireError> {
+            Ok(self
+                .positions(queues)?
+                .into_iter()
+                .map(|position| position.next)
+                .collect())
+        }
+
+        /// Acks as a stream does: each in its queue's epoch (the book's entry's, or the
+        /// current one), as far as the book has been read.
+        fn ack<'a>(
+            &self,
+            entries: impl ExactSizeIterator<Item = (&'a [u8], u64)>,
+        ) -> Result<(Option<CommitTicket>, bool), WireError> {
+            let stamped: Vec<(&[u8], u64, u64)> = {
+                let book = lock(&self.book);
+                let current = self.epoch.load(Ordering::Acquire);
+                entries
+                    .map(|(queue, next)| {
+                        let epoch = book
+                            .positions
+                            .get(queue)
+                            .map_or(current, |(epoch, _)| *epoch);
+                        (queue, epoch, next)
+                    })
+                    .collect()
+            };
+            self.append(stamped.into_iter())
+        }
+    }
 
     fn open(directory: &std::path::Path, sync: SyncPolicy) -> Arc<Store> {
         let options = StoreOptions {
@@ -791,20 +879,20 @@ mod tests {
             let directory = tempfile::tempdir().unwrap();
             let store = open(directory.path(), sync);
             let log = logs(&store, 1_000).open("app");
-            assert_eq!(log.positions(&names(&["a", "b"])).unwrap(), vec![0, 0]);
-            log.append([(&b"a"[..], 3), (&b"b"[..], 1)].into_iter())
+            assert_eq!(log.nexts(&names(&["a", "b"])).unwrap(), vec![0, 0]);
+            log.ack([(&b"a"[..], 3), (&b"b"[..], 1)].into_iter())
                 .unwrap();
             // Not waited for: under `always` loading waits for the round.
-            log.append([(&b"a"[..], 5)].into_iter()).unwrap();
+            log.ack([(&b"a"[..], 5)].into_iter()).unwrap();
             let fresh = logs(&store, 1_000).open("app");
             assert_eq!(
-                fresh.positions(&names(&["a", "b", "c"])).unwrap(),
+                fresh.nexts(&names(&["a", "b", "c"])).unwrap(),
                 vec![5, 1, 0]
             );
             assert_eq!(
                 logs(&store, 1_000)
                     .open("other")
-                    .positions(&names(&["a"]))
+                    .nexts(&names(&["a"]))
                     .unwrap(),
                 vec![0]
             );
@@ -813,7 +901,7 @@ mod tests {
             let store = open(directory.path(), sync);
             let log = logs(&store, 1_000).open("app");
             assert_eq!(
-                log.positions(&names(&["a", "b"])).unwrap(),
+                log.nexts(&names(&["a", "b"])).unwrap(),
                 vec![5, 1],
                 "{sync:?}"
             );
@@ -832,9 +920,9 @@ mod tests {
             .append(&position_queue("app", b"b"), &position_record(2, b"b"))
             .unwrap();
         let log = logs(&store, 1_000).open("app");
-        log.append([(&b"a"[..], 4), (&b"b"[..], 6)].into_iter())
+        log.ack([(&b"a"[..], 4), (&b"b"[..], 6)].into_iter())
             .unwrap();
-        assert_eq!(log.positions(&names(&["a", "b"])).unwrap(), vec![8, 6]);
+        assert_eq!(log.nexts(&names(&["a", "b"])).unwrap(), vec![8, 6]);
     }
 
     #[test]
@@ -848,14 +936,14 @@ mod tests {
         for queue in &queues {
             store.append(queue.as_bytes(), b"m").unwrap();
         }
-        assert_eq!(log.positions(&names(&["queue-0"])).unwrap(), vec![0]);
+        assert_eq!(log.nexts(&names(&["queue-0"])).unwrap(), vec![0]);
         let mut due_count = 0;
         for round in 1..=40_u64 {
             let entries: Vec<(&[u8], u64)> = queues
                 .iter()
                 .map(|queue| (queue.as_bytes(), round))
                 .collect();
-            let (_, due) = log.append(entries.into_iter()).unwrap();
+            let (_, due) = log.ack(entries.into_iter()).unwrap();
             if due {
                 due_count += 1;
                 log.compact().unwrap();
@@ -884,7 +972,7 @@ mod tests {
         );
         let all: Vec<Box<[u8]>> = queues.iter().map(|queue| queue.as_bytes().into()).collect();
         let fresh = logs(&store, 100).open("app");
-        assert_eq!(fresh.positions(&all).unwrap(), vec![40; 50]);
+        assert_eq!(fresh.nexts(&all).unwrap(), vec![40; 50]);
     }
 
     #[test]
@@ -896,7 +984,7 @@ mod tests {
             store.append(queue.as_bytes(), b"m").unwrap();
         }
         let entries: [(&[u8], u64); 3] = [(b"kept", 7), (b"deleted", 8), (b"recreated", 9)];
-        log.append(entries.into_iter()).unwrap();
+        log.ack(entries.into_iter()).unwrap();
         assert!(store.delete_queue(b"deleted").unwrap());
         assert!(store.delete_queue(b"recreated").unwrap());
         store.append(b"recreated", b"new").unwrap();
@@ -904,11 +992,11 @@ mod tests {
         let queues = names(&["kept", "deleted", "recreated"]);
         // "recreated" exists at the compaction, so its old position stays: deleted here
         // without the server's forget (see the test of deletes below).
-        assert_eq!(log.positions(&queues).unwrap(), vec![7, 0, 9]);
+        assert_eq!(log.nexts(&queues).unwrap(), vec![7, 0, 9]);
         assert_eq!(log.snapshot_entries.load(Ordering::Relaxed), 2);
         // A fresh load (a restart) reads the snapshot: the dropped position stays dropped.
         let fresh = logs(&store, 1).open("app");
-        assert_eq!(fresh.positions(&queues).unwrap(), vec![7, 0, 9]);
+        assert_eq!(fresh.nexts(&queues).unwrap(), vec![7, 0, 9]);
     }
 
     #[test]
@@ -937,16 +1025,13 @@ mod tests {
             .append(&generation_queue("app", 1), &record(&[("a", 3), ("b", 9)]))
             .unwrap();
         let log = logs(&store, 1_000).open("app");
-        assert_eq!(
-            log.positions(&names(&["a", "b", "c"])).unwrap(),
-            vec![3, 9, 5]
-        );
+        assert_eq!(log.nexts(&names(&["a", "b", "c"])).unwrap(), vec![3, 9, 5]);
         assert!(
             exists(&store, "app", 0),
             "kept until a snapshot replaces it"
         );
         // The interrupted compaction is due at the first ack and finishes without a switch.
-        let (_, due) = log.append([(&b"d"[..], 1)].into_iter()).unwrap();
+        let (_, due) = log.ack([(&b"d"[..], 1)].into_iter()).unwrap();
         assert!(due);
         log.compact().unwrap();
         assert!(
@@ -968,10 +1053,10 @@ mod tests {
             .unwrap();
         let reloaded = logs(&store, 1_000).open("app");
         assert_eq!(
-            reloaded.positions(&names(&["a", "b", "c", "d"])).unwrap(),
+            reloaded.nexts(&names(&["a", "b", "c", "d"])).unwrap(),
             vec![3, 9, 7, 1]
         );
-        let (_, due) = reloaded.append([(&b"d"[..], 2)].into_iter()).unwrap();
+        let (_, due) = reloaded.ack([(&b"d"[..], 2)].into_iter()).unwrap();
         assert!(due);
         reloaded.compact().unwrap();
         assert!(!exists(&store, "app", 1));
@@ -989,7 +1074,7 @@ mod tests {
         assert!(!Arc::ptr_eq(&first, &positions.open("other")));
         drop((first, second));
         assert_eq!(
-            positions.open("app").positions(&names(&["a"])).unwrap(),
+            positions.open("app").nexts(&names(&["a"])).unwrap(),
             vec![0]
         );
     }
@@ -1011,7 +1096,7 @@ mod tests {
 
     /// An ack as `MailboxAcks` does it under `always`: append, then answered once durable.
     fn durable_ack(store: &Store, log: &ConsumerLog, queue: &str, next: u64) {
-        let (ticket, _) = log.append([(queue.as_bytes(), next)].into_iter()).unwrap();
+        let (ticket, _) = log.ack([(queue.as_bytes(), next)].into_iter()).unwrap();
         store.wait_durable(ticket.unwrap()).unwrap();
     }
 
@@ -1023,7 +1108,7 @@ mod tests {
             store.append(queue.as_bytes(), b"m").unwrap();
         }
         let log = logs(&store, 1).open("app");
-        assert_eq!(log.positions(&names(&["a"])).unwrap(), vec![0]);
+        assert_eq!(log.nexts(&names(&["a"])).unwrap(), vec![0]);
         durable_ack(&store, &log, "a", 1);
         (store, log)
     }
@@ -1055,14 +1140,11 @@ mod tests {
         space_returns(&disk, &store);
         durable_ack(&store, &log, "c", 3); // answered
         assert_eq!(lock(&log.writing).generation, 1);
-        assert_eq!(
-            log.positions(&names(&["a", "b", "c"])).unwrap(),
-            vec![1, 2, 3]
-        );
+        assert_eq!(log.nexts(&names(&["a", "b", "c"])).unwrap(), vec![1, 2, 3]);
         drop(log); // the consumer's last stream ends; it comes back (or the server restarts)
         let back = logs(&store, 1).open("app");
         assert_eq!(
-            back.positions(&names(&["a", "b", "c"])).unwrap(),
+            back.nexts(&names(&["a", "b", "c"])).unwrap(),
             vec![1, 2, 3],
             "a reload keeps every answered ack"
         );
@@ -1081,7 +1163,7 @@ mod tests {
         assert!(!exists(&store, "app", 0));
         drop(log);
         let back = logs(&store, 1).open("app");
-        back.positions(&names(&["a"])).unwrap();
+        back.nexts(&names(&["a"])).unwrap();
         assert!(
             !exists(&store, "app", 0),
             "generation 0 (a whole log's worth of entries) is deleted"
@@ -1099,7 +1181,7 @@ mod tests {
             disk.set_fault(Fault::NoSpace);
             // An ack whose round fails (it is answered with an error).
             let records: Vec<(&[u8], u64)> = (0..2_000).map(|_| (&b"a"[..], 2)).collect();
-            let _ = log.append(records.into_iter());
+            let _ = log.ack(records.into_iter());
             let result = log.compact();
             space_returns(&disk, &store);
             let (book_generation, writing_generation) =
@@ -1109,7 +1191,7 @@ mod tests {
             }
             assert!(result.is_err());
             durable_ack(&store, &log, "b", 5); // to generation 1, answered
-            let seen = log.positions(&names(&["b"])).unwrap();
+            let seen = log.nexts(&names(&["b"])).unwrap();
             assert_eq!(
                 seen,
                 vec![5],
@@ -1120,7 +1202,7 @@ mod tests {
             drop(log);
             let back = logs(&store, 1)
                 .open("app")
-                .positions(&names(&["a", "b"]))
+                .nexts(&names(&["a", "b"]))
                 .unwrap();
             assert_eq!(
                 back,
@@ -1146,7 +1228,7 @@ mod tests {
         };
         let store = Arc::new(Store::open(directory, options).unwrap().0);
         let log = logs(&store, 1_000).open("app");
-        log.positions(&names(&["a"])).unwrap();
+        log.nexts(&names(&["a"])).unwrap();
         let queues: Vec<String> = (0..count)
             .map(|index| format!("user-mailbox-{index:08}"))
             .collect();
@@ -1164,7 +1246,7 @@ mod tests {
         // 200 mailboxes of 20-byte names: 5.8 KB of entries, more than one message holds.
         let (_store, log, queues) = limited(directory.path(), 4_096, 200);
         let entries: Vec<(&[u8], u64)> = queues.iter().map(|queue| (queue.as_bytes(), 1)).collect();
-        let result = log.append(entries.into_iter());
+        let result = log.ack(entries.into_iter());
         assert!(result.is_ok(), "{:?}", result.err());
     }
 
@@ -1179,7 +1261,7 @@ mod tests {
                     .iter()
                     .map(|queue| (queue.as_bytes(), round))
                     .collect();
-                let (ticket, due) = log.append(entries.into_iter()).unwrap();
+                let (ticket, due) = log.ack(entries.into_iter()).unwrap();
                 store.wait_durable(ticket.unwrap()).unwrap();
                 if due {
                     log.compact().unwrap();
@@ -1190,7 +1272,7 @@ mod tests {
         assert!(compactions >= 3, "{compactions}");
         drop(log);
         let all: Vec<Box<[u8]>> = queues.iter().map(|queue| queue.as_bytes().into()).collect();
-        let back = logs(&store, 1_000).open("app").positions(&all).unwrap();
+        let back = logs(&store, 1_000).open("app").nexts(&all).unwrap();
         assert_eq!(back, vec![10; 1_000], "acked positions after a reload");
     }
 
@@ -1211,8 +1293,7 @@ mod tests {
                     let queue = format!("acked-{thread}");
                     let mut next = 1;
                     while !stop.load(Ordering::Relaxed) {
-                        let (ticket, _) =
-                            log.append([(queue.as_bytes(), next)].into_iter()).unwrap();
+                        let (ticket, _) = log.ack([(queue.as_bytes(), next)].into_iter()).unwrap();
                         store.wait_durable(ticket.unwrap()).unwrap();
                         next += 1;
                     }
@@ -1229,7 +1310,7 @@ mod tests {
         let directory = tempfile::tempdir().unwrap();
         let store = open(directory.path(), SyncPolicy::Always);
         let log = logs(&store, 1_000_000).open("app");
-        log.positions(&names(&["a"])).unwrap();
+        log.nexts(&names(&["a"])).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
         let threads = ackers(&store, &log, 4, &stop);
         let failures = (0..times)
@@ -1244,7 +1325,7 @@ mod tests {
 
     #[test]
     fn given_acks_on_another_stream_then_an_add_does_not_fail() {
-        let failures = failures_while_acking(300, |log| log.positions(&names(&["b"])).map(drop));
+        let failures = failures_while_acking(300, |log| log.nexts(&names(&["b"])).map(drop));
         assert!(
             failures.is_empty(),
             "{} of 300 adds failed: {:?}",
@@ -1291,8 +1372,8 @@ mod tests {
                 // single subscription's position queue only.
                 let positions = logs(&store, 1_000);
                 let idle = positions.open("idle");
-                assert_eq!(idle.positions(&names(&["orders"])).unwrap(), vec![0]);
-                idle.append([(&b"orders"[..], 500), (&b"kept"[..], 4)].into_iter())
+                assert_eq!(idle.nexts(&names(&["orders"])).unwrap(), vec![0]);
+                idle.ack([(&b"orders"[..], 500), (&b"kept"[..], 4)].into_iter())
                     .unwrap();
             }
             store
@@ -1304,8 +1385,8 @@ mod tests {
             // A restart: the consumers are found in the store.
             let positions = logs(&store, 1_000);
             let live = positions.open("live");
-            assert_eq!(live.positions(&names(&["orders"])).unwrap(), vec![0]);
-            live.append([(&b"orders"[..], 200)].into_iter()).unwrap();
+            assert_eq!(live.nexts(&names(&["orders"])).unwrap(), vec![0]);
+            live.ack([(&b"orders"[..], 200)].into_iter()).unwrap();
             assert_eq!(positions.deletes(), 0);
             delete(&store, &positions, b"orders");
             assert_eq!(positions.deletes(), 1);
@@ -1320,31 +1401,31 @@ mod tests {
             let both = names(&["orders", "kept"]);
             for consumer in ["idle", "live", "single"] {
                 assert_eq!(
-                    positions.open(consumer).positions(&both).unwrap()[0],
+                    positions.open(consumer).nexts(&both).unwrap()[0],
                     0,
                     "{consumer} {sync:?}"
                 );
             }
-            assert_eq!(live.positions(&both).unwrap(), vec![0, 0], "loaded log");
+            assert_eq!(live.nexts(&both).unwrap(), vec![0, 0], "loaded log");
             assert_eq!(
-                positions.open("idle").positions(&both).unwrap(),
+                positions.open("idle").nexts(&both).unwrap(),
                 vec![0, 4],
                 "other queues keep their positions"
             );
             // Acks after the delete count again, also after a compaction and a restart.
-            live.append([(&b"orders"[..], 1)].into_iter()).unwrap();
-            assert_eq!(live.positions(&both).unwrap(), vec![1, 0]);
+            live.ack([(&b"orders"[..], 1)].into_iter()).unwrap();
+            assert_eq!(live.nexts(&both).unwrap(), vec![1, 0]);
             live.compact().unwrap();
             drop((live, positions));
             Arc::try_unwrap(store).unwrap().close().unwrap();
             let store = open(directory.path(), sync);
             let positions = logs(&store, 1_000);
-            assert_eq!(positions.open("live").positions(&both).unwrap(), vec![1, 0]);
-            assert_eq!(positions.open("idle").positions(&both).unwrap(), vec![0, 4]);
+            assert_eq!(positions.open("live").nexts(&both).unwrap(), vec![1, 0]);
+            assert_eq!(positions.open("idle").nexts(&both).unwrap(), vec![0, 4]);
             // The epoch survived the restart: an ack now outranks the forget too.
             let idle = positions.open("idle");
-            idle.append([(&b"orders"[..], 1)].into_iter()).unwrap();
-            assert_eq!(idle.positions(&both).unwrap(), vec![1, 4], "{sync:?}");
+            idle.ack([(&b"orders"[..], 1)].into_iter()).unwrap();
+            assert_eq!(idle.nexts(&both).unwrap(), vec![1, 4], "{sync:?}");
         }
     }
 
@@ -1390,18 +1471,99 @@ mod tests {
         let store = store_with(directory.path(), SyncPolicy::Always, &["a", "b", "c"]);
         let positions = logs(&store, 1_000);
         let log = positions.open("app");
-        assert_eq!(log.positions(&names(&["a"])).unwrap(), vec![0]);
-        log.append([(&b"a"[..], 7), (&b"b"[..], 8)].into_iter())
+        assert_eq!(log.nexts(&names(&["a"])).unwrap(), vec![0]);
+        log.ack([(&b"a"[..], 7), (&b"b"[..], 8)].into_iter())
             .unwrap();
         delete(&store, &positions, b"b");
         store.append(b"b", b"m").unwrap();
-        log.append([(&b"c"[..], 9)].into_iter()).unwrap();
+        // "c" had no entry: its acks are in the current epoch, which the delete raised.
+        assert_eq!(
+            log.positions(&names(&["c"])).unwrap(),
+            vec![Position { epoch: 1, next: 0 }]
+        );
+        log.ack([(&b"c"[..], 9)].into_iter()).unwrap();
         log.compact().unwrap();
         let fresh = logs(&store, 1_000).open("app");
         let all = names(&["a", "b", "c"]);
-        assert_eq!(fresh.positions(&all).unwrap(), vec![7, 0, 9]);
-        let book = lock(&fresh.book);
-        assert_eq!(book.positions[&b"a"[..]], (0, 7));
-        assert_eq!(book.positions[&b"c"[..]], (1, 9));
+        assert_eq!(fresh.nexts(&all).unwrap(), vec![7, 0, 9]);
+        {
+            let book = lock(&fresh.book);
+            assert_eq!(book.positions[&b"a"[..]], (0, 7));
+            assert_eq!(book.positions[&b"c"[..]], (1, 9));
+            assert!(
+                !book.positions.contains_key(&b"b"[..]),
+                "the snapshot leaves the forget out"
+            );
+        }
+        // Without the forget, "b"'s acks are in the current epoch: they count.
+        fresh.ack([(&b"b"[..], 1)].into_iter()).unwrap();
+        assert_eq!(fresh.nexts(&all).unwrap(), vec![7, 1, 9]);
+        assert_eq!(
+            logs(&store, 1_000).open("app").nexts(&all).unwrap(),
+            vec![7, 1, 9]
+        );
+    }
+
+    #[test]
+    fn given_two_streams_of_a_consumer_and_a_delete_between_their_acks_then_the_position_only_grows()
+     {
+        let directory = tempfile::tempdir().unwrap();
+        let store = store_with(directory.path(), SyncPolicy::Always, &["q", "other"]);
+        let positions = logs(&store, 1_000);
+        let log = positions.open("app");
+        // Both streams add "q" (the epoch is read then), one acks far, another queue is
+        // deleted, the lagging one acks less: the larger position stays.
+        let queues = names(&["q"]);
+        let first = log.positions(&queues).unwrap()[0];
+        let second = log.positions(&queues).unwrap()[0];
+        log.append([(&b"q"[..], first.epoch, 100)].into_iter())
+            .unwrap();
+        delete(&store, &positions, b"other");
+        log.append([(&b"q"[..], second.epoch, 10)].into_iter())
+            .unwrap();
+        assert_eq!(log.nexts(&queues).unwrap(), vec![100]);
+        assert_eq!(
+            logs(&store, 1_000).open("app").nexts(&queues).unwrap(),
+            vec![100]
+        );
+        // A stream adding it after the delete finds its entry and acks in its epoch.
+        assert_eq!(
+            log.positions(&queues).unwrap()[0],
+            Position {
+                epoch: 0,
+                next: 100
+            }
+        );
+    }
+
+    #[test]
+    fn given_a_log_compacted_to_a_later_generation_and_not_loaded_then_a_forget_reaches_it() {
+        let directory = tempfile::tempdir().unwrap();
+        let store = store_with(directory.path(), SyncPolicy::Always, &["q"]);
+        {
+            let positions = logs(&store, 1);
+            let log = positions.open("app");
+            assert_eq!(log.nexts(&names(&["q"])).unwrap(), vec![0]);
+            let mut compactions = 0;
+            for next in 1..=20 {
+                let (_, due) = log.ack([(&b"q"[..], next)].into_iter()).unwrap();
+                if due {
+                    log.compact().unwrap();
+                    compactions += 1;
+                }
+                if compactions == 3 {
+                    break;
+                }
+            }
+            assert_eq!(lock(&log.writing).generation, 3);
+        }
+        let positions = logs(&store, 1);
+        delete(&store, &positions, b"q");
+        store.append(b"q", b"new").unwrap();
+        assert_eq!(
+            logs(&store, 1).open("app").nexts(&names(&["q"])).unwrap(),
+            vec![0],
+            "the forget went to the generation the head names"
+        );
     }
 }

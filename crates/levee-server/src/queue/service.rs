@@ -444,12 +444,12 @@ impl Queues for QueueService {
         let deleting = self.waiters.begin_delete(&queue).map_err(|refused| {
             let name = String::from_utf8_lossy(&queue);
             match refused {
-                DeleteRefused::Subscribed(count) => WireError::new(
+                DeleteRefused::Subscribed => WireError::new(
                     ErrorCode::FailedPrecondition,
                     format!(
-                        "queue '{name}' is held by {count} open subscription(s); remove it from \
-                         their mailboxes (or close them) first, or its consumers could ack \
-                         messages of the deleted queue"
+                        "queue '{name}' is held by an open subscription or a mailbox of a \
+                         many-queue stream; remove the mailbox (or close the subscription) \
+                         first, or its consumer could ack messages of the deleted queue"
                     ),
                 ),
                 DeleteRefused::InProgress => WireError::new(
@@ -472,10 +472,13 @@ impl Queues for QueueService {
                 }
                 // Consumers forget their positions first, so a queue created again under the
                 // name is delivered from its start; a crash in between only redelivers.
-                positions.forget(&queue)?;
-                let existed = store.delete_queue(&queue).map_err(write_error)?;
+                let deleted = positions
+                    .forget(&queue)
+                    .and_then(|()| store.delete_queue(&queue).map_err(write_error));
+                // Counted even when it failed part way (forgets written, or the queue gone
+                // for readers): a stream that read positions meanwhile reads them again.
                 positions.deleted();
-                Ok(existed)
+                deleted
             })
             .await?;
         Ok(Response::new(DeleteQueueResponse { existed }))

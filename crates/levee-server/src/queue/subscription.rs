@@ -213,8 +213,8 @@ pub enum AddRefused {
 /// Why a queue cannot be deleted now.
 #[derive(Debug, PartialEq, Eq)]
 pub enum DeleteRefused {
-    /// This many subscriptions (single ones and many-queue streams) hold it.
-    Subscribed(usize),
+    /// A subscription (a single one, or a many-queue stream's mailbox) holds it.
+    Subscribed,
     /// Another delete of it is running.
     InProgress,
 }
@@ -248,16 +248,14 @@ impl Waiters {
     /// while its consumers' positions are forgotten and the queue deleted.
     pub fn begin_delete(self: &Arc<Self>, queue: &[u8]) -> Result<Deleting, DeleteRefused> {
         let mut map = lock(&self.queues);
-        if let Some(watchers) = map.entries.get(queue) {
-            let held = usize::from(watchers.notify.strong_count() > 0)
-                + watchers
+        if let Some(watchers) = map.entries.get(queue)
+            && (watchers.notify.strong_count() > 0
+                || watchers
                     .inboxes
                     .iter()
-                    .filter(|(inbox, _)| inbox.strong_count() > 0)
-                    .count();
-            if held > 0 {
-                return Err(DeleteRefused::Subscribed(held));
-            }
+                    .any(|(inbox, _)| inbox.strong_count() > 0))
+        {
+            return Err(DeleteRefused::Subscribed);
         }
         if !map.deleting.insert(queue.into()) {
             return Err(DeleteRefused::InProgress);
@@ -653,7 +651,7 @@ impl Session {
             let log = self.positions.open(&consumer);
             let queues = [queue.clone().into_boxed_slice()];
             self.calls
-                .run(move |_| Ok(log.positions(&queues)?[0]))
+                .run(move |_| Ok(log.positions(&queues)?[0].next))
                 .await?
         };
         let mut progress = Progress {
@@ -764,6 +762,7 @@ impl Session {
                 if ack.offset >= progress.acked {
                     progress.acked = ack.offset + 1;
                     let queue = &self.start.queue;
+                    self.positions.note_writer(&self.start.consumer);
                     let name = position_queue(&self.start.consumer, queue);
                     let record = position_record(progress.acked, queue);
                     let (_, ticket) = self
@@ -825,12 +824,12 @@ mod tests {
         let single = waiters.register(b"a").unwrap();
         assert_eq!(
             waiters.begin_delete(b"a").unwrap_err(),
-            DeleteRefused::Subscribed(2)
+            DeleteRefused::Subscribed
         );
         drop(single);
         assert_eq!(
             waiters.begin_delete(b"a").unwrap_err(),
-            DeleteRefused::Subscribed(1)
+            DeleteRefused::Subscribed
         );
         waiters.remove_mailboxes(&inbox, &[(b"a", 0)]);
         let deleting = waiters.begin_delete(b"a").unwrap();
