@@ -17,7 +17,8 @@ pub enum QueueCommand {
     Info(QueueArgs),
     /// List queue names, a page at a time
     List(ListArgs),
-    /// Delete a queue and its messages
+    /// Delete a queue and its messages (refused while a subscription holds it; every
+    /// consumer's position on it is forgotten, so a queue created again starts from 0)
     Delete(QueueArgs),
     /// Set the retention of queues starting with a prefix (kept across restarts)
     Retention(RetentionArgs),
