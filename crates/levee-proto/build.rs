@@ -4,7 +4,9 @@
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let proto_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    // Read when the script runs, not when it was compiled: a build script binary is reused
+    // by checkouts elsewhere that share the target directory (git worktrees).
+    let proto_root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("../../proto");
     let files = [
         "levee/v1/errors.proto",
         "levee/v1/admin.proto",

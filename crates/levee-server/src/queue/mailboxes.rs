@@ -369,7 +369,7 @@ impl ManySession {
         }
         let reserved = Reservation::take(&self.context.mailboxes, count)?;
         let queues: Vec<Box<[u8]>> = queues.into_iter().map(Vec::into_boxed_slice).collect();
-        let mut deletes = self.context.positions.deletes();
+        let deletes = self.context.positions.deletes();
         let (mut queues, mut positions) = self.positions(queues).await?;
         match self
             .context
@@ -396,10 +396,9 @@ impl ManySession {
             }
         }
         // A delete that completed between the read and the registration may have forgotten
-        // a position just read: read them again (registered now, the queues cannot be
-        // deleted any more).
-        while self.context.positions.deletes() != deletes {
-            deletes = self.context.positions.deletes();
+        // a position just read: read them again, once (registered now, the queues cannot be
+        // deleted any more: a delete completing later is of other queues).
+        if self.context.positions.deletes() != deletes {
             (queues, positions) = self.positions(queues).await?;
         }
         reserved.keep();

@@ -44,6 +44,9 @@ pub const LOG_PREFIX: &[u8] = b"\0poslog\0";
 /// The version byte every log record starts with (version 1 records, without an epoch, are
 /// still read).
 const RECORD_VERSION: u8 = 2;
+/// Records the current generation of a log no stream has loaded may hold before a delete's
+/// forget loads and compacts it.
+const UNLOADED_RECORDS_MAX: u64 = if cfg!(test) { 16 } else { 4_096 };
 /// Bytes before a record's first entry: the version and the delete epoch.
 const RECORD_HEADER_BYTES: usize = 9;
 /// The queue whose next offset is the delete epoch: each delete of a queue appends one empty
@@ -297,14 +300,18 @@ impl ConsumerLog {
         self.catch_up_all(&mut book)?;
         // Read after the catch-up: at least the epoch of every forget the log holds.
         let current = self.epoch.load(Ordering::Acquire);
+        let book = &mut *book;
         queues
             .iter()
             .map(|queue| {
-                let (epoch, logged) = book
-                    .positions
-                    .get(&queue[..])
-                    .copied()
-                    .unwrap_or((current, 0));
+                // A queue without an entry gets one in memory (not written): another stream
+                // of the consumer adding it later, after an unrelated delete raised the
+                // epoch, then acks in the same epoch as this one.
+                let known = book.positions.get(&queue[..]).copied();
+                let (epoch, logged) = known.unwrap_or_else(|| {
+                    book.positions.insert(queue.clone(), (current, 0));
+                    (current, 0)
+                });
                 let legacy =
                     super::subscription::load_position(&self.store, &self.consumer, queue)?;
                 Ok(Position {
@@ -348,18 +355,41 @@ impl ConsumerLog {
             let (head, existing) = self.generations_on_disk()?;
             let records = encode_records([(queue, 0)].into_iter(), epoch, self.record_bytes_max);
             let current = existing.last().copied().unwrap_or(head);
-            return self.append_records(current, &records).map(Some);
+            let ticket = self.append_records(current, &records)?;
+            // A consumer that never comes back would gather a forget per delete for good:
+            // once its generation holds many records, load and compact it (forgets go).
+            let records = self
+                .store
+                .queue_info(&generation_queue(&self.consumer, current))
+                .ok()
+                .flatten()
+                .map_or(0, |info| info.next_offset);
+            drop(book);
+            if records >= UNLOADED_RECORDS_MAX && !self.compacting.swap(true, Ordering::AcqRel) {
+                let loaded = self.load(&mut lock(&self.book));
+                let compacted = loaded.and_then(|()| self.compact());
+                self.compacting.store(false, Ordering::Release);
+                self.warn_compaction(compacted);
+            }
+            return Ok(Some(ticket));
         }
         drop(book);
         let (ticket, due) = self.append([(queue, epoch, 0)].into_iter())?;
-        if due && let Err(error) = self.compact() {
+        if due {
+            self.warn_compaction(self.compact());
+        }
+        Ok(ticket)
+    }
+
+    /// Logs a compaction that failed (it is retried once the log has grown as much again).
+    fn warn_compaction(&self, compacted: Result<(), WireError>) {
+        if let Err(error) = compacted {
             tracing::warn!(
                 consumer = self.consumer,
                 %error,
                 "compacting a position log failed; retried once it has grown as much again"
             );
         }
-        Ok(ticket)
     }
 
     /// Compacts the log (see the module docs) after [`ConsumerLog::append`] said it is due.
@@ -679,8 +709,9 @@ impl PositionLogs {
     /// epoch (durably), writes a forget in it to every consumer's log and deletes every
     /// consumer's position queue of `queue`, and waits until all of it is durable. The caller
     /// makes sure no stream holds `queue` meanwhile (no ack of it can race the forget), then
-    /// deletes the queue and calls [`PositionLogs::deleted`]. Costs a store write per
-    /// consumer that has a log. Blocks on the store: call it on the blocking pool.
+    /// deletes the queue, holding [`PositionLogs::counting_delete`] from before this call to
+    /// the end. Costs a store write per consumer that has a log. Blocks on the store: call it
+    /// on the blocking pool.
     pub fn forget(&self, queue: &[u8]) -> Result<(), WireError> {
         let (offset, ticket) = self
             .store
@@ -711,10 +742,17 @@ impl PositionLogs {
         note_writer(&self.writers, consumer);
     }
 
-    /// Counts a delete as completed (after [`PositionLogs::forget`] and the store's delete,
-    /// whether they succeeded or not).
-    pub fn deleted(&self) {
-        self.deletes.fetch_add(1, Ordering::AcqRel);
+    /// Counts a delete as completed when dropped: hold it across [`PositionLogs::forget`] and
+    /// the store's delete, so the delete counts however they end.
+    pub fn counting_delete(&self) -> impl Drop + '_ {
+        /// Counts a delete when dropped.
+        struct Counting<'a>(&'a AtomicU64);
+        impl Drop for Counting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+        Counting(&self.deletes)
     }
 
     /// The consumer's log, shared by its open streams; loaded from the store on its first
@@ -1356,9 +1394,9 @@ mod tests {
 
     /// Deletes `queue` the way the server does: forget, then the store's delete.
     fn delete(store: &Store, positions: &PositionLogs, queue: &[u8]) {
+        let _count = positions.counting_delete();
         positions.forget(queue).unwrap();
         assert!(store.delete_queue(queue).unwrap());
-        positions.deleted();
     }
 
     #[test]
@@ -1485,7 +1523,8 @@ mod tests {
         log.compact().unwrap();
         let fresh = logs(&store, 1_000).open("app");
         let all = names(&["a", "b", "c"]);
-        assert_eq!(fresh.nexts(&all).unwrap(), vec![7, 0, 9]);
+        // Not "b" yet: a lookup of a queue without an entry pins one in memory.
+        assert_eq!(fresh.nexts(&names(&["a", "c"])).unwrap(), vec![7, 9]);
         {
             let book = lock(&fresh.book);
             assert_eq!(book.positions[&b"a"[..]], (0, 7));
@@ -1496,6 +1535,7 @@ mod tests {
             );
         }
         // Without the forget, "b"'s acks are in the current epoch: they count.
+        assert_eq!(fresh.nexts(&all).unwrap(), vec![7, 0, 9]);
         fresh.ack([(&b"b"[..], 1)].into_iter()).unwrap();
         assert_eq!(fresh.nexts(&all).unwrap(), vec![7, 1, 9]);
         assert_eq!(
@@ -1533,6 +1573,65 @@ mod tests {
                 epoch: 0,
                 next: 100
             }
+        );
+        // The same for a queue without an entry yet: the first add pins its epoch, so the
+        // two streams ack in one epoch though a delete raised the current one in between.
+        store.append(b"fresh", b"m").unwrap();
+        store.append(b"other", b"m").unwrap();
+        let fresh = names(&["fresh"]);
+        let first = log.positions(&fresh).unwrap()[0];
+        delete(&store, &positions, b"other");
+        let second = log.positions(&fresh).unwrap()[0];
+        assert_eq!(first, second);
+        log.append([(&b"fresh"[..], second.epoch, 5)].into_iter())
+            .unwrap();
+        log.append([(&b"fresh"[..], first.epoch, 1_000)].into_iter())
+            .unwrap();
+        assert_eq!(
+            logs(&store, 1_000).open("app").nexts(&fresh).unwrap(),
+            vec![1_000]
+        );
+    }
+
+    #[test]
+    fn given_a_consumer_that_never_comes_back_then_forgets_do_not_grow_its_log_for_good() {
+        let directory = tempfile::tempdir().unwrap();
+        let store = store_with(
+            directory.path(),
+            SyncPolicy::Interval { interval_ms: 5 },
+            &["kept"],
+        );
+        {
+            let log = logs(&store, 1_000).open("gone");
+            assert_eq!(log.nexts(&names(&["kept"])).unwrap(), vec![0]);
+            log.ack([(&b"kept"[..], 1)].into_iter()).unwrap();
+        }
+        let positions = logs(&store, 1_000);
+        for index in 0..3 * UNLOADED_RECORDS_MAX {
+            let queue = format!("session-{index}");
+            store.append(queue.as_bytes(), b"m").unwrap();
+            delete(&store, &positions, queue.as_bytes());
+        }
+        let log = logs(&store, 1_000).open("gone");
+        assert_eq!(log.nexts(&names(&["kept"])).unwrap(), vec![1]);
+        let generation = lock(&log.writing).generation;
+        assert!(
+            generation >= 2,
+            "compacted as forgets came: generation {generation}"
+        );
+        let records = store
+            .queue_info(&generation_queue("gone", generation))
+            .unwrap()
+            .unwrap()
+            .next_offset;
+        assert!(
+            records <= UNLOADED_RECORDS_MAX + 1,
+            "{records} records in the current generation"
+        );
+        let entries = lock(&log.book).positions.len();
+        assert!(
+            entries <= 1 + usize::try_from(UNLOADED_RECORDS_MAX).unwrap(),
+            "forgets since the last compaction only: {entries} entries"
         );
     }
 

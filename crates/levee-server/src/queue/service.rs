@@ -472,13 +472,12 @@ impl Queues for QueueService {
                 }
                 // Consumers forget their positions first, so a queue created again under the
                 // name is delivered from its start; a crash in between only redelivers.
-                let deleted = positions
-                    .forget(&queue)
-                    .and_then(|()| store.delete_queue(&queue).map_err(write_error));
-                // Counted even when it failed part way (forgets written, or the queue gone
-                // for readers): a stream that read positions meanwhile reads them again.
-                positions.deleted();
-                deleted
+                // Counted however it ends, failed part way (forgets written, or the queue gone
+                // for readers) included: a stream that read positions meanwhile reads them
+                // again.
+                let _count = positions.counting_delete();
+                positions.forget(&queue)?;
+                store.delete_queue(&queue).map_err(write_error)
             })
             .await?;
         Ok(Response::new(DeleteQueueResponse { existed }))

@@ -658,6 +658,7 @@ impl Session {
             next,
             acked: next,
             credit: StreamCredit::initial(self.start.credit),
+            writer_noted: false,
         };
         let start = SubscribeResponse {
             start_offset: next,
@@ -762,7 +763,10 @@ impl Session {
                 if ack.offset >= progress.acked {
                     progress.acked = ack.offset + 1;
                     let queue = &self.start.queue;
-                    self.positions.note_writer(&self.start.consumer);
+                    if !progress.writer_noted {
+                        self.positions.note_writer(&self.start.consumer);
+                        progress.writer_noted = true;
+                    }
                     let name = position_queue(&self.start.consumer, queue);
                     let record = position_record(progress.acked, queue);
                     let (_, ticket) = self
@@ -796,6 +800,8 @@ struct Progress {
     /// The offset after the last acked one (what a new subscription starts from).
     acked: u64,
     credit: StreamCredit,
+    /// Whether the consumer was noted as a writer of positions (before its first ack).
+    writer_noted: bool,
 }
 
 /// What one delivery attempt did.
