@@ -213,6 +213,11 @@ struct Book {
     /// still on disk has been read whole.
     generation: u64,
     applied: u64,
+    /// The epoch of acks on a queue without an entry: the delete epoch when the book was
+    /// loaded or last compacted, so at least that of every forget the book left out or
+    /// dropped (a forget of a queue without an entry can only be one of those), and the same
+    /// for every stream of the consumer until the next compaction.
+    floor_epoch: u64,
     /// Older generations still on disk: deleted once a snapshot in the current one is durable
     /// and the head names it. While any remain, acks do not move to a newer generation, so
     /// the generations on disk stay within one of the head.
@@ -298,20 +303,14 @@ impl ConsumerLog {
         let mut book = lock(&self.book);
         self.load(&mut book)?;
         self.catch_up_all(&mut book)?;
-        // Read after the catch-up: at least the epoch of every forget the log holds.
-        let current = self.epoch.load(Ordering::Acquire);
-        let book = &mut *book;
         queues
             .iter()
             .map(|queue| {
-                // A queue without an entry gets one in memory (not written): another stream
-                // of the consumer adding it later, after an unrelated delete raised the
-                // epoch, then acks in the same epoch as this one.
-                let known = book.positions.get(&queue[..]).copied();
-                let (epoch, logged) = known.unwrap_or_else(|| {
-                    book.positions.insert(queue.clone(), (current, 0));
-                    (current, 0)
-                });
+                let (epoch, logged) = book
+                    .positions
+                    .get(&queue[..])
+                    .copied()
+                    .unwrap_or((book.floor_epoch, 0));
                 let legacy =
                     super::subscription::load_position(&self.store, &self.consumer, queue)?;
                 Ok(Position {
@@ -441,6 +440,7 @@ impl ConsumerLog {
             book.positions.retain(|queue, (_, next)| {
                 *next > 0 && matches!(self.store.queue_info(queue), Ok(Some(_)))
             });
+            book.floor_epoch = self.epoch.load(Ordering::Acquire);
             // Each entry keeps its epoch: one run of records per epoch.
             let mut entries: Vec<(&[u8], Stamped)> = book
                 .positions
@@ -492,6 +492,7 @@ impl ConsumerLog {
             .filter(|generation| *generation != current)
             .collect();
         book.loaded = true;
+        book.floor_epoch = self.epoch.load(Ordering::Acquire);
         let snapshot = book.positions.len() as u64;
         self.snapshot_entries.store(snapshot, Ordering::Relaxed);
         let mut writing = lock(&self.writing);
@@ -808,21 +809,20 @@ mod tests {
                 .collect())
         }
 
-        /// Acks as a stream does: each in its queue's epoch (the book's entry's, or the
-        /// current one), as far as the book has been read.
+        /// Acks as a stream does: each in its queue's epoch (the book's entry's, or its floor
+        /// epoch), as far as the book has been read.
         fn ack<'a>(
             &self,
             entries: impl ExactSizeIterator<Item = (&'a [u8], u64)>,
         ) -> Result<(Option<CommitTicket>, bool), WireError> {
             let stamped: Vec<(&[u8], u64, u64)> = {
                 let book = lock(&self.book);
-                let current = self.epoch.load(Ordering::Acquire);
                 entries
                     .map(|(queue, next)| {
                         let epoch = book
                             .positions
                             .get(queue)
-                            .map_or(current, |(epoch, _)| *epoch);
+                            .map_or(book.floor_epoch, |(epoch, _)| *epoch);
                         (queue, epoch, next)
                     })
                     .collect()
@@ -1460,8 +1460,10 @@ mod tests {
             let positions = logs(&store, 1_000);
             assert_eq!(positions.open("live").nexts(&both).unwrap(), vec![1, 0]);
             assert_eq!(positions.open("idle").nexts(&both).unwrap(), vec![0, 4]);
-            // The epoch survived the restart: an ack now outranks the forget too.
+            // The epoch survived the restart: an ack now outranks the forget too (a stream
+            // reads positions when it adds the queue, then acks).
             let idle = positions.open("idle");
+            assert_eq!(idle.nexts(&both).unwrap(), vec![0, 4]);
             idle.ack([(&b"orders"[..], 1)].into_iter()).unwrap();
             assert_eq!(idle.nexts(&both).unwrap(), vec![1, 4], "{sync:?}");
         }
@@ -1514,10 +1516,11 @@ mod tests {
             .unwrap();
         delete(&store, &positions, b"b");
         store.append(b"b", b"m").unwrap();
-        // "c" had no entry: its acks are in the current epoch, which the delete raised.
+        // "c" has no entry: its acks are in the book's floor epoch, the epoch when it was
+        // loaded (a delete since does not change it until a compaction).
         assert_eq!(
             log.positions(&names(&["c"])).unwrap(),
-            vec![Position { epoch: 1, next: 0 }]
+            vec![Position { epoch: 0, next: 0 }]
         );
         log.ack([(&b"c"[..], 9)].into_iter()).unwrap();
         log.compact().unwrap();
@@ -1528,7 +1531,8 @@ mod tests {
         {
             let book = lock(&fresh.book);
             assert_eq!(book.positions[&b"a"[..]], (0, 7));
-            assert_eq!(book.positions[&b"c"[..]], (1, 9));
+            assert_eq!(book.positions[&b"c"[..]], (0, 9));
+            assert_eq!(book.floor_epoch, 1, "the epoch when it was loaded");
             assert!(
                 !book.positions.contains_key(&b"b"[..]),
                 "the snapshot leaves the forget out"
