@@ -64,10 +64,40 @@ struct Mailbox {
     next: u64,
     /// The offset after the last acked one.
     acked: u64,
-    /// The epoch its acks are written in (see [`super::position_log::Position`]).
-    epoch: u64,
-    /// In the session's to-do list (woken and not yet caught up).
-    scheduled: bool,
+    /// The epoch its acks are written in (see [`super::position_log::Position`]), and in the
+    /// top bit whether it is in the session's to-do list (woken and not yet caught up): one
+    /// word, so a mailbox stays 40 bytes (a million of them are looked up at random).
+    epoch_and_scheduled: u64,
+}
+
+impl Mailbox {
+    const SCHEDULED: u64 = 1 << 63;
+
+    fn new(queue: Box<[u8]>, Position { epoch, next }: Position) -> Self {
+        Self {
+            queue,
+            next,
+            acked: next,
+            // An epoch counts deletes: it never reaches the top bit.
+            epoch_and_scheduled: (epoch & !Self::SCHEDULED) | Self::SCHEDULED,
+        }
+    }
+
+    fn epoch(&self) -> u64 {
+        self.epoch_and_scheduled & !Self::SCHEDULED
+    }
+
+    fn scheduled(&self) -> bool {
+        self.epoch_and_scheduled & Self::SCHEDULED != 0
+    }
+
+    fn set_scheduled(&mut self, scheduled: bool) {
+        if scheduled {
+            self.epoch_and_scheduled |= Self::SCHEDULED;
+        } else {
+            self.epoch_and_scheduled &= !Self::SCHEDULED;
+        }
+    }
 }
 
 /// What the server shares with every many-queue stream.
@@ -187,9 +217,9 @@ impl ManySession {
         let woken = self.inbox.take();
         for number in woken.mailboxes {
             if let Some(mailbox) = self.mailboxes.get_mut(&number)
-                && !mailbox.scheduled
+                && !mailbox.scheduled()
             {
-                mailbox.scheduled = true;
+                mailbox.set_scheduled(true);
                 self.todo.push_back(number);
             }
         }
@@ -231,8 +261,8 @@ impl ManySession {
                 *bytes = bytes.saturating_add(u32::try_from(len).unwrap_or(u32::MAX));
                 mailbox.next = offset + 1;
                 self.context.handed_over.inc();
-            } else if !mailbox.scheduled {
-                mailbox.scheduled = true;
+            } else if !mailbox.scheduled() {
+                mailbox.set_scheduled(true);
                 self.todo.push_back(number);
             }
         }
@@ -276,7 +306,7 @@ impl ManySession {
                 mailbox.next = batch.first_offset;
             }
             if batch.is_empty() {
-                mailbox.scheduled = false;
+                mailbox.set_scheduled(false);
                 continue;
             }
             let read_bytes = u32::try_from(batch.bytes()).unwrap_or(u32::MAX);
@@ -294,7 +324,7 @@ impl ManySession {
             bytes = bytes.saturating_add(read_bytes);
             mailbox.next = next_offset;
             if caught_up {
-                mailbox.scheduled = false;
+                mailbox.set_scheduled(false);
             } else {
                 self.todo.push_back(number);
             }
@@ -402,19 +432,8 @@ impl ManySession {
             (queues, positions) = self.positions(queues).await?;
         }
         reserved.keep();
-        for ((queue, Position { epoch, next }), number) in
-            queues.into_iter().zip(positions).zip(first..)
-        {
-            self.mailboxes.insert(
-                number,
-                Mailbox {
-                    queue,
-                    next,
-                    acked: next,
-                    epoch,
-                    scheduled: true,
-                },
-            );
+        for ((queue, position), number) in queues.into_iter().zip(positions).zip(first..) {
+            self.mailboxes.insert(number, Mailbox::new(queue, position));
             self.todo.push_back(number);
         }
         self.next_number = first + count;
@@ -517,7 +536,7 @@ impl ManySession {
             .iter()
             .filter_map(|number| {
                 let mailbox = self.mailboxes.get(number)?;
-                Some((&mailbox.queue[..], mailbox.epoch, mailbox.acked))
+                Some((&mailbox.queue[..], mailbox.epoch(), mailbox.acked))
             })
             .collect();
         let (ticket, compact) = self.log.append(entries.into_iter())?;
@@ -592,5 +611,31 @@ impl<'a> Reservation<'a> {
 impl Drop for Reservation<'_> {
     fn drop(&mut self) {
         self.gauge.dec_by(self.count);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn given_a_mailbox_then_its_epoch_and_to_do_flag_share_a_word() {
+        assert_eq!(std::mem::size_of::<Mailbox>(), 40);
+        let epoch = (1 << 40) + 7;
+        let mut mailbox = Mailbox::new(
+            b"q".to_vec().into_boxed_slice(),
+            Position { epoch, next: 5 },
+        );
+        assert!(mailbox.scheduled(), "a new mailbox is read first");
+        assert_eq!(
+            (mailbox.epoch(), mailbox.next, mailbox.acked),
+            (epoch, 5, 5)
+        );
+        mailbox.set_scheduled(false);
+        assert!(!mailbox.scheduled());
+        assert_eq!(mailbox.epoch(), epoch);
+        mailbox.set_scheduled(true);
+        assert!(mailbox.scheduled());
+        assert_eq!(mailbox.epoch(), epoch);
     }
 }
