@@ -74,6 +74,7 @@ impl Mailbox {
     const SCHEDULED: u64 = 1 << 63;
 
     fn new(queue: Box<[u8]>, Position { epoch, next }: Position) -> Self {
+        debug_assert!(epoch < Self::SCHEDULED, "an epoch counts deletes");
         Self {
             queue,
             next,

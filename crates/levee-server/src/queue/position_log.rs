@@ -356,7 +356,9 @@ impl ConsumerLog {
             let current = existing.last().copied().unwrap_or(head);
             let ticket = self.append_records(current, &records)?;
             // A consumer that never comes back would gather a forget per delete for good:
-            // once its generation holds many records, load and compact it (forgets go).
+            // once its generation holds many records past its snapshot, load and compact it
+            // (forgets go).
+            let snapshot = if current == head { self.head()?.1 } else { 0 };
             let records = self
                 .store
                 .queue_info(&generation_queue(&self.consumer, current))
@@ -364,11 +366,18 @@ impl ConsumerLog {
                 .flatten()
                 .map_or(0, |info| info.next_offset);
             drop(book);
-            if records >= UNLOADED_RECORDS_MAX && !self.compacting.swap(true, Ordering::AcqRel) {
+            if records >= snapshot + UNLOADED_RECORDS_MAX
+                && !self.compacting.swap(true, Ordering::AcqRel)
+            {
                 let loaded = self.load(&mut lock(&self.book));
-                let compacted = loaded.and_then(|()| self.compact());
-                self.compacting.store(false, Ordering::Release);
-                self.warn_compaction(compacted);
+                match loaded {
+                    // Its guard clears `compacting`.
+                    Ok(()) => self.warn_compaction(self.compact()),
+                    Err(error) => {
+                        self.compacting.store(false, Ordering::Release);
+                        self.warn_compaction(Err(error));
+                    }
+                }
             }
             return Ok(Some(ticket));
         }
@@ -512,21 +521,7 @@ impl ConsumerLog {
     /// leave the previous one undeleted, or the next one written before the head), oldest
     /// first: the last one is where acks go.
     fn generations_on_disk(&self) -> Result<(u64, Vec<u64>), WireError> {
-        let head = match last_record(&self.store, &head_queue(&self.consumer))? {
-            Some(record) => u64::from_le_bytes(
-                record
-                    .get(..8)
-                    .and_then(|bytes| bytes.try_into().ok())
-                    .ok_or_else(|| {
-                        storage_error(&format!(
-                            "consumer '{}': its position log head record is {} bytes, not 8",
-                            self.consumer,
-                            record.len()
-                        ))
-                    })?,
-            ),
-            None => 0,
-        };
+        let (head, _) = self.head()?;
         let mut existing = Vec::new();
         for generation in head.saturating_sub(1)..=head + 1 {
             let name = generation_queue(&self.consumer, generation);
@@ -540,6 +535,28 @@ impl ConsumerLog {
             }
         }
         Ok((head, existing))
+    }
+
+    /// The head record: the current generation and the records of its snapshot (0 for a
+    /// head written before the count was, or none).
+    fn head(&self) -> Result<(u64, u64), WireError> {
+        let Some(record) = last_record(&self.store, &head_queue(&self.consumer))? else {
+            return Ok((0, 0));
+        };
+        let word = |range: std::ops::Range<usize>| {
+            record
+                .get(range)
+                .and_then(|bytes| bytes.try_into().ok())
+                .map(u64::from_le_bytes)
+        };
+        let generation = word(0..8).ok_or_else(|| {
+            storage_error(&format!(
+                "consumer '{}': its position log head record is {} bytes, fewer than 8",
+                self.consumer,
+                record.len()
+            ))
+        })?;
+        Ok((generation, word(8..16).unwrap_or(0)))
     }
 
     /// Reads every generation from the book's to the one acks go to (see [`Book`]).
@@ -621,8 +638,10 @@ impl ConsumerLog {
             self.store.append_batch(&batch).map_err(write_error)?;
         }
         self.store.flush().map_err(write_error)?;
+        let mut head = generation.to_le_bytes().to_vec();
+        head.extend_from_slice(&(records.len() as u64).to_le_bytes());
         self.store
-            .append(&head_queue(&self.consumer), &generation.to_le_bytes())
+            .append(&head_queue(&self.consumer), &head)
             .map_err(write_error)?;
         self.store.flush().map_err(write_error)?;
         for &generation in stale {
@@ -1077,9 +1096,11 @@ mod tests {
             "the older generation goes once the snapshot is durable"
         );
         assert!(exists(&store, "app", 1));
+        let head = last_record(&store, &head_queue("app")).unwrap().unwrap();
         assert_eq!(
-            last_record(&store, &head_queue("app")).unwrap().unwrap(),
-            1_u64.to_le_bytes()
+            head[..8],
+            1_u64.to_le_bytes(),
+            "the head names generation 1"
         );
         assert_eq!(lock(&log.writing).generation, 1);
         // A crash after the head moved but before the delete: the same again one later.
@@ -1668,5 +1689,42 @@ mod tests {
             vec![0],
             "the forget went to the generation the head names"
         );
+    }
+
+    #[test]
+    fn given_an_idle_consumer_with_a_large_snapshot_then_deletes_compact_it_only_as_forgets_pile_up()
+     {
+        let directory = tempfile::tempdir().unwrap();
+        let (store, log, queues) = limited(directory.path(), 1_024, 2_000);
+        let entries: Vec<(&[u8], u64)> = queues.iter().map(|queue| (queue.as_bytes(), 1)).collect();
+        log.ack(entries.into_iter()).unwrap();
+        log.compact().unwrap();
+        let (_, snapshot) = log.head().unwrap();
+        assert!(
+            snapshot > UNLOADED_RECORDS_MAX,
+            "the snapshot alone spans {snapshot} records"
+        );
+        drop(log);
+        let compactions = Counter::default();
+        let positions = PositionLogs::new(Arc::clone(&store), 1_000, compactions.clone());
+        let deletes = usize::try_from(UNLOADED_RECORDS_MAX).unwrap() - 2;
+        for queue in &queues[..deletes] {
+            delete(&store, &positions, queue.as_bytes());
+        }
+        assert_eq!(compactions.get(), 0, "{deletes} forgets: not yet");
+        for queue in &queues[deletes..deletes + 4] {
+            delete(&store, &positions, queue.as_bytes());
+        }
+        assert_eq!(compactions.get(), 1, "once the forgets reached the limit");
+        let all: Vec<Box<[u8]>> = queues.iter().map(|queue| queue.as_bytes().into()).collect();
+        let nexts = positions.open("app").nexts(&all).unwrap();
+        assert_eq!(
+            nexts[..deletes + 4]
+                .iter()
+                .filter(|next| **next != 0)
+                .count(),
+            0
+        );
+        assert!(nexts[deletes + 4..].iter().all(|next| *next == 1));
     }
 }
