@@ -143,6 +143,8 @@ pub struct Metrics {
     pub queue_mailboxes_subscribed: Gauge,
     /// Compactions of consumers' position logs (`SubscribeMany` acks).
     pub queue_position_log_compactions: Counter,
+    /// Consumers' positions forgotten because their queue was deleted.
+    pub queue_position_forgets: Counter,
     /// Messages published to topics (acknowledged).
     pub topic_messages_published: Counter,
     /// Messages of idempotent appends answered from memory instead of stored again.
@@ -319,6 +321,13 @@ impl Metrics {
                 registry_ref,
                 "levee_queue_position_log_compactions",
                 "compactions of consumers' position logs (acks of SubscribeMany streams)",
+                Counter::default(),
+            ),
+            queue_position_forgets: registered(
+                registry_ref,
+                "levee_queue_position_forgets",
+                "consumers' positions forgotten because their queue was deleted (forgets written \
+                 to position logs, Subscribe position queues deleted)",
                 Counter::default(),
             ),
             queue_mailboxes_subscribed: registered(

@@ -334,11 +334,14 @@ fn queue_services(
         metrics.clone(),
         &topics.producer_rates(),
     ));
-    let positions = Arc::new(PositionLogs::new(
-        Arc::clone(store),
-        config.queue_position_log_compact_entries,
-        metrics.queue_position_log_compactions.clone(),
-    ));
+    let positions = Arc::new(
+        PositionLogs::new(
+            Arc::clone(store),
+            config.queue_position_log_compact_entries,
+            metrics.queue_position_log_compactions.clone(),
+        )
+        .count_forgets(metrics.queue_position_forgets.clone()),
+    );
     let queues = QueueService::new(
         calls.clone(),
         Arc::clone(&waiters),

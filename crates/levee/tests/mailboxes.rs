@@ -651,6 +651,11 @@ fn given_a_queue_deleted_and_created_again_then_its_consumers_get_the_new_one_fr
         drop(solo);
         within(mailboxes.remove(&[0]), line!()).await.unwrap();
         within(delete_when_free(&client, b"driver-1"), line!()).await;
+        // "app"'s log got a forget, "solo"'s position queue went.
+        assert_eq!(
+            metric_value(&server, "levee_queue_position_forgets_total"),
+            2
+        );
         for index in 0..2 {
             let payload = format!("new-{index}");
             assert_eq!(

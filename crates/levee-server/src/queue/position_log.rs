@@ -677,6 +677,8 @@ pub struct PositionLogs {
     epoch: Arc<AtomicU64>,
     /// Deletes completed since the start (see [`PositionLogs::deletes`]).
     deletes: AtomicU64,
+    /// Positions forgotten: forgets written, position queues deleted.
+    forgets: Counter,
 }
 
 impl PositionLogs {
@@ -714,7 +716,14 @@ impl PositionLogs {
             writers: Arc::new(Mutex::new(consumers)),
             epoch: Arc::new(AtomicU64::new(epoch)),
             deletes: AtomicU64::new(0),
+            forgets: Counter::default(),
         }
+    }
+
+    /// Counts the positions deletes forget in `forgets`.
+    #[must_use]
+    pub fn count_forgets(self, forgets: Counter) -> Self {
+        Self { forgets, ..self }
     }
 
     /// Deletes completed since the start. A stream that read positions before it registered
@@ -747,8 +756,12 @@ impl PositionLogs {
             let single = super::subscription::position_queue(consumer, queue);
             if matches!(self.store.queue_info(&single), Ok(Some(_))) {
                 self.store.delete_queue(&single).map_err(write_error)?;
+                self.forgets.inc();
             }
-            tickets.extend(self.open(consumer).forget(queue, epoch)?);
+            if let Some(ticket) = self.open(consumer).forget(queue, epoch)? {
+                self.forgets.inc();
+                tickets.push(ticket);
+            }
         }
         for ticket in tickets {
             self.store.wait_durable(ticket).map_err(write_error)?;
