@@ -121,8 +121,8 @@ pub(crate) fn encode_records<'a>(
 /// A queue's position in the book: the epoch of its entry, then the next offset to deliver.
 /// Entries compare in that order. A delete writes a forget (next offset 0) in a fresh epoch,
 /// higher than any before; an ack is written in its queue's epoch as the stream found it
-/// when it added the queue (the epoch of the queue's entry, or the current epoch if it had
-/// none), so the acks of one incarnation of a queue share an epoch and only grow, a forget
+/// when it added the queue (the epoch of the queue's entry, or the book's floor epoch if it
+/// had none), so the acks of one incarnation of a queue share an epoch and only grow, a forget
 /// outranks every ack of the incarnations before it and is outranked by every ack after it,
 /// whatever order they are read in.
 type Stamped = (u64, u64);
@@ -239,7 +239,7 @@ pub struct ConsumerLog {
     compacting: AtomicBool,
     /// Entries of the last snapshot (the book's size then).
     snapshot_entries: AtomicU64,
-    /// The server's delete epoch: the epoch of acks on queues the log has no entry for.
+    /// The server's delete epoch (the book's floor epoch is read from it).
     epoch: Arc<AtomicU64>,
     /// The consumers a delete writes forgets to; this one joins before its first write.
     writers: Arc<Mutex<std::collections::HashSet<String>>>,
@@ -445,28 +445,19 @@ impl ConsumerLog {
             // created again is not left with its old position either way: the delete wrote
             // a forget, see [`PositionLogs::forget`].)
             // Forgets (next offset 0) go too: without an entry a queue's acks are written in
-            // the current epoch, which no forget outranks.
+            // the floor epoch, set just below to the current one, which no forget outranks.
             book.positions.retain(|queue, (_, next)| {
                 *next > 0 && matches!(self.store.queue_info(queue), Ok(Some(_)))
             });
             book.floor_epoch = self.epoch.load(Ordering::Acquire);
-            // Each entry keeps its epoch: one run of records per epoch.
-            let mut entries: Vec<(&[u8], Stamped)> = book
+            // Each entry keeps its epoch: sorted by it, one run of records per epoch.
+            let mut entries: Vec<(&[u8], u64, u64)> = book
                 .positions
                 .iter()
-                .map(|(queue, stamped)| (&queue[..], *stamped))
+                .map(|(queue, (epoch, next))| (&queue[..], *epoch, *next))
                 .collect();
-            entries.sort_unstable_by_key(|(_, (epoch, _))| *epoch);
-            let records: Vec<Vec<u8>> = entries
-                .chunk_by(|(_, (one, _)), (_, (other, _))| one == other)
-                .flat_map(|run| {
-                    encode_records(
-                        run.iter().map(|(queue, (_, next))| (*queue, *next)),
-                        run[0].1.0,
-                        self.record_bytes_max,
-                    )
-                })
-                .collect();
+            entries.sort_unstable_by_key(|(_, epoch, _)| *epoch);
+            let records = encode_stamped(entries.into_iter(), self.record_bytes_max);
             self.snapshot_entries
                 .store(book.positions.len() as u64, Ordering::Relaxed);
             (book.generation, records, book.stale.clone())
@@ -1572,7 +1563,8 @@ mod tests {
                 "the snapshot leaves the forget out"
             );
         }
-        // Without the forget, "b"'s acks are in the current epoch: they count.
+        // Without the forget, "b"'s acks are in the floor epoch (the current one since the
+        // compaction): they count.
         assert_eq!(fresh.nexts(&all).unwrap(), vec![7, 0, 9]);
         fresh.ack([(&b"b"[..], 1)].into_iter()).unwrap();
         assert_eq!(fresh.nexts(&all).unwrap(), vec![7, 1, 9]);
