@@ -38,9 +38,16 @@ pub struct StoreBenchArgs {
     #[arg(long, default_value_t = 16)]
     threads: usize,
     /// When appends are fsynced: always (before each append returns, by group commit) or
-    /// interval (within 100 ms)
+    /// interval (within --interval-ms)
     #[arg(long, default_value = "always")]
     sync: String,
+    /// With `--sync interval`: the fsync interval in ms (`interval(N)`)
+    #[arg(long, default_value_t = 100)]
+    interval_ms: u64,
+    /// The store's memory for write buffers and unwritten logs, in MiB (the server's
+    /// `--queue-buffer-budget-mb`); the default is the store's
+    #[arg(long, default_value_t = (StoreOptions::default().buffer_budget_bytes >> 20) as u64)]
+    buffer_budget_mb: u64,
     /// Directory for the data (a fresh subdirectory is made and removed after)
     #[arg(long, default_value = ".")]
     dir: PathBuf,
@@ -129,12 +136,29 @@ fn push_queue_name(queue: u64, out: &mut Vec<u8>) {
     out.extend_from_slice(&digits[20 - used..]);
 }
 
-fn sync_policy(text: &str) -> anyhow::Result<SyncPolicy> {
+fn sync_policy(text: &str, interval_ms: u64) -> anyhow::Result<SyncPolicy> {
     match text {
         "always" => Ok(SyncPolicy::Always),
-        "interval" => Ok(SyncPolicy::Interval { interval_ms: 100 }),
+        "interval" => Ok(SyncPolicy::Interval { interval_ms }),
         other => bail!("--sync must be always or interval, got '{other}'"),
     }
+}
+
+/// The store's options from the flags, checked.
+fn store_options(args: &StoreBenchArgs) -> anyhow::Result<StoreOptions> {
+    let options = StoreOptions {
+        sync: sync_policy(&args.sync, args.interval_ms)?,
+        buffer_budget_bytes: args
+            .buffer_budget_mb
+            .checked_mul(1 << 20)
+            .and_then(|bytes| usize::try_from(bytes).ok())
+            .context("--buffer-budget-mb is too large")?,
+        ..StoreOptions::default()
+    };
+    options
+        .validate()
+        .context("check --buffer-budget-mb and --interval-ms")?;
+    Ok(options)
 }
 
 pub fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
@@ -147,16 +171,13 @@ pub fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
             args.message_bytes
         );
     }
-    let sync = sync_policy(&args.sync)?;
     let root = tempfile::Builder::new()
         .prefix("levee-bench-store-")
         .tempdir_in(&args.dir)
         .with_context(|| format!("creating a directory in {}", args.dir.display()))?;
     let data = root.path().join("levee");
-    let options = StoreOptions {
-        sync,
-        ..StoreOptions::default()
-    };
+    let options = store_options(args)?;
+    let options_budget = options.buffer_budget_bytes;
     eprintln!(
         "levee bench store: {} queues, {} messages of {} bytes, {} threads, sync {}, in {}",
         args.queues,
@@ -176,7 +197,7 @@ pub fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
     let stats = target.0.stats();
     drop(target);
     let reopened = Instant::now();
-    let (store, open_report) = Store::open(&data, options)?;
+    let (store, open_report) = Store::open(&data, options.clone())?;
     let recovery_s = reopened.elapsed().as_secs_f64();
     if open_report.messages != args.messages / args.queues * args.queues {
         bail!(
@@ -193,6 +214,15 @@ pub fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
     report["recovery_s"] = json!(recovery_s);
     report["peak_rss_bytes"] = json!(super::peak_rss_bytes("self"));
     report["disk_bytes"] = json!(stats.disk_bytes);
+    // How the put went inside the store: rounds, and what held appenders back.
+    report["store_stats"] = json!({
+        "commit_rounds": stats.commit_rounds,
+        "budget_flushes": stats.budget_flushes,
+        "checkpoints": stats.checkpoints,
+        "late_round_waits": stats.late_round_waits,
+        "bytes_written": stats.bytes_written,
+        "buffer_budget_bytes": options_budget,
+    });
     report["raw_disk_write_mb_per_s"] = json!(raw);
     report["put_vs_raw_disk"] = json!(report["put_mb_per_s"].as_f64().unwrap_or(0.0) / raw);
     report["memory"] = memory_json(&memory, args.queues, stored);

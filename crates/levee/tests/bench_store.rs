@@ -1,0 +1,61 @@
+//! `levee bench store` end to end at a tiny scale: the JSON report and its flags.
+
+use std::process::Command;
+
+fn bench_store(directory: &std::path::Path, extra: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_levee"))
+        .args(["bench", "store", "--queues", "50", "--messages", "2000"])
+        .args(["--threads", "2", "--json", "--dir"])
+        .arg(directory)
+        .args(extra)
+        .output()
+        .expect("the levee binary runs")
+}
+
+#[test]
+fn given_interval_flags_then_the_report_counts_every_message_and_the_store_rounds() {
+    let directory = tempfile::tempdir().unwrap();
+    let output = bench_store(
+        directory.path(),
+        &[
+            "--sync",
+            "interval",
+            "--interval-ms",
+            "5",
+            "--buffer-budget-mb",
+            "8",
+        ],
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(report["messages"], 2000);
+    // 10 messages from every one of the 50 queues, each read back and compared.
+    assert_eq!(report["random_check_messages"], 500);
+    let stats = &report["store_stats"];
+    assert_eq!(stats["buffer_budget_bytes"], 8 << 20);
+    assert!(stats["commit_rounds"].as_u64().unwrap() >= 1, "{stats}");
+    assert!(
+        stats["bytes_written"].as_u64().unwrap() >= 2000 * 58,
+        "{stats}"
+    );
+}
+
+#[test]
+fn given_an_interval_or_budget_the_store_refuses_then_the_bench_names_the_flag() {
+    let directory = tempfile::tempdir().unwrap();
+    for flags in [["--interval-ms", "0"], ["--buffer-budget-mb", "0"]] {
+        let mut args = vec!["--sync", "interval"];
+        args.extend(flags);
+        let output = bench_store(directory.path(), &args);
+        assert!(!output.status.success(), "{flags:?} was accepted");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains("--buffer-budget-mb and --interval-ms"),
+            "{flags:?}: {stderr}"
+        );
+    }
+}
