@@ -91,7 +91,9 @@ impl Mailboxes {
 
     /// Adds `queues` (each at most once per stream) and returns once the server has registered
     /// them: their mailbox numbers, in order. Delivery of each starts after the consumer's last
-    /// ack on it. Messages that arrive meanwhile wait for [`Mailboxes::next`].
+    /// ack on it. Messages that arrive meanwhile wait for [`Mailboxes::next`]. A queue being
+    /// deleted is added once its delete has returned (from the start of the queue created
+    /// again); if that takes over 5 s the server ends the stream (`UNAVAILABLE`).
     pub async fn add(&mut self, queues: &[&[u8]]) -> Result<std::ops::Range<u32>, ClientError> {
         let first = self.added;
         for chunk in queues.chunks(MAILBOXES_PER_REQUEST_MAX) {

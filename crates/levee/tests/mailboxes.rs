@@ -699,3 +699,62 @@ fn given_a_queue_deleted_and_created_again_then_its_consumers_get_the_new_one_fr
         drop(server);
     });
 }
+
+#[test]
+fn given_deletes_racing_adds_of_their_queues_then_the_stream_stays_and_positions_match_each_outcome()
+ {
+    let directory = tempfile::tempdir().unwrap();
+    let server = LeveeProcess::start_in(directory.path(), &["--queue-sync", "always"]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        let names: Vec<String> = (0..20).map(|index| format!("racer-{index}")).collect();
+        for name in &names {
+            append(&client, name, 0, 3).await;
+        }
+        // "app" takes and acks all three messages of every queue, then lets the queues go.
+        let mut mailboxes = client.subscribe_many("app", 100).await.unwrap();
+        let queues: Vec<&[u8]> = names.iter().map(String::as_bytes).collect();
+        within(mailboxes.add(&queues), line!()).await.unwrap();
+        for (mailbox, offset, _) in take(&mut mailboxes, 60).await {
+            mailboxes.ack(mailbox, offset);
+        }
+        within(mailboxes.flush_acks(), line!()).await.unwrap();
+        let numbers: Vec<u32> = (0..20).collect();
+        within(mailboxes.remove(&numbers), line!()).await.unwrap();
+        // Each queue is deleted while the stream adds it again, both at once. Whichever comes
+        // first, the stream stays open: an add that meets the delete waits for it.
+        let mut deleted = HashMap::new();
+        for name in &names {
+            let queue = [name.as_bytes()];
+            let (deletion, added) = tokio::join!(
+                client.delete_queue(name.as_bytes()),
+                within(mailboxes.add(&queue), line!())
+            );
+            let mailbox = added.unwrap().start;
+            let gone = match deletion {
+                Ok(existed) => existed,
+                // The stream's removal or its new add reached the server first.
+                Err(error) if error.code() == Some(ErrorCode::FailedPrecondition) => false,
+                Err(error) => panic!("delete of {name}: {error}"),
+            };
+            deleted.insert(mailbox, gone);
+        }
+        for name in &names {
+            client.append(name.as_bytes(), b"new").await.unwrap();
+        }
+        // A deleted queue starts again at offset 0 and is delivered from there; a kept one
+        // goes on after the three acked messages.
+        let deliveries = take(&mut mailboxes, 20).await;
+        for (mailbox, offset, payload) in &deliveries {
+            let expected_offset = if deleted[mailbox] { 0 } else { 3 };
+            assert_eq!(
+                (*offset, payload.as_str()),
+                (expected_offset, "new"),
+                "mailbox {mailbox}"
+            );
+        }
+        assert_eq!(by_mailbox(&deliveries).len(), 20);
+        assert_quiet(&mut mailboxes, line!()).await;
+    });
+}

@@ -40,6 +40,9 @@ pub const MAILBOXES_PER_STREAM_MAX: u32 = 1_000_000;
 pub const MAILBOXES_MAX: i64 = 4_000_000;
 /// Most queues one `AddMailboxes` (or mailboxes one `RemoveMailboxes`) names.
 pub const ADD_MAX: usize = 10_000;
+/// Longest an add waits for deletes of its queues to return before the stream ends (the
+/// stream delivers nothing meanwhile; a delete takes milliseconds).
+pub const ADD_DELETE_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(5);
 /// Most acks in one `MailboxAcks`.
 pub const ACKS_MAX: usize = 10_000;
 /// Most messages one delivery response carries.
@@ -49,6 +52,19 @@ const ACK_WAITS_MAX: usize = 16;
 
 fn invalid(message: String) -> WireError {
     WireError::new(ErrorCode::InvalidArgument, message)
+}
+
+/// The error that ends a stream whose add waited [`ADD_DELETE_WAIT_MAX`] for a delete.
+fn still_deleting(index: usize, queues: &[Box<[u8]>]) -> WireError {
+    WireError::new(
+        ErrorCode::Unavailable,
+        format!(
+            "queues[{index}] ('{}') is still being deleted after {} s, so this stream ends; \
+             open it again and add the queue once the delete has returned",
+            String::from_utf8_lossy(&queues[index]),
+            ADD_DELETE_WAIT_MAX.as_secs()
+        ),
+    )
 }
 
 /// Checks the start message: consumer name and credit.
@@ -399,33 +415,44 @@ impl ManySession {
             ));
         }
         let reserved = Reservation::take(&self.context.mailboxes, count)?;
-        let queues: Vec<Box<[u8]>> = queues.into_iter().map(Vec::into_boxed_slice).collect();
-        let deletes = self.context.positions.deletes();
-        let (mut queues, mut positions) = self.positions(queues).await?;
-        match self
-            .context
-            .waiters
-            .add_mailboxes(&self.inbox, first, &queues)
-        {
-            Ok(()) => {}
-            Err(AddRefused::Twice { index, taken }) => {
-                return Err(invalid(format!(
-                    "queues[{index}] ('{}') is already mailbox {taken} on this stream; add a \
-                     queue once",
-                    String::from_utf8_lossy(&queues[index])
-                )));
+        let mut queues: Vec<Box<[u8]>> = queues.into_iter().map(Vec::into_boxed_slice).collect();
+        // A queue being deleted is added once its delete has returned (its position then
+        // forgotten): the add waits for it, up to ADD_DELETE_WAIT_MAX in all.
+        let waiting_since = tokio::time::Instant::now();
+        let (deletes, mut queues, mut positions) = loop {
+            let wait_left = ADD_DELETE_WAIT_MAX.saturating_sub(waiting_since.elapsed());
+            if let Err(index) = self
+                .context
+                .waiters
+                .wait_out_deletes(&queues, wait_left)
+                .await
+            {
+                return Err(still_deleting(index, &queues));
             }
-            Err(AddRefused::Deleting { index }) => {
-                return Err(WireError::new(
-                    ErrorCode::Unavailable,
-                    format!(
-                        "queues[{index}] ('{}') is being deleted, so this stream ends; open it \
-                         again and add the queue once the delete has returned",
+            let deletes = self.context.positions.deletes();
+            let (read, positions) = self.positions(queues).await?;
+            queues = read;
+            match self
+                .context
+                .waiters
+                .add_mailboxes(&self.inbox, first, &queues)
+            {
+                Ok(()) => break (deletes, queues, positions),
+                Err(AddRefused::Twice { index, taken }) => {
+                    return Err(invalid(format!(
+                        "queues[{index}] ('{}') is already mailbox {taken} on this stream; add \
+                         a queue once",
                         String::from_utf8_lossy(&queues[index])
-                    ),
-                ));
+                    )));
+                }
+                // A delete began after the wait: wait for it too, within the same bound.
+                Err(AddRefused::Deleting { index }) => {
+                    if waiting_since.elapsed() >= ADD_DELETE_WAIT_MAX {
+                        return Err(still_deleting(index, &queues));
+                    }
+                }
             }
-        }
+        };
         // A delete that completed between the read and the registration may have forgotten
         // a position just read: read them again, once (registered now, the queues cannot be
         // deleted any more: a delete completing later is of other queues).

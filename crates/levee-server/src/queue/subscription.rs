@@ -38,6 +38,8 @@ const READ_MESSAGES_MAX: u32 = 1_000;
 pub const ROUND_BYTES_MAX: u32 = 4 << 20;
 /// Responses queued for one subscription's stream.
 pub const RESPONSES_QUEUED_MAX: usize = 16;
+/// Longest pause between two looks of [`Waiters::wait_out_deletes`].
+const DELETE_WAIT_PAUSE_MAX: std::time::Duration = std::time::Duration::from_millis(50);
 /// Subscriptions open at once on one server.
 pub const SUBSCRIPTIONS_MAX: usize = 100_000;
 /// Bytes a consumer's position queue keeps when trimmed: every ack appends one small record,
@@ -283,6 +285,36 @@ impl Waiters {
         let notify = Arc::new(Notify::new());
         map.entries.entry(queue.into()).or_default().notify = Arc::downgrade(&notify);
         Ok(notify)
+    }
+
+    /// Waits until none of `queues` is being deleted, checking every millisecond at first and
+    /// at most every [`DELETE_WAIT_PAUSE_MAX`] later; after `wait_max`, the index of the first
+    /// queue still being deleted. A delete holds its queue for one store write per consumer
+    /// with a position log and the store's delete: milliseconds.
+    pub async fn wait_out_deletes(
+        &self,
+        queues: &[Box<[u8]>],
+        wait_max: std::time::Duration,
+    ) -> Result<(), usize> {
+        let started = tokio::time::Instant::now();
+        let mut pause = std::time::Duration::from_millis(1);
+        loop {
+            let deleting = {
+                let map = lock(&self.queues);
+                if map.deleting.is_empty() {
+                    return Ok(());
+                }
+                queues.iter().position(|queue| map.deleting.contains(queue))
+            };
+            let Some(index) = deleting else {
+                return Ok(());
+            };
+            if started.elapsed() + pause > wait_max {
+                return Err(index);
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(DELETE_WAIT_PAUSE_MAX);
+        }
     }
 
     /// Registers `queues` as mailboxes `first..` of `inbox`. If one of them is already a
@@ -860,6 +892,63 @@ mod tests {
         drop(deleting);
         waiters.register(b"a").unwrap();
         waiters.add_mailboxes(&inbox, 1, &names(&["b"])).unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn given_a_queue_being_deleted_then_an_add_waits_for_the_delete_within_its_bound() {
+        let waiters = Arc::new(Waiters::default());
+        let wait_max = std::time::Duration::from_secs(5);
+        // Nothing being deleted: no wait.
+        let started = tokio::time::Instant::now();
+        waiters
+            .wait_out_deletes(&names(&["a", "b"]), wait_max)
+            .await
+            .unwrap();
+        assert_eq!(started.elapsed(), std::time::Duration::ZERO);
+        // Another queue's delete does not hold the add back.
+        let other = waiters.begin_delete(b"z").unwrap();
+        waiters
+            .wait_out_deletes(&names(&["a", "b"]), wait_max)
+            .await
+            .unwrap();
+        assert_eq!(started.elapsed(), std::time::Duration::ZERO);
+        // A delete of one of them that returns after 300 ms: the add goes on then, not later
+        // than one pause after.
+        let deleting = waiters.begin_delete(b"b").unwrap();
+        let release = tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            drop(deleting);
+        });
+        waiters
+            .wait_out_deletes(&names(&["a", "b"]), wait_max)
+            .await
+            .unwrap();
+        let waited = started.elapsed();
+        assert!(
+            waited >= std::time::Duration::from_millis(300)
+                && waited <= std::time::Duration::from_millis(300) + DELETE_WAIT_PAUSE_MAX,
+            "{waited:?}"
+        );
+        release.await.unwrap();
+        let inbox = Arc::new(Inbox::default());
+        waiters
+            .add_mailboxes(&inbox, 0, &names(&["a", "b"]))
+            .unwrap();
+        // A delete that outlasts the bound: the index of its queue, after the bound.
+        let stuck = waiters.begin_delete(b"c").unwrap();
+        let started = tokio::time::Instant::now();
+        assert_eq!(
+            waiters
+                .wait_out_deletes(&names(&["d", "c"]), wait_max)
+                .await,
+            Err(1)
+        );
+        let waited = started.elapsed();
+        assert!(
+            waited <= wait_max && waited + DELETE_WAIT_PAUSE_MAX >= wait_max,
+            "{waited:?}"
+        );
+        drop((stuck, other));
     }
 
     #[test]
