@@ -177,7 +177,6 @@ pub fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
         .with_context(|| format!("creating a directory in {}", args.dir.display()))?;
     let data = root.path().join("levee");
     let options = store_options(args)?;
-    let options_budget = options.buffer_budget_bytes;
     eprintln!(
         "levee bench store: {} queues, {} messages of {} bytes, {} threads, sync {}, in {}",
         args.queues,
@@ -221,7 +220,7 @@ pub fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
         "checkpoints": stats.checkpoints,
         "late_round_waits": stats.late_round_waits,
         "bytes_written": stats.bytes_written,
-        "buffer_budget_bytes": options_budget,
+        "buffer_budget_bytes": options.buffer_budget_bytes,
     });
     report["raw_disk_write_mb_per_s"] = json!(raw);
     report["put_vs_raw_disk"] = json!(report["put_mb_per_s"].as_f64().unwrap_or(0.0) / raw);
