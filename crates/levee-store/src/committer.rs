@@ -350,7 +350,7 @@ impl Committer<'_> {
         let mut taken = TakenLog::default();
         self.inner.log_pending.store(0, Ordering::SeqCst);
         for (shard_index, shard) in self.inner.shards.iter().enumerate() {
-            {
+            let open_log = {
                 let mut shard = lock(shard);
                 debug_assert!(shard.log_round <= round);
                 shard.log_round = round + 1;
@@ -363,6 +363,11 @@ impl Committer<'_> {
                 if shard.log.is_empty() && shard.log_budget_bytes == 0 {
                     continue;
                 }
+                // The open log batch record is sealed in the round buffer, out of the lock.
+                let open_log = shard
+                    .open_log
+                    .take()
+                    .map(|open| open.rebased(self.writer.buffer.len()));
                 self.writer.buffer.extend_from_slice(&shard.log);
                 shard.log.clear();
                 if shard.log.capacity() > SHARD_LOG_CAPACITY_KEPT_MAX {
@@ -377,6 +382,10 @@ impl Committer<'_> {
                     .unwritten_log_bytes
                     .fetch_sub(budget, Ordering::Relaxed);
                 taken.budget_bytes += budget;
+                open_log
+            };
+            if let Some(open) = open_log {
+                format::seal_log_batch(&mut self.writer.buffer, open);
             }
             // Rotation fsyncs: never with a shard locked.
             self.overflow_rotate(rotated_mid_round)?;
@@ -1039,6 +1048,8 @@ impl Committer<'_> {
             position = end;
         }
         let requeued = !kept.is_empty() || !taken.effects.is_empty();
+        // Appends made since keep going to a record of their own, after the kept ones.
+        shard.seal_log();
         kept.extend_from_slice(&shard.log);
         shard.log = kept;
         let mut effects: Vec<RecordEffect> = taken
@@ -1193,6 +1204,7 @@ impl Committer<'_> {
                 !(state.next_offset == 0 && state.trim_segment == NO_SEGMENT)
             });
             // The next round's log: keep only its trim and delete records.
+            shard.seal_log();
             let log = std::mem::take(&mut shard.log);
             let effects = std::mem::take(&mut shard.log_effects);
             let budget = std::mem::take(&mut shard.log_budget_bytes);

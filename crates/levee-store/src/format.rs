@@ -1,12 +1,12 @@
-//! The on-disk format, version 3: the segment file header and the five record kinds (chunk,
-//! trim, delete, log, floor). Versions 1 (no log records) and 2 (no floor records) are still
-//! read. Everything is little-endian;
+//! The on-disk format, version 4: the segment file header and the six record kinds (chunk,
+//! trim, delete, log, floor, log batch). Versions 1 (no log records), 2 (no floor records) and
+//! 3 (no log batch records) are still read. Everything is little-endian;
 //! docs/FORMAT.md describes it byte by byte.
 
 /// Magic bytes at the start of every segment file.
 pub const SEGMENT_MAGIC: [u8; 8] = *b"LEVEEQS\0";
 /// The format version this crate writes (and the newest it reads).
-pub const FORMAT_VERSION: u32 = 3;
+pub const FORMAT_VERSION: u32 = 4;
 /// The oldest format version this crate reads: version 1 has no log records.
 pub const FORMAT_VERSION_OLDEST_READ: u32 = 1;
 /// Bytes in a segment file header.
@@ -19,6 +19,16 @@ pub const CHUNK_FIXED_BYTES: usize = 24;
 pub const TRIM_FIXED_BYTES: usize = 16;
 /// Fixed bytes at the start of a delete body, before the queue name.
 pub const DELETE_FIXED_BYTES: usize = 4;
+/// Fixed bytes at the start of a log batch body, before its first run.
+pub const LOG_BATCH_FIXED_BYTES: usize = 16;
+/// A log batch record takes no new run once its body is this long (a single run may make
+/// it longer): bounds what one damaged record can take with it and what a reader of the
+/// log holds at once.
+pub const LOG_BATCH_BODY_TARGET: usize = 1 << 20;
+/// Bytes a run of a log batch takes beyond its queue name and payload, at most: the name
+/// length, the first offset and the count (varints, 10 bytes at most each) and, per
+/// message, a length (a varint of a u32: 5 bytes at most) counted by [`log_run_bytes`].
+const LOG_RUN_FIXED_BYTES_MAX: usize = 1 + 10 + 10;
 /// Bytes of a floor body (it names no queue).
 pub const FLOOR_BODY_BYTES: usize = 16;
 /// Bytes of a floor record, header included.
@@ -33,6 +43,7 @@ const KIND_TRIM: u8 = 2;
 const KIND_DELETE: u8 = 3;
 const KIND_LOG: u8 = 4;
 const KIND_FLOOR: u8 = 5;
+const KIND_LOG_BATCH: u8 = 6;
 
 /// File name of the segment with this id.
 pub fn segment_file_name(segment: u32) -> String {
@@ -167,40 +178,128 @@ pub fn encode_chunk_framed(
     debug_assert!(decode_record(&out[start + RECORD_HEADER_BYTES..]).is_ok());
 }
 
-/// Appends one log record (kind 4): `messages` of queue `name` from offset `first_offset`,
-/// durable once fsynced but not indexed; the same body layout as a chunk record.
-pub fn encode_log(
+/// A log batch record still open at the end of a buffer: more runs may be added until it is
+/// sealed ([`seal_log_batch`]), which writes its length, run count and checksum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpenLogBatch {
+    /// Where the record starts in the buffer.
+    start: usize,
+    /// Runs in it so far.
+    runs: u32,
+}
+
+impl OpenLogBatch {
+    /// The same record after the bytes before it were copied to `base` in another buffer.
+    #[must_use]
+    pub fn rebased(self, base: usize) -> Self {
+        Self {
+            start: self.start + base,
+            runs: self.runs,
+        }
+    }
+}
+
+/// Bytes a log batch run of `messages` to a queue named `name_bytes` long takes, at most,
+/// plus a record header and fixed body in case it opens a new record: what an append reserves
+/// of the buffer budget for it.
+pub fn log_run_bytes_max(name_bytes: usize, messages: &[&[u8]]) -> usize {
+    RECORD_HEADER_BYTES
+        + LOG_BATCH_FIXED_BYTES
+        + LOG_RUN_FIXED_BYTES_MAX
+        + name_bytes
+        + messages
+            .iter()
+            .map(|message| 5 + message.len())
+            .sum::<usize>()
+}
+
+/// Appends one run (`messages` of queue `name` from offset `first_offset`) to the log batch
+/// record open at the end of `out`, or opens one (stamped `timestamp_ms`) if none is open or
+/// the open one reached [`LOG_BATCH_BODY_TARGET`] (sealing it first).
+pub fn append_log_run(
     out: &mut Vec<u8>,
+    open: &mut Option<OpenLogBatch>,
     name: &[u8],
     first_offset: u64,
     timestamp_ms: u64,
     messages: &[&[u8]],
 ) {
-    let start = out.len();
-    let payload_bytes: usize = messages.iter().map(|message| message.len()).sum();
-    let body_bytes = CHUNK_FIXED_BYTES + name.len() + 4 * messages.len() + payload_bytes;
-    out.reserve(RECORD_HEADER_BYTES + body_bytes);
-    let mut fixed = [0_u8; RECORD_HEADER_BYTES + CHUNK_FIXED_BYTES];
-    fixed[4..8].copy_from_slice(&to_u32(body_bytes).to_le_bytes());
-    fixed[8] = KIND_LOG;
-    fixed[9] = name_length_byte(name);
-    fixed[12..16].copy_from_slice(&to_u32(messages.len()).to_le_bytes());
-    fixed[16..24].copy_from_slice(&first_offset.to_le_bytes());
-    fixed[24..32].copy_from_slice(&timestamp_ms.to_le_bytes());
-    out.extend_from_slice(&fixed);
+    let batch = match *open {
+        Some(batch) if out.len() - batch.start < RECORD_HEADER_BYTES + LOG_BATCH_BODY_TARGET => {
+            batch
+        }
+        _ => {
+            if let Some(full) = open.take() {
+                seal_log_batch(out, full);
+            }
+            let start = out.len();
+            let mut fixed = [0_u8; RECORD_HEADER_BYTES + LOG_BATCH_FIXED_BYTES];
+            fixed[8] = KIND_LOG_BATCH;
+            fixed[16..24].copy_from_slice(&timestamp_ms.to_le_bytes());
+            out.extend_from_slice(&fixed);
+            OpenLogBatch { start, runs: 0 }
+        }
+    };
+    out.push(name_length_byte(name));
     out.extend_from_slice(name);
+    put_varint(out, first_offset);
+    put_varint(out, messages.len() as u64);
     for message in messages {
-        out.extend_from_slice(&to_u32(message.len()).to_le_bytes());
-    }
-    for message in messages {
+        put_varint(out, message.len() as u64);
         out.extend_from_slice(message);
     }
+    *open = Some(OpenLogBatch {
+        start: batch.start,
+        runs: batch.runs + 1,
+    });
+}
+
+/// Seals the log batch record `open`, which runs to the end of `out`: writes its body length,
+/// run count and checksum.
+pub fn seal_log_batch(out: &mut [u8], open: OpenLogBatch) {
+    let start = open.start;
+    let body_bytes = out.len() - start - RECORD_HEADER_BYTES;
+    out[start + 4..start + 8].copy_from_slice(&to_u32(body_bytes).to_le_bytes());
+    out[start + 12..start + 16].copy_from_slice(&open.runs.to_le_bytes());
     seal_record(out, start);
     debug_assert!(decode_record(&out[start + RECORD_HEADER_BYTES..]).is_ok());
 }
 
+/// Appends `value` as a LEB128 varint: 7 bits per byte, low bits first, the top bit set on
+/// every byte but the last.
+fn put_varint(out: &mut Vec<u8>, mut value: u64) {
+    while value >= 0x80 {
+        // Truncation is intended: the low 7 bits, with the continuation bit.
+        #[allow(clippy::cast_possible_truncation)]
+        out.push((value as u8) | 0x80);
+        value >>= 7;
+    }
+    // The loop left at most 7 bits.
+    #[allow(clippy::cast_possible_truncation)]
+    out.push(value as u8);
+}
+
+/// Reads a LEB128 varint at `*at`, moving `*at` past it; `None` if it is cut short or does
+/// not fit in a u64.
+fn get_varint(bytes: &[u8], at: &mut usize) -> Option<u64> {
+    let mut value = 0_u64;
+    for shift in (0..64).step_by(7) {
+        let byte = *bytes.get(*at)?;
+        *at += 1;
+        let bits = u64::from(byte & 0x7f);
+        if shift == 63 && bits > 1 {
+            return None;
+        }
+        value |= bits << shift;
+        if byte & 0x80 == 0 {
+            return Some(value);
+        }
+    }
+    None
+}
+
 /// The kind byte of the record starting at `record` (header included): 1 chunk, 2 trim,
-/// 3 delete, 4 log, 5 floor.
+/// 3 delete, 4 log, 5 floor, 6 log batch.
 pub fn record_kind(record: &[u8]) -> u8 {
     record[RECORD_HEADER_BYTES]
 }
@@ -303,6 +402,123 @@ pub enum Record<'a> {
     Log(Chunk<'a>),
     /// Log records before this place are no longer needed (format version 3).
     Floor(LogFloor),
+    /// Runs of consecutive messages of any queues, durable but not indexed, like log records
+    /// (format version 4).
+    LogBatch(LogBatch<'a>),
+}
+
+/// A decoded log batch body: its runs, each like a log record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogBatch<'a> {
+    /// When the record was opened, in ms since the Unix epoch.
+    pub timestamp_ms: u64,
+    /// Number of runs.
+    pub runs: u32,
+    /// The runs' bytes (checked by the decoder).
+    bytes: &'a [u8],
+}
+
+/// One run of a log batch: consecutive messages of one queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogRun<'a> {
+    /// Queue name.
+    pub name: &'a [u8],
+    /// Offset of the first message.
+    pub first_offset: u64,
+    /// Number of messages.
+    pub count: u32,
+    /// The messages, each a varint length then its bytes.
+    bytes: &'a [u8],
+}
+
+impl<'a> LogBatch<'a> {
+    /// The runs, in the order they were appended.
+    pub fn runs(&self) -> impl Iterator<Item = LogRun<'a>> + use<'a> {
+        let mut rest = self.bytes;
+        std::iter::from_fn(move || {
+            // Checked by `decode_log_batch`: a failure here only ends the iteration.
+            let (run, used) = parse_log_run(rest).ok()?;
+            rest = &rest[used..];
+            Some(run)
+        })
+    }
+}
+
+impl<'a> LogRun<'a> {
+    /// The messages, in offset order.
+    pub fn messages(&self) -> impl Iterator<Item = &'a [u8]> + use<'a> {
+        let (bytes, mut at) = (self.bytes, 0);
+        std::iter::from_fn(move || {
+            let length = usize::try_from(get_varint(bytes, &mut at)?).ok()?;
+            let message = bytes.get(at..at.checked_add(length)?)?;
+            at += length;
+            Some(message)
+        })
+    }
+}
+
+/// Parses the run at the start of `bytes`; returns it and the bytes it takes.
+fn parse_log_run(bytes: &[u8]) -> Result<(LogRun<'_>, usize), &'static str> {
+    let cut = "log batch run cut short";
+    let name_bytes = usize::from(*bytes.first().ok_or(cut)?);
+    if name_bytes == 0 {
+        return Err("empty queue name");
+    }
+    let name = bytes.get(1..1 + name_bytes).ok_or(cut)?;
+    let mut at = 1 + name_bytes;
+    let first_offset = get_varint(bytes, &mut at).ok_or("log batch run offset malformed")?;
+    let count = get_varint(bytes, &mut at)
+        .and_then(|count| u32::try_from(count).ok())
+        .filter(|&count| count > 0)
+        .ok_or("log batch run count malformed or zero")?;
+    let messages_start = at;
+    for _ in 0..count {
+        let length = get_varint(bytes, &mut at)
+            .and_then(|length| usize::try_from(length).ok())
+            .ok_or("log batch message length malformed")?;
+        at = at
+            .checked_add(length)
+            .filter(|&end| end <= bytes.len())
+            .ok_or("log batch message runs past the record")?;
+    }
+    if first_offset.checked_add(u64::from(count)).is_none() {
+        return Err("log batch run offsets overflow");
+    }
+    let run = LogRun {
+        name,
+        first_offset,
+        count,
+        bytes: &bytes[messages_start..at],
+    };
+    Ok((run, at))
+}
+
+/// Checks a log batch body (its kind byte included) run by run.
+fn decode_log_batch(body: &[u8]) -> Result<LogBatch<'_>, &'static str> {
+    if body.len() < LOG_BATCH_FIXED_BYTES {
+        return Err("record body too short");
+    }
+    if body[1..4] != [0, 0, 0] {
+        return Err("log batch reserved bytes not zero");
+    }
+    let runs = read_u32(body, 4);
+    let bytes = &body[LOG_BATCH_FIXED_BYTES..];
+    let mut rest = bytes;
+    for _ in 0..runs {
+        let (_, used) = parse_log_run(rest)?;
+        rest = &rest[used..];
+    }
+    if runs == 0 {
+        return Err("log batch without runs");
+    }
+    if !rest.is_empty() {
+        return Err("log batch has trailing bytes");
+    }
+    Ok(LogBatch {
+        timestamp_ms: read_u64(body, 8),
+        runs,
+        bytes,
+    })
 }
 
 /// A decoded chunk body.
@@ -355,9 +571,13 @@ pub fn checksum_matches(record: &[u8]) -> bool {
     record.len() >= RECORD_HEADER_BYTES && crc32c::crc32c(&record[4..]) == read_u32(record, 0)
 }
 
-/// Whether a whole record's kind byte says log record (not verified: check the checksum).
+/// Whether a whole record's kind byte says log or log batch record (not verified: check the
+/// checksum).
 pub fn is_log_record(record: &[u8]) -> bool {
-    record.get(RECORD_HEADER_BYTES) == Some(&KIND_LOG)
+    matches!(
+        record.get(RECORD_HEADER_BYTES),
+        Some(&(KIND_LOG | KIND_LOG_BATCH))
+    )
 }
 
 /// Decodes a record body whose checksum was already verified.
@@ -371,6 +591,9 @@ pub fn decode_record(body: &[u8]) -> Result<Record<'_>, &'static str> {
             segment: read_u32(body, 4),
             position: read_u64(body, 8),
         }));
+    }
+    if kind == KIND_LOG_BATCH {
+        return decode_log_batch(body).map(Record::LogBatch);
     }
     let name_bytes = usize::from(*body.get(1).ok_or("record body too short")?);
     let fixed = match kind {
@@ -530,6 +753,133 @@ mod tests {
         );
     }
 
+    /// A log batch run as owned values: name, first offset, count, messages.
+    type DecodedRun = (Vec<u8>, u64, u32, Vec<Vec<u8>>);
+
+    /// Two log batch records: the first sealed when it passed the target, the second by hand.
+    fn two_log_batches() -> (Vec<u8>, usize) {
+        let mut out = Vec::new();
+        let mut open = None;
+        let big = vec![7_u8; LOG_BATCH_BODY_TARGET];
+        append_log_run(&mut out, &mut open, b"q1", 300, 5, &[b"a", b""]);
+        append_log_run(&mut out, &mut open, b"q2", 0, 6, &[&big]);
+        let first_end = out.len();
+        append_log_run(&mut out, &mut open, b"q1", 302, 7, &[b"bcd"]);
+        assert_eq!(
+            open.map(|open| open.start),
+            Some(first_end),
+            "past the target: a new record"
+        );
+        seal_log_batch(&mut out, open.unwrap());
+        (out, first_end)
+    }
+
+    #[test]
+    fn given_log_runs_when_encoded_should_decode_the_same_runs_per_record() {
+        let (out, first_end) = two_log_batches();
+        let Ok(Record::LogBatch(first)) = decode_checked(&out[..first_end]) else {
+            panic!("not a log batch")
+        };
+        assert_eq!((first.timestamp_ms, first.runs), (5, 2));
+        let runs: Vec<DecodedRun> = first
+            .runs()
+            .map(|run| {
+                let messages = run.messages().map(<[u8]>::to_vec).collect();
+                (run.name.to_vec(), run.first_offset, run.count, messages)
+            })
+            .collect();
+        assert_eq!(
+            runs,
+            vec![
+                (b"q1".to_vec(), 300, 2, vec![b"a".to_vec(), Vec::new()]),
+                (
+                    b"q2".to_vec(),
+                    0,
+                    1,
+                    vec![vec![7_u8; LOG_BATCH_BODY_TARGET]]
+                ),
+            ]
+        );
+        let Ok(Record::LogBatch(second)) = decode_checked(&out[first_end..]) else {
+            panic!("not a log batch")
+        };
+        let run = second.runs().next().unwrap();
+        assert_eq!(
+            (second.timestamp_ms, run.name, run.first_offset),
+            (7, &b"q1"[..], 302)
+        );
+        assert_eq!(run.messages().collect::<Vec<_>>(), vec![&b"bcd"[..]]);
+        assert!(is_log_record(&out) && is_log_record(&out[first_end..]));
+        // The budget's bound covers a run with its varints at their longest, in a record
+        // of its own.
+        let mut single = Vec::new();
+        let mut open = None;
+        let long = vec![1_u8; 200];
+        append_log_run(
+            &mut single,
+            &mut open,
+            b"q1",
+            u64::MAX - 2,
+            0,
+            &[&long, b""],
+        );
+        seal_log_batch(&mut single, open.unwrap());
+        assert!(single.len() <= log_run_bytes_max(2, &[&long, b""]));
+    }
+
+    #[test]
+    fn given_a_log_batch_with_any_flipped_byte_or_a_bad_run_when_decoded_should_refuse() {
+        let mut out = Vec::new();
+        let mut open = None;
+        append_log_run(&mut out, &mut open, b"queue", 1 << 40, 2, &[b"hello", b"x"]);
+        append_log_run(&mut out, &mut open, b"other", 0, 2, &[b"y"]);
+        seal_log_batch(&mut out, open.unwrap());
+        assert_every_flipped_byte_refused(&out);
+        // Checksums right, runs wrong: each names its problem.
+        let reseal = |edit: &dyn Fn(&mut Vec<u8>)| {
+            let mut copy = out.clone();
+            edit(&mut copy);
+            let body = copy.len() - RECORD_HEADER_BYTES;
+            copy[4..8].copy_from_slice(&to_u32(body).to_le_bytes());
+            seal_record(&mut copy, 0);
+            decode_checked(&copy).err()
+        };
+        assert_eq!(
+            reseal(&|copy| copy[12] = 3),
+            Some("log batch run cut short")
+        );
+        assert_eq!(
+            reseal(&|copy| copy[12] = 1),
+            Some("log batch has trailing bytes")
+        );
+        assert_eq!(reseal(&|copy| copy[12] = 0), Some("log batch without runs"));
+        assert_eq!(
+            reseal(&|copy| copy.push(0)),
+            Some("log batch has trailing bytes")
+        );
+        assert_eq!(reseal(&|copy| copy[24] = 0), Some("empty queue name"));
+        // The first run's count (after "queue" and a 6-byte offset) set to zero.
+        assert_eq!(
+            reseal(&|copy| copy[24 + 1 + 5 + 6] = 0),
+            Some("log batch run count malformed or zero")
+        );
+    }
+
+    #[test]
+    fn given_varints_when_encoded_should_roundtrip_and_refuse_overflow() {
+        for value in [0, 1, 127, 128, 300, 1 << 35, u64::MAX] {
+            let mut out = Vec::new();
+            put_varint(&mut out, value);
+            let mut at = 0;
+            assert_eq!(get_varint(&out, &mut at), Some(value));
+            assert_eq!(at, out.len());
+            assert_eq!(get_varint(&out[..out.len() - 1], &mut 0), None, "cut short");
+        }
+        let too_big = [0xff; 9].iter().copied().chain([0x02]).collect::<Vec<u8>>();
+        assert_eq!(get_varint(&too_big, &mut 0), None);
+        assert_eq!(get_varint(&[0x80; 11], &mut 0), None);
+    }
+
     #[test]
     fn given_a_floor_when_encoded_should_roundtrip_and_refuse_any_flipped_byte() {
         let floor = LogFloor {
@@ -556,10 +906,10 @@ mod tests {
         let header = encode_segment_header(5);
         assert_eq!(decode_segment_header(&header), Ok(5));
         let mut other = header;
-        other[8] = 4;
+        other[8] = 5;
         assert_eq!(
             decode_segment_header(&other),
-            Err(HeaderProblem::Version(4))
+            Err(HeaderProblem::Version(5))
         );
         // Version 1 (no log records) is still read.
         let mut version_1 = header;

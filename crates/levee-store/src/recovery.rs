@@ -27,6 +27,8 @@ const SCAN_BLOCK_BYTES: usize = 4 << 20;
 const WINDOWS_QUEUED: usize = 16;
 /// The first format version whose segments start with a floor record.
 const FLOOR_VERSION: u32 = 3;
+/// The first format version with log batch records.
+const LOG_BATCH_VERSION: u32 = 4;
 
 /// What [`crate::Store::open`] found and did; worth logging.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -191,9 +193,15 @@ impl Recovering {
     }
 
     /// A log record: its messages past what chunks and the tail already hold join the tail.
-    fn add_log(&mut self, log: &format::Chunk<'_>, chunk_bytes: usize) -> Result<(), Problem> {
-        let start = log.first_offset;
-        let end = start + u64::from(log.count);
+    /// Replays a log record, or one run of a log batch: `count` messages of queue `name` from
+    /// offset `start`.
+    fn add_log<'a>(
+        &mut self,
+        (name, start, count): (&[u8], u64, u32),
+        messages: impl Iterator<Item = &'a [u8]>,
+        chunk_bytes: usize,
+    ) -> Result<(), Problem> {
+        let end = start + u64::from(count);
         let tail_count = self.tail.as_ref().map_or(0, |tail| tail.count);
         let have = match &self.tail {
             Some(tail) if tail.count > 0 => tail.end_offset(),
@@ -205,7 +213,7 @@ impl Recovering {
         if start > have && tail_count > 0 {
             return Err(Problem::Inconsistent(format!(
                 "log record of queue {:?} at offsets {start}..{end} leaves a gap after {have}",
-                String::from_utf8_lossy(log.name)
+                String::from_utf8_lossy(name)
             )));
         }
         let tail = self.tail.get_or_insert_with(Box::default);
@@ -215,7 +223,7 @@ impl Recovering {
             tail.reset(have.max(start));
         }
         let skip = usize::try_from(have.saturating_sub(start)).unwrap_or(usize::MAX);
-        for message in log.messages().skip(skip) {
+        for message in messages.skip(skip) {
             tail.push_toward_chunk(message, chunk_bytes);
         }
         Ok(())
@@ -417,7 +425,7 @@ fn recover_on(
         .lock_directory()
         .map_err(io_error("locking the data directory".to_string()))?;
     let floor = find_floor(storage, &ids)?;
-    let hasher = foldhash::fast::FixedState::with_seed(0x1e7e_e5e0);
+    let hasher = crate::store::shard_hasher();
     let mut replay = Replay {
         scan: ScanState {
             floor,
@@ -1096,25 +1104,30 @@ impl ScanState {
         }
         let decoded =
             format::decode_checked(record).map_err(|reason| damaged(reason.to_string()))?;
+        let too_new = |what: &str, version: u32| {
+            Err((
+                position,
+                Problem::Inconsistent(format!(
+                    "{what} record in a segment of format version {} (first in {version})",
+                    self.segment_version
+                )),
+            ))
+        };
         let name = match &decoded {
             Record::Chunk(chunk) | Record::Log(chunk) => chunk.name,
             Record::Trim { name, .. } | Record::Delete { name } => name,
             Record::Floor(_) if self.segment_version < FLOOR_VERSION => {
-                return Err((
-                    position,
-                    Problem::Inconsistent(format!(
-                        "floor record in a segment of format version {}",
-                        self.segment_version
-                    )),
-                ));
+                return too_new("floor", FLOOR_VERSION);
             }
             // Used before the scan (`find_floor`).
             Record::Floor(_) => return Ok(record_bytes),
+            Record::LogBatch(_) if self.segment_version < LOG_BATCH_VERSION => {
+                return too_new("log batch", LOG_BATCH_VERSION);
+            }
+            // Routed by its first run; `shards_of_runs` below adds the others.
+            Record::LogBatch(batch) => batch.runs().next().map_or(&[][..], |run| run.name),
         };
-        // Truncation is intended: the low bits pick the shard, as in `Inner::shard_index`.
-        #[allow(clippy::cast_possible_truncation)]
-        let shard =
-            std::hash::BuildHasher::hash_one(&self.hasher, name) as usize & (SHARD_COUNT - 1);
+        let shard = crate::store::shard_of(self.hasher, name);
         if matches!(decoded, Record::Chunk(_)) {
             *self.chunk_records.entry(segment).or_default() += 1;
         }
@@ -1124,12 +1137,32 @@ impl ScanState {
                 Problem::Inconsistent("record position past 4 GiB".to_string()),
             )
         })?;
-        pending.push(PendingRecord {
+        // Other lock shards named by a log batch. The writer puts in one record only runs of
+        // one shard's queues (its log), but the format allows any: then each shard named gets
+        // the record, applying only its own runs.
+        let mut others: Vec<usize> = Vec::new();
+        if let Record::LogBatch(batch) = &decoded {
+            for run in batch.runs().skip(1) {
+                let other = crate::store::shard_of(self.hasher, run.name);
+                if other != shard && !others.contains(&other) {
+                    others.push(other);
+                }
+            }
+        }
+        let record = PendingRecord {
             window_start: usize::try_from(position - scanner.window_start).unwrap_or(usize::MAX),
             bytes,
             position: record_position,
             shard,
-        });
+            mixed: !others.is_empty(),
+        };
+        for other in others {
+            pending.push(PendingRecord {
+                shard: other,
+                ..record
+            });
+        }
+        pending.push(record);
         Ok(record_bytes)
     }
 }
@@ -1144,6 +1177,9 @@ struct PendingRecord {
     position: u32,
     /// Its queue's lock shard.
     shard: usize,
+    /// A log batch record with runs of more than one lock shard (pushed once per shard):
+    /// only the runs of `shard` are applied.
+    mixed: bool,
 }
 
 /// Applies one checked record to the queues of its shard being rebuilt.
@@ -1201,12 +1237,33 @@ fn apply_record(
         // Never queued: handled in `next_record`.
         Record::Floor(_) => {}
         Record::Log(log) => {
+            let run = (log.name, log.first_offset, log.count);
             if let Some(queue) = shard.get_mut(log.name) {
-                return queue.add_log(&log, chunk_bytes);
+                return queue.add_log(run, log.messages(), chunk_bytes);
             }
             let (name, mut queue) = new_queue(log.name, 0);
-            queue.add_log(&log, chunk_bytes)?;
+            queue.add_log(run, log.messages(), chunk_bytes)?;
             shard.insert(name, queue);
+        }
+        Record::LogBatch(batch) => {
+            let hasher = at.mixed.then(crate::store::shard_hasher);
+            for run in batch.runs() {
+                if hasher
+                    .as_ref()
+                    .is_some_and(|hasher| crate::store::shard_of(*hasher, run.name) != at.shard)
+                {
+                    continue;
+                }
+                let messages = run.messages();
+                let run = (run.name, run.first_offset, run.count);
+                if let Some(queue) = shard.get_mut(run.0) {
+                    queue.add_log(run, messages, chunk_bytes)?;
+                    continue;
+                }
+                let (name, mut queue) = new_queue(run.0, 0);
+                queue.add_log(run, messages, chunk_bytes)?;
+                shard.insert(name, queue);
+            }
         }
     }
     Ok(())
@@ -1242,6 +1299,43 @@ mod tests {
             .collect();
         queues.sort_by(|one, other| one.0.cmp(&other.0));
         queues
+    }
+
+    #[test]
+    fn given_a_log_batch_naming_queues_of_many_shards_when_recovering_should_replay_every_run() {
+        // The writer never mixes lock shards in one record; the format allows it.
+        let mut bytes = format::encode_segment_header(1).to_vec();
+        format::encode_floor(&mut bytes, format::LogFloor::default());
+        let mut open = None;
+        let names: Vec<Vec<u8>> = (0..40)
+            .map(|index| format!("queue-{index}").into_bytes())
+            .collect();
+        for (index, name) in names.iter().enumerate() {
+            let first = format!("first-{index}");
+            format::append_log_run(&mut bytes, &mut open, name, 0, 1, &[first.as_bytes()]);
+        }
+        for name in &names {
+            format::append_log_run(&mut bytes, &mut open, name, 1, 1, &[b"second", b"third"]);
+        }
+        format::seal_log_batch(&mut bytes, open.unwrap());
+        let hasher = crate::store::shard_hasher();
+        let shards: std::collections::HashSet<usize> = names
+            .iter()
+            .map(|name| crate::store::shard_of(hasher, name))
+            .collect();
+        assert!(shards.len() > 10, "runs of many shards in one record");
+        let disk = SimulatedDisk::new();
+        disk.put_file(&format::segment_file_name(1), &bytes);
+        let (store, report) =
+            Store::open_with_storage(Arc::new(disk), StoreOptions::default()).unwrap();
+        assert!(report.truncated.is_empty(), "{report:?}");
+        assert_eq!((report.queues, report.messages), (40, 120));
+        for (index, name) in names.iter().enumerate() {
+            let batch = store.read(name, 0, 10, 1 << 20).unwrap();
+            let messages: Vec<&[u8]> = batch.iter().collect();
+            let first = format!("first-{index}");
+            assert_eq!(messages, vec![first.as_bytes(), b"second", b"third"]);
+        }
     }
 
     #[test]

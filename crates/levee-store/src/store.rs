@@ -57,8 +57,11 @@ pub(crate) type QueueMap = HashMap<Arc<[u8]>, QueueState, foldhash::fast::FixedS
 #[derive(Debug)]
 pub(crate) struct Shard {
     pub queues: QueueMap,
-    /// Encoded log, trim and delete records, in the order they were appended.
+    /// Encoded log batch, trim and delete records, in the order they were appended.
     pub log: Vec<u8>,
+    /// The log batch record open at the end of `log`, if any: appends add runs to it; it is
+    /// sealed ([`Shard::seal_log`]) before anything else goes into `log` or `log` is read.
+    pub open_log: Option<format::OpenLogBatch>,
     /// What each trim or delete record in `log` does once durable, in the same order.
     pub log_effects: Vec<RecordEffect>,
     /// Budget bytes reserved for `log`, given back once the committer wrote it.
@@ -78,11 +81,21 @@ impl Default for Shard {
         Self {
             queues: QueueMap::default(),
             log: Vec::new(),
+            open_log: None,
             log_effects: Vec::new(),
             log_budget_bytes: 0,
             direct: Vec::new(),
             // Rounds are numbered from 1.
             log_round: 1,
+        }
+    }
+}
+
+impl Shard {
+    /// Seals the open log batch record, if any, so that `log` holds only whole records.
+    pub fn seal_log(&mut self) {
+        if let Some(open) = self.open_log.take() {
+            format::seal_log_batch(&mut self.log, open);
         }
     }
 }
@@ -339,7 +352,7 @@ impl Store {
         let inner = Arc::new(Inner {
             options,
             storage,
-            hasher: foldhash::fast::FixedState::with_seed(0x1e7e_e5e0),
+            hasher: shard_hasher(),
             shards: recovered.shards.into_iter().map(Mutex::new).collect(),
             pending: Mutex::new(Pending {
                 buffered: recovered.buffered,
@@ -553,6 +566,7 @@ impl Store {
                     .fetch_sub(buffer.budget_bytes(), Ordering::SeqCst);
             }
             let dead = count_by_segment(state.chunks.iter());
+            shard.seal_log();
             format::encode_delete(&mut shard.log, queue);
             self.inner.push_record(
                 &mut shard,
@@ -598,6 +612,7 @@ impl Store {
                     effects.push(effect);
                 }
             }
+            shard.seal_log();
             shard.log.extend_from_slice(&bytes);
             for effect in effects.drain(..) {
                 round = self.inner.push_record(shard, effect);
@@ -750,10 +765,23 @@ impl Drop for Store {
     }
 }
 
-/// Budget bytes one message's log record may take: its share of a record header, the queue
-/// name, a length and the payload.
+/// Budget bytes one message's log may take: a log batch run of its own, in a new record.
 fn log_budget_bytes(queue: &[u8], message: &[u8]) -> usize {
-    RECORD_HEADER_BYTES + format::CHUNK_FIXED_BYTES + queue.len() + 4 + message.len()
+    format::log_run_bytes_max(queue.len(), &[message])
+}
+
+/// The hasher that picks a queue's lock shard (recovery uses the same one).
+pub(crate) fn shard_hasher() -> foldhash::fast::FixedState {
+    foldhash::fast::FixedState::with_seed(0x1e7e_e5e0)
+}
+
+/// The lock shard of `queue` under `hasher` (from [`shard_hasher`]).
+pub(crate) fn shard_of(hasher: foldhash::fast::FixedState, queue: &[u8]) -> usize {
+    use std::hash::BuildHasher;
+    // Truncation is intended: only the low bits pick the shard.
+    #[allow(clippy::cast_possible_truncation)]
+    let hash = hasher.hash_one(queue) as usize;
+    hash & (SHARD_COUNT - 1)
 }
 
 pub(crate) fn count_by_segment(chunks: impl Iterator<Item = ChunkEntry>) -> Vec<(u32, u64)> {
@@ -769,11 +797,7 @@ pub(crate) fn count_by_segment(chunks: impl Iterator<Item = ChunkEntry>) -> Vec<
 
 impl Inner {
     pub(crate) fn shard_index(&self, queue: &[u8]) -> usize {
-        use std::hash::BuildHasher;
-        // Truncation is intended: only the low bits pick the shard.
-        #[allow(clippy::cast_possible_truncation)]
-        let hash = self.hasher.hash_one(queue) as usize;
-        hash & (SHARD_COUNT - 1)
+        shard_of(self.hasher, queue)
     }
 
     pub(crate) fn shard(&self, queue: &[u8]) -> &Mutex<Shard> {
@@ -1055,7 +1079,14 @@ impl Inner {
                 });
             }
             if !direct {
-                format::encode_log(&mut shard.log, queue, first_offset, timestamp_ms, &messages);
+                format::append_log_run(
+                    &mut shard.log,
+                    &mut shard.open_log,
+                    queue,
+                    first_offset,
+                    timestamp_ms,
+                    &messages,
+                );
             }
             if !state.queued {
                 state.queued = true;
