@@ -42,6 +42,13 @@ fn given_interval_flags_then_the_report_counts_every_message_and_the_store_round
         stats["bytes_written"].as_u64().unwrap() >= 2000 * 58,
         "{stats}"
     );
+    let recovery = &report["recovery"];
+    assert!(recovery["segments"].as_u64().unwrap() >= 1, "{recovery}");
+    assert!(recovery["records"].as_u64().unwrap() >= 1, "{recovery}");
+    assert!(
+        recovery["bytes_scanned"].as_u64().unwrap() > 0,
+        "{recovery}"
+    );
 }
 
 #[test]

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use levee_store::{MemoryUsage, Store, StoreOptions, SyncPolicy};
+use levee_store::{MemoryUsage, OpenReport, Store, StoreOptions, SyncPolicy};
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
@@ -211,6 +211,7 @@ pub fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
     report["store"] = json!("levee");
     report["open_s"] = json!(open_s);
     report["recovery_s"] = json!(recovery_s);
+    report["recovery"] = recovery_json(&open_report);
     report["peak_rss_bytes"] = json!(super::peak_rss_bytes("self"));
     report["disk_bytes"] = json!(stats.disk_bytes);
     // How the put went inside the store: rounds, and what held appenders back.
@@ -317,6 +318,16 @@ fn run_phases(args: &StoreBenchArgs, target: &dyn BenchTarget) -> anyhow::Result
         "sequential_check_s": sequential_s,
         "sequential_check_messages_per_s": sequential_messages as f64 / sequential_s,
     }))
+}
+
+/// What the reopen read: segments, records, log records skipped (before the floor), bytes.
+fn recovery_json(open_report: &OpenReport) -> Value {
+    json!({
+        "segments": open_report.segments,
+        "records": open_report.records,
+        "log_records_skipped": open_report.log_records_skipped,
+        "bytes_scanned": open_report.bytes_scanned,
+    })
 }
 
 /// Every thread appends to its share of the queues, offset by offset, in batches.
