@@ -6,7 +6,8 @@
 //! - [`Store`] (`store.rs`): the handle. Queues live in 64 lock shards chosen by a hash of the
 //!   name; each queue holds its offsets, a sparse index of its chunks on disk (16 bytes per
 //!   chunk) and, while it has messages in no chunk yet, a write buffer. Each shard also
-//!   gathers the log records of the messages appended to it since the last round.
+//!   gathers the log of the messages appended to it since the last round (one log batch
+//!   record, a run per queue).
 //! - The committer thread (`committer.rs`): the only writer. A round takes the 64 shard logs
 //!   (which make the appended messages durable), seals the write buffers that are due (full,
 //!   over budget, or all of them at a checkpoint) into chunk records (a queue's consecutive
@@ -15,7 +16,8 @@
 //!   segment files and deletes the oldest ones once nothing live remains in them, first
 //!   copying forward the few live chunks of a mostly dead oldest segment.
 //! - Segment files ([`mod@format`]): a few shared append-only files with a versioned header and
-//!   CRC32C-checked records: chunk, trim, delete, log. docs/FORMAT.md has every byte.
+//!   CRC32C-checked records: chunk, trim, delete, floor, log batch (and log records, read
+//!   from older versions). docs/FORMAT.md has every byte.
 //! - Recovery (`recovery.rs`): on open, every segment is scanned in order to rebuild the
 //!   queues, the index and, from log records, the write buffers; a torn or corrupt tail of the
 //!   last segment is cut and reported in [`OpenReport`], damage anywhere else refuses the
