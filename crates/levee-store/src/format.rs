@@ -265,18 +265,29 @@ pub fn seal_log_batch(out: &mut [u8], open: OpenLogBatch) {
     debug_assert!(decode_record(&out[start + RECORD_HEADER_BYTES..]).is_ok());
 }
 
+/// Where varints are written: a buffer, or a small fixed array (the chunk index's entries).
+pub(crate) trait ByteSink {
+    fn put(&mut self, byte: u8);
+}
+
+impl ByteSink for Vec<u8> {
+    fn put(&mut self, byte: u8) {
+        self.push(byte);
+    }
+}
+
 /// Appends `value` as a LEB128 varint: 7 bits per byte, low bits first, the top bit set on
-/// every byte but the last.
-fn put_varint(out: &mut Vec<u8>, mut value: u64) {
+/// every byte but the last (log batch runs here, and the in-memory chunk index).
+pub(crate) fn put_varint(out: &mut impl ByteSink, mut value: u64) {
     while value >= 0x80 {
         // Truncation is intended: the low 7 bits, with the continuation bit.
         #[allow(clippy::cast_possible_truncation)]
-        out.push((value as u8) | 0x80);
+        out.put((value as u8) | 0x80);
         value >>= 7;
     }
     // The loop left at most 7 bits.
     #[allow(clippy::cast_possible_truncation)]
-    out.push(value as u8);
+    out.put(value as u8);
 }
 
 /// Reads a LEB128 varint at `*at`, moving `*at` past it; `None` if it is cut short or does

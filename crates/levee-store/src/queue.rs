@@ -8,6 +8,8 @@ use std::collections::VecDeque;
 pub const BUFFER_POSITION_STRIDE: u64 = 16;
 use std::sync::Arc;
 
+use crate::format::{ByteSink, put_varint};
+
 /// No trim record of the queue is live.
 pub const NO_SEGMENT: u32 = u32::MAX;
 
@@ -333,18 +335,6 @@ impl Iterator for Entries<'_> {
     }
 }
 
-/// Where index entries are encoded: a block being rebuilt, or one entry on the stack (so
-/// `push_back` knows its size before growing the index).
-trait IndexSink {
-    fn put(&mut self, byte: u8);
-}
-
-impl IndexSink for Vec<u8> {
-    fn put(&mut self, byte: u8) {
-        self.push(byte);
-    }
-}
-
 /// One encoded entry: at most a 10-byte varint (offset, or its delta with the code) and two
 /// 5-byte varints (segment, position).
 #[derive(Default)]
@@ -353,22 +343,13 @@ struct EntryBytes {
     len: usize,
 }
 
-impl IndexSink for EntryBytes {
+/// Index entries are encoded into a block being rebuilt (a `Vec<u8>`) or, one at a time, into
+/// this (so `push_back` knows an entry's size before growing the index).
+impl ByteSink for EntryBytes {
     fn put(&mut self, byte: u8) {
         self.bytes[self.len] = byte;
         self.len += 1;
     }
-}
-
-fn put_varint(bytes: &mut impl IndexSink, mut value: u64) {
-    while value >= 0x80 {
-        // Truncation intended: the low seven bits, with the continuation bit.
-        #[allow(clippy::cast_possible_truncation)]
-        bytes.put(value as u8 | 0x80);
-        value >>= 7;
-    }
-    #[allow(clippy::cast_possible_truncation)]
-    bytes.put(value as u8);
 }
 
 /// Reads a varint written by [`put_varint`] (the index only holds its own encodings).
@@ -386,7 +367,7 @@ fn get_varint(bytes: &[u8], at: &mut usize) -> u64 {
     }
 }
 
-fn encode_full(bytes: &mut impl IndexSink, entry: ChunkEntry) {
+fn encode_full(bytes: &mut impl ByteSink, entry: ChunkEntry) {
     put_varint(bytes, entry.first_offset);
     put_varint(bytes, u64::from(entry.segment));
     put_varint(bytes, u64::from(entry.position));
@@ -404,7 +385,7 @@ fn decode_full(bytes: &[u8], at: &mut usize) -> ChunkEntry {
     }
 }
 
-fn encode_next(bytes: &mut impl IndexSink, previous: ChunkEntry, entry: ChunkEntry) {
+fn encode_next(bytes: &mut impl ByteSink, previous: ChunkEntry, entry: ChunkEntry) {
     let delta = entry.first_offset - previous.first_offset;
     let (code, position) = if entry.segment == previous.segment {
         if entry.position >= previous.position {

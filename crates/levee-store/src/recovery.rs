@@ -192,9 +192,8 @@ impl Recovering {
         tail.drain_front(drop, position);
     }
 
-    /// A log record: its messages past what chunks and the tail already hold join the tail.
-    /// Replays a log record, or one run of a log batch: `count` messages of queue `name` from
-    /// offset `start`.
+    /// Replays a log record, or one run of a log batch (`count` messages of queue `name` from
+    /// offset `start`): its messages past what chunks and the tail already hold join the tail.
     fn add_log<'a>(
         &mut self,
         (name, start, count): (&[u8], u64, u32),
@@ -1124,7 +1123,7 @@ impl ScanState {
             Record::LogBatch(_) if self.segment_version < LOG_BATCH_VERSION => {
                 return too_new("log batch", LOG_BATCH_VERSION);
             }
-            // Routed by its first run; `shards_of_runs` below adds the others.
+            // Routed by its first run's queue; the other shards it names are found below.
             Record::LogBatch(batch) => batch.runs().next().map_or(&[][..], |run| run.name),
         };
         let shard = crate::store::shard_of(self.hasher, name);
@@ -1238,34 +1237,38 @@ fn apply_record(
         Record::Floor(_) => {}
         Record::Log(log) => {
             let run = (log.name, log.first_offset, log.count);
-            if let Some(queue) = shard.get_mut(log.name) {
-                return queue.add_log(run, log.messages(), chunk_bytes);
-            }
-            let (name, mut queue) = new_queue(log.name, 0);
-            queue.add_log(run, log.messages(), chunk_bytes)?;
-            shard.insert(name, queue);
+            replay_log(shard, &mut new_queue, run, log.messages(), chunk_bytes)?;
         }
         Record::LogBatch(batch) => {
             let hasher = at.mixed.then(crate::store::shard_hasher);
             for run in batch.runs() {
-                if hasher
-                    .as_ref()
-                    .is_some_and(|hasher| crate::store::shard_of(*hasher, run.name) != at.shard)
+                if hasher.is_some_and(|hasher| crate::store::shard_of(hasher, run.name) != at.shard)
                 {
                     continue;
                 }
                 let messages = run.messages();
                 let run = (run.name, run.first_offset, run.count);
-                if let Some(queue) = shard.get_mut(run.0) {
-                    queue.add_log(run, messages, chunk_bytes)?;
-                    continue;
-                }
-                let (name, mut queue) = new_queue(run.0, 0);
-                queue.add_log(run, messages, chunk_bytes)?;
-                shard.insert(name, queue);
+                replay_log(shard, &mut new_queue, run, messages, chunk_bytes)?;
             }
         }
     }
+    Ok(())
+}
+
+/// Replays a log record or log batch run into its queue, created if unknown.
+fn replay_log<'a>(
+    shard: &mut RecoveringMap,
+    new_queue: &mut impl FnMut(&[u8], u64) -> (Arc<[u8]>, Recovering),
+    run: (&[u8], u64, u32),
+    messages: impl Iterator<Item = &'a [u8]>,
+    chunk_bytes: usize,
+) -> Result<(), Problem> {
+    if let Some(queue) = shard.get_mut(run.0) {
+        return queue.add_log(run, messages, chunk_bytes);
+    }
+    let (name, mut queue) = new_queue(run.0, 0);
+    queue.add_log(run, messages, chunk_bytes)?;
+    shard.insert(name, queue);
     Ok(())
 }
 
