@@ -84,6 +84,14 @@ pub struct StoreOptions {
     /// this many bytes, and goes on in an empty buffer, so the round buffer stays this small
     /// even when a round seals a budget's worth of buffers.
     pub round_write_bytes: usize,
+    /// Write the large runs of commit rounds with `O_DIRECT` (default true; used by
+    /// [`crate::Store::open`], a storage given to `open_with_storage` decides for itself). The
+    /// page cache then holds none of the data written: no page-cache page to fill per 4 KiB
+    /// written (on a VM whose freed memory the host takes back, each such page is a host page
+    /// fault) and no writeback at the fsync, but the first read of a sealed chunk comes from
+    /// the disk. The unaligned ends of each write, and writes under 64 KiB, go through the page
+    /// cache; a file system that refuses `O_DIRECT` gets every write through it.
+    pub direct_writes: bool,
 }
 
 impl Default for StoreOptions {
@@ -95,6 +103,7 @@ impl Default for StoreOptions {
             buffer_budget_bytes: 320 << 20,
             message_bytes_max: 1 << 20,
             round_write_bytes: 8 << 20,
+            direct_writes: true,
         }
     }
 }

@@ -335,10 +335,12 @@ impl Store {
         directory: impl AsRef<Path>,
         options: StoreOptions,
     ) -> Result<(Store, OpenReport), OpenError> {
-        let storage = OsStorage::new(directory.as_ref()).map_err(|source| OpenError::Io {
-            operation: format!("creating directory {}", directory.as_ref().display()),
-            source,
-        })?;
+        let storage = OsStorage::new(directory.as_ref())
+            .map_err(|source| OpenError::Io {
+                operation: format!("creating directory {}", directory.as_ref().display()),
+                source,
+            })?
+            .with_direct_writes(options.direct_writes);
         Self::open_with_storage(Arc::new(storage), options)
     }
 

@@ -355,6 +355,7 @@ fn small_options() -> impl Strategy<Value = StoreOptions> {
             buffer_budget_bytes: 512 + extra,
             message_bytes_max: 512,
             round_write_bytes: round_write,
+            direct_writes: false,
         },
     )
 }

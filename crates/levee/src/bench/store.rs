@@ -1,8 +1,10 @@
 //! `levee bench store`: the Tianchi queue-store race at a scale set by flags, against the
 //! embedded store (no network): a put phase from many threads, a random check (10 messages from
-//! a random offset of every queue), a sequential check (every fifth queue read whole), and a
+//! a random offset of every queue) right after the put, the same again once the store's files
+//! were read into the page cache, a sequential check (every fifth queue read whole), and a
 //! reopen that measures recovery. Every message read back is compared with what was written.
-//! The same disk's sequential write bandwidth is measured in the same run as the physical limit.
+//! The same disk's sequential write bandwidth is measured in the same run as the physical limit
+//! (the faster of writing through the page cache and writing with `O_DIRECT`).
 //! With `--baseline` (built with the `baseline` feature) the same workload runs against fjall, a
 //! well-regarded embedded LSM store, with the same durability, and the ratios are reported.
 
@@ -51,6 +53,9 @@ pub struct StoreBenchArgs {
     /// Directory for the data (a fresh subdirectory is made and removed after)
     #[arg(long, default_value = ".")]
     dir: PathBuf,
+    /// Write every byte through the page cache (the store's `direct_writes` off)
+    #[arg(long)]
+    buffered_writes: bool,
     /// Run the same workload against fjall too (needs the `baseline` feature)
     #[arg(long)]
     baseline: bool,
@@ -153,6 +158,7 @@ fn store_options(args: &StoreBenchArgs) -> anyhow::Result<StoreOptions> {
             .checked_mul(1 << 20)
             .and_then(|bytes| usize::try_from(bytes).ok())
             .context("--buffer-budget-mb is too large")?,
+        direct_writes: !args.buffered_writes,
         ..StoreOptions::default()
     };
     options
@@ -186,12 +192,12 @@ pub fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
         args.sync,
         root.path().display()
     );
-    let raw = raw_disk_write_mb_per_s(root.path(), args.messages * args.message_bytes as u64)?;
+    let raw = RawDisk::probe(root.path(), args.messages * args.message_bytes as u64)?;
     let started = Instant::now();
     let (store, _) = Store::open(&data, options.clone())?;
     let open_s = started.elapsed().as_secs_f64();
     let target = LeveeTarget(store);
-    let mut report = run_phases(args, &target)?;
+    let mut report = run_phases(args, &target, &data)?;
     let memory = target.0.memory_usage();
     let stats = target.0.stats();
     drop(target);
@@ -223,8 +229,11 @@ pub fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
         "bytes_written": stats.bytes_written,
         "buffer_budget_bytes": options.buffer_budget_bytes,
     });
-    report["raw_disk_write_mb_per_s"] = json!(raw);
-    report["put_vs_raw_disk"] = json!(report["put_mb_per_s"].as_f64().unwrap_or(0.0) / raw);
+    report["direct_writes"] = json!(options.direct_writes);
+    report["raw_disk_write_mb_per_s"] = json!(raw.best());
+    report["raw_disk_write_buffered_mb_per_s"] = json!(raw.buffered);
+    report["raw_disk_write_direct_mb_per_s"] = json!(raw.direct);
+    report["put_vs_raw_disk"] = json!(report["put_mb_per_s"].as_f64().unwrap_or(0.0) / raw.best());
     report["memory"] = memory_json(&memory, args.queues, stored);
     // The same store reopened: every queue idle, its index rebuilt without growth slack.
     report["memory_after_recovery"] = memory_json(&reopened_memory, args.queues, stored);
@@ -245,7 +254,7 @@ pub fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
          sequential check {:.0} msg/s, recovery {:.3} s, peak RSS {} MiB",
         report["put_messages_per_s"].as_f64().unwrap_or(0.0),
         report["put_mb_per_s"].as_f64().unwrap_or(0.0),
-        raw,
+        raw.best(),
         report["fsyncs"],
         report["random_check_gets_per_s"].as_f64().unwrap_or(0.0),
         report["sequential_check_messages_per_s"]
@@ -274,8 +283,13 @@ fn memory_json(memory: &MemoryUsage, queues: u64, stored: f64) -> Value {
     })
 }
 
-/// Put, random check and sequential check against `target`.
-fn run_phases(args: &StoreBenchArgs, target: &dyn BenchTarget) -> anyhow::Result<Value> {
+/// Put, random check (right after the put, then with `directory`'s files in the page cache)
+/// and sequential check against `target`, whose files are in `directory`.
+fn run_phases(
+    args: &StoreBenchArgs,
+    target: &dyn BenchTarget,
+    directory: &Path,
+) -> anyhow::Result<Value> {
     let per_queue = args.messages / args.queues;
     let stored = per_queue * args.queues;
     let fsyncs_before = target.fsyncs();
@@ -289,8 +303,17 @@ fn run_phases(args: &StoreBenchArgs, target: &dyn BenchTarget) -> anyhow::Result
     let put_cpu_s = super::cpu_seconds("self") - cpu_before;
     let fsyncs = target.fsyncs() - fsyncs_before;
 
+    // Right after the put: what direct writes left out of the page cache comes from the disk.
     let random_started = Instant::now();
-    let random_messages = random_check(args, target, per_queue)?;
+    random_check(args, target, per_queue, RANDOM_SEED_AFTER_PUT)?;
+    let random_after_put_s = random_started.elapsed().as_secs_f64();
+
+    let fill_started = Instant::now();
+    let filled_bytes = fill_page_cache(directory)?;
+    let fill_s = fill_started.elapsed().as_secs_f64();
+
+    let random_started = Instant::now();
+    let random_messages = random_check(args, target, per_queue, 0)?;
     let random_s = random_started.elapsed().as_secs_f64();
 
     let sequential_started = Instant::now();
@@ -314,6 +337,10 @@ fn run_phases(args: &StoreBenchArgs, target: &dyn BenchTarget) -> anyhow::Result
         "fsyncs": fsyncs,
         "random_check_s": random_s,
         "random_check_gets_per_s": args.queues as f64 / random_s,
+        "random_check_after_put_s": random_after_put_s,
+        "random_check_after_put_gets_per_s": args.queues as f64 / random_after_put_s,
+        "page_cache_fill_s": fill_s,
+        "page_cache_fill_bytes": filled_bytes,
         "random_check_messages": random_messages,
         "sequential_check_s": sequential_s,
         "sequential_check_messages_per_s": sequential_messages as f64 / sequential_s,
@@ -352,15 +379,49 @@ fn put_phase(
     })
 }
 
+/// Seeds of the random check right after the put start here (those of the one in the page
+/// cache at 0), so the two read different offsets.
+const RANDOM_SEED_AFTER_PUT: u64 = 1 << 32;
+
+/// Reads every file under `directory` (and its subdirectories) once, in order, so that a read
+/// after it finds the data in the page cache; returns the bytes read.
+fn fill_page_cache(directory: &Path) -> anyhow::Result<u64> {
+    use std::io::Read;
+    let mut buffer = vec![0_u8; 1 << 20];
+    let mut read = 0;
+    let mut pending = vec![directory.to_path_buf()];
+    while let Some(path) = pending.pop() {
+        for entry in
+            std::fs::read_dir(&path).with_context(|| format!("reading {}", path.display()))?
+        {
+            let entry = entry?;
+            if entry.file_type()?.is_dir() {
+                pending.push(entry.path());
+                continue;
+            }
+            let mut file = std::fs::File::open(entry.path())?;
+            loop {
+                let count = file.read(&mut buffer)?;
+                if count == 0 {
+                    break;
+                }
+                read += count as u64;
+            }
+        }
+    }
+    Ok(read)
+}
+
 /// Reads 10 messages from a random offset of every queue; returns the messages checked.
 fn random_check(
     args: &StoreBenchArgs,
     target: &dyn BenchTarget,
     per_queue: u64,
+    seed: u64,
 ) -> anyhow::Result<u64> {
     let checked = AtomicU64::new(0);
     in_threads(args.threads, |thread| {
-        let mut random = rand::rngs::StdRng::seed_from_u64(thread as u64);
+        let mut random = rand::rngs::StdRng::seed_from_u64(seed + thread as u64);
         let mut expected = Vec::new();
         for queue in (thread as u64..args.queues).step_by(args.threads) {
             let count = per_queue.min(10);
@@ -529,28 +590,66 @@ fn in_threads(
 }
 
 /// Sequential write bandwidth of the disk under `directory`: 1 MiB writes, then one fsync.
-fn raw_disk_write_mb_per_s(directory: &Path, data_bytes: u64) -> anyhow::Result<f64> {
-    let bytes = data_bytes.clamp(64 << 20, RAW_PROBE_BYTES_MAX);
-    let path = directory.join("raw-write-probe");
-    let block = vec![0x5a_u8; 1 << 20];
-    let started = Instant::now();
-    let mut file = std::fs::File::create(&path)?;
-    let mut written = 0;
-    while written < bytes {
-        file.write_all(&block)?;
-        written += block.len() as u64;
+/// The same disk's sequential write bandwidth, in MB/s: written through the page cache (1 MiB
+/// writes) and with `O_DIRECT` (8 MiB writes; `None` where the file system refuses it), each
+/// followed by one fsync.
+struct RawDisk {
+    buffered: f64,
+    direct: Option<f64>,
+}
+
+impl RawDisk {
+    fn probe(directory: &Path, data_bytes: u64) -> anyhow::Result<Self> {
+        let bytes = data_bytes.clamp(64 << 20, RAW_PROBE_BYTES_MAX);
+        let path = directory.join("raw-write-probe");
+        let direct = {
+            use std::os::unix::fs::OpenOptionsExt;
+            let opened = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&path);
+            let measured = match opened {
+                Ok(file) => Some(Self::write(&file, bytes, 8 << 20)?),
+                Err(_) => None,
+            };
+            let _ = std::fs::remove_file(&path);
+            measured
+        };
+        let file = std::fs::File::create(&path)?;
+        let buffered = Self::write(&file, bytes, 1 << 20)?;
+        drop(file);
+        std::fs::remove_file(&path)?;
+        Ok(Self { buffered, direct })
     }
-    file.sync_all()?;
-    let seconds = started.elapsed().as_secs_f64();
-    drop(file);
-    std::fs::remove_file(&path)?;
-    Ok(written as f64 / seconds / 1e6)
+
+    /// Writes `bytes` in blocks of `block` (aligned in memory for `O_DIRECT`), then fsyncs.
+    fn write(mut file: &std::fs::File, bytes: u64, block: usize) -> anyhow::Result<f64> {
+        const ALIGN: usize = 4096;
+        let mut storage = vec![0x5a_u8; block + ALIGN];
+        let skip = storage.as_ptr().align_offset(ALIGN);
+        let block = &mut storage[skip..skip + block];
+        let started = Instant::now();
+        let mut written = 0;
+        while written < bytes {
+            file.write_all(block)?;
+            written += block.len() as u64;
+        }
+        file.sync_all()?;
+        Ok(written as f64 / started.elapsed().as_secs_f64() / 1e6)
+    }
+
+    /// The faster of the two: what the disk takes.
+    fn best(&self) -> f64 {
+        self.direct
+            .map_or(self.buffered, |direct| direct.max(self.buffered))
+    }
 }
 
 #[cfg(feature = "baseline")]
 fn run_baseline(args: &StoreBenchArgs, root: &Path) -> anyhow::Result<Value> {
     let target = fjall_target::FjallTarget::open(&root.join("fjall"), &args.sync)?;
-    let mut report = run_phases(args, &target)?;
+    let mut report = run_phases(args, &target, &root.join("fjall"))?;
     report["store"] = json!(format!("fjall {}", fjall_target::VERSION));
     Ok(report)
 }
