@@ -481,6 +481,11 @@ impl Committer<'_> {
                 .file
                 .write_at(self.writer.length, &self.writer.buffer);
         }
+        if result.is_ok() {
+            // Writes may still be on their way (direct writes): a failed one fails the round
+            // like a failed write, before the fsync.
+            result = self.writer.file.finish_writes();
+        }
         if let Err(error) = result {
             // Fatal if the round rotated mid-way or its partial write cannot be cut off;
             // otherwise it is cut off (and a full disk is retried).

@@ -45,6 +45,12 @@ pub trait StorageFile: Send + Sync + fmt::Debug {
     fn read_up_to(&self, position: u64, buffer: &mut [u8]) -> io::Result<usize>;
     /// Writes all of `data` at `position`.
     fn write_at(&self, position: u64, data: &[u8]) -> io::Result<()>;
+    /// Returns once every write so far has reached the file (a write may return before that),
+    /// with the error of the first that failed since the last call. Such a failure is also
+    /// reported by the next `write_at` or `sync`; a `truncate` that cuts it off forgets it.
+    fn finish_writes(&self) -> io::Result<()> {
+        Ok(())
+    }
     /// Makes every write so far durable (fdatasync).
     fn sync(&self) -> io::Result<()>;
     /// Cuts the file to `length` bytes.
@@ -56,9 +62,9 @@ pub trait StorageFile: Send + Sync + fmt::Debug {
 pub struct OsStorage {
     directory: PathBuf,
     lock: Arc<OnceLock<File>>,
-    /// With direct writes: the aligned copy they go through, shared by every file of the
-    /// directory (allocated at the first, 8 MiB; only the committer writes large runs).
-    bounce: Option<Arc<Mutex<Vec<u8>>>>,
+    /// With direct writes: the background writer shared by every file of the directory (two
+    /// aligned buffers of 8 MiB, allocated at the first; only the committer writes large runs).
+    writer: Option<Arc<DirectWriter>>,
 }
 
 impl OsStorage {
@@ -69,7 +75,7 @@ impl OsStorage {
         Ok(Self {
             directory,
             lock: Arc::new(OnceLock::new()),
-            bounce: None,
+            writer: None,
         })
     }
 
@@ -79,7 +85,7 @@ impl OsStorage {
     /// file system refuses `O_DIRECT`, files are written through the page cache as without it.
     #[must_use]
     pub fn with_direct_writes(mut self, direct: bool) -> Self {
-        self.bounce = direct.then(|| Arc::new(Mutex::new(Vec::new())));
+        self.writer = direct.then(|| Arc::new(DirectWriter::new()));
         self
     }
 
@@ -89,11 +95,11 @@ impl OsStorage {
 
     fn os_file(&self, name: &str, file: File) -> OsFile {
         OsFile {
-            file,
+            file: Arc::new(file),
             path: self.directory.join(name),
             direct: OnceLock::new(),
-            direct_refused: AtomicBool::new(false),
-            bounce: self.bounce.clone(),
+            writer: self.writer.clone(),
+            writes: Arc::new(FileWrites::default()),
         }
     }
 
@@ -163,24 +169,255 @@ const DIRECT_ALIGN_BYTES: usize = 4096;
 const DIRECT_ALIGN: u64 = DIRECT_ALIGN_BYTES as u64;
 /// Writes with less than this many aligned bytes go through the page cache only.
 const DIRECT_MIN_BYTES: u64 = 64 << 10;
-/// The most one direct write copies at a time.
+/// The most one direct write carries.
 const BOUNCE_BYTES: usize = 8 << 20;
+/// Aligned buffers of the background writer: one being written while the next is filled.
+const BOUNCE_BUFFERS: usize = 2;
+
+/// An 8 MiB buffer whose usable part starts at a 4 KiB-aligned address.
+struct AlignedBuffer {
+    storage: Vec<u8>,
+    skip: usize,
+}
+
+impl AlignedBuffer {
+    fn new() -> Self {
+        let storage = vec![0; BOUNCE_BYTES + DIRECT_ALIGN_BYTES];
+        let skip = storage.as_ptr().align_offset(DIRECT_ALIGN_BYTES);
+        Self { storage, skip }
+    }
+
+    fn aligned(&mut self) -> &mut [u8] {
+        &mut self.storage[self.skip..self.skip + BOUNCE_BYTES]
+    }
+}
+
+/// One aligned piece on its way to the disk.
+struct DirectJob {
+    position: u64,
+    length: usize,
+    buffer: AlignedBuffer,
+    direct: Arc<File>,
+    /// The page-cache handle, for a rest the direct handle does not take.
+    file: Arc<File>,
+    writes: Arc<FileWrites>,
+}
+
+/// The background writer of a directory's direct writes: a thread (started at the first)
+/// that writes the pieces in the order given, and the aligned buffers that circulate between
+/// it and the writer (the committer), so the committer fills the next piece while the disk
+/// takes the last.
+struct DirectWriter {
+    /// `None` until the first direct write starts the thread.
+    jobs: Mutex<Option<std::sync::mpsc::SyncSender<DirectJob>>>,
+    free: Mutex<std::sync::mpsc::Receiver<AlignedBuffer>>,
+    returns: std::sync::mpsc::SyncSender<AlignedBuffer>,
+}
+
+impl fmt::Debug for DirectWriter {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter
+            .debug_struct("DirectWriter")
+            .finish_non_exhaustive()
+    }
+}
+
+impl DirectWriter {
+    fn new() -> Self {
+        let (returns, free) = std::sync::mpsc::sync_channel(BOUNCE_BUFFERS);
+        for _ in 0..BOUNCE_BUFFERS {
+            // Lazily filled: an empty storage is allocated at its first use.
+            let _ = returns.try_send(AlignedBuffer {
+                storage: Vec::new(),
+                skip: 0,
+            });
+        }
+        Self {
+            jobs: Mutex::new(None),
+            free: Mutex::new(free),
+            returns,
+        }
+    }
+
+    /// A free buffer; waits while every buffer is being written.
+    fn take_buffer(&self) -> io::Result<AlignedBuffer> {
+        let buffer = self
+            .free
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .recv()
+            .map_err(|_| io::Error::other("the store's direct writer thread has stopped"))?;
+        Ok(if buffer.storage.is_empty() {
+            AlignedBuffer::new()
+        } else {
+            buffer
+        })
+    }
+
+    fn submit(&self, job: DirectJob) -> io::Result<()> {
+        let mut jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
+        if jobs.is_none() {
+            let (sender, receiver) = std::sync::mpsc::sync_channel::<DirectJob>(BOUNCE_BUFFERS);
+            let returns = self.returns.clone();
+            std::thread::Builder::new()
+                .name("levee-store-io".to_owned())
+                .spawn(move || {
+                    // Ends when the last handle of the directory is dropped.
+                    while let Ok(job) = receiver.recv() {
+                        let buffer = job.run();
+                        let _ = returns.send(buffer);
+                    }
+                })?;
+            *jobs = Some(sender);
+        }
+        let sender = jobs.as_ref().ok_or_else(|| io::Error::other("no writer"))?;
+        sender
+            .send(job)
+            .map_err(|_| io::Error::other("the store's direct writer thread has stopped"))
+    }
+}
+
+impl DirectJob {
+    /// Writes the piece, notes the outcome in its file's [`FileWrites`] and hands the buffer
+    /// back.
+    fn run(mut self) -> AlignedBuffer {
+        let result = self.write();
+        self.writes.finished(self.position, result);
+        self.buffer
+    }
+
+    fn write(&mut self) -> io::Result<()> {
+        let data = &self.buffer.aligned()[..self.length];
+        let mut written = 0;
+        while written < data.len() {
+            let at = self.position + written as u64;
+            if self.writes.direct_refused.load(Ordering::Relaxed) {
+                return self.file.write_all_at(&data[written..], at);
+            }
+            match self.direct.write_at(&data[written..], at) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(count) => written += count,
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(error) if error.kind() == io::ErrorKind::InvalidInput => {
+                    // An alignment the device does not take: this file goes through the page
+                    // cache from now on.
+                    self.writes.direct_refused.store(true, Ordering::Relaxed);
+                }
+                Err(error) => return Err(error),
+            }
+            if written % DIRECT_ALIGN_BYTES != 0 {
+                // A short direct write leaves an unaligned rest: through the page cache.
+                self.file.write_all_at(&data[written..], at)?;
+                written = data.len();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A file's direct writes still in flight, and the first one that failed.
+#[derive(Debug, Default)]
+struct FileWrites {
+    /// How many pieces are in flight (read without the lock: most calls find none).
+    in_flight: std::sync::atomic::AtomicUsize,
+    state: Mutex<WritesState>,
+    done: std::sync::Condvar,
+    /// Set when a direct write was refused as invalid: the file is written through the page
+    /// cache from then on.
+    direct_refused: AtomicBool,
+}
+
+#[derive(Debug, Default)]
+struct WritesState {
+    /// The pieces in flight: position and length (at most [`BOUNCE_BUFFERS`]).
+    pieces: Vec<(u64, usize)>,
+    /// The first failed write since the error was last taken: its position and error.
+    failed: Option<(u64, io::Error)>,
+}
+
+impl FileWrites {
+    fn started(&self, position: u64, length: usize) {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pieces
+            .push((position, length));
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn finished(&self, position: u64, result: io::Result<()>) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(index) = state.pieces.iter().position(|(at, _)| *at == position) {
+            state.pieces.swap_remove(index);
+        }
+        if let Err(error) = result
+            && state.failed.is_none()
+        {
+            state.failed = Some((position, error));
+        }
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        drop(state);
+        self.done.notify_all();
+    }
+
+    /// Waits until no write in flight overlaps `range`; returns the state, locked.
+    fn idle(&self, range: std::ops::Range<u64>) -> std::sync::MutexGuard<'_, WritesState> {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        while state.pieces.iter().any(|&(position, length)| {
+            position < range.end && range.start < position + length as u64
+        }) {
+            state = self
+                .done
+                .wait(state)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        state
+    }
+
+    /// Waits until no write in flight overlaps `range` (cheap when none is in flight, as for
+    /// every read of a file that is not being written; a reader of what is already written
+    /// never waits for the end of the file being written).
+    fn wait(&self, range: std::ops::Range<u64>) {
+        if self.in_flight.load(Ordering::SeqCst) > 0 {
+            drop(self.idle(range));
+        }
+    }
+
+    /// The first write that failed since the error was last taken, without waiting for those
+    /// in flight.
+    fn take_failed(&self) -> io::Result<()> {
+        let failed = self
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .failed
+            .take();
+        failed.map_or(Ok(()), |(_, error)| Err(error))
+    }
+
+    /// Waits until no write is in flight and returns the first that failed since the last
+    /// call.
+    fn finish(&self) -> io::Result<()> {
+        match self.idle(0..u64::MAX).failed.take() {
+            Some((_, error)) => Err(error),
+            None => Ok(()),
+        }
+    }
+}
 
 #[derive(Debug)]
 struct OsFile {
-    file: File,
+    file: Arc<File>,
     path: PathBuf,
     /// The same file opened with `O_DIRECT`, at its first large write; `None` where the file
     /// system refuses it.
-    direct: OnceLock<Option<File>>,
-    /// Set when a direct write was refused as invalid (an alignment the device does not take):
-    /// the file is written through the page cache from then on.
-    direct_refused: AtomicBool,
-    bounce: Option<Arc<Mutex<Vec<u8>>>>,
+    direct: OnceLock<Option<Arc<File>>>,
+    writer: Option<Arc<DirectWriter>>,
+    writes: Arc<FileWrites>,
 }
 
 impl OsFile {
-    fn direct(&self) -> Option<&File> {
+    fn direct(&self) -> Option<&Arc<File>> {
         self.direct
             .get_or_init(|| {
                 use std::os::unix::fs::OpenOptionsExt;
@@ -189,19 +426,22 @@ impl OsFile {
                     .custom_flags(libc::O_DIRECT)
                     .open(&self.path)
                     .ok()
+                    .map(Arc::new)
             })
             .as_ref()
     }
 
-    /// Writes the block-aligned middle of `data` with `O_DIRECT` (through the page cache it
-    /// would cost a page-cache page per 4 KiB, which on a VM whose freed memory the host takes
-    /// back is a host page fault each) and its unaligned ends through the page cache. Returns
-    /// false (nothing written) where that does not apply.
+    /// Writes the block-aligned middle of `data` with `O_DIRECT` on the background writer
+    /// (through the page cache it would cost a page-cache page per 4 KiB, which on a VM whose
+    /// freed memory the host takes back is a host page fault each) and its unaligned ends
+    /// through the page cache. Returns false (nothing written) where that does not apply.
+    /// The middle may still be on its way when this returns: every other call on the file
+    /// waits for it, and [`StorageFile::finish_writes`] or `sync` report a failure.
     fn write_direct(&self, position: u64, data: &[u8]) -> io::Result<bool> {
-        let Some(bounce) = &self.bounce else {
+        let Some(writer) = &self.writer else {
             return Ok(false);
         };
-        if self.direct_refused.load(Ordering::Relaxed) {
+        if self.writes.direct_refused.load(Ordering::Relaxed) {
             return Ok(false);
         }
         let end = position + data.len() as u64;
@@ -217,42 +457,28 @@ impl OsFile {
         // The first block's rest after the previous write (which left that block cached).
         self.file
             .write_all_at(&data[..offset(body_start)], position)?;
-        let mut bounce = bounce.lock().unwrap_or_else(PoisonError::into_inner);
-        if bounce.is_empty() {
-            bounce.resize(BOUNCE_BYTES + DIRECT_ALIGN_BYTES, 0);
-        }
-        let skip = bounce.as_ptr().align_offset(DIRECT_ALIGN_BYTES);
-        let aligned = &mut bounce[skip..skip + BOUNCE_BYTES];
         let mut at = body_start;
         while at < body_end {
             let length =
                 usize::try_from((body_end - at).min(BOUNCE_BYTES as u64)).unwrap_or(BOUNCE_BYTES);
-            aligned[..length].copy_from_slice(&data[offset(at)..offset(at) + length]);
-            let mut written = 0;
-            while written < length {
-                match direct.write_at(&aligned[written..length], at + written as u64) {
-                    Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                    Ok(count) => written += count,
-                    Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
-                    Err(error)
-                        if error.kind() == io::ErrorKind::InvalidInput && at == body_start =>
-                    {
-                        // Nothing written yet: the whole write goes through the page cache.
-                        self.direct_refused.store(true, Ordering::Relaxed);
-                        return Ok(false);
-                    }
-                    Err(error) => return Err(error),
-                }
-                if written % DIRECT_ALIGN_BYTES != 0 {
-                    // A short direct write leaves an unaligned rest: through the page cache.
-                    self.file
-                        .write_all_at(&aligned[written..length], at + written as u64)?;
-                    written = length;
-                }
+            let mut buffer = writer.take_buffer()?;
+            buffer.aligned()[..length].copy_from_slice(&data[offset(at)..offset(at) + length]);
+            self.writes.started(at, length);
+            let job = DirectJob {
+                position: at,
+                length,
+                buffer,
+                direct: Arc::clone(direct),
+                file: Arc::clone(&self.file),
+                writes: Arc::clone(&self.writes),
+            };
+            if let Err(error) = writer.submit(job) {
+                self.writes
+                    .finished(at, Err(io::Error::other("not submitted")));
+                return Err(error);
             }
             at += length as u64;
         }
-        drop(bounce);
         // The last block's start, which the next write completes from the page cache.
         self.file
             .write_all_at(&data[offset(body_end)..], body_end)?;
@@ -262,14 +488,19 @@ impl OsFile {
 
 impl StorageFile for OsFile {
     fn len(&self) -> io::Result<u64> {
+        self.writes.wait(0..u64::MAX);
         Ok(self.file.metadata()?.len())
     }
 
     fn read_at(&self, position: u64, buffer: &mut [u8]) -> io::Result<()> {
+        self.writes
+            .wait(position..position.saturating_add(buffer.len() as u64));
         self.file.read_exact_at(buffer, position)
     }
 
     fn read_up_to(&self, position: u64, buffer: &mut [u8]) -> io::Result<usize> {
+        self.writes
+            .wait(position..position.saturating_add(buffer.len() as u64));
         let mut filled = 0;
         while filled < buffer.len() {
             match self
@@ -286,17 +517,34 @@ impl StorageFile for OsFile {
     }
 
     fn write_at(&self, position: u64, data: &[u8]) -> io::Result<()> {
+        // A failed direct write is reported by the next call that writes or syncs.
+        self.writes.take_failed()?;
         if self.write_direct(position, data)? {
             return Ok(());
         }
         self.file.write_all_at(data, position)
     }
 
+    fn finish_writes(&self) -> io::Result<()> {
+        self.writes.finish()
+    }
+
     fn sync(&self) -> io::Result<()> {
+        self.writes.finish()?;
         self.file.sync_data()
     }
 
     fn truncate(&self, length: u64) -> io::Result<()> {
+        let mut state = self.writes.idle(0..u64::MAX);
+        // A failed write cut off entirely is forgotten; one that stays is still reported.
+        if state
+            .failed
+            .as_ref()
+            .is_some_and(|(position, _)| *position >= length)
+        {
+            state.failed = None;
+        }
+        drop(state);
         self.file.set_len(length)
     }
 }
@@ -375,7 +623,7 @@ mod tests {
                 directory.path().display()
             );
         }
-        assert!(!file.direct_refused.load(Ordering::Relaxed) || !direct_open);
+        assert!(!file.writes.direct_refused.load(Ordering::Relaxed) || !direct_open);
     }
 
     #[test]
@@ -384,5 +632,41 @@ mod tests {
         let storage = OsStorage::new(directory.path()).unwrap();
         let file = write_and_compare(&storage, "segment", &[(0, 1 << 20, 1), (1 << 20, 7, 2)]);
         assert!(file.direct.get().is_none());
+    }
+
+    #[test]
+    fn given_a_direct_write_that_fails_when_finished_should_report_it_once_and_forget_it_when_cut_off()
+     {
+        let directory = tempfile::tempdir().unwrap();
+        let storage = OsStorage::new(directory.path())
+            .unwrap()
+            .with_direct_writes(true);
+        let path = directory.path().join("segment");
+        let handle = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .unwrap();
+        let file = storage.os_file("segment", handle);
+        // A "direct" handle opened read-only: every write through it fails (EBADF).
+        let read_only = Arc::new(File::open(&path).unwrap());
+        file.direct.set(Some(read_only)).unwrap();
+        file.write_at(0, &[1; 100]).unwrap();
+        // Its ends go through the page cache at once; its middle fails in the background.
+        file.write_at(100, &vec![2; 1 << 20]).unwrap();
+        let failed = file.finish_writes().unwrap_err();
+        assert_eq!(failed.raw_os_error(), Some(libc::EBADF), "{failed}");
+        assert!(file.finish_writes().is_ok(), "a failure is reported once");
+        // Failed again, then cut off before it: forgotten.
+        file.write_at(100, &vec![2; 1 << 20]).unwrap();
+        file.truncate(100).unwrap();
+        assert!(file.finish_writes().is_ok());
+        assert!(file.sync().is_ok());
+        // Failed again and not cut off: the next write reports it.
+        file.write_at(100, &vec![2; 1 << 20]).unwrap();
+        file.writes.wait(0..u64::MAX);
+        file.truncate(50_000).unwrap();
+        assert!(file.write_at(50_000, &[3]).is_err());
     }
 }
