@@ -589,13 +589,19 @@ mod tests {
         file
     }
 
-    #[test]
-    fn given_direct_writes_when_runs_of_any_size_and_position_are_written_should_read_back_as_written()
-     {
+    /// A fresh directory and its storage with direct writes.
+    fn direct_storage() -> (tempfile::TempDir, OsStorage) {
         let directory = tempfile::tempdir().unwrap();
         let storage = OsStorage::new(directory.path())
             .unwrap()
             .with_direct_writes(true);
+        (directory, storage)
+    }
+
+    #[test]
+    fn given_direct_writes_when_runs_of_any_size_and_position_are_written_should_read_back_as_written()
+     {
+        let (directory, storage) = direct_storage();
         // Appends: unaligned ends, exactly aligned, larger than the 8 MiB copy, tiny between
         // large ones; then an overwrite of written data and an append after it.
         let mut writes = Vec::new();
@@ -637,10 +643,7 @@ mod tests {
     #[test]
     fn given_a_direct_write_that_fails_when_finished_should_report_it_once_and_forget_it_when_cut_off()
      {
-        let directory = tempfile::tempdir().unwrap();
-        let storage = OsStorage::new(directory.path())
-            .unwrap()
-            .with_direct_writes(true);
+        let (directory, storage) = direct_storage();
         let path = directory.path().join("segment");
         let handle = OpenOptions::new()
             .read(true)
