@@ -151,6 +151,34 @@ impl Mailboxes {
         }
     }
 
+    /// Every message received and not yet taken, at most `max` (at least one; waits until one
+    /// is appended); empty when the server ended the stream cleanly. As [`Mailboxes::next`]
+    /// for a batch: one call per response instead of one per message.
+    pub async fn next_batch(&mut self, max: usize) -> Result<Vec<MailboxDelivery>, ClientError> {
+        while self.received.is_empty() {
+            // About to wait: give back all the credit taken and send the acks.
+            self.grant_credit().await?;
+            self.send_acks().await?;
+            if !self.receive().await? {
+                return Ok(Vec::new());
+            }
+        }
+        let count = self.received.len().min(max.max(1));
+        let batch: Vec<MailboxDelivery> = self.received.drain(..count).collect();
+        let bytes: usize = batch.iter().map(|delivery| delivery.payload.len()).sum();
+        self.taken_messages += u32::try_from(count).unwrap_or(u32::MAX);
+        self.taken_bytes = self
+            .taken_bytes
+            .saturating_add(u32::try_from(bytes).unwrap_or(u32::MAX));
+        if self.taken_messages >= self.credit_messages.div_ceil(2) {
+            self.grant_credit().await?;
+        }
+        if self.acks.len() >= ACKS_BUFFERED_MAX {
+            self.send_acks().await?;
+        }
+        Ok(batch)
+    }
+
     /// Records that every message of `mailbox` up to and including `offset` is done (it must
     /// have been delivered). Sent by [`Mailboxes::next`] or [`Mailboxes::flush_acks`].
     pub fn ack(&mut self, mailbox: u32, offset: u64) {

@@ -758,3 +758,65 @@ fn given_deletes_racing_adds_of_their_queues_then_the_stream_stays_and_positions
         assert_quiet(&mut mailboxes, line!()).await;
     });
 }
+
+#[test]
+fn given_batches_taken_then_each_stays_within_the_credit_and_acked_messages_are_not_delivered_again()
+ {
+    let server = LeveeProcess::start(&[]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        let queues = ["b-0", "b-1", "b-2"];
+        for queue in queues {
+            append(&client, queue, 0, 4).await;
+        }
+        let names: Vec<&[u8]> = queues.iter().map(|queue| queue.as_bytes()).collect();
+        let mut mailboxes = client.subscribe_many("batcher", 4).await.unwrap();
+        within(mailboxes.add(&names), line!()).await.unwrap();
+        let mut taken = Vec::new();
+        let first = within(mailboxes.next_batch(1), line!()).await.unwrap();
+        assert_eq!(first.len(), 1, "at most the number asked for");
+        taken.extend(first);
+        while taken.len() < 12 {
+            let batch = within(mailboxes.next_batch(usize::MAX), line!())
+                .await
+                .unwrap();
+            assert!(
+                (1..=4).contains(&batch.len()),
+                "a batch holds 1 to the credit's 4 messages, got {}",
+                batch.len()
+            );
+            taken.extend(batch);
+        }
+        let deliveries: Vec<(u32, u64, String)> = taken
+            .iter()
+            .map(|delivery| {
+                let payload = String::from_utf8(delivery.payload.to_vec()).unwrap();
+                (delivery.mailbox, delivery.offset, payload)
+            })
+            .collect();
+        let grouped = by_mailbox(&deliveries);
+        for (mailbox, queue) in queues.iter().enumerate() {
+            assert_eq!(
+                grouped[&u32::try_from(mailbox).unwrap()],
+                expected(queue, 0, 4)
+            );
+        }
+        for delivery in &taken {
+            mailboxes.ack(delivery.mailbox, delivery.offset);
+        }
+        within(mailboxes.flush_acks(), line!()).await.unwrap();
+        drop(mailboxes);
+
+        // The same consumer again: everything was acked, so only new messages come.
+        let mut again = client.subscribe_many("batcher", 4).await.unwrap();
+        within(again.add(&names), line!()).await.unwrap();
+        append(&client, "b-1", 4, 5).await;
+        let batch = within(again.next_batch(usize::MAX), line!()).await.unwrap();
+        let got: Vec<(u32, u64)> = batch
+            .iter()
+            .map(|delivery| (delivery.mailbox, delivery.offset))
+            .collect();
+        assert_eq!(got, vec![(1, 4)]);
+    });
+}

@@ -257,6 +257,35 @@ impl Latencies {
         record_since(histogram, epoch, sent)
     }
 
+    /// Records the append-to-delivery latency of every payload of a batch delivered now: one
+    /// clock read and one lock per histogram for the batch.
+    pub(super) fn record_batch<'a>(
+        &self,
+        epoch: Instant,
+        payloads: impl Iterator<Item = &'a [u8]>,
+    ) -> anyhow::Result<()> {
+        let now = u64::try_from(epoch.elapsed().as_micros())?;
+        let measured_from = self.measured_from_us.load(Ordering::Relaxed);
+        let mut warmup = self
+            .warmup
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut measured = self
+            .measured
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for payload in payloads {
+            let sent = send_time(payload)?;
+            let histogram = if sent < measured_from {
+                &mut warmup
+            } else {
+                &mut measured
+            };
+            histogram.record(now.saturating_sub(sent).max(1))?;
+        }
+        Ok(())
+    }
+
     /// Records the latency of one append call that sent `payload` (the first of its batch)
     /// and was just acknowledged; calls that started in the warm-up are not counted.
     pub(super) fn record_append(&self, epoch: Instant, payload: &[u8]) -> anyhow::Result<()> {
@@ -741,10 +770,17 @@ async fn start_consumers(
         let mut mailboxes = subscribed.await??;
         let (consumed, latency) = (Arc::clone(consumed), Arc::clone(latency));
         consumers.push(tokio::spawn(async move {
-            while let Some(delivery) = mailboxes.next().await? {
-                latency.record(epoch, &delivery.payload)?;
-                consumed.fetch_add(1, Ordering::Relaxed);
-                mailboxes.ack(delivery.mailbox, delivery.offset);
+            loop {
+                // A response's messages at once: they were delivered together.
+                let batch = mailboxes.next_batch(usize::MAX).await?;
+                if batch.is_empty() {
+                    break;
+                }
+                latency.record_batch(epoch, batch.iter().map(|delivery| &delivery.payload[..]))?;
+                consumed.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                for delivery in &batch {
+                    mailboxes.ack(delivery.mailbox, delivery.offset);
+                }
             }
             anyhow::Ok(())
         }));
