@@ -128,27 +128,7 @@ impl Mailboxes {
     /// The next message of any mailbox, waiting until one is appended; `None` when the server
     /// ended the stream cleanly.
     pub async fn next(&mut self) -> Result<Option<MailboxDelivery>, ClientError> {
-        loop {
-            if let Some(delivery) = self.received.pop_front() {
-                self.taken_messages += 1;
-                self.taken_bytes = self
-                    .taken_bytes
-                    .saturating_add(u32::try_from(delivery.payload.len()).unwrap_or(u32::MAX));
-                if self.taken_messages >= self.credit_messages.div_ceil(2) {
-                    self.grant_credit().await?;
-                }
-                if self.acks.len() >= ACKS_BUFFERED_MAX {
-                    self.send_acks().await?;
-                }
-                return Ok(Some(delivery));
-            }
-            // About to wait: give back all the credit taken and send the acks.
-            self.grant_credit().await?;
-            self.send_acks().await?;
-            if !self.receive().await? {
-                return Ok(None);
-            }
-        }
+        Ok(self.next_batch(1).await?.pop())
     }
 
     /// Every message received and not yet taken, at most `max` (at least one; waits until one

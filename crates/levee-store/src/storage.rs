@@ -254,12 +254,16 @@ impl DirectWriter {
         })
     }
 
+    /// Hands `job` to the thread (started at the first); on failure its buffer goes back to
+    /// the free ones, so a failed submit never shrinks the pool.
     fn submit(&self, job: DirectJob) -> io::Result<()> {
         let mut jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
-        if jobs.is_none() {
+        let sender = if let Some(sender) = jobs.as_ref() {
+            sender
+        } else {
             let (sender, receiver) = std::sync::mpsc::sync_channel::<DirectJob>(BOUNCE_BUFFERS);
             let returns = self.returns.clone();
-            std::thread::Builder::new()
+            let spawned = std::thread::Builder::new()
                 .name("levee-store-io".to_owned())
                 .spawn(move || {
                     // Ends when the last handle of the directory is dropped.
@@ -267,13 +271,17 @@ impl DirectWriter {
                         let buffer = job.run();
                         let _ = returns.send(buffer);
                     }
-                })?;
-            *jobs = Some(sender);
-        }
-        let sender = jobs.as_ref().ok_or_else(|| io::Error::other("no writer"))?;
-        sender
-            .send(job)
-            .map_err(|_| io::Error::other("the store's direct writer thread has stopped"))
+                });
+            if let Err(error) = spawned {
+                let _ = self.returns.try_send(job.buffer);
+                return Err(error);
+            }
+            jobs.insert(sender)
+        };
+        sender.send(job).map_err(|refused| {
+            let _ = self.returns.try_send(refused.0.buffer);
+            io::Error::other("the store's direct writer thread has stopped")
+        })
     }
 }
 
@@ -473,8 +481,8 @@ impl OsFile {
                 writes: Arc::clone(&self.writes),
             };
             if let Err(error) = writer.submit(job) {
-                self.writes
-                    .finished(at, Err(io::Error::other("not submitted")));
+                // Not in flight after all; the caller gets the error.
+                self.writes.finished(at, Ok(()));
                 return Err(error);
             }
             at += length as u64;

@@ -35,6 +35,21 @@ fn given_interval_flags_then_the_report_counts_every_message_and_the_store_round
     assert_eq!(report["messages"], 2000);
     // 10 messages from every one of the 50 queues, each read back and compared.
     assert_eq!(report["random_check_messages"], 500);
+    // The random check ran right after the put too, and the store's files were read once.
+    assert!(
+        report["random_check_after_put_gets_per_s"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    assert!(
+        report["page_cache_fill_bytes"].as_u64().unwrap() >= 2000 * 58,
+        "{report}"
+    );
+    assert_eq!(report["direct_writes"], true);
+    let buffered = report["raw_disk_write_buffered_mb_per_s"].as_f64().unwrap();
+    let best = report["raw_disk_write_mb_per_s"].as_f64().unwrap();
+    assert!(buffered > 0.0 && best >= buffered, "{report}");
     let stats = &report["store_stats"];
     assert_eq!(stats["buffer_budget_bytes"], 8 << 20);
     assert!(stats["commit_rounds"].as_u64().unwrap() >= 1, "{stats}");

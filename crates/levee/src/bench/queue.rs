@@ -818,6 +818,29 @@ mod tests {
     }
 
     #[test]
+    fn given_a_batch_delivered_at_once_then_its_sends_split_by_the_warm_up_like_single_ones() {
+        let epoch = Instant::now().checked_sub(Duration::from_secs(5)).unwrap();
+        let latencies = Latencies::new().unwrap();
+        latencies.start(epoch, 1).unwrap();
+        let payloads = [sent_at(5_500_000), sent_at(4_000_000), sent_at(6_500_000)];
+        latencies
+            .record_batch(epoch, payloads.iter().map(Vec::as_slice))
+            .unwrap();
+        let mut report = json!({});
+        latencies.report(&mut report);
+        assert_eq!(report["warmup_latency_ms"]["count"], 2);
+        assert_eq!(report["latency_ms"]["count"], 1);
+        let warm_max = report["warmup_latency_ms"]["max"].as_f64().unwrap();
+        assert!((1_000.0..1_100.0).contains(&warm_max), "{warm_max}");
+        // A payload without its send time is an error, not a silent zero.
+        assert!(
+            latencies
+                .record_batch(epoch, [&[1_u8][..]].into_iter())
+                .is_err()
+        );
+    }
+
+    #[test]
     fn given_appends_and_paced_sends_then_only_those_after_the_warm_up_count() {
         let epoch = Instant::now().checked_sub(Duration::from_secs(5)).unwrap();
         let latencies = Latencies::new().unwrap();
