@@ -349,6 +349,9 @@ impl Committer<'_> {
     ) -> io::Result<TakenLog> {
         let mut taken = TakenLog::default();
         self.inner.log_pending.store(0, Ordering::SeqCst);
+        self.inner
+            .direct_unwritten_bytes
+            .store(0, Ordering::Relaxed);
         for (shard_index, shard) in self.inner.shards.iter().enumerate() {
             let open_log = {
                 let mut shard = lock(shard);

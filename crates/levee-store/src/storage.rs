@@ -173,6 +173,10 @@ const DIRECT_MIN_BYTES: u64 = 64 << 10;
 const BOUNCE_BYTES: usize = 8 << 20;
 /// Aligned buffers of the background writer: one being written while the next is filled.
 const BOUNCE_BUFFERS: usize = 2;
+/// The most pieces handed to the background writer and not yet taken by it: the direct ones
+/// are bounded by the aligned buffers, the buffered ones (each less than
+/// `DIRECT_MIN_BYTES` + 8 KiB) by this.
+const QUEUED_PIECES: usize = 8;
 
 /// An 8 MiB buffer whose usable part starts at a 4 KiB-aligned address.
 struct AlignedBuffer {
@@ -192,13 +196,21 @@ impl AlignedBuffer {
     }
 }
 
-/// One aligned piece on its way to the disk.
+/// The bytes of a piece: an aligned buffer for `O_DIRECT`, or a copy of a small write that
+/// goes through the page cache behind the pieces before it.
+enum PieceBytes {
+    Direct(AlignedBuffer),
+    Buffered(Vec<u8>),
+}
+
+/// One piece on its way to the disk.
 struct DirectJob {
+    id: u64,
     position: u64,
     length: usize,
-    buffer: AlignedBuffer,
+    bytes: PieceBytes,
     direct: Arc<File>,
-    /// The page-cache handle, for a rest the direct handle does not take.
+    /// The page-cache handle, for a buffered piece and a rest the direct handle does not take.
     file: Arc<File>,
     writes: Arc<FileWrites>,
 }
@@ -206,7 +218,10 @@ struct DirectJob {
 /// The background writer of a directory's direct writes: a thread (started at the first)
 /// that writes the pieces in the order given, and the aligned buffers that circulate between
 /// it and the writer (the committer), so the committer fills the next piece while the disk
-/// takes the last.
+/// takes the last. A small write made while pieces are in flight is a piece too, written
+/// through the page cache in its turn: made at once, it would wait for the file's lock, which
+/// a direct write that extends the file holds for the whole write (ext4), so the committer
+/// would stall for each piece's whole write at each round's unaligned ends.
 struct DirectWriter {
     /// `None` until the first direct write starts the thread.
     jobs: Mutex<Option<std::sync::mpsc::SyncSender<DirectJob>>>,
@@ -261,61 +276,86 @@ impl DirectWriter {
         let sender = if let Some(sender) = jobs.as_ref() {
             sender
         } else {
-            let (sender, receiver) = std::sync::mpsc::sync_channel::<DirectJob>(BOUNCE_BUFFERS);
+            let (sender, receiver) = std::sync::mpsc::sync_channel::<DirectJob>(QUEUED_PIECES);
             let returns = self.returns.clone();
             let spawned = std::thread::Builder::new()
                 .name("levee-store-io".to_owned())
                 .spawn(move || {
                     // Ends when the last handle of the directory is dropped.
                     while let Ok(job) = receiver.recv() {
-                        let buffer = job.run();
-                        let _ = returns.send(buffer);
+                        if let Some(buffer) = job.run() {
+                            let _ = returns.send(buffer);
+                        }
                     }
                 });
             if let Err(error) = spawned {
-                let _ = self.returns.try_send(job.buffer);
+                self.give_back(job.bytes);
                 return Err(error);
             }
             jobs.insert(sender)
         };
         sender.send(job).map_err(|refused| {
-            let _ = self.returns.try_send(refused.0.buffer);
+            self.give_back(refused.0.bytes);
             io::Error::other("the store's direct writer thread has stopped")
         })
+    }
+
+    /// Returns the aligned buffer of a piece that was not written to the free ones.
+    fn give_back(&self, bytes: PieceBytes) {
+        if let PieceBytes::Direct(buffer) = bytes {
+            let _ = self.returns.try_send(buffer);
+        }
     }
 }
 
 impl DirectJob {
-    /// Writes the piece, notes the outcome in its file's [`FileWrites`] and hands the buffer
-    /// back.
-    fn run(mut self) -> AlignedBuffer {
-        let result = self.write();
-        self.writes.finished(self.position, result);
-        self.buffer
+    /// Writes the piece, notes the outcome in its file's [`FileWrites`] and hands its aligned
+    /// buffer back, if it has one.
+    fn run(mut self) -> Option<AlignedBuffer> {
+        let result = match &mut self.bytes {
+            PieceBytes::Direct(buffer) => Self::write_direct(
+                &buffer.aligned()[..self.length],
+                self.position,
+                &self.direct,
+                &self.file,
+                &self.writes,
+            ),
+            PieceBytes::Buffered(data) => self.file.write_all_at(data, self.position),
+        };
+        self.writes.finished(self.id, result);
+        match self.bytes {
+            PieceBytes::Direct(buffer) => Some(buffer),
+            PieceBytes::Buffered(_) => None,
+        }
     }
 
-    fn write(&mut self) -> io::Result<()> {
-        let data = &self.buffer.aligned()[..self.length];
+    fn write_direct(
+        data: &[u8],
+        position: u64,
+        direct: &File,
+        file: &File,
+        writes: &FileWrites,
+    ) -> io::Result<()> {
         let mut written = 0;
         while written < data.len() {
-            let at = self.position + written as u64;
-            if self.writes.direct_refused.load(Ordering::Relaxed) {
-                return self.file.write_all_at(&data[written..], at);
+            let at = position + written as u64;
+            if writes.direct_refused.load(Ordering::Relaxed) {
+                return file.write_all_at(&data[written..], at);
             }
-            match self.direct.write_at(&data[written..], at) {
+            match direct.write_at(&data[written..], at) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(count) => written += count,
                 Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
                 Err(error) if error.kind() == io::ErrorKind::InvalidInput => {
                     // An alignment the device does not take: this file goes through the page
                     // cache from now on.
-                    self.writes.direct_refused.store(true, Ordering::Relaxed);
+                    writes.direct_refused.store(true, Ordering::Relaxed);
                 }
                 Err(error) => return Err(error),
             }
             if written % DIRECT_ALIGN_BYTES != 0 {
                 // A short direct write leaves an unaligned rest: through the page cache.
-                self.file.write_all_at(&data[written..], at)?;
+                file.write_all_at(&data[written..], position + written as u64)?;
                 written = data.len();
             }
         }
@@ -337,27 +377,32 @@ struct FileWrites {
 
 #[derive(Debug, Default)]
 struct WritesState {
-    /// The pieces in flight: position and length (at most [`BOUNCE_BUFFERS`]).
-    pieces: Vec<(u64, usize)>,
+    /// The pieces in flight: id, position and length (at most [`BOUNCE_BUFFERS`] direct ones
+    /// and [`QUEUED_PIECES`] others).
+    pieces: Vec<(u64, u64, usize)>,
+    /// The id of the next piece.
+    next_id: u64,
     /// The first failed write since the error was last taken: its position and error.
     failed: Option<(u64, io::Error)>,
 }
 
 impl FileWrites {
-    fn started(&self, position: u64, length: usize) {
-        self.state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pieces
-            .push((position, length));
+    /// Notes a piece in flight; returns its id.
+    fn started(&self, position: u64, length: usize) -> u64 {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let id = state.next_id;
+        state.next_id += 1;
+        state.pieces.push((id, position, length));
         self.in_flight.fetch_add(1, Ordering::SeqCst);
+        id
     }
 
-    fn finished(&self, position: u64, result: io::Result<()>) {
+    fn finished(&self, id: u64, result: io::Result<()>) {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(index) = state.pieces.iter().position(|(at, _)| *at == position) {
-            state.pieces.swap_remove(index);
-        }
+        let Some(index) = state.pieces.iter().position(|piece| piece.0 == id) else {
+            return;
+        };
+        let (_, position, _) = state.pieces.swap_remove(index);
         if let Err(error) = result
             && state.failed.is_none()
         {
@@ -371,7 +416,7 @@ impl FileWrites {
     /// Waits until no write in flight overlaps `range`; returns the state, locked.
     fn idle(&self, range: std::ops::Range<u64>) -> std::sync::MutexGuard<'_, WritesState> {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        while state.pieces.iter().any(|&(position, length)| {
+        while state.pieces.iter().any(|&(_, position, length)| {
             position < range.end && range.start < position + length as u64
         }) {
             state = self
@@ -463,34 +508,57 @@ impl OsFile {
         };
         let offset = |at: u64| usize::try_from(at - position).unwrap_or(usize::MAX);
         // The first block's rest after the previous write (which left that block cached).
-        self.file
-            .write_all_at(&data[..offset(body_start)], position)?;
+        self.write_buffered(position, &data[..offset(body_start)])?;
         let mut at = body_start;
         while at < body_end {
             let length =
                 usize::try_from((body_end - at).min(BOUNCE_BYTES as u64)).unwrap_or(BOUNCE_BYTES);
             let mut buffer = writer.take_buffer()?;
             buffer.aligned()[..length].copy_from_slice(&data[offset(at)..offset(at) + length]);
-            self.writes.started(at, length);
-            let job = DirectJob {
-                position: at,
-                length,
-                buffer,
-                direct: Arc::clone(direct),
-                file: Arc::clone(&self.file),
-                writes: Arc::clone(&self.writes),
-            };
-            if let Err(error) = writer.submit(job) {
-                // Not in flight after all; the caller gets the error.
-                self.writes.finished(at, Ok(()));
-                return Err(error);
-            }
+            self.submit(writer, direct, at, length, PieceBytes::Direct(buffer))?;
             at += length as u64;
         }
         // The last block's start, which the next write completes from the page cache.
-        self.file
-            .write_all_at(&data[offset(body_end)..], body_end)?;
+        self.write_buffered(body_end, &data[offset(body_end)..])?;
         Ok(true)
+    }
+
+    /// Writes `data` through the page cache: at once if no piece is in flight, else as a
+    /// piece behind them (see [`DirectWriter`]).
+    fn write_buffered(&self, position: u64, data: &[u8]) -> io::Result<()> {
+        if !data.is_empty()
+            && self.writes.in_flight.load(Ordering::SeqCst) > 0
+            && let (Some(writer), Some(Some(direct))) = (&self.writer, self.direct.get())
+        {
+            let bytes = PieceBytes::Buffered(data.to_vec());
+            return self.submit(writer, direct, position, data.len(), bytes);
+        }
+        self.file.write_all_at(data, position)
+    }
+
+    /// Hands one piece to the background writer, noted in flight.
+    fn submit(
+        &self,
+        writer: &DirectWriter,
+        direct: &Arc<File>,
+        position: u64,
+        length: usize,
+        bytes: PieceBytes,
+    ) -> io::Result<()> {
+        let id = self.writes.started(position, length);
+        let job = DirectJob {
+            id,
+            position,
+            length,
+            bytes,
+            direct: Arc::clone(direct),
+            file: Arc::clone(&self.file),
+            writes: Arc::clone(&self.writes),
+        };
+        writer.submit(job).inspect_err(|_| {
+            // Not in flight after all; the caller gets the error.
+            self.writes.finished(id, Ok(()));
+        })
     }
 }
 
@@ -530,7 +598,7 @@ impl StorageFile for OsFile {
         if self.write_direct(position, data)? {
             return Ok(());
         }
-        self.file.write_all_at(data, position)
+        self.write_buffered(position, data)
     }
 
     fn finish_writes(&self) -> io::Result<()> {
@@ -562,8 +630,19 @@ mod tests {
     use super::*;
 
     /// Writes `writes` (position, length, fill byte) through a file of `storage` and checks the
-    /// file holds what a plain model of the same writes holds.
+    /// file holds what a plain model of the same writes holds, after each write.
     fn write_and_compare(storage: &OsStorage, name: &str, writes: &[(u64, usize, u8)]) -> OsFile {
+        write_and_compare_at(storage, name, writes, true)
+    }
+
+    /// As [`write_and_compare`]; with `check_each` false, checks only after the last write, so
+    /// writes follow each other while earlier ones are still in flight.
+    fn write_and_compare_at(
+        storage: &OsStorage,
+        name: &str,
+        writes: &[(u64, usize, u8)],
+        check_each: bool,
+    ) -> OsFile {
         let handle = OpenOptions::new()
             .read(true)
             .write(true)
@@ -585,6 +664,9 @@ mod tests {
                 model.resize(start + length, 0);
             }
             model[start..start + length].copy_from_slice(&data);
+            if !check_each {
+                continue;
+            }
             assert_eq!(file.len().unwrap(), model.len() as u64);
             let mut read = vec![0; model.len()];
             file.read_at(0, &mut read).unwrap();
@@ -594,6 +676,9 @@ mod tests {
             );
         }
         file.sync().unwrap();
+        let mut read = vec![0; model.len()];
+        file.read_at(0, &mut read).unwrap();
+        assert!(read == model, "the file differs after its writes");
         file
     }
 
@@ -641,6 +726,26 @@ mod tests {
     }
 
     #[test]
+    fn given_direct_writes_in_flight_when_small_writes_follow_should_land_in_the_order_made() {
+        let (_directory, storage) = direct_storage();
+        // Small writes made while the large ones are on their way: appends, an overwrite of
+        // a direct piece's middle (it must land after that piece), and one of a small write's
+        // bytes by the next large write.
+        let large = 3 * BOUNCE_BYTES + 5_000;
+        let second = 100 + large as u64;
+        let writes = [
+            (0, 100, 1),
+            (100, large, 2),
+            (second, 30, 3),
+            (5_000, 20, 4),
+            (second + 30, 60_000, 5),
+            (second + 10, large, 6),
+            (BOUNCE_BYTES as u64 + 4_000, 9_000, 7),
+        ];
+        write_and_compare_at(&storage, "segment", &writes, false);
+    }
+
+    #[test]
     fn given_no_direct_writes_when_a_large_run_is_written_should_not_open_the_file_for_direct_io() {
         let directory = tempfile::tempdir().unwrap();
         let storage = OsStorage::new(directory.path()).unwrap();
@@ -664,7 +769,7 @@ mod tests {
         let read_only = Arc::new(File::open(&path).unwrap());
         file.direct.set(Some(read_only)).unwrap();
         file.write_at(0, &[1; 100]).unwrap();
-        // Its ends go through the page cache at once; its middle fails in the background.
+        // Its middle fails in the background (its end is written behind it).
         file.write_at(100, &vec![2; 1 << 20]).unwrap();
         let failed = file.finish_writes().unwrap_err();
         assert_eq!(failed.raw_os_error(), Some(libc::EBADF), "{failed}");

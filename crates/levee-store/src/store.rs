@@ -47,6 +47,12 @@ const BATCH_RUN_BYTES_MAX: usize = 64 << 10;
 /// flush without waiting, so the committer seals while appenders go on instead of after they
 /// have all stopped at a full budget.
 pub(crate) const BUDGET_SOFT_FRACTION: (usize, usize) = (7, 8);
+/// Under `interval`, once the messages waiting to be sealed as chunks by the next round (those
+/// of queues on a direct list) reach this fraction (1 / divisor) of the budget, an append asks
+/// for that round at once instead of at the end of the interval. Without it, large messages
+/// filled the whole budget between two rounds and then waited while one round wrote it all:
+/// the appenders and the disk took turns instead of working at once.
+const DIRECT_ROUND_DIVISOR: usize = 16;
 /// Budget bytes a buffered message costs beyond its payload (its length field).
 pub(crate) const MESSAGE_OVERHEAD_BYTES: usize = crate::queue::FRAME_BYTES;
 
@@ -194,6 +200,10 @@ pub(crate) struct Inner {
     /// The part of `buffered_bytes` that is shard logs not yet taken by a round: a budget
     /// flush only takes the logs when they hold a large share (see `Committer::next_plan`).
     pub unwritten_log_bytes: AtomicUsize,
+    /// Message bytes appended to queues on a direct list since the committer last took the
+    /// lists (about: a trigger, not an account). Under `interval`, past
+    /// [`DIRECT_ROUND_DIVISOR`] of the budget an append asks for the next round at once.
+    pub direct_unwritten_bytes: AtomicUsize,
     /// A budget flush was asked for (early, past [`BUDGET_SOFT_FRACTION`] of the budget, or
     /// by an append that found the budget full); the committer clears it after each round,
     /// so appends ask at most once per round.
@@ -371,6 +381,7 @@ impl Store {
             wanted_round: AtomicU64::new(0),
             buffered_bytes: AtomicUsize::new(recovered.buffered_bytes),
             unwritten_log_bytes: AtomicUsize::new(0),
+            direct_unwritten_bytes: AtomicUsize::new(0),
             flush_soon: AtomicBool::new(false),
             next_incarnation: AtomicU64::new(recovered.next_incarnation),
             disk_full: AtomicBool::new(false),
@@ -1035,6 +1046,10 @@ impl Inner {
         if run.len() > 1 {
             warm_queues(&shard.queues, run.iter().map(|&(_, index)| batch[index].0));
         }
+        // The log budget of the messages that get a log run, and the bytes of those that
+        // do not (their queue is on a direct list: round `round` seals them as chunks).
+        let mut logged_cost = 0;
+        let mut direct_bytes = 0;
         let mut start = 0;
         while start < run.len() {
             let queue = batch[run[start].1].0;
@@ -1042,15 +1057,9 @@ impl Inner {
             while end < run.len() && batch[run[end].1].0 == queue {
                 end += 1;
             }
-            let state = if let Some(state) = shard.queues.get_mut(queue) {
-                state
-            } else {
-                let incarnation = self.next_incarnation.fetch_add(1, Ordering::Relaxed);
-                let name: Arc<[u8]> = Arc::from(queue);
-                shard
-                    .queues
-                    .entry(name.clone())
-                    .or_insert(QueueState::new(name, incarnation, 0))
+            let state = match shard.queues.get_mut(queue) {
+                Some(state) => state,
+                None => self.insert_queue(&mut shard.queues, queue),
             };
             let first_offset = state.next_offset;
             let buffer = state.buffer.get_or_insert_with(|| {
@@ -1080,7 +1089,9 @@ impl Inner {
                     incarnation: state.incarnation,
                 });
             }
-            if !direct {
+            if direct {
+                direct_bytes += messages.iter().map(|message| message.len()).sum::<usize>();
+            } else {
                 format::append_log_run(
                     &mut shard.log,
                     &mut shard.open_log,
@@ -1089,6 +1100,10 @@ impl Inner {
                     timestamp_ms,
                     &messages,
                 );
+                logged_cost += run[start..end]
+                    .iter()
+                    .map(|&(_, index)| log_budget_bytes(queue, batch[index].1))
+                    .sum::<usize>();
             }
             if !state.queued {
                 state.queued = true;
@@ -1099,10 +1114,8 @@ impl Inner {
             }
             start = end;
         }
-        shard.log_budget_bytes += log_cost;
-        self.unwritten_log_bytes
-            .fetch_add(log_cost, Ordering::Relaxed);
-        self.note_log_appended();
+        shard.log_budget_bytes += logged_cost;
+        self.note_run_buffered(log_cost - logged_cost, logged_cost, direct_bytes, round);
         if !wakes.is_empty() {
             // Still under the shard lock (order shard -> pending), so the committer never
             // sees a queue's key before its buffer.
@@ -1116,6 +1129,46 @@ impl Inner {
         }
         drop(guard);
         Ok(round)
+    }
+
+    /// Creates `queue`, not yet in a shard's map.
+    fn insert_queue<'map>(&self, queues: &'map mut QueueMap, queue: &[u8]) -> &'map mut QueueState {
+        let incarnation = self.next_incarnation.fetch_add(1, Ordering::Relaxed);
+        let name: Arc<[u8]> = Arc::from(queue);
+        queues
+            .entry(name.clone())
+            .or_insert(QueueState::new(name, incarnation, 0))
+    }
+
+    /// Accounts for a run just buffered for round `round`: gives back `unused_log_cost` of
+    /// the budget (messages with no log run), counts `logged_cost` of shard logs and
+    /// `direct_bytes` of messages on direct lists, and tells the committer. Under `interval`,
+    /// once the direct bytes reach [`DIRECT_ROUND_DIVISOR`] of the budget, asks for round
+    /// `round` at once.
+    fn note_run_buffered(
+        &self,
+        unused_log_cost: usize,
+        logged_cost: usize,
+        direct_bytes: usize,
+        round: u64,
+    ) {
+        self.unwritten_log_bytes
+            .fetch_add(logged_cost, Ordering::Relaxed);
+        self.buffered_bytes
+            .fetch_sub(unused_log_cost, Ordering::SeqCst);
+        self.note_log_appended();
+        if direct_bytes == 0 {
+            return;
+        }
+        let before = self
+            .direct_unwritten_bytes
+            .fetch_add(direct_bytes, Ordering::Relaxed);
+        if self.options.sync != SyncPolicy::Always
+            && before + direct_bytes >= self.options.buffer_budget_bytes / DIRECT_ROUND_DIVISOR
+            && self.wanted_round.fetch_max(round, Ordering::SeqCst) < round
+        {
+            self.wake_committer();
+        }
     }
 
     /// Tells the committer that a shard log grew; under `always` wakes it.

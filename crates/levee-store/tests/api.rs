@@ -1460,3 +1460,71 @@ fn given_a_disk_slower_than_the_interval_then_appends_wait_for_the_late_round_an
         vec![b"before".to_vec(), b"slow".to_vec(), b"held".to_vec()]
     );
 }
+
+/// Options under which every 1,000-byte message fills a chunk: its queue goes on a direct
+/// list and the message is sealed with no log record; the minute-long interval does not end
+/// in a test.
+fn large_messages_long_interval(buffer_budget_bytes: usize) -> StoreOptions {
+    StoreOptions {
+        sync: SyncPolicy::Interval {
+            interval_ms: 60_000,
+        },
+        segment_bytes_max: 1 << 20,
+        chunk_bytes: 256,
+        buffer_budget_bytes,
+        ..tiny()
+    }
+}
+
+#[test]
+fn given_large_messages_under_interval_when_a_sixteenth_of_the_budget_waits_should_write_them_before_the_interval()
+ {
+    // 64 KiB of budget: past 4 KiB of messages waiting to be sealed, an append asks for the
+    // round at once. Without that, these would wait a minute for the interval.
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, large_messages_long_interval(64 << 10));
+    let message = vec![7_u8; 1000];
+    for queue in 0..8 {
+        store
+            .append(format!("q{queue}").as_bytes(), &message)
+            .unwrap();
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while store.stats().buffered_bytes > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no round wrote the messages: {:?}",
+            store.stats()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let survivor = disk.crash(CrashMode::DropUnsynced, 4);
+    drop(store);
+    let store = open_sim(&survivor, large_messages_long_interval(64 << 10));
+    for queue in 0..8 {
+        assert_eq!(
+            read_all(&store, format!("q{queue}").as_bytes()),
+            vec![message.clone()],
+            "q{queue}"
+        );
+    }
+}
+
+#[test]
+fn given_messages_sealed_without_a_log_record_when_appended_should_hold_only_their_buffer_budget() {
+    // 1 MiB of budget: ten 1,000-byte messages stay below the sixteenth that asks for a round.
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, large_messages_long_interval(1 << 20));
+    let message = vec![7_u8; 1000];
+    for queue in 0..10 {
+        store
+            .append(format!("q{queue}").as_bytes(), &message)
+            .unwrap();
+    }
+    let stats = store.stats();
+    assert_eq!(stats.commit_rounds, 0, "{stats:?}");
+    // Each holds its bytes and a 4-byte length; the most its log run could take is given back.
+    assert_eq!(stats.buffered_bytes, 10 * 1004, "{stats:?}");
+    store.sync().unwrap();
+    assert_eq!(store.stats().buffered_bytes, 0);
+}
