@@ -109,11 +109,26 @@ impl Producer {
 
     /// Appends `payload` to `queue`; returns its offset once its batch is durable.
     pub async fn send(&self, queue: &[u8], payload: &[u8]) -> Result<u64, ClientError> {
+        self.send_bytes(
+            levee_proto::Bytes::copy_from_slice(queue),
+            levee_proto::Bytes::copy_from_slice(payload),
+        )
+        .await
+    }
+
+    /// As [`Producer::send`], taking the name and payload as shared bytes, so nothing is
+    /// copied: a caller that sends to the same queues again keeps their names as `Bytes`
+    /// (cloning one is a reference count).
+    pub async fn send_bytes(
+        &self,
+        queue: levee_proto::Bytes,
+        payload: levee_proto::Bytes,
+    ) -> Result<u64, ClientError> {
         let (answer, answered) = oneshot::channel();
         let pending = Pending {
             message: AppendMessage {
-                queue: levee_proto::Bytes::copy_from_slice(queue),
-                payload: levee_proto::Bytes::copy_from_slice(payload),
+                queue,
+                payload,
                 sequence: 0,
             },
             answer,

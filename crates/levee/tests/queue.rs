@@ -314,10 +314,16 @@ fn given_producer_then_concurrent_sends_share_requests_and_get_their_own_offsets
                 let producer = producer.clone();
                 tokio::spawn(async move {
                     let queue = format!("queue-{}", index % 5);
-                    let offset = producer
-                        .send(queue.as_bytes(), &index.to_le_bytes())
-                        .await
-                        .unwrap();
+                    // Half through `send_bytes` (shared bytes, no copy): the same batches.
+                    let offset = if index % 2 == 0 {
+                        producer.send(queue.as_bytes(), &index.to_le_bytes()).await
+                    } else {
+                        let payload = levee_client::Bytes::copy_from_slice(&index.to_le_bytes());
+                        producer
+                            .send_bytes(levee_client::Bytes::from(queue.clone()), payload)
+                            .await
+                    }
+                    .unwrap();
                     (queue, offset, index)
                 })
             })

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use hdrhistogram::Histogram;
-use levee_client::{Client, ConsumerOptions, GroupConsumer, Producer, ProducerOptions};
+use levee_client::{Bytes, Client, ConsumerOptions, GroupConsumer, Producer, ProducerOptions};
 use serde_json::{Value, json};
 
 use super::percentiles_ms;
@@ -33,7 +33,7 @@ pub struct QueueBenchArgs {
     /// Mailbox shape: queues, shared out over the --consumers streams
     #[arg(long, default_value_t = 1_000_000)]
     pub queues: u64,
-    /// Producer tasks, each waiting for its append (default: 1024 for mailbox, each sending one
+    /// Producer tasks, each waiting for its append (default: 2048 for mailbox, each sending one
     /// message through a shared batching producer; 16 for topic, each publishing --batch)
     #[arg(long)]
     pub producers: Option<u64>,
@@ -81,6 +81,13 @@ pub struct QueueBenchArgs {
     /// The server's queue sync policy: always or interval
     #[arg(long, default_value = "always")]
     pub sync: String,
+    /// Worker threads of the load generator's runtime (default: half the cores, at least
+    /// one, so the server has the other half). On the 2-core dev VM one thread offered more
+    /// than two: its tasks wake each other on one thread instead of across two, so it spent
+    /// less CPU per message, which the server shares (docs/benchmarks.md, "One thread for the
+    /// load generator")
+    #[arg(long)]
+    pub client_threads: Option<usize>,
     /// A running server's gRPC address; without it the tool starts one with --sync
     #[arg(long, value_name = "HOST:PORT")]
     server: Option<String>,
@@ -110,6 +117,7 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
         || args.message_bytes < 8
         || args.partitions == 0
         || args.consumers == 0
+        || args.client_threads == Some(0)
         || !(1..=10_000).contains(&args.batch)
         || [args.rate, args.group_rate, args.producer_rate]
             .iter()
@@ -117,7 +125,8 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
             .any(|rate| !(rate.is_finite() && *rate > 0.0))
     {
         bail!(
-            "need --queues, --producers, --partitions and --consumers >= 1, --batch 1 to 10000, \
+            "need --queues, --producers, --partitions, --consumers and --client-threads >= 1, \
+             --batch 1 to 10000, \
              --message-bytes >= 8, and --rate, --group-rate and --producer-rate above 0"
         );
     }
@@ -130,6 +139,7 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
         other => bail!("--sync must be always or interval, got '{other}'"),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(client_threads(args))
         .enable_all()
         .build()?;
     let mut started_server = None;
@@ -174,6 +184,13 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The load generator's worker threads: `--client-threads`, else half the cores (at least 1).
+pub(super) fn client_threads(args: &QueueBenchArgs) -> usize {
+    args.client_threads.unwrap_or_else(|| {
+        std::thread::available_parallelism().map_or(1, |cores| (cores.get() / 2).max(1))
+    })
 }
 
 /// The pacing of producer task `task` of `tasks`, each sending `unit` messages at a time: with
@@ -371,8 +388,8 @@ async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<Value> {
     }
     // Named once, as the Redis baseline does: formatting a name per message is load-generator
     // work that would be charged to the server.
-    let names: Arc<[Vec<u8>]> = (0..args.queues)
-        .map(|queue| format!("bench-{run_id}-{queue}").into_bytes())
+    let names: Arc<[Bytes]> = (0..args.queues)
+        .map(|queue| Bytes::from(format!("bench-{run_id}-{queue}")))
         .collect();
     let subscribing = Instant::now();
     let consumers = start_consumers(args, &client, &names, epoch, &consumed, &latency).await?;
@@ -404,8 +421,12 @@ async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<Value> {
                 let lag = next_send(&mut pace).await;
                 latency.record_send_lag(epoch, lag)?;
                 let payload = stamped_payload(epoch, bytes)?;
-                producer.send(&names[index % names.len()], &payload).await?;
-                latency.record_append(epoch, &payload)?;
+                // The send time, kept: the payload goes to the producer without a copy.
+                let stamp: [u8; 8] = payload[..8].try_into()?;
+                producer
+                    .send_bytes(names[index % names.len()].clone(), Bytes::from(payload))
+                    .await?;
+                latency.record_append(epoch, &stamp)?;
                 appended.fetch_add(1, Ordering::Relaxed);
                 index += 1;
             }
@@ -626,8 +647,11 @@ pub(super) async fn wait_consumed(consumed: &AtomicU64, total: u64) -> anyhow::R
 
 /// Producer tasks of the mailbox shape without `--producers`. 4,096 (before the ninth
 /// session) reached no more appends per second than 1,024 on the 2-core machine, and the
-/// messages they kept in flight only queued (p50 10-17 ms against 2.5 ms closed loop).
-pub(super) const MAILBOX_PRODUCERS: u64 = 1_024;
+/// messages they kept in flight only queued (p50 10-17 ms against 2.5 ms closed loop). Since
+/// the store and server got cheaper per message, 1,024 in flight no longer kept the two cores
+/// busy: 2,048 appended 10-25% more in the seventeenth session, with p99 3-5 ms (4,096: no
+/// more appends, p99 6 ms; docs/benchmarks.md, "One thread for the load generator").
+pub(super) const MAILBOX_PRODUCERS: u64 = 2_048;
 
 /// How long the consumers may take to catch up once the producers stop.
 pub(super) const DRAIN_LIMIT: Duration = Duration::from_secs(60);
@@ -709,6 +733,7 @@ fn report(
             MAILBOX_PRODUCERS
         }),
         "message_bytes": args.message_bytes,
+        "client_threads": client_threads(args),
         "sync": args.sync,
         "interval_ms": (args.sync == "interval").then_some(args.interval_ms),
         "offered_rate": args.rate,
@@ -743,7 +768,7 @@ pub fn print_summary(system: &str, report: &Value) {
 async fn start_consumers(
     args: &QueueBenchArgs,
     client: &Client,
-    names: &[Vec<u8>],
+    names: &[Bytes],
     epoch: Instant,
     consumed: &Arc<AtomicU64>,
     latency: &Arc<Latencies>,
@@ -752,7 +777,7 @@ async fn start_consumers(
     let mut subscribing = Vec::new();
     for stream in 0..streams {
         let client = client.clone();
-        let share: Vec<Vec<u8>> = names
+        let share: Vec<Bytes> = names
             .iter()
             .skip(stream)
             .step_by(streams)
@@ -760,7 +785,7 @@ async fn start_consumers(
             .collect();
         subscribing.push(tokio::spawn(async move {
             let mut mailboxes = client.subscribe_many("bench", CREDIT_MESSAGES).await?;
-            let queues: Vec<&[u8]> = share.iter().map(Vec::as_slice).collect();
+            let queues: Vec<&[u8]> = share.iter().map(AsRef::as_ref).collect();
             mailboxes.add(&queues).await?;
             anyhow::Ok(mailboxes)
         }));
