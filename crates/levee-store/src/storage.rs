@@ -377,8 +377,9 @@ struct FileWrites {
 
 #[derive(Debug, Default)]
 struct WritesState {
-    /// The pieces in flight: id, position and length (at most [`BOUNCE_BUFFERS`] direct ones
-    /// and [`QUEUED_PIECES`] others).
+    /// The pieces in flight: id, position and length (a few: the aligned buffers bound the
+    /// direct ones, the writer's queue of [`QUEUED_PIECES`] and the piece being written the
+    /// others).
     pieces: Vec<(u64, u64, usize)>,
     /// The id of the next piece.
     next_id: u64,
