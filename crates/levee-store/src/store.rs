@@ -1046,9 +1046,9 @@ impl Inner {
         if run.len() > 1 {
             warm_queues(&shard.queues, run.iter().map(|&(_, index)| batch[index].0));
         }
-        // The log budget of the messages that get a log run, and the bytes of those that
-        // do not (their queue is on a direct list: round `round` seals them as chunks).
-        let mut logged_cost = 0;
+        // The log budget reserved for messages that get no log run, and their bytes (their
+        // queue is on a direct list: round `round` seals them as chunks).
+        let mut unused_log_cost = 0;
         let mut direct_bytes = 0;
         let mut start = 0;
         while start < run.len() {
@@ -1091,6 +1091,10 @@ impl Inner {
             }
             if direct {
                 direct_bytes += messages.iter().map(|message| message.len()).sum::<usize>();
+                unused_log_cost += messages
+                    .iter()
+                    .map(|message| log_budget_bytes(queue, message))
+                    .sum::<usize>();
             } else {
                 format::append_log_run(
                     &mut shard.log,
@@ -1100,10 +1104,6 @@ impl Inner {
                     timestamp_ms,
                     &messages,
                 );
-                logged_cost += run[start..end]
-                    .iter()
-                    .map(|&(_, index)| log_budget_bytes(queue, batch[index].1))
-                    .sum::<usize>();
             }
             if !state.queued {
                 state.queued = true;
@@ -1114,8 +1114,8 @@ impl Inner {
             }
             start = end;
         }
-        shard.log_budget_bytes += logged_cost;
-        self.note_run_buffered(log_cost - logged_cost, logged_cost, direct_bytes, round);
+        shard.log_budget_bytes +=
+            self.note_run_buffered(log_cost, unused_log_cost, direct_bytes, round);
         if !wakes.is_empty() {
             // Still under the shard lock (order shard -> pending), so the committer never
             // sees a queue's key before its buffer.
@@ -1140,25 +1140,27 @@ impl Inner {
             .or_insert(QueueState::new(name, incarnation, 0))
     }
 
-    /// Accounts for a run just buffered for round `round`: gives back `unused_log_cost` of
-    /// the budget (messages with no log run), counts `logged_cost` of shard logs and
-    /// `direct_bytes` of messages on direct lists, and tells the committer. Under `interval`,
-    /// once the direct bytes reach [`DIRECT_ROUND_DIVISOR`] of the budget, asks for round
-    /// `round` at once.
+    /// Accounts for a run just buffered for round `round` that reserved `log_cost` of budget
+    /// for its logs: gives back `unused_log_cost` of it (messages with no log run), counts the
+    /// rest as shard logs and `direct_bytes` of messages on direct lists, and tells the
+    /// committer; returns the log budget the shard's log holds now. Under `interval`, once the
+    /// direct bytes reach [`DIRECT_ROUND_DIVISOR`] of the budget, asks for round `round` at
+    /// once.
     fn note_run_buffered(
         &self,
+        log_cost: usize,
         unused_log_cost: usize,
-        logged_cost: usize,
         direct_bytes: usize,
         round: u64,
-    ) {
+    ) -> usize {
+        let logged_cost = log_cost - unused_log_cost;
         self.unwritten_log_bytes
             .fetch_add(logged_cost, Ordering::Relaxed);
         self.buffered_bytes
             .fetch_sub(unused_log_cost, Ordering::SeqCst);
         self.note_log_appended();
         if direct_bytes == 0 {
-            return;
+            return logged_cost;
         }
         let before = self
             .direct_unwritten_bytes
@@ -1169,6 +1171,7 @@ impl Inner {
         {
             self.wake_committer();
         }
+        logged_cost
     }
 
     /// Tells the committer that a shard log grew; under `always` wakes it.

@@ -1476,19 +1476,30 @@ fn large_messages_long_interval(buffer_budget_bytes: usize) -> StoreOptions {
     }
 }
 
+/// Opens a store on `disk` (see [`large_messages_long_interval`]) and appends one 1,000-byte
+/// message to each of `queues` queues, `q0`, `q1`, ...; returns the store and the message.
+fn append_one_large_message_each(
+    disk: &SimulatedDisk,
+    buffer_budget_bytes: usize,
+    queues: usize,
+) -> (Store, Vec<u8>) {
+    let store = open_sim(disk, large_messages_long_interval(buffer_budget_bytes));
+    let message = vec![7_u8; 1000];
+    for queue in 0..queues {
+        store
+            .append(format!("q{queue}").as_bytes(), &message)
+            .unwrap();
+    }
+    (store, message)
+}
+
 #[test]
 fn given_large_messages_under_interval_when_a_sixteenth_of_the_budget_waits_should_write_them_before_the_interval()
  {
     // 64 KiB of budget: past 4 KiB of messages waiting to be sealed, an append asks for the
     // round at once. Without that, these would wait a minute for the interval.
     let disk = SimulatedDisk::new();
-    let store = open_sim(&disk, large_messages_long_interval(64 << 10));
-    let message = vec![7_u8; 1000];
-    for queue in 0..8 {
-        store
-            .append(format!("q{queue}").as_bytes(), &message)
-            .unwrap();
-    }
+    let (store, message) = append_one_large_message_each(&disk, 64 << 10, 8);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while store.stats().buffered_bytes > 0 {
         assert!(
@@ -1513,14 +1524,7 @@ fn given_large_messages_under_interval_when_a_sixteenth_of_the_budget_waits_shou
 #[test]
 fn given_messages_sealed_without_a_log_record_when_appended_should_hold_only_their_buffer_budget() {
     // 1 MiB of budget: ten 1,000-byte messages stay below the sixteenth that asks for a round.
-    let disk = SimulatedDisk::new();
-    let store = open_sim(&disk, large_messages_long_interval(1 << 20));
-    let message = vec![7_u8; 1000];
-    for queue in 0..10 {
-        store
-            .append(format!("q{queue}").as_bytes(), &message)
-            .unwrap();
-    }
+    let (store, _) = append_one_large_message_each(&SimulatedDisk::new(), 1 << 20, 10);
     let stats = store.stats();
     assert_eq!(stats.commit_rounds, 0, "{stats:?}");
     // Each holds its bytes and a 4-byte length; the most its log run could take is given back.
