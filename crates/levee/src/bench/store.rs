@@ -115,9 +115,16 @@ fn push_message(queue: u64, offset: u64, bytes: usize, out: &mut Vec<u8>) {
     let seed = (queue.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ offset).to_le_bytes();
     let start = out.len();
     out.resize(start + bytes.saturating_sub(16), 0);
-    for chunk in out[start..].chunks_mut(8) {
-        chunk.copy_from_slice(&seed[..chunk.len()]);
+    // Whole 8-byte steps, then the rest: a copy of a length known at compile time is a
+    // store, where `chunks_mut` (a shorter last chunk) made each step a call to memcpy, which
+    // cost 4 KiB messages more CPU than the store's own copy of them.
+    let mut chunks = out[start..].chunks_exact_mut(8);
+    for chunk in &mut chunks {
+        chunk.copy_from_slice(&seed);
     }
+    let rest = chunks.into_remainder();
+    let length = rest.len();
+    rest.copy_from_slice(&seed[..length]);
 }
 
 fn queue_name(queue: u64) -> Vec<u8> {
