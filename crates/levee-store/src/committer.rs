@@ -877,7 +877,7 @@ impl Committer<'_> {
                 timestamp_ms,
                 end - index,
                 payload,
-                &buffer.data[byte_start..byte_end],
+                &buffer.bytes()[byte_start..byte_end],
             );
             let entry = ChunkEntry {
                 first_offset,

@@ -440,8 +440,13 @@ pub const FRAME_BYTES: usize = 4;
 pub struct WriteBuffer {
     /// Offset of the first buffered message.
     pub first_offset: u64,
-    /// The framed messages back to back.
+    /// The framed messages back to back, from `head` on: the bytes before it were drained
+    /// (see [`WriteBuffer::drain_front`]) and are dropped when the buffer next grows or
+    /// empties, not at once, so a drain does not move the messages behind it. Read it
+    /// through [`WriteBuffer::bytes`].
     pub data: Vec<u8>,
+    /// Bytes at the start of `data` already drained.
+    pub head: usize,
     /// Messages in `data`.
     pub count: usize,
     /// Messages handed to the committer.
@@ -473,7 +478,12 @@ pub const MARKS_MAX: usize = 2;
 impl WriteBuffer {
     /// Bytes this buffer counts against the global budget: payload plus a length per message.
     pub fn budget_bytes(&self) -> usize {
-        self.data.len()
+        self.data.len() - self.head
+    }
+
+    /// The framed messages buffered, back to back.
+    pub fn bytes(&self) -> &[u8] {
+        &self.data[self.head..]
     }
 
     /// Appends one message to a buffer that the committer seals once it holds `chunk_bytes`:
@@ -481,9 +491,13 @@ impl WriteBuffer {
     /// quarter, not to twice the last size (most of which a sealed buffer never used: with
     /// 4 KiB chunks and 62-byte framed messages, 7,936 bytes held for 4,154).
     pub fn push_toward_chunk(&mut self, message: &[u8], chunk_bytes: usize) {
-        let needed = self.data.len() + FRAME_BYTES + message.len();
+        let needed = self.budget_bytes() + FRAME_BYTES + message.len();
         let capacity = self.data.capacity();
-        if needed > capacity {
+        if needed <= capacity && self.head + needed > capacity {
+            // Room once the drained bytes go: the live ones move to the front.
+            self.data.drain(..self.head);
+            self.head = 0;
+        } else if needed > capacity {
             let step = chunk_bytes + chunk_bytes / 4;
             let doubled = capacity.saturating_mul(2);
             let target = if needed <= step && doubled > step {
@@ -491,7 +505,15 @@ impl WriteBuffer {
             } else {
                 doubled.max(needed)
             };
-            self.data.reserve_exact(target - self.data.len());
+            if self.head == 0 {
+                self.data.reserve_exact(target - self.data.len());
+            } else {
+                // Only the live bytes go to the new allocation.
+                let mut grown = Vec::with_capacity(target);
+                grown.extend_from_slice(self.bytes());
+                self.data = grown;
+                self.head = 0;
+            }
         }
         // Invariant: message_bytes_max <= 64 MiB (checked by StoreOptions::validate).
         let length = u32::try_from(message.len()).expect("message length checked");
@@ -500,7 +522,7 @@ impl WriteBuffer {
         // (a mailbox's) allocates no position list and a read does not touch one.
         if offset.is_multiple_of(BUFFER_POSITION_STRIDE) && self.count > 0 {
             self.positions
-                .push_back((offset, self.drained_bytes + self.data.len() as u64));
+                .push_back((offset, self.drained_bytes + self.budget_bytes() as u64));
         }
         self.data.extend_from_slice(&length.to_le_bytes());
         self.data.extend_from_slice(message);
@@ -558,7 +580,7 @@ impl WriteBuffer {
         self.first_offset + self.count as u64
     }
 
-    /// Byte position in `data` of the message at `offset` (`data.len()` at or past the end,
+    /// Byte position in [`Self::bytes`] of the message at `offset` (its length at or past the end,
     /// 0 before the start): from the nearest remembered position, at most
     /// [`BUFFER_POSITION_STRIDE`] frames are walked.
     pub fn position_of(&self, offset: u64) -> usize {
@@ -585,8 +607,9 @@ impl WriteBuffer {
 
     /// Empties the buffer; the next message pushed gets `first_offset`.
     pub fn reset(&mut self, first_offset: u64) {
-        self.drained_bytes += self.data.len() as u64;
+        self.drained_bytes += self.budget_bytes() as u64;
         self.data.clear();
+        self.head = 0;
         self.positions.clear();
         self.count = 0;
         self.frozen = 0;
@@ -610,8 +633,8 @@ impl WriteBuffer {
         {
             self.positions.pop_back();
         }
-        let dropped = self.data.len() - position;
-        self.data.truncate(position);
+        let dropped = self.budget_bytes() - position;
+        self.data.truncate(self.head + position);
         self.count = keep;
         let end = self.end_offset();
         self.logged_end = self.logged_end.min(end);
@@ -623,12 +646,20 @@ impl WriteBuffer {
 
     /// Payload bytes of the messages not yet frozen.
     pub fn unfrozen_payload_bytes(&self) -> usize {
-        self.data.len() - self.frozen_bytes - FRAME_BYTES * (self.count - self.frozen)
+        self.budget_bytes() - self.frozen_bytes - FRAME_BYTES * (self.count - self.frozen)
     }
 
-    /// Drops the first `count` messages (`bytes` of `data`) after they reached the disk.
+    /// Drops the first `count` messages (`bytes` of [`Self::bytes`]) after they reached the
+    /// disk. The messages behind them stay where they are (moving them cost a sealed 4 KiB
+    /// message's committer as much as sealing it, when more had arrived behind it); the bytes
+    /// go when the buffer grows or empties.
     pub fn drain_front(&mut self, count: usize, bytes: usize) {
-        self.data.drain(..bytes);
+        if bytes == self.budget_bytes() {
+            self.data.clear();
+            self.head = 0;
+        } else {
+            self.head += bytes;
+        }
         self.drained_bytes += bytes as u64;
         self.first_offset += count as u64;
         while self
@@ -646,7 +677,7 @@ impl WriteBuffer {
     /// Length of the message framed at byte `position` of `data`.
     pub fn length_at(&self, position: usize) -> usize {
         let mut length = [0; FRAME_BYTES];
-        length.copy_from_slice(&self.data[position..position + FRAME_BYTES]);
+        length.copy_from_slice(&self.bytes()[position..position + FRAME_BYTES]);
         u32::from_le_bytes(length) as usize
     }
 
@@ -654,7 +685,7 @@ impl WriteBuffer {
     pub fn message_at(&self, position: usize) -> (&[u8], usize) {
         let start = position + FRAME_BYTES;
         let end = start + self.length_at(position);
-        (&self.data[start..end], end)
+        (&self.bytes()[start..end], end)
     }
 }
 
@@ -903,24 +934,45 @@ mod tests {
             steps in prop::collection::vec(step(), 1..400),
         ) {
             let mut buffer = WriteBuffer { first_offset, ..WriteBuffer::default() };
+            // The messages buffered, as a plain model: each message's bytes name its offset.
+            let mut model: VecDeque<Vec<u8>> = VecDeque::new();
             for step in steps {
                 match step {
-                    Step::Push(length) => buffer.push_toward_chunk(&vec![7; length], 100),
+                    Step::Push(length) => {
+                        let message: Vec<u8> = (0..length)
+                            .map(|index| (buffer.end_offset() as usize + index) as u8)
+                            .collect();
+                        buffer.push_toward_chunk(&message, 100);
+                        model.push_back(message);
+                    }
                     Step::Drain(count) => {
                         let count = count.min(buffer.count);
                         let bytes = walked(&buffer, buffer.first_offset + count as u64);
                         buffer.frozen = count;
                         buffer.frozen_bytes = bytes;
                         buffer.drain_front(count, bytes);
+                        model.drain(..count);
                     }
                     Step::Truncate(keep) => {
                         buffer.truncate_to(buffer.first_offset + keep as u64);
+                        model.truncate(keep);
                     }
-                    Step::Reset(offset) => buffer.reset(offset),
+                    Step::Reset(offset) => {
+                        buffer.reset(offset);
+                        model.clear();
+                    }
                 }
                 for offset in buffer.first_offset.saturating_sub(2)..buffer.end_offset() + 2 {
                     prop_assert_eq!(buffer.position_of(offset), walked(&buffer, offset));
                 }
+                let mut position = 0;
+                for message in &model {
+                    let (read, next) = buffer.message_at(position);
+                    prop_assert_eq!(read, message.as_slice());
+                    position = next;
+                }
+                prop_assert_eq!(position, buffer.budget_bytes());
+                prop_assert_eq!(buffer.count, model.len());
             }
         }
     }

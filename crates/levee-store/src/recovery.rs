@@ -1296,7 +1296,7 @@ mod tests {
                     state
                         .buffer
                         .as_ref()
-                        .map_or_else(Vec::new, |buffer| buffer.data.clone()),
+                        .map_or_else(Vec::new, |buffer| buffer.bytes().to_vec()),
                 )
             })
             .collect();
