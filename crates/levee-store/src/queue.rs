@@ -939,8 +939,8 @@ mod tests {
             for step in steps {
                 match step {
                     Step::Push(length) => {
-                        let message: Vec<u8> = (0..length)
-                            .map(|index| (buffer.end_offset() as usize + index) as u8)
+                        let message: Vec<u8> = (0..length as u64)
+                            .map(|index| (buffer.end_offset().wrapping_add(index)).to_le_bytes()[0])
                             .collect();
                         buffer.push_toward_chunk(&message, 100);
                         model.push_back(message);
