@@ -62,8 +62,9 @@ pub trait StorageFile: Send + Sync + fmt::Debug {
 pub struct OsStorage {
     directory: PathBuf,
     lock: Arc<OnceLock<File>>,
-    /// With direct writes: the background writer shared by every file of the directory (two
-    /// aligned buffers of 8 MiB, allocated at the first; only the committer writes large runs).
+    /// With direct writes: the background writer shared by every file of the directory
+    /// ([`BOUNCE_BUFFERS`] aligned buffers of 8 MiB, allocated at their first use; only the
+    /// committer writes large runs).
     writer: Option<Arc<DirectWriter>>,
 }
 
