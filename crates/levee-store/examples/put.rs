@@ -109,11 +109,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         queues as f64 / random_seconds
     );
     println!(
-        "index {:.2} B/message ({} entries), memory {:.0} B/queue (buffers {} B)",
+        "index {:.2} B/message ({} entries), memory {:.0} B/queue (buffers {} B, spare {} B)",
         usage.index_bytes as f64 / stored,
         usage.index_entries,
         usage.total_bytes as f64 / queues as f64,
-        usage.buffer_bytes
+        usage.buffer_bytes,
+        usage.spare_buffer_bytes
     );
     drop(store);
     let started = Instant::now();

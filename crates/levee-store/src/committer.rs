@@ -59,6 +59,10 @@ const FULL_DISK_RETRY_WAIT: Duration = Duration::from_millis(10);
 
 /// Under `always`, the committer looks for work at least this often even without a wake-up.
 const ALWAYS_IDLE_WAIT: Duration = Duration::from_millis(50);
+/// With nothing appended for this long, the shards' spare write buffers are freed (see
+/// `SpareBuffers`): they serve queues appended to round after round, and an idle store
+/// should give their memory back.
+const SPARE_RELEASE_IDLE: Duration = Duration::from_millis(200);
 
 /// How to seal one queue's buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -189,6 +193,10 @@ struct Committer<'a> {
     /// with 4 KiB messages). Bounded by the entries of one round.
     spare_run: Vec<RunEntry>,
     spare_placed: Vec<Placed>,
+    /// Since when no work was found (`None` while rounds run), for [`SPARE_RELEASE_IDLE`].
+    idle_since: Option<Instant>,
+    /// A round kept emptied write buffers as spares since they were last released.
+    spares_kept: bool,
 }
 
 /// Runs the committer until shutdown or a fatal error, poisoning the store if it panics (a
@@ -227,6 +235,8 @@ fn run(inner: &Inner, writer: Writer, log_floor: u32, floor: LogFloor) {
         gone: Vec::new(),
         spare_run: Vec::new(),
         spare_placed: Vec::new(),
+        idle_since: None,
+        spares_kept: false,
     };
     loop {
         let plan = committer.next_plan();
@@ -297,6 +307,7 @@ impl Committer<'_> {
             let wanted = inner.wanted_round.load(Ordering::SeqCst)
                 > inner.rounds_started.load(Ordering::SeqCst);
             if due || is_checkpoint || wanted || pending.budget_flush_requested {
+                self.idle_since = None;
                 inner.committer_sleeping.store(false, Ordering::SeqCst);
                 let round = inner.rounds_started.fetch_add(1, Ordering::SeqCst) + 1;
                 let all: Vec<Listed> = if is_checkpoint {
@@ -326,6 +337,16 @@ impl Committer<'_> {
                     shutdown: pending.shutdown,
                 };
             }
+            if !log_work && !retry {
+                let idle_since = *self.idle_since.get_or_insert_with(Instant::now);
+                if self.spares_kept && idle_since.elapsed() >= SPARE_RELEASE_IDLE {
+                    // Shard locks come before the pending lock: release it meanwhile.
+                    drop(pending);
+                    self.release_spares();
+                    pending = lock(&inner.pending);
+                    continue;
+                }
+            }
             if interval.is_some() && !log_work {
                 // Between rounds with nothing appended: nothing acknowledged is unwritten.
                 inner
@@ -344,6 +365,16 @@ impl Committer<'_> {
                 .wait_timeout(pending, wait)
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .0;
+        }
+    }
+
+    /// Frees every shard's spare write buffers.
+    fn release_spares(&mut self) {
+        self.spares_kept = false;
+        for shard in &self.inner.shards {
+            let spares = std::mem::take(&mut lock(shard).spare);
+            // Freed out of the lock.
+            drop(spares);
         }
     }
 
@@ -546,6 +577,8 @@ impl Committer<'_> {
         // Published only once durable: under `always` readers see exactly the indexed chunks
         // and the buffered messages of completed rounds, so they never see a message that a
         // crash or a full disk could still take back.
+        // Emptied write buffers become spares (see `release_spares`).
+        self.spares_kept |= !placed.is_empty();
         self.spare_placed = self.apply(plan.round, placed, taken);
         if plan.is_checkpoint {
             self.inner
@@ -960,6 +993,7 @@ impl Committer<'_> {
         let mut held: Option<(usize, usize, MutexGuard<'_, Shard>)> = None;
         let mut live_added: Vec<(u32, u64)> = Vec::new();
         let mut freed_bytes = taken.budget_bytes;
+        let spare_bytes_max = inner.spare_bytes_max();
         let mut chunks = Vec::new();
         let mut drained = placed.drain(..).peekable();
         while let Some(first) = drained.next() {
@@ -983,8 +1017,9 @@ impl Committer<'_> {
                 held = Some((shard_index, 0, lock(&inner.shards[shard_index])));
             }
             // Invariant: `held` was set just above.
-            let (_, applied, shard) = held.as_mut().expect("shard locked above");
+            let (_, applied, guard) = held.as_mut().expect("shard locked above");
             *applied += 1;
+            let shard = &mut **guard;
             let Some(state) = shard.queues.get_mut(&*key.name) else {
                 continue;
             };
@@ -1011,8 +1046,10 @@ impl Committer<'_> {
             if !buffer.marks_merged {
                 state.unsealed_since = state.unsealed_since.max(round + 1);
             }
-            if buffer.count == 0 {
-                state.buffer = None;
+            if buffer.count == 0
+                && let Some(emptied) = state.buffer.take()
+            {
+                shard.spare.keep(emptied, spare_bytes_max);
             }
             freed_bytes += bytes;
         }

@@ -472,6 +472,66 @@ pub struct WriteBuffer {
     pub drained_bytes: u64,
 }
 
+/// Emptied write buffers kept, allocation and all, for the next queues that need one (a
+/// shard's, under its lock), newest last. Freed at once by the committer, a queue appended
+/// to round after round got a fresh allocation each round, which the appender then grew by
+/// copying and, on memory fresh from the kernel, faulted in: a third of an appender's time
+/// with 4 KiB messages.
+#[derive(Debug, Default)]
+pub struct SpareBuffers {
+    #[allow(
+        clippy::vec_box,
+        reason = "queues hold their buffers boxed: the box is reused with the data"
+    )]
+    buffers: Vec<Box<WriteBuffer>>,
+    /// Capacity of the kept buffers' data.
+    bytes: usize,
+}
+
+impl SpareBuffers {
+    /// A write buffer for a queue whose next message has offset `first_offset`: a kept one if
+    /// any, else a new one.
+    pub fn take(&mut self, first_offset: u64) -> Box<WriteBuffer> {
+        let Some(mut buffer) = self.buffers.pop() else {
+            return Box::new(WriteBuffer {
+                first_offset,
+                logged_end: first_offset,
+                ..WriteBuffer::default()
+            });
+        };
+        self.bytes -= buffer.data.capacity();
+        let mut data = std::mem::take(&mut buffer.data);
+        data.clear();
+        *buffer = WriteBuffer {
+            first_offset,
+            logged_end: first_offset,
+            data,
+            ..WriteBuffer::default()
+        };
+        buffer
+    }
+
+    /// Keeps an emptied write buffer if the kept ones stay within `bytes_max` bytes of
+    /// capacity; drops it otherwise.
+    pub fn keep(&mut self, buffer: Box<WriteBuffer>, bytes_max: usize) {
+        let capacity = buffer.data.capacity();
+        if capacity > 0 && self.bytes + capacity <= bytes_max {
+            self.bytes += capacity;
+            self.buffers.push(buffer);
+        }
+    }
+
+    /// Capacity of the kept buffers' data, in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// How many buffers are kept.
+    pub fn len(&self) -> usize {
+        self.buffers.len()
+    }
+}
+
 /// Rounds a write buffer tracks at once (see [`WriteBuffer::marks`]).
 pub const MARKS_MAX: usize = 2;
 
@@ -890,6 +950,43 @@ mod tests {
         let bytes = index.heap_bytes();
         assert!(bytes <= 5_500, "{bytes} bytes for 1,000 chunks");
         assert_eq!(index.find(400).map(|(at, _)| at), Some(100));
+    }
+
+    #[test]
+    fn given_a_kept_buffer_when_taken_again_should_start_fresh_with_its_allocation() {
+        let mut spares = SpareBuffers::default();
+        let mut buffer = spares.take(7);
+        for index in 0..40_u8 {
+            buffer.push_toward_chunk(&[index; 50], 256);
+        }
+        buffer.mark(3, 47, 1);
+        buffer.frozen = 40;
+        buffer.frozen_bytes = buffer.budget_bytes();
+        buffer.drain_front(40, buffer.frozen_bytes);
+        let capacity = buffer.data.capacity();
+        spares.keep(buffer, capacity - 1);
+        assert_eq!(spares.len(), 0, "over the bound: dropped");
+        let mut buffer = spares.take(47);
+        buffer.push_toward_chunk(&[1; 50], 256);
+        buffer.frozen = 1;
+        buffer.frozen_bytes = buffer.budget_bytes();
+        buffer.drain_front(1, buffer.frozen_bytes);
+        let capacity = buffer.data.capacity();
+        spares.keep(buffer, capacity);
+        assert_eq!((spares.len(), spares.bytes()), (1, capacity));
+        let buffer = spares.take(48);
+        assert_eq!((spares.len(), spares.bytes()), (0, 0));
+        assert_eq!(buffer.data.capacity(), capacity, "the allocation is reused");
+        let fresh = WriteBuffer {
+            first_offset: 48,
+            logged_end: 48,
+            ..WriteBuffer::default()
+        };
+        assert_eq!(
+            format!("{buffer:?}"),
+            format!("{fresh:?}"),
+            "nothing else kept"
+        );
     }
 
     #[test]

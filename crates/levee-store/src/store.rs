@@ -16,7 +16,7 @@ use crate::committer::{self, Writer};
 use crate::error::{InputError, OpenError, ReadError, WriteError};
 use crate::format::{self, QUEUE_NAME_BYTES_MAX, RECORD_HEADER_BYTES, Record};
 use crate::options::{StoreOptions, SyncPolicy};
-use crate::queue::{ChunkEntry, QueueState, WriteBuffer};
+use crate::queue::{ChunkEntry, QueueState, SpareBuffers, WriteBuffer};
 use crate::read::ReadBatch;
 use crate::recovery::{self, OpenReport};
 use crate::storage::{OsStorage, Storage, StorageFile};
@@ -80,6 +80,9 @@ pub(crate) struct Shard {
     /// (to the next round), so an appender knows exactly which round makes its record
     /// durable.
     pub log_round: u64,
+    /// Write buffers that commit rounds emptied in this shard, kept for its next queues
+    /// that need one (see [`SpareBuffers`]).
+    pub spare: SpareBuffers,
 }
 
 impl Default for Shard {
@@ -93,6 +96,7 @@ impl Default for Shard {
             direct: Vec::new(),
             // Rounds are numbered from 1.
             log_round: 1,
+            spare: SpareBuffers::default(),
         }
     }
 }
@@ -314,6 +318,10 @@ pub struct MemoryUsage {
     pub index_bytes: u64,
     /// Bytes of write buffers (capacity included).
     pub buffer_bytes: u64,
+    /// Bytes of emptied write buffers kept for reuse while appends keep coming (capacity
+    /// included; at most half the buffer budget; freed once nothing was appended for a fifth
+    /// of a second).
+    pub spare_buffer_bytes: u64,
     /// Bytes of queue states, names and hash-map slots.
     pub queue_bytes: u64,
     /// All of the above.
@@ -715,6 +723,8 @@ impl Store {
         for shard in &self.inner.shards {
             let shard = lock(shard);
             usage.queue_bytes += (shard.queues.capacity() * slot_bytes) as u64;
+            usage.spare_buffer_bytes += (shard.spare.len() * std::mem::size_of::<WriteBuffer>()
+                + shard.spare.bytes()) as u64;
             for (name, state) in &shard.queues {
                 usage.queues += 1;
                 usage.index_entries += state.chunks.len() as u64;
@@ -729,7 +739,8 @@ impl Store {
                 usage.queue_bytes += (name.len() + 16) as u64;
             }
         }
-        usage.total_bytes = usage.index_bytes + usage.buffer_bytes + usage.queue_bytes;
+        usage.total_bytes =
+            usage.index_bytes + usage.buffer_bytes + usage.spare_buffer_bytes + usage.queue_bytes;
         usage
     }
 
@@ -815,6 +826,13 @@ impl Inner {
 
     pub(crate) fn shard(&self, queue: &[u8]) -> &Mutex<Shard> {
         &self.shards[self.shard_index(queue)]
+    }
+
+    /// The most capacity each shard keeps in emptied write buffers (see [`SpareBuffers`]):
+    /// over all shards, half the buffer budget (a round can empty that much, and the next
+    /// one refills it). Freed after a moment without appends.
+    pub(crate) fn spare_bytes_max(&self) -> usize {
+        self.options.buffer_budget_bytes / 2 / SHARD_COUNT
     }
 
     pub(crate) fn check_poisoned(&self) -> Result<(), WriteError> {
@@ -1062,13 +1080,10 @@ impl Inner {
                 None => self.insert_queue(&mut shard.queues, queue),
             };
             let first_offset = state.next_offset;
-            let buffer = state.buffer.get_or_insert_with(|| {
-                Box::new(WriteBuffer {
-                    first_offset,
-                    logged_end: first_offset,
-                    ..WriteBuffer::default()
-                })
-            });
+            let buffer = match &mut state.buffer {
+                Some(buffer) => buffer,
+                none => none.insert(shard.spare.take(first_offset)),
+            };
             let mut direct = state.direct_round == round;
             messages.clear();
             for &(_, index) in &run[start..end] {

@@ -590,6 +590,57 @@ fn given_idle_queues_when_measuring_memory_should_hold_no_buffers() {
 }
 
 #[test]
+fn given_buffers_emptied_by_rounds_when_appends_stop_should_reuse_then_free_the_spares() {
+    let disk = SimulatedDisk::new();
+    let options = StoreOptions {
+        buffer_budget_bytes: 1 << 20,
+        ..tiny()
+    };
+    let store = open_sim(&disk, options.clone());
+    // Each message fills a chunk: its round seals it and empties the queue's buffer, which
+    // the shard keeps for the next queue (or the same one) that needs a buffer.
+    let names: Vec<String> = (0..40).map(|index| format!("queue-{index}")).collect();
+    let message = |round: u8, index: usize| vec![round ^ index.to_le_bytes()[0]; 100];
+    for round in 0..10_u8 {
+        for (index, name) in names.iter().enumerate() {
+            store
+                .append(name.as_bytes(), &message(round, index))
+                .unwrap();
+        }
+    }
+    let usage = store.memory_usage();
+    assert_eq!(usage.buffer_bytes, 0, "every buffer was sealed: {usage:?}");
+    assert!(
+        usage.spare_buffer_bytes > 0,
+        "emptied buffers are kept: {usage:?}"
+    );
+    assert!(
+        usage.spare_buffer_bytes <= u64::try_from(options.buffer_budget_bytes / 2).unwrap(),
+        "{usage:?}"
+    );
+    for (index, name) in names.iter().enumerate() {
+        let expected: Vec<Vec<u8>> = (0..10).map(|round| message(round, index)).collect();
+        assert_eq!(read_all(&store, name.as_bytes()), expected, "{name}");
+    }
+    // Idle: the spares are freed.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while store.memory_usage().spare_buffer_bytes > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "spares kept while idle: {:?}",
+            store.memory_usage()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    store.append(b"queue-0", b"after").unwrap();
+    store.close().unwrap();
+    let store = open_sim(&disk, options);
+    let mut expected: Vec<Vec<u8>> = (0..10).map(|round| message(round, 0)).collect();
+    expected.push(b"after".to_vec());
+    assert_eq!(read_all(&store, b"queue-0"), expected);
+}
+
+#[test]
 fn given_open_store_when_opening_same_directory_again_should_refuse_until_closed() {
     let directory = tempfile::tempdir().unwrap();
     let (store, _) = Store::open(directory.path(), tiny()).unwrap();

@@ -284,8 +284,11 @@ fn memory_json(memory: &MemoryUsage, queues: u64, stored: f64) -> Value {
         "total_bytes": memory.total_bytes,
         "index_bytes": memory.index_bytes,
         "buffer_bytes": memory.buffer_bytes,
+        "spare_buffer_bytes": memory.spare_buffer_bytes,
         "queue_bytes": memory.queue_bytes,
-        "bytes_per_queue": (memory.queue_bytes + memory.buffer_bytes) as f64 / queues as f64,
+        "bytes_per_queue": (memory.queue_bytes + memory.buffer_bytes + memory.spare_buffer_bytes)
+            as f64
+            / queues as f64,
         "index_bytes_per_message": memory.index_bytes as f64 / stored,
     })
 }
