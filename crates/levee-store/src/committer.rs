@@ -18,7 +18,7 @@ use crate::format::{
 use crate::options::SyncPolicy;
 use crate::queue::{ChunkEntry, FRAME_BYTES, NO_SEGMENT};
 use crate::recovery::Scanner;
-use crate::storage::StorageFile;
+use crate::storage::{StorageFile, WriteBytes};
 use crate::store::{
     FAILURES_MAX, Inner, Listed, QueueKey, RecordEffect, SHARD_COUNT, SegmentEntry, Shard, lock,
 };
@@ -85,16 +85,19 @@ pub(crate) struct Writer {
     segment: u32,
     file: Arc<dyn StorageFile>,
     length: u64,
-    buffer: Vec<u8>,
+    /// The round's bytes not yet written, for position `length`.
+    buffer: WriteBytes,
 }
 
 impl Writer {
     pub(crate) fn new(segment: u32, file: Arc<dyn StorageFile>, length: u64) -> Self {
+        let mut buffer = WriteBytes::new();
+        buffer.reset(length);
         Self {
             segment,
             file,
             length,
-            buffer: Vec::new(),
+            buffer,
         }
     }
 
@@ -378,15 +381,16 @@ impl Committer<'_> {
         }
     }
 
-    /// Appends every shard's log to the round buffer and moves its direct list to `direct`;
-    /// later appends go to round `round + 1`.
+    /// Appends every shard's log to the round buffer (writing it early once it passes
+    /// `round_write_bytes`) and moves its direct list to `direct`; later appends go to round
+    /// `round + 1`. What it took is in `taken`, also when it fails.
     fn take_logs(
         &mut self,
         round: u64,
         direct: &mut Vec<RunEntry>,
         rotated_mid_round: &mut bool,
-    ) -> io::Result<TakenLog> {
-        let mut taken = TakenLog::default();
+        taken: &mut TakenLog,
+    ) -> io::Result<()> {
         self.inner.log_pending.store(0, Ordering::SeqCst);
         self.inner
             .direct_unwritten_bytes
@@ -429,11 +433,15 @@ impl Committer<'_> {
             if let Some(open) = open_log {
                 format::seal_log_batch(&mut self.writer.buffer, open);
             }
+            self.round_log_buffered = self.writer.buffer.len();
+            taken.bytes = self.round_log.len() + self.writer.buffer.len();
             // Rotation fsyncs: never with a shard locked.
             self.overflow_rotate(rotated_mid_round)?;
+            if self.writer.buffer.len() >= self.inner.options.round_write_bytes {
+                self.write_round_buffer()?;
+            }
         }
-        taken.bytes = self.writer.buffer.len();
-        Ok(taken)
+        Ok(())
     }
 
     /// Runs one round; false once the store is poisoned.
@@ -481,17 +489,12 @@ impl Committer<'_> {
         let timestamp_ms = now_ms();
         let mut placed = std::mem::take(&mut self.spare_placed);
         let mut rotated_mid_round = false;
-        self.writer.buffer.clear();
+        self.writer.buffer.reset(self.writer.length);
         // Queues are sealed in shard order (see `freeze_run`); a queue's chunks follow its
         // log records, which are already in the round buffer.
         let mut run = std::mem::take(&mut self.spare_run);
-        let mut result = self.take_logs(plan.round, &mut run, &mut rotated_mid_round);
-        let taken = match &mut result {
-            Ok(taken) => std::mem::take(taken),
-            Err(_) => TakenLog::default(),
-        };
-        let mut result = result.map(|_| ());
-        self.round_log_buffered = taken.bytes;
+        let mut taken = TakenLog::default();
+        let mut result = self.take_logs(plan.round, &mut run, &mut rotated_mid_round, &mut taken);
         taken_keys
             .direct
             .extend(run.iter().map(|(_, _, key)| key.clone()));
@@ -520,12 +523,8 @@ impl Committer<'_> {
             // Emptied by `freeze_run` (not when the round failed before it).
             self.spare_run = run;
         }
-        let written = self.writer.buffer.len() as u64;
-        if result.is_ok() && written > 0 {
-            result = self
-                .writer
-                .file
-                .write_at(self.writer.length, &self.writer.buffer);
+        if result.is_ok() && !self.writer.buffer.is_empty() {
+            result = self.write_round_buffer();
         }
         if result.is_ok() {
             // Writes may still be on their way (direct writes): a failed one fails the round
@@ -547,8 +546,7 @@ impl Committer<'_> {
                 plan.round, &failure, doing, taken, placed, taken_keys, fatal,
             );
         }
-        self.writer.length += written;
-        let written = written + self.round_flushed;
+        let written = self.round_flushed;
         self.inner
             .counters
             .bytes_written
@@ -767,20 +765,18 @@ impl Committer<'_> {
 
     /// Writes the round buffer so far (no fsync) and empties it; its log records are kept
     /// aside for a failure. A failed round truncates the segment back to where it started.
-    fn write_early(&mut self) -> io::Result<()> {
+    fn write_round_buffer(&mut self) -> io::Result<()> {
         if self.round_log_buffered > 0 {
-            self.round_log.clear();
+            // The file may keep the buffer's memory (see `StorageFile::write_bytes`).
             self.round_log
                 .extend_from_slice(&self.writer.buffer[..self.round_log_buffered]);
             self.round_log_buffered = 0;
         }
-        self.writer
-            .file
-            .write_at(self.writer.length, &self.writer.buffer)?;
+        debug_assert_eq!(self.writer.buffer.position(), self.writer.length);
         let written = self.writer.buffer.len() as u64;
+        self.writer.file.write_bytes(&mut self.writer.buffer)?;
         self.writer.length += written;
         self.round_flushed += written;
-        self.writer.buffer.clear();
         Ok(())
     }
 
@@ -791,11 +787,9 @@ impl Committer<'_> {
         }
         *rotated = true;
         self.round_log_buffered = 0;
-        self.writer
-            .file
-            .write_at(self.writer.length, &self.writer.buffer)?;
-        self.writer.length += self.writer.buffer.len() as u64;
-        self.writer.buffer.clear();
+        let written = self.writer.buffer.len() as u64;
+        self.writer.file.write_bytes(&mut self.writer.buffer)?;
+        self.writer.length += written;
         self.rotate()
     }
 
@@ -822,12 +816,10 @@ impl Committer<'_> {
                 held = None;
                 self.overflow_rotate(rotated_mid_round)?;
             }
-            if self.writer.buffer.len()
-                >= self.round_log_buffered + self.inner.options.round_write_bytes
-            {
+            if self.writer.buffer.len() >= self.inner.options.round_write_bytes {
                 // A write takes a while: never with a shard locked.
                 held = None;
-                self.write_early()?;
+                self.write_round_buffer()?;
             }
             let reuse = held.as_ref().is_some_and(|(index, frozen, _)| {
                 *index == shard_index && *frozen < FREEZE_QUEUES_PER_LOCK_MAX
@@ -915,8 +907,14 @@ impl Committer<'_> {
             let position = self.writer.position();
             let before = self.writer.buffer.len();
             let first_offset = buffer.first_offset + index as u64;
+            // Room first: the encoder appends to the buffer's `Vec`, which must not move.
+            self.writer.buffer.reserve(format::chunk_record_bytes(
+                key.name.len(),
+                end - index,
+                payload,
+            ));
             format::encode_chunk_framed(
-                &mut self.writer.buffer,
+                self.writer.buffer.vec_mut(),
                 &key.name,
                 first_offset,
                 timestamp_ms,
@@ -1168,14 +1166,12 @@ impl Committer<'_> {
             *until = (*until).max(next);
         }
         let round_bytes = std::mem::take(&mut self.writer.buffer);
-        // The round's log records: still at the start of its buffer, or kept aside if the
-        // buffer was written early (the write was truncated away with the rest of the round).
-        let round_log = std::mem::take(&mut self.round_log);
-        let log_bytes = if self.round_flushed > 0 {
-            &round_log[..]
-        } else {
-            &round_bytes[..]
-        };
+        // The round's log records: those written (and truncated away with the rest of the
+        // round) were kept aside, the others are still at the start of its buffer.
+        let mut round_log = std::mem::take(&mut self.round_log);
+        round_log.extend_from_slice(&round_bytes[..self.round_log_buffered]);
+        self.round_log_buffered = 0;
+        let log_bytes = &round_log[..];
         let mut unfreeze: Vec<QueueKey> = placed.into_iter().map(|chunk| chunk.key).collect();
         unfreeze.extend(taken_keys.all.iter().map(|listed| listed.key.clone()));
         let sealed_keys = taken_keys.all;
@@ -1374,12 +1370,9 @@ impl Committer<'_> {
         // The round buffer (empty here) keeps its capacity: growing it again after every
         // rotation faulted in and zeroed fresh pages, a seventh of the CPU under budget flushes.
         let mut buffer = std::mem::take(&mut self.writer.buffer);
-        buffer.clear();
-        self.writer = Writer::new(
-            segment,
-            file,
-            SEGMENT_HEADER_BYTES + FLOOR_RECORD_BYTES as u64,
-        );
+        let length = SEGMENT_HEADER_BYTES + FLOOR_RECORD_BYTES as u64;
+        buffer.reset(length);
+        self.writer = Writer::new(segment, file, length);
         self.writer.buffer = buffer;
         Ok(())
     }

@@ -67,7 +67,7 @@ pub use options::{
 pub use read::ReadBatch;
 pub use recovery::{OpenReport, TruncatedTail};
 pub use simulated::{CrashMode, Fault, SimulatedDisk};
-pub use storage::{LOCK_FILE_NAME, OsStorage, Storage, StorageFile};
+pub use storage::{LOCK_FILE_NAME, OsStorage, Storage, StorageFile, WriteBytes};
 pub use store::{
     CommitTicket, MemoryUsage, QueueInfo, Retention, RetentionReport, Store, StoreStats,
 };

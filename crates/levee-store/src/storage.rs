@@ -45,6 +45,15 @@ pub trait StorageFile: Send + Sync + fmt::Debug {
     fn read_up_to(&self, position: u64, buffer: &mut [u8]) -> io::Result<usize>;
     /// Writes all of `data` at `position`.
     fn write_at(&self, position: u64, data: &[u8]) -> io::Result<()>;
+    /// Writes `bytes` at their position like [`StorageFile::write_at`], then empties them for
+    /// the bytes that follow. A file that writes in the background may keep their memory and
+    /// put other memory in its place (see [`WriteBytes`]). After an error `bytes` hold nothing
+    /// certain: the caller cuts the file back and starts them again.
+    fn write_bytes(&self, bytes: &mut WriteBytes) -> io::Result<()> {
+        self.write_at(bytes.position(), bytes)?;
+        bytes.reset(bytes.end());
+        Ok(())
+    }
     /// Returns once every write so far has reached the file (a write may return before that),
     /// with the error of the first that failed since the last call. Such a failure is also
     /// reported by the next `write_at` or `sync`; a `truncate` that cuts it off forgets it.
@@ -55,6 +64,110 @@ pub trait StorageFile: Send + Sync + fmt::Debug {
     fn sync(&self) -> io::Result<()>;
     /// Cuts the file to `length` bytes.
     fn truncate(&self, length: u64) -> io::Result<()>;
+}
+
+/// Bytes built for one write at a file position, laid out so that a file writing with
+/// `O_DIRECT` can hand their block-aligned middle to the disk as they are: byte `i` sits at an
+/// address congruent to `position + i` modulo 4 KiB (the buffer starts with up to 4 KiB of
+/// padding). Growing keeps the layout; it and [`WriteBytes::reset`] keep the capacity.
+#[derive(Debug, Default)]
+pub struct WriteBytes {
+    /// `pad` bytes of padding, then the bytes.
+    data: Vec<u8>,
+    pad: usize,
+    position: u64,
+}
+
+impl WriteBytes {
+    /// Empty bytes for position 0.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Empties them for bytes that go at `position`.
+    pub fn reset(&mut self, position: u64) {
+        self.data.clear();
+        // Room for the padding, so that adding it does not move the buffer.
+        self.data.reserve(DIRECT_ALIGN_BYTES);
+        self.position = position;
+        self.pad = Self::pad_for(&self.data, position);
+        self.data.resize(self.pad, 0);
+    }
+
+    /// Where the bytes go in the file.
+    #[must_use]
+    pub fn position(&self) -> u64 {
+        self.position
+    }
+
+    /// The file position just past the bytes.
+    #[must_use]
+    pub fn end(&self) -> u64 {
+        self.position + self.len() as u64
+    }
+
+    /// Appends `bytes`.
+    pub fn extend_from_slice(&mut self, bytes: &[u8]) {
+        self.reserve(bytes.len());
+        self.data.extend_from_slice(bytes);
+    }
+
+    /// Makes room for `additional` more bytes, keeping the layout.
+    pub fn reserve(&mut self, additional: usize) {
+        let needed = self.data.len() + additional;
+        if needed <= self.data.capacity() {
+            return;
+        }
+        let capacity = needed.max(self.data.capacity() * 2) + DIRECT_ALIGN_BYTES;
+        let mut grown = Vec::with_capacity(capacity);
+        let pad = Self::pad_for(&grown, self.position);
+        grown.resize(pad, 0);
+        grown.extend_from_slice(&self.data[self.pad..]);
+        self.data = grown;
+        self.pad = pad;
+    }
+
+    /// The buffer, padding included, for encoders that append to a `Vec` (after
+    /// [`WriteBytes::reserve`], so that they do not move it).
+    pub(crate) fn vec_mut(&mut self) -> &mut Vec<u8> {
+        &mut self.data
+    }
+
+    /// Whether byte `i` still sits at an address congruent to `position + i` modulo 4 KiB
+    /// (a `Vec` that grew by itself moved).
+    fn laid_out(&self) -> bool {
+        self.pad <= self.data.len() && Self::pad_for(&self.data, self.position) == self.pad
+    }
+
+    /// Padding that puts `position` at an address congruent to it modulo 4 KiB in `data`.
+    fn pad_for(data: &[u8], position: u64) -> usize {
+        let address = data.as_ptr().addr() % DIRECT_ALIGN_BYTES;
+        let wanted = usize::try_from(position % DIRECT_ALIGN).unwrap_or(0);
+        (wanted + DIRECT_ALIGN_BYTES - address) % DIRECT_ALIGN_BYTES
+    }
+
+    /// Puts `memory` in place of the buffer (emptied for `position`); returns the buffer and
+    /// where its bytes start in it.
+    fn swap_memory(&mut self, memory: Vec<u8>, position: u64) -> (Vec<u8>, usize) {
+        let old = (std::mem::replace(&mut self.data, memory), self.pad);
+        self.reset(position);
+        old
+    }
+}
+
+impl std::ops::Deref for WriteBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.data[self.pad..]
+    }
+}
+
+impl std::ops::DerefMut for WriteBytes {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.data[self.pad..]
+    }
 }
 
 /// [`Storage`] on a real directory.
@@ -182,28 +295,19 @@ const BOUNCE_BUFFERS: usize = 4;
 /// `DIRECT_MIN_BYTES` + 8 KiB) by this.
 const QUEUED_PIECES: usize = 8;
 
-/// An 8 MiB buffer whose usable part starts at a 4 KiB-aligned address.
-struct AlignedBuffer {
-    storage: Vec<u8>,
-    skip: usize,
-}
+/// Capacity of a buffer of the background writer: a direct write's most, room to align it,
+/// and slack for [`WriteBytes`] handed over whole (a commit round writes once it passes
+/// [`crate::StoreOptions::round_write_bytes`], 8 MiB by default, by up to a queue's chunks).
+const POOL_BUFFER_BYTES: usize = BOUNCE_BYTES + BOUNCE_BYTES / 4 + DIRECT_ALIGN_BYTES;
+/// A buffer that comes back larger than this (bytes handed over after they grew for a large
+/// record) is freed rather than kept.
+const POOL_BUFFER_BYTES_KEPT_MAX: usize = 4 * BOUNCE_BYTES;
 
-impl AlignedBuffer {
-    fn new() -> Self {
-        let storage = vec![0; BOUNCE_BYTES + DIRECT_ALIGN_BYTES];
-        let skip = storage.as_ptr().align_offset(DIRECT_ALIGN_BYTES);
-        Self { storage, skip }
-    }
-
-    fn aligned(&mut self) -> &mut [u8] {
-        &mut self.storage[self.skip..self.skip + BOUNCE_BYTES]
-    }
-}
-
-/// The bytes of a piece: an aligned buffer for `O_DIRECT`, or a copy of a small write that
+/// The bytes of a piece: for `O_DIRECT`, a buffer of the background writer's (`start` is
+/// where the piece starts in it, at a 4 KiB-aligned address), or a copy of a small write that
 /// goes through the page cache behind the pieces before it.
 enum PieceBytes {
-    Direct(AlignedBuffer),
+    Direct { buffer: Vec<u8>, start: usize },
     Buffered(Vec<u8>),
 }
 
@@ -229,8 +333,8 @@ struct DirectJob {
 struct DirectWriter {
     /// `None` until the first direct write starts the thread.
     jobs: Mutex<Option<std::sync::mpsc::SyncSender<DirectJob>>>,
-    free: Mutex<std::sync::mpsc::Receiver<AlignedBuffer>>,
-    returns: std::sync::mpsc::SyncSender<AlignedBuffer>,
+    free: Mutex<std::sync::mpsc::Receiver<Vec<u8>>>,
+    returns: std::sync::mpsc::SyncSender<Vec<u8>>,
 }
 
 impl fmt::Debug for DirectWriter {
@@ -245,11 +349,8 @@ impl DirectWriter {
     fn new() -> Self {
         let (returns, free) = std::sync::mpsc::sync_channel(BOUNCE_BUFFERS);
         for _ in 0..BOUNCE_BUFFERS {
-            // Lazily filled: an empty storage is allocated at its first use.
-            let _ = returns.try_send(AlignedBuffer {
-                storage: Vec::new(),
-                skip: 0,
-            });
+            // Allocated at its first use.
+            let _ = returns.try_send(Vec::new());
         }
         Self {
             jobs: Mutex::new(None),
@@ -258,19 +359,29 @@ impl DirectWriter {
         }
     }
 
-    /// A free buffer; waits while every buffer is being written.
-    fn take_buffer(&self) -> io::Result<AlignedBuffer> {
-        let buffer = self
+    /// A free buffer, empty, of [`POOL_BUFFER_BYTES`] or more; waits while every buffer is
+    /// being written.
+    fn take_buffer(&self) -> io::Result<Vec<u8>> {
+        let mut buffer = self
             .free
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .recv()
             .map_err(|_| io::Error::other("the store's direct writer thread has stopped"))?;
-        Ok(if buffer.storage.is_empty() {
-            AlignedBuffer::new()
+        buffer.clear();
+        buffer.reserve_exact(POOL_BUFFER_BYTES);
+        Ok(buffer)
+    }
+
+    /// Puts a buffer back among the free ones (a larger one than kept is freed, and its
+    /// place allocated again at its next use).
+    fn keep_buffer(returns: &std::sync::mpsc::SyncSender<Vec<u8>>, buffer: Vec<u8>) {
+        let buffer = if buffer.capacity() > POOL_BUFFER_BYTES_KEPT_MAX {
+            Vec::new()
         } else {
             buffer
-        })
+        };
+        let _ = returns.try_send(buffer);
     }
 
     /// Hands `job` to the thread (started at the first); on failure its buffer goes back to
@@ -287,8 +398,20 @@ impl DirectWriter {
                 .spawn(move || {
                     // Ends when the last handle of the directory is dropped.
                     while let Ok(job) = receiver.recv() {
-                        if let Some(buffer) = job.run() {
-                            let _ = returns.send(buffer);
+                        let (id, writes) = (job.id, Arc::clone(&job.writes));
+                        // A panic (a bug) fails the piece rather than leaving its waiters
+                        // waiting for it forever.
+                        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.run())) {
+                            Ok(Some(buffer)) => Self::keep_buffer(&returns, buffer),
+                            Ok(None) => {}
+                            Err(_) => {
+                                writes.finished(
+                                    id,
+                                    Err(io::Error::other("the store's I/O thread panicked")),
+                                );
+                                // Its buffer, if it had one, is replaced (a full pool refuses).
+                                Self::keep_buffer(&returns, Vec::new());
+                            }
                         }
                     }
                 });
@@ -304,21 +427,21 @@ impl DirectWriter {
         })
     }
 
-    /// Returns the aligned buffer of a piece that was not written to the free ones.
+    /// Returns the buffer of a piece that was not written to the free ones.
     fn give_back(&self, bytes: PieceBytes) {
-        if let PieceBytes::Direct(buffer) = bytes {
-            let _ = self.returns.try_send(buffer);
+        if let PieceBytes::Direct { buffer, .. } = bytes {
+            Self::keep_buffer(&self.returns, buffer);
         }
     }
 }
 
 impl DirectJob {
-    /// Writes the piece, notes the outcome in its file's [`FileWrites`] and hands its aligned
-    /// buffer back, if it has one.
-    fn run(mut self) -> Option<AlignedBuffer> {
-        let result = match &mut self.bytes {
-            PieceBytes::Direct(buffer) => Self::write_direct(
-                &buffer.aligned()[..self.length],
+    /// Writes the piece, notes the outcome in its file's [`FileWrites`] and hands its buffer
+    /// back, if it has one of the background writer's.
+    fn run(self) -> Option<Vec<u8>> {
+        let result = match &self.bytes {
+            PieceBytes::Direct { buffer, start } => Self::write_direct(
+                &buffer[*start..*start + self.length],
                 self.position,
                 &self.direct,
                 &self.file,
@@ -328,7 +451,7 @@ impl DirectJob {
         };
         self.writes.finished(self.id, result);
         match self.bytes {
-            PieceBytes::Direct(buffer) => Some(buffer),
+            PieceBytes::Direct { buffer, .. } => Some(buffer),
             PieceBytes::Buffered(_) => None,
         }
     }
@@ -489,6 +612,26 @@ impl OsFile {
             .as_ref()
     }
 
+    /// For a write of `length` bytes at `position`: the background writer, the direct handle
+    /// and the block-aligned middle, if it goes with `O_DIRECT` (see `write_direct`).
+    fn direct_body(
+        &self,
+        position: u64,
+        length: usize,
+    ) -> Option<(&Arc<DirectWriter>, &Arc<File>, u64, u64)> {
+        let writer = self.writer.as_ref()?;
+        if self.writes.direct_refused.load(Ordering::Relaxed) {
+            return None;
+        }
+        let end = position + length as u64;
+        let body_start = position.next_multiple_of(DIRECT_ALIGN);
+        let body_end = end / DIRECT_ALIGN * DIRECT_ALIGN;
+        if body_end < body_start + DIRECT_MIN_BYTES {
+            return None;
+        }
+        Some((writer, self.direct()?, body_start, body_end))
+    }
+
     /// Writes the block-aligned middle of `data` with `O_DIRECT` on the background writer
     /// (through the page cache it would cost a page-cache page per 4 KiB, which on a VM whose
     /// freed memory the host takes back is a host page fault each) and its unaligned ends
@@ -496,19 +639,8 @@ impl OsFile {
     /// The middle may still be on its way when this returns: every other call on the file
     /// waits for it, and [`StorageFile::finish_writes`] or `sync` report a failure.
     fn write_direct(&self, position: u64, data: &[u8]) -> io::Result<bool> {
-        let Some(writer) = &self.writer else {
-            return Ok(false);
-        };
-        if self.writes.direct_refused.load(Ordering::Relaxed) {
-            return Ok(false);
-        }
-        let end = position + data.len() as u64;
-        let body_start = position.next_multiple_of(DIRECT_ALIGN);
-        let body_end = end / DIRECT_ALIGN * DIRECT_ALIGN;
-        if body_end < body_start + DIRECT_MIN_BYTES {
-            return Ok(false);
-        }
-        let Some(direct) = self.direct() else {
+        let Some((writer, direct, body_start, body_end)) = self.direct_body(position, data.len())
+        else {
             return Ok(false);
         };
         let offset = |at: u64| usize::try_from(at - position).unwrap_or(usize::MAX);
@@ -519,12 +651,44 @@ impl OsFile {
             let length =
                 usize::try_from((body_end - at).min(BOUNCE_BYTES as u64)).unwrap_or(BOUNCE_BYTES);
             let mut buffer = writer.take_buffer()?;
-            buffer.aligned()[..length].copy_from_slice(&data[offset(at)..offset(at) + length]);
-            self.submit(writer, direct, at, length, PieceBytes::Direct(buffer))?;
+            // Invariant: the buffer has room for the padding and the piece, so it does not move.
+            let start = buffer.as_ptr().align_offset(DIRECT_ALIGN_BYTES);
+            buffer.resize(start, 0);
+            buffer.extend_from_slice(&data[offset(at)..offset(at) + length]);
+            let bytes = PieceBytes::Direct { buffer, start };
+            self.submit(writer, direct, at, length, bytes)?;
             at += length as u64;
         }
         // The last block's start, which the next write completes from the page cache.
         self.write_buffered(body_end, &data[offset(body_end)..])?;
+        Ok(true)
+    }
+
+    /// As `write_direct`, for bytes laid out for it: their middle goes to the background
+    /// writer as it is, their memory with it, and one of the writer's free buffers takes its
+    /// place in `bytes` (waiting while all are being written). Returns false (nothing written)
+    /// where that does not apply.
+    fn write_direct_bytes(&self, bytes: &mut WriteBytes) -> io::Result<bool> {
+        let position = bytes.position();
+        let Some((writer, direct, body_start, body_end)) = self.direct_body(position, bytes.len())
+        else {
+            return Ok(false);
+        };
+        if !bytes.laid_out() {
+            return Ok(false);
+        }
+        let offset = |at: u64| usize::try_from(at - position).unwrap_or(usize::MAX);
+        let end = bytes.end();
+        self.write_buffered(position, &bytes[..offset(body_start)])?;
+        // The last block's start is written behind the middle, from a copy (under 4 KiB).
+        let tail = bytes[offset(body_end)..].to_vec();
+        let memory = writer.take_buffer()?;
+        let (buffer, pad) = bytes.swap_memory(memory, end);
+        let start = pad + offset(body_start);
+        let length = offset(body_end) - offset(body_start);
+        let piece = PieceBytes::Direct { buffer, start };
+        self.submit(writer, direct, body_start, length, piece)?;
+        self.write_buffered(body_end, &tail)?;
         Ok(true)
     }
 
@@ -606,6 +770,16 @@ impl StorageFile for OsFile {
         self.write_buffered(position, data)
     }
 
+    fn write_bytes(&self, bytes: &mut WriteBytes) -> io::Result<()> {
+        self.writes.take_failed()?;
+        if self.write_direct_bytes(bytes)? {
+            return Ok(());
+        }
+        self.write_at(bytes.position(), bytes)?;
+        bytes.reset(bytes.end());
+        Ok(())
+    }
+
     fn finish_writes(&self) -> io::Result<()> {
         self.writes.finish()
     }
@@ -648,27 +822,12 @@ mod tests {
         writes: &[(u64, usize, u8)],
         check_each: bool,
     ) -> OsFile {
-        let handle = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(storage.directory().join(name))
-            .unwrap();
-        let file = storage.os_file(name, handle);
+        let file = create_file(storage, name);
         let mut model: Vec<u8> = Vec::new();
         for &(position, length, fill) in writes {
-            // Distinct bytes within a write, so a block written to the wrong place shows.
-            let data: Vec<u8> = (0..length)
-                .map(|index| {
-                    fill.wrapping_add((index / 4096).to_le_bytes()[0]) ^ index.to_le_bytes()[0]
-                })
-                .collect();
+            let data = write_data(length, fill);
             file.write_at(position, &data).unwrap();
-            let start = usize::try_from(position).unwrap();
-            if model.len() < start + length {
-                model.resize(start + length, 0);
-            }
-            model[start..start + length].copy_from_slice(&data);
+            write_model(&mut model, position, &data);
             if !check_each {
                 continue;
             }
@@ -685,6 +844,82 @@ mod tests {
         file.read_at(0, &mut read).unwrap();
         assert!(read == model, "the file differs after its writes");
         file
+    }
+
+    /// As [`write_and_compare_at`] (checking after the last write only), each write made with
+    /// [`StorageFile::write_bytes`] from one [`WriteBytes`] kept across them, so that its memory
+    /// goes to the background writer and comes back as another's; with `moved`, the bytes are
+    /// appended to its `Vec` without making room first, so that the buffer may move and lose
+    /// its layout.
+    fn write_bytes_and_compare(
+        storage: &OsStorage,
+        name: &str,
+        writes: &[(u64, usize, u8)],
+        moved: bool,
+    ) -> OsFile {
+        let file = create_file(storage, name);
+        let mut model: Vec<u8> = Vec::new();
+        let mut bytes = WriteBytes::new();
+        for &(position, length, fill) in writes {
+            let data = write_data(length, fill);
+            if bytes.position() != position {
+                bytes.reset(position);
+            }
+            if moved {
+                bytes.vec_mut().extend_from_slice(&data);
+            } else {
+                bytes.extend_from_slice(&data);
+            }
+            assert!(moved || bytes.laid_out());
+            file.write_bytes(&mut bytes).unwrap();
+            assert!(bytes.is_empty());
+            assert_eq!(bytes.position(), position + length as u64);
+            assert!(bytes.laid_out(), "emptied for the next bytes, laid out");
+            write_model(&mut model, position, &data);
+        }
+        file.sync().unwrap();
+        let mut read = vec![0; model.len()];
+        file.read_at(0, &mut read).unwrap();
+        assert!(read == model, "the file differs after its writes");
+        file
+    }
+
+    /// A new file `segment` of `storage` (in `directory`) whose "direct" handle is opened
+    /// read-only: every direct write fails (EBADF).
+    fn failing_direct_file(directory: &tempfile::TempDir, storage: &OsStorage) -> OsFile {
+        let file = create_file(storage, "segment");
+        let read_only = File::open(directory.path().join("segment")).unwrap();
+        file.direct.set(Some(Arc::new(read_only))).unwrap();
+        file
+    }
+
+    /// A new file of `storage`.
+    fn create_file(storage: &OsStorage, name: &str) -> OsFile {
+        let handle = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(storage.directory().join(name))
+            .unwrap();
+        storage.os_file(name, handle)
+    }
+
+    /// Writes `data` at `position` of a plain model of a file.
+    fn write_model(model: &mut Vec<u8>, position: u64, data: &[u8]) {
+        let start = usize::try_from(position).unwrap();
+        if model.len() < start + data.len() {
+            model.resize(start + data.len(), 0);
+        }
+        model[start..start + data.len()].copy_from_slice(data);
+    }
+
+    /// Distinct bytes within a write, so a block written to the wrong place shows.
+    fn write_data(length: usize, fill: u8) -> Vec<u8> {
+        (0..length)
+            .map(|index| {
+                fill.wrapping_add((index / 4096).to_le_bytes()[0]) ^ index.to_le_bytes()[0]
+            })
+            .collect()
     }
 
     /// A fresh directory and its storage with direct writes.
@@ -751,6 +986,48 @@ mod tests {
     }
 
     #[test]
+    fn given_write_bytes_when_runs_of_any_size_and_position_are_handed_over_should_read_back_as_written()
+     {
+        // Appends of every kind (small, unaligned, larger than a buffer of the writer, more
+        // in a row than it has buffers), then an overwrite and an append after it; laid out
+        // and, the second time, moved (written through a copy instead).
+        let mut writes = Vec::new();
+        let mut end = 0_u64;
+        let mut lengths = vec![
+            10,
+            70_000,
+            3,
+            65_536 + 4_093,
+            131_072,
+            BOUNCE_BYTES + 12_345,
+        ];
+        lengths.extend([300_000; 2 * BOUNCE_BUFFERS]);
+        lengths.extend([1, 200_000]);
+        for (fill, length) in lengths.into_iter().enumerate() {
+            writes.push((end, length, u8::try_from(fill).unwrap()));
+            end += length as u64;
+        }
+        writes.push((5_000, 300_000, 99));
+        writes.push((end, 100_000, 100));
+        for moved in [false, true] {
+            let (_directory, storage) = direct_storage();
+            write_bytes_and_compare(&storage, "segment", &writes, moved);
+        }
+    }
+
+    #[test]
+    fn given_write_bytes_whose_middle_fails_when_finished_should_report_it() {
+        let (directory, storage) = direct_storage();
+        let file = failing_direct_file(&directory, &storage);
+        let mut bytes = WriteBytes::new();
+        bytes.reset(100);
+        bytes.extend_from_slice(&vec![2; 1 << 20]);
+        file.write_bytes(&mut bytes).unwrap();
+        let failed = file.finish_writes().unwrap_err();
+        assert_eq!(failed.raw_os_error(), Some(libc::EBADF), "{failed}");
+    }
+
+    #[test]
     fn given_no_direct_writes_when_a_large_run_is_written_should_not_open_the_file_for_direct_io() {
         let directory = tempfile::tempdir().unwrap();
         let storage = OsStorage::new(directory.path()).unwrap();
@@ -762,17 +1039,7 @@ mod tests {
     fn given_a_direct_write_that_fails_when_finished_should_report_it_once_and_forget_it_when_cut_off()
      {
         let (directory, storage) = direct_storage();
-        let path = directory.path().join("segment");
-        let handle = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .unwrap();
-        let file = storage.os_file("segment", handle);
-        // A "direct" handle opened read-only: every write through it fails (EBADF).
-        let read_only = Arc::new(File::open(&path).unwrap());
-        file.direct.set(Some(read_only)).unwrap();
+        let file = failing_direct_file(&directory, &storage);
         file.write_at(0, &[1; 100]).unwrap();
         // Its middle fails in the background (its end is written behind it).
         file.write_at(100, &vec![2; 1 << 20]).unwrap();
