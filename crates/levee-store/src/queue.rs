@@ -484,7 +484,7 @@ pub struct SpareBuffers {
         reason = "queues hold their buffers boxed: the box is reused with the data"
     )]
     buffers: Vec<Box<WriteBuffer>>,
-    /// Capacity of the kept buffers' data.
+    /// Memory of the kept buffers: each one's box and its data's capacity.
     bytes: usize,
 }
 
@@ -499,7 +499,7 @@ impl SpareBuffers {
                 ..WriteBuffer::default()
             });
         };
-        self.bytes -= buffer.data.capacity();
+        self.bytes -= Self::memory_of(&buffer);
         let mut data = std::mem::take(&mut buffer.data);
         data.clear();
         *buffer = WriteBuffer {
@@ -511,22 +511,27 @@ impl SpareBuffers {
         buffer
     }
 
-    /// Keeps an emptied write buffer if the kept ones stay within `bytes_max` bytes of
-    /// capacity; drops it otherwise.
+    /// Keeps an emptied write buffer if the kept ones stay within `bytes_max` bytes of memory
+    /// (boxes and data); drops it otherwise.
     pub fn keep(&mut self, buffer: Box<WriteBuffer>, bytes_max: usize) {
-        let capacity = buffer.data.capacity();
-        if capacity > 0 && self.bytes + capacity <= bytes_max {
-            self.bytes += capacity;
+        let memory = Self::memory_of(&buffer);
+        if buffer.data.capacity() > 0 && self.bytes + memory <= bytes_max {
+            self.bytes += memory;
             self.buffers.push(buffer);
         }
     }
 
-    /// Capacity of the kept buffers' data, in bytes.
+    fn memory_of(buffer: &WriteBuffer) -> usize {
+        std::mem::size_of::<WriteBuffer>() + buffer.data.capacity()
+    }
+
+    /// Memory of the kept buffers (boxes and data), in bytes.
     pub fn bytes(&self) -> usize {
         self.bytes
     }
 
     /// How many buffers are kept.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.buffers.len()
     }
@@ -964,7 +969,8 @@ mod tests {
         buffer.frozen_bytes = buffer.budget_bytes();
         buffer.drain_front(40, buffer.frozen_bytes);
         let capacity = buffer.data.capacity();
-        spares.keep(buffer, capacity - 1);
+        let memory = std::mem::size_of::<WriteBuffer>() + capacity;
+        spares.keep(buffer, memory - 1);
         assert_eq!(spares.len(), 0, "over the bound: dropped");
         let mut buffer = spares.take(47);
         buffer.push_toward_chunk(&[1; 50], 256);
@@ -972,8 +978,9 @@ mod tests {
         buffer.frozen_bytes = buffer.budget_bytes();
         buffer.drain_front(1, buffer.frozen_bytes);
         let capacity = buffer.data.capacity();
-        spares.keep(buffer, capacity);
-        assert_eq!((spares.len(), spares.bytes()), (1, capacity));
+        let memory = std::mem::size_of::<WriteBuffer>() + capacity;
+        spares.keep(buffer, memory);
+        assert_eq!((spares.len(), spares.bytes()), (1, memory));
         let buffer = spares.take(48);
         assert_eq!((spares.len(), spares.bytes()), (0, 0));
         assert_eq!(buffer.data.capacity(), capacity, "the allocation is reused");

@@ -723,8 +723,7 @@ impl Store {
         for shard in &self.inner.shards {
             let shard = lock(shard);
             usage.queue_bytes += (shard.queues.capacity() * slot_bytes) as u64;
-            usage.spare_buffer_bytes += (shard.spare.len() * std::mem::size_of::<WriteBuffer>()
-                + shard.spare.bytes()) as u64;
+            usage.spare_buffer_bytes += shard.spare.bytes() as u64;
             for (name, state) in &shard.queues {
                 usage.queues += 1;
                 usage.index_entries += state.chunks.len() as u64;
