@@ -574,8 +574,8 @@ impl Committer<'_> {
         self.inner.disk_full.store(false, Ordering::SeqCst);
         // Published only once durable: under `always` readers see exactly the indexed chunks
         // and the buffered messages of completed rounds, so they never see a message that a
-        // crash or a full disk could still take back.
-        // Emptied write buffers become spares (see `release_spares`).
+        // crash or a full disk could still take back. Emptied write buffers become spares
+        // (see `release_spares`).
         self.spares_kept |= !placed.is_empty();
         self.spare_placed = self.apply(plan.round, placed, taken);
         if plan.is_checkpoint {
@@ -1372,8 +1372,12 @@ impl Committer<'_> {
         let mut buffer = std::mem::take(&mut self.writer.buffer);
         let length = SEGMENT_HEADER_BYTES + FLOOR_RECORD_BYTES as u64;
         buffer.reset(length);
-        self.writer = Writer::new(segment, file, length);
-        self.writer.buffer = buffer;
+        self.writer = Writer {
+            segment,
+            file,
+            length,
+            buffer,
+        };
         Ok(())
     }
 

@@ -318,8 +318,8 @@ pub struct MemoryUsage {
     pub index_bytes: u64,
     /// Bytes of write buffers (capacity included).
     pub buffer_bytes: u64,
-    /// Bytes of emptied write buffers kept for reuse while appends keep coming (capacity
-    /// included; at most half the buffer budget; freed once nothing was appended for a fifth
+    /// Bytes of emptied write buffers kept for reuse while appends keep coming (boxes and
+    /// capacity; at most half the buffer budget; freed once nothing was appended for a fifth
     /// of a second).
     pub spare_buffer_bytes: u64,
     /// Bytes of queue states, names and hash-map slots.
@@ -827,7 +827,8 @@ impl Inner {
         &self.shards[self.shard_index(queue)]
     }
 
-    /// The most capacity each shard keeps in emptied write buffers (see [`SpareBuffers`]):
+    /// The most memory (boxes and capacity) each shard keeps in emptied write buffers (see
+    /// [`SpareBuffers`]):
     /// over all shards, half the buffer budget (a round can empty that much, and the next
     /// one refills it). Freed after a moment without appends.
     pub(crate) fn spare_bytes_max(&self) -> usize {
