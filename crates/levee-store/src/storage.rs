@@ -832,18 +832,18 @@ mod tests {
                 continue;
             }
             assert_eq!(file.len().unwrap(), model.len() as u64);
-            let mut read = vec![0; model.len()];
-            file.read_at(0, &mut read).unwrap();
-            assert!(
-                read == model,
-                "the file differs after writing {length} bytes at {position}"
-            );
+            assert_holds(&file, &model, &format!("after writing {length} bytes at {position}"));
         }
         file.sync().unwrap();
+        assert_holds(&file, &model, "after its writes");
+        file
+    }
+
+    /// Asserts that `file` starts with exactly the bytes of `model` (`when` names the moment).
+    fn assert_holds(file: &OsFile, model: &[u8], when: &str) {
         let mut read = vec![0; model.len()];
         file.read_at(0, &mut read).unwrap();
-        assert!(read == model, "the file differs after its writes");
-        file
+        assert!(read == model, "the file differs {when}");
     }
 
     /// As [`write_and_compare_at`] (checking after the last write only), each write made with
@@ -878,9 +878,7 @@ mod tests {
             write_model(&mut model, position, &data);
         }
         file.sync().unwrap();
-        let mut read = vec![0; model.len()];
-        file.read_at(0, &mut read).unwrap();
-        assert!(read == model, "the file differs after its writes");
+        assert_holds(&file, &model, "after its writes");
         file
     }
 
