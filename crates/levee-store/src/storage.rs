@@ -832,7 +832,11 @@ mod tests {
                 continue;
             }
             assert_eq!(file.len().unwrap(), model.len() as u64);
-            assert_holds(&file, &model, &format!("after writing {length} bytes at {position}"));
+            assert_holds(
+                &file,
+                &model,
+                &format!("after writing {length} bytes at {position}"),
+            );
         }
         file.sync().unwrap();
         assert_holds(&file, &model, "after its writes");
