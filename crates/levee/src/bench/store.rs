@@ -599,7 +599,6 @@ fn in_threads(
     })
 }
 
-/// Sequential write bandwidth of the disk under `directory`: 1 MiB writes, then one fsync.
 /// The same disk's sequential write bandwidth, in MB/s: written through the page cache (1 MiB
 /// writes) and with `O_DIRECT` (8 MiB writes; `None` where the file system refuses it), each
 /// followed by one fsync.
