@@ -2,8 +2,9 @@
 //! every shard gathered since the last round (the appended messages, trims and deletes), seals
 //! the write buffers that are due into chunk records (a queue's consecutive messages
 //! together), writes it all in one sequential write, fsyncs once, publishes the chunks in the
-//! index and wakes every append waiting on that round (group commit). After a round it deletes
-//! the oldest segment files once nothing live remains in them.
+//! index and wakes every append waiting on that round (group commit). Under `interval` the
+//! chunks are published as their writes land, between the round's later writes. After a round
+//! it deletes the oldest segment files once nothing live remains in them.
 
 use std::collections::VecDeque;
 use std::io;
@@ -178,6 +179,11 @@ struct Committer<'a> {
     /// The current round's log records, kept once the buffer holding them was written early:
     /// a failed round puts them back in the shard logs.
     round_log: Vec<u8>,
+    /// How many of the current round's chunks (the first of `placed`) are published already:
+    /// under `interval` a round publishes its chunks as their writes land, between its later
+    /// writes (see `Committer::publish_written`). Its trim and delete effects are applied
+    /// with the first of them (they were written before them).
+    published: usize,
     /// Where rounds started, oldest first, at most one per [`ROUND_START_SPACING_BYTES`] of a
     /// segment; round 0 stands for the log replayed at open (it starts at the recovered
     /// floor). Pruned to the floor at each rotation.
@@ -233,6 +239,7 @@ fn run(inner: &Inner, writer: Writer, log_floor: u32, floor: LogFloor) {
         round_flushed: 0,
         round_log_buffered: 0,
         round_log: Vec::new(),
+        published: 0,
         round_starts: VecDeque::from([(0, floor)]),
         floor,
         gone: Vec::new(),
@@ -464,6 +471,7 @@ impl Committer<'_> {
         self.round_flushed = 0;
         self.round_log_buffered = 0;
         self.round_log.clear();
+        self.published = 0;
         // The queues this round took off the pending lists, to put back if it fails.
         let mut taken_keys = TakenKeys {
             direct: Vec::new(),
@@ -512,6 +520,7 @@ impl Committer<'_> {
                 plan.round,
                 timestamp_ms,
                 &mut placed,
+                &mut taken,
                 &mut requeue,
                 &mut rotated_mid_round,
             );
@@ -531,17 +540,23 @@ impl Committer<'_> {
             // like a failed write, before the fsync.
             result = self.writer.file.finish_writes();
         }
+        let result = match (result, self.published.checked_sub(1)) {
+            (Err(error), Some(last)) => {
+                return self.fail_published_round(
+                    plan.round,
+                    error,
+                    rotated_mid_round,
+                    taken.budget_bytes,
+                    placed,
+                    last,
+                    taken_keys,
+                );
+            }
+            (result, _) => result,
+        };
         if let Err(error) = result {
-            // Fatal if the round rotated mid-way or its partial write cannot be cut off;
-            // otherwise it is cut off (and a full disk is retried).
-            let (failure, doing, fatal) = if rotated_mid_round {
-                (error, "writing a commit round", true)
-            } else if let Err(truncate_error) = self.writer.file.truncate(round_start) {
-                (truncate_error, "truncating", true)
-            } else {
-                self.writer.length = round_start;
-                (error, "writing a commit round", false)
-            };
+            let (failure, doing, fatal) =
+                self.cut_failed_round(round_start, error, rotated_mid_round);
             return self.fail_round(
                 plan.round, &failure, doing, taken, placed, taken_keys, fatal,
             );
@@ -798,12 +813,17 @@ impl Committer<'_> {
     /// queues instead of once per queue, which matters when many appenders compete for the
     /// shard locks and the CPU. Keys of queues sealed with [`Seal::All`] that keep buffered
     /// messages go to `requeue`.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the round's state, passed down from run_planned_round"
+    )]
     fn freeze_run(
         &mut self,
         run: &mut Vec<RunEntry>,
         round: u64,
         timestamp_ms: u64,
         placed: &mut Vec<Placed>,
+        taken: &mut TakenLog,
         requeue: &mut Vec<Listed>,
         rotated_mid_round: &mut bool,
     ) -> io::Result<()> {
@@ -820,6 +840,9 @@ impl Committer<'_> {
                 // A write takes a while: never with a shard locked.
                 held = None;
                 self.write_round_buffer()?;
+                if !*rotated_mid_round {
+                    self.publish_written(round, placed, taken);
+                }
             }
             let reuse = held.as_ref().is_some_and(|(index, frozen, _)| {
                 *index == shard_index && *frozen < FREEZE_QUEUES_PER_LOCK_MAX
@@ -966,11 +989,67 @@ impl Committer<'_> {
     /// Publishes a written round in the index. Chunks come grouped by shard (see
     /// `freeze_run`), so each shard is locked once per run of at most
     /// [`FREEZE_QUEUES_PER_LOCK_MAX`] chunks; the segments' live counts and the budget are
-    /// updated once per round. The trim and delete records' effects come first: they were
-    /// written before the chunks. Returns `placed`, emptied, for the next round.
-    fn apply(&self, round: u64, mut placed: Vec<Placed>, taken: TakenLog) -> Vec<Placed> {
+    /// updated once per publication. The trim and delete records' effects come first: they
+    /// were written before the chunks. Only what `publish_written` left is published here.
+    /// Returns `placed`, emptied, for the next round.
+    fn apply(&mut self, round: u64, mut placed: Vec<Placed>, taken: TakenLog) -> Vec<Placed> {
+        if self.published == 0 {
+            self.apply_effects(taken.effects);
+        }
+        let freed_bytes = taken.budget_bytes + self.apply_chunks(round, &placed[self.published..]);
+        self.inner
+            .buffered_bytes
+            .fetch_sub(freed_bytes, Ordering::SeqCst);
+        placed.clear();
+        placed
+    }
+
+    /// Under `interval`, publishes the chunks of the round being built whose writes have
+    /// landed (whole queues at a time), after the round's trim and delete effects; frees
+    /// their budget at once and wakes the appends waiting for it. The disk meanwhile writes
+    /// the round's later pieces, so publishing no longer leaves it idle at the round's end,
+    /// and appends waiting for budget go on while the round is written. Published before
+    /// the round's fsync is what `interval` promises (an acknowledged append is readable at
+    /// once, durable within the interval); under `always` chunks wait for the fsync.
+    fn publish_written(&mut self, round: u64, placed: &[Placed], taken: &mut TakenLog) {
+        if self.interval().is_none() || self.published == placed.len() {
+            return;
+        }
+        let through = self.writer.file.written_through();
+        let mut end = self.published;
+        while end < placed.len()
+            && u64::from(placed[end].entry.position) + placed[end].record_bytes <= through
+        {
+            end += 1;
+        }
+        // A queue's chunks are published together (see `apply_chunks`).
+        while end > self.published
+            && end < placed.len()
+            && Arc::ptr_eq(&placed[end - 1].key.name, &placed[end].key.name)
+            && placed[end - 1].key.incarnation == placed[end].key.incarnation
+        {
+            end -= 1;
+        }
+        if end == self.published {
+            return;
+        }
+        if self.published == 0 {
+            self.apply_effects(std::mem::take(&mut taken.effects));
+        }
+        let freed_bytes = self.apply_chunks(round, &placed[self.published..end]);
+        self.published = end;
+        self.inner
+            .buffered_bytes
+            .fetch_sub(freed_bytes, Ordering::SeqCst);
+        let _commit = lock(&self.inner.commit);
+        self.inner.committed.notify_all();
+    }
+
+    /// Applies a round's trim and delete records' effects, in order, with the segment each
+    /// went to.
+    fn apply_effects(&self, effects: Vec<(RecordEffect, u32)>) {
         let inner = self.inner;
-        for (effect, segment) in taken.effects {
+        for (effect, segment) in effects {
             {
                 let mut segments = lock(&inner.segments);
                 for (dead_segment, count) in effect.dead {
@@ -988,12 +1067,18 @@ impl Committer<'_> {
                 }
             }
         }
+    }
+
+    /// Publishes `placed` (whole queues: a queue's chunks are consecutive in it) in the index
+    /// and drains them from the write buffers; returns the bytes drained.
+    fn apply_chunks(&self, round: u64, placed: &[Placed]) -> usize {
+        let inner = self.inner;
         let mut held: Option<(usize, usize, MutexGuard<'_, Shard>)> = None;
         let mut live_added: Vec<(u32, u64)> = Vec::new();
-        let mut freed_bytes = taken.budget_bytes;
+        let mut freed_bytes = 0;
         let spare_bytes_max = inner.spare_bytes_max();
-        let mut chunks = Vec::new();
-        let mut drained = placed.drain(..).peekable();
+        let mut chunks: Vec<&Placed> = Vec::new();
+        let mut drained = placed.iter().peekable();
         while let Some(first) = drained.next() {
             // A queue's chunks are consecutive in `placed` (see `freeze`): publish them under one
             // lock and drain the buffer once, not once per chunk (each drain moves the rest of
@@ -1051,7 +1136,6 @@ impl Committer<'_> {
             }
             freed_bytes += bytes;
         }
-        drop(drained);
         drop(held);
         let mut segments = lock(&inner.segments);
         for (segment, count) in live_added {
@@ -1061,10 +1145,7 @@ impl Committer<'_> {
             }
         }
         drop(segments);
-        inner
-            .buffered_bytes
-            .fetch_sub(freed_bytes, Ordering::SeqCst);
-        placed
+        freed_bytes
     }
 
     fn complete(&self, round: u64, error: Option<WriteError>) {
@@ -1125,6 +1206,63 @@ impl Committer<'_> {
         if requeued {
             self.inner.log_pending.fetch_add(1, Ordering::SeqCst);
         }
+    }
+
+    /// Cuts the active segment back to `cut` after a round's write failed with `error`:
+    /// the failure to report, what failed and whether it is fatal (the round rotated mid-way
+    /// or its partial write cannot be cut off; otherwise a full disk is retried).
+    fn cut_failed_round(
+        &mut self,
+        cut: u64,
+        error: io::Error,
+        rotated_mid_round: bool,
+    ) -> (io::Error, &'static str, bool) {
+        if rotated_mid_round {
+            (error, "writing a commit round", true)
+        } else if let Err(truncate_error) = self.writer.file.truncate(cut) {
+            (truncate_error, "truncating", true)
+        } else {
+            self.writer.length = cut;
+            (error, "writing a commit round", false)
+        }
+    }
+
+    /// Fails round `round` after some of its chunks (`placed` up to `last`) were published
+    /// (see `publish_written`): those were written, after its log records (whose effects are
+    /// applied), so the round stands up to its last published chunk and the rest is cut off
+    /// and retried as a failed round's. Fatal where it cannot be cut off.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the round's state, passed on to fail_round"
+    )]
+    fn fail_published_round(
+        &mut self,
+        round: u64,
+        error: io::Error,
+        rotated_mid_round: bool,
+        log_budget_bytes: usize,
+        mut placed: Vec<Placed>,
+        last: usize,
+        taken_keys: TakenKeys,
+    ) -> bool {
+        let cut = u64::from(placed[last].entry.position) + placed[last].record_bytes;
+        let (failure, doing, fatal) = self.cut_failed_round(cut, error, rotated_mid_round);
+        // The log records stay written: only their budget is left to free.
+        self.inner
+            .buffered_bytes
+            .fetch_sub(log_budget_bytes, Ordering::SeqCst);
+        self.round_log.clear();
+        self.round_log_buffered = 0;
+        let unpublished = placed.split_off(last + 1);
+        self.fail_round(
+            round,
+            &failure,
+            doing,
+            TakenLog::default(),
+            unpublished,
+            taken_keys,
+            fatal,
+        )
     }
 
     /// Handles a failed round. A full disk (before any mid-round rotation) is recoverable: the
@@ -1199,6 +1337,10 @@ impl Committer<'_> {
                 {
                     buffer.frozen = 0;
                     buffer.frozen_bytes = 0;
+                    // Unknown again: an earlier part of the queue may have been published
+                    // this round (see `publish_written`), which raised it past the messages
+                    // still buffered.
+                    state.unsealed_since = 0;
                 }
             }
             self.requeue_log(&mut lock(&self.inner.shards[0]), taken, log_bytes, true);

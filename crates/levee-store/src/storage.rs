@@ -60,6 +60,12 @@ pub trait StorageFile: Send + Sync + fmt::Debug {
     fn finish_writes(&self) -> io::Result<()> {
         Ok(())
     }
+    /// The file position before which every write so far has reached the file, without
+    /// waiting: the start of the first write still on its way (`u64::MAX` with none; a file
+    /// whose writes return once done: always). 0 while a failed write is not yet reported.
+    fn written_through(&self) -> u64 {
+        u64::MAX
+    }
     /// Makes every write so far durable (fdatasync).
     fn sync(&self) -> io::Result<()>;
     /// Cuts the file to `length` bytes.
@@ -576,6 +582,21 @@ impl FileWrites {
         failed.map_or(Ok(()), |(_, error)| Err(error))
     }
 
+    /// See [`StorageFile::written_through`]: pieces are written in the order of their
+    /// positions, so every byte before the first one in flight is written.
+    fn written_through(&self) -> u64 {
+        let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if state.failed.is_some() {
+            return 0;
+        }
+        state
+            .pieces
+            .iter()
+            .map(|&(_, position, _)| position)
+            .min()
+            .unwrap_or(u64::MAX)
+    }
+
     /// Waits until no write is in flight and returns the first that failed since the last
     /// call.
     fn finish(&self) -> io::Result<()> {
@@ -782,6 +803,10 @@ impl StorageFile for OsFile {
 
     fn finish_writes(&self) -> io::Result<()> {
         self.writes.finish()
+    }
+
+    fn written_through(&self) -> u64 {
+        self.writes.written_through()
     }
 
     fn sync(&self) -> io::Result<()> {
@@ -1058,5 +1083,27 @@ mod tests {
         file.writes.wait(0..u64::MAX);
         file.truncate(50_000).unwrap();
         assert!(file.write_at(50_000, &[3]).is_err());
+    }
+
+    #[test]
+    fn written_through_is_the_start_of_the_first_piece_in_flight() {
+        let writes = FileWrites::default();
+        assert_eq!(writes.written_through(), u64::MAX, "nothing in flight");
+        let first = writes.started(4096, 8192);
+        let second = writes.started(12_288, 100);
+        assert_eq!(writes.written_through(), 4096);
+        writes.finished(first, Ok(()));
+        assert_eq!(writes.written_through(), 12_288);
+        writes.finished(second, Ok(()));
+        assert_eq!(writes.written_through(), u64::MAX);
+        let third = writes.started(12_388, 10);
+        writes.finished(third, Err(io::Error::other("refused")));
+        assert_eq!(
+            writes.written_through(),
+            0,
+            "a failed write not yet reported"
+        );
+        assert!(writes.finish().is_err());
+        assert_eq!(writes.written_through(), u64::MAX, "reported");
     }
 }

@@ -1583,3 +1583,170 @@ fn given_messages_sealed_without_a_log_record_when_appended_should_hold_only_the
     store.sync().unwrap();
     assert_eq!(store.stats().buffered_bytes, 0);
 }
+
+// Under `interval` a round publishes its chunks as their writes land, before its later writes
+// (and its fsync). `SpaceStorage` refuses writes for lack of space once a set number of them
+// has been made, so a round can fail after publishing part of its chunks: what it published
+// stays written and readable, the rest stays buffered and is written once space returns.
+
+#[derive(Debug, Clone)]
+struct SpaceStorage {
+    disk: SimulatedDisk,
+    /// Writes still allowed (`usize::MAX`: no limit).
+    writes_left: Arc<AtomicUsize>,
+}
+
+#[derive(Debug)]
+struct SpaceFile {
+    inner: Arc<dyn StorageFile>,
+    writes_left: Arc<AtomicUsize>,
+}
+
+impl StorageFile for SpaceFile {
+    fn len(&self) -> io::Result<u64> {
+        self.inner.len()
+    }
+    fn read_at(&self, position: u64, buffer: &mut [u8]) -> io::Result<()> {
+        self.inner.read_at(position, buffer)
+    }
+    fn read_up_to(&self, position: u64, buffer: &mut [u8]) -> io::Result<usize> {
+        self.inner.read_up_to(position, buffer)
+    }
+    fn write_at(&self, position: u64, data: &[u8]) -> io::Result<()> {
+        let allowed = self
+            .writes_left
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| {
+                if left == usize::MAX {
+                    Some(left)
+                } else {
+                    left.checked_sub(1)
+                }
+            });
+        if allowed.is_err() {
+            return Err(io::Error::new(io::ErrorKind::StorageFull, "no space left"));
+        }
+        self.inner.write_at(position, data)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.inner.sync()
+    }
+    fn truncate(&self, length: u64) -> io::Result<()> {
+        self.inner.truncate(length)
+    }
+}
+
+impl SpaceStorage {
+    fn wrap(&self, file: Arc<dyn StorageFile>) -> Arc<dyn StorageFile> {
+        Arc::new(SpaceFile {
+            inner: file,
+            writes_left: self.writes_left.clone(),
+        })
+    }
+}
+
+impl Storage for SpaceStorage {
+    fn list(&self) -> io::Result<Vec<String>> {
+        self.disk.list()
+    }
+    fn create(&self, name: &str) -> io::Result<Arc<dyn StorageFile>> {
+        Ok(self.wrap(self.disk.create(name)?))
+    }
+    fn open(&self, name: &str) -> io::Result<Arc<dyn StorageFile>> {
+        Ok(self.wrap(self.disk.open(name)?))
+    }
+    fn remove(&self, name: &str) -> io::Result<()> {
+        self.disk.remove(name)
+    }
+    fn sync_dir(&self) -> io::Result<()> {
+        self.disk.sync_dir()
+    }
+    fn lock_directory(&self) -> io::Result<()> {
+        self.disk.lock_directory()
+    }
+}
+
+/// Appends message `index` (of 40 bytes or so) to each of `queues`, noting it in `expected`.
+fn append_to_each(store: &Store, queues: &[Vec<u8>], index: usize, expected: &mut [Vec<Vec<u8>>]) {
+    for (queue, messages) in queues.iter().zip(expected.iter_mut()) {
+        let message = format!(
+            "{}: message {index:04} {}",
+            String::from_utf8_lossy(queue),
+            "x".repeat(index % 7)
+        );
+        store.append(queue, message.as_bytes()).unwrap();
+        messages.push(message.into_bytes());
+    }
+}
+
+#[test]
+fn given_a_disk_filling_mid_round_under_interval_when_space_returns_should_keep_every_message_in_order()
+ {
+    let options = StoreOptions {
+        sync: SyncPolicy::Interval { interval_ms: 20 },
+        segment_bytes_max: 1 << 20,
+        chunk_bytes: 64,
+        buffer_budget_bytes: 1 << 20,
+        message_bytes_max: 1024,
+        round_write_bytes: 256,
+        ..StoreOptions::default()
+    };
+    let queues: Vec<Vec<u8>> = (0..40)
+        .map(|queue| format!("queue-{queue}").into_bytes())
+        .collect();
+    let mut partly_published = 0;
+    for allowed in 0..32 {
+        let disk = SimulatedDisk::new();
+        let writes_left = Arc::new(AtomicUsize::new(usize::MAX));
+        let storage = SpaceStorage {
+            disk: disk.clone(),
+            writes_left: writes_left.clone(),
+        };
+        let (store, _) = Store::open_with_storage(Arc::new(storage), options.clone()).unwrap();
+        let mut expected = vec![Vec::new(); queues.len()];
+        for index in 0..3 {
+            append_to_each(&store, &queues, index, &mut expected);
+        }
+        store.sync().unwrap();
+        let (_, before) = active_segment_length(&disk);
+        for index in 3..6 {
+            append_to_each(&store, &queues, index, &mut expected);
+        }
+        writes_left.store(allowed, Ordering::SeqCst);
+        let synced = store.sync();
+        if let Err(error) = synced {
+            assert!(matches!(error, WriteError::StorageFull { .. }), "{error:?}");
+            let (_, after) = active_segment_length(&disk);
+            if after > before {
+                partly_published += 1;
+            }
+        }
+        for (queue, messages) in queues.iter().zip(&expected) {
+            assert_eq!(
+                &read_all(&store, queue),
+                messages,
+                "readable after {allowed} writes"
+            );
+        }
+        writes_left.store(usize::MAX, Ordering::SeqCst);
+        append_once_space_returns(&store, &queues[0], b"after");
+        expected[0].push(b"after".to_vec());
+        for index in 6..8 {
+            append_to_each(&store, &queues, index, &mut expected);
+        }
+        store.sync().unwrap();
+        let survivor = disk.crash(CrashMode::DropUnsynced, allowed as u64);
+        drop(store);
+        let reopened = open_sim(&survivor, options.clone());
+        for (queue, messages) in queues.iter().zip(&expected) {
+            assert_eq!(
+                &read_all(&reopened, queue),
+                messages,
+                "durable after {allowed} writes"
+            );
+        }
+    }
+    assert!(
+        partly_published > 0,
+        "no round failed after publishing part of its chunks: {partly_published}"
+    );
+}
