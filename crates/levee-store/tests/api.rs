@@ -1191,14 +1191,20 @@ struct Cut {
 #[derive(Debug, Clone)]
 struct CutStorage(Arc<Cut>);
 
-#[derive(Debug)]
-struct CutFile {
+/// A file of the simulated disk whose writes first ask `before_write`: an error refuses the
+/// write (the storages below fail writes with it).
+struct HookFile {
     inner: Arc<dyn StorageFile>,
-    writes: AtomicUsize,
-    cut: Arc<Cut>,
+    before_write: Box<dyn Fn() -> io::Result<()> + Send + Sync>,
 }
 
-impl StorageFile for CutFile {
+impl std::fmt::Debug for HookFile {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_struct("HookFile").finish_non_exhaustive()
+    }
+}
+
+impl StorageFile for HookFile {
     fn len(&self) -> io::Result<u64> {
         self.inner.len()
     }
@@ -1209,12 +1215,7 @@ impl StorageFile for CutFile {
         self.inner.read_up_to(position, buffer)
     }
     fn write_at(&self, position: u64, data: &[u8]) -> io::Result<()> {
-        // First write: header and floor (rotation). Second: the round. Power is cut there.
-        if self.writes.fetch_add(1, Ordering::SeqCst) == 1 {
-            let survivor = self.cut.disk.crash(CrashMode::DropUnsynced, 0);
-            *self.cut.survivor.lock().unwrap() = Some(survivor);
-            return Err(io::Error::other("power cut"));
-        }
+        (self.before_write)()?;
         self.inner.write_at(position, data)
     }
     fn sync(&self) -> io::Result<()> {
@@ -1232,10 +1233,19 @@ impl Storage for CutStorage {
     fn create(&self, name: &str) -> io::Result<Arc<dyn StorageFile>> {
         let file = self.0.disk.create(name)?;
         if self.0.armed.load(Ordering::SeqCst) {
-            return Ok(Arc::new(CutFile {
+            // First write: header and floor (rotation). Second: the round. Power is cut there.
+            let writes = AtomicUsize::new(0);
+            let cut = self.0.clone();
+            return Ok(Arc::new(HookFile {
                 inner: file,
-                writes: AtomicUsize::new(0),
-                cut: self.0.clone(),
+                before_write: Box::new(move || {
+                    if writes.fetch_add(1, Ordering::SeqCst) == 1 {
+                        let survivor = cut.disk.crash(CrashMode::DropUnsynced, 0);
+                        *cut.survivor.lock().unwrap() = Some(survivor);
+                        return Err(io::Error::other("power cut"));
+                    }
+                    Ok(())
+                }),
             }));
         }
         Ok(file)
@@ -1596,50 +1606,23 @@ struct SpaceStorage {
     writes_left: Arc<AtomicUsize>,
 }
 
-#[derive(Debug)]
-struct SpaceFile {
-    inner: Arc<dyn StorageFile>,
-    writes_left: Arc<AtomicUsize>,
-}
-
-impl StorageFile for SpaceFile {
-    fn len(&self) -> io::Result<u64> {
-        self.inner.len()
-    }
-    fn read_at(&self, position: u64, buffer: &mut [u8]) -> io::Result<()> {
-        self.inner.read_at(position, buffer)
-    }
-    fn read_up_to(&self, position: u64, buffer: &mut [u8]) -> io::Result<usize> {
-        self.inner.read_up_to(position, buffer)
-    }
-    fn write_at(&self, position: u64, data: &[u8]) -> io::Result<()> {
-        let allowed = self
-            .writes_left
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| {
-                if left == usize::MAX {
-                    Some(left)
-                } else {
-                    left.checked_sub(1)
-                }
-            });
-        if allowed.is_err() {
-            return Err(io::Error::new(io::ErrorKind::StorageFull, "no space left"));
-        }
-        self.inner.write_at(position, data)
-    }
-    fn sync(&self) -> io::Result<()> {
-        self.inner.sync()
-    }
-    fn truncate(&self, length: u64) -> io::Result<()> {
-        self.inner.truncate(length)
-    }
-}
-
 impl SpaceStorage {
     fn wrap(&self, file: Arc<dyn StorageFile>) -> Arc<dyn StorageFile> {
-        Arc::new(SpaceFile {
+        let writes_left = self.writes_left.clone();
+        Arc::new(HookFile {
             inner: file,
-            writes_left: self.writes_left.clone(),
+            before_write: Box::new(move || {
+                writes_left
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| {
+                        if left == usize::MAX {
+                            Some(left)
+                        } else {
+                            left.checked_sub(1)
+                        }
+                    })
+                    .map(|_| ())
+                    .map_err(|_| io::Error::new(io::ErrorKind::StorageFull, "no space left"))
+            }),
         })
     }
 }
