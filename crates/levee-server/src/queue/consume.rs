@@ -19,12 +19,14 @@ use levee_proto::v1::{
 use tokio::sync::{Notify, mpsc, watch};
 use tonic::{Status, Streaming};
 
+use levee_broker::names::{check_group_on_topic, check_member_name};
+use levee_broker::rate::TokenBucket;
+
 use super::group::{Groups, Membership};
 use super::producer_rate::ProducerRates;
-use super::rate::TokenBucket;
 use super::subscription::{ROUND_BYTES_MAX, StreamCredit, Waiters, check_credit};
-use super::topic::{Topic, Topics, check_group_name};
-use super::{StoreCalls, lock, storage_error};
+use super::topic::{Topic, Topics};
+use super::{StoreCalls, lock, name_error, storage_error};
 use crate::metrics::{FloatGauge, GroupLabels, Metrics, SecondsCounter};
 
 /// Lease of a start that does not say.
@@ -171,13 +173,8 @@ fn invalid(message: String) -> WireError {
 
 /// Checks a start message; returns the lease.
 pub fn check_start(start: &ConsumeStart) -> Result<Duration, WireError> {
-    check_group_name(&start.group)?;
-    if start.member.is_empty() || start.member.len() > 64 {
-        return Err(invalid(format!(
-            "member must be 1 to 64 bytes, got {}",
-            start.member.len()
-        )));
-    }
+    check_group_on_topic(&start.group, &start.topic).map_err(|error| name_error(&error))?;
+    check_member_name(&start.member).map_err(|error| name_error(&error))?;
     check_credit(start.credit.as_ref())?;
     let lease_ms = match start.lease_ms {
         0 => LEASE_MS_DEFAULT,

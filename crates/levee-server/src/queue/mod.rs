@@ -9,6 +9,9 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use levee_broker::catalog::CatalogError;
+use levee_broker::group::GroupError;
+use levee_broker::names::NameError;
 use levee_proto::WireError;
 use levee_proto::v1::ErrorCode;
 use levee_store::{CommitTicket, Store, SyncPolicy, WriteError};
@@ -22,7 +25,6 @@ pub mod mailboxes;
 pub mod position_log;
 pub mod producer;
 pub mod producer_rate;
-pub mod rate;
 pub mod service;
 pub mod subscription;
 pub mod topic;
@@ -85,6 +87,40 @@ pub(crate) fn last_record(store: &Store, queue: &[u8]) -> Result<Option<Vec<u8>>
             queue.len()
         ))
     })
+}
+
+/// A refused name as a wire error.
+pub(crate) fn name_error(error: &NameError) -> WireError {
+    WireError::new(ErrorCode::InvalidArgument, error.to_string())
+}
+
+/// A refused catalog change as a wire error.
+pub(crate) fn catalog_error(error: &CatalogError) -> WireError {
+    let code = match error {
+        CatalogError::PartitionsChanged { .. } => ErrorCode::AlreadyExists,
+        CatalogError::TopicsFull
+        | CatalogError::ProducerRatesFull { .. }
+        | CatalogError::RetentionRulesFull => ErrorCode::ResourceExhausted,
+        CatalogError::TopicNotFound { .. } => ErrorCode::NotFound,
+        CatalogError::Unreadable { .. } => ErrorCode::StorageFailed,
+        _ => ErrorCode::InvalidArgument,
+    };
+    WireError::new(code, error.to_string())
+}
+
+/// A refused join or commit of `group` as a wire error.
+pub(crate) fn group_error(group: &str, error: &GroupError) -> WireError {
+    let code = match error {
+        GroupError::MembersFull => ErrorCode::ResourceExhausted,
+        GroupError::Fenced { .. } => ErrorCode::Fenced,
+        GroupError::PastEnd { .. } => ErrorCode::OffsetOutOfRange,
+        _ => ErrorCode::InvalidArgument,
+    };
+    let message = match error {
+        GroupError::MembersFull => format!("group '{group}': {error}"),
+        _ => error.to_string(),
+    };
+    WireError::new(code, message)
 }
 
 /// A failed write as a wire error that says what to do.

@@ -33,14 +33,15 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
+use levee_broker::names::{
+    POSITION_LOG_PREFIX as LOG_PREFIX, POSITION_PREFIX, QUEUE_NAME_BYTES_MAX,
+};
 use levee_proto::WireError;
 use levee_store::{CommitTicket, Store};
 use prometheus_client::metrics::counter::Counter;
 
 use super::{last_record, lock, storage_error, write_error};
 
-/// The prefix of every position log generation's name.
-pub const LOG_PREFIX: &[u8] = b"\0poslog\0";
 /// The version byte every log record starts with (version 1 records, without an epoch, are
 /// still read).
 const RECORD_VERSION: u8 = 2;
@@ -53,7 +54,7 @@ const RECORD_HEADER_BYTES: usize = 9;
 /// message to it before it writes its forgets. Never a consumer's position queue (that name
 /// has a consumer of at least one byte before its `\0`).
 fn epoch_queue() -> Vec<u8> {
-    let mut name = super::subscription::POSITION_PREFIX.to_vec();
+    let mut name = POSITION_PREFIX.to_vec();
     name.extend_from_slice(b"\0delete-epoch");
     name
 }
@@ -75,14 +76,14 @@ fn generation_queue(consumer: &str, generation: u64) -> Vec<u8> {
 /// The head queue: a position queue (trimmed with them) whose newest record is the current
 /// generation. Its last 16 bytes are not hex, so it never equals a per-queue position queue.
 fn head_queue(consumer: &str) -> Vec<u8> {
-    let mut name = super::subscription::POSITION_PREFIX.to_vec();
+    let mut name = POSITION_PREFIX.to_vec();
     name.extend_from_slice(consumer.as_bytes());
     name.extend_from_slice(b"\0log-generation..");
     name
 }
 
-/// Bytes of the largest entry: a name of 255 bytes, its length and the offset.
-const ENTRY_BYTES_MAX: usize = 1 + 255 + 8;
+/// Bytes of the largest entry: the longest queue name, its length and the offset.
+const ENTRY_BYTES_MAX: usize = 1 + QUEUE_NAME_BYTES_MAX + 8;
 
 /// Encodes `entries` (queue, next offset) as log records of at most `record_bytes_max` bytes
 /// (at least one entry each).
@@ -686,8 +687,8 @@ impl PositionLogs {
         });
         // Position queues and log heads: the prefix, the consumer, `\0` and what follows
         // (16 hex digits, or `log-generation..`: neither holds a `\0`).
-        store.for_each_queue_with_prefix(super::subscription::POSITION_PREFIX, |name| {
-            let rest = &name[super::subscription::POSITION_PREFIX.len()..];
+        store.for_each_queue_with_prefix(POSITION_PREFIX, |name| {
+            let rest = &name[POSITION_PREFIX.len()..];
             if let Some(end) = rest.iter().rposition(|byte| *byte == 0)
                 && end > 0
             {
@@ -879,12 +880,12 @@ mod tests {
 
     #[test]
     fn given_entries_then_records_split_and_apply_as_the_largest_position() {
-        let long = vec![b'q'; 255];
+        let long = vec![b'q'; QUEUE_NAME_BYTES_MAX];
         let entries: Vec<(Vec<u8>, u64)> = (0..1_000_u64)
             .map(|index| {
                 let mut name = long.clone();
                 name.extend_from_slice(&index.to_le_bytes());
-                name.truncate(255);
+                name.truncate(QUEUE_NAME_BYTES_MAX);
                 name[..8].copy_from_slice(&index.to_le_bytes());
                 (name, index)
             })

@@ -26,6 +26,8 @@ use levee_proto::WireError;
 use levee_proto::v1::ErrorCode;
 use levee_store::{CommitTicket, Store};
 
+use levee_broker::names::{PRODUCER_ID_BYTES_MAX, producer_queue};
+
 use super::{lock, storage_error, write_error};
 
 /// Producers remembered at once.
@@ -35,10 +37,6 @@ pub const QUEUES_PER_PRODUCER_MAX: usize = 100_000;
 /// Runs remembered per (producer, queue): a resend of one of the last this-many requests that
 /// touched the queue gets its original offsets.
 pub const RUNS_KEPT: usize = 8;
-/// Most bytes in a producer id.
-pub const PRODUCER_ID_BYTES_MAX: usize = 64;
-/// Prefix of every producer's own queue.
-pub const PRODUCER_PREFIX: &[u8] = b"\0producer\0";
 
 /// One request's consecutive messages for one queue.
 #[derive(Debug, Clone, Copy)]
@@ -136,12 +134,6 @@ enum Verdict {
         first_offset: u64,
         ticket: Option<CommitTicket>,
     },
-}
-
-fn producer_queue(producer: &str) -> Vec<u8> {
-    let mut name = PRODUCER_PREFIX.to_vec();
-    name.extend_from_slice(producer.as_bytes());
-    name
 }
 
 /// Checks a producer id: 1 to [`PRODUCER_ID_BYTES_MAX`] bytes.

@@ -18,9 +18,11 @@ use levee_proto::WireError;
 use levee_proto::v1::ErrorCode;
 use prometheus_client::metrics::counter::Counter;
 
-use super::lock;
-use super::rate::TokenBucket;
-use super::topic::{PRODUCER_RATES_MAX, check_producer_name};
+use levee_broker::catalog::PRODUCER_RATES_MAX;
+use levee_broker::names::check_producer_name;
+use levee_broker::rate::TokenBucket;
+
+use super::{lock, name_error};
 use crate::metrics::{FloatGauge, Metrics, ProducerLabels, SecondsCounter};
 
 /// The time on tokio's clock (virtual in tests with paused time), as the buckets take it.
@@ -191,7 +193,7 @@ impl ProducerRates {
         if producer_name.is_empty() {
             return Ok(unlimited);
         }
-        check_producer_name(producer_name)?;
+        check_producer_name(producer_name).map_err(|error| name_error(&error))?;
         let Some(limit) = self.find(producer_name) else {
             return Ok(unlimited);
         };

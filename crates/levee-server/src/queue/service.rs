@@ -21,9 +21,10 @@ use levee_store::{InputError, ReadError};
 use tokio::sync::{Semaphore, mpsc, watch};
 use tonic::{Request, Response, Status, Streaming};
 
+use levee_broker::names;
+
 use super::subscription::{
-    Appended, DeleteRefused, RESERVED_PREFIX, RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX, Session,
-    Waiters, check_start,
+    Appended, DeleteRefused, RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX, Session, Waiters, check_start,
 };
 
 use super::mailboxes::{self, ManyContext, ManySession};
@@ -31,7 +32,7 @@ use super::position_log::PositionLogs;
 use super::producer::{Producers, SequencedMessage};
 use super::producer_rate::{Admission, ProducerRates};
 use super::topic::{RetentionRule, Topics};
-use super::{StoreCalls, write_error};
+use super::{StoreCalls, name_error, write_error};
 use crate::metrics::Metrics;
 
 /// Most messages in one append request.
@@ -153,12 +154,7 @@ fn input_error(error: &InputError) -> WireError {
 }
 
 fn check_not_reserved(queue: &[u8]) -> Result<(), WireError> {
-    if queue.first() == Some(&RESERVED_PREFIX) {
-        return Err(invalid(
-            "queue names starting with a zero byte are reserved for the server".to_owned(),
-        ));
-    }
-    Ok(())
+    names::check_not_reserved(queue).map_err(|error| name_error(&error))
 }
 
 fn read_error(error: ReadError) -> WireError {
@@ -431,7 +427,7 @@ impl Queues for QueueService {
             .blocking(move |store| Ok(store.list_queues(after.as_deref(), limit as usize)))
             .await?;
         // The server's own queues (consumer positions) are not listed.
-        queues.retain(|queue| queue.first() != Some(&RESERVED_PREFIX));
+        queues.retain(|queue| !names::is_reserved(queue));
         Ok(Response::new(ListQueuesResponse { queues }))
     }
 

@@ -19,12 +19,10 @@ use levee_store::Store;
 use tokio::sync::{Notify, mpsc};
 use tonic::{Status, Streaming};
 
-use super::lock;
+use levee_broker::names::{self, POSITION_PREFIX};
 
-/// First byte of every queue name the server keeps for itself; clients may not use it.
-pub const RESERVED_PREFIX: u8 = 0;
-/// Most bytes in a consumer name.
-pub const CONSUMER_BYTES_MAX: usize = 64;
+use super::{lock, name_error};
+
 /// Most messages of credit a subscription may hold.
 pub const CREDIT_MESSAGES_MAX: u32 = 100_000;
 /// Most payload bytes of credit a subscription may hold.
@@ -48,8 +46,6 @@ pub const SUBSCRIPTIONS_MAX: usize = 100_000;
 pub const POSITION_QUEUE_BYTES_MAX: u64 = 64 << 10;
 /// How often position queues are trimmed.
 pub const POSITION_TRIM_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
-/// The prefix of every position queue's name.
-pub(crate) const POSITION_PREFIX: &[u8] = b"\0position\0";
 
 /// Who waits on which queue: appends wake the subscriptions of the queues they grew, single
 /// ones ([`Subscribe`], topic members) through a shared [`Notify`], many-queue streams through
@@ -496,13 +492,8 @@ pub fn enforce_retention(
     now_ms: u64,
     rule: impl Fn(&[u8]) -> levee_store::Retention,
 ) -> Result<u64, levee_store::WriteError> {
-    let trimmed_prefixes = [
-        POSITION_PREFIX,
-        super::group::COMMIT_PREFIX,
-        super::producer::PRODUCER_PREFIX,
-    ];
     let report = store.enforce_retention(now_ms, |name| {
-        if trimmed_prefixes
+        if names::LOG_QUEUE_PREFIXES
             .iter()
             .any(|prefix| name.starts_with(prefix))
         {
@@ -510,7 +501,7 @@ pub fn enforce_retention(
                 max_age_ms: None,
                 max_bytes: Some(POSITION_QUEUE_BYTES_MAX),
             }
-        } else if name.first() == Some(&RESERVED_PREFIX) {
+        } else if names::is_reserved(name) {
             levee_store::Retention::default()
         } else {
             rule(name)
@@ -552,20 +543,9 @@ pub fn check_start(start: &SubscribeStart) -> Result<(), WireError> {
     check_consumer_and_credit(&start.consumer, start.credit.as_ref())
 }
 
-/// Checks a subscribed queue's name: 1 to 255 bytes, not reserved.
+/// Checks a subscribed queue's name: 1 to [`names::QUEUE_NAME_BYTES_MAX`] bytes, not reserved.
 pub(crate) fn check_queue_name(queue: &[u8]) -> Result<(), WireError> {
-    if queue.is_empty() || queue.len() > 255 {
-        return Err(invalid(format!(
-            "queue name must be 1 to 255 bytes, got {}",
-            queue.len()
-        )));
-    }
-    if queue[0] == RESERVED_PREFIX {
-        return Err(invalid(
-            "queue names starting with a zero byte are reserved".to_owned(),
-        ));
-    }
-    Ok(())
+    names::check_queue_name(queue).map_err(|error| name_error(&error))
 }
 
 /// Checks a subscription's consumer name and initial credit.
@@ -573,12 +553,7 @@ pub(crate) fn check_consumer_and_credit(
     consumer: &str,
     credit: Option<&Credit>,
 ) -> Result<(), WireError> {
-    if consumer.is_empty() || consumer.len() > CONSUMER_BYTES_MAX {
-        return Err(invalid(format!(
-            "consumer must be 1 to {CONSUMER_BYTES_MAX} bytes, got {}",
-            consumer.len()
-        )));
-    }
+    names::check_consumer_name(consumer).map_err(|error| name_error(&error))?;
     check_credit(credit)
 }
 

@@ -20,12 +20,13 @@ use levee_proto::{WireError, topic_partition};
 use tokio::sync::{Semaphore, mpsc};
 use tonic::{Request, Response, Status, Streaming};
 
+use levee_broker::names::{check_group_name, check_producer_name};
+
 use super::consume::{ConsumeContext, ConsumeSession, now_ms, topic_wake_key};
-use super::lock;
 use super::producer::SequencedMessage;
 use super::service::{APPEND_MESSAGES_MAX, QueueService};
 use super::subscription::{RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX};
-use super::topic::{check_group_name, check_producer_name};
+use super::{lock, name_error};
 
 /// How long a new consume stream may take to send its start message.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
@@ -55,7 +56,7 @@ impl TopicService {
         group: &str,
         topic: &str,
     ) -> Result<DescribeGroupResponse, WireError> {
-        check_group_name(group)?;
+        check_group_name(group).map_err(|error| name_error(&error))?;
         let found = context.topics.require(topic)?;
         let handle = {
             let (groups, group, found) = (
@@ -116,7 +117,7 @@ impl TopicService {
         Ok(DescribeGroupResponse {
             group: group.to_owned(),
             topic: topic.to_owned(),
-            generation: state.generation,
+            generation: state.generation(),
             members,
             partitions,
             rate_limit_per_s: context.topics.rate(group),
@@ -165,7 +166,7 @@ impl TopicService {
         context: &ConsumeContext,
         producer_name: &str,
     ) -> Result<DescribeProducerResponse, WireError> {
-        check_producer_name(producer_name)?;
+        check_producer_name(producer_name).map_err(|error| name_error(&error))?;
         let figures = context.producer_rates.figures(producer_name);
         Ok(DescribeProducerResponse {
             producer_name: producer_name.to_owned(),

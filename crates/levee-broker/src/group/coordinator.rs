@@ -1,0 +1,421 @@
+//! [`GroupCoordinator`]: the coordinator of one consumer group on one topic: members, who owns
+//! which partition under which epoch, committed offsets.
+//!
+//! Rebalancing is sticky: with M members and P partitions each member's quota is P / M, and
+//! the first P mod M members (those owning most now) get one more. Members keep what they own
+//! up to their quota; only the excess and the partitions of departed members move, to members
+//! under quota. Every change of owner raises the partition's epoch, and a commit must carry
+//! the epoch its messages were delivered under, so a stale owner can never commit.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::{Assignment, GroupError, MEMBERS_MAX, PartitionAssignment};
+
+/// One member as the coordinator sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct MemberState {
+    /// Tells this stream from an older one with the same member id.
+    session: u64,
+    lease_ms: u64,
+    expires_at_ms: u64,
+}
+
+/// The coordinator of one consumer group on one topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupCoordinator {
+    partitions: u32,
+    generation: u64,
+    members: BTreeMap<String, MemberState>,
+    owners: Vec<Option<String>>,
+    epochs: Vec<u64>,
+    committed: Vec<u64>,
+}
+
+impl GroupCoordinator {
+    /// A group with no members over `partitions` partitions, starting from `committed` (one
+    /// offset per partition; missing ones start at 0, extra ones are dropped).
+    pub fn new(partitions: u32, mut committed: Vec<u64>) -> Self {
+        let count = partitions as usize;
+        committed.resize(count, 0);
+        Self {
+            partitions,
+            generation: 0,
+            members: BTreeMap::new(),
+            owners: vec![None; count],
+            epochs: vec![0; count],
+            committed,
+        }
+    }
+
+    /// The generation, raised on every rebalance.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Adds (or replaces) `member` with a new session and rebalances. Refused when the group
+    /// holds [`MEMBERS_MAX`] members and this is a new one.
+    pub fn join(
+        &mut self,
+        member: &str,
+        session: u64,
+        lease_ms: u64,
+        now_ms: u64,
+    ) -> Result<(), GroupError> {
+        if self.members.len() >= MEMBERS_MAX && !self.members.contains_key(member) {
+            return Err(GroupError::MembersFull);
+        }
+        self.members.insert(
+            member.to_owned(),
+            MemberState {
+                session,
+                lease_ms,
+                expires_at_ms: now_ms.saturating_add(lease_ms),
+            },
+        );
+        // A replaced stream's partitions move to the new one: new epochs fence the old.
+        for (owner, epoch) in self.owners.iter_mut().zip(&mut self.epochs) {
+            if owner.as_deref() == Some(member) {
+                *epoch += 1;
+            }
+        }
+        self.rebalance();
+        Ok(())
+    }
+
+    /// Removes `member` if `session` is still its current one; true if it was removed.
+    pub fn leave(&mut self, member: &str, session: u64) -> bool {
+        if !self.is_member(member, session) {
+            return false;
+        }
+        self.members.remove(member);
+        self.rebalance();
+        true
+    }
+
+    /// Renews `member`'s lease; false if the session is no longer a member.
+    pub fn renew(&mut self, member: &str, session: u64, now_ms: u64) -> bool {
+        match self.members.get_mut(member) {
+            Some(state) if state.session == session => {
+                state.expires_at_ms = now_ms.saturating_add(state.lease_ms);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Removes every member whose lease ran out by `now_ms`; returns their ids.
+    pub fn expire(&mut self, now_ms: u64) -> Vec<String> {
+        let expired: Vec<String> = self
+            .members
+            .iter()
+            .filter(|(_, state)| state.expires_at_ms <= now_ms)
+            .map(|(member, _)| member.clone())
+            .collect();
+        if !expired.is_empty() {
+            for member in &expired {
+                self.members.remove(member);
+            }
+            self.rebalance();
+        }
+        expired
+    }
+
+    /// Whether `session` is `member`'s current session.
+    pub fn is_member(&self, member: &str, session: u64) -> bool {
+        self.members
+            .get(member)
+            .is_some_and(|state| state.session == session)
+    }
+
+    /// How many members the group has.
+    pub fn member_count(&self) -> usize {
+        self.members.len()
+    }
+
+    fn rebalance(&mut self) {
+        self.generation += 1;
+        for (owner, epoch) in self.owners.iter_mut().zip(&mut self.epochs) {
+            if owner
+                .as_ref()
+                .is_some_and(|owner| !self.members.contains_key(owner))
+            {
+                *owner = None;
+                *epoch += 1;
+            }
+        }
+        if self.members.is_empty() {
+            return;
+        }
+        let quota = self.quotas();
+        let kept = self.release_excess(&quota);
+        // Hand free partitions to members under quota, in member order.
+        let mut takers = self
+            .members
+            .keys()
+            .flat_map(|member| {
+                let missing = quota[member] - kept.get(member).copied().unwrap_or(0);
+                std::iter::repeat_n(member.clone(), missing)
+            })
+            .collect::<Vec<_>>()
+            .into_iter();
+        for (owner, epoch) in self.owners.iter_mut().zip(&mut self.epochs) {
+            if owner.is_none()
+                && let Some(member) = takers.next()
+            {
+                *owner = Some(member);
+                *epoch += 1;
+            }
+        }
+    }
+
+    /// Each member's quota: P / M, one more for the first P mod M of those owning most now
+    /// (so fewer partitions move).
+    fn quotas(&self) -> HashMap<String, usize> {
+        let member_count = self.members.len();
+        let partitions = self.partitions as usize;
+        let (base, extra) = (partitions / member_count, partitions % member_count);
+        let mut owned: HashMap<&str, usize> = HashMap::new();
+        for owner in self.owners.iter().flatten() {
+            *owned.entry(owner.as_str()).or_default() += 1;
+        }
+        // A stable sort over the members' name order: ties keep that order.
+        let mut order: Vec<&String> = self.members.keys().collect();
+        order.sort_by_key(|member| std::cmp::Reverse(owned.get(member.as_str()).copied()));
+        order
+            .iter()
+            .enumerate()
+            .map(|(rank, member)| ((*member).clone(), base + usize::from(rank < extra)))
+            .collect()
+    }
+
+    /// Releases what owners hold over their quota, highest partitions first; returns how many
+    /// each member keeps.
+    fn release_excess(&mut self, quota: &HashMap<String, usize>) -> HashMap<String, usize> {
+        let mut kept: HashMap<String, usize> = HashMap::new();
+        for (owner, epoch) in self.owners.iter_mut().zip(&mut self.epochs) {
+            if let Some(member) = owner {
+                let count = kept.entry(member.clone()).or_default();
+                if *count < quota[member.as_str()] {
+                    *count += 1;
+                } else {
+                    *owner = None;
+                    *epoch += 1;
+                }
+            }
+        }
+        kept
+    }
+
+    /// What `member` owns now, with epochs and start offsets.
+    pub fn assignment(&self, member: &str) -> Assignment {
+        Assignment {
+            generation: self.generation,
+            partitions: (0_u32..)
+                .zip(&self.owners)
+                .filter(|(_, owner)| owner.as_deref() == Some(member))
+                .map(|(partition, _)| PartitionAssignment {
+                    partition,
+                    epoch: self.epochs[partition as usize],
+                    start_offset: self.committed[partition as usize],
+                })
+                .collect(),
+        }
+    }
+
+    /// Checks that `member` owns `partition` under `epoch`, so it may commit it.
+    pub fn check_commit(&self, member: &str, partition: u32, epoch: u64) -> Result<(), GroupError> {
+        let Some(owner) = self.owners.get(partition as usize) else {
+            return Err(GroupError::NoSuchPartition {
+                partition,
+                partitions: self.partitions,
+            });
+        };
+        let current = self.epochs[partition as usize];
+        if owner.as_deref() != Some(member) || current != epoch {
+            return Err(GroupError::Fenced {
+                partition,
+                member: member.to_owned(),
+                epoch,
+                current,
+            });
+        }
+        Ok(())
+    }
+
+    /// Commits `partition` up to `next_offset` for `member` under `epoch`, where `end` is the
+    /// partition's next offset. Refused for a stale owner ([`GroupError::Fenced`]) or past the
+    /// end; committed offsets never go back (a lower commit is accepted and changes nothing).
+    /// Returns whether the committed offset moved.
+    pub fn commit(
+        &mut self,
+        member: &str,
+        partition: u32,
+        epoch: u64,
+        next_offset: u64,
+        end: u64,
+    ) -> Result<bool, GroupError> {
+        self.check_commit(member, partition, epoch)?;
+        if next_offset > end {
+            return Err(GroupError::PastEnd {
+                partition,
+                next_offset,
+                end,
+            });
+        }
+        let slot = &mut self.committed[partition as usize];
+        let moved = next_offset > *slot;
+        *slot = (*slot).max(next_offset);
+        Ok(moved)
+    }
+
+    /// Every partition's committed offset.
+    pub fn committed(&self) -> &[u64] {
+        &self.committed
+    }
+
+    /// Owner and epoch of each partition.
+    pub fn owners(&self) -> impl Iterator<Item = (Option<&str>, u64)> {
+        self.owners
+            .iter()
+            .map(Option::as_deref)
+            .zip(self.epochs.iter().copied())
+    }
+
+    /// Members with their lease expiry times.
+    pub fn members(&self) -> impl Iterator<Item = (&str, u64)> {
+        self.members
+            .iter()
+            .map(|(member, state)| (member.as_str(), state.expires_at_ms))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn owners(state: &GroupCoordinator) -> Vec<Option<String>> {
+        state
+            .owners()
+            .map(|(owner, _)| owner.map(str::to_owned))
+            .collect()
+    }
+
+    fn count(state: &GroupCoordinator, member: &str) -> usize {
+        state.assignment(member).partitions.len()
+    }
+
+    fn moved(before: &[Option<String>], state: &GroupCoordinator) -> usize {
+        before
+            .iter()
+            .zip(owners(state))
+            .filter(|(old, new)| *old != new)
+            .count()
+    }
+
+    #[test]
+    fn given_joins_then_partitions_split_evenly_and_only_the_needed_ones_move() {
+        let mut state = GroupCoordinator::new(8, vec![]);
+        state.join("a", 1, 10_000, 0).unwrap();
+        assert_eq!(count(&state, "a"), 8);
+        let before = owners(&state);
+        state.join("b", 2, 10_000, 0).unwrap();
+        assert_eq!((count(&state, "a"), count(&state, "b")), (4, 4));
+        assert_eq!(moved(&before, &state), 4, "only b's share moves");
+        let before = owners(&state);
+        state.join("c", 3, 10_000, 0).unwrap();
+        let sizes = [count(&state, "a"), count(&state, "b"), count(&state, "c")];
+        assert_eq!(sizes.iter().sum::<usize>(), 8);
+        assert!(sizes.iter().all(|size| (2..=3).contains(size)), "{sizes:?}");
+        assert_eq!(
+            moved(&before, &state),
+            2,
+            "c takes 2: one from a, one from b"
+        );
+    }
+
+    #[test]
+    fn given_leave_and_expiry_then_the_rest_take_over_with_new_epochs() {
+        let mut state = GroupCoordinator::new(4, vec![7, 0, 0, 3]);
+        state.join("a", 1, 1_000, 0).unwrap();
+        state.join("b", 2, 5_000, 0).unwrap();
+        let a_partitions = state.assignment("a").partitions;
+        assert!(
+            !state.leave("a", 99),
+            "a stale session cannot leave for the member"
+        );
+        assert!(state.renew("b", 2, 900));
+        assert_eq!(state.expire(999), Vec::<String>::new());
+        assert_eq!(state.expire(1_000), vec!["a".to_owned()]);
+        let b = state.assignment("b");
+        assert_eq!(b.partitions.len(), 4);
+        for old in &a_partitions {
+            let new = b
+                .partitions
+                .iter()
+                .find(|assigned| assigned.partition == old.partition)
+                .unwrap();
+            assert!(new.epoch > old.epoch);
+            assert_eq!(new.start_offset, [7, 0, 0, 3][old.partition as usize]);
+            assert!(matches!(
+                state.check_commit("a", old.partition, old.epoch),
+                Err(GroupError::Fenced { .. })
+            ));
+        }
+        assert!(state.leave("b", 2));
+        assert!(owners(&state).iter().all(Option::is_none));
+    }
+
+    #[test]
+    fn given_rejoin_of_same_member_then_old_epochs_are_fenced() {
+        let mut state = GroupCoordinator::new(2, vec![]);
+        state.join("a", 1, 1_000, 0).unwrap();
+        let old = state.assignment("a").partitions[0];
+        state.join("a", 2, 1_000, 0).unwrap();
+        let new = state.assignment("a").partitions[0];
+        assert!(new.epoch > old.epoch);
+        assert!(state.check_commit("a", 0, old.epoch).is_err());
+        assert!(state.check_commit("a", 0, new.epoch).is_ok());
+        assert!(
+            !state.leave("a", 1),
+            "the replaced session does not remove the new one"
+        );
+        assert!(state.is_member("a", 2));
+    }
+
+    #[test]
+    fn given_commits_then_offsets_never_go_back_nor_past_the_end() {
+        let mut state = GroupCoordinator::new(1, vec![]);
+        state.join("a", 1, 1_000, 0).unwrap();
+        let epoch = state.assignment("a").partitions[0].epoch;
+        assert_eq!(state.commit("a", 0, epoch, 10, 20), Ok(true));
+        assert_eq!(state.commit("a", 0, epoch, 4, 20), Ok(false));
+        assert_eq!(state.committed(), &[10]);
+        assert_eq!(
+            state.commit("a", 0, epoch, 21, 20),
+            Err(GroupError::PastEnd {
+                partition: 0,
+                next_offset: 21,
+                end: 20
+            })
+        );
+        assert!(matches!(
+            state.commit("a", 5, epoch, 1, 20),
+            Err(GroupError::NoSuchPartition { partition: 5, .. })
+        ));
+        assert_eq!(state.committed(), &[10]);
+    }
+
+    #[test]
+    fn given_a_full_group_then_only_a_known_member_may_join() {
+        let mut state = GroupCoordinator::new(1, vec![]);
+        for member in 0..MEMBERS_MAX {
+            state.join(&format!("m{member}"), 0, 1_000, 0).unwrap();
+        }
+        assert_eq!(
+            state.join("one-more", 1, 1_000, 0),
+            Err(GroupError::MembersFull)
+        );
+        assert_eq!(state.join("m0", 2, 1_000, 0), Ok(()));
+        assert_eq!(state.member_count(), MEMBERS_MAX);
+    }
+}
