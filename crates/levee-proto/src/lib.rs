@@ -5,9 +5,11 @@
 //! - [`v1`]: messages, gRPC clients and gRPC servers of the `levee.v1` package.
 //! - [`WireError`]: the wire error codes, how each maps to a gRPC status, and how a client reads
 //!   them back out of a `tonic::Status`.
+//! - [`json`]: the JSON forms the admin HTTP port answers and the CLI prints.
 //! - [`topic_partition`]: the partition a key is published to, which every client computes
 //!   identically.
 
+pub mod json;
 mod wire_error;
 
 /// The type of message payloads on the wire: a decoded payload is a slice of the received

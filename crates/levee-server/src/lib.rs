@@ -20,18 +20,22 @@
 
 #![deny(missing_docs)]
 
-pub mod admin_http;
-pub mod admin_service;
+// Public: what the `levee` binary needs to configure, log and run a server. Everything else
+// is the server's own; clients speak to it through `levee-proto` and `levee-client`.
+
+mod admin_http;
+mod admin_service;
+mod api_error;
 pub mod config;
-pub mod connection;
-pub mod data_dir;
-pub mod grpc_metrics;
-pub mod hotkey;
+mod connection;
+mod data_dir;
+mod grpc_metrics;
+mod hotkey;
 pub mod logging;
-pub mod metrics;
-pub mod queue;
+mod metrics;
+mod queue;
 pub mod server;
-pub mod state;
+mod state;
 
 pub use config::Config;
 pub use server::{RunningServer, ShutdownOutcome, StartError};

@@ -30,15 +30,17 @@ use crate::hotkey::service::HotKeyService;
 use crate::hotkey::{self, TICK_INTERVAL};
 use crate::metrics::Metrics;
 use crate::queue::STORE_DIR_NAME;
-use crate::queue::consume::{ConsumeContext, Pacers};
-use crate::queue::group::Groups;
-use crate::queue::position_log::PositionLogs;
-use crate::queue::producer_rate::ProducerRates;
+use crate::queue::StoreCalls;
+use crate::queue::limits::group_rate::Pacers;
+use crate::queue::limits::producer_rate::ProducerRates;
+use crate::queue::mailbox::position_log::PositionLogs;
+use crate::queue::retention::{self, POSITION_TRIM_INTERVAL};
 use crate::queue::service::QueueService;
-use crate::queue::subscription::{self, POSITION_TRIM_INTERVAL};
-use crate::queue::topic::Topics;
-use crate::queue::topic_service::TopicService;
-use crate::queue::{StoreCalls, subscription::Waiters};
+use crate::queue::topic::catalog::Topics;
+use crate::queue::topic::consume::ConsumeContext;
+use crate::queue::topic::group::Groups;
+use crate::queue::topic::service::TopicService;
+use crate::queue::waiters::Waiters;
 use crate::state::ServerState;
 
 /// Most concurrent gRPC streams on one connection (HTTP/2 `MAX_CONCURRENT_STREAMS`).
@@ -499,7 +501,7 @@ async fn enforce_retention(
             });
         let topics = Arc::clone(&topics);
         let trimmed = tokio::task::spawn_blocking(move || {
-            subscription::enforce_retention(&store, now_ms, |name| {
+            retention::enforce_retention(&store, now_ms, |name| {
                 topics.retention_for(name).to_store()
             })
         })

@@ -6,8 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use levee_client::{Client, HotKeyEvent};
-use levee_server::hotkey::convert::{key_hex, rule_from_wire, rule_to_wire};
-use levee_server::hotkey::rules_file::RuleRecord;
+use levee_proto::json::{RuleRecord, key_hex};
 use serde_json::{Value, json};
 
 use crate::client_commands::ServerAddress;
@@ -107,10 +106,7 @@ async fn call(command: &HotKeyCommand, server: &str) -> anyhow::Result<Value> {
         HotKeyCommand::Apps(_) => json!({"apps": client.hot_key_apps().await?}),
         HotKeyCommand::Rules(args) => {
             let rules = client.hot_key_rules(&args.app).await?;
-            let records = rules
-                .iter()
-                .map(|rule| rule_from_wire(rule).map(|rule| RuleRecord::from_rule(&rule)))
-                .collect::<Result<Vec<_>, _>>()?;
+            let records: Vec<RuleRecord> = rules.iter().map(RuleRecord::from_wire).collect();
             json!({"app": args.app, "rules": records})
         }
         HotKeyCommand::SetRules(args) => {
@@ -120,7 +116,7 @@ async fn call(command: &HotKeyCommand, server: &str) -> anyhow::Result<Value> {
                 .with_context(|| format!("{} is not a JSON array of rules", args.file.display()))?;
             let rules = records
                 .iter()
-                .map(|record| record.to_rule().map(|rule| rule_to_wire(&rule)))
+                .map(RuleRecord::to_wire)
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(anyhow::Error::msg)?;
             client.set_hot_key_rules(&args.app.app, rules).await?;

@@ -84,7 +84,7 @@ pub struct ListArgs {
 fn text(bytes: &[u8]) -> Value {
     match std::str::from_utf8(bytes) {
         Ok(text) => json!(text),
-        Err(_) => json!({"hex": levee_server::hotkey::convert::key_hex(bytes)}),
+        Err(_) => json!({"hex": levee_proto::json::key_hex(bytes)}),
     }
 }
 

@@ -206,7 +206,7 @@ async fn group(command: &GroupCommand, server: &str) -> anyhow::Result<Value> {
     Ok(match command {
         GroupCommand::Describe(args) => {
             let described = client.describe_group(&args.group, &args.topic).await?;
-            levee_server::queue::http::group_json(&described)
+            levee_proto::json::group_json(&described)
         }
         GroupCommand::SetRate(args) => {
             let per_second = args.rate.per_second()?;
@@ -229,7 +229,7 @@ async fn producer(command: &ProducerCommand, server: &str) -> anyhow::Result<Val
     Ok(match command {
         ProducerCommand::Describe(args) => {
             let described = client.describe_producer(&args.producer).await?;
-            levee_server::queue::http::producer_json(&described)
+            levee_proto::json::producer_json(&described)
         }
         ProducerCommand::SetRate(args) => {
             let per_second = args.rate.per_second()?;

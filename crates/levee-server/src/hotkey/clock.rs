@@ -30,7 +30,7 @@ impl Clock {
     }
 
     /// Engine time as Unix milliseconds.
-    pub fn to_unix_ms(&self, engine_ms: u64) -> u64 {
+    pub fn to_unix_ms(self, engine_ms: u64) -> u64 {
         self.start_unix_ms.saturating_add(engine_ms)
     }
 }

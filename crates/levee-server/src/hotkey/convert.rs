@@ -2,6 +2,7 @@
 
 use levee_hotkey::{Event, HotEvent, HotSource, Rule, RuleMatch};
 use levee_proto::WireError;
+use levee_proto::json::RuleRecord;
 use levee_proto::v1::{ErrorCode, HotKeyEvent, HotKeyRule, HotKeySource, MatchKind};
 
 use super::clock::Clock;
@@ -92,30 +93,15 @@ pub fn event_to_wire(event: &Event, clock: &Clock, now_ms: u64) -> HotKeyEvent {
     }
 }
 
-/// A key for JSON: the text when it is UTF-8, otherwise `None` (then see [`key_hex`]).
-pub fn key_text(key: &[u8]) -> Option<&str> {
-    std::str::from_utf8(key).ok()
+/// A rule in the JSON form of the admin API and the rules file.
+pub fn rule_to_record(rule: &Rule) -> RuleRecord {
+    RuleRecord::from_wire(&rule_to_wire(rule))
 }
 
-/// A key in lowercase hexadecimal, for keys that are not UTF-8.
-pub fn key_hex(key: &[u8]) -> String {
-    use std::fmt::Write;
-    key.iter()
-        .fold(String::with_capacity(key.len() * 2), |mut text, byte| {
-            let _ = write!(text, "{byte:02x}");
-            text
-        })
-}
-
-/// Parses lowercase or uppercase hexadecimal into bytes.
-pub fn key_from_hex(text: &str) -> Option<Vec<u8>> {
-    if !text.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..text.len())
-        .step_by(2)
-        .map(|index| u8::from_str_radix(text.get(index..index + 2)?, 16).ok())
-        .collect()
+/// The rule a JSON record describes; the engine validates the ranges.
+pub fn rule_from_record(record: &RuleRecord) -> Result<Rule, String> {
+    let wire = record.to_wire()?;
+    rule_from_wire(&wire).map_err(|error| error.message)
 }
 
 #[cfg(test)]
@@ -138,14 +124,5 @@ mod tests {
         };
         let error = rule_from_wire(&unspecified).unwrap_err();
         assert!(error.message.contains("match_kind must be"), "{error}");
-    }
-
-    #[test]
-    fn given_binary_key_then_hex_round_trips() {
-        let key = vec![0, 255, 16, 7];
-        assert_eq!(key_hex(&key), "00ff1007");
-        assert_eq!(key_from_hex("00FF1007").unwrap(), key);
-        assert!(key_from_hex("abc").is_none());
-        assert!(key_from_hex("zz").is_none());
     }
 }

@@ -5,17 +5,19 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Json, Response};
+use axum::response::Json;
 use axum::routing::get;
 use levee_proto::WireError;
 use levee_proto::v1::{ErrorCode, HotKeyEvent};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::convert::{key_from_hex, key_hex, key_text};
+use crate::api_error::ApiError;
+
+use levee_proto::json::{RuleRecord, key_from_hex, key_hex, key_text};
+
+use super::convert::{rule_from_record, rule_to_record};
 use super::hub::HotKeyHub;
-use super::rules_file::RuleRecord;
 
 /// The `/v1/hotkeys` routes.
 pub fn router(hub: Arc<HotKeyHub>) -> Router {
@@ -32,36 +34,6 @@ pub fn router(hub: Arc<HotKeyHub>) -> Router {
         .route("/v1/hotkeys/apps/{app}/top", get(top_keys))
         .route("/v1/hotkeys/apps/{app}/stats", get(stats))
         .with_state(hub)
-}
-
-/// A wire error as an HTTP response with a JSON body.
-pub(crate) struct ApiError(pub(crate) WireError);
-
-impl From<WireError> for ApiError {
-    fn from(error: WireError) -> Self {
-        Self(error)
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let status = match self.0.code {
-            ErrorCode::InvalidArgument => StatusCode::BAD_REQUEST,
-            ErrorCode::NotFound => StatusCode::NOT_FOUND,
-            ErrorCode::AlreadyExists | ErrorCode::FailedPrecondition | ErrorCode::Fenced => {
-                StatusCode::CONFLICT
-            }
-            ErrorCode::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
-            ErrorCode::Unavailable | ErrorCode::StorageFailed => StatusCode::SERVICE_UNAVAILABLE,
-            _ => StatusCode::INTERNAL_SERVER_ERROR,
-        };
-        let body = json!({"error": {
-            "code": self.0.code as i32,
-            "reason": self.0.code.reason(),
-            "message": self.0.message,
-        }});
-        (status, Json(body)).into_response()
-    }
 }
 
 fn bad_request(message: String) -> ApiError {
@@ -131,7 +103,7 @@ async fn get_rules(
     State(hub): State<Arc<HotKeyHub>>,
     Path(app): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let rules: Vec<RuleRecord> = hub.rules(&app)?.iter().map(RuleRecord::from_rule).collect();
+    let rules: Vec<RuleRecord> = hub.rules(&app)?.iter().map(rule_to_record).collect();
     Ok(Json(json!({"app": app, "rules": rules})))
 }
 
@@ -142,7 +114,7 @@ async fn put_rules(
 ) -> Result<Json<Value>, ApiError> {
     let rules = records
         .iter()
-        .map(RuleRecord::to_rule)
+        .map(rule_from_record)
         .collect::<Result<Vec<_>, _>>()
         .map_err(bad_request)?;
     hub.set_rules(&app, rules)?;

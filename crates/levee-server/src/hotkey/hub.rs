@@ -164,11 +164,6 @@ impl HotKeyHub {
             .sum()
     }
 
-    /// The engines' clock.
-    pub fn clock(&self) -> &Clock {
-        &self.clock
-    }
-
     fn shard_of(&self, key: &[u8]) -> usize {
         if self.shards.len() == 1 {
             return 0;

@@ -6,103 +6,17 @@ use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use levee_hotkey::{Rule, RuleMatch};
+use levee_hotkey::Rule;
 use serde::{Deserialize, Serialize};
 
-use super::convert::{key_from_hex, key_hex, key_text};
+use levee_proto::json::RuleRecord;
+
+use super::convert::{rule_from_record, rule_to_record};
 
 /// The rules file's name inside the data dir.
 pub const RULES_FILE_NAME: &str = "hotkey-rules.json";
 /// The rules file's format version.
 pub const RULES_FORMAT_VERSION: u32 = 1;
-
-/// One rule in JSON. A key that is not UTF-8 travels as `key_hex`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RuleRecord {
-    /// `exact`, `prefix` or `default`.
-    #[serde(rename = "match")]
-    pub match_kind: String,
-    /// The key or prefix, as text.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub key: Option<String>,
-    /// The key or prefix, in hexadecimal.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub key_hex: Option<String>,
-    /// The window in milliseconds.
-    pub window_ms: u32,
-    /// Hits within the window that make a key hot.
-    pub threshold: u64,
-    /// How long a hot key stays hot, in milliseconds.
-    pub hot_duration_ms: u64,
-    /// For people.
-    #[serde(default)]
-    pub description: String,
-}
-
-impl RuleRecord {
-    /// The JSON form of a rule.
-    pub fn from_rule(rule: &Rule) -> Self {
-        let (match_kind, key) = match &rule.matcher {
-            RuleMatch::Exact(key) => ("exact", Some(key.as_slice())),
-            RuleMatch::Prefix(prefix) => ("prefix", Some(prefix.as_slice())),
-            RuleMatch::Default => ("default", None),
-        };
-        let (key, key_hex) = match key {
-            Some(bytes) => match key_text(bytes) {
-                Some(text) => (Some(text.to_owned()), None),
-                None => (None, Some(key_hex(bytes))),
-            },
-            None => (None, None),
-        };
-        Self {
-            match_kind: match_kind.to_owned(),
-            key,
-            key_hex,
-            window_ms: rule.window_ms,
-            threshold: rule.threshold,
-            hot_duration_ms: rule.hot_duration_ms,
-            description: rule.description.clone(),
-        }
-    }
-
-    /// The rule this JSON describes; the engine validates the ranges.
-    pub fn to_rule(&self) -> Result<Rule, String> {
-        let key = match (&self.key, &self.key_hex) {
-            (Some(text), None) => Some(text.as_bytes().to_vec()),
-            (None, Some(hex)) => Some(
-                key_from_hex(hex)
-                    .ok_or_else(|| format!("key_hex '{hex}' is not an even-length hex string"))?,
-            ),
-            (None, None) => None,
-            (Some(_), Some(_)) => return Err("give key or key_hex, not both".to_owned()),
-        };
-        let matcher = match (self.match_kind.as_str(), key) {
-            ("exact", Some(key)) => RuleMatch::Exact(key),
-            ("prefix", Some(key)) => RuleMatch::Prefix(key),
-            ("default" | "*", None) => RuleMatch::Default,
-            ("exact" | "prefix", None) => {
-                return Err(format!(
-                    "a '{}' rule needs a key (or key_hex)",
-                    self.match_kind
-                ));
-            }
-            ("default" | "*", Some(_)) => return Err("a 'default' rule takes no key".to_owned()),
-            (other, _) => {
-                return Err(format!(
-                    "match must be exact, prefix or default, got '{other}'"
-                ));
-            }
-        };
-        Ok(Rule {
-            matcher,
-            window_ms: self.window_ms,
-            threshold: self.threshold,
-            hot_duration_ms: self.hot_duration_ms,
-            description: self.description.clone(),
-        })
-    }
-}
 
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -171,7 +85,7 @@ pub fn load(data_dir: &Path) -> Result<BTreeMap<String, Vec<Rule>>, RulesFileErr
         .map(|(app, records)| {
             let rules = records
                 .iter()
-                .map(RuleRecord::to_rule)
+                .map(rule_from_record)
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|message| invalid(format!("app '{app}': {message}")))?;
             Ok((app, rules))
@@ -188,12 +102,7 @@ pub fn save(data_dir: &Path, apps: &BTreeMap<String, Vec<Rule>>) -> Result<(), R
         format_version: RULES_FORMAT_VERSION,
         apps: apps
             .iter()
-            .map(|(app, rules)| {
-                (
-                    app.clone(),
-                    rules.iter().map(RuleRecord::from_rule).collect(),
-                )
-            })
+            .map(|(app, rules)| (app.clone(), rules.iter().map(rule_to_record).collect()))
             .collect(),
     };
     let io = |operation, source| RulesFileError::Io {
@@ -220,6 +129,8 @@ pub fn save(data_dir: &Path, apps: &BTreeMap<String, Vec<Rule>>) -> Result<(), R
 
 #[cfg(test)]
 mod tests {
+    use levee_hotkey::RuleMatch;
+
     use super::*;
 
     fn rule(matcher: RuleMatch) -> Rule {
@@ -260,10 +171,18 @@ mod tests {
 
     #[test]
     fn given_record_errors_then_messages_name_the_problem() {
-        let mut record = RuleRecord::from_rule(&rule(RuleMatch::Default));
+        let mut record = rule_to_record(&rule(RuleMatch::Default));
         record.match_kind = "regex".to_owned();
-        assert!(record.to_rule().unwrap_err().contains("got 'regex'"));
+        assert!(
+            rule_from_record(&record)
+                .unwrap_err()
+                .contains("got 'regex'")
+        );
         record.match_kind = "exact".to_owned();
-        assert!(record.to_rule().unwrap_err().contains("needs a key"));
+        assert!(
+            rule_from_record(&record)
+                .unwrap_err()
+                .contains("needs a key")
+        );
     }
 }

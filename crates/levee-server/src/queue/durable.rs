@@ -15,7 +15,7 @@ use levee_proto::v1::ErrorCode;
 use levee_store::{CommitTicket, Store};
 use tokio::sync::oneshot;
 
-use super::{lock, write_error};
+use crate::queue::{lock, write_error};
 
 type Answer = oneshot::Sender<Result<(), WireError>>;
 

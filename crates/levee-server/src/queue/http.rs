@@ -12,13 +12,14 @@ use axum::extract::{Path, State};
 use axum::response::Json;
 use axum::routing::get;
 use levee_proto::WireError;
+use levee_proto::json::{group_json, producer_json};
 use levee_proto::v1::ErrorCode;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::consume::ConsumeContext;
-use super::topic_service::TopicService;
-use crate::hotkey::http::ApiError;
+use crate::api_error::ApiError;
+use crate::queue::topic::consume::ConsumeContext;
+use crate::queue::topic::service::TopicService;
 
 /// The topic and group routes.
 pub fn router(context: Arc<ConsumeContext>) -> Router {
@@ -49,46 +50,6 @@ async fn describe_group(
 ) -> Result<Json<Value>, ApiError> {
     let described = TopicService::describe_group_now(&context, &group, &topic).await?;
     Ok(Json(group_json(&described)))
-}
-
-/// A group's description as JSON, with each partition's lag (the admin port and the CLI print
-/// the same form).
-pub fn group_json(described: &levee_proto::v1::DescribeGroupResponse) -> Value {
-    let members: Vec<Value> = described
-        .members
-        .iter()
-        .map(|member| {
-            json!({
-                "member": member.member,
-                "partitions": member.partitions,
-                "lease_left_ms": member.lease_left_ms,
-            })
-        })
-        .collect();
-    let partitions: Vec<Value> = described
-        .partitions
-        .iter()
-        .map(|partition| {
-            json!({
-                "partition": partition.partition,
-                "owner": partition.owner,
-                "epoch": partition.epoch,
-                "committed_offset": partition.committed_offset,
-                "next_offset": partition.next_offset,
-                "lag": partition.next_offset.saturating_sub(partition.committed_offset),
-            })
-        })
-        .collect();
-    json!({
-        "group": described.group,
-        "topic": described.topic,
-        "generation": described.generation,
-        "members": members,
-        "partitions": partitions,
-        "rate_limit_per_s": described.rate_limit_per_s,
-        "delivered": described.delivered,
-        "throttled_s": described.throttled_s,
-    })
 }
 
 async fn get_rate(
@@ -123,16 +84,6 @@ async fn get_producer_rate(
 ) -> Result<Json<Value>, ApiError> {
     let described = TopicService::describe_producer_now(&context, &producer_name)?;
     Ok(Json(producer_json(&described)))
-}
-
-/// A producer name's limit and figures as JSON (the admin port and the CLI print the same form).
-pub fn producer_json(described: &levee_proto::v1::DescribeProducerResponse) -> Value {
-    json!({
-        "producer_name": described.producer_name,
-        "messages_per_s": described.rate_limit_per_s,
-        "admitted": described.admitted,
-        "throttled_s": described.throttled_s,
-    })
 }
 
 async fn put_producer_rate(

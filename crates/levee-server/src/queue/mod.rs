@@ -1,11 +1,22 @@
-//! Queues over the network: the `levee.v1.Queues` and `levee.v1.Topics` gRPC services on the
-//! embedded queue store (`levee-store`), which lives in the `queues` directory of the data dir.
+//! Queues over the network: the broker engine (`levee-broker`) decides, the embedded queue
+//! store (`levee-store`, in the `queues` directory of the data dir) keeps the data, and this
+//! module adapts both to gRPC and the admin HTTP port. A room per capability:
 //!
-//! - `service`: append (idempotent with a producer id), read, info, list, delete, and mailbox
-//!   subscriptions: one queue per stream (`subscription`) or many (`mailboxes`).
-//! - `topic_service`: topics (`topic`), keyed publishing, consumer groups (`group`, the
-//!   coordinator; `consume`, a member's stream) and flow control (`rate`).
-//! - `producer`: idempotent producers' remembered runs.
+//! - `service`: the `levee.v1.Queues` gRPC service: append (idempotent with a producer id),
+//!   read, info, list, delete, retention, and the mailbox streams.
+//! - `mailbox/`: single-queue subscriptions, many-queue mailbox streams, consumers' position
+//!   logs.
+//! - `topic/`: topics (the catalog), consumer groups, a member's `Consume` stream, the
+//!   `levee.v1.Topics` gRPC service.
+//! - `producer/`: idempotent producers' remembered runs.
+//! - `limits/`: group delivery pacing and producer append admission.
+//! - Shared by the rooms: `waiters` (who waits on which queue), `credit` (a stream's flow
+//!   control), `retention` (retention passes), `durable` (waiting for fsyncs without a
+//!   thread), [`StoreCalls`] and the mapping of engine errors to wire errors (here), `http`
+//!   (topics, groups and producer limits as JSON).
+//!
+//! Reserved (`\0`-prefixed) queue names, name rules and bounds have one home:
+//! `levee_broker::names`.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -17,18 +28,16 @@ use levee_proto::v1::ErrorCode;
 use levee_store::{CommitTicket, Store, SyncPolicy, WriteError};
 use tokio::sync::Semaphore;
 
-pub mod consume;
+pub mod credit;
 pub mod durable;
-pub mod group;
 pub mod http;
-pub mod mailboxes;
-pub mod position_log;
+pub mod limits;
+pub mod mailbox;
 pub mod producer;
-pub mod producer_rate;
+pub mod retention;
 pub mod service;
-pub mod subscription;
 pub mod topic;
-pub mod topic_service;
+pub mod waiters;
 
 /// The store's directory inside the data dir.
 pub const STORE_DIR_NAME: &str = "queues";

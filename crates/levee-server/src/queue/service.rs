@@ -23,17 +23,17 @@ use tonic::{Request, Response, Status, Streaming};
 
 use levee_broker::names;
 
-use super::subscription::{
-    Appended, DeleteRefused, RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX, Session, Waiters, check_start,
-};
+use crate::queue::credit::{RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX};
+use crate::queue::mailbox::subscription::{Session, check_start};
+use crate::queue::waiters::{Appended, DeleteRefused, Waiters};
 
-use super::mailboxes::{self, ManyContext, ManySession};
-use super::position_log::PositionLogs;
-use super::producer::{Producers, SequencedMessage};
-use super::producer_rate::{Admission, ProducerRates};
-use super::topic::{RetentionRule, Topics};
-use super::{StoreCalls, name_error, write_error};
 use crate::metrics::Metrics;
+use crate::queue::limits::producer_rate::{Admission, ProducerRates};
+use crate::queue::mailbox::many::{self, ManyContext, ManySession};
+use crate::queue::mailbox::position_log::PositionLogs;
+use crate::queue::producer::idempotent::{Producers, SequencedMessage};
+use crate::queue::topic::catalog::{RetentionRule, Topics};
+use crate::queue::{StoreCalls, name_error, write_error};
 
 /// Most messages in one append request.
 pub const APPEND_MESSAGES_MAX: usize = 10_000;
@@ -241,7 +241,7 @@ impl Queues for QueueService {
             },
         )
         .await?;
-        mailboxes::check_start(&start)?;
+        many::check_start(&start)?;
         let permit = self.subscription_permit()?;
         let (outgoing, responses) = mpsc::channel(RESPONSES_QUEUED_MAX);
         let context = ManyContext {
@@ -376,7 +376,7 @@ impl Queues for QueueService {
             next_offset: batch.next_offset(),
             skipped_to_first_retained: batch.skipped_to_first_retained,
             queue_next_offset: batch.visible_end_offset,
-            payloads: super::payloads(batch).collect(),
+            payloads: crate::queue::payloads(batch).collect(),
         }))
     }
 
@@ -497,7 +497,7 @@ impl Queues for QueueService {
                     .map_or(0, |since| {
                         u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
                     });
-                super::subscription::enforce_retention(store, now_ms, |name| {
+                crate::queue::retention::enforce_retention(store, now_ms, |name| {
                     topics.retention_for(name).to_store()
                 })
                 .map_err(write_error)

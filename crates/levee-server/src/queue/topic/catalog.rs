@@ -13,7 +13,7 @@ use levee_broker::names::META_QUEUE;
 use levee_proto::WireError;
 use levee_store::Store;
 
-use super::{catalog_error, lock, write_error};
+use crate::queue::{catalog_error, lock, write_error};
 
 /// Records one read of the metadata queue asks for on start.
 const REPLAY_READ_MESSAGES: usize = 1_000;
@@ -103,11 +103,6 @@ impl Topics {
         self.change(store, &command, || {}).map(|created| !created)
     }
 
-    /// The topic, if it exists.
-    pub fn get(&self, topic: &str) -> Option<Arc<Topic>> {
-        self.read().topic(topic).cloned()
-    }
-
     /// The topic, or a `NOT_FOUND` error that says how to create it.
     pub fn require(&self, topic: &str) -> Result<Arc<Topic>, WireError> {
         self.read()
@@ -176,11 +171,6 @@ impl Topics {
     /// The rule of the longest prefix of `queue` (the default when none matches).
     pub fn retention_for(&self, queue: &[u8]) -> RetentionRule {
         self.read().retention().rule_for(queue)
-    }
-
-    /// Whether any retention rule exists.
-    pub fn has_retention(&self) -> bool {
-        !self.read().retention().is_empty()
     }
 
     /// `group`'s rate in messages per second, 0 for none.

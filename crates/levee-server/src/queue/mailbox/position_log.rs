@@ -40,7 +40,7 @@ use levee_proto::WireError;
 use levee_store::{CommitTicket, Store};
 use prometheus_client::metrics::counter::Counter;
 
-use super::{last_record, lock, storage_error, write_error};
+use crate::queue::{last_record, lock, storage_error, write_error};
 
 /// The version byte every log record starts with (version 1 records, without an epoch, are
 /// still read).
@@ -312,8 +312,11 @@ impl ConsumerLog {
                     .get(&queue[..])
                     .copied()
                     .unwrap_or((book.floor_epoch, 0));
-                let legacy =
-                    super::subscription::load_position(&self.store, &self.consumer, queue)?;
+                let legacy = crate::queue::mailbox::subscription::load_position(
+                    &self.store,
+                    &self.consumer,
+                    queue,
+                )?;
                 Ok(Position {
                     epoch,
                     next: logged.max(legacy),
@@ -745,7 +748,7 @@ impl PositionLogs {
         let consumers: Vec<String> = lock(&self.writers).iter().cloned().collect();
         let mut tickets = Vec::new();
         for consumer in &consumers {
-            let single = super::subscription::position_queue(consumer, queue);
+            let single = crate::queue::mailbox::subscription::position_queue(consumer, queue);
             if matches!(self.store.queue_info(&single), Ok(Some(_))) {
                 self.store.delete_queue(&single).map_err(write_error)?;
                 self.forgets.inc();

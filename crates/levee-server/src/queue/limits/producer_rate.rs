@@ -22,8 +22,8 @@ use levee_broker::catalog::PRODUCER_RATES_MAX;
 use levee_broker::names::check_producer_name;
 use levee_broker::rate::TokenBucket;
 
-use super::{lock, name_error};
 use crate::metrics::{FloatGauge, Metrics, ProducerLabels, SecondsCounter};
+use crate::queue::{lock, name_error};
 
 /// The time on tokio's clock (virtual in tests with paused time), as the buckets take it.
 fn now() -> Instant {
@@ -112,7 +112,7 @@ impl ProducerRates {
     }
 
     /// Applies `producer_name`'s limit at once (0 clears it). The durable record is written
-    /// first, by [`super::topic::Topics::set_producer_rate`], which also bounds how many names
+    /// first, by [`crate::queue::topic::catalog::Topics::set_producer_rate`], which also bounds how many names
     /// have a limit.
     pub fn set(&self, producer_name: &str, rate_per_s: f64) {
         let mut limits = self

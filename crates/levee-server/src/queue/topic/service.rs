@@ -22,11 +22,11 @@ use tonic::{Request, Response, Status, Streaming};
 
 use levee_broker::names::{check_group_name, check_producer_name};
 
-use super::consume::{ConsumeContext, ConsumeSession, now_ms, topic_wake_key};
-use super::producer::SequencedMessage;
-use super::service::{APPEND_MESSAGES_MAX, QueueService};
-use super::subscription::{RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX};
-use super::{lock, name_error};
+use crate::queue::credit::{RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX};
+use crate::queue::producer::idempotent::SequencedMessage;
+use crate::queue::service::{APPEND_MESSAGES_MAX, QueueService};
+use crate::queue::topic::consume::{ConsumeContext, ConsumeSession, now_ms, topic_wake_key};
+use crate::queue::{lock, name_error};
 
 /// How long a new consume stream may take to send its start message.
 const START_TIMEOUT: Duration = Duration::from_secs(10);

@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::pin::pin;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use levee_proto::WireError;
@@ -20,14 +20,15 @@ use tokio::sync::{Notify, mpsc, watch};
 use tonic::{Status, Streaming};
 
 use levee_broker::names::{check_group_on_topic, check_member_name};
-use levee_broker::rate::TokenBucket;
 
-use super::group::{Groups, Membership};
-use super::producer_rate::ProducerRates;
-use super::subscription::{ROUND_BYTES_MAX, StreamCredit, Waiters, check_credit};
-use super::topic::{Topic, Topics};
-use super::{StoreCalls, lock, name_error, storage_error};
-use crate::metrics::{FloatGauge, GroupLabels, Metrics, SecondsCounter};
+use crate::metrics::{GroupLabels, Metrics};
+use crate::queue::credit::{ROUND_BYTES_MAX, StreamCredit, check_credit};
+use crate::queue::limits::group_rate::{Pacer, Pacers};
+use crate::queue::limits::producer_rate::ProducerRates;
+use crate::queue::topic::catalog::{Topic, Topics};
+use crate::queue::topic::group::{Groups, Membership};
+use crate::queue::waiters::Waiters;
+use crate::queue::{StoreCalls, name_error, storage_error};
 
 /// Lease of a start that does not say.
 pub const LEASE_MS_DEFAULT: u32 = 10_000;
@@ -52,98 +53,6 @@ pub fn topic_wake_key(topic: &str) -> Vec<u8> {
     let mut key = b"\0wake\0".to_vec();
     key.extend_from_slice(topic.as_bytes());
     key
-}
-
-/// One group's pacing: its token bucket (none without a limit) and metrics.
-#[derive(Debug)]
-pub struct Pacer {
-    bucket: Mutex<Option<TokenBucket>>,
-    delivered: prometheus_client::metrics::counter::Counter,
-    throttled: SecondsCounter,
-    limit: FloatGauge,
-}
-
-impl Pacer {
-    fn take(&self, wanted: u64) -> Result<u64, Duration> {
-        match lock(&self.bucket).as_mut() {
-            Some(bucket) => bucket.take(wanted, Instant::now()),
-            None => Ok(wanted),
-        }
-    }
-
-    fn give_back(&self, count: u64) {
-        if let Some(bucket) = lock(&self.bucket).as_mut() {
-            bucket.give_back(count);
-        }
-    }
-
-    /// Messages delivered to the group since start.
-    pub fn delivered(&self) -> u64 {
-        self.delivered.get()
-    }
-
-    /// Seconds the group's deliveries waited for tokens.
-    pub fn throttled_s(&self) -> f64 {
-        self.throttled.get()
-    }
-}
-
-/// Every group's [`Pacer`].
-#[derive(Debug)]
-pub struct Pacers {
-    pacers: Mutex<HashMap<String, Arc<Pacer>>>,
-    metrics: Metrics,
-}
-
-impl Pacers {
-    /// No pacers yet; they are made on first use.
-    pub fn new(metrics: Metrics) -> Self {
-        Self {
-            pacers: Mutex::default(),
-            metrics,
-        }
-    }
-
-    /// The group's pacer, made at `rate_per_s` (0: unlimited) if new.
-    pub fn get(&self, group: &str, rate_per_s: f64) -> Arc<Pacer> {
-        let mut pacers = lock(&self.pacers);
-        if let Some(pacer) = pacers.get(group) {
-            return Arc::clone(pacer);
-        }
-        let labels = GroupLabels::new(group);
-        let pacer = Arc::new(Pacer {
-            bucket: Mutex::new(None),
-            delivered: self
-                .metrics
-                .group_messages_delivered
-                .get_or_create(&labels)
-                .clone(),
-            throttled: self
-                .metrics
-                .group_throttled_seconds
-                .get_or_create(&labels)
-                .clone(),
-            limit: self
-                .metrics
-                .group_rate_limit_per_second
-                .get_or_create(&labels)
-                .clone(),
-        });
-        set_bucket(&pacer, rate_per_s);
-        pacers.insert(group.to_owned(), Arc::clone(&pacer));
-        pacer
-    }
-
-    /// Sets the group's rate (0: unlimited), at once.
-    pub fn set(&self, group: &str, rate_per_s: f64) {
-        let pacer = self.get(group, rate_per_s);
-        set_bucket(&pacer, rate_per_s);
-    }
-}
-
-fn set_bucket(pacer: &Pacer, rate_per_s: f64) {
-    TokenBucket::apply(&mut lock(&pacer.bucket), rate_per_s, Instant::now());
-    pacer.limit.set(rate_per_s);
 }
 
 /// What every consume stream shares.
@@ -375,7 +284,7 @@ impl ConsumeSession {
                 () = &mut woken => {}
                 () = throttled => {
                     if let Some(wait) = throttle {
-                        self.pacer.throttled.inc_by(wait.as_secs_f64());
+                        self.pacer.record_throttled(wait);
                     }
                 }
                 changed = assignment_changes.changed() => {
@@ -475,7 +384,7 @@ impl ConsumeSession {
                 cursor.next = batch.next_offset();
             }
             let first_offset = batch.first_offset;
-            for (payload, offset) in super::payloads(batch).zip(first_offset..) {
+            for (payload, offset) in crate::queue::payloads(batch).zip(first_offset..) {
                 deliveries.push(TopicDelivery {
                     partition: cursor.partition,
                     epoch: cursor.epoch,
@@ -491,7 +400,7 @@ impl ConsumeSession {
         }
         self.credit
             .spend(usize::try_from(sent).unwrap_or(usize::MAX), bytes);
-        self.pacer.delivered.inc_by(sent);
+        self.pacer.record_delivered(sent);
         let response = ConsumeResponse {
             deliveries,
             ..ConsumeResponse::default()

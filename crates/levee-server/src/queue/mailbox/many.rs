@@ -1,7 +1,7 @@
 //! Many-queue subscriptions (`SubscribeMany`): one consumer's stream over up to
 //! [`MAILBOXES_PER_STREAM_MAX`] queues, the way an app server holds the mailboxes of its
 //! connected users. Each queue added is a mailbox with a number (the order of adds); delivery,
-//! positions and acks behave as those of a single subscription ([`super::subscription`]):
+//! positions and acks behave as those of a single subscription ([`crate::queue::subscription`]):
 //! delivery starts after the consumer's last ack on the queue and acks are cumulative, written
 //! through the store's log. One credit covers the stream.
 //!
@@ -10,7 +10,7 @@
 //! mailboxes it was told about, round-robin, until each is caught up. A delivery response
 //! carries messages of many mailboxes.
 //!
-//! Positions go to the consumer's position log ([`super::position_log`]): an ack batch is a
+//! Positions go to the consumer's position log ([`crate::queue::position_log`]): an ack batch is a
 //! few records appended to one queue, not a record per mailbox's position queue.
 
 use std::collections::{HashMap, VecDeque};
@@ -27,12 +27,11 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{Semaphore, mpsc, watch};
 use tonic::{Status, Streaming};
 
-use super::StoreCalls;
-use super::position_log::{ConsumerLog, Position, PositionLogs};
-use super::subscription::{
-    AddRefused, Hints, Inbox, ROUND_BYTES_MAX, StreamCredit, Waiters, check_consumer_and_credit,
-    check_queue_name,
-};
+use crate::queue::StoreCalls;
+use crate::queue::credit::{ROUND_BYTES_MAX, StreamCredit};
+use crate::queue::mailbox::position_log::{ConsumerLog, Position, PositionLogs};
+use crate::queue::mailbox::subscription::{check_consumer_and_credit, check_queue_name};
+use crate::queue::waiters::{AddRefused, Hints, Inbox, Waiters};
 
 /// Most mailboxes on one stream.
 pub const MAILBOXES_PER_STREAM_MAX: u32 = 1_000_000;
@@ -80,7 +79,7 @@ struct Mailbox {
     next: u64,
     /// The offset after the last acked one.
     acked: u64,
-    /// The epoch its acks are written in (see [`super::position_log::Position`]), and in the
+    /// The epoch its acks are written in (see [`crate::queue::mailbox::position_log::Position`]), and in the
     /// top bit whether it is in the session's to-do list (woken and not yet caught up): one
     /// word, so a mailbox stays 40 bytes (a million of them are looked up at random).
     epoch_and_scheduled: u64,
@@ -318,7 +317,7 @@ impl ManySession {
                     count as usize,
                     byte_room as usize,
                 )
-                .map_err(|error| super::storage_error(&error))?;
+                .map_err(|error| crate::queue::storage_error(&error))?;
             if batch.skipped_to_first_retained {
                 mailbox.next = batch.first_offset;
             }
@@ -329,7 +328,7 @@ impl ManySession {
             let read_bytes = u32::try_from(batch.bytes()).unwrap_or(u32::MAX);
             let (first_offset, next_offset) = (batch.first_offset, batch.next_offset());
             let caught_up = next_offset >= batch.visible_end_offset;
-            deliveries.extend(super::payloads(batch).zip(first_offset..).map(
+            deliveries.extend(crate::queue::payloads(batch).zip(first_offset..).map(
                 |(payload, offset)| MailboxDelivery {
                     mailbox: number,
                     offset,

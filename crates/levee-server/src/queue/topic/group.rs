@@ -15,8 +15,8 @@ use levee_proto::v1::{Assignment, ErrorCode, PartitionAssignment};
 use levee_store::{CommitTicket, Store};
 use tokio::sync::watch;
 
-use super::topic::Topic;
-use super::{group_error, lock, storage_error, write_error};
+use crate::queue::topic::catalog::Topic;
+use crate::queue::{group_error, lock, storage_error, write_error};
 
 /// A member's assignment as its stream sends it.
 fn to_wire(assignment: levee_broker::group::Assignment) -> Assignment {
@@ -106,7 +106,7 @@ impl Groups {
             return Ok(Arc::clone(existing));
         }
         // Loaded outside the lock: the read may wait for a commit round (`last_record`).
-        let committed = super::last_record(store, &commit_queue(group, &topic.name))?
+        let committed = crate::queue::last_record(store, &commit_queue(group, &topic.name))?
             .map(|record| decode_committed(&record))
             .unwrap_or_default();
         let mut groups = lock(&self.groups);

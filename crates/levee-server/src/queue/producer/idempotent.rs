@@ -28,7 +28,7 @@ use levee_store::{CommitTicket, Store};
 
 use levee_broker::names::{PRODUCER_ID_BYTES_MAX, producer_queue};
 
-use super::{lock, storage_error, write_error};
+use crate::queue::{lock, storage_error, write_error};
 
 /// Producers remembered at once.
 pub const PRODUCERS_MAX: usize = 10_000;

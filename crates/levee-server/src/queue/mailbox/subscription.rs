@@ -1,0 +1,372 @@
+//! Mailbox subscriptions: one consumer's stream on one queue. Delivery starts after the
+//! consumer's last acked offset, follows appends as they happen (a [`Waiters`] registry wakes the
+//! stream when its queue grows, so nothing polls), and never goes past the credits the client
+//! granted, so a slow consumer costs bounded server memory. Acks are cumulative; each is written
+//! through the store's log as a record in the consumer's position queue, so a restart
+//! redelivers nothing that was acked.
+
+use std::hash::BuildHasher;
+use std::pin::pin;
+use std::sync::Arc;
+
+use levee_proto::WireError;
+use levee_proto::v1::subscribe_request::Kind;
+use levee_proto::v1::{
+    Credit, Delivery, ErrorCode, SubscribeRequest, SubscribeResponse, SubscribeStart,
+};
+use levee_store::Store;
+use tokio::sync::{Notify, mpsc};
+use tonic::{Status, Streaming};
+
+use levee_broker::names::{self, POSITION_PREFIX};
+
+use crate::queue::credit::{ROUND_BYTES_MAX, StreamCredit, check_credit};
+use crate::queue::name_error;
+
+/// Most messages one read for a subscription takes from the store.
+const READ_MESSAGES_MAX: u32 = 1_000;
+
+fn invalid(message: String) -> WireError {
+    WireError::new(ErrorCode::InvalidArgument, message)
+}
+
+/// The name of the queue holding `consumer`'s acked positions on `queue`.
+pub(crate) fn position_queue(consumer: &str, queue: &[u8]) -> Vec<u8> {
+    let hash = foldhash::fast::FixedState::with_seed(0x706f_7369_7469_6f6e).hash_one(queue);
+    let mut name = POSITION_PREFIX.to_vec();
+    name.extend_from_slice(consumer.as_bytes());
+    name.push(0);
+    name.extend_from_slice(format!("{hash:016x}").as_bytes());
+    name
+}
+
+/// A position record: the next offset to deliver, then the queue's name (to detect a hash
+/// collision).
+pub(crate) fn position_record(next: u64, queue: &[u8]) -> Vec<u8> {
+    let mut record = next.to_le_bytes().to_vec();
+    record.extend_from_slice(queue);
+    record
+}
+
+/// The consumer's next offset on `queue`: after its last ack, or 0. Blocks on the store (it
+/// may wait for a commit round, see [`crate::queue::last_record`]): call it on the blocking pool.
+pub(crate) fn load_position(store: &Store, consumer: &str, queue: &[u8]) -> Result<u64, WireError> {
+    let Some(record) = crate::queue::last_record(store, &position_queue(consumer, queue))? else {
+        return Ok(0);
+    };
+    match record.split_at_checked(8) {
+        Some((next, stored_queue)) if stored_queue == queue => {
+            Ok(u64::from_le_bytes(next.try_into().unwrap_or([0; 8])))
+        }
+        _ => Err(WireError::new(
+            ErrorCode::FailedPrecondition,
+            format!(
+                "consumer '{consumer}': its position record does not match this queue; use another consumer name"
+            ),
+        )),
+    }
+}
+
+/// Checks the start message: queue name, consumer name, credit.
+pub fn check_start(start: &SubscribeStart) -> Result<(), WireError> {
+    check_queue_name(&start.queue)?;
+    check_consumer_and_credit(&start.consumer, start.credit.as_ref())
+}
+
+/// Checks a subscribed queue's name: 1 to [`names::QUEUE_NAME_BYTES_MAX`] bytes, not reserved.
+pub(crate) fn check_queue_name(queue: &[u8]) -> Result<(), WireError> {
+    names::check_queue_name(queue).map_err(|error| name_error(&error))
+}
+
+/// Checks a subscription's consumer name and initial credit.
+pub(crate) fn check_consumer_and_credit(
+    consumer: &str,
+    credit: Option<&Credit>,
+) -> Result<(), WireError> {
+    names::check_consumer_name(consumer).map_err(|error| name_error(&error))?;
+    check_credit(credit)
+}
+
+/// One subscription's state.
+#[derive(Debug)]
+pub struct Session {
+    /// Store calls (reads inline, acks' durability awaited without a thread).
+    pub calls: crate::queue::StoreCalls,
+    /// Wakes this session when its queue grows.
+    pub notify: Arc<Notify>,
+    /// Consumers' position logs (`SubscribeMany` acks), read with the position queue.
+    pub positions: Arc<crate::queue::mailbox::position_log::PositionLogs>,
+    /// The client's start message (already checked).
+    pub start: SubscribeStart,
+    /// The client's further messages.
+    pub incoming: Streaming<SubscribeRequest>,
+    /// Where responses go.
+    pub outgoing: mpsc::Sender<Result<SubscribeResponse, Status>>,
+    /// Delivered messages, counted in metrics.
+    pub delivered: prometheus_client::metrics::counter::Counter,
+    /// Turns true when the server shuts down.
+    pub closing: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Session {
+    /// Runs the subscription until the client leaves or breaks the protocol.
+    pub async fn run(mut self) {
+        if let Err(error) = self.serve().await {
+            let _ = self.outgoing.send(Err(Status::from(error))).await;
+        }
+    }
+
+    async fn serve(&mut self) -> Result<(), WireError> {
+        let (queue, consumer) = (self.start.queue.clone(), self.start.consumer.clone());
+        let next = {
+            // The larger of this queue's position queue and the consumer's position log, so a
+            // consumer may move a queue between single and many-queue streams.
+            let log = self.positions.open(&consumer);
+            let queues = [queue.clone().into_boxed_slice()];
+            self.calls
+                .run(move |_| Ok(log.positions(&queues)?[0].next))
+                .await?
+        };
+        let mut progress = Progress {
+            next,
+            acked: next,
+            credit: StreamCredit::initial(self.start.credit),
+            writer_noted: false,
+        };
+        let start = SubscribeResponse {
+            start_offset: next,
+            deliveries: Vec::new(),
+            acked_offset: next,
+        };
+        if self.outgoing.send(Ok(start)).await.is_err() {
+            return Ok(());
+        }
+        loop {
+            let notify = Arc::clone(&self.notify);
+            let mut woken = pin!(notify.notified());
+            // Registered before the read, so an append between the read and the wait still wakes.
+            woken.as_mut().enable();
+            match self.deliver(&mut progress).await? {
+                // Nothing more to read until the next append, which wakes `woken` (enabled
+                // before the read): no second read to find that out.
+                Delivered::Some { caught_up: true } | Delivered::Nothing => {}
+                Delivered::Some { caught_up: false } => continue,
+                Delivered::ClientGone => return Ok(()),
+            }
+            let mut closing = self.closing.clone();
+            let message = tokio::select! {
+                () = &mut woken => continue,
+                message = self.incoming.message() => message,
+                _ = closing.wait_for(|closing| *closing) => {
+                    return Err(WireError::new(
+                        ErrorCode::Unavailable,
+                        "server shutting down; subscribe again, to this server once it is back \
+                         or to another",
+                    ));
+                }
+            };
+            let Ok(Some(message)) = message else {
+                return Ok(());
+            };
+            self.handle(message, &mut progress).await?;
+        }
+    }
+
+    /// Sends what the credit allows from the next offset.
+    async fn deliver(&mut self, progress: &mut Progress) -> Result<Delivered, WireError> {
+        if !progress.credit.is_open() {
+            return Ok(Delivered::Nothing);
+        }
+        let (queue, from) = (&self.start.queue, progress.next);
+        let count = progress.credit.messages.min(READ_MESSAGES_MAX) as usize;
+        let bytes = progress.credit.bytes.min(ROUND_BYTES_MAX) as usize;
+        let batch = self
+            .calls
+            .store
+            .read(queue, from, count, bytes)
+            .map_err(|error| WireError::new(ErrorCode::StorageFailed, error.to_string()))?;
+        if batch.is_empty() {
+            if batch.skipped_to_first_retained {
+                progress.next = batch.first_offset;
+            }
+            return Ok(Delivered::Nothing);
+        }
+        let sent_bytes = batch.bytes();
+        let first_offset = batch.first_offset;
+        let next_offset = batch.next_offset();
+        let caught_up = next_offset >= batch.visible_end_offset;
+        let deliveries: Vec<Delivery> = crate::queue::payloads(batch)
+            .zip(first_offset..)
+            .map(|(payload, offset)| Delivery { offset, payload })
+            .collect();
+        progress.credit.spend(deliveries.len(), sent_bytes);
+        progress.next = next_offset;
+        self.delivered.inc_by(deliveries.len() as u64);
+        let response = SubscribeResponse {
+            start_offset: 0,
+            deliveries,
+            acked_offset: 0,
+        };
+        if self.outgoing.send(Ok(response)).await.is_err() {
+            return Ok(Delivered::ClientGone);
+        }
+        Ok(Delivered::Some { caught_up })
+    }
+
+    /// Applies a credit or an ack from the client.
+    async fn handle(
+        &mut self,
+        message: SubscribeRequest,
+        progress: &mut Progress,
+    ) -> Result<(), WireError> {
+        match message.kind {
+            Some(Kind::Credit(credit)) => {
+                progress.credit.grant(credit);
+                Ok(())
+            }
+            Some(Kind::Ack(ack)) => {
+                if ack.offset >= progress.next {
+                    return Err(invalid(format!(
+                        "ack of offset {} is beyond the last delivered offset {}; ack only what \
+                         was delivered",
+                        ack.offset,
+                        progress.next.saturating_sub(1)
+                    )));
+                }
+                if ack.offset >= progress.acked {
+                    progress.acked = ack.offset + 1;
+                    let queue = &self.start.queue;
+                    if !progress.writer_noted {
+                        self.positions.note_writer(&self.start.consumer);
+                        progress.writer_noted = true;
+                    }
+                    let name = position_queue(&self.start.consumer, queue);
+                    let record = position_record(progress.acked, queue);
+                    let (_, ticket) = self
+                        .calls
+                        .store
+                        .append_deferred(&name, &record)
+                        .map_err(crate::queue::write_error)?;
+                    self.calls.durable(Some(ticket)).await?;
+                }
+                // Durable now (or already before): say so.
+                let answer = SubscribeResponse {
+                    start_offset: 0,
+                    deliveries: Vec::new(),
+                    acked_offset: progress.acked,
+                };
+                let _ = self.outgoing.send(Ok(answer)).await;
+                Ok(())
+            }
+            Some(Kind::Start(_)) | None => {
+                Err(invalid("a subscription takes one start message".to_owned()))
+            }
+        }
+    }
+}
+
+/// Where a subscription stands.
+#[derive(Debug)]
+struct Progress {
+    /// The next offset to deliver.
+    next: u64,
+    /// The offset after the last acked one (what a new subscription starts from).
+    acked: u64,
+    credit: StreamCredit,
+    /// Whether the consumer was noted as a writer of positions (before its first ack).
+    writer_noted: bool,
+}
+
+/// What one delivery attempt did.
+enum Delivered {
+    /// Sent some; `caught_up`: the read reached the end of what was visible.
+    Some {
+        caught_up: bool,
+    },
+    Nothing,
+    ClientGone,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::queue::retention::trim_positions;
+
+    #[test]
+    fn given_an_ack_not_yet_fsynced_under_always_then_loading_the_position_waits_for_it() {
+        let directory = tempfile::tempdir().unwrap();
+        let options = levee_store::StoreOptions {
+            sync: levee_store::SyncPolicy::Always,
+            ..levee_store::StoreOptions::default()
+        };
+        let (store, _) = Store::open(directory.path(), options).unwrap();
+        let name = position_queue("app", b"orders");
+        store.append(&name, &position_record(3, b"orders")).unwrap();
+        // The next ack is buffered and nobody waits for its round: under `always` a reader
+        // does not see it yet, but its queue's next offset already counts it.
+        store
+            .append_deferred(&name, &position_record(7, b"orders"))
+            .unwrap();
+        assert_eq!(load_position(&store, "app", b"orders").unwrap(), 7);
+        assert_eq!(load_position(&store, "other", b"orders").unwrap(), 0);
+        // A record of another queue (a hash collision) is still refused.
+        store
+            .append(&name, &position_record(9, b"not orders"))
+            .unwrap();
+        let error = load_position(&store, "app", b"orders").unwrap_err();
+        assert!(
+            error.message.contains("use another consumer name"),
+            "{error:?}"
+        );
+    }
+
+    #[test]
+    fn given_many_acks_when_positions_are_trimmed_then_the_queue_shrinks_and_keeps_the_last() {
+        let directory = tempfile::tempdir().unwrap();
+        let options = levee_store::StoreOptions {
+            sync: levee_store::SyncPolicy::Interval { interval_ms: 5 },
+            ..levee_store::StoreOptions::default()
+        };
+        let (store, _) = Store::open(directory.path(), options).unwrap();
+        store.append(b"orders", b"not a position").unwrap();
+        let name = position_queue("app", b"orders");
+        let ack = |from: u64, to: u64| {
+            for next in from..=to {
+                store
+                    .append(&name, &position_record(next, b"orders"))
+                    .unwrap();
+                if next % 500 == 0 {
+                    store.sync().unwrap();
+                }
+            }
+            store.sync().unwrap();
+        };
+        let retained = || {
+            let info = store.queue_info(&name).unwrap().unwrap();
+            info.next_offset - info.first_offset
+        };
+        ack(1, 5_000);
+        assert!(trim_positions(&store, 0).unwrap() > 0);
+        let after_first = retained();
+        assert!(after_first < 5_000);
+        assert_eq!(
+            trim_positions(&store, 0).unwrap(),
+            0,
+            "already within the bound"
+        );
+        // Ten times more acks: the queue stays about as small (bounded, not growing).
+        ack(5_001, 50_000);
+        trim_positions(&store, 0).unwrap();
+        assert!(
+            retained() <= after_first + 500,
+            "{} > {after_first} + one chunk",
+            retained()
+        );
+        assert_eq!(load_position(&store, "app", b"orders").unwrap(), 50_000);
+        // Other queues are untouched.
+        assert_eq!(
+            store.queue_info(b"orders").unwrap().unwrap().first_offset,
+            0
+        );
+    }
+}
