@@ -81,3 +81,16 @@ fn given_an_interval_or_budget_the_store_refuses_then_the_bench_names_the_flag()
         );
     }
 }
+
+#[test]
+fn given_a_dir_that_does_not_exist_then_the_bench_makes_it() {
+    let directory = tempfile::tempdir().unwrap();
+    let missing = directory.path().join("not").join("yet");
+    let output = bench_store(&missing, &["--sync", "interval"]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(missing.is_dir());
+}

@@ -50,7 +50,8 @@ pub struct StoreBenchArgs {
     /// `--queue-buffer-budget-mb`); the default is the store's
     #[arg(long, default_value_t = (StoreOptions::default().buffer_budget_bytes >> 20) as u64)]
     buffer_budget_mb: u64,
-    /// Directory for the data (a fresh subdirectory is made and removed after)
+    /// Directory for the data, made if missing (a fresh subdirectory is made in it and
+    /// removed after)
     #[arg(long, default_value = ".")]
     dir: PathBuf,
     /// Write every byte through the page cache (the store's `direct_writes` off)
@@ -174,7 +175,8 @@ fn store_options(args: &StoreBenchArgs) -> anyhow::Result<StoreOptions> {
     Ok(options)
 }
 
-pub fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
+/// Checks the sizes and makes the run's fresh directory inside `--dir` (made if missing).
+fn prepare(args: &StoreBenchArgs) -> anyhow::Result<tempfile::TempDir> {
     if args.queues == 0 || args.messages < args.queues || args.threads == 0 {
         bail!("need --queues >= 1, --messages >= --queues and --threads >= 1");
     }
@@ -184,10 +186,16 @@ pub fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
             args.message_bytes
         );
     }
-    let root = tempfile::Builder::new()
+    std::fs::create_dir_all(&args.dir)
+        .with_context(|| format!("creating --dir {}", args.dir.display()))?;
+    tempfile::Builder::new()
         .prefix("levee-bench-store-")
         .tempdir_in(&args.dir)
-        .with_context(|| format!("creating a directory in {}", args.dir.display()))?;
+        .with_context(|| format!("creating a directory in {}", args.dir.display()))
+}
+
+pub fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
+    let root = prepare(args)?;
     let data = root.path().join("levee");
     let options = store_options(args)?;
     eprintln!(
