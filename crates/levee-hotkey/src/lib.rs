@@ -104,4 +104,4 @@ pub use engine::{
     AppStats, BatchOutcome, EngineConfig, Event, HotEvent, HotKeyEngine, HotSource, KeyCount,
     MemoryStats, REPORT_BATCH_KEYS_MAX, ReportError, UnknownAppPolicy,
 };
-pub use rule::{Rule, RuleError, RuleMatch};
+pub use rule::{APP_NAME_BYTES_MAX, Rule, RuleError, RuleMatch, validate_app_name};

@@ -190,7 +190,10 @@ pub enum RuleError {
         got: usize,
     },
     /// The app name is empty or too long.
-    #[error("app name must be 1 to 128 bytes of letters, digits, '-', '_' or '.', got '{app}'")]
+    #[error(
+        "app name must be 1 to {APP_NAME_BYTES_MAX} bytes of letters, digits, '-', '_' or '.', \
+         got '{app}'"
+    )]
     InvalidApp {
         /// The name given.
         app: String,

@@ -46,7 +46,7 @@ use crate::state::ServerState;
 /// Most concurrent gRPC streams on one connection (HTTP/2 `MAX_CONCURRENT_STREAMS`).
 pub const STREAMS_PER_CONNECTION_MAX: u32 = 1_024;
 /// Largest gRPC message the queue service takes or sends (an append of many messages).
-const GRPC_MESSAGE_BYTES_MAX: usize = 16 << 20;
+pub(crate) const GRPC_MESSAGE_BYTES_MAX: usize = 16 << 20;
 /// How often an idle HTTP/2 connection is pinged to detect dead peers.
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 /// How long a keepalive ping may go unanswered before the connection is closed.

@@ -526,21 +526,9 @@ impl HotKeyHub {
     }
 }
 
-/// Most bytes in an app name.
-pub const APP_NAME_BYTES_MAX: usize = 128;
-
+/// Checks an app name with the engine's one rule for it.
 fn check_app_name(app: &str) -> Result<(), WireError> {
-    let allowed = |byte: u8| byte.is_ascii_alphanumeric() || b"._-".contains(&byte);
-    if app.is_empty() || app.len() > APP_NAME_BYTES_MAX || !app.bytes().all(allowed) {
-        return Err(wire(
-            ErrorCode::InvalidArgument,
-            format!(
-                "app name must be 1 to {APP_NAME_BYTES_MAX} bytes of letters, digits, '-', '_' \
-                 or '.', got '{app}'"
-            ),
-        ));
-    }
-    Ok(())
+    levee_hotkey::validate_app_name(app).map_err(|error| rule_error(&error))
 }
 
 fn unknown(app: &str) -> WireError {

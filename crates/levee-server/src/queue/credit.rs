@@ -6,9 +6,17 @@
 use levee_proto::WireError;
 use levee_proto::v1::{Credit, ErrorCode};
 
+use crate::config::QUEUE_MESSAGE_BYTES_MAX_MAX;
+use crate::server::GRPC_MESSAGE_BYTES_MAX;
+
 /// Most payload bytes one delivery response carries (a message may pass it alone; messages are
 /// at most 4 MiB), well under the 16 MiB gRPC message limit whatever the byte credit.
 pub const ROUND_BYTES_MAX: u32 = 4 << 20;
+/// Most messages one delivery round reads from the store and one response carries.
+pub const ROUND_MESSAGES_MAX: u32 = 1_000;
+/// How long a new stream (subscription, many-queue stream, consume stream) may take to send
+/// its start message.
+pub const STREAM_START_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// Responses queued for one subscription's stream.
 pub const RESPONSES_QUEUED_MAX: usize = 16;
 /// Subscriptions open at once on one server.
@@ -19,6 +27,15 @@ pub const CREDIT_MESSAGES_MAX: u32 = 100_000;
 pub const CREDIT_BYTES_MAX: u32 = 64 << 20;
 /// Byte credit of a start that does not say.
 pub const CREDIT_BYTES_DEFAULT: u32 = 4 << 20;
+
+const _: () = assert!(
+    CREDIT_BYTES_DEFAULT <= CREDIT_BYTES_MAX,
+    "the default credit is within its bound"
+);
+const _: () = assert!(
+    ROUND_BYTES_MAX as usize + QUEUE_MESSAGE_BYTES_MAX_MAX as usize <= GRPC_MESSAGE_BYTES_MAX / 2,
+    "a delivery response (its bytes, passed by one message at most) fits a gRPC message twice"
+);
 
 /// Checks a stream's initial credit: 1 to [`CREDIT_MESSAGES_MAX`] messages.
 pub(crate) fn check_credit(credit: Option<&Credit>) -> Result<(), WireError> {

@@ -4,7 +4,6 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures_util::Stream;
 use levee_proto::WireError;
@@ -23,10 +22,11 @@ use tonic::{Request, Response, Status, Streaming};
 
 use levee_broker::names;
 
-use crate::queue::credit::{RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX};
+use crate::queue::credit::{RESPONSES_QUEUED_MAX, STREAM_START_TIMEOUT, SUBSCRIPTIONS_MAX};
 use crate::queue::mailbox::subscription::{Session, check_start};
 use crate::queue::waiters::{Appended, DeleteRefused, Waiters};
 
+use crate::config::QUEUE_MESSAGE_BYTES_MAX_MAX;
 use crate::metrics::Metrics;
 use crate::queue::limits::producer_rate::{Admission, ProducerRates};
 use crate::queue::mailbox::many::{self, ManyContext, ManySession};
@@ -34,6 +34,7 @@ use crate::queue::mailbox::position_log::PositionLogs;
 use crate::queue::producer::idempotent::{Producers, SequencedMessage};
 use crate::queue::topic::catalog::{RetentionRule, Topics};
 use crate::queue::{StoreCalls, name_error, write_error};
+use crate::server::GRPC_MESSAGE_BYTES_MAX;
 
 /// Most messages in one append request.
 pub const APPEND_MESSAGES_MAX: usize = 10_000;
@@ -49,9 +50,16 @@ pub const READ_BYTES_DEFAULT: u32 = 1 << 20;
 pub const LIST_LIMIT_MAX: u32 = 10_000;
 /// Queue names a list returns when it does not say.
 pub const LIST_LIMIT_DEFAULT: u32 = 1_000;
-
-/// How long a new subscription may take to send its start message.
-const START_TIMEOUT: Duration = Duration::from_secs(10);
+const _: () = assert!(
+    READ_MESSAGES_DEFAULT <= READ_MESSAGES_MAX
+        && READ_BYTES_DEFAULT <= READ_BYTES_MAX
+        && LIST_LIMIT_DEFAULT <= LIST_LIMIT_MAX,
+    "every default is within its bound"
+);
+const _: () = assert!(
+    READ_BYTES_MAX as usize + QUEUE_MESSAGE_BYTES_MAX_MAX as usize <= GRPC_MESSAGE_BYTES_MAX / 2,
+    "a read's response (its bytes, passed by one message at most) fits a gRPC message twice"
+);
 
 /// Implements `levee.v1.Queues` over a [`Store`].
 #[derive(Debug, Clone)]
@@ -169,20 +177,20 @@ type SubscribeManyStream =
     Pin<Box<dyn Stream<Item = Result<SubscribeManyResponse, Status>> + Send>>;
 
 /// A subscription stream's first message, which must be its start (`what`), within
-/// [`START_TIMEOUT`].
+/// [`STREAM_START_TIMEOUT`].
 async fn start_message<R, S>(
     incoming: &mut Streaming<R>,
     what: &str,
     start: impl FnOnce(R) -> Option<S>,
 ) -> Result<S, Status> {
-    match tokio::time::timeout(START_TIMEOUT, incoming.message()).await {
+    match tokio::time::timeout(STREAM_START_TIMEOUT, incoming.message()).await {
         Ok(Ok(Some(message))) => start(message)
             .ok_or_else(|| invalid(format!("the first message must be a {what}")).into()),
         Ok(Ok(None)) => Err(invalid(format!("the stream ended before its {what}")).into()),
         Ok(Err(status)) => Err(status),
         Err(_) => Err(invalid(format!(
             "no start message within {} s; send {what} first",
-            START_TIMEOUT.as_secs()
+            STREAM_START_TIMEOUT.as_secs()
         ))
         .into()),
     }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 
 /// How long the child may take to become ready.
-const START_TIMEOUT: Duration = Duration::from_secs(30);
+const SERVER_READY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A server the load tool started.
 #[derive(Debug)]
@@ -58,13 +58,13 @@ impl ServerProcess {
                 let _ = sender.send(line);
             }
         });
-        let deadline = Instant::now() + START_TIMEOUT;
+        let deadline = Instant::now() + SERVER_READY_TIMEOUT;
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             let Ok(line) = lines.recv_timeout(remaining) else {
                 let _ = child.kill();
                 let _ = child.wait();
-                bail!("the levee server did not become ready within {START_TIMEOUT:?}");
+                bail!("the levee server did not become ready within {SERVER_READY_TIMEOUT:?}");
             };
             let Ok(event) = serde_json::from_str::<serde_json::Value>(&line) else {
                 continue;

@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 /// How long a server may take to become ready.
-const START_TIMEOUT: Duration = Duration::from_secs(30);
+const SERVER_READY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The `levee` binary, with no LEVEE_* variables inherited from the test's environment.
 pub fn levee_command() -> Command {
@@ -80,7 +80,7 @@ impl LeveeProcess {
             }
         });
         let mut logs = Vec::new();
-        let deadline = Instant::now() + START_TIMEOUT;
+        let deadline = Instant::now() + SERVER_READY_TIMEOUT;
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             let Ok(line) = log_lines.recv_timeout(remaining) else {

@@ -28,7 +28,7 @@ use tokio::sync::{Semaphore, mpsc, watch};
 use tonic::{Status, Streaming};
 
 use crate::queue::StoreCalls;
-use crate::queue::credit::{ROUND_BYTES_MAX, StreamCredit};
+use crate::queue::credit::{ROUND_BYTES_MAX, ROUND_MESSAGES_MAX, StreamCredit};
 use crate::queue::mailbox::position_log::{ConsumerLog, Position, PositionLogs};
 use crate::queue::mailbox::subscription::{check_consumer_and_credit, check_queue_name};
 use crate::queue::waiters::{AddRefused, Hints, Inbox, Waiters};
@@ -44,8 +44,6 @@ pub const ADD_MAX: usize = 10_000;
 pub const ADD_DELETE_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(5);
 /// Most acks in one `MailboxAcks`.
 pub const ACKS_MAX: usize = 10_000;
-/// Most messages one delivery response carries.
-const ROUND_MESSAGES_MAX: u32 = 1_000;
 /// Ack batches whose durability one stream awaits at once; further acks wait (back-pressure).
 const ACK_WAITS_MAX: usize = 16;
 

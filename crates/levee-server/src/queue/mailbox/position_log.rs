@@ -46,10 +46,11 @@ use crate::queue::{last_record, lock, storage_error, write_error};
 /// still read).
 const RECORD_VERSION: u8 = 2;
 /// Records the current generation of a log no stream has loaded may hold before a delete's
-/// forget loads and compacts it.
-const UNLOADED_RECORDS_MAX: u64 = if cfg!(test) { 16 } else { 4_096 };
-/// Bytes before a record's first entry: the version and the delete epoch.
-const RECORD_HEADER_BYTES: usize = 9;
+/// forget loads and compacts it, by default (tests give a [`PositionLogs`] fewer, so that the
+/// path runs often).
+const UNLOADED_RECORDS_MAX: u64 = 4_096;
+/// Bytes before a log record's first entry: the version and the delete epoch.
+const LOG_RECORD_HEADER_BYTES: usize = 9;
 /// The queue whose next offset is the delete epoch: each delete of a queue appends one empty
 /// message to it before it writes its forgets. Never a consumer's position queue (that name
 /// has a consumer of at least one byte before its `\0`).
@@ -93,7 +94,7 @@ pub(crate) fn encode_records<'a>(
     record_bytes_max: usize,
 ) -> Vec<Vec<u8>> {
     let header = |epoch: u64| {
-        let mut record = Vec::with_capacity(RECORD_HEADER_BYTES);
+        let mut record = Vec::with_capacity(LOG_RECORD_HEADER_BYTES);
         record.push(RECORD_VERSION);
         record.extend_from_slice(&epoch.to_le_bytes());
         record
@@ -104,7 +105,7 @@ pub(crate) fn encode_records<'a>(
         let Ok(length) = u8::try_from(queue.len()) else {
             continue; // Mailbox names are checked to be 1 to 255 bytes on add.
         };
-        if record.len() > RECORD_HEADER_BYTES
+        if record.len() > LOG_RECORD_HEADER_BYTES
             && record.len() + 1 + queue.len() + 8 > record_bytes_max
         {
             records.push(std::mem::replace(&mut record, header(epoch)));
@@ -113,7 +114,7 @@ pub(crate) fn encode_records<'a>(
         record.extend_from_slice(queue);
         record.extend_from_slice(&next.to_le_bytes());
     }
-    if record.len() > RECORD_HEADER_BYTES {
+    if record.len() > LOG_RECORD_HEADER_BYTES {
         records.push(record);
     }
     records
@@ -231,6 +232,7 @@ pub struct ConsumerLog {
     consumer: String,
     store: Arc<Store>,
     compact_entries_min: u64,
+    unloaded_records_max: u64,
     record_bytes_max: usize,
     compactions: Counter,
     /// Acks append under this lock, so a generation switch waits for appends in progress.
@@ -370,7 +372,7 @@ impl ConsumerLog {
                 .flatten()
                 .map_or(0, |info| info.next_offset);
             drop(book);
-            if records >= snapshot + UNLOADED_RECORDS_MAX
+            if records >= snapshot + self.unloaded_records_max
                 && !self.compacting.swap(true, Ordering::AcqRel)
             {
                 let loaded = self.load(&mut lock(&self.book));
@@ -662,6 +664,7 @@ fn note_writer(writers: &Mutex<std::collections::HashSet<String>>, consumer: &st
 pub struct PositionLogs {
     store: Arc<Store>,
     compact_entries_min: u64,
+    unloaded_records_max: u64,
     compactions: Counter,
     logs: Mutex<(HashMap<String, Weak<ConsumerLog>>, usize)>,
     /// Every consumer that may hold a position: those with positions in the store at start,
@@ -706,12 +709,24 @@ impl PositionLogs {
         Self {
             store,
             compact_entries_min,
+            unloaded_records_max: UNLOADED_RECORDS_MAX,
             compactions,
             logs: Mutex::new((HashMap::new(), 64)),
             writers: Arc::new(Mutex::new(consumers)),
             epoch: Arc::new(AtomicU64::new(epoch)),
             deletes: AtomicU64::new(0),
             forgets: Counter::default(),
+        }
+    }
+
+    /// Compacts a log no stream has loaded once its generation holds `records` past its
+    /// snapshot (tests use a few, so that the path runs).
+    #[cfg(test)]
+    #[must_use]
+    pub fn with_unloaded_records_max(self, records: u64) -> Self {
+        Self {
+            unloaded_records_max: records,
+            ..self
         }
     }
 
@@ -800,6 +815,7 @@ impl PositionLogs {
             consumer: consumer.to_owned(),
             store: Arc::clone(&self.store),
             compact_entries_min: self.compact_entries_min,
+            unloaded_records_max: self.unloaded_records_max,
             // The server keeps messages at least 1 KiB (its configuration's minimum).
             record_bytes_max: RECORD_BYTES_MAX
                 .min(self.store.options().message_bytes_max)
@@ -866,8 +882,12 @@ mod tests {
         Arc::new(Store::open(directory, options).unwrap().0)
     }
 
+    /// Unloaded records before a forget compacts, in tests: a few, so that the path runs.
+    const TEST_UNLOADED_RECORDS_MAX: u64 = 16;
+
     fn logs(store: &Arc<Store>, compact_entries_min: u64) -> PositionLogs {
         PositionLogs::new(Arc::clone(store), compact_entries_min, Counter::default())
+            .with_unloaded_records_max(TEST_UNLOADED_RECORDS_MAX)
     }
 
     fn names(queues: &[&str]) -> Vec<Box<[u8]>> {
@@ -995,7 +1015,8 @@ mod tests {
         let directory = tempfile::tempdir().unwrap();
         let store = open(directory.path(), SyncPolicy::Interval { interval_ms: 5 });
         let compactions = Counter::default();
-        let positions = PositionLogs::new(Arc::clone(&store), 100, compactions.clone());
+        let positions = PositionLogs::new(Arc::clone(&store), 100, compactions.clone())
+            .with_unloaded_records_max(TEST_UNLOADED_RECORDS_MAX);
         let log = positions.open("app");
         let queues: Vec<String> = (0..50).map(|queue| format!("queue-{queue}")).collect();
         for queue in &queues {
@@ -1641,7 +1662,7 @@ mod tests {
             log.ack([(&b"kept"[..], 1)].into_iter()).unwrap();
         }
         let positions = logs(&store, 1_000);
-        for index in 0..3 * UNLOADED_RECORDS_MAX {
+        for index in 0..3 * TEST_UNLOADED_RECORDS_MAX {
             let queue = format!("session-{index}");
             store.append(queue.as_bytes(), b"m").unwrap();
             delete(&store, &positions, queue.as_bytes());
@@ -1659,12 +1680,12 @@ mod tests {
             .unwrap()
             .next_offset;
         assert!(
-            records <= UNLOADED_RECORDS_MAX + 1,
+            records <= TEST_UNLOADED_RECORDS_MAX + 1,
             "{records} records in the current generation"
         );
         let entries = lock(&log.book).positions.len();
         assert!(
-            entries <= 1 + usize::try_from(UNLOADED_RECORDS_MAX).unwrap(),
+            entries <= 1 + usize::try_from(TEST_UNLOADED_RECORDS_MAX).unwrap(),
             "forgets since the last compaction only: {entries} entries"
         );
     }
@@ -1710,13 +1731,14 @@ mod tests {
         log.compact().unwrap();
         let (_, snapshot) = log.head().unwrap();
         assert!(
-            snapshot > UNLOADED_RECORDS_MAX,
+            snapshot > TEST_UNLOADED_RECORDS_MAX,
             "the snapshot alone spans {snapshot} records"
         );
         drop(log);
         let compactions = Counter::default();
-        let positions = PositionLogs::new(Arc::clone(&store), 1_000, compactions.clone());
-        let deletes = usize::try_from(UNLOADED_RECORDS_MAX).unwrap() - 2;
+        let positions = PositionLogs::new(Arc::clone(&store), 1_000, compactions.clone())
+            .with_unloaded_records_max(TEST_UNLOADED_RECORDS_MAX);
+        let deletes = usize::try_from(TEST_UNLOADED_RECORDS_MAX).unwrap() - 2;
         for queue in &queues[..deletes] {
             delete(&store, &positions, queue.as_bytes());
         }

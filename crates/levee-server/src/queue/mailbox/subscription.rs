@@ -20,11 +20,8 @@ use tonic::{Status, Streaming};
 
 use levee_broker::names::{self, POSITION_PREFIX};
 
-use crate::queue::credit::{ROUND_BYTES_MAX, StreamCredit, check_credit};
+use crate::queue::credit::{ROUND_BYTES_MAX, ROUND_MESSAGES_MAX, StreamCredit, check_credit};
 use crate::queue::name_error;
-
-/// Most messages one read for a subscription takes from the store.
-const READ_MESSAGES_MAX: u32 = 1_000;
 
 fn invalid(message: String) -> WireError {
     WireError::new(ErrorCode::InvalidArgument, message)
@@ -178,7 +175,7 @@ impl Session {
             return Ok(Delivered::Nothing);
         }
         let (queue, from) = (&self.start.queue, progress.next);
-        let count = progress.credit.messages.min(READ_MESSAGES_MAX) as usize;
+        let count = progress.credit.messages.min(ROUND_MESSAGES_MAX) as usize;
         let bytes = progress.credit.bytes.min(ROUND_BYTES_MAX) as usize;
         let batch = self
             .calls

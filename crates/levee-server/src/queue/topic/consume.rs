@@ -22,7 +22,7 @@ use tonic::{Status, Streaming};
 use levee_broker::names::{check_group_on_topic, check_member_name};
 
 use crate::metrics::{GroupLabels, Metrics};
-use crate::queue::credit::{ROUND_BYTES_MAX, StreamCredit, check_credit};
+use crate::queue::credit::{ROUND_BYTES_MAX, ROUND_MESSAGES_MAX, StreamCredit, check_credit};
 use crate::queue::limits::group_rate::{Pacer, Pacers};
 use crate::queue::limits::producer_rate::ProducerRates;
 use crate::queue::topic::catalog::{Topic, Topics};
@@ -36,8 +36,10 @@ pub const LEASE_MS_DEFAULT: u32 = 10_000;
 pub const LEASE_MS_MIN: u32 = 1_000;
 /// Longest lease a member may ask for.
 pub const LEASE_MS_MAX: u32 = 300_000;
-/// Most messages one delivery round reads.
-const ROUND_MESSAGES_MAX: u32 = 1_000;
+const _: () = assert!(
+    LEASE_MS_MIN <= LEASE_MS_DEFAULT && LEASE_MS_DEFAULT <= LEASE_MS_MAX,
+    "the default lease is within its bounds"
+);
 /// Most commits in one commit batch.
 pub const COMMITS_PER_BATCH_MAX: usize = 1_024;
 

@@ -4,7 +4,6 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures_util::Stream;
 use levee_proto::v1::consume_request::Kind as ConsumeKind;
@@ -22,14 +21,11 @@ use tonic::{Request, Response, Status, Streaming};
 
 use levee_broker::names::{check_group_name, check_producer_name};
 
-use crate::queue::credit::{RESPONSES_QUEUED_MAX, SUBSCRIPTIONS_MAX};
+use crate::queue::credit::{RESPONSES_QUEUED_MAX, STREAM_START_TIMEOUT, SUBSCRIPTIONS_MAX};
 use crate::queue::producer::idempotent::SequencedMessage;
 use crate::queue::service::{APPEND_MESSAGES_MAX, QueueService};
 use crate::queue::topic::consume::{ConsumeContext, ConsumeSession, now_ms, topic_wake_key};
 use crate::queue::{lock, name_error};
-
-/// How long a new consume stream may take to send its start message.
-const START_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Implements `levee.v1.Topics`.
 #[derive(Debug, Clone)]
@@ -321,7 +317,7 @@ impl TopicsApi for TopicService {
         request: Request<Streaming<ConsumeRequest>>,
     ) -> Result<Response<Self::ConsumeStream>, Status> {
         let mut incoming = request.into_inner();
-        let start = match tokio::time::timeout(START_TIMEOUT, incoming.message()).await {
+        let start = match tokio::time::timeout(STREAM_START_TIMEOUT, incoming.message()).await {
             Ok(Ok(Some(ConsumeRequest {
                 kind: Some(ConsumeKind::Start(start)),
             }))) => start,
@@ -331,7 +327,7 @@ impl TopicsApi for TopicService {
                     ErrorCode::InvalidArgument,
                     format!(
                         "no start message within {} s; send ConsumeStart first",
-                        START_TIMEOUT.as_secs()
+                        STREAM_START_TIMEOUT.as_secs()
                     ),
                 )
                 .into());
