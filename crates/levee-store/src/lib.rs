@@ -8,13 +8,14 @@
 //!   chunk) and, while it has messages in no chunk yet, a write buffer. Each shard also
 //!   gathers the log of the messages appended to it since the last round (one log batch
 //!   record, a run per queue).
-//! - The committer thread (`committer.rs`): the only writer. A round takes the 64 shard logs
-//!   (which make the appended messages durable), seals the write buffers that are due (full,
-//!   over budget, or all of them at a checkpoint) into chunk records (a queue's consecutive
-//!   messages together), writes the round in one sequential write, fsyncs once, publishes
-//!   the chunks in the index and wakes every waiting append (group commit). It also rotates
-//!   segment files and deletes the oldest ones once nothing live remains in them, first
-//!   copying forward the few live chunks of a mostly dead oldest segment.
+//! - The committer thread (`committer/`, a file per step of a round): the only writer. A
+//!   round takes the 64 shard logs (which make the appended messages durable), seals the
+//!   write buffers that are due (full, over budget, or all of them at a checkpoint) into
+//!   chunk records (a queue's consecutive messages together), writes the round in one
+//!   sequential write, fsyncs once, publishes the chunks in the index and wakes every waiting
+//!   append (group commit). It also rotates segment files and deletes the oldest ones once
+//!   nothing live remains in them, first copying forward the few live chunks of a mostly dead
+//!   oldest segment.
 //! - Segment files ([`mod@format`]): a few shared append-only files with a versioned header and
 //!   CRC32C-checked records: chunk, trim, delete, floor, log batch (and log records, read
 //!   from older versions). docs/FORMAT.md has every byte.

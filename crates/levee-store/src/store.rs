@@ -1,5 +1,5 @@
 //! [`Store`]: the public handle. Appends go into per-queue write buffers inside sharded maps;
-//! the committer thread (see `committer.rs`) turns buffers into chunk records, writes them,
+//! the committer thread (see `committer/`) turns buffers into chunk records, writes them,
 //! fsyncs and wakes the waiting appenders. Reads take chunk locations from the index under the
 //! shard lock and read the chunks without it.
 
