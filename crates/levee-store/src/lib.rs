@@ -3,11 +3,11 @@
 //!
 //! # Parts and how data flows
 //!
-//! - [`Store`] (`store.rs`): the handle. Queues live in 64 lock shards chosen by a hash of the
-//!   name; each queue holds its offsets, a sparse index of its chunks on disk (16 bytes per
-//!   chunk) and, while it has messages in no chunk yet, a write buffer. Each shard also
-//!   gathers the log of the messages appended to it since the last round (one log batch
-//!   record, a run per queue).
+//! - [`Store`] (`store.rs`, with its verbs in `append.rs`, `read.rs` and `retention.rs`): the
+//!   handle. Queues live in 64 lock shards chosen by a hash of the name; each queue holds
+//!   its offsets, a sparse index of its chunks on disk (16 bytes per chunk) and, while it has
+//!   messages in no chunk yet, a write buffer. Each shard also gathers the log of the
+//!   messages appended to it since the last round (one log batch record, a run per queue).
 //! - The committer thread (`committer/`, a file per step of a round): the only writer. A
 //!   round takes the 64 shard logs (which make the appended messages durable), seals the
 //!   write buffers that are due (full, over budget, or all of them at a checkpoint) into
@@ -49,6 +49,7 @@
 //! ```
 #![deny(missing_docs)]
 
+mod append;
 mod committer;
 mod error;
 pub mod format;
@@ -56,10 +57,12 @@ mod options;
 mod queue;
 mod read;
 mod recovery;
+mod retention;
 mod simulated;
 mod storage;
 mod store;
 
+pub use append::CommitTicket;
 pub use error::{InputError, OpenError, OptionsError, ReadError, WriteError};
 pub use options::{
     MESSAGE_BYTES_MAX_LIMIT, SEGMENT_BYTES_MAX_LIMIT, SYNC_INTERVAL_MS_DEFAULT,
@@ -67,8 +70,7 @@ pub use options::{
 };
 pub use read::ReadBatch;
 pub use recovery::{OpenReport, TruncatedTail};
+pub use retention::{Retention, RetentionReport};
 pub use simulated::{CrashMode, Fault, SimulatedDisk};
 pub use storage::{LOCK_FILE_NAME, OsStorage, Storage, StorageFile, WriteBytes};
-pub use store::{
-    CommitTicket, MemoryUsage, QueueInfo, Retention, RetentionReport, Store, StoreStats,
-};
+pub use store::{MemoryUsage, QueueInfo, Store, StoreStats};

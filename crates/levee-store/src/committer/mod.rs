@@ -86,7 +86,7 @@ struct Committer<'a> {
     /// with the first of them (they were written before them).
     published: usize,
     /// Where rounds started, oldest first, at most one per
-    /// [`floor::ROUND_START_SPACING_BYTES`] of a segment; round 0 stands for the log replayed
+    /// `floor::ROUND_START_SPACING_BYTES` of a segment; round 0 stands for the log replayed
     /// at open (it starts at the recovered floor). Pruned to the floor at each rotation.
     round_starts: VecDeque<(u64, LogFloor)>,
     /// The floor written at the start of the next segment: every log record before it is
@@ -104,7 +104,7 @@ struct Committer<'a> {
     spare_run: Vec<RunEntry>,
     spare_placed: Vec<Placed>,
     /// Since when no work was found (`None` while rounds run), for
-    /// [`plan::SPARE_RELEASE_IDLE`].
+    /// `plan::SPARE_RELEASE_IDLE`.
     idle_since: Option<Instant>,
     /// A round kept emptied write buffers as spares since they were last released.
     spares_kept: bool,
