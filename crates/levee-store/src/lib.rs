@@ -19,10 +19,10 @@
 //! - Segment files ([`mod@format`]): a few shared append-only files with a versioned header and
 //!   CRC32C-checked records: chunk, trim, delete, floor, log batch (and log records, read
 //!   from older versions). docs/FORMAT.md has every byte.
-//! - Recovery (`recovery.rs`): on open, every segment is scanned in order to rebuild the
-//!   queues, the index and, from log records, the write buffers; a torn or corrupt tail of the
-//!   last segment is cut and reported in [`OpenReport`], damage anywhere else refuses the
-//!   open.
+//! - Recovery (`recovery/`: scanning, replaying, rebuilding): on open, every segment is
+//!   scanned in order to rebuild the queues, the index and, from log records, the write
+//!   buffers; a torn or corrupt tail of the last segment is cut and reported in
+//!   [`OpenReport`], damage anywhere else refuses the open.
 //! - [`Storage`]: the small file interface all I/O goes through; [`OsStorage`] for real
 //!   directories, [`SimulatedDisk`] for tests that crash, tear writes and inject a full disk.
 //!
