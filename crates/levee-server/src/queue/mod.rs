@@ -10,7 +10,8 @@
 //!   `levee.v1.Topics` gRPC service.
 //! - `producer/`: idempotent producers' remembered runs.
 //! - `limits/`: group delivery pacing and producer append admission.
-//! - Shared by the rooms: `waiters` (who waits on which queue), `credit` (a stream's flow
+//! - Shared by the rooms: `stream` (the transport-neutral session streams; `grpc_stream`
+//!   adapts them to tonic), `waiters` (who waits on which queue), `credit` (a stream's flow
 //!   control), `retention` (retention passes), `durable` (waiting for fsyncs without a
 //!   thread), [`StoreCalls`] and the mapping of engine errors to wire errors (here), `http`
 //!   (topics, groups and producer limits as JSON).
@@ -30,12 +31,14 @@ use tokio::sync::Semaphore;
 
 pub mod credit;
 pub mod durable;
+pub mod grpc_stream;
 pub mod http;
 pub mod limits;
 pub mod mailbox;
 pub mod producer;
 pub mod retention;
 pub mod service;
+pub mod stream;
 pub mod topic;
 pub mod waiters;
 

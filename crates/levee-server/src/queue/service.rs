@@ -2,10 +2,8 @@
 //! waits for its group commit's fsync), so each runs through [`StoreCalls`] on tokio's blocking
 //! pool. Appends with a producer id go through [`Producers`], which makes resends no-ops.
 
-use std::pin::Pin;
 use std::sync::Arc;
 
-use futures_util::Stream;
 use levee_proto::WireError;
 use levee_proto::v1::queues_server::Queues;
 use levee_proto::v1::subscribe_many_request::Kind as SubscribeManyKind;
@@ -17,13 +15,15 @@ use levee_proto::v1::{
     SubscribeManyResponse, SubscribeRequest, SubscribeResponse,
 };
 use levee_store::{InputError, ReadError};
-use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::sync::{Semaphore, watch};
 use tonic::{Request, Response, Status, Streaming};
 
 use levee_broker::names;
 
-use crate::queue::credit::{RESPONSES_QUEUED_MAX, STREAM_START_TIMEOUT, SUBSCRIPTIONS_MAX};
+use crate::queue::credit::{STREAM_START_TIMEOUT, SUBSCRIPTIONS_MAX};
+use crate::queue::grpc_stream::{self, GrpcResponses};
 use crate::queue::mailbox::subscription::{Session, check_start};
+use crate::queue::stream;
 use crate::queue::waiters::{Appended, DeleteRefused, Waiters};
 
 use crate::config::QUEUE_MESSAGE_BYTES_MAX_MAX;
@@ -172,29 +172,8 @@ fn read_error(error: ReadError) -> WireError {
     }
 }
 
-type SubscribeStream = Pin<Box<dyn Stream<Item = Result<SubscribeResponse, Status>> + Send>>;
-type SubscribeManyStream =
-    Pin<Box<dyn Stream<Item = Result<SubscribeManyResponse, Status>> + Send>>;
-
-/// A subscription stream's first message, which must be its start (`what`), within
-/// [`STREAM_START_TIMEOUT`].
-async fn start_message<R, S>(
-    incoming: &mut Streaming<R>,
-    what: &str,
-    start: impl FnOnce(R) -> Option<S>,
-) -> Result<S, Status> {
-    match tokio::time::timeout(STREAM_START_TIMEOUT, incoming.message()).await {
-        Ok(Ok(Some(message))) => start(message)
-            .ok_or_else(|| invalid(format!("the first message must be a {what}")).into()),
-        Ok(Ok(None)) => Err(invalid(format!("the stream ended before its {what}")).into()),
-        Ok(Err(status)) => Err(status),
-        Err(_) => Err(invalid(format!(
-            "no start message within {} s; send {what} first",
-            STREAM_START_TIMEOUT.as_secs()
-        ))
-        .into()),
-    }
-}
+type SubscribeStream = GrpcResponses<SubscribeResponse>;
+type SubscribeManyStream = GrpcResponses<SubscribeManyResponse>;
 
 #[tonic::async_trait]
 impl Queues for QueueService {
@@ -205,17 +184,20 @@ impl Queues for QueueService {
         &self,
         request: Request<Streaming<SubscribeRequest>>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
-        let mut incoming = request.into_inner();
-        let start = start_message(&mut incoming, "SubscribeStart", |message| {
-            match message.kind {
-                Some(SubscribeKind::Start(start)) => Some(start),
-                _ => None,
-            }
-        })
-        .await?;
+        let mut incoming = grpc_stream::incoming(request.into_inner());
+        let start = incoming
+            .start(
+                "SubscribeStart",
+                STREAM_START_TIMEOUT,
+                |message| match message.kind {
+                    Some(SubscribeKind::Start(start)) => Some(start),
+                    _ => None,
+                },
+            )
+            .await?;
         check_start(&start)?;
         let permit = self.subscription_permit()?;
-        let (outgoing, responses) = mpsc::channel(RESPONSES_QUEUED_MAX);
+        let (outgoing, responses) = stream::channel();
         let session = Session {
             calls: self.calls.clone(),
             notify: self.waiters.register(&start.queue)?,
@@ -230,28 +212,27 @@ impl Queues for QueueService {
             session.run().await;
             drop(permit);
         });
-        Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(responses),
-        )))
+        Ok(Response::new(grpc_stream::responses(responses)))
     }
 
     async fn subscribe_many(
         &self,
         request: Request<Streaming<SubscribeManyRequest>>,
     ) -> Result<Response<Self::SubscribeManyStream>, Status> {
-        let mut incoming = request.into_inner();
-        let start = start_message(
-            &mut incoming,
-            "SubscribeManyStart",
-            |message| match message.kind {
-                Some(SubscribeManyKind::Start(start)) => Some(start),
-                _ => None,
-            },
-        )
-        .await?;
+        let mut incoming = grpc_stream::incoming(request.into_inner());
+        let start = incoming
+            .start(
+                "SubscribeManyStart",
+                STREAM_START_TIMEOUT,
+                |message| match message.kind {
+                    Some(SubscribeManyKind::Start(start)) => Some(start),
+                    _ => None,
+                },
+            )
+            .await?;
         many::check_start(&start)?;
         let permit = self.subscription_permit()?;
-        let (outgoing, responses) = mpsc::channel(RESPONSES_QUEUED_MAX);
+        let (outgoing, responses) = stream::channel();
         let context = ManyContext {
             calls: self.calls.clone(),
             waiters: Arc::clone(&self.waiters),
@@ -266,9 +247,7 @@ impl Queues for QueueService {
             session.run().await;
             drop(permit);
         });
-        Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(responses),
-        )))
+        Ok(Response::new(grpc_stream::responses(responses)))
     }
 
     async fn append(

@@ -24,13 +24,13 @@ use levee_proto::v1::{
 };
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
-use tokio::sync::{Semaphore, mpsc, watch};
-use tonic::{Status, Streaming};
+use tokio::sync::{Semaphore, watch};
 
 use crate::queue::StoreCalls;
 use crate::queue::credit::{ROUND_BYTES_MAX, ROUND_MESSAGES_MAX, StreamCredit};
 use crate::queue::mailbox::position_log::{ConsumerLog, Position, PositionLogs};
 use crate::queue::mailbox::subscription::{check_consumer_and_credit, check_queue_name};
+use crate::queue::stream::{Incoming, Outgoing};
 use crate::queue::waiters::{AddRefused, Hints, Inbox, Waiters};
 
 /// Most mailboxes on one stream.
@@ -139,8 +139,8 @@ pub struct ManySession {
     context: ManyContext,
     log: Arc<ConsumerLog>,
     inbox: Arc<Inbox>,
-    incoming: Streaming<SubscribeManyRequest>,
-    outgoing: mpsc::Sender<Result<SubscribeManyResponse, Status>>,
+    incoming: Incoming<SubscribeManyRequest>,
+    outgoing: Outgoing<SubscribeManyResponse>,
     mailboxes: HashMap<u32, Mailbox, foldhash::fast::RandomState>,
     /// The number the next added queue gets.
     next_number: u32,
@@ -162,8 +162,8 @@ impl ManySession {
     pub fn new(
         context: ManyContext,
         start: &SubscribeManyStart,
-        incoming: Streaming<SubscribeManyRequest>,
-        outgoing: mpsc::Sender<Result<SubscribeManyResponse, Status>>,
+        incoming: Incoming<SubscribeManyRequest>,
+        outgoing: Outgoing<SubscribeManyResponse>,
     ) -> Self {
         let log = context.positions.open(&start.consumer);
         Self {
@@ -189,7 +189,7 @@ impl ManySession {
             self.remove(chunk);
         }
         if let Err(error) = result {
-            let _ = self.outgoing.send(Err(Status::from(error))).await;
+            self.outgoing.fail(error).await;
         }
     }
 
@@ -351,7 +351,7 @@ impl ManySession {
             deliveries,
             ..SubscribeManyResponse::default()
         };
-        Ok(self.outgoing.send(Ok(response)).await.is_ok())
+        Ok(self.outgoing.send(response).await)
     }
 
     /// Applies one client message.
@@ -466,7 +466,7 @@ impl ManySession {
             mailboxes_added: self.next_number,
             ..SubscribeManyResponse::default()
         };
-        let _ = self.outgoing.send(Ok(answer)).await;
+        let _ = self.outgoing.send(answer).await;
         Ok(())
     }
 
@@ -587,7 +587,7 @@ impl ManySession {
         };
         if ticket.is_none() || self.context.calls.sync != levee_store::SyncPolicy::Always {
             // Durable already (under `interval` an ack is durable when buffered, as appends).
-            let _ = self.outgoing.send(Ok(answer)).await;
+            let _ = self.outgoing.send(answer).await;
             return Ok(());
         }
         let permit = Arc::clone(&self.ack_waits)
@@ -597,7 +597,7 @@ impl ManySession {
         let (calls, outgoing) = (self.context.calls.clone(), self.outgoing.clone());
         tokio::spawn(async move {
             let answer = calls.durable(ticket).await.map(|()| answer);
-            let _ = outgoing.send(answer.map_err(Status::from)).await;
+            let _ = outgoing.send_result(answer).await;
             drop(permit);
         });
         Ok(())

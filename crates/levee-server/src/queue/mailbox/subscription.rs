@@ -15,13 +15,13 @@ use levee_proto::v1::{
     Credit, Delivery, ErrorCode, SubscribeRequest, SubscribeResponse, SubscribeStart,
 };
 use levee_store::Store;
-use tokio::sync::{Notify, mpsc};
-use tonic::{Status, Streaming};
+use tokio::sync::Notify;
 
 use levee_broker::names::{self, POSITION_PREFIX};
 
 use crate::queue::credit::{ROUND_BYTES_MAX, ROUND_MESSAGES_MAX, StreamCredit, check_credit};
 use crate::queue::name_error;
+use crate::queue::stream::{Incoming, Outgoing};
 
 fn invalid(message: String) -> WireError {
     WireError::new(ErrorCode::InvalidArgument, message)
@@ -96,9 +96,9 @@ pub struct Session {
     /// The client's start message (already checked).
     pub start: SubscribeStart,
     /// The client's further messages.
-    pub incoming: Streaming<SubscribeRequest>,
+    pub incoming: Incoming<SubscribeRequest>,
     /// Where responses go.
-    pub outgoing: mpsc::Sender<Result<SubscribeResponse, Status>>,
+    pub outgoing: Outgoing<SubscribeResponse>,
     /// Delivered messages, counted in metrics.
     pub delivered: prometheus_client::metrics::counter::Counter,
     /// Turns true when the server shuts down.
@@ -109,7 +109,7 @@ impl Session {
     /// Runs the subscription until the client leaves or breaks the protocol.
     pub async fn run(mut self) {
         if let Err(error) = self.serve().await {
-            let _ = self.outgoing.send(Err(Status::from(error))).await;
+            self.outgoing.fail(error).await;
         }
     }
 
@@ -135,7 +135,7 @@ impl Session {
             deliveries: Vec::new(),
             acked_offset: next,
         };
-        if self.outgoing.send(Ok(start)).await.is_err() {
+        if !self.outgoing.send(start).await {
             return Ok(());
         }
         loop {
@@ -204,7 +204,7 @@ impl Session {
             deliveries,
             acked_offset: 0,
         };
-        if self.outgoing.send(Ok(response)).await.is_err() {
+        if !self.outgoing.send(response).await {
             return Ok(Delivered::ClientGone);
         }
         Ok(Delivered::Some { caught_up })
@@ -252,7 +252,7 @@ impl Session {
                     deliveries: Vec::new(),
                     acked_offset: progress.acked,
                 };
-                let _ = self.outgoing.send(Ok(answer)).await;
+                let _ = self.outgoing.send(answer).await;
                 Ok(())
             }
             Some(Kind::Start(_)) | None => {

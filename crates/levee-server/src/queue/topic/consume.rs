@@ -16,8 +16,7 @@ use levee_proto::v1::{
     Assignment, CommitResult, ConsumeRequest, ConsumeResponse, ConsumeStart, ErrorCode,
     TopicDelivery,
 };
-use tokio::sync::{Notify, mpsc, watch};
-use tonic::{Status, Streaming};
+use tokio::sync::{Notify, watch};
 
 use levee_broker::names::{check_group_on_topic, check_member_name};
 
@@ -25,6 +24,7 @@ use crate::metrics::{GroupLabels, Metrics};
 use crate::queue::credit::{ROUND_BYTES_MAX, ROUND_MESSAGES_MAX, StreamCredit, check_credit};
 use crate::queue::limits::group_rate::{Pacer, Pacers};
 use crate::queue::limits::producer_rate::ProducerRates;
+use crate::queue::stream::{Incoming, Outgoing};
 use crate::queue::topic::catalog::{Topic, Topics};
 use crate::queue::topic::group::{Groups, Membership};
 use crate::queue::waiters::Waiters;
@@ -118,15 +118,6 @@ fn latest_assignment(changes: &mut watch::Receiver<Arc<Assignment>>) -> Arc<Assi
     Arc::clone(&changes.borrow_and_update())
 }
 
-/// Sends `response`; false if the client is gone. (A free function: the session holds the
-/// request stream, which is not `Sync`, so it cannot be borrowed across an await.)
-async fn send(
-    outgoing: &mpsc::Sender<Result<ConsumeResponse, Status>>,
-    response: ConsumeResponse,
-) -> bool {
-    outgoing.send(Ok(response)).await.is_ok()
-}
-
 /// One member's stream.
 #[derive(Debug)]
 pub struct ConsumeSession {
@@ -136,8 +127,8 @@ pub struct ConsumeSession {
     membership: Membership,
     pacer: Arc<Pacer>,
     notify: Arc<Notify>,
-    incoming: Streaming<ConsumeRequest>,
-    outgoing: mpsc::Sender<Result<ConsumeResponse, Status>>,
+    incoming: Incoming<ConsumeRequest>,
+    outgoing: Outgoing<ConsumeResponse>,
     lease: Duration,
     cursors: Vec<Cursor>,
     round_robin: usize,
@@ -158,8 +149,8 @@ impl ConsumeSession {
     pub async fn join(
         context: Arc<ConsumeContext>,
         start: ConsumeStart,
-        incoming: Streaming<ConsumeRequest>,
-        outgoing: mpsc::Sender<Result<ConsumeResponse, Status>>,
+        incoming: Incoming<ConsumeRequest>,
+        outgoing: Outgoing<ConsumeResponse>,
     ) -> Result<Self, WireError> {
         let lease = check_start(&start)?;
         let topic = context.topics.require(&start.topic)?;
@@ -222,7 +213,7 @@ impl ConsumeSession {
             .get_or_create(&labels)
             .inc();
         if let Err(error) = result {
-            let _ = self.outgoing.send(Err(Status::from(error))).await;
+            self.outgoing.fail(error).await;
         }
     }
 
@@ -252,14 +243,13 @@ impl ConsumeSession {
         let mut assignment_changes = self.membership.assignment.clone();
         let first = latest_assignment(&mut assignment_changes);
         self.apply_assignment(&first);
-        if !send(
-            &self.outgoing,
-            ConsumeResponse {
+        if !self
+            .outgoing
+            .send(ConsumeResponse {
                 assignment: Some((*first).clone()),
                 ..ConsumeResponse::default()
-            },
-        )
-        .await
+            })
+            .await
         {
             return Ok(());
         }
@@ -301,7 +291,7 @@ impl ConsumeSession {
                     }
                     let latest = latest_assignment(&mut assignment_changes);
                     self.apply_assignment(&latest);
-                    if !send(&self.outgoing, ConsumeResponse {
+                    if !self.outgoing.send(ConsumeResponse {
                         assignment: Some((*latest).clone()),
                         ..ConsumeResponse::default()
                     }).await {
@@ -407,7 +397,7 @@ impl ConsumeSession {
             deliveries,
             ..ConsumeResponse::default()
         };
-        if !send(&self.outgoing, response).await {
+        if !self.outgoing.send(response).await {
             return Ok(Delivered::ClientGone);
         }
         Ok(Delivered::Some)
@@ -447,14 +437,13 @@ impl ConsumeSession {
                         message: refusal.map(|error| error.message).unwrap_or_default(),
                     })
                     .collect();
-                Ok(send(
-                    &self.outgoing,
-                    ConsumeResponse {
+                Ok(self
+                    .outgoing
+                    .send(ConsumeResponse {
                         commit_results,
                         ..ConsumeResponse::default()
-                    },
-                )
-                .await)
+                    })
+                    .await)
             }
             Some(Kind::Start(_)) | None => Err(invalid(
                 "a consume stream takes one start message".to_owned(),

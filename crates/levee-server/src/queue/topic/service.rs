@@ -2,10 +2,8 @@
 //! limits. Publishing goes through the same store calls and idempotent-producer table as
 //! `Queues.Append`; a member's stream is a [`ConsumeSession`].
 
-use std::pin::Pin;
 use std::sync::Arc;
 
-use futures_util::Stream;
 use levee_proto::v1::consume_request::Kind as ConsumeKind;
 use levee_proto::v1::topics_server::Topics as TopicsApi;
 use levee_proto::v1::{
@@ -16,14 +14,16 @@ use levee_proto::v1::{
     SetGroupRateResponse, SetProducerRateRequest, SetProducerRateResponse, TopicSummary,
 };
 use levee_proto::{WireError, topic_partition};
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status, Streaming};
 
 use levee_broker::names::{check_group_name, check_producer_name};
 
-use crate::queue::credit::{RESPONSES_QUEUED_MAX, STREAM_START_TIMEOUT, SUBSCRIPTIONS_MAX};
+use crate::queue::credit::{STREAM_START_TIMEOUT, SUBSCRIPTIONS_MAX};
+use crate::queue::grpc_stream::{self, GrpcResponses};
 use crate::queue::producer::idempotent::SequencedMessage;
 use crate::queue::service::{APPEND_MESSAGES_MAX, QueueService};
+use crate::queue::stream;
 use crate::queue::topic::consume::{ConsumeContext, ConsumeSession, now_ms, topic_wake_key};
 use crate::queue::{lock, name_error};
 
@@ -173,7 +173,7 @@ impl TopicService {
     }
 }
 
-type ConsumeStream = Pin<Box<dyn Stream<Item = Result<ConsumeResponse, Status>> + Send>>;
+type ConsumeStream = GrpcResponses<ConsumeResponse>;
 
 #[tonic::async_trait]
 impl TopicsApi for TopicService {
@@ -316,46 +316,31 @@ impl TopicsApi for TopicService {
         &self,
         request: Request<Streaming<ConsumeRequest>>,
     ) -> Result<Response<Self::ConsumeStream>, Status> {
-        let mut incoming = request.into_inner();
-        let start = match tokio::time::timeout(STREAM_START_TIMEOUT, incoming.message()).await {
-            Ok(Ok(Some(ConsumeRequest {
-                kind: Some(ConsumeKind::Start(start)),
-            }))) => start,
-            Ok(Err(status)) => return Err(status),
-            Err(_) => {
-                return Err(WireError::new(
-                    ErrorCode::InvalidArgument,
-                    format!(
-                        "no start message within {} s; send ConsumeStart first",
-                        STREAM_START_TIMEOUT.as_secs()
-                    ),
-                )
-                .into());
-            }
-            Ok(Ok(_)) => {
-                return Err(WireError::new(
-                    ErrorCode::InvalidArgument,
-                    "the first message must be a ConsumeStart",
-                )
-                .into());
-            }
-        };
+        let mut incoming = grpc_stream::incoming(request.into_inner());
+        let start = incoming
+            .start(
+                "ConsumeStart",
+                STREAM_START_TIMEOUT,
+                |message| match message.kind {
+                    Some(ConsumeKind::Start(start)) => Some(start),
+                    _ => None,
+                },
+            )
+            .await?;
         let permit = Arc::clone(&self.streams).try_acquire_owned().map_err(|_| {
             WireError::new(
                 ErrorCode::ResourceExhausted,
                 format!("{SUBSCRIPTIONS_MAX} consume streams are open on this server; retry later"),
             )
         })?;
-        let (outgoing, responses) = mpsc::channel(RESPONSES_QUEUED_MAX);
+        let (outgoing, responses) = stream::channel();
         let session =
             ConsumeSession::join(Arc::clone(&self.context), start, incoming, outgoing).await?;
         tokio::spawn(async move {
             session.run().await;
             drop(permit);
         });
-        Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(responses),
-        )))
+        Ok(Response::new(grpc_stream::responses(responses)))
     }
 
     async fn describe_group(
