@@ -14,6 +14,8 @@
 //! - [`group`]: one consumer group on one topic: joins, leases, sticky rebalancing, epochs
 //!   that fence stale owners, committed offsets that only move forward. The runtime logs the
 //!   committed snapshot after each accepted commit batch and tells members their assignment.
+//! - [`position`]: mailbox positions: each consumer's position on each queue, the records
+//!   acks write, and the book a log of them replays into (the largest position wins).
 //! - [`rate`]: the token bucket that paces a group's deliveries and a producer's appends.
 //!
 //! Dependencies: `levee-store` for its bounds and retention type only; never tonic, prost
@@ -24,4 +26,5 @@
 pub mod catalog;
 pub mod group;
 pub mod names;
+pub mod position;
 pub mod rate;

@@ -18,6 +18,7 @@ use levee_store::Store;
 use tokio::sync::Notify;
 
 use levee_broker::names::{self, POSITION_PREFIX};
+use levee_broker::position::{decode_queue_position, encode_queue_position};
 
 use crate::queue::credit::{ROUND_BYTES_MAX, ROUND_MESSAGES_MAX, StreamCredit, check_credit};
 use crate::queue::name_error;
@@ -37,31 +38,21 @@ pub(crate) fn position_queue(consumer: &str, queue: &[u8]) -> Vec<u8> {
     name
 }
 
-/// A position record: the next offset to deliver, then the queue's name (to detect a hash
-/// collision).
-pub(crate) fn position_record(next: u64, queue: &[u8]) -> Vec<u8> {
-    let mut record = next.to_le_bytes().to_vec();
-    record.extend_from_slice(queue);
-    record
-}
-
 /// The consumer's next offset on `queue`: after its last ack, or 0. Blocks on the store (it
 /// may wait for a commit round, see [`crate::queue::last_record`]): call it on the blocking pool.
 pub(crate) fn load_position(store: &Store, consumer: &str, queue: &[u8]) -> Result<u64, WireError> {
     let Some(record) = crate::queue::last_record(store, &position_queue(consumer, queue))? else {
         return Ok(0);
     };
-    match record.split_at_checked(8) {
-        Some((next, stored_queue)) if stored_queue == queue => {
-            Ok(u64::from_le_bytes(next.try_into().unwrap_or([0; 8])))
-        }
-        _ => Err(WireError::new(
+    decode_queue_position(&record, queue).map_err(|_| {
+        WireError::new(
             ErrorCode::FailedPrecondition,
             format!(
-                "consumer '{consumer}': its position record does not match this queue; use another consumer name"
+                "consumer '{consumer}': its position record does not match this queue; use \
+                 another consumer name"
             ),
-        )),
-    }
+        )
+    })
 }
 
 /// Checks the start message: queue name, consumer name, credit.
@@ -238,7 +229,7 @@ impl Session {
                         progress.writer_noted = true;
                     }
                     let name = position_queue(&self.start.consumer, queue);
-                    let record = position_record(progress.acked, queue);
+                    let record = encode_queue_position(progress.acked, queue);
                     let (_, ticket) = self
                         .calls
                         .store
@@ -298,17 +289,19 @@ mod tests {
         };
         let (store, _) = Store::open(directory.path(), options).unwrap();
         let name = position_queue("app", b"orders");
-        store.append(&name, &position_record(3, b"orders")).unwrap();
+        store
+            .append(&name, &encode_queue_position(3, b"orders"))
+            .unwrap();
         // The next ack is buffered and nobody waits for its round: under `always` a reader
         // does not see it yet, but its queue's next offset already counts it.
         store
-            .append_deferred(&name, &position_record(7, b"orders"))
+            .append_deferred(&name, &encode_queue_position(7, b"orders"))
             .unwrap();
         assert_eq!(load_position(&store, "app", b"orders").unwrap(), 7);
         assert_eq!(load_position(&store, "other", b"orders").unwrap(), 0);
         // A record of another queue (a hash collision) is still refused.
         store
-            .append(&name, &position_record(9, b"not orders"))
+            .append(&name, &encode_queue_position(9, b"not orders"))
             .unwrap();
         let error = load_position(&store, "app", b"orders").unwrap_err();
         assert!(
@@ -330,7 +323,7 @@ mod tests {
         let ack = |from: u64, to: u64| {
             for next in from..=to {
                 store
-                    .append(&name, &position_record(next, b"orders"))
+                    .append(&name, &encode_queue_position(next, b"orders"))
                     .unwrap();
                 if next % 500 == 0 {
                     store.sync().unwrap();

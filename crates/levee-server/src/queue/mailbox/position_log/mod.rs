@@ -3,11 +3,10 @@
 //! log as a few records of many entries, so a million mailboxes cost a few store appends per
 //! ack batch, not a million position queues.
 //!
-//! A log record is a version byte ([`RECORD_VERSION`]) then entries, each the queue name's
-//! length (one byte; names are 1 to 255 bytes), the name, and the next offset to deliver
-//! (u64 little-endian). A queue's position is the **largest** next offset any entry gives it:
-//! positions only grow (acks below the acked position change nothing), so entries may be
-//! applied in any order and read twice.
+//! The records, their epochs and the rule that the **largest** position wins (so entries may
+//! be applied in any order and read twice) are the broker engine's
+//! (`levee_broker::position`); this module keeps them in the store: where, when a
+//! generation is compacted, how a log is loaded.
 //!
 //! The log lives in generations, store queues named [`LOG_PREFIX`], the generation (16 hex
 //! digits) and the consumer. When a generation holds more than twice the entries of the last
@@ -33,8 +32,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use levee_broker::names::{
-    POSITION_LOG_PREFIX as LOG_PREFIX, POSITION_PREFIX, QUEUE_NAME_BYTES_MAX,
+use levee_broker::names::{POSITION_LOG_PREFIX as LOG_PREFIX, POSITION_PREFIX};
+pub use levee_broker::position::Position;
+use levee_broker::position::{
+    LOG_ENTRY_BYTES_MAX, PositionBook, encode_log_records, encode_stamped_records,
 };
 use levee_proto::WireError;
 use levee_store::{CommitTicket, Store};
@@ -42,15 +43,10 @@ use prometheus_client::metrics::counter::Counter;
 
 use crate::queue::{last_record, lock, storage_error, write_error};
 
-/// The version byte every log record starts with (version 1 records, without an epoch, are
-/// still read).
-const RECORD_VERSION: u8 = 2;
 /// Records the current generation of a log no stream has loaded may hold before a delete's
 /// forget loads and compacts it, by default (tests give a [`PositionLogs`] fewer, so that the
 /// path runs often).
 const UNLOADED_RECORDS_MAX: u64 = 4_096;
-/// Bytes before a log record's first entry: the version and the delete epoch.
-const LOG_RECORD_HEADER_BYTES: usize = 9;
 /// The queue whose next offset is the delete epoch: each delete of a queue appends one empty
 /// message to it before it writes its forgets. Never a consumer's position queue (that name
 /// has a consumer of at least one byte before its `\0`).
@@ -83,121 +79,6 @@ fn head_queue(consumer: &str) -> Vec<u8> {
     name
 }
 
-/// Bytes of the largest entry: the longest queue name, its length and the offset.
-const ENTRY_BYTES_MAX: usize = 1 + QUEUE_NAME_BYTES_MAX + 8;
-
-/// Encodes `entries` (queue, next offset) as log records of at most `record_bytes_max` bytes
-/// (at least one entry each).
-pub(crate) fn encode_records<'a>(
-    entries: impl Iterator<Item = (&'a [u8], u64)>,
-    epoch: u64,
-    record_bytes_max: usize,
-) -> Vec<Vec<u8>> {
-    let header = |epoch: u64| {
-        let mut record = Vec::with_capacity(LOG_RECORD_HEADER_BYTES);
-        record.push(RECORD_VERSION);
-        record.extend_from_slice(&epoch.to_le_bytes());
-        record
-    };
-    let mut records = Vec::new();
-    let mut record = header(epoch);
-    for (queue, next) in entries {
-        let Ok(length) = u8::try_from(queue.len()) else {
-            continue; // Mailbox names are checked to be 1 to 255 bytes on add.
-        };
-        if record.len() > LOG_RECORD_HEADER_BYTES
-            && record.len() + 1 + queue.len() + 8 > record_bytes_max
-        {
-            records.push(std::mem::replace(&mut record, header(epoch)));
-        }
-        record.push(length);
-        record.extend_from_slice(queue);
-        record.extend_from_slice(&next.to_le_bytes());
-    }
-    if record.len() > LOG_RECORD_HEADER_BYTES {
-        records.push(record);
-    }
-    records
-}
-
-/// A queue's position in the book: the epoch of its entry, then the next offset to deliver.
-/// Entries compare in that order. A delete writes a forget (next offset 0) in a fresh epoch,
-/// higher than any before; an ack is written in its queue's epoch as the stream found it
-/// when it added the queue (the epoch of the queue's entry, or the book's floor epoch if it
-/// had none), so the acks of one incarnation of a queue share an epoch and only grow, a forget
-/// outranks every ack of the incarnations before it and is outranked by every ack after it,
-/// whatever order they are read in.
-type Stamped = (u64, u64);
-
-/// Where a consumer's stream starts on a queue: the next offset to deliver and the epoch its
-/// acks of the queue are written in (see [`Stamped`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Position {
-    /// The epoch of the queue's acks.
-    pub epoch: u64,
-    /// The next offset to deliver.
-    pub next: u64,
-}
-
-/// Encodes `entries` (queue, epoch, next offset) as log records: one run of records per run
-/// of entries of one epoch, in the order given.
-fn encode_stamped<'a>(
-    entries: impl Iterator<Item = (&'a [u8], u64, u64)>,
-    record_bytes_max: usize,
-) -> Vec<Vec<u8>> {
-    let entries: Vec<(&[u8], u64, u64)> = entries.collect();
-    entries
-        .chunk_by(|(_, one, _), (_, other, _)| one == other)
-        .flat_map(|run| {
-            encode_records(
-                run.iter().map(|(queue, _, next)| (*queue, *next)),
-                run[0].1,
-                record_bytes_max,
-            )
-        })
-        .collect()
-}
-
-/// Applies one log record to `book`; returns its entries, or an error that names what is
-/// wrong with it.
-fn apply_record(book: &mut HashMap<Box<[u8]>, Stamped>, record: &[u8]) -> Result<u64, String> {
-    let (epoch, mut rest) = match record.split_first() {
-        None => return Err("an empty record".to_owned()),
-        // Version 1 (before delete epochs): every entry in epoch 0.
-        Some((&1, rest)) => (0, rest),
-        Some((&RECORD_VERSION, rest)) => match rest.split_at_checked(8) {
-            Some((epoch, rest)) => (u64::from_le_bytes(epoch.try_into().unwrap_or([0; 8])), rest),
-            None => return Err("a record shorter than its epoch".to_owned()),
-        },
-        Some((&version, _)) => {
-            return Err(format!(
-                "record version {version}, this server reads 1 and {RECORD_VERSION}"
-            ));
-        }
-    };
-    let mut entries = 0;
-    while let Some((&length, after)) = rest.split_first() {
-        entries += 1;
-        let length = usize::from(length);
-        if length == 0 || after.len() < length + 8 {
-            return Err(format!(
-                "an entry of {length} name bytes runs past the record's end"
-            ));
-        }
-        let (queue, after) = after.split_at(length);
-        let (next, after) = after.split_at(8);
-        let stamped = (epoch, u64::from_le_bytes(next.try_into().unwrap_or([0; 8])));
-        match book.get_mut(queue) {
-            Some(known) => *known = (*known).max(stamped),
-            None => {
-                book.insert(queue.into(), stamped);
-            }
-        }
-        rest = after;
-    }
-    Ok(entries)
-}
-
 /// The generation acks go to, how many entries it got, and at how many a compaction is due.
 #[derive(Debug, Default)]
 struct Writing {
@@ -210,7 +91,7 @@ struct Writing {
 #[derive(Debug, Default)]
 struct Book {
     loaded: bool,
-    positions: HashMap<Box<[u8]>, Stamped>,
+    positions: PositionBook,
     /// The generation read last and the offset in it read up to; every older generation
     /// still on disk has been read whole.
     generation: u64,
@@ -265,7 +146,10 @@ impl ConsumerLog {
         entries: impl ExactSizeIterator<Item = (&'a [u8], u64, u64)>,
     ) -> Result<(Option<CommitTicket>, bool), WireError> {
         let count = entries.len() as u64;
-        let records = encode_stamped(entries, self.record_bytes_max);
+        let records = encode_stamped_records(
+            entries.map(|(queue, epoch, next)| (queue, Position { epoch, next })),
+            self.record_bytes_max,
+        );
         if records.is_empty() {
             return Ok((None, false));
         }
@@ -309,11 +193,13 @@ impl ConsumerLog {
         queues
             .iter()
             .map(|queue| {
-                let (epoch, logged) = book
-                    .positions
-                    .get(&queue[..])
-                    .copied()
-                    .unwrap_or((book.floor_epoch, 0));
+                let Position {
+                    epoch,
+                    next: logged,
+                } = book.positions.get(queue).unwrap_or(Position {
+                    epoch: book.floor_epoch,
+                    next: 0,
+                });
                 let legacy = crate::queue::mailbox::subscription::load_position(
                     &self.store,
                     &self.consumer,
@@ -346,7 +232,7 @@ impl ConsumerLog {
     }
 
     /// Writes a forget of `queue` in a delete's `epoch`: the queue's position reads 0 until an
-    /// ack of a later epoch (see [`Stamped`]). Returns the ticket to wait for (`None` if the
+    /// ack of a later epoch (see [`Position`]). Returns the ticket to wait for (`None` if the
     /// consumer has no log). Blocks on the store: call it on the blocking pool.
     fn forget(&self, queue: &[u8], epoch: u64) -> Result<Option<CommitTicket>, WireError> {
         let book = lock(&self.book);
@@ -358,7 +244,8 @@ impl ConsumerLog {
                 return Ok(None);
             }
             let (head, existing) = self.generations_on_disk()?;
-            let records = encode_records([(queue, 0)].into_iter(), epoch, self.record_bytes_max);
+            let records =
+                encode_log_records([(queue, 0)].into_iter(), epoch, self.record_bytes_max);
             let current = existing.last().copied().unwrap_or(head);
             let ticket = self.append_records(current, &records)?;
             // A consumer that never comes back would gather a forget per delete for good:
@@ -452,18 +339,12 @@ impl ConsumerLog {
             // a forget, see [`PositionLogs::forget`].)
             // Forgets (next offset 0) go too: without an entry a queue's acks are written in
             // the floor epoch, set just below to the current one, which no forget outranks.
-            book.positions.retain(|queue, (_, next)| {
-                *next > 0 && matches!(self.store.queue_info(queue), Ok(Some(_)))
+            book.positions.retain(|queue, position| {
+                position.next > 0 && matches!(self.store.queue_info(queue), Ok(Some(_)))
             });
             book.floor_epoch = self.epoch.load(Ordering::Acquire);
             // Each entry keeps its epoch: sorted by it, one run of records per epoch.
-            let mut entries: Vec<(&[u8], u64, u64)> = book
-                .positions
-                .iter()
-                .map(|(queue, (epoch, next))| (&queue[..], *epoch, *next))
-                .collect();
-            entries.sort_unstable_by_key(|(_, epoch, _)| *epoch);
-            let records = encode_stamped(entries.into_iter(), self.record_bytes_max);
+            let records = book.positions.snapshot_records(self.record_bytes_max);
             self.snapshot_entries
                 .store(book.positions.len() as u64, Ordering::Relaxed);
             (book.generation, records, book.stale.clone())
@@ -594,7 +475,7 @@ impl ConsumerLog {
                     break;
                 }
                 for record in batch.iter() {
-                    entries += apply_record(&mut book.positions, record).map_err(|error| {
+                    entries += book.positions.apply_record(record).map_err(|error| {
                         storage_error(&format!(
                             "consumer '{}': its position log holds a record this server cannot \
                              read ({error}); a newer version wrote it or it is damaged: run \
@@ -819,7 +700,7 @@ impl PositionLogs {
             // The server keeps messages at least 1 KiB (its configuration's minimum).
             record_bytes_max: RECORD_BYTES_MAX
                 .min(self.store.options().message_bytes_max)
-                .max(1 + ENTRY_BYTES_MAX),
+                .max(1 + LOG_ENTRY_BYTES_MAX),
             compactions: self.compactions.clone(),
             writing: Mutex::new(Writing {
                 due_at: self.compact_entries_min,

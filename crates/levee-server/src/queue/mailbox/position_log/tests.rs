@@ -26,7 +26,7 @@ impl ConsumerLog {
                     let epoch = book
                         .positions
                         .get(queue)
-                        .map_or(book.floor_epoch, |(epoch, _)| *epoch);
+                        .map_or(book.floor_epoch, |position| position.epoch);
                     (queue, epoch, next)
                 })
                 .collect()
@@ -60,63 +60,6 @@ fn exists(store: &Store, consumer: &str, generation: u64) -> bool {
         .queue_info(&generation_queue(consumer, generation))
         .unwrap()
         .is_some()
-}
-
-#[test]
-fn given_entries_then_records_split_and_apply_as_the_largest_position() {
-    let long = vec![b'q'; QUEUE_NAME_BYTES_MAX];
-    let entries: Vec<(Vec<u8>, u64)> = (0..1_000_u64)
-        .map(|index| {
-            let mut name = long.clone();
-            name.extend_from_slice(&index.to_le_bytes());
-            name.truncate(QUEUE_NAME_BYTES_MAX);
-            name[..8].copy_from_slice(&index.to_le_bytes());
-            (name, index)
-        })
-        .collect();
-    let records = encode_records(
-        entries.iter().map(|(name, next)| (&name[..], *next)),
-        0,
-        RECORD_BYTES_MAX,
-    );
-    assert!(records.len() > 1, "264 KB of entries span several records");
-    assert!(
-        records
-            .iter()
-            .all(|record| record.len() <= RECORD_BYTES_MAX)
-    );
-    let mut book = HashMap::new();
-    for record in &records {
-        apply_record(&mut book, record).unwrap();
-    }
-    assert_eq!(book.len(), 1_000);
-    // An older position read later changes nothing; a newer one wins.
-    apply_record(
-        &mut book,
-        &encode_records([(&entries[5].0[..], 1)].into_iter(), 0, RECORD_BYTES_MAX)[0],
-    )
-    .unwrap();
-    assert_eq!(book[&entries[5].0[..]], (0, 5));
-    apply_record(
-        &mut book,
-        &encode_records([(&entries[5].0[..], 9)].into_iter(), 0, RECORD_BYTES_MAX)[0],
-    )
-    .unwrap();
-    assert_eq!(book[&entries[5].0[..]], (0, 9));
-
-    let cut = &records[0][..records[0].len() - 3];
-    assert!(
-        apply_record(&mut book, cut)
-            .unwrap_err()
-            .contains("runs past")
-    );
-    let mut other_version = records[0].clone();
-    other_version[0] = 7;
-    assert!(
-        apply_record(&mut book, &other_version)
-            .unwrap_err()
-            .contains("version 7")
-    );
 }
 
 #[test]
@@ -156,14 +99,21 @@ fn given_acks_then_a_fresh_load_and_a_reopened_store_give_the_same_positions() {
 
 #[test]
 fn given_a_position_queue_of_older_versions_then_the_larger_position_wins() {
-    use crate::queue::mailbox::subscription::{position_queue, position_record};
+    use crate::queue::mailbox::subscription::position_queue;
+    use levee_broker::position::encode_queue_position;
     let directory = tempfile::tempdir().unwrap();
     let store = open(directory.path(), SyncPolicy::Always);
     store
-        .append(&position_queue("app", b"a"), &position_record(8, b"a"))
+        .append(
+            &position_queue("app", b"a"),
+            &encode_queue_position(8, b"a"),
+        )
         .unwrap();
     store
-        .append(&position_queue("app", b"b"), &position_record(2, b"b"))
+        .append(
+            &position_queue("app", b"b"),
+            &encode_queue_position(2, b"b"),
+        )
         .unwrap();
     let log = logs(&store, 1_000).open("app");
     log.ack([(&b"a"[..], 4), (&b"b"[..], 6)].into_iter())
@@ -251,7 +201,7 @@ fn given_a_compaction_cut_short_then_loading_finishes_it_without_losing_a_positi
     let directory = tempfile::tempdir().unwrap();
     let store = open(directory.path(), SyncPolicy::Always);
     let record = |entries: &[(&str, u64)]| {
-        encode_records(
+        encode_log_records(
             entries
                 .iter()
                 .map(|(queue, next)| (queue.as_bytes(), *next)),
@@ -612,7 +562,8 @@ fn delete(store: &Store, positions: &PositionLogs, queue: &[u8]) {
 
 #[test]
 fn given_a_queue_deleted_and_created_again_then_every_consumer_starts_it_from_its_start() {
-    use crate::queue::mailbox::subscription::{position_queue, position_record};
+    use crate::queue::mailbox::subscription::position_queue;
+    use levee_broker::position::encode_queue_position;
     for sync in [SyncPolicy::Always, SyncPolicy::Interval { interval_ms: 5 }] {
         let directory = tempfile::tempdir().unwrap();
         let store = store_with(directory.path(), sync, &["orders", "kept"]);
@@ -628,7 +579,7 @@ fn given_a_queue_deleted_and_created_again_then_every_consumer_starts_it_from_it
         store
             .append(
                 &position_queue("single", b"orders"),
-                &position_record(300, b"orders"),
+                &encode_queue_position(300, b"orders"),
             )
             .unwrap();
         // A restart: the consumers are found in the store.
@@ -681,42 +632,6 @@ fn given_a_queue_deleted_and_created_again_then_every_consumer_starts_it_from_it
 }
 
 #[test]
-fn given_a_forget_and_older_entries_in_any_order_then_the_forget_wins_and_later_acks_win() {
-    let stale = encode_records([(&b"q"[..], 500)].into_iter(), 3, RECORD_BYTES_MAX);
-    let forget = encode_records([(&b"q"[..], 0)].into_iter(), 4, RECORD_BYTES_MAX);
-    let later = encode_records([(&b"q"[..], 2)].into_iter(), 4, RECORD_BYTES_MAX);
-    let mut version_1 = vec![1_u8, 1];
-    version_1.push(b'q');
-    version_1.extend_from_slice(&900_u64.to_le_bytes());
-    let orders: [&[&Vec<u8>]; 3] = [
-        &[&stale[0], &forget[0], &version_1],
-        &[&forget[0], &version_1, &stale[0]],
-        &[&version_1, &forget[0], &stale[0], &stale[0]],
-    ];
-    for order in orders {
-        let mut book = HashMap::new();
-        for record in order {
-            apply_record(&mut book, record).unwrap();
-        }
-        assert_eq!(book[&b"q"[..]], (4, 0));
-        apply_record(&mut book, &later[0]).unwrap();
-        assert_eq!(book[&b"q"[..]], (4, 2));
-    }
-    let mut book = HashMap::new();
-    apply_record(&mut book, &version_1).unwrap();
-    assert_eq!(
-        book[&b"q"[..]],
-        (0, 900),
-        "a version 1 record reads as epoch 0"
-    );
-    assert!(
-        apply_record(&mut book, &[2, 0, 0])
-            .unwrap_err()
-            .contains("shorter than its epoch")
-    );
-}
-
-#[test]
 fn given_positions_in_several_epochs_then_a_snapshot_keeps_each_entry_in_its_epoch() {
     let directory = tempfile::tempdir().unwrap();
     let store = store_with(directory.path(), SyncPolicy::Always, &["a", "b", "c"]);
@@ -741,11 +656,17 @@ fn given_positions_in_several_epochs_then_a_snapshot_keeps_each_entry_in_its_epo
     assert_eq!(fresh.nexts(&names(&["a", "c"])).unwrap(), vec![7, 9]);
     {
         let book = lock(&fresh.book);
-        assert_eq!(book.positions[&b"a"[..]], (0, 7));
-        assert_eq!(book.positions[&b"c"[..]], (0, 9));
+        assert_eq!(
+            book.positions.get(b"a"),
+            Some(Position { epoch: 0, next: 7 })
+        );
+        assert_eq!(
+            book.positions.get(b"c"),
+            Some(Position { epoch: 0, next: 9 })
+        );
         assert_eq!(book.floor_epoch, 1, "the epoch when it was loaded");
         assert!(
-            !book.positions.contains_key(&b"b"[..]),
+            book.positions.get(b"b").is_none(),
             "the snapshot leaves the forget out"
         );
     }
