@@ -1,6 +1,8 @@
 //! Engine unit tests, all on virtual time.
 
 use super::*;
+use crate::app::{ENTRY_SLOT_BYTES, Entry};
+use crate::rule::{Rule, RuleError, RuleMatch};
 
 const APP: &str = "shop";
 
