@@ -9,7 +9,29 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::{Assignment, GroupError, MEMBERS_MAX, PartitionAssignment};
+use super::{Assignment, GroupError, MEMBERS_MAX, PartitionAssignment, encode_committed};
+
+/// One commit a member asks for: `partition` delivered up to `next_offset` under `epoch`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Commit {
+    /// The partition.
+    pub partition: u32,
+    /// The epoch its messages were delivered under.
+    pub epoch: u64,
+    /// The next offset to deliver: every message before it is done.
+    pub next_offset: u64,
+}
+
+/// What a commit batch decided: each commit's refusal (if any), in order, and the snapshot
+/// record to log (`None` when nothing was accepted), which must be durable before the batch
+/// is answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommitOutcome {
+    /// Per commit: `None` if accepted, else why not.
+    pub refusals: Vec<Option<GroupError>>,
+    /// The group's committed offsets after the batch, as the record to log.
+    pub record: Option<Vec<u8>>,
+}
 
 /// One member as the coordinator sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -268,6 +290,42 @@ impl GroupCoordinator {
         Ok(moved)
     }
 
+    /// Commits a batch for `member`, each checked as [`GroupCoordinator::commit`] does;
+    /// `end_of(partition)` gives the partition's next offset, asked only for commits that pass
+    /// the epoch check (it may read a store: its error ends the batch, with what was
+    /// accepted before it kept in memory and logged by the next batch).
+    pub fn commit_batch<E>(
+        &mut self,
+        member: &str,
+        commits: &[Commit],
+        mut end_of: impl FnMut(u32) -> Result<u64, E>,
+    ) -> Result<CommitOutcome, E> {
+        let mut refusals = Vec::with_capacity(commits.len());
+        let mut accepted = false;
+        for commit in commits {
+            let decided =
+                if let Err(refusal) = self.check_commit(member, commit.partition, commit.epoch) {
+                    Err(refusal)
+                } else {
+                    let end = end_of(commit.partition)?;
+                    self.commit(
+                        member,
+                        commit.partition,
+                        commit.epoch,
+                        commit.next_offset,
+                        end,
+                    )
+                };
+            // A commit at or below the committed offset is accepted and logged like any.
+            accepted |= decided.is_ok();
+            refusals.push(decided.err());
+        }
+        Ok(CommitOutcome {
+            refusals,
+            record: accepted.then(|| encode_committed(&self.committed)),
+        })
+    }
+
     /// Every partition's committed offset.
     pub fn committed(&self) -> &[u64] {
         &self.committed
@@ -403,6 +461,63 @@ mod tests {
             Err(GroupError::NoSuchPartition { partition: 5, .. })
         ));
         assert_eq!(state.committed(), &[10]);
+    }
+
+    #[test]
+    fn given_a_commit_batch_then_each_commit_is_judged_and_one_snapshot_is_logged() {
+        let mut state = GroupCoordinator::new(2, vec![]);
+        state.join("a", 1, 1_000, 0).unwrap();
+        let epochs: Vec<u64> = state.owners().map(|(_, epoch)| epoch).collect();
+        let commits = [
+            Commit {
+                partition: 0,
+                epoch: epochs[0],
+                next_offset: 5,
+            },
+            Commit {
+                partition: 1,
+                epoch: epochs[1] + 1,
+                next_offset: 5,
+            },
+            Commit {
+                partition: 1,
+                epoch: epochs[1],
+                next_offset: 50,
+            },
+        ];
+        let mut asked = Vec::new();
+        let outcome = state
+            .commit_batch("a", &commits, |partition| {
+                asked.push(partition);
+                Ok::<_, ()>(10)
+            })
+            .unwrap();
+        assert_eq!(
+            asked,
+            [0, 1],
+            "the end is read only for commits past the epoch check"
+        );
+        assert_eq!(outcome.refusals[0], None);
+        assert!(matches!(
+            outcome.refusals[1],
+            Some(GroupError::Fenced { .. })
+        ));
+        assert!(matches!(
+            outcome.refusals[2],
+            Some(GroupError::PastEnd { .. })
+        ));
+        assert_eq!(outcome.record, Some(encode_committed(&[5, 0])));
+        let refused_only = state
+            .commit_batch("b", &commits[..1], |_| Ok::<_, ()>(10))
+            .unwrap();
+        assert_eq!(
+            refused_only.record, None,
+            "nothing accepted, nothing to log"
+        );
+        assert_eq!(
+            state.commit_batch("a", &commits[..1], |_| Err("disk")),
+            Err("disk")
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@ mod coordinator;
 
 pub use assignment::{Assignment, PartitionAssignment};
 pub use committed::{decode_committed, encode_committed};
-pub use coordinator::GroupCoordinator;
+pub use coordinator::{Commit, CommitOutcome, GroupCoordinator};
 
 /// Most members of one group.
 pub const MEMBERS_MAX: usize = 1_024;

@@ -18,6 +18,7 @@ use levee_proto::v1::{
 };
 use tokio::sync::{Notify, watch};
 
+use levee_broker::group::Commit;
 use levee_broker::names::{check_group_on_topic, check_member_name};
 
 use crate::metrics::{GroupLabels, Metrics};
@@ -418,10 +419,14 @@ impl ConsumeSession {
                         batch.commits.len()
                     )));
                 }
-                let commits: Vec<(u32, u64, u64)> = batch
+                let commits: Vec<Commit> = batch
                     .commits
                     .iter()
-                    .map(|commit| (commit.partition, commit.epoch, commit.next_offset))
+                    .map(|commit| Commit {
+                        partition: commit.partition,
+                        epoch: commit.epoch,
+                        next_offset: commit.next_offset,
+                    })
                     .collect();
                 let (refusals, ticket) = self
                     .membership
@@ -430,9 +435,9 @@ impl ConsumeSession {
                 let commit_results = commits
                     .iter()
                     .zip(refusals)
-                    .map(|(&(partition, _, next_offset), refusal)| CommitResult {
-                        partition,
-                        next_offset,
+                    .map(|(commit, refusal)| CommitResult {
+                        partition: commit.partition,
+                        next_offset: commit.next_offset,
                         code: refusal.as_ref().map_or(0, |error| error.code as i32),
                         message: refusal.map(|error| error.message).unwrap_or_default(),
                     })

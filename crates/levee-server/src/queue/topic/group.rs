@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use levee_broker::group::{GROUPS_MAX, GroupCoordinator, decode_committed, encode_committed};
+use levee_broker::group::{Commit, GROUPS_MAX, GroupCoordinator, decode_committed};
 use levee_broker::names::commit_queue;
 use levee_proto::WireError;
 use levee_proto::v1::{Assignment, ErrorCode, PartitionAssignment};
@@ -200,50 +200,44 @@ impl Membership {
             .renew(&self.member, self.session, now_ms)
     }
 
-    /// Applies commits, each `(partition, epoch, next_offset)`, and appends the new snapshot to
-    /// the group's commit queue. Returns each commit's refusal (if any) and, if anything was
-    /// committed, the ticket that makes it durable. `end_of` gives a partition's next offset.
+    /// Applies a commit batch and appends the group's new snapshot to its commit queue.
+    /// Returns each commit's refusal (if any) and, if anything was committed, the ticket
+    /// that makes it durable.
     pub fn commit(
         &self,
         store: &Store,
-        commits: &[(u32, u64, u64)],
+        commits: &[Commit],
     ) -> Result<(Vec<Option<WireError>>, Option<CommitTicket>), WireError> {
         let mut group = lock(&self.group);
-        let mut results = Vec::with_capacity(commits.len());
-        let mut changed = false;
-        for &(partition, epoch, next_offset) in commits {
-            let member = self.member.as_str();
-            let decided = if let Err(refusal) = group.state.check_commit(member, partition, epoch) {
-                Err(refusal)
-            } else {
-                let queue = &group.topic.queues[partition as usize];
-                let end = store
-                    .queue_info(queue)
-                    .map_err(|error| storage_error(&error))?
-                    .map_or(0, |info| info.next_offset);
-                group
-                    .state
-                    .commit(member, partition, epoch, next_offset, end)
-            };
-            // A commit at or below the committed offset is accepted and logged like any.
-            changed |= decided.is_ok();
-            results.push(decided.err().map(|error| group_error(&group.name, &error)));
-        }
+        let queues = Arc::clone(&group.topic);
+        let outcome = group
+            .state
+            .commit_batch(&self.member, commits, |partition| {
+                store
+                    .queue_info(&queues.queues[partition as usize])
+                    .map(|info| info.map_or(0, |info| info.next_offset))
+                    .map_err(|error| storage_error(&error))
+            })?;
         let mut ticket = None;
-        if changed {
-            let record = encode_committed(group.state.committed());
-            let queue = group.commit_queue();
+        if let Some(record) = outcome.record {
             let (_, appended) = store
-                .append_deferred(&queue, &record)
+                .append_deferred(&group.commit_queue(), &record)
                 .map_err(write_error)?;
             ticket = Some(appended);
         }
-        Ok((results, ticket))
+        let refusals = outcome
+            .refusals
+            .into_iter()
+            .map(|refusal| refusal.map(|error| group_error(&group.name, &error)))
+            .collect();
+        Ok((refusals, ticket))
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use levee_broker::group::encode_committed;
+
     use super::*;
 
     #[test]
