@@ -16,6 +16,8 @@
 //!   committed snapshot after each accepted commit batch and tells members their assignment.
 //! - [`position`]: mailbox positions: each consumer's position on each queue, the records
 //!   acks write, and the book a log of them replays into (the largest position wins).
+//! - [`producer`]: idempotent producers: each one's recent runs, and the judgement of a
+//!   request's sequences against them (new, a resend, or refused).
 //! - [`rate`]: the token bucket that paces a group's deliveries and a producer's appends.
 //!
 //! Dependencies: `levee-store` for its bounds and retention type only; never tonic, prost
@@ -27,4 +29,5 @@ pub mod catalog;
 pub mod group;
 pub mod names;
 pub mod position;
+pub mod producer;
 pub mod rate;

@@ -1,12 +1,7 @@
-//! Idempotent producers: a producer id and per-queue sequence numbers make a resent append a
-//! no-op answered with the original offsets, so retries never duplicate.
-//!
-//! Per (producer, queue) the server remembers the last [`RUNS_KEPT`] runs it stored (a run is
-//! one request's consecutive messages for one queue: first sequence, count, first offset; a
-//! queue's messages of one request get consecutive offsets). A request's run for a queue is
-//! then one of: new (it starts right after the last sequence, or the pair is unknown), a
-//! resend (every sequence already stored: answered from the runs), a gap (refused with
-//! `SEQUENCE_GAP`, nothing stored) or too old (`SEQUENCE_TOO_OLD`).
+//! Idempotent producers over the store: the broker engine's [`ProducerRuns`] judges each
+//! request's runs (new, a resend answered with the original offsets, or refused with
+//! `SEQUENCE_GAP`, `SEQUENCE_TOO_OLD` or `INVALID_ARGUMENT`); this module keeps every
+//! producer's runs in memory and in the store.
 //!
 //! The runs are durable: each request that stores messages also appends one record to the
 //! producer's own queue (`\0producer\0{id}`), after its data and acknowledged only once both are
@@ -15,11 +10,10 @@
 //! one window left is a crash between those two rounds: a batch that was never acknowledged
 //! may then be stored twice if resent after the restart.
 //!
-//! Bounds: at most [`PRODUCERS_MAX`] producers (the least recently used is forgotten first)
-//! and [`QUEUES_PER_PRODUCER_MAX`] queues per producer; a forgotten pair accepts its next
-//! sequence as new.
+//! Bounds: at most [`PRODUCERS_MAX`] producers (the least recently used is forgotten first);
+//! the engine bounds the queues and runs remembered per producer.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use levee_proto::WireError;
@@ -27,72 +21,17 @@ use levee_proto::v1::ErrorCode;
 use levee_store::{CommitTicket, Store};
 
 use levee_broker::names::{PRODUCER_ID_BYTES_MAX, producer_queue};
+use levee_broker::producer::{
+    PRODUCERS_MAX, ProducerRuns, Run, SequenceError, Verdict, encode_runs, request_runs,
+};
 
 use crate::queue::{lock, storage_error, write_error};
 
-/// Producers remembered at once.
-pub const PRODUCERS_MAX: usize = 10_000;
-/// Queues remembered per producer.
-pub const QUEUES_PER_PRODUCER_MAX: usize = 100_000;
-/// Runs remembered per (producer, queue): a resend of one of the last this-many requests that
-/// touched the queue gets its original offsets.
-pub const RUNS_KEPT: usize = 8;
-
-/// One request's consecutive messages for one queue.
-#[derive(Debug, Clone, Copy)]
-struct Run {
-    first_sequence: u64,
-    count: u64,
-    first_offset: u64,
-    ticket: Option<CommitTicket>,
-}
-
-impl Run {
-    fn last_sequence(&self) -> u64 {
-        self.first_sequence + self.count - 1
-    }
-}
-
-#[derive(Debug)]
+/// One producer's runs and when it was last used.
+#[derive(Debug, Default)]
 struct ProducerState {
-    queues: HashMap<Vec<u8>, VecDeque<Run>>,
-    /// Order in which queues were first seen, for forgetting the oldest.
-    queue_order: VecDeque<Vec<u8>>,
+    runs: ProducerRuns,
     last_used: u64,
-    /// Whether every queue this producer ever stored to is remembered (nothing forgotten or
-    /// trimmed away). Then a queue not remembered is new to the producer, and its first
-    /// sequence must be 0: a higher one means an earlier batch has not arrived yet.
-    complete: bool,
-}
-
-impl Default for ProducerState {
-    fn default() -> Self {
-        Self {
-            queues: HashMap::new(),
-            queue_order: VecDeque::new(),
-            last_used: 0,
-            complete: true,
-        }
-    }
-}
-
-impl ProducerState {
-    fn record(&mut self, queue: &[u8], run: Run) {
-        if !self.queues.contains_key(queue) {
-            if self.queues.len() >= QUEUES_PER_PRODUCER_MAX
-                && let Some(oldest) = self.queue_order.pop_front()
-            {
-                self.queues.remove(&oldest);
-                self.complete = false;
-            }
-            self.queue_order.push_back(queue.to_vec());
-        }
-        let runs = self.queues.entry(queue.to_vec()).or_default();
-        if runs.len() >= RUNS_KEPT {
-            runs.pop_front();
-        }
-        runs.push_back(run);
-    }
 }
 
 /// Every idempotent producer's recent runs.
@@ -127,15 +66,6 @@ pub struct SequencedMessage {
     pub sequence: u64,
 }
 
-/// What a request's run for one queue is.
-enum Verdict {
-    New,
-    Resend {
-        first_offset: u64,
-        ticket: Option<CommitTicket>,
-    },
-}
-
 /// Checks a producer id: 1 to [`PRODUCER_ID_BYTES_MAX`] bytes.
 pub fn check_producer_id(producer: &str) -> Result<(), WireError> {
     if producer.is_empty() || producer.len() > PRODUCER_ID_BYTES_MAX {
@@ -148,45 +78,6 @@ pub fn check_producer_id(producer: &str) -> Result<(), WireError> {
         ));
     }
     Ok(())
-}
-
-/// Encodes runs: per queue, name length (u8), name, first sequence (u64), count (u64), first
-/// offset (u64), little-endian.
-fn encode_runs(runs: &[(&[u8], Run)]) -> Vec<u8> {
-    let mut record = Vec::new();
-    for (queue, run) in runs {
-        record.push(u8::try_from(queue.len()).unwrap_or(u8::MAX));
-        record.extend_from_slice(queue);
-        record.extend_from_slice(&run.first_sequence.to_le_bytes());
-        record.extend_from_slice(&run.count.to_le_bytes());
-        record.extend_from_slice(&run.first_offset.to_le_bytes());
-    }
-    record
-}
-
-fn decode_runs(mut record: &[u8], mut each: impl FnMut(&[u8], Run)) {
-    while let Some((&length, rest)) = record.split_first() {
-        let length = usize::from(length);
-        if rest.len() < length + 24 {
-            return;
-        }
-        let (queue, rest) = rest.split_at(length);
-        let number = |at: usize| {
-            let mut bytes = [0; 8];
-            bytes.copy_from_slice(&rest[at..at + 8]);
-            u64::from_le_bytes(bytes)
-        };
-        let run = Run {
-            first_sequence: number(0),
-            count: number(8),
-            first_offset: number(16),
-            ticket: None,
-        };
-        if run.count > 0 {
-            each(queue, run);
-        }
-        record = &rest[24..];
-    }
 }
 
 impl Producers {
@@ -234,7 +125,7 @@ impl Producers {
                     break;
                 }
                 for record in batch.iter() {
-                    decode_runs(record, |queue, run| state.record(queue, run));
+                    state.runs.load_record(record);
                 }
                 offset = batch.next_offset();
             }
@@ -253,45 +144,24 @@ impl Producers {
         messages: &[SequencedMessage],
     ) -> Result<IdempotentAppend, WireError> {
         check_producer_id(producer)?;
-        // The request's runs: per queue, its messages' indexes in order.
-        let mut by_queue: Vec<(&[u8], Vec<usize>)> = Vec::new();
-        let mut position: HashMap<&[u8], usize> = HashMap::new();
-        for (index, message) in messages.iter().enumerate() {
-            let slot = *position.entry(&message.queue).or_insert_with(|| {
-                by_queue.push((&message.queue, Vec::new()));
-                by_queue.len() - 1
-            });
-            let run = &mut by_queue[slot].1;
-            if let Some(&previous) = run.last()
-                && messages[previous].sequence.checked_add(1) != Some(message.sequence)
-            {
-                return Err(WireError::new(
-                    ErrorCode::InvalidArgument,
-                    format!(
-                        "queue '{}': sequences within one request must be consecutive, got {} \
-                         after {}",
-                        String::from_utf8_lossy(&message.queue),
-                        message.sequence,
-                        messages[previous].sequence
-                    ),
-                ));
-            }
-            run.push(index);
-        }
+        let by_queue = request_runs(
+            messages
+                .iter()
+                .map(|message| (&message.queue[..], message.sequence)),
+        )
+        .map_err(|error| sequence_error(&error))?;
         let state = self.state(store, producer)?;
         let mut state = lock(&state);
-        let mut verdicts = Vec::with_capacity(by_queue.len());
-        for (queue, indexes) in &by_queue {
-            let first = messages[indexes[0]].sequence;
-            let last = messages[indexes[indexes.len() - 1]].sequence;
-            let runs = state.queues.get(*queue);
-            verdicts.push(judge(runs, state.complete, queue, first, last)?);
-        }
+        let verdicts = by_queue
+            .iter()
+            .map(|run| state.runs.judge(run.queue, run.first, run.last))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|error| sequence_error(&error))?;
         // Store the new runs in one batch, then the producer's record after them.
         let mut batch: Vec<(&[u8], &[u8])> = Vec::new();
-        for ((_, indexes), verdict) in by_queue.iter().zip(&verdicts) {
+        for (run, verdict) in by_queue.iter().zip(&verdicts) {
             if matches!(verdict, Verdict::New) {
-                for &index in indexes {
+                for &index in &run.indexes {
                     batch.push((&messages[index].queue, &messages[index].payload));
                 }
             }
@@ -303,10 +173,11 @@ impl Producers {
             let (stored, ticket) = store.append_batch_deferred(&batch).map_err(write_error)?;
             let mut stored = stored.into_iter();
             let mut runs = Vec::new();
-            for ((queue, indexes), verdict) in by_queue.iter().zip(&verdicts) {
+            for (request_run, verdict) in by_queue.iter().zip(&verdicts) {
                 if !matches!(verdict, Verdict::New) {
                     continue;
                 }
+                let indexes = &request_run.indexes;
                 for &index in indexes {
                     offsets[index] = stored.next().unwrap_or_default();
                     stored_now[index] = true;
@@ -317,13 +188,13 @@ impl Producers {
                     first_offset: offsets[indexes[0]],
                     ticket: Some(ticket),
                 };
-                runs.push((*queue, run));
+                runs.push((request_run.queue, run));
             }
             let (_, record_ticket) = store
                 .append_deferred(&producer_queue(producer), &encode_runs(&runs))
                 .map_err(write_error)?;
             for (queue, run) in runs {
-                state.record(
+                state.runs.record(
                     queue,
                     Run {
                         ticket: Some(record_ticket),
@@ -333,12 +204,13 @@ impl Producers {
             }
             tickets.push(record_ticket);
         }
-        for ((_, indexes), verdict) in by_queue.iter().zip(&verdicts) {
+        for (run, verdict) in by_queue.iter().zip(&verdicts) {
             if let Verdict::Resend {
                 first_offset,
                 ticket,
             } = verdict
             {
+                let indexes = &run.indexes;
                 for (step, &index) in indexes.iter().enumerate() {
                     offsets[index] = first_offset + step as u64;
                 }
@@ -355,75 +227,20 @@ impl Producers {
     }
 }
 
-/// Judges a request's run `first..=last` of one queue against the remembered runs; `complete`
-/// says whether every queue of the producer is remembered.
-fn judge(
-    runs: Option<&VecDeque<Run>>,
-    complete: bool,
-    queue: &[u8],
-    first: u64,
-    last: u64,
-) -> Result<Verdict, WireError> {
-    let name = || String::from_utf8_lossy(queue).into_owned();
-    let Some(last_run) = runs.and_then(VecDeque::back) else {
-        if complete && first != 0 {
-            return Err(WireError::new(
-                ErrorCode::SequenceGap,
-                format!(
-                    "queue '{}': sequence {first} skips ahead; this producer's first sequence on \
-                     the queue is 0. Resend the missing messages first",
-                    name()
-                ),
-            ));
-        }
-        return Ok(Verdict::New);
+/// A refused request's sequences as a wire error.
+fn sequence_error(error: &SequenceError) -> WireError {
+    let code = match error {
+        SequenceError::FirstGap { .. } | SequenceError::Gap { .. } => ErrorCode::SequenceGap,
+        SequenceError::TooOld { .. } => ErrorCode::SequenceTooOld,
+        _ => ErrorCode::InvalidArgument,
     };
-    let expected = last_run.last_sequence() + 1;
-    if first == expected {
-        return Ok(Verdict::New);
-    }
-    if first > expected {
-        return Err(WireError::new(
-            ErrorCode::SequenceGap,
-            format!(
-                "queue '{}': sequence {first} skips ahead; the next expected is {expected}. \
-                 Resend the missing messages first",
-                name()
-            ),
-        ));
-    }
-    if last >= expected {
-        return Err(WireError::new(
-            ErrorCode::InvalidArgument,
-            format!(
-                "queue '{}': sequences {first}..={last} mix stored ones (up to {}) with new \
-                 ones; resend batches exactly as first sent",
-                name(),
-                expected - 1
-            ),
-        ));
-    }
-    let runs = runs.map(|runs| runs.iter()).into_iter().flatten();
-    for run in runs {
-        if run.first_sequence <= first && last <= run.last_sequence() {
-            return Ok(Verdict::Resend {
-                first_offset: run.first_offset + (first - run.first_sequence),
-                ticket: run.ticket,
-            });
-        }
-    }
-    Err(WireError::new(
-        ErrorCode::SequenceTooOld,
-        format!(
-            "queue '{}': sequences {first}..={last} were stored earlier than the last \
-             {RUNS_KEPT} requests the server remembers; they were not stored again",
-            name()
-        ),
-    ))
+    WireError::new(code, error.to_string())
 }
 
 #[cfg(test)]
 mod tests {
+    use levee_broker::producer::RUNS_KEPT;
+
     use super::*;
 
     fn messages(queue: &[u8], sequences: std::ops::Range<u64>) -> Vec<SequencedMessage> {
