@@ -33,6 +33,12 @@ pub const REPORT_INTERVAL_MIN: Duration = Duration::from_millis(1);
 pub const REPORT_INTERVAL_MAX: Duration = Duration::from_millis(500);
 /// Report batches queued per server while its session is busy; more are dropped and counted.
 const BATCHES_QUEUED_PER_SERVER_MAX: usize = 64;
+/// Default payload bytes of one report message: the gRPC library's default message limit,
+/// which every server takes whatever its key and batch limits.
+pub const REPORT_BATCH_BYTES_MAX_DEFAULT: usize = 4 << 20;
+/// Protobuf bytes around each key of a report (tags, lengths, the count), as the server
+/// counts them.
+const REPORT_KEY_OVERHEAD_BYTES: usize = 14;
 /// Buffer shards, so that app threads recording at once rarely wait on each other.
 const BUFFER_SHARDS: usize = 16;
 
@@ -52,6 +58,9 @@ pub struct HotKeysOptions {
     pub buffer_keys_max: usize,
     /// Keys per report message, at most the server's `hotkey_batch_keys_max` (default 10000).
     pub batch_keys_max: usize,
+    /// Bytes per report message, keys and their framing counted (default 4 MiB, which every
+    /// server takes); a round of reports is split by keys and by bytes, whichever comes first.
+    pub batch_bytes_max: usize,
     /// First wait before reconnecting (default 100 ms); doubles up to `reconnect_backoff_max`.
     pub reconnect_backoff_min: Duration,
     /// Longest wait before reconnecting (default 5 s).
@@ -70,6 +79,7 @@ impl HotKeysOptions {
             report_interval: Duration::from_millis(100),
             buffer_keys_max: 100_000,
             batch_keys_max: 10_000,
+            batch_bytes_max: REPORT_BATCH_BYTES_MAX_DEFAULT,
             reconnect_backoff_min: Duration::from_millis(100),
             reconnect_backoff_max: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
@@ -89,6 +99,12 @@ impl HotKeysOptions {
         }
         if self.buffer_keys_max == 0 || self.batch_keys_max == 0 {
             return invalid("buffer_keys_max and batch_keys_max must be at least 1".to_owned());
+        }
+        if self.batch_bytes_max < 64 << 10 {
+            return invalid(format!(
+                "batch_bytes_max must be at least 65536 (a key of the largest size fits), got {}",
+                self.batch_bytes_max
+            ));
         }
         if self.reconnect_backoff_min.is_zero()
             || self.reconnect_backoff_min > self.reconnect_backoff_max
@@ -454,7 +470,11 @@ impl<V> Inner<V> {
             };
             let mut reports = reports;
             while !reports.is_empty() {
-                let rest = reports.split_off(reports.len().min(self.options.batch_keys_max));
+                let rest = reports.split_off(batch_length(
+                    &reports,
+                    self.options.batch_keys_max,
+                    self.options.batch_bytes_max,
+                ));
                 let count = reports.len() as u64;
                 let message = HotKeyClientMessage {
                     kind: Some(ClientKind::Report(ReportBatch { keys: reports })),
@@ -679,9 +699,46 @@ fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// How many of `reports` go in one message: at most `keys_max`, and as many as fit
+/// `bytes_max` with their framing (at least one, so a round always moves).
+fn batch_length(reports: &[KeyReport], keys_max: usize, bytes_max: usize) -> usize {
+    let mut bytes = 0;
+    for (index, report) in reports.iter().take(keys_max).enumerate() {
+        bytes += report.key.len() + REPORT_KEY_OVERHEAD_BYTES;
+        if bytes > bytes_max {
+            return index.max(1);
+        }
+    }
+    reports.len().min(keys_max)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn given_reports_then_batches_split_by_keys_and_by_bytes() {
+        let report = |bytes: usize| KeyReport {
+            key: vec![b'k'; bytes],
+            count: 1,
+        };
+        let small: Vec<KeyReport> = (0..10).map(|_| report(10)).collect();
+        assert_eq!(batch_length(&small, 4, 1 << 20), 4, "by keys");
+        assert_eq!(
+            batch_length(&small, 100, 3 * 24),
+            3,
+            "by bytes: 24 each with framing"
+        );
+        assert_eq!(batch_length(&small, 100, 1 << 20), 10);
+        let large = vec![report(1_024); 10_000];
+        let first = batch_length(&large, 10_000, REPORT_BATCH_BYTES_MAX_DEFAULT);
+        assert_eq!(first, REPORT_BATCH_BYTES_MAX_DEFAULT / 1_038);
+        assert_eq!(
+            batch_length(&[report(100)], 10, 50),
+            1,
+            "one key always goes"
+        );
+    }
 
     #[test]
     fn given_server_removed_then_only_its_keys_move_and_they_spread_over_the_rest() {

@@ -78,6 +78,30 @@ impl WireError {
     }
 }
 
+impl WireError {
+    /// The Levee error of a status the gRPC library or the transport raised on its own (no
+    /// Levee metadata), as the server answers it: a message over the size limit is
+    /// `INVALID_ARGUMENT` (tonic says `OUT_OF_RANGE`, which in Levee means an offset past the
+    /// end), an unknown method `UNIMPLEMENTED`, the rest mapped from the gRPC code. A status
+    /// that carries a Levee code keeps it.
+    pub fn from_transport(status: &tonic::Status) -> Self {
+        if status.metadata().contains_key(ERROR_CODE_METADATA_KEY) {
+            return Self::from_status(status);
+        }
+        let message = status.message();
+        match status.code() {
+            tonic::Code::OutOfRange if message.contains("message length too large") => Self::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "{message}: the message is over the server's size limit for this call; \
+                     send less per message (the limits are in the proto comments)"
+                ),
+            ),
+            _ => Self::from_status(status),
+        }
+    }
+}
+
 impl From<WireError> for tonic::Status {
     fn from(error: WireError) -> Self {
         let mut status = tonic::Status::new(error.code.grpc_code(), error.message);

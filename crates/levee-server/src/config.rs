@@ -51,6 +51,17 @@ pub const QUEUE_POSITION_LOG_COMPACT_ENTRIES_DEFAULT: u64 = 1_000_000;
 pub const QUEUE_POSITION_LOG_COMPACT_ENTRIES_MAX: u64 = 1_000_000_000;
 /// Highest allowed `hotkey_batch_keys_max`.
 pub const HOTKEY_BATCH_KEYS_MAX_MAX: u32 = 65_536;
+/// Most bytes one hot-key report message may take on the wire: `hotkey_key_bytes_max` and
+/// `hotkey_batch_keys_max` together must allow no larger batch.
+pub const HOTKEY_REPORT_MESSAGE_BYTES_MAX: usize = 64 << 20;
+/// Protobuf bytes around each key of a report: the key's tag and length (up to 3 bytes for
+/// keys up to 64 KiB), the count's tag and value (up to 5), the report's tag and length (up
+/// to 4).
+const HOTKEY_REPORT_KEY_OVERHEAD_BYTES: usize = 1 + 3 + 1 + 5 + 1 + 3;
+/// Protobuf bytes around a whole report batch: the message's oneof tag and length.
+const HOTKEY_REPORT_BATCH_OVERHEAD_BYTES: usize = 1 + 5;
+/// The gRPC library's own default limit, under which every other hot-key call stays.
+const GRPC_DEFAULT_MESSAGE_BYTES_MAX: usize = 4 << 20;
 
 /// The effective configuration of one server process.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -234,6 +245,14 @@ pub enum ConfigError {
         /// What is allowed, with an example.
         expected: String,
     },
+    /// Settings that are each valid but not together.
+    #[error("{keys}: {message}")]
+    Combination {
+        /// The settings.
+        keys: &'static str,
+        /// What is wrong and how to fix it.
+        message: String,
+    },
 }
 
 impl Config {
@@ -328,7 +347,34 @@ impl Config {
             text(file_config.queue_position_log_compact_entries),
             |raw| { parse_bounded(raw, 1, QUEUE_POSITION_LOG_COMPACT_ENTRIES_MAX) }
         );
+        config.check_combinations()?;
         Ok(config)
+    }
+
+    /// The largest hot-key message the server takes: the largest report batch its key and
+    /// batch limits allow, encoded (at least the gRPC library's default 4 MiB).
+    pub fn hotkey_report_message_bytes_max(&self) -> usize {
+        let keys = self.hotkey_batch_keys_max as usize;
+        let key_bytes = self.hotkey_key_bytes_max as usize;
+        (keys * (key_bytes + HOTKEY_REPORT_KEY_OVERHEAD_BYTES) + HOTKEY_REPORT_BATCH_OVERHEAD_BYTES)
+            .max(GRPC_DEFAULT_MESSAGE_BYTES_MAX)
+    }
+
+    /// Checks settings that bound each other.
+    fn check_combinations(&self) -> Result<(), ConfigError> {
+        let report_bytes = self.hotkey_report_message_bytes_max();
+        if report_bytes > HOTKEY_REPORT_MESSAGE_BYTES_MAX {
+            return Err(ConfigError::Combination {
+                keys: "hotkey_key_bytes_max and hotkey_batch_keys_max",
+                message: format!(
+                    "{} keys of {} bytes make report batches of up to {report_bytes} bytes, over \
+                     the {HOTKEY_REPORT_MESSAGE_BYTES_MAX} bytes a message may take; lower one \
+                     of the two",
+                    self.hotkey_batch_keys_max, self.hotkey_key_bytes_max
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// The configuration as a TOML document that `--config` accepts back.
@@ -662,6 +708,33 @@ mod tests {
         assert!(message.contains("from 1024 to 4194304"), "{message}");
         let file = write_file("shutdown_grace_ms = \"ten\"\n");
         assert!(Config::load(Some(file.path()), &Overrides::default()).is_err());
+    }
+
+    #[test]
+    fn given_hot_key_limits_then_their_largest_batch_must_fit_a_message() {
+        let defaults = Config::load(None, &Overrides::default()).unwrap();
+        // 10,000 keys of 1,024 bytes: about 10 MB, over the gRPC library's 4 MiB default.
+        assert_eq!(
+            defaults.hotkey_report_message_bytes_max(),
+            10_000 * 1_038 + 6
+        );
+        let overrides = Overrides {
+            hotkey_key_bytes_max: Some(flag("65536", "--hotkey-key-bytes-max")),
+            ..Overrides::default()
+        };
+        let message = Config::load(None, &overrides).unwrap_err().to_string();
+        assert!(
+            message.contains("hotkey_key_bytes_max and hotkey_batch_keys_max")
+                && message.contains("lower one"),
+            "{message}"
+        );
+        let overrides = Overrides {
+            hotkey_key_bytes_max: Some(flag("65536", "--hotkey-key-bytes-max")),
+            hotkey_batch_keys_max: Some(flag("1000", "--hotkey-batch-keys-max")),
+            ..Overrides::default()
+        };
+        let config = Config::load(None, &overrides).unwrap();
+        assert!(config.hotkey_report_message_bytes_max() <= HOTKEY_REPORT_MESSAGE_BYTES_MAX);
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! A tower layer that counts every gRPC call by method and status code and records its latency.
+//! A tower layer that counts every gRPC call by method and status code and records its latency,
+//! and gives every error status a Levee code on its way out ([`crate::grpc_status`]).
 //!
 //! A call's status is in the response headers (a trailers-only response, as for most errors) or
 //! in the trailers at the end of the body; the layer wraps the body to see the trailers, so
@@ -102,7 +103,8 @@ where
             return Poll::Pending;
         };
         Poll::Ready(match result {
-            Ok(response) => {
+            Ok(mut response) => {
+                crate::grpc_status::complete(response.headers_mut());
                 let status_in_headers = response.headers().get(GRPC_STATUS_HEADER).map(status_of);
                 let pending = match status_in_headers {
                     Some(code) => {
@@ -146,13 +148,14 @@ impl<B: Body> Body for MeasuredBody<B> {
         context: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let this = self.project();
-        let frame = ready!(this.inner.poll_frame(context));
-        match &frame {
+        let mut frame = ready!(this.inner.poll_frame(context));
+        match &mut frame {
             Some(Ok(frame)) => {
-                if let Some(trailers) = frame.trailers_ref()
-                    && let Some(mut call) = this.call.take()
-                {
-                    call.finish(trailers.get(GRPC_STATUS_HEADER).map_or(2, status_of));
+                if let Some(trailers) = frame.trailers_mut() {
+                    crate::grpc_status::complete(trailers);
+                    if let Some(mut call) = this.call.take() {
+                        call.finish(trailers.get(GRPC_STATUS_HEADER).map_or(2, status_of));
+                    }
                 }
             }
             Some(Err(_)) => {

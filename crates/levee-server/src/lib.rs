@@ -30,6 +30,7 @@ pub mod config;
 mod connection;
 mod data_dir;
 mod grpc_metrics;
+mod grpc_status;
 mod hotkey;
 pub mod logging;
 mod metrics;

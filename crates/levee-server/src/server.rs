@@ -192,7 +192,10 @@ impl RunningServer {
             .layer(GrpcMetricsLayer::new(state.metrics.clone()))
             .add_service(health_service)
             .add_service(AdminServer::new(AdminService::new(Arc::clone(&state))))
-            .add_service(HotKeysServer::new(hotkey_service))
+            .add_service(
+                HotKeysServer::new(hotkey_service)
+                    .max_decoding_message_size(config.hotkey_report_message_bytes_max()),
+            )
             .add_service(queue_service)
             .add_service(topic_service)
             .serve_with_incoming_shutdown(incoming, stopped(stop_grpc.subscribe()));

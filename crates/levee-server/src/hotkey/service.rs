@@ -150,7 +150,11 @@ async fn read_reports(
             Ok(Some(message)) => message,
             Ok(None) => return,
             Err(status) => {
-                tracing::debug!(%app, %status, "hot-key session ended");
+                // A message over the size limit, or a broken stream: the session ends with
+                // a Levee error (never as if the client had hung up).
+                let error = WireError::from_transport(&status);
+                tracing::warn!(%app, %error, "hot-key session's report stream failed");
+                let _ = ended.send(error.into());
                 return;
             }
         };
