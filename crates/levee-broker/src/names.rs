@@ -43,8 +43,8 @@ pub const PRODUCER_ID_BYTES_MAX: usize = 64;
 pub const CONSUMER_BYTES_MAX: usize = 64;
 /// Most bytes of a consumer group member's id.
 pub const MEMBER_BYTES_MAX: usize = 64;
-/// Most bytes of a retention rule's prefix.
-pub const RETENTION_PREFIX_BYTES_MAX: usize = QUEUE_NAME_BYTES_MAX;
+/// Most bytes of a queue-name prefix (retention rules, listings).
+pub const NAME_PREFIX_BYTES_MAX: usize = QUEUE_NAME_BYTES_MAX;
 /// Most bytes of a group's and its topic's names together: the commit queue's name holds
 /// both and must fit in [`QUEUE_NAME_BYTES_MAX`].
 pub const GROUP_AND_TOPIC_BYTES_MAX: usize = QUEUE_NAME_BYTES_MAX - COMMIT_PREFIX.len() - 1;
@@ -130,12 +130,12 @@ pub enum NameError {
         /// Its length.
         length: usize,
     },
-    /// A retention prefix too long or reserved.
+    /// A queue-name prefix too long or reserved.
     #[error(
-        "prefix must be 0 to {RETENTION_PREFIX_BYTES_MAX} bytes and not start with a zero byte \
+        "prefix must be 0 to {NAME_PREFIX_BYTES_MAX} bytes and not start with a zero byte \
          (the server's own queues), got {length} bytes"
     )]
-    RetentionPrefix {
+    Prefix {
         /// Its length.
         length: usize,
     },
@@ -162,6 +162,15 @@ pub fn check_not_reserved(queue: &[u8]) -> Result<(), NameError> {
 /// Whether `queue` is a server-owned queue.
 pub fn is_reserved(queue: &[u8]) -> bool {
     queue.first() == Some(&RESERVED_PREFIX)
+}
+
+/// The largest name that is reserved or sorts before every user's name: a zero byte, then
+/// 0xff to the longest name. Every reserved name sorts at or before it and every user's name
+/// after it, so a listing of users' queues starts after it.
+pub fn reserved_names_end() -> Vec<u8> {
+    let mut name = vec![u8::MAX; QUEUE_NAME_BYTES_MAX];
+    name[0] = RESERVED_PREFIX;
+    name
 }
 
 /// Checks a topic name: 1 to [`TOPIC_BYTES_MAX`] bytes of ASCII letters, digits, `.`, `_`, `-`.
@@ -231,11 +240,11 @@ pub fn check_member_name(member: &str) -> Result<(), NameError> {
     Ok(())
 }
 
-/// Checks a retention rule's prefix: at most [`RETENTION_PREFIX_BYTES_MAX`] bytes, not
-/// reserved (the empty prefix matches every user queue).
-pub fn check_retention_prefix(prefix: &[u8]) -> Result<(), NameError> {
-    if prefix.len() > RETENTION_PREFIX_BYTES_MAX || is_reserved(prefix) {
-        return Err(NameError::RetentionPrefix {
+/// Checks a queue-name prefix (a retention rule's, a listing's): at most
+/// [`NAME_PREFIX_BYTES_MAX`] bytes, not reserved (the empty prefix matches every user queue).
+pub fn check_name_prefix(prefix: &[u8]) -> Result<(), NameError> {
+    if prefix.len() > NAME_PREFIX_BYTES_MAX || is_reserved(prefix) {
+        return Err(NameError::Prefix {
             length: prefix.len(),
         });
     }
@@ -310,8 +319,8 @@ mod tests {
         assert!(check_group_name("").is_err());
         assert!(check_producer_name(&"p".repeat(PRODUCER_NAME_BYTES_MAX + 1)).is_err());
         assert!(check_consumer_name("c").is_ok());
-        assert!(check_retention_prefix(b"").is_ok());
-        assert!(check_retention_prefix(b"\0position").is_err());
+        assert!(check_name_prefix(b"").is_ok());
+        assert!(check_name_prefix(b"\0position").is_err());
         assert_eq!(
             partition_queue("orders", 3),
             b"\0topic\0orders\x003".to_vec()

@@ -9,7 +9,7 @@ use levee_proto::v1::queues_client::QueuesClient;
 use levee_proto::v1::topics_client::TopicsClient;
 use levee_proto::v1::{
     AppendMessage, AppendRequest, DeleteQueueRequest, GetQueueInfoRequest, GetQueueInfoResponse,
-    ListQueuesRequest, ReadRequest, ReadResponse, SetRetentionRequest,
+    ListQueuesRequest, ListQueuesResponse, ReadRequest, ReadResponse, SetRetentionRequest,
 };
 use levee_proto::v1::{
     CreateTopicRequest, DescribeGroupRequest, DescribeGroupResponse, DescribeProducerRequest,
@@ -368,6 +368,7 @@ impl Client {
         let request = ListQueuesRequest {
             after: after.to_vec(),
             limit,
+            ..ListQueuesRequest::default()
         };
         Ok(self
             .queues_client()
@@ -375,6 +376,29 @@ impl Client {
             .await?
             .into_inner()
             .queues)
+    }
+
+    /// One page of the queue names that start with `prefix` (empty: all), in byte order:
+    /// the first page for an empty `page_token`, else the page after the one whose
+    /// `next_page_token` it is. The page's `next_page_token` is empty on the last page (a short
+    /// page is not the last one by itself).
+    pub async fn list_queue_page(
+        &self,
+        prefix: &[u8],
+        page_token: &[u8],
+        limit: u32,
+    ) -> Result<ListQueuesResponse, ClientError> {
+        let request = ListQueuesRequest {
+            limit,
+            prefix: prefix.to_vec(),
+            page_token: page_token.to_vec(),
+            ..ListQueuesRequest::default()
+        };
+        Ok(self
+            .queues_client()
+            .list_queues(request)
+            .await?
+            .into_inner())
     }
 
     /// Deletes `queue`; returns whether it existed.

@@ -41,7 +41,8 @@ pub use levee_proto::topic_partition;
 pub use levee_proto::v1::{
     Delivery, DescribeGroupResponse as GroupDescription, DescribeTopicResponse as TopicDescription,
     ErrorCode, GetAppStatsResponse as AppStats, GetServerInfoResponse as ServerInfo, HotKeyEvent,
-    HotKeyRule, KeyCount, MailboxDelivery, MatchKind, TopicSummary,
+    HotKeyRule, KeyCount, ListQueuesResponse as QueuePage, MailboxDelivery, MatchKind,
+    TopicSummary,
 };
 pub use levee_proto::{Bytes, WireError};
 pub use mailboxes::{MAILBOXES_PER_REQUEST_MAX, Mailboxes};

@@ -10,6 +10,7 @@
 //! `read.rs`, retention in `retention.rs`.
 
 use std::collections::BTreeMap;
+use std::collections::BinaryHeap;
 use std::collections::HashMap;
 use std::collections::VecDeque;
 use std::path::Path;
@@ -387,27 +388,46 @@ impl Store {
         }))
     }
 
-    /// Up to `limit` queue names after `after` (`None`: from the start). The order is stable
-    /// but not lexicographic (by name hash, then name); pass the last name of a page as
-    /// `after` to get the next page. Queues created or deleted meanwhile may or may not show.
+    /// Up to `limit` queue names after `after` (`None`: from the start), in byte order; pass
+    /// the last name of a page as `after` to get the next page. Queues created or deleted
+    /// meanwhile may or may not show.
     pub fn list_queues(&self, after: Option<&[u8]>, limit: usize) -> Vec<Vec<u8>> {
-        let first_shard = after.map_or(0, |name| self.inner.shard_index(name));
-        let mut names = Vec::new();
-        for index in first_shard..SHARD_COUNT {
-            if names.len() >= limit {
-                break;
-            }
-            let shard = lock(&self.inner.shards[index]);
-            let mut shard_names: Vec<&Arc<[u8]>> = shard
-                .queues
-                .keys()
-                .filter(|name| index != first_shard || after.is_none_or(|after| ***name > *after))
-                .collect();
-            shard_names.sort_unstable();
-            let room = limit - names.len();
-            names.extend(shard_names.into_iter().take(room).map(|name| name.to_vec()));
+        self.list_queues_with_prefix(after, b"", limit)
+    }
+
+    /// [`Store::list_queues`] of the names that start with `prefix`. A page is one pass over
+    /// every queue name (each shard under its lock in turn), keeping the `limit` smallest in
+    /// a heap: a scan, not a lookup, so its cost grows with the queues held, not the page.
+    pub fn list_queues_with_prefix(
+        &self,
+        after: Option<&[u8]>,
+        prefix: &[u8],
+        limit: usize,
+    ) -> Vec<Vec<u8>> {
+        if limit == 0 {
+            return Vec::new();
         }
-        names
+        // A max-heap of the smallest names seen: its top is the first to give way.
+        let mut smallest: BinaryHeap<Arc<[u8]>> = BinaryHeap::with_capacity(limit + 1);
+        for shard in &self.inner.shards {
+            let shard = lock(shard);
+            for name in shard.queues.keys() {
+                if !name.starts_with(prefix) || after.is_some_and(|after| **name <= *after) {
+                    continue;
+                }
+                if smallest.len() < limit {
+                    smallest.push(Arc::clone(name));
+                } else if smallest.peek().is_some_and(|largest| **name < **largest) {
+                    smallest.pop();
+                    smallest.push(Arc::clone(name));
+                }
+            }
+        }
+        smallest
+            .into_sorted_vec()
+            .into_iter()
+            .map(|name| name.to_vec())
+            .collect()
     }
 
     /// Calls `visit` with the name of every queue that starts with `prefix`, one shard at a

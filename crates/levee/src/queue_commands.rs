@@ -2,6 +2,7 @@
 
 use std::process::ExitCode;
 
+use anyhow::Context;
 use levee_client::Client;
 use serde_json::{Value, json};
 
@@ -73,9 +74,12 @@ pub struct ReadArgs {
 pub struct ListArgs {
     #[command(flatten)]
     address: ServerAddress,
-    /// Start after this name
+    /// Only names that start with this
     #[arg(long, default_value = "")]
-    after: String,
+    prefix: String,
+    /// The next page: the `next_page_token` a previous list printed
+    #[arg(long, default_value = "")]
+    page_token: String,
     /// Most names (1 to 10000)
     #[arg(long, default_value_t = 1_000)]
     limit: u32,
@@ -137,10 +141,15 @@ async fn call(command: &QueueCommand, server: &str) -> anyhow::Result<Value> {
             })
         }
         QueueCommand::List(args) => {
-            let names = client
-                .list_queues(args.after.as_bytes(), args.limit)
+            let token = levee_proto::json::key_from_hex(&args.page_token)
+                .context("--page-token is the hex next_page_token a list printed")?;
+            let page = client
+                .list_queue_page(args.prefix.as_bytes(), &token, args.limit)
                 .await?;
-            json!({"queues": names.iter().map(|name| text(name)).collect::<Vec<_>>()})
+            json!({
+                "queues": page.queues.iter().map(|name| text(name)).collect::<Vec<_>>(),
+                "next_page_token": levee_proto::json::key_hex(&page.next_page_token),
+            })
         }
         QueueCommand::Retention(args) => {
             let removed = client

@@ -19,6 +19,76 @@ async fn within<T>(future: impl std::future::Future<Output = T>, line: u32) -> T
         .unwrap_or_else(|_| panic!("line {line}: no answer within {WAIT:?}"))
 }
 
+/// Every page of `prefix`'s names at page size `limit`: each page but the last is full, and
+/// the last one says it is the last.
+async fn every_page(client: &Client, prefix: &[u8], limit: u32) -> Vec<Vec<u8>> {
+    let (mut names, mut token) = (Vec::new(), Vec::new());
+    for _ in 0..1_000 {
+        let page = client.list_queue_page(prefix, &token, limit).await.unwrap();
+        names.extend(page.queues.iter().cloned());
+        if page.next_page_token.is_empty() {
+            assert!(page.queues.len() <= limit as usize);
+            return names;
+        }
+        assert_eq!(
+            page.queues.len(),
+            limit as usize,
+            "a page before the last is full"
+        );
+        token = page.next_page_token;
+    }
+    panic!("paging never ended");
+}
+
+#[test]
+fn given_internal_queues_then_paging_at_every_size_returns_every_queue_by_name_once() {
+    let server = LeveeProcess::start(&[]);
+    runtime().block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        let mut expected: Vec<Vec<u8>> = Vec::new();
+        for index in 0..40 {
+            let name = format!("user-{:02}-{}", (index * 7) % 40, index % 3);
+            client.append(name.as_bytes(), b"m").await.unwrap();
+            expected.push(name.into_bytes());
+        }
+        // Internal queues beside them: a topic's partitions, a consumer's position, a deleted
+        // queue's delete epoch.
+        client.create_topic("payments", 8).await.unwrap();
+        client
+            .publish("payments", &[(&b"k"[..], &b"m"[..])])
+            .await
+            .unwrap();
+        client.append(b"gone", b"m").await.unwrap();
+        let mut mailbox = client.subscribe(b"user-00-0", "app", 10).await.unwrap();
+        let delivery = mailbox.next().await.unwrap().unwrap();
+        mailbox.ack(delivery.offset).await.unwrap();
+        drop(mailbox);
+        assert!(client.delete_queue(b"gone").await.unwrap());
+        expected.sort();
+        for limit in 1..=u32::try_from(expected.len()).unwrap() + 1 {
+            assert_eq!(
+                every_page(&client, b"", limit).await,
+                expected,
+                "limit {limit}"
+            );
+        }
+        let with_prefix: Vec<Vec<u8>> = expected
+            .iter()
+            .filter(|name| name.starts_with(b"user-1"))
+            .cloned()
+            .collect();
+        for limit in [1, 3, 100] {
+            assert_eq!(every_page(&client, b"user-1", limit).await, with_prefix);
+        }
+        assert!(every_page(&client, b"nobody", 5).await.is_empty());
+        let reserved = client
+            .list_queue_page(b"\0topic", b"", 5)
+            .await
+            .unwrap_err();
+        assert_eq!(reserved.code(), Some(ErrorCode::InvalidArgument));
+    });
+}
+
 #[test]
 fn given_appends_then_reads_return_them_in_order_with_dense_offsets() {
     let server = LeveeProcess::start(&[]);

@@ -23,7 +23,7 @@ use record::{from_hex, to_hex};
 pub use retention::{RETENTION_RULES_MAX, RetentionRule, RetentionRules};
 
 use crate::names::{
-    self, NameError, PARTITIONS_MAX, check_group_name, check_producer_name, check_retention_prefix,
+    self, NameError, PARTITIONS_MAX, check_group_name, check_name_prefix, check_producer_name,
     check_topic_name,
 };
 use crate::rate::RATE_MIN_PER_S;
@@ -239,7 +239,7 @@ impl Catalog {
                 }
             }
             CatalogCommand::SetRetention { prefix, rule } => {
-                check_retention_prefix(prefix)?;
+                check_name_prefix(prefix)?;
                 if !rule.is_none()
                     && !self.retention.contains(prefix)
                     && self.retention.len() >= RETENTION_RULES_MAX

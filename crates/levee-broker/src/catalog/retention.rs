@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::names::RETENTION_PREFIX_BYTES_MAX;
+use crate::names::NAME_PREFIX_BYTES_MAX;
 
 /// Most retention rules.
 pub const RETENTION_RULES_MAX: usize = 10_000;
@@ -42,7 +42,7 @@ impl RetentionRules {
     /// The rule of the longest prefix of `queue` (the default when none matches).
     pub fn rule_for(&self, queue: &[u8]) -> RetentionRule {
         // Longest first: walk the candidate prefixes of the name from the whole name down.
-        (0..=queue.len().min(RETENTION_PREFIX_BYTES_MAX))
+        (0..=queue.len().min(NAME_PREFIX_BYTES_MAX))
             .rev()
             .find_map(|length| self.by_prefix.get(&queue[..length]).copied())
             .unwrap_or_default()

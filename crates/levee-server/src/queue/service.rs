@@ -409,13 +409,31 @@ impl Queues for QueueService {
                 );
             }
         };
-        let after = (!request.after.is_empty()).then_some(request.after);
+        names::check_name_prefix(&request.prefix).map_err(|error| name_error(&error))?;
+        let start = if request.page_token.is_empty() {
+            request.after
+        } else {
+            request.page_token
+        };
+        // The server's own queues sort first: a listing starts after them.
+        let start = start.max(names::reserved_names_end());
+        let prefix = request.prefix;
+        let limit = limit as usize;
         let mut queues = self
-            .blocking(move |store| Ok(store.list_queues(after.as_deref(), limit as usize)))
+            .blocking(move |store| {
+                Ok(store.list_queues_with_prefix(Some(&start), &prefix, limit + 1))
+            })
             .await?;
-        // The server's own queues (consumer positions) are not listed.
-        queues.retain(|queue| !names::is_reserved(queue));
-        Ok(Response::new(ListQueuesResponse { queues }))
+        let next_page_token = if queues.len() > limit {
+            queues.truncate(limit);
+            queues.last().cloned().unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        Ok(Response::new(ListQueuesResponse {
+            queues,
+            next_page_token,
+        }))
     }
 
     async fn delete_queue(
