@@ -203,7 +203,9 @@ impl RunningServer {
 
         let admin_router = admin_http::router(Arc::clone(&state))
             .merge(hotkey::http::router(Arc::clone(&hub)))
-            .merge(crate::queue::http::router(consume_context));
+            .merge(crate::queue::http::router(consume_context))
+            .fallback(crate::api_error::not_found)
+            .layer(axum::middleware::from_fn(crate::api_error::json_errors));
         let admin_server = axum::serve(admin_listener, admin_router)
             .with_graceful_shutdown(stopped(stop_admin.subscribe()));
         let admin_task = tokio::spawn(async move { admin_server.await });

@@ -396,3 +396,99 @@ fn write_config(directory: &tempfile::TempDir, text: &str) -> std::path::PathBuf
     std::fs::write(&path, text).unwrap();
     path
 }
+
+/// A raw HTTP/1.1 request with a body of `content_type`; returns the status and body.
+fn http_raw(
+    address: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    content_type: &str,
+    body: &[u8],
+) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut stream =
+        std::net::TcpStream::connect_timeout(&address, Duration::from_secs(5)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\
+         Content-Type: {content_type}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    // The server may answer (413) before it read the whole body.
+    let _ = stream.write_all(body);
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response);
+    let response = String::from_utf8_lossy(&response).into_owned();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0);
+    (status, body.to_owned())
+}
+
+/// A request the admin port refuses, and the status and Levee code it answers.
+struct BadRequest {
+    method: &'static str,
+    path: &'static str,
+    content_type: &'static str,
+    body: Vec<u8>,
+    status: u16,
+    code: i64,
+}
+
+#[test]
+fn given_bad_admin_requests_then_every_error_answer_is_the_one_json_shape() {
+    let server = LeveeProcess::start(&[]);
+    let rules = "/v1/hotkeys/apps/shop/rules";
+    let case = |method, path, content_type, body: &[u8], status, code| BadRequest {
+        method,
+        path,
+        content_type,
+        body: body.to_vec(),
+        status,
+        code,
+    };
+    let cases = [
+        case("GET", "/nope", "application/json", b"", 404, 1009),
+        case("DELETE", "/healthz", "application/json", b"", 405, 1009),
+        case("PUT", rules, "text/plain", b"[]", 415, 1001),
+        case("PUT", rules, "application/json", b"[{", 400, 1001),
+        case("PUT", rules, "application/json", b"{\"x\": 1}", 422, 1001),
+        case(
+            "PUT",
+            rules,
+            "application/json",
+            &vec![b' '; 3 << 20],
+            413,
+            1001,
+        ),
+    ];
+    for BadRequest {
+        method,
+        path,
+        content_type,
+        body,
+        status,
+        code,
+    } in cases
+    {
+        let (answered, text) = http_raw(server.admin_addr, method, path, content_type, &body);
+        assert_eq!(answered, status, "{method} {path}: {text}");
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .unwrap_or_else(|error| panic!("{method} {path}: not JSON ({error}): {text}"));
+        assert_eq!(json["error"]["code"], code, "{method} {path}: {text}");
+        assert!(json["error"]["reason"].is_string(), "{text}");
+        assert!(
+            !json["error"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .is_empty(),
+            "{text}"
+        );
+    }
+}
