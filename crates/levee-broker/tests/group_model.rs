@@ -7,6 +7,7 @@
 //! - a commit under an epoch that is not the partition's current one, or by a member that
 //!   does not own it, is refused ([`GroupError::Fenced`]) and changes nothing;
 //! - committed offsets only move forward, and equal the model's maximum of accepted commits;
+//! - a call raises a partition's epoch by one at most (one step per handoff);
 //! - the coordinator is a pure function of its calls: a second one fed the same calls is equal.
 
 use std::collections::HashMap;
@@ -210,6 +211,7 @@ proptest! {
         let mut replica_committed = vec![0; partitions as usize];
         for step in &steps {
             let before = coordinator.committed().to_vec();
+            let epochs_before: Vec<u64> = coordinator.owners().map(|(_, epoch)| epoch).collect();
             apply(&mut coordinator, step, &mut now_ms, &mut sessions, &mut next_session,
                 &mut model_committed)?;
             apply(&mut replica, step, &mut replica_now_ms, &mut replica_sessions,
@@ -219,6 +221,9 @@ proptest! {
                 prop_assert!(new >= old, "a committed offset went back: {old} -> {new}");
             }
             prop_assert_eq!(coordinator.committed(), &model_committed[..]);
+            for (old, (_, new)) in epochs_before.iter().zip(coordinator.owners()) {
+                prop_assert!(new == *old || new == old + 1, "an epoch went {old} -> {new}");
+            }
             prop_assert_eq!(&coordinator, &replica, "the same calls decided differently");
         }
     }

@@ -57,10 +57,16 @@ impl Subscription {
         let first = responses.message().await?.ok_or_else(|| {
             WireError::new(ErrorCode::Unavailable, "the server closed the subscription")
         })?;
+        let start_offset = first.start_offset.ok_or_else(|| {
+            WireError::new(
+                ErrorCode::Internal,
+                "the server's first subscription message has no start_offset",
+            )
+        })?;
         Ok(Self {
             requests,
             responses,
-            start_offset: first.start_offset,
+            start_offset,
             received: first.deliveries.into(),
             unacked: VecDeque::new(),
         })

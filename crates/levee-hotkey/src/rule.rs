@@ -49,13 +49,27 @@ pub enum RuleMatch {
     Default,
 }
 
+/// Most bytes of a key quoted in a message; a longer one is cut and its length given.
+pub const QUOTED_KEY_BYTES_MAX: usize = 64;
+
+/// `key` for a message: as text, cut after [`QUOTED_KEY_BYTES_MAX`] bytes with its length
+/// said, so an error about a long key does not send the key back whole.
+pub fn quoted_key(key: &[u8]) -> String {
+    if key.len() <= QUOTED_KEY_BYTES_MAX {
+        return format!("'{}'", String::from_utf8_lossy(key));
+    }
+    format!(
+        "'{}...' ({} bytes)",
+        String::from_utf8_lossy(&key[..QUOTED_KEY_BYTES_MAX]),
+        key.len()
+    )
+}
+
 impl fmt::Display for RuleMatch {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            RuleMatch::Exact(key) => write!(formatter, "key '{}'", String::from_utf8_lossy(key)),
-            RuleMatch::Prefix(prefix) => {
-                write!(formatter, "prefix '{}'", String::from_utf8_lossy(prefix))
-            }
+            RuleMatch::Exact(key) => write!(formatter, "key {}", quoted_key(key)),
+            RuleMatch::Prefix(prefix) => write!(formatter, "prefix {}", quoted_key(prefix)),
             RuleMatch::Default => formatter.write_str("'*'"),
         }
     }
@@ -301,6 +315,18 @@ mod tests {
         assert_eq!(
             message,
             "rule key 'abcdef': key must be 1 to 4 bytes long, got 6 bytes"
+        );
+    }
+
+    #[test]
+    fn given_a_long_key_in_a_message_then_it_is_cut_and_its_length_said() {
+        let long = RuleMatch::Exact(vec![b'k'; 1_025]);
+        let shown = long.to_string();
+        assert!(shown.len() < 100, "{shown}");
+        assert!(shown.ends_with("...' (1025 bytes)"), "{shown}");
+        assert_eq!(
+            RuleMatch::Prefix(b"pin_".to_vec()).to_string(),
+            "prefix 'pin_'"
         );
     }
 

@@ -90,6 +90,34 @@ fn given_internal_queues_then_paging_at_every_size_returns_every_queue_by_name_o
 }
 
 #[test]
+fn given_a_queue_that_does_not_exist_then_read_and_info_both_say_not_found() {
+    let server = LeveeProcess::start(&[]);
+    runtime().block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        for queue in [&b"never"[..], b"deleted"] {
+            if queue == b"deleted" {
+                client.append(queue, b"m").await.unwrap();
+                assert!(client.delete_queue(queue).await.unwrap());
+            }
+            let read = client.read(queue, 0, 10, 0).await.unwrap_err();
+            assert_eq!(read.code(), Some(ErrorCode::NotFound), "{read}");
+            let info = client.queue_info(queue).await.unwrap_err();
+            assert_eq!(info.code(), Some(ErrorCode::NotFound), "{info}");
+        }
+        // An existing queue read past its end is empty, not an error.
+        client.append(b"kept", b"m").await.unwrap();
+        assert!(
+            client
+                .read(b"kept", 5, 10, 0)
+                .await
+                .unwrap()
+                .payloads
+                .is_empty()
+        );
+    });
+}
+
+#[test]
 fn given_appends_then_reads_return_them_in_order_with_dense_offsets() {
     let server = LeveeProcess::start(&[]);
     runtime().block_on(async {
@@ -320,7 +348,7 @@ fn given_subscription_then_appends_are_pushed_in_order_within_credit_and_unacked
         let mut bad = client.subscribe(b"driver-7", "bad", 1).await.unwrap();
         within(bad.next(), line!()).await.unwrap();
         let error = within(bad.ack(5), line!()).await.unwrap_err();
-        assert_eq!(error.code(), Some(ErrorCode::InvalidArgument));
+        assert_eq!(error.code(), Some(ErrorCode::OffsetOutOfRange));
         assert!(
             error
                 .to_string()

@@ -759,3 +759,52 @@ fn given_idempotent_producer_when_batches_are_resent_then_nothing_is_stored_twic
         "{metrics}"
     );
 }
+
+#[test]
+fn given_a_commit_below_the_committed_offset_then_the_answer_says_the_offset_that_stands() {
+    let server = LeveeProcess::start(&[]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        client.create_topic("ledger", 1).await.unwrap();
+        let messages: Vec<(&[u8], &[u8])> = vec![(b"k", b"m"); 5];
+        client.publish("ledger", &messages).await.unwrap();
+        let (requests_a, mut responses_a) = raw_member(&server.grpc(), "ledger", "a", 100, 0).await;
+        let assigned = responses_a.message().await.unwrap().unwrap();
+        let epoch_a = assigned.assignment.unwrap().partitions[0].epoch;
+        let commit = |next_offset| ConsumeRequest {
+            kind: Some(Kind::Commit(CommitBatch {
+                commits: vec![Commit {
+                    partition: 0,
+                    epoch: epoch_a,
+                    next_offset,
+                }],
+            })),
+        };
+        requests_a.send(commit(4)).await.unwrap();
+        let result = next_commit_result(&mut responses_a).await;
+        assert_eq!((result.code, result.next_offset), (0, 4));
+        requests_a.send(commit(2)).await.unwrap();
+        let result = next_commit_result(&mut responses_a).await;
+        assert_eq!(
+            (result.code, result.next_offset),
+            (0, 4),
+            "a commit below the committed offset answers the offset that stands"
+        );
+
+        // A handoff raises the epoch by one.
+        let (_requests_b, mut responses_b) =
+            raw_member(&server.grpc(), "ledger", "b", 100, 0).await;
+        drop(requests_a);
+        let taken = loop {
+            let response = responses_b.message().await.unwrap().unwrap();
+            if let Some(assignment) = response.assignment
+                && !assignment.partitions.is_empty()
+            {
+                break assignment.partitions[0];
+            }
+        };
+        assert_eq!(taken.epoch, epoch_a + 1);
+        assert_eq!(taken.start_offset, 4);
+    });
+}

@@ -95,12 +95,7 @@ impl GroupCoordinator {
             },
         );
         // A replaced stream's partitions move to the new one: new epochs fence the old.
-        for (owner, epoch) in self.owners.iter_mut().zip(&mut self.epochs) {
-            if owner.as_deref() == Some(member) {
-                *epoch += 1;
-            }
-        }
-        self.rebalance();
+        self.rebalance(Some(member));
         Ok(())
     }
 
@@ -110,7 +105,7 @@ impl GroupCoordinator {
             return false;
         }
         self.members.remove(member);
-        self.rebalance();
+        self.rebalance(None);
         true
     }
 
@@ -137,7 +132,7 @@ impl GroupCoordinator {
             for member in &expired {
                 self.members.remove(member);
             }
-            self.rebalance();
+            self.rebalance(None);
         }
         expired
     }
@@ -154,37 +149,44 @@ impl GroupCoordinator {
         self.members.len()
     }
 
-    fn rebalance(&mut self) {
+    /// Moves partitions to the live members (see the module docs), then raises by one the
+    /// epoch of every partition whose owner changed, and of those `replaced` owned (its stream
+    /// was replaced): one step per handoff, so a stale owner's epoch is always behind.
+    fn rebalance(&mut self, replaced: Option<&str>) {
         self.generation += 1;
-        for (owner, epoch) in self.owners.iter_mut().zip(&mut self.epochs) {
+        let before = self.owners.clone();
+        let members = &self.members;
+        for owner in &mut self.owners {
             if owner
                 .as_ref()
-                .is_some_and(|owner| !self.members.contains_key(owner))
+                .is_some_and(|owner| !members.contains_key(owner))
             {
                 *owner = None;
-                *epoch += 1;
             }
         }
-        if self.members.is_empty() {
-            return;
+        if !self.members.is_empty() {
+            let quota = self.quotas();
+            let kept = self.release_excess(&quota);
+            // Hand free partitions to members under quota, in member order.
+            let mut takers = self
+                .members
+                .keys()
+                .flat_map(|member| {
+                    let missing = quota[member] - kept.get(member).copied().unwrap_or(0);
+                    std::iter::repeat_n(member.clone(), missing)
+                })
+                .collect::<Vec<_>>()
+                .into_iter();
+            for owner in &mut self.owners {
+                if owner.is_none()
+                    && let Some(member) = takers.next()
+                {
+                    *owner = Some(member);
+                }
+            }
         }
-        let quota = self.quotas();
-        let kept = self.release_excess(&quota);
-        // Hand free partitions to members under quota, in member order.
-        let mut takers = self
-            .members
-            .keys()
-            .flat_map(|member| {
-                let missing = quota[member] - kept.get(member).copied().unwrap_or(0);
-                std::iter::repeat_n(member.clone(), missing)
-            })
-            .collect::<Vec<_>>()
-            .into_iter();
-        for (owner, epoch) in self.owners.iter_mut().zip(&mut self.epochs) {
-            if owner.is_none()
-                && let Some(member) = takers.next()
-            {
-                *owner = Some(member);
+        for ((owner, old), epoch) in self.owners.iter().zip(&before).zip(&mut self.epochs) {
+            if owner != old || (replaced.is_some() && old.as_deref() == replaced) {
                 *epoch += 1;
             }
         }
@@ -214,14 +216,13 @@ impl GroupCoordinator {
     /// each member keeps.
     fn release_excess(&mut self, quota: &HashMap<String, usize>) -> HashMap<String, usize> {
         let mut kept: HashMap<String, usize> = HashMap::new();
-        for (owner, epoch) in self.owners.iter_mut().zip(&mut self.epochs) {
+        for owner in &mut self.owners {
             if let Some(member) = owner {
                 let count = kept.entry(member.clone()).or_default();
                 if *count < quota[member.as_str()] {
                     *count += 1;
                 } else {
                     *owner = None;
-                    *epoch += 1;
                 }
             }
         }
@@ -421,6 +422,32 @@ mod tests {
         }
         assert!(state.leave("b", 2));
         assert!(owners(&state).iter().all(Option::is_none));
+    }
+
+    #[test]
+    fn given_handoffs_then_each_raises_the_epoch_by_exactly_one() {
+        let mut state = GroupCoordinator::new(2, vec![]);
+        let epochs = |state: &GroupCoordinator| -> Vec<u64> {
+            state.owners().map(|(_, epoch)| epoch).collect()
+        };
+        state.join("a", 1, 1_000, 0).unwrap();
+        assert_eq!(epochs(&state), [1, 1], "unowned to a");
+        state.join("b", 2, 1_000, 0).unwrap();
+        assert_eq!(
+            epochs(&state),
+            [1, 2],
+            "partition 1 moved from a to b: one step"
+        );
+        assert!(state.leave("b", 2));
+        assert_eq!(epochs(&state), [1, 3], "back to a: one step");
+        state.join("a", 3, 1_000, 0).unwrap();
+        assert_eq!(epochs(&state), [2, 4], "a's stream replaced: one step each");
+        assert!(state.leave("a", 3));
+        assert_eq!(
+            epochs(&state),
+            [3, 5],
+            "released with no one to take them: one step"
+        );
     }
 
     #[test]

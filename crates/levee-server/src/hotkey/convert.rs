@@ -17,8 +17,8 @@ pub fn rule_from_wire(rule: &HotKeyRule) -> Result<Rule, WireError> {
             return Err(WireError::new(
                 ErrorCode::InvalidArgument,
                 format!(
-                    "rule for key '{}': match_kind must be EXACT, PREFIX or DEFAULT, got {}",
-                    String::from_utf8_lossy(&rule.key),
+                    "rule for key {}: match_kind must be EXACT, PREFIX or DEFAULT, got {}",
+                    levee_hotkey::rule::quoted_key(&rule.key),
                     rule.match_kind
                 ),
             ));

@@ -165,6 +165,17 @@ fn check_not_reserved(queue: &[u8]) -> Result<(), WireError> {
     names::check_not_reserved(queue).map_err(|error| name_error(&error))
 }
 
+/// The answer about a queue that does not exist.
+fn queue_not_found(queue: &[u8]) -> WireError {
+    WireError::new(
+        ErrorCode::NotFound,
+        format!(
+            "queue '{}' does not exist; it is created by its first append",
+            String::from_utf8_lossy(queue)
+        ),
+    )
+}
+
 fn read_error(error: ReadError) -> WireError {
     match error {
         ReadError::Input(input) => input_error(&input),
@@ -357,6 +368,19 @@ impl Queues for QueueService {
                 max_bytes as usize,
             )
             .map_err(read_error)?;
+        // An empty answer from offset 0 may be a queue that does not exist: that is NOT_FOUND,
+        // as GetQueueInfo says (one lookup, only for such answers).
+        if batch.is_empty()
+            && batch.visible_end_offset == 0
+            && self
+                .calls
+                .store
+                .queue_info(&request.queue)
+                .map_err(|error| input_error(&error))?
+                .is_none()
+        {
+            return Err(queue_not_found(&request.queue).into());
+        }
         self.metrics.queue_messages_read.inc_by(batch.len() as u64);
         Ok(Response::new(ReadResponse {
             first_offset: batch.first_offset,
@@ -377,15 +401,7 @@ impl Queues for QueueService {
             .store
             .queue_info(&queue)
             .map_err(|error| input_error(&error))?;
-        let info = info.ok_or_else(|| {
-            WireError::new(
-                ErrorCode::NotFound,
-                format!(
-                    "queue '{}' does not exist; it is created by its first append",
-                    String::from_utf8_lossy(&queue)
-                ),
-            )
-        })?;
+        let info = info.ok_or_else(|| queue_not_found(&queue))?;
         let rule = self.topics.retention_for(&queue);
         Ok(Response::new(GetQueueInfoResponse {
             first_offset: info.first_offset,

@@ -172,8 +172,12 @@ mod tests {
         let running = tokio::spawn(session.run());
 
         let start = responses.next().await.unwrap().unwrap();
-        assert_eq!(start.start_offset, 0);
+        assert_eq!(start.start_offset, Some(0));
         let delivered = responses.next().await.unwrap().unwrap();
+        assert_eq!(
+            delivered.start_offset, None,
+            "only the first message says where"
+        );
         let payloads: Vec<&[u8]> = delivered
             .deliveries
             .iter()

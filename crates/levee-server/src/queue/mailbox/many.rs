@@ -518,13 +518,16 @@ impl ManySession {
             )));
         };
         if ack.offset >= mailbox.next {
-            return Err(invalid(format!(
-                "ack of mailbox {} offset {} is beyond its last delivered offset {}; ack only \
-                 what was delivered",
-                ack.mailbox,
-                ack.offset,
-                i128::from(mailbox.next) - 1
-            )));
+            return Err(WireError::new(
+                ErrorCode::OffsetOutOfRange,
+                format!(
+                    "ack of mailbox {} offset {} is beyond its last delivered offset {}; ack \
+                     only what was delivered",
+                    ack.mailbox,
+                    ack.offset,
+                    i128::from(mailbox.next) - 1
+                ),
+            ));
         }
         if ack.offset < mailbox.acked {
             return Ok(false);

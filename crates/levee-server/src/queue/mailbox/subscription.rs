@@ -122,7 +122,7 @@ impl Session {
             writer_noted: false,
         };
         let start = SubscribeResponse {
-            start_offset: next,
+            start_offset: Some(next),
             deliveries: Vec::new(),
             acked_offset: next,
         };
@@ -191,7 +191,7 @@ impl Session {
         progress.next = next_offset;
         self.delivered.inc_by(deliveries.len() as u64);
         let response = SubscribeResponse {
-            start_offset: 0,
+            start_offset: None,
             deliveries,
             acked_offset: 0,
         };
@@ -214,12 +214,15 @@ impl Session {
             }
             Some(Kind::Ack(ack)) => {
                 if ack.offset >= progress.next {
-                    return Err(invalid(format!(
-                        "ack of offset {} is beyond the last delivered offset {}; ack only what \
+                    return Err(WireError::new(
+                        ErrorCode::OffsetOutOfRange,
+                        format!(
+                            "ack of offset {} is beyond the last delivered offset {}; ack only what \
                          was delivered",
-                        ack.offset,
-                        progress.next.saturating_sub(1)
-                    )));
+                            ack.offset,
+                            progress.next.saturating_sub(1)
+                        ),
+                    ));
                 }
                 if ack.offset >= progress.acked {
                     progress.acked = ack.offset + 1;
@@ -239,7 +242,7 @@ impl Session {
                 }
                 // Durable now (or already before): say so.
                 let answer = SubscribeResponse {
-                    start_offset: 0,
+                    start_offset: None,
                     deliveries: Vec::new(),
                     acked_offset: progress.acked,
                 };

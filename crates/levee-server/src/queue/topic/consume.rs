@@ -428,18 +428,25 @@ impl ConsumeSession {
                         next_offset: commit.next_offset,
                     })
                     .collect();
-                let (refusals, ticket) = self
+                let answers = self
                     .membership
                     .commit(&self.context.calls.store, &commits)?;
-                self.context.calls.durable(ticket).await?;
+                self.context.calls.durable(answers.ticket).await?;
                 let commit_results = commits
                     .iter()
-                    .zip(refusals)
-                    .map(|(commit, refusal)| CommitResult {
-                        partition: commit.partition,
-                        next_offset: commit.next_offset,
-                        code: refusal.as_ref().map_or(0, |error| error.code as i32),
-                        message: refusal.map(|error| error.message).unwrap_or_default(),
+                    .zip(answers.results)
+                    .map(|(commit, result)| match result {
+                        Ok(committed) => CommitResult {
+                            partition: commit.partition,
+                            next_offset: committed,
+                            ..CommitResult::default()
+                        },
+                        Err(error) => CommitResult {
+                            partition: commit.partition,
+                            next_offset: commit.next_offset,
+                            code: error.code as i32,
+                            message: error.message,
+                        },
                     })
                     .collect();
                 Ok(self

@@ -70,6 +70,15 @@ impl Group {
     }
 }
 
+/// What a commit batch answers.
+#[derive(Debug)]
+pub struct CommitAnswers {
+    /// Per commit: the partition's committed offset after the batch, or why it was refused.
+    pub results: Vec<Result<u64, WireError>>,
+    /// What makes the batch's snapshot durable, if anything was committed.
+    pub ticket: Option<CommitTicket>,
+}
+
 /// A member's handle on its group.
 #[derive(Debug, Clone)]
 pub struct Membership {
@@ -201,13 +210,9 @@ impl Membership {
     }
 
     /// Applies a commit batch and appends the group's new snapshot to its commit queue.
-    /// Returns each commit's refusal (if any) and, if anything was committed, the ticket
-    /// that makes it durable.
-    pub fn commit(
-        &self,
-        store: &Store,
-        commits: &[Commit],
-    ) -> Result<(Vec<Option<WireError>>, Option<CommitTicket>), WireError> {
+    /// Returns, per commit, the partition's committed offset after the batch or why it was
+    /// refused, and, if anything was committed, the ticket that makes it durable.
+    pub fn commit(&self, store: &Store, commits: &[Commit]) -> Result<CommitAnswers, WireError> {
         let mut group = lock(&self.group);
         let queues = Arc::clone(&group.topic);
         let outcome = group
@@ -225,12 +230,18 @@ impl Membership {
                 .map_err(write_error)?;
             ticket = Some(appended);
         }
-        let refusals = outcome
-            .refusals
-            .into_iter()
-            .map(|refusal| refusal.map(|error| group_error(&group.name, &error)))
+        // An accepted commit is answered with the partition's committed offset after the
+        // batch: a commit below it changed nothing, and the answer says so.
+        let committed = group.state.committed();
+        let results = commits
+            .iter()
+            .zip(outcome.refusals)
+            .map(|(commit, refusal)| match refusal {
+                Some(error) => Err(group_error(&group.name, &error)),
+                None => Ok(committed[commit.partition as usize]),
+            })
             .collect();
-        Ok((refusals, ticket))
+        Ok(CommitAnswers { results, ticket })
     }
 }
 
