@@ -9,6 +9,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto_root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("../../proto");
     let files = [
         "levee/v1/errors.proto",
+        "levee/v1/common.proto",
         "levee/v1/admin.proto",
         "levee/v1/hotkey.proto",
         "levee/v1/queue.proto",
