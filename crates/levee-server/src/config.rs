@@ -101,6 +101,11 @@ pub struct Config {
     /// Acks a consumer's position log (`SubscribeMany`) takes before it is compacted, at the
     /// least (and twice its last snapshot): see docs/ARCHITECTURE.md, queues step 7.
     pub queue_position_log_compact_entries: u64,
+    /// A file the `levee server` command writes once the server is ready: its bound
+    /// addresses and process id as JSON (so a script that started it on port 0 learns them),
+    /// removed on a graceful shutdown. None by default.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ready_file: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -121,6 +126,7 @@ impl Default for Config {
             queue_message_bytes_max: QUEUE_MESSAGE_BYTES_MAX_DEFAULT,
             queue_buffer_budget_mb: QUEUE_BUFFER_BUDGET_MB_DEFAULT,
             queue_position_log_compact_entries: QUEUE_POSITION_LOG_COMPACT_ENTRIES_DEFAULT,
+            ready_file: None,
         }
     }
 }
@@ -144,6 +150,7 @@ struct FileConfig {
     queue_message_bytes_max: Option<u32>,
     queue_buffer_budget_mb: Option<u64>,
     queue_position_log_compact_entries: Option<u64>,
+    ready_file: Option<PathBuf>,
 }
 
 /// Where a setting's value came from, so an error can point at it.
@@ -209,6 +216,8 @@ pub struct Overrides {
     pub queue_buffer_budget_mb: Option<Override>,
     /// `--queue-position-log-compact-entries` / `LEVEE_QUEUE_POSITION_LOG_COMPACT_ENTRIES`.
     pub queue_position_log_compact_entries: Option<Override>,
+    /// `--ready-file` / `LEVEE_READY_FILE`.
+    pub ready_file: Option<Override>,
 }
 
 /// Why the configuration could not be built. Each message names the problem and the fix.
@@ -347,6 +356,13 @@ impl Config {
             text(file_config.queue_position_log_compact_entries),
             |raw| { parse_bounded(raw, 1, QUEUE_POSITION_LOG_COMPACT_ENTRIES_MAX) }
         );
+        layer!(
+            ready_file,
+            file_config
+                .ready_file
+                .map(|path| path.to_string_lossy().into_owned()),
+            parse_ready_file
+        );
         config.check_combinations()?;
         Ok(config)
     }
@@ -419,6 +435,16 @@ fn invalid((value, source, key): (String, Source, &'static str), expected: Strin
         origin: source,
         expected,
     }
+}
+
+fn parse_ready_file(raw: (String, Source, &'static str)) -> Result<Option<PathBuf>, ConfigError> {
+    if raw.0.is_empty() {
+        return Err(invalid(
+            raw,
+            "a file path, such as ./levee.ready".to_owned(),
+        ));
+    }
+    Ok(Some(PathBuf::from(raw.0)))
 }
 
 fn parse_data_dir(raw: (String, Source, &'static str)) -> Result<PathBuf, ConfigError> {

@@ -71,6 +71,10 @@ pub struct ServerArgs {
         value_name = "ACKS"
     )]
     queue_position_log_compact_entries: Option<String>,
+    /// Once ready, write the bound addresses and process id to this file as JSON (removed on
+    /// a graceful shutdown) [default: none]
+    #[arg(long, env = "LEVEE_READY_FILE", value_name = "PATH")]
+    ready_file: Option<String>,
     /// Print the effective configuration as TOML and exit
     #[arg(long)]
     print_config: bool,
@@ -78,100 +82,44 @@ pub struct ServerArgs {
 
 impl ServerArgs {
     fn overrides(&self, matches: &ArgMatches) -> Overrides {
-        let given = |id: &str, flag: &str, variable: &str, value: &Option<String>| {
+        // Each setting's flag and variable follow from its key: `queue_sync` is
+        // `--queue-sync` and `LEVEE_QUEUE_SYNC`.
+        let given = |id: &str, value: &Option<String>| {
             let value = value.clone()?;
             let source = match matches.value_source(id) {
-                Some(ValueSource::EnvVariable) => Source::Environment(variable.to_owned()),
-                _ => Source::Flag(flag.to_owned()),
+                Some(ValueSource::EnvVariable) => {
+                    Source::Environment(format!("LEVEE_{}", id.to_uppercase()))
+                }
+                _ => Source::Flag(format!("--{}", id.replace('_', "-"))),
             };
             Some(Override { value, source })
         };
         Overrides {
-            grpc_addr: given(
-                "grpc_addr",
-                "--grpc-addr",
-                "LEVEE_GRPC_ADDR",
-                &self.grpc_addr,
-            ),
-            admin_addr: given(
-                "admin_addr",
-                "--admin-addr",
-                "LEVEE_ADMIN_ADDR",
-                &self.admin_addr,
-            ),
-            data_dir: given("data_dir", "--data-dir", "LEVEE_DATA_DIR", &self.data_dir),
-            log_level: given(
-                "log_level",
-                "--log-level",
-                "LEVEE_LOG_LEVEL",
-                &self.log_level,
-            ),
-            log_format: given(
-                "log_format",
-                "--log-format",
-                "LEVEE_LOG_FORMAT",
-                &self.log_format,
-            ),
-            shutdown_grace_ms: given(
-                "shutdown_grace_ms",
-                "--shutdown-grace-ms",
-                "LEVEE_SHUTDOWN_GRACE_MS",
-                &self.shutdown_grace_ms,
-            ),
-            connections_max: given(
-                "connections_max",
-                "--connections-max",
-                "LEVEE_CONNECTIONS_MAX",
-                &self.connections_max,
-            ),
+            grpc_addr: given("grpc_addr", &self.grpc_addr),
+            admin_addr: given("admin_addr", &self.admin_addr),
+            data_dir: given("data_dir", &self.data_dir),
+            log_level: given("log_level", &self.log_level),
+            log_format: given("log_format", &self.log_format),
+            shutdown_grace_ms: given("shutdown_grace_ms", &self.shutdown_grace_ms),
+            connections_max: given("connections_max", &self.connections_max),
             hotkey_memory_budget_mb: given(
                 "hotkey_memory_budget_mb",
-                "--hotkey-memory-budget-mb",
-                "LEVEE_HOTKEY_MEMORY_BUDGET_MB",
                 &self.hotkey_memory_budget_mb,
             ),
-            hotkey_key_bytes_max: given(
-                "hotkey_key_bytes_max",
-                "--hotkey-key-bytes-max",
-                "LEVEE_HOTKEY_KEY_BYTES_MAX",
-                &self.hotkey_key_bytes_max,
-            ),
-            hotkey_batch_keys_max: given(
-                "hotkey_batch_keys_max",
-                "--hotkey-batch-keys-max",
-                "LEVEE_HOTKEY_BATCH_KEYS_MAX",
-                &self.hotkey_batch_keys_max,
-            ),
-            hotkey_unknown_app: given(
-                "hotkey_unknown_app",
-                "--hotkey-unknown-app",
-                "LEVEE_HOTKEY_UNKNOWN_APP",
-                &self.hotkey_unknown_app,
-            ),
-            queue_sync: given(
-                "queue_sync",
-                "--queue-sync",
-                "LEVEE_QUEUE_SYNC",
-                &self.queue_sync,
-            ),
+            hotkey_key_bytes_max: given("hotkey_key_bytes_max", &self.hotkey_key_bytes_max),
+            hotkey_batch_keys_max: given("hotkey_batch_keys_max", &self.hotkey_batch_keys_max),
+            hotkey_unknown_app: given("hotkey_unknown_app", &self.hotkey_unknown_app),
+            queue_sync: given("queue_sync", &self.queue_sync),
             queue_message_bytes_max: given(
                 "queue_message_bytes_max",
-                "--queue-message-bytes-max",
-                "LEVEE_QUEUE_MESSAGE_BYTES_MAX",
                 &self.queue_message_bytes_max,
             ),
-            queue_buffer_budget_mb: given(
-                "queue_buffer_budget_mb",
-                "--queue-buffer-budget-mb",
-                "LEVEE_QUEUE_BUFFER_BUDGET_MB",
-                &self.queue_buffer_budget_mb,
-            ),
+            queue_buffer_budget_mb: given("queue_buffer_budget_mb", &self.queue_buffer_budget_mb),
             queue_position_log_compact_entries: given(
                 "queue_position_log_compact_entries",
-                "--queue-position-log-compact-entries",
-                "LEVEE_QUEUE_POSITION_LOG_COMPACT_ENTRIES",
                 &self.queue_position_log_compact_entries,
             ),
+            ready_file: given("ready_file", &self.ready_file),
         }
     }
 }
@@ -217,6 +165,15 @@ async fn serve(config: Config) -> ExitCode {
         Ok(server) => server,
         Err(error) => return fail_start(&error),
     };
+    if let Some(path) = &config.ready_file
+        && let Err(error) = write_ready_file(path, &server)
+    {
+        let _ = server.shutdown(Duration::ZERO).await;
+        return fail_start(&format!(
+            "cannot write the ready file {}: {error}; choose a writable path with --ready-file",
+            path.display()
+        ));
+    }
     let (name, _) = tokio::select! {
         received = next_signal(&mut terminate, &mut interrupt) => received,
         failure = server.failed() => {
@@ -236,6 +193,10 @@ async fn serve(config: Config) -> ExitCode {
         tracing::warn!(signal = name, "second signal: exiting at once");
         std::process::exit(128 + number);
     });
+    if let Some(path) = &config.ready_file {
+        // Not ready any more: a script waiting for the file must not find a stale one.
+        let _ = std::fs::remove_file(path);
+    }
     match server.shutdown(grace).await {
         ShutdownOutcome::Drained => tracing::info!("shutdown complete"),
         ShutdownOutcome::GraceExpired => {
@@ -243,6 +204,20 @@ async fn serve(config: Config) -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+/// Writes the ready file: `{"grpc_addr", "admin_addr", "pid"}`, whole or not at all (a
+/// temporary file beside it, renamed).
+fn write_ready_file(path: &std::path::Path, server: &RunningServer) -> std::io::Result<()> {
+    let facts = serde_json::json!({
+        "grpc_addr": server.grpc_addr().to_string(),
+        "admin_addr": server.admin_addr().to_string(),
+        "pid": std::process::id(),
+    });
+    let mut temporary = path.as_os_str().to_owned();
+    temporary.push(".partial");
+    std::fs::write(&temporary, format!("{facts}\n"))?;
+    std::fs::rename(&temporary, path)
 }
 
 async fn next_signal(terminate: &mut Signal, interrupt: &mut Signal) -> (&'static str, i32) {

@@ -492,3 +492,47 @@ fn given_bad_admin_requests_then_every_error_answer_is_the_one_json_shape() {
         );
     }
 }
+
+#[test]
+fn given_a_ready_file_then_a_script_learns_the_bound_addresses_without_reading_logs() {
+    let directory = tempfile::tempdir().unwrap();
+    let ready_file = directory.path().join("levee.ready");
+    let mut child = support::levee_command()
+        .args([
+            "server",
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--admin-addr",
+            "127.0.0.1:0",
+        ])
+        .arg("--data-dir")
+        .arg(directory.path().join("data"))
+        .arg("--ready-file")
+        .arg(&ready_file)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    support::wait_for("the ready file", Duration::from_secs(30), || {
+        ready_file.exists()
+    });
+    let facts: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&ready_file).unwrap()).unwrap();
+    assert_eq!(facts["pid"], child.id());
+    let admin_addr: std::net::SocketAddr = facts["admin_addr"].as_str().unwrap().parse().unwrap();
+    assert_eq!(http_get(admin_addr, "/readyz"), (200, "ready\n".to_owned()));
+    let grpc_addr = facts["grpc_addr"].as_str().unwrap().to_owned();
+    runtime().block_on(async {
+        let client = Client::connect(&grpc_addr).await.unwrap();
+        assert_eq!(client.health("").await.unwrap(), HealthStatus::Serving);
+    });
+    // A graceful shutdown removes it: a waiting script never reads a stale one.
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(child.wait().unwrap().success());
+    assert!(!ready_file.exists());
+}
