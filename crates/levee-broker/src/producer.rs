@@ -42,9 +42,11 @@ pub struct Run {
 }
 
 impl Run {
-    /// The sequence of its last message.
+    /// The sequence of its last message (runs are checked on the way in to end by
+    /// `u64::MAX`; a run of no messages ends where it starts).
     pub fn last_sequence(&self) -> u64 {
-        self.first_sequence + self.count - 1
+        self.first_sequence
+            .saturating_add(self.count.saturating_sub(1))
     }
 }
 
@@ -238,7 +240,7 @@ impl ProducerRuns {
             }
             return Ok(Verdict::New);
         };
-        let expected = last_run.last_sequence() + 1;
+        let expected = last_run.last_sequence().saturating_add(1);
         if first == expected {
             return Ok(Verdict::New);
         }
@@ -260,7 +262,7 @@ impl ProducerRuns {
         for run in runs.into_iter().flatten() {
             if run.first_sequence <= first && last <= run.last_sequence() {
                 return Ok(Verdict::Resend {
-                    first_offset: run.first_offset + (first - run.first_sequence),
+                    first_offset: run.first_offset.saturating_add(first - run.first_sequence),
                     ticket: run.ticket,
                 });
             }
@@ -292,7 +294,10 @@ impl ProducerRuns {
                 first_offset: number(16),
                 ticket: None,
             };
-            if run.count > 0 {
+            // A damaged run (no messages, or sequences or offsets past u64::MAX) is left out.
+            let fits = run.first_sequence.checked_add(run.count).is_some()
+                && run.first_offset.checked_add(run.count).is_some();
+            if run.count > 0 && fits {
                 self.record(queue, run);
             }
             record = &rest[RUN_FIXED_BYTES..];

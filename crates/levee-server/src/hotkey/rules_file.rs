@@ -185,4 +185,47 @@ mod tests {
                 .contains("needs a key")
         );
     }
+
+    /// A valid rules file, for mutating.
+    fn valid_document() -> Vec<u8> {
+        br#"{"format_version":1,"apps":{"shop":[{"match":"prefix","key":"pin_","window_ms":2000,"threshold":20,"hot_duration_ms":30000},{"match":"exact","key_hex":"00ff","window_ms":1000,"threshold":5,"hot_duration_ms":1000,"description":"d"}]}}"#.to_vec()
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// Arbitrary bytes and valid files with bytes changed, cut or added: the load answers
+        /// rules or an error that names the file, never a panic.
+        #[test]
+        fn given_hostile_rules_files_then_load_answers_without_panicking(
+            arbitrary in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+            changes in proptest::collection::vec(
+                (proptest::prelude::any::<proptest::sample::Index>(), proptest::prelude::any::<u8>()),
+                0..4,
+            ),
+            cut in proptest::option::of(proptest::prelude::any::<proptest::sample::Index>()),
+        ) {
+            let directory = tempfile::tempdir().unwrap();
+            let mut mutated = valid_document();
+            for (at, byte) in &changes {
+                let at = at.index(mutated.len());
+                mutated[at] = *byte;
+            }
+            if let Some(cut) = cut {
+                mutated.truncate(cut.index(mutated.len()));
+            }
+            for bytes in [&arbitrary, &mutated] {
+                std::fs::write(directory.path().join(RULES_FILE_NAME), bytes).unwrap();
+                if let Err(error) = load(directory.path()) {
+                    proptest::prop_assert!(error.to_string().contains(RULES_FILE_NAME), "{error}");
+                }
+                // The admin API's body is the same records.
+                if let Ok(records) = serde_json::from_slice::<Vec<RuleRecord>>(bytes) {
+                    for record in &records {
+                        let _ = rule_from_record(record);
+                    }
+                }
+            }
+        }
+    }
 }

@@ -116,3 +116,33 @@ fn parse_rate(body: &[u8]) -> Result<f64, ApiError> {
         )),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// A rate body of arbitrary bytes, or a well-formed one with any number: a rate or
+        /// INVALID_ARGUMENT, never a panic.
+        #[test]
+        fn given_hostile_rate_bodies_then_parse_answers_without_panicking(
+            bytes in proptest::collection::vec(any::<u8>(), 0..200),
+            number in any::<f64>(),
+        ) {
+            if let Err(error) = parse_rate(&bytes) {
+                prop_assert_eq!(error.0.code, ErrorCode::InvalidArgument);
+            }
+            for key in ["messages_per_s", "messages_per_minute"] {
+                let body = format!("{{\"{key}\": {number}}}");
+                match parse_rate(body.as_bytes()) {
+                    Ok(rate) => prop_assert!(!rate.is_nan() || number.is_nan()),
+                    Err(error) => prop_assert_eq!(error.0.code, ErrorCode::InvalidArgument),
+                }
+            }
+        }
+    }
+}
