@@ -436,6 +436,11 @@ fn given_refuse_policy_then_unknown_app_is_refused_until_its_rules_exist() {
     let admin = runtime.block_on(Client::connect(&server.grpc())).unwrap();
     let error = runtime.block_on(admin.hot_key_rules(APP)).unwrap_err();
     assert_eq!(error.code(), Some(ErrorCode::NotFound));
+    // A key set by hand for the unknown app is refused the same way a session is.
+    let error = runtime
+        .block_on(admin.set_hot_key(APP, b"sku-1", Duration::from_secs(60)))
+        .unwrap_err();
+    assert_eq!(error.code(), Some(ErrorCode::NotFound), "{error}");
     let client = start_client(&server);
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(

@@ -90,7 +90,7 @@ fn given_internal_queues_then_paging_at_every_size_returns_every_queue_by_name_o
 }
 
 #[test]
-fn given_a_queue_that_does_not_exist_then_read_and_info_both_say_not_found() {
+fn given_a_queue_that_does_not_exist_or_is_reserved_then_read_and_info_refuse_it_alike() {
     let server = LeveeProcess::start(&[]);
     runtime().block_on(async {
         let client = Client::connect(&server.grpc()).await.unwrap();
@@ -104,6 +104,11 @@ fn given_a_queue_that_does_not_exist_then_read_and_info_both_say_not_found() {
             let info = client.queue_info(queue).await.unwrap_err();
             assert_eq!(info.code(), Some(ErrorCode::NotFound), "{info}");
         }
+        // The server's own queues cannot be read or described.
+        let read = client.read(b"\0meta", 0, 10, 0).await.unwrap_err();
+        assert_eq!(read.code(), Some(ErrorCode::InvalidArgument), "{read}");
+        let info = client.queue_info(b"\0meta").await.unwrap_err();
+        assert_eq!(info.code(), Some(ErrorCode::InvalidArgument), "{info}");
         // An existing queue read past its end is empty, not an error.
         client.append(b"kept", b"m").await.unwrap();
         assert!(

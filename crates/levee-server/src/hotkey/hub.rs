@@ -306,12 +306,7 @@ impl HotKeyHub {
                 Err(error) => {
                     self.reject(reject_reason(&error), items.len() as u64);
                     self.publish(&events, publish_ms);
-                    let code = if matches!(error, ReportError::UnknownApp { .. }) {
-                        ErrorCode::NotFound
-                    } else {
-                        ErrorCode::InvalidArgument
-                    };
-                    return Err(wire(code, error.to_string()));
+                    return Err(report_error(&error));
                 }
             }
         }
@@ -453,7 +448,7 @@ impl HotKeyHub {
             let mut engine = lock(&self.shards[self.shard_of(key)]);
             engine
                 .set_manual_hot(app, key, duration_ms, now_ms, &mut events)
-                .map_err(|error| wire(ErrorCode::InvalidArgument, error.to_string()))?;
+                .map_err(|error| report_error(&error))?;
             engine.now_ms()
         };
         self.publish(&events, publish_ms);
@@ -536,6 +531,16 @@ fn unknown(app: &str) -> WireError {
         ErrorCode::NotFound,
         format!("unknown app '{app}'; set its rules or report keys first"),
     )
+}
+
+/// An engine's refusal as a wire error: one mapping for reports and manual hot keys alike.
+fn report_error(error: &ReportError) -> WireError {
+    let code = match error {
+        ReportError::UnknownApp { .. } => ErrorCode::NotFound,
+        ReportError::OverBudget { .. } => ErrorCode::ResourceExhausted,
+        _ => ErrorCode::InvalidArgument,
+    };
+    wire(code, error.to_string())
 }
 
 fn reject_reason(error: &ReportError) -> &'static str {

@@ -336,6 +336,7 @@ impl Queues for QueueService {
 
     async fn read(&self, request: Request<ReadRequest>) -> Result<Response<ReadResponse>, Status> {
         let request = request.into_inner();
+        check_not_reserved(&request.queue)?;
         let max_messages = match request.max_messages {
             0 => READ_MESSAGES_DEFAULT,
             count if count <= READ_MESSAGES_MAX => count,
@@ -396,6 +397,7 @@ impl Queues for QueueService {
         request: Request<GetQueueInfoRequest>,
     ) -> Result<Response<GetQueueInfoResponse>, Status> {
         let queue = request.into_inner().queue;
+        check_not_reserved(&queue)?;
         let info = self
             .calls
             .store
