@@ -156,3 +156,61 @@ fn given_an_append_over_the_message_limit_then_the_error_carries_a_levee_code() 
         );
     });
 }
+
+#[test]
+fn given_an_over_size_message_on_a_stream_then_the_stream_ends_with_a_levee_error() {
+    use levee_proto::v1::subscribe_many_request::Kind as ManyKind;
+    use levee_proto::v1::{AddMailboxes, Credit, SubscribeManyRequest, SubscribeManyStart};
+
+    let server = LeveeProcess::start(&[]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let (requests, receiver) = tokio::sync::mpsc::channel(4);
+        let start = SubscribeManyRequest {
+            kind: Some(ManyKind::Start(SubscribeManyStart {
+                consumer: "app".to_owned(),
+                credit: Some(Credit {
+                    messages: 10,
+                    bytes: 0,
+                }),
+            })),
+        };
+        requests.send(start).await.unwrap();
+        let mut responses = QueuesClient::connect(format!("http://{}", server.grpc()))
+            .await
+            .unwrap()
+            .subscribe_many(tokio_stream::wrappers::ReceiverStream::new(receiver))
+            .await
+            .unwrap()
+            .into_inner();
+        // 70,000 names of 255 bytes: about 18 MB, over the 16 MiB a message may take.
+        let add = SubscribeManyRequest {
+            kind: Some(ManyKind::Add(AddMailboxes {
+                queues: (0..70_000_u32)
+                    .map(|index| {
+                        let mut name = vec![b'q'; 255];
+                        name[..4].copy_from_slice(&index.to_le_bytes());
+                        name
+                    })
+                    .collect(),
+            })),
+        };
+        assert!(add.encoded_len() > 16 << 20);
+        requests.send(add).await.unwrap();
+        let status = loop {
+            match tokio::time::timeout(Duration::from_secs(10), responses.message()).await {
+                Ok(Ok(Some(_))) => {}
+                Ok(Ok(None)) => panic!("the stream ended with OK after an over-size message"),
+                Ok(Err(status)) => break status,
+                Err(elapsed) => panic!("the stream went on after an over-size message: {elapsed}"),
+            }
+        };
+        let error = WireError::from_status(&status);
+        assert!(
+            status.metadata().contains_key(ERROR_CODE_METADATA_KEY),
+            "{status:?}"
+        );
+        assert_eq!(error.code, ErrorCode::InvalidArgument, "{error}");
+        assert!(error.message.contains("size limit"), "{error}");
+    });
+}

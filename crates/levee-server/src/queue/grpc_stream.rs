@@ -16,7 +16,7 @@ pub type GrpcResponses<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>
 /// The client's messages of a gRPC stream.
 pub fn incoming<T: Send + 'static>(streaming: Streaming<T>) -> Incoming<T> {
     Incoming::new(
-        streaming.map(|message| message.map_err(|status| WireError::from_status(&status))),
+        streaming.map(|message| message.map_err(|status| WireError::from_transport(&status))),
     )
 }
 

@@ -205,7 +205,8 @@ impl ManySession {
             // Client messages first, so acks and credits are not starved by a long backlog.
             let event = tokio::select! {
                 biased;
-                message = self.incoming.message() => Event::Message(message.ok().flatten()),
+                // A transport error (a message over the size limit) ends the stream with it.
+                message = self.incoming.message() => Event::Message(message?),
                 _ = closing.wait_for(|closing| *closing) => Event::Closing,
                 () = inbox.notify.notified(), if !busy => Event::Work,
                 () = std::future::ready(()), if busy => Event::Work,

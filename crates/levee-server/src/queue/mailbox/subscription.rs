@@ -153,7 +153,8 @@ impl Session {
                     ));
                 }
             };
-            let Ok(Some(message)) = message else {
+            // A transport error (a message over the size limit) ends the stream with it.
+            let Some(message) = message? else {
                 return Ok(());
             };
             self.handle(message, &mut progress).await?;

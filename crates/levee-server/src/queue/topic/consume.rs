@@ -300,7 +300,8 @@ impl ConsumeSession {
                     }
                 }
                 message = self.incoming.message() => {
-                    let Ok(Some(message)) = message else { return Ok(()) };
+                    // A transport error (a message over the size limit) ends the stream with it.
+                    let Some(message) = message? else { return Ok(()) };
                     if !self.membership.renew(now_ms()) {
                         return Err(WireError::new(
                             ErrorCode::FailedPrecondition,
