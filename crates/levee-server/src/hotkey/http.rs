@@ -74,8 +74,12 @@ impl KeyParameter {
     fn bytes(&self) -> Result<Vec<u8>, ApiError> {
         match (&self.key, &self.key_hex) {
             (Some(text), None) => Ok(text.as_bytes().to_vec()),
-            (None, Some(hex)) => key_from_hex(hex)
-                .ok_or_else(|| bad_request(format!("key_hex '{hex}' is not valid hex"))),
+            (None, Some(hex)) => key_from_hex(hex).ok_or_else(|| {
+                bad_request(format!(
+                    "key_hex {} is not valid hex",
+                    levee_hotkey::rule::quoted_key(hex.as_bytes())
+                ))
+            }),
             _ => Err(bad_request("give exactly one of key or key_hex".to_owned())),
         }
     }
@@ -183,4 +187,32 @@ async fn stats(
         "keys_tracked": stats.keys_tracked,
         "clients_connected": clients,
     })))
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Hot-key admin bodies of arbitrary bytes: a key or INVALID_ARGUMENT whose message
+        /// stays short, never a panic.
+        #[test]
+        fn given_hostile_key_bodies_then_they_decode_or_are_refused_briefly(
+            bytes in proptest::collection::vec(any::<u8>(), 0..300),
+            hex in "[0-9a-fA-Fz]{0,400}",
+        ) {
+            if let Ok(body) = serde_json::from_slice::<SetHotBody>(&bytes) {
+                let _ = KeyParameter { key: body.key, key_hex: body.key_hex }.bytes();
+            }
+            let parameter = KeyParameter { key: None, key_hex: Some(hex.clone()) };
+            match parameter.bytes() {
+                Ok(key) => prop_assert_eq!(key.len() * 2, hex.len()),
+                Err(error) => prop_assert!(error.0.message.len() < 200, "{}", error.0.message),
+            }
+        }
+    }
 }
