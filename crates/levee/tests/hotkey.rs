@@ -457,3 +457,20 @@ fn given_refuse_policy_then_unknown_app_is_refused_until_its_rules_exist() {
         client.stats().sessions_opened >= 1
     });
 }
+
+#[test]
+fn given_a_rule_with_a_key_too_long_then_the_error_names_it_without_sending_it_back_whole() {
+    let server = LeveeProcess::start(&[]);
+    let runtime = runtime();
+    let admin = runtime.block_on(Client::connect(&server.grpc())).unwrap();
+    let mut rule = prefix_rule("", 1_000, 10, 1_000);
+    rule.match_kind = MatchKind::Exact as i32;
+    rule.key = vec![b'k'; 1_025];
+    let error = runtime
+        .block_on(admin.set_hot_key_rules(APP, vec![rule]))
+        .unwrap_err();
+    assert_eq!(error.code(), Some(ErrorCode::InvalidArgument), "{error}");
+    let message = error.to_string();
+    assert!(message.contains("(1025 bytes)"), "{message}");
+    assert!(message.len() < 400, "{} bytes: {message}", message.len());
+}
