@@ -73,7 +73,7 @@ const _: () = assert!(
 );
 
 /// A name that breaks its rule; the message names the rule and the fix.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub enum NameError {
     /// A queue name of no bytes or too many.

@@ -240,24 +240,26 @@ impl ProducerRuns {
             }
             return Ok(Verdict::New);
         };
-        let expected = last_run.last_sequence().saturating_add(1);
-        if first == expected {
-            return Ok(Verdict::New);
-        }
-        if first > expected {
-            return Err(SequenceError::Gap {
-                queue: text(queue),
-                first,
-                expected,
-            });
-        }
-        if last >= expected {
-            return Err(SequenceError::Mixed {
-                queue: text(queue),
-                first,
-                last,
-                stored_up_to: expected - 1,
-            });
+        // After a run ending at u64::MAX no sequence is new: every request is a resend.
+        if let Some(expected) = last_run.last_sequence().checked_add(1) {
+            if first == expected {
+                return Ok(Verdict::New);
+            }
+            if first > expected {
+                return Err(SequenceError::Gap {
+                    queue: text(queue),
+                    first,
+                    expected,
+                });
+            }
+            if last >= expected {
+                return Err(SequenceError::Mixed {
+                    queue: text(queue),
+                    first,
+                    last,
+                    stored_up_to: expected - 1,
+                });
+            }
         }
         for run in runs.into_iter().flatten() {
             if run.first_sequence <= first && last <= run.last_sequence() {
@@ -366,6 +368,19 @@ mod tests {
             runs.judge(b"q", 0, 1),
             Err(SequenceError::TooOld { .. })
         ));
+    }
+
+    #[test]
+    fn given_a_run_ending_at_the_last_sequence_then_its_resend_is_not_taken_as_new() {
+        let mut runs = ProducerRuns::default();
+        runs.record(b"q", run(u64::MAX - 1, 2, 40));
+        assert_eq!(
+            runs.judge(b"q", u64::MAX, u64::MAX),
+            Ok(Verdict::Resend {
+                first_offset: 41,
+                ticket: None
+            })
+        );
     }
 
     #[test]

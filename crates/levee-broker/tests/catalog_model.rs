@@ -170,5 +170,11 @@ proptest! {
             replayed.apply(&CatalogRecord::decode(bytes, offset).unwrap(), offset).unwrap();
         }
         prop_assert_eq!(&replayed, &catalog, "replaying the log rebuilt another catalog");
+
+        let mut restored = Catalog::default();
+        for (offset, record) in (0_u64..).zip(catalog.records()) {
+            restored.apply(&record, offset).unwrap();
+        }
+        prop_assert_eq!(&restored, &catalog, "the snapshot's records rebuilt another catalog");
     }
 }

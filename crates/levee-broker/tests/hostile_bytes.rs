@@ -41,6 +41,9 @@ fn valid_records() -> Vec<Vec<u8>> {
         .encode(),
         br#"{"kind":"retention","prefix_hex":"6472","max_age_ms":5,"max_bytes":0}"#.to_vec(),
         br#"{"kind":"producer_rate","producer_name":"p","messages_per_s":5.0}"#.to_vec(),
+        // Well-formed, but over every bound: applying it must refuse, not build four billion
+        // partitions.
+        br#"{"kind":"topic","topic":"huge","partitions":4000000000}"#.to_vec(),
     ]
 }
 
@@ -81,7 +84,7 @@ proptest! {
 
     #[test]
     fn given_valid_records_with_bytes_flipped_cut_or_added_then_no_decoder_panics(
-        which in 0_usize..7,
+        which in 0_usize..8,
         at in any::<usize>(),
         byte in any::<u8>(),
         keep in 0_usize..200,

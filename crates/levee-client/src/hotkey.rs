@@ -36,9 +36,10 @@ const BATCHES_QUEUED_PER_SERVER_MAX: usize = 64;
 /// Default payload bytes of one report message: the gRPC library's default message limit,
 /// which every server takes whatever its key and batch limits.
 pub const REPORT_BATCH_BYTES_MAX_DEFAULT: usize = 4 << 20;
-/// Protobuf bytes around each key of a report (tags, lengths, the count), as the server
-/// counts them.
-const REPORT_KEY_OVERHEAD_BYTES: usize = 14;
+/// The smallest `batch_bytes_max`: one key of the largest size a server may allow (64 KiB)
+/// fits, with its framing.
+pub const REPORT_BATCH_BYTES_MIN: usize =
+    (64 << 10) + levee_proto::REPORT_KEY_OVERHEAD_BYTES + levee_proto::REPORT_BATCH_OVERHEAD_BYTES;
 /// Buffer shards, so that app threads recording at once rarely wait on each other.
 const BUFFER_SHARDS: usize = 16;
 
@@ -100,9 +101,10 @@ impl HotKeysOptions {
         if self.buffer_keys_max == 0 || self.batch_keys_max == 0 {
             return invalid("buffer_keys_max and batch_keys_max must be at least 1".to_owned());
         }
-        if self.batch_bytes_max < 64 << 10 {
+        if self.batch_bytes_max < REPORT_BATCH_BYTES_MIN {
             return invalid(format!(
-                "batch_bytes_max must be at least 65536 (a key of the largest size fits), got {}",
+                "batch_bytes_max must be at least {REPORT_BATCH_BYTES_MIN} (a key of the largest \
+                 size fits, with its framing), got {}",
                 self.batch_bytes_max
             ));
         }
@@ -700,11 +702,11 @@ fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
 }
 
 /// How many of `reports` go in one message: at most `keys_max`, and as many as fit
-/// `bytes_max` with their framing (at least one, so a round always moves).
+/// `bytes_max` with their framing and the batch's (at least one, so a round always moves).
 fn batch_length(reports: &[KeyReport], keys_max: usize, bytes_max: usize) -> usize {
-    let mut bytes = 0;
+    let mut bytes = levee_proto::REPORT_BATCH_OVERHEAD_BYTES;
     for (index, report) in reports.iter().take(keys_max).enumerate() {
-        bytes += report.key.len() + REPORT_KEY_OVERHEAD_BYTES;
+        bytes += report.key.len() + levee_proto::REPORT_KEY_OVERHEAD_BYTES;
         if bytes > bytes_max {
             return index.max(1);
         }
@@ -725,14 +727,14 @@ mod tests {
         let small: Vec<KeyReport> = (0..10).map(|_| report(10)).collect();
         assert_eq!(batch_length(&small, 4, 1 << 20), 4, "by keys");
         assert_eq!(
-            batch_length(&small, 100, 3 * 24),
+            batch_length(&small, 100, 6 + 3 * 24),
             3,
-            "by bytes: 24 each with framing"
+            "by bytes: 24 each with framing, 6 for the batch"
         );
         assert_eq!(batch_length(&small, 100, 1 << 20), 10);
         let large = vec![report(1_024); 10_000];
         let first = batch_length(&large, 10_000, REPORT_BATCH_BYTES_MAX_DEFAULT);
-        assert_eq!(first, REPORT_BATCH_BYTES_MAX_DEFAULT / 1_038);
+        assert_eq!(first, (REPORT_BATCH_BYTES_MAX_DEFAULT - 6) / 1_038);
         assert_eq!(
             batch_length(&[report(100)], 10, 50),
             1,

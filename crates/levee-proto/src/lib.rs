@@ -23,6 +23,15 @@ pub mod v1 {
     tonic::include_proto!("levee.v1");
 }
 
+/// Protobuf bytes around each key of a hot-key report, at most: the key's tag and length (up to
+/// 3 bytes for keys up to 64 KiB), the count's tag and value (up to 5), the report's tag and
+/// length (up to 4). A report message of N keys of at most K bytes takes at most
+/// N x (K + this) + [`REPORT_BATCH_OVERHEAD_BYTES`] bytes.
+pub const REPORT_KEY_OVERHEAD_BYTES: usize = 1 + 3 + 1 + 5 + 1 + 3;
+/// Protobuf bytes around a whole hot-key report batch, at most: the message's oneof tag and
+/// length.
+pub const REPORT_BATCH_OVERHEAD_BYTES: usize = 1 + 5;
+
 /// The partition of a topic with `partitions` partitions that `key` is published to:
 /// `XXH3_64(key, seed 0) mod partitions`, over the key's bytes as given. Java
 /// (`net.openhft:zero-allocation-hashing`, `LongHashFunction.xx3()`) and Python (`xxhash`,

@@ -13,7 +13,8 @@ use levee_proto::WireError;
 use levee_proto::v1::ErrorCode;
 use serde_json::json;
 
-/// Bytes of a non-JSON error body carried over into the JSON error's message.
+/// Most bytes of a non-JSON error body carried over as the JSON error's message; a longer
+/// body is replaced by the status's reason.
 const ERROR_BODY_BYTES_MAX: usize = 4 << 10;
 
 /// A wire error as an HTTP response with a JSON body.
@@ -80,9 +81,7 @@ pub(crate) async fn json_errors(request: Request, next: Next) -> Response {
         .unwrap_or_default();
     let text = String::from_utf8_lossy(&body).trim().to_owned();
     let message = match status {
-        StatusCode::NOT_FOUND => {
-            format!("no admin endpoint at {path}; the endpoints are listed in README.md and docs/")
-        }
+        StatusCode::NOT_FOUND => no_endpoint(&path),
         StatusCode::METHOD_NOT_ALLOWED => format!("{method} is not allowed on {path}"),
         _ if !text.is_empty() => text,
         _ => status
@@ -96,14 +95,16 @@ pub(crate) async fn json_errors(request: Request, next: Next) -> Response {
     answer
 }
 
+/// What an unknown path is told.
+fn no_endpoint(path: &str) -> String {
+    format!("no admin endpoint at {path}; the endpoints are listed in README.md and docs/")
+}
+
 /// An unknown path, as the JSON error shape.
 pub(crate) async fn not_found(request: Request<Body>) -> Response {
     let mut answer = error_body(&WireError::new(
         ErrorCode::Unimplemented,
-        format!(
-            "no admin endpoint at {}; the endpoints are listed in README.md and docs/",
-            request.uri().path()
-        ),
+        no_endpoint(request.uri().path()),
     ))
     .into_response();
     *answer.status_mut() = StatusCode::NOT_FOUND;

@@ -54,12 +54,6 @@ pub const HOTKEY_BATCH_KEYS_MAX_MAX: u32 = 65_536;
 /// Most bytes one hot-key report message may take on the wire: `hotkey_key_bytes_max` and
 /// `hotkey_batch_keys_max` together must allow no larger batch.
 pub const HOTKEY_REPORT_MESSAGE_BYTES_MAX: usize = 64 << 20;
-/// Protobuf bytes around each key of a report: the key's tag and length (up to 3 bytes for
-/// keys up to 64 KiB), the count's tag and value (up to 5), the report's tag and length (up
-/// to 4).
-const HOTKEY_REPORT_KEY_OVERHEAD_BYTES: usize = 1 + 3 + 1 + 5 + 1 + 3;
-/// Protobuf bytes around a whole report batch: the message's oneof tag and length.
-const HOTKEY_REPORT_BATCH_OVERHEAD_BYTES: usize = 1 + 5;
 /// The gRPC library's own default limit, under which every other hot-key call stays.
 const GRPC_DEFAULT_MESSAGE_BYTES_MAX: usize = 4 << 20;
 
@@ -372,7 +366,8 @@ impl Config {
     pub fn hotkey_report_message_bytes_max(&self) -> usize {
         let keys = self.hotkey_batch_keys_max as usize;
         let key_bytes = self.hotkey_key_bytes_max as usize;
-        (keys * (key_bytes + HOTKEY_REPORT_KEY_OVERHEAD_BYTES) + HOTKEY_REPORT_BATCH_OVERHEAD_BYTES)
+        (keys * (key_bytes + levee_proto::REPORT_KEY_OVERHEAD_BYTES)
+            + levee_proto::REPORT_BATCH_OVERHEAD_BYTES)
             .max(GRPC_DEFAULT_MESSAGE_BYTES_MAX)
     }
 

@@ -161,6 +161,8 @@ async fn serve(config: Config) -> ExitCode {
             return fail_start(&format!("cannot install signal handlers: {error}"));
         }
     };
+    // A file left by an earlier run must not tell a waiting script this one is ready.
+    remove_ready_file(&config);
     let mut server = match RunningServer::start(&config).await {
         Ok(server) => server,
         Err(error) => return fail_start(&error),
@@ -177,6 +179,7 @@ async fn serve(config: Config) -> ExitCode {
     let (name, _) = tokio::select! {
         received = next_signal(&mut terminate, &mut interrupt) => received,
         failure = server.failed() => {
+            remove_ready_file(&config);
             tracing::error!(%failure, "the server failed; exiting");
             return ExitCode::from(EXIT_FAILED);
         }
@@ -193,10 +196,8 @@ async fn serve(config: Config) -> ExitCode {
         tracing::warn!(signal = name, "second signal: exiting at once");
         std::process::exit(128 + number);
     });
-    if let Some(path) = &config.ready_file {
-        // Not ready any more: a script waiting for the file must not find a stale one.
-        let _ = std::fs::remove_file(path);
-    }
+    // Not ready any more: a script waiting for the file must not find a stale one.
+    remove_ready_file(&config);
     match server.shutdown(grace).await {
         ShutdownOutcome::Drained => tracing::info!("shutdown complete"),
         ShutdownOutcome::GraceExpired => {
@@ -216,8 +217,19 @@ fn write_ready_file(path: &std::path::Path, server: &RunningServer) -> std::io::
     });
     let mut temporary = path.as_os_str().to_owned();
     temporary.push(".partial");
-    std::fs::write(&temporary, format!("{facts}\n"))?;
-    std::fs::rename(&temporary, path)
+    let written = std::fs::write(&temporary, format!("{facts}\n"))
+        .and_then(|()| std::fs::rename(&temporary, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&temporary);
+    }
+    written
+}
+
+/// Removes the ready file, if the configuration names one and it is there.
+fn remove_ready_file(config: &Config) {
+    if let Some(path) = &config.ready_file {
+        let _ = std::fs::remove_file(path);
+    }
 }
 
 async fn next_signal(terminate: &mut Signal, interrupt: &mut Signal) -> (&'static str, i32) {

@@ -60,8 +60,8 @@ impl Topic {
     }
 }
 
-/// A change an operator asks for.
-#[derive(Debug, Clone, PartialEq)]
+/// A change an operator asks for (also what a replicated log carries).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum CatalogCommand {
     /// Create a topic (nothing changes if it exists with that count).
     CreateTopic {
@@ -94,7 +94,7 @@ pub enum CatalogCommand {
 }
 
 /// Why a catalog command was refused, or a log could not be replayed.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub enum CatalogError {
     /// A name breaks its rule.
@@ -257,10 +257,22 @@ impl Catalog {
     }
 
     /// Applies a logged record (one [`Catalog::decide`] returned, or one read back from the
-    /// log, logged at `offset`). Refuses only a record whose fields cannot be read.
+    /// log, logged at `offset`). A record read back is checked again as `decide` checks a
+    /// command (a damaged log must not build a topic of four billion partitions): one that
+    /// breaks a rule is refused as [`CatalogError::Unreadable`] and changes nothing.
     pub fn apply(&mut self, record: &CatalogRecord, offset: u64) -> Result<(), CatalogError> {
+        let unreadable = |reason: String| CatalogError::Unreadable { offset, reason };
         match record {
             CatalogRecord::Topic { topic, partitions } => {
+                check_topic_name(topic).map_err(|error| unreadable(error.to_string()))?;
+                if !(1..=PARTITIONS_MAX).contains(partitions) {
+                    return Err(unreadable(
+                        CatalogError::Partitions {
+                            partitions: *partitions,
+                        }
+                        .to_string(),
+                    ));
+                }
                 self.topics
                     .insert(topic.clone(), Arc::new(Topic::new(topic, *partitions)));
             }
@@ -268,12 +280,17 @@ impl Catalog {
                 group,
                 messages_per_s,
             } => {
+                check_group_name(group).map_err(|error| unreadable(error.to_string()))?;
+                check_rate(*messages_per_s).map_err(|error| unreadable(error.to_string()))?;
                 self.group_rates.insert(group.clone(), *messages_per_s);
             }
             CatalogRecord::ProducerRate {
                 producer_name,
                 messages_per_s,
             } => {
+                check_producer_name(producer_name)
+                    .map_err(|error| unreadable(error.to_string()))?;
+                check_rate(*messages_per_s).map_err(|error| unreadable(error.to_string()))?;
                 if *messages_per_s > 0.0 {
                     self.producer_rates
                         .insert(producer_name.clone(), *messages_per_s);
@@ -286,10 +303,9 @@ impl Catalog {
                 max_age_ms,
                 max_bytes,
             } => {
-                let prefix = from_hex(prefix_hex).ok_or_else(|| CatalogError::Unreadable {
-                    offset,
-                    reason: "prefix_hex is not hex".to_owned(),
-                })?;
+                let prefix = from_hex(prefix_hex)
+                    .ok_or_else(|| unreadable("prefix_hex is not hex".to_owned()))?;
+                check_name_prefix(&prefix).map_err(|error| unreadable(error.to_string()))?;
                 let rule = RetentionRule {
                     max_age_ms: *max_age_ms,
                     max_bytes: *max_bytes,
@@ -332,6 +348,41 @@ impl Catalog {
     /// The retention rules.
     pub fn retention(&self) -> &RetentionRules {
         &self.retention
+    }
+
+    /// Records that rebuild this catalog when applied in order to an empty one (a snapshot).
+    pub fn records(&self) -> Vec<CatalogRecord> {
+        let topics = self.topics.values().map(|topic| CatalogRecord::Topic {
+            topic: topic.name.clone(),
+            partitions: topic.partitions(),
+        });
+        let group_rates = self
+            .group_rates
+            .iter()
+            .map(|(group, rate)| CatalogRecord::GroupRate {
+                group: group.clone(),
+                messages_per_s: *rate,
+            });
+        let producer_rates =
+            self.producer_rates
+                .iter()
+                .map(|(producer_name, rate)| CatalogRecord::ProducerRate {
+                    producer_name: producer_name.clone(),
+                    messages_per_s: *rate,
+                });
+        let retention = self
+            .retention
+            .iter()
+            .map(|(prefix, rule)| CatalogRecord::Retention {
+                prefix_hex: to_hex(prefix),
+                max_age_ms: rule.max_age_ms,
+                max_bytes: rule.max_bytes,
+            });
+        topics
+            .chain(group_rates)
+            .chain(producer_rates)
+            .chain(retention)
+            .collect()
     }
 }
 
@@ -427,6 +478,35 @@ mod tests {
                 Err(CatalogError::Rate { .. })
             ));
         }
+    }
+
+    #[test]
+    fn given_records_that_break_a_rule_then_apply_refuses_them_and_changes_nothing() {
+        let topic = |topic: &str, partitions| CatalogRecord::Topic {
+            topic: topic.to_owned(),
+            partitions,
+        };
+        let mut catalog = Catalog::default();
+        for record in [
+            topic("huge", 4_000_000_000),
+            topic("none", 0),
+            topic("bad name", 1),
+            CatalogRecord::GroupRate {
+                group: String::new(),
+                messages_per_s: 1.0,
+            },
+            CatalogRecord::ProducerRate {
+                producer_name: "p".to_owned(),
+                messages_per_s: f64::NAN,
+            },
+        ] {
+            let error = catalog.apply(&record, 3).unwrap_err();
+            assert!(
+                matches!(error, CatalogError::Unreadable { offset: 3, .. }),
+                "{error}"
+            );
+        }
+        assert_eq!(catalog, Catalog::default());
     }
 
     #[test]

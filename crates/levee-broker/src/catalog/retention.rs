@@ -9,7 +9,7 @@ use crate::names::NAME_PREFIX_BYTES_MAX;
 pub const RETENTION_RULES_MAX: usize = 10_000;
 
 /// A retention rule's bounds (0: none).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct RetentionRule {
     /// Remove messages older than this.
     pub max_age_ms: u64,
@@ -61,6 +61,13 @@ impl RetentionRules {
     /// Whether there is none.
     pub fn is_empty(&self) -> bool {
         self.by_prefix.is_empty()
+    }
+
+    /// Every rule, by prefix.
+    pub fn iter(&self) -> impl Iterator<Item = (&[u8], RetentionRule)> {
+        self.by_prefix
+            .iter()
+            .map(|(prefix, rule)| (prefix.as_slice(), *rule))
     }
 
     /// Sets `prefix`'s rule; a rule that bounds nothing removes it.

@@ -519,15 +519,10 @@ impl ManySession {
             )));
         };
         if ack.offset >= mailbox.next {
-            return Err(WireError::new(
-                ErrorCode::OffsetOutOfRange,
-                format!(
-                    "ack of mailbox {} offset {} is beyond its last delivered offset {}; ack \
-                     only what was delivered",
-                    ack.mailbox,
-                    ack.offset,
-                    i128::from(mailbox.next) - 1
-                ),
+            return Err(super::ack_past_delivered(
+                &format!("mailbox {}", ack.mailbox),
+                ack.offset,
+                mailbox.next,
             ));
         }
         if ack.offset < mailbox.acked {

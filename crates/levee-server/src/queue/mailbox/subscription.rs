@@ -215,14 +215,10 @@ impl Session {
             }
             Some(Kind::Ack(ack)) => {
                 if ack.offset >= progress.next {
-                    return Err(WireError::new(
-                        ErrorCode::OffsetOutOfRange,
-                        format!(
-                            "ack of offset {} is beyond the last delivered offset {}; ack only what \
-                         was delivered",
-                            ack.offset,
-                            progress.next.saturating_sub(1)
-                        ),
+                    return Err(super::ack_past_delivered(
+                        "this stream",
+                        ack.offset,
+                        progress.next,
                     ));
                 }
                 if ack.offset >= progress.acked {
