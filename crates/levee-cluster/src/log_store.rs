@@ -1,0 +1,219 @@
+//! [`LogStore`]: the metadata group's Raft log, vote, committed and purge points in a fjall
+//! keyspace (docs/CLUSTER.md, storage). Entries are JSON keyed by their index (big-endian, so
+//! the keyspace's order is the log's); the vote and the points are JSON in a second
+//! partition. Every append, vote, truncation and purge is persisted with `SyncAll` before it
+//! returns, so what openraft is told is durable is on disk.
+
+use std::fmt::Debug;
+use std::ops::{Bound, RangeBounds};
+use std::path::Path;
+
+use fjall::{Config, Keyspace, PartitionCreateOptions, PartitionHandle, PersistMode};
+use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
+use openraft::{Entry, LogId, OptionalSend, RaftLogReader, StorageIOError, Vote};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::{MetaConfig, NodeId, StorageError};
+
+/// The vote's key in the meta partition.
+const VOTE_KEY: &str = "vote";
+/// The last purged log id's key.
+const PURGED_KEY: &str = "purged";
+/// The last committed log id's key.
+const COMMITTED_KEY: &str = "committed";
+
+/// The Raft log on disk. Clones share the keyspace (a reader is a clone).
+#[derive(Clone)]
+pub struct LogStore {
+    keyspace: Keyspace,
+    entries: PartitionHandle,
+    meta: PartitionHandle,
+}
+
+impl Debug for LogStore {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("LogStore")
+    }
+}
+
+/// An entry's key: its index, big-endian.
+fn index_key(index: u64) -> [u8; 8] {
+    index.to_be_bytes()
+}
+
+fn to_json<T: Serialize>(value: &T) -> Result<Vec<u8>, StorageError> {
+    serde_json::to_vec(value).map_err(|error| StorageIOError::write(&error).into())
+}
+
+fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, StorageError> {
+    serde_json::from_slice(bytes).map_err(|error| StorageIOError::read(&error).into())
+}
+
+impl LogStore {
+    /// Opens (or creates) the log in `directory`.
+    pub fn open(directory: &Path) -> Result<Self, StorageError> {
+        let keyspace = Config::new(directory)
+            .open()
+            .map_err(|error| StorageIOError::read_logs(&error))?;
+        let open = |name: &str| {
+            keyspace
+                .open_partition(name, PartitionCreateOptions::default())
+                .map_err(|error| StorageError::from(StorageIOError::read_logs(&error)))
+        };
+        let (entries, meta) = (open("entries")?, open("meta")?);
+        Ok(Self {
+            keyspace,
+            entries,
+            meta,
+        })
+    }
+
+    fn persist(&self) -> Result<(), StorageError> {
+        self.keyspace
+            .persist(PersistMode::SyncAll)
+            .map_err(|error| StorageIOError::write_logs(&error).into())
+    }
+
+    fn read_meta<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, StorageError> {
+        let value = self
+            .meta
+            .get(key)
+            .map_err(|error| StorageIOError::read(&error))?;
+        value.map(|bytes| from_json(&bytes)).transpose()
+    }
+
+    fn write_meta<T: Serialize>(&self, key: &str, value: &T) -> Result<(), StorageError> {
+        self.meta
+            .insert(key, to_json(value)?)
+            .map_err(|error| StorageIOError::write(&error))?;
+        self.persist()
+    }
+
+    /// Removes the entries whose index is in `range`.
+    fn remove(&self, range: (Bound<u64>, Bound<u64>)) -> Result<(), StorageError> {
+        let bound = |bound: Bound<u64>| bound.map(index_key);
+        let keys: Vec<_> = self
+            .entries
+            .range((bound(range.0), bound(range.1)))
+            .map(|pair| pair.map(|(key, _)| key))
+            .collect::<Result<_, _>>()
+            .map_err(|error| StorageIOError::read_logs(&error))?;
+        let mut batch = self.keyspace.batch();
+        for key in keys {
+            batch.remove(&self.entries, key);
+        }
+        batch
+            .commit()
+            .map_err(|error| StorageIOError::write_logs(&error))?;
+        self.persist()
+    }
+}
+
+impl RaftLogReader<MetaConfig> for LogStore {
+    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
+        &mut self,
+        range: RB,
+    ) -> Result<Vec<Entry<MetaConfig>>, StorageError> {
+        let bound = |bound: Bound<&u64>| bound.map(|index| index_key(*index));
+        self.entries
+            .range((bound(range.start_bound()), bound(range.end_bound())))
+            .map(|pair| {
+                let (_, value) = pair.map_err(|error| StorageIOError::read_logs(&error))?;
+                from_json(&value)
+            })
+            .collect()
+    }
+}
+
+impl RaftLogStorage<MetaConfig> for LogStore {
+    type LogReader = Self;
+
+    async fn get_log_state(&mut self) -> Result<LogState<MetaConfig>, StorageError> {
+        let last_purged_log_id: Option<LogId<NodeId>> = self.read_meta(PURGED_KEY)?;
+        let last = self
+            .entries
+            .last_key_value()
+            .map_err(|error| StorageIOError::read_logs(&error))?;
+        let last_log_id = match last {
+            Some((_, value)) => Some(from_json::<Entry<MetaConfig>>(&value)?.log_id),
+            None => last_purged_log_id,
+        };
+        Ok(LogState {
+            last_purged_log_id,
+            last_log_id,
+        })
+    }
+
+    async fn get_log_reader(&mut self) -> Self::LogReader {
+        self.clone()
+    }
+
+    async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError> {
+        self.write_meta(VOTE_KEY, vote)
+    }
+
+    async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>, StorageError> {
+        self.read_meta(VOTE_KEY)
+    }
+
+    async fn save_committed(
+        &mut self,
+        committed: Option<LogId<NodeId>>,
+    ) -> Result<(), StorageError> {
+        self.write_meta(COMMITTED_KEY, &committed)
+    }
+
+    async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>, StorageError> {
+        Ok(self
+            .read_meta::<Option<LogId<NodeId>>>(COMMITTED_KEY)?
+            .flatten())
+    }
+
+    async fn append<I>(
+        &mut self,
+        entries: I,
+        callback: LogFlushed<MetaConfig>,
+    ) -> Result<(), StorageError>
+    where
+        I: IntoIterator<Item = Entry<MetaConfig>> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut batch = self.keyspace.batch();
+        for entry in entries {
+            batch.insert(
+                &self.entries,
+                index_key(entry.log_id.index),
+                to_json(&entry)?,
+            );
+        }
+        batch
+            .commit()
+            .map_err(|error| StorageIOError::write_logs(&error))?;
+        // One fsync for the whole batch: the group commit of the log.
+        let persisted = self
+            .keyspace
+            .persist(PersistMode::SyncAll)
+            .map_err(std::io::Error::other);
+        let failed = persisted
+            .as_ref()
+            .err()
+            .map(std::string::ToString::to_string);
+        callback.log_io_completed(persisted);
+        match failed {
+            Some(error) => Err(StorageIOError::write_logs(&std::io::Error::other(error)).into()),
+            None => Ok(()),
+        }
+    }
+
+    async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError> {
+        self.remove((Bound::Included(log_id.index), Bound::Unbounded))
+    }
+
+    async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError> {
+        // The purge point first: a crash between the two leaves entries openraft will purge
+        // again, never a point behind what is gone.
+        self.write_meta(PURGED_KEY, &log_id)?;
+        self.remove((Bound::Unbounded, Bound::Included(log_id.index)))
+    }
+}

@@ -1,0 +1,245 @@
+//! [`MetaStateMachine`]: the metadata group's replicated state: the broker's catalog and the
+//! membership, applied from the log. A snapshot is the state as JSON (the catalog as the
+//! records that rebuild it), kept in one file written whole (a temporary file, fsynced,
+//! renamed); a restarted node loads it and openraft replays the log after it.
+
+use std::io::Cursor;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use levee_broker::catalog::{Catalog, CatalogRecord};
+use openraft::storage::{RaftStateMachine, Snapshot};
+use openraft::{
+    Entry, EntryPayload, LogId, OptionalSend, RaftSnapshotBuilder, SnapshotMeta, StorageIOError,
+    StoredMembership,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::command::{MetaCommand, MetaResponse};
+use crate::{MetaConfig, NodeId, NodeInfo, StorageError};
+
+/// The snapshot's file name in the state machine's directory.
+pub const SNAPSHOT_FILE_NAME: &str = "snapshot.json";
+
+/// The state the log builds.
+#[derive(Debug, Default)]
+struct MetaState {
+    last_applied: Option<LogId<NodeId>>,
+    membership: StoredMembership<NodeId, NodeInfo>,
+    catalog: Catalog,
+    /// Snapshots built so far by this process, to tell their ids apart.
+    snapshots_built: u64,
+}
+
+/// The state a snapshot carries.
+#[derive(Debug, Serialize, Deserialize)]
+struct SnapshotState {
+    catalog: Vec<CatalogRecord>,
+}
+
+/// A snapshot as its file holds it.
+#[derive(Debug, Serialize, Deserialize)]
+struct StoredSnapshot {
+    meta: SnapshotMeta<NodeId, NodeInfo>,
+    data: Vec<u8>,
+}
+
+/// The replicated metadata. Clones share the state (the snapshot builder is a clone).
+#[derive(Debug, Clone)]
+pub struct MetaStateMachine {
+    state: Arc<Mutex<MetaState>>,
+    directory: PathBuf,
+}
+
+fn read_error(error: &impl std::error::Error) -> StorageError {
+    StorageIOError::read_state_machine(&std::io::Error::other(error.to_string())).into()
+}
+
+fn write_error(error: &impl std::error::Error) -> StorageError {
+    StorageIOError::write_state_machine(&std::io::Error::other(error.to_string())).into()
+}
+
+impl MetaState {
+    /// Applies one command; what it did.
+    fn apply_command(&mut self, command: &MetaCommand, index: u64) -> MetaResponse {
+        match command {
+            MetaCommand::Catalog(command) => {
+                let decided = self
+                    .catalog
+                    .decide(command)
+                    .and_then(|record| match record {
+                        Some(record) => self.catalog.apply(&record, index).map(|()| true),
+                        None => Ok(false),
+                    });
+                match decided {
+                    Ok(changed) => MetaResponse {
+                        changed,
+                        refused: None,
+                    },
+                    Err(error) => MetaResponse {
+                        changed: false,
+                        refused: Some(error),
+                    },
+                }
+            }
+        }
+    }
+
+    /// Replaces the state with a snapshot's.
+    fn restore(
+        &mut self,
+        meta: &SnapshotMeta<NodeId, NodeInfo>,
+        data: &[u8],
+    ) -> Result<(), StorageError> {
+        let state: SnapshotState =
+            serde_json::from_slice(data).map_err(|error| read_error(&error))?;
+        let mut catalog = Catalog::default();
+        for (offset, record) in (0_u64..).zip(&state.catalog) {
+            catalog
+                .apply(record, offset)
+                .map_err(|error| read_error(&error))?;
+        }
+        self.catalog = catalog;
+        self.last_applied = meta.last_log_id;
+        self.membership = meta.last_membership.clone();
+        Ok(())
+    }
+}
+
+impl MetaStateMachine {
+    /// The state machine kept in `directory` (created if missing): empty, or the state of the
+    /// snapshot found there.
+    pub fn open(directory: &Path) -> Result<Self, StorageError> {
+        std::fs::create_dir_all(directory).map_err(|error| write_error(&error))?;
+        let machine = Self {
+            state: Arc::new(Mutex::new(MetaState::default())),
+            directory: directory.to_path_buf(),
+        };
+        if let Some(stored) = machine.read_snapshot()? {
+            machine.lock().restore(&stored.meta, &stored.data)?;
+        }
+        Ok(machine)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, MetaState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Reads the catalog as it stands.
+    pub fn with_catalog<T>(&self, read: impl FnOnce(&Catalog) -> T) -> T {
+        read(&self.lock().catalog)
+    }
+
+    fn read_snapshot(&self) -> Result<Option<StoredSnapshot>, StorageError> {
+        match std::fs::read(self.directory.join(SNAPSHOT_FILE_NAME)) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|error| read_error(&error)),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(error) => Err(read_error(&error)),
+        }
+    }
+
+    fn write_snapshot(&self, stored: &StoredSnapshot) -> Result<(), StorageError> {
+        let bytes = serde_json::to_vec(stored).map_err(|error| write_error(&error))?;
+        let path = self.directory.join(SNAPSHOT_FILE_NAME);
+        let temporary = self.directory.join(format!("{SNAPSHOT_FILE_NAME}.partial"));
+        let written = (|| {
+            let mut file = std::fs::File::create(&temporary)?;
+            std::io::Write::write_all(&mut file, &bytes)?;
+            file.sync_all()?;
+            std::fs::rename(&temporary, &path)?;
+            std::fs::File::open(&self.directory)?.sync_all()
+        })();
+        written.map_err(|error| write_error(&error))
+    }
+}
+
+impl RaftSnapshotBuilder<MetaConfig> for MetaStateMachine {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<MetaConfig>, StorageError> {
+        let (meta, data) = {
+            let mut state = self.lock();
+            state.snapshots_built += 1;
+            let data = serde_json::to_vec(&SnapshotState {
+                catalog: state.catalog.records(),
+            })
+            .map_err(|error| write_error(&error))?;
+            let last_index = state.last_applied.map_or(0, |log_id| log_id.index);
+            let meta = SnapshotMeta {
+                last_log_id: state.last_applied,
+                last_membership: state.membership.clone(),
+                snapshot_id: format!("{last_index}-{}", state.snapshots_built),
+            };
+            (meta, data)
+        };
+        self.write_snapshot(&StoredSnapshot {
+            meta: meta.clone(),
+            data: data.clone(),
+        })?;
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(data)),
+        })
+    }
+}
+
+impl RaftStateMachine<MetaConfig> for MetaStateMachine {
+    type SnapshotBuilder = Self;
+
+    async fn applied_state(
+        &mut self,
+    ) -> Result<(Option<LogId<NodeId>>, StoredMembership<NodeId, NodeInfo>), StorageError> {
+        let state = self.lock();
+        Ok((state.last_applied, state.membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<MetaResponse>, StorageError>
+    where
+        I: IntoIterator<Item = Entry<MetaConfig>> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut state = self.lock();
+        let mut responses = Vec::new();
+        for entry in entries {
+            state.last_applied = Some(entry.log_id);
+            let response = match entry.payload {
+                EntryPayload::Blank => MetaResponse::default(),
+                EntryPayload::Normal(command) => state.apply_command(&command, entry.log_id.index),
+                EntryPayload::Membership(membership) => {
+                    state.membership = StoredMembership::new(Some(entry.log_id), membership);
+                    MetaResponse::default()
+                }
+            };
+            responses.push(response);
+        }
+        Ok(responses)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        self.clone()
+    }
+
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta<NodeId, NodeInfo>,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError> {
+        let data = snapshot.into_inner();
+        self.lock().restore(meta, &data)?;
+        self.write_snapshot(&StoredSnapshot {
+            meta: meta.clone(),
+            data,
+        })
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<MetaConfig>>, StorageError> {
+        Ok(self.read_snapshot()?.map(|stored| Snapshot {
+            meta: stored.meta,
+            snapshot: Box::new(Cursor::new(stored.data)),
+        }))
+    }
+}
