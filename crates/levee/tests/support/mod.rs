@@ -50,8 +50,29 @@ impl LeveeProcess {
         Self::start_at("127.0.0.1:0", data_dir, extra)
     }
 
-    /// Starts a server with its gRPC API on `grpc_addr`, `data_dir`, plus `extra` flags.
+    /// Starts a server with its gRPC API on `grpc_addr`, `data_dir`, plus `extra` flags. A
+    /// fixed address freed a moment ago may be held briefly by another socket (a client that
+    /// reconnects to it can, on loopback, connect to itself from that very port): a start
+    /// refused for an address in use is tried again, for up to [`SERVER_READY_TIMEOUT`].
     pub fn start_at(grpc_addr: &str, data_dir: &Path, extra: &[&str]) -> Self {
+        let deadline = Instant::now() + SERVER_READY_TIMEOUT;
+        loop {
+            match Self::try_start_at(grpc_addr, data_dir, extra) {
+                Ok(process) => return process,
+                Err(logs) if Instant::now() < deadline => {
+                    assert!(
+                        logs.iter().any(|line| line.contains("already in use")),
+                        "server did not become ready; logs: {logs:#?}"
+                    );
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(logs) => panic!("server did not become ready; logs: {logs:#?}"),
+            }
+        }
+    }
+
+    /// One start; the logs when the server exits or times out before it is ready.
+    fn try_start_at(grpc_addr: &str, data_dir: &Path, extra: &[&str]) -> Result<Self, Vec<String>> {
         let mut child = levee_command()
             .args([
                 "server",
@@ -86,7 +107,7 @@ impl LeveeProcess {
             let Ok(line) = log_lines.recv_timeout(remaining) else {
                 let _ = child.kill();
                 let _ = child.wait();
-                panic!("server did not become ready; logs: {logs:#?}");
+                return Err(logs);
             };
             logs.push(line.clone());
             let Ok(event) = serde_json::from_str::<serde_json::Value>(&line) else {
@@ -94,7 +115,7 @@ impl LeveeProcess {
             };
             if event["message"] == "levee server ready" {
                 let address = |key: &str| event[key].as_str().unwrap().parse().unwrap();
-                return Self {
+                return Ok(Self {
                     grpc_addr: address("grpc_addr"),
                     admin_addr: address("admin_addr"),
                     child,
@@ -102,7 +123,7 @@ impl LeveeProcess {
                     log_lines,
                     logs,
                     temporary_dir: None,
-                };
+                });
             }
         }
     }
