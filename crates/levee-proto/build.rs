@@ -14,6 +14,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "levee/v1/hotkey.proto",
         "levee/v1/queue.proto",
         "levee/v1/topic.proto",
+        "levee/peer/v1/peer.proto",
     ];
     let file_descriptors = protox::compile(files, [&proto_root])?;
     // Message payloads (and publish keys, and the queue named by each appended message)

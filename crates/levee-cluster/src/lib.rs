@@ -6,12 +6,13 @@
 //!   ([`NodeInfo`]: its addresses).
 //! - [`log_store`]: [`LogStore`], the Raft log, vote and purge point in a fjall keyspace; every
 //!   append and vote is persisted (fsynced) before openraft is told it is durable.
+//! - [`network`]: openraft's calls between nodes over the peer gRPC service.
 //! - [`state_machine`]: [`MetaStateMachine`], the replicated state (the broker's catalog and
 //!   the membership) applied from the log, with its snapshot in a file.
 //!
 //! A command is decided and applied by the broker engine on every replica, in log order, so
 //! every replica reaches the same state and gives the same answer: nothing in `apply` reads a
-//! clock or the network. Peers' transport and the server's wiring are not here yet.
+//! clock or the network. The server's wiring is not here yet.
 
 #![deny(missing_docs)]
 #![allow(
@@ -23,10 +24,12 @@ use std::io::Cursor;
 
 pub mod command;
 pub mod log_store;
+pub mod network;
 pub mod state_machine;
 
 pub use command::{MetaCommand, MetaResponse, NodeInfo};
 pub use log_store::LogStore;
+pub use network::{PeerNetwork, PeerService, Raft};
 pub use state_machine::MetaStateMachine;
 
 openraft::declare_raft_types!(

@@ -17,6 +17,12 @@ mod wire_error;
 pub use prost::bytes::Bytes;
 pub use wire_error::{ERROR_CODE_METADATA_KEY, ERROR_REASON_METADATA_KEY, WireError};
 
+/// The `levee.peer.v1` package: the internal protocol between the nodes of a cluster.
+#[allow(missing_docs, clippy::pedantic, missing_debug_implementations)]
+pub mod peer_v1 {
+    tonic::include_proto!("levee.peer.v1");
+}
+
 /// The `levee.v1` protobuf package.
 #[allow(missing_docs, clippy::pedantic, missing_debug_implementations)]
 pub mod v1 {

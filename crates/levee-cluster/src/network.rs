@@ -1,0 +1,208 @@
+//! The peers' transport of the metadata group (docs/CLUSTER.md, ports): openraft's calls over
+//! the `levee.peer.v1.Peer` gRPC service on each node's peer port, bodies as JSON of
+//! openraft's own request and response types.
+//!
+//! - [`PeerNetwork`]: openraft's network factory; a [`PeerConnection`] per target node, its
+//!   channel made on first use and kept (tonic reconnects it), every call bounded by the time
+//!   openraft gives it.
+//! - [`PeerService`]: the server side, handing each call to the local [`Raft`].
+
+use std::time::Duration;
+
+use levee_proto::peer_v1::PeerMessage;
+use levee_proto::peer_v1::peer_client::PeerClient;
+use levee_proto::peer_v1::peer_server::{Peer, PeerServer};
+use openraft::error::{
+    InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
+};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+use crate::{MetaConfig, NodeId, NodeInfo};
+
+/// The metadata group's Raft instance.
+pub type Raft = openraft::Raft<MetaConfig>;
+
+/// How long a connection to a peer may take to open.
+pub const PEER_CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// The error of one call to a peer.
+type CallError<E> = RPCError<NodeId, NodeInfo, RaftError<NodeId, E>>;
+
+/// openraft's network: connections to peers by their peer address.
+#[derive(Debug, Default, Clone)]
+pub struct PeerNetwork;
+
+impl RaftNetworkFactory<MetaConfig> for PeerNetwork {
+    type Network = PeerConnection;
+
+    async fn new_client(&mut self, target: NodeId, node: &NodeInfo) -> Self::Network {
+        PeerConnection {
+            target,
+            address: node.peer_addr.clone(),
+            client: None,
+        }
+    }
+}
+
+/// One peer, as openraft calls it.
+#[derive(Debug)]
+pub struct PeerConnection {
+    target: NodeId,
+    address: String,
+    client: Option<PeerClient<Channel>>,
+}
+
+/// Which call.
+#[derive(Debug, Clone, Copy)]
+enum Call {
+    AppendEntries,
+    Vote,
+    InstallSnapshot,
+}
+
+impl PeerConnection {
+    /// The peer's client, its channel made on first use (connecting lazily).
+    fn client<E: std::error::Error>(&mut self) -> Result<PeerClient<Channel>, CallError<E>> {
+        if let Some(client) = &self.client {
+            return Ok(client.clone());
+        }
+        let channel = Channel::from_shared(format!("http://{}", self.address))
+            .map_err(|error| RPCError::Unreachable(Unreachable::new(&error)))?
+            .connect_timeout(PEER_CONNECT_TIMEOUT)
+            .connect_lazy();
+        let client = PeerClient::new(channel);
+        self.client = Some(client.clone());
+        Ok(client)
+    }
+
+    async fn call<Req, Resp, E>(
+        &mut self,
+        call: Call,
+        request: &Req,
+        option: &RPCOption,
+    ) -> Result<Resp, CallError<E>>
+    where
+        Req: Serialize,
+        Resp: DeserializeOwned,
+        E: std::error::Error + DeserializeOwned,
+    {
+        let json = serde_json::to_vec(request)
+            .map_err(|error| RPCError::Network(NetworkError::new(&error)))?;
+        let mut client = self.client()?;
+        let message = PeerMessage { json };
+        let answer = tokio::time::timeout(option.hard_ttl(), async move {
+            match call {
+                Call::AppendEntries => client.append_entries(message).await,
+                Call::Vote => client.vote(message).await,
+                Call::InstallSnapshot => client.install_snapshot(message).await,
+            }
+        })
+        .await
+        .map_err(|elapsed| RPCError::Network(NetworkError::new(&elapsed)))?
+        .map_err(|status| {
+            if status.code() == tonic::Code::Unavailable {
+                RPCError::Unreachable(Unreachable::new(&status))
+            } else {
+                RPCError::Network(NetworkError::new(&status))
+            }
+        })?;
+        let result: Result<Resp, RaftError<NodeId, E>> =
+            serde_json::from_slice(&answer.into_inner().json)
+                .map_err(|error| RPCError::Network(NetworkError::new(&error)))?;
+        result.map_err(|error| RPCError::RemoteError(RemoteError::new(self.target, error)))
+    }
+}
+
+impl RaftNetwork<MetaConfig> for PeerConnection {
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<MetaConfig>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<NodeId>, CallError<openraft::error::Infallible>> {
+        self.call(Call::AppendEntries, &rpc, &option).await
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<MetaConfig>,
+        option: RPCOption,
+    ) -> Result<InstallSnapshotResponse<NodeId>, CallError<InstallSnapshotError>> {
+        self.call(Call::InstallSnapshot, &rpc, &option).await
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<NodeId>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<NodeId>, CallError<openraft::error::Infallible>> {
+        self.call(Call::Vote, &rpc, &option).await
+    }
+}
+
+/// The server side of the peer protocol, over the local Raft.
+#[derive(Clone)]
+pub struct PeerService {
+    raft: Raft,
+}
+
+impl std::fmt::Debug for PeerService {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("PeerService")
+    }
+}
+
+impl PeerService {
+    /// The service of `raft`, for a tonic server on the peer port.
+    pub fn server(raft: Raft) -> PeerServer<Self> {
+        PeerServer::new(Self { raft })
+    }
+}
+
+/// A request's JSON as openraft's request type.
+fn decode<T: DeserializeOwned>(request: Request<PeerMessage>) -> Result<T, Status> {
+    serde_json::from_slice(&request.into_inner().json).map_err(|error| {
+        Status::invalid_argument(format!(
+            "a peer request this node cannot read ({error}); do the cluster's nodes run one \
+             version?"
+        ))
+    })
+}
+
+/// An answer as JSON.
+fn encode<T: Serialize>(answer: &T) -> Result<Response<PeerMessage>, Status> {
+    serde_json::to_vec(answer)
+        .map(|json| Response::new(PeerMessage { json }))
+        .map_err(|error| Status::internal(format!("cannot encode a peer answer: {error}")))
+}
+
+#[tonic::async_trait]
+impl Peer for PeerService {
+    async fn append_entries(
+        &self,
+        request: Request<PeerMessage>,
+    ) -> Result<Response<PeerMessage>, Status> {
+        let answer = self.raft.append_entries(decode(request)?).await;
+        encode(&answer)
+    }
+
+    async fn vote(&self, request: Request<PeerMessage>) -> Result<Response<PeerMessage>, Status> {
+        let answer = self.raft.vote(decode(request)?).await;
+        encode(&answer)
+    }
+
+    async fn install_snapshot(
+        &self,
+        request: Request<PeerMessage>,
+    ) -> Result<Response<PeerMessage>, Status> {
+        let answer = self.raft.install_snapshot(decode(request)?).await;
+        encode(&answer)
+    }
+}
