@@ -43,6 +43,12 @@ use crate::queue::topic::service::TopicService;
 use crate::queue::waiters::Waiters;
 use crate::state::ServerState;
 
+/// How often consumer-group leases are checked (the shortest lease is 1 s).
+const LEASE_CHECK_INTERVAL: Duration = Duration::from_millis(250);
+const _: () = assert!(
+    LEASE_CHECK_INTERVAL.as_millis() * 4 <= crate::queue::topic::consume::LEASE_MS_MIN as u128,
+    "a lease is checked at least four times within the shortest lease"
+);
 /// Most concurrent gRPC streams on one connection (HTTP/2 `MAX_CONCURRENT_STREAMS`).
 pub const STREAMS_PER_CONNECTION_MAX: u32 = 1_024;
 /// Largest gRPC message the queue service takes or sends (an append of many messages).
@@ -132,6 +138,7 @@ pub struct RunningServer {
     stop_sessions: watch::Sender<bool>,
     tick_task: JoinHandle<()>,
     trim_task: JoinHandle<()>,
+    lease_task: JoinHandle<()>,
     store: Arc<Store>,
     grpc_task: JoinHandle<Result<(), tonic::transport::Error>>,
     admin_task: JoinHandle<std::io::Result<()>>,
@@ -177,6 +184,10 @@ impl RunningServer {
         health.set_serving::<TopicsServer<TopicService>>().await;
         let (queue_service, topic_service, consume_context) =
             queue_services(&store, topics, config, &state.metrics, &stop_sessions)?;
+        let lease_task = tokio::spawn(expire_leases(
+            Arc::clone(&consume_context.groups),
+            stop_sessions.subscribe(),
+        ));
         let hotkey_service = HotKeyService::new(
             Arc::clone(&hub),
             state.metrics.clone(),
@@ -226,6 +237,7 @@ impl RunningServer {
             stop_sessions,
             tick_task,
             trim_task,
+            lease_task,
             store,
             grpc_task,
             admin_task,
@@ -264,6 +276,7 @@ impl RunningServer {
             stop_sessions,
             tick_task,
             trim_task,
+            lease_task,
             store,
             mut grpc_task,
             mut admin_task,
@@ -280,6 +293,7 @@ impl RunningServer {
         let _ = stop_sessions.send(true);
         let _ = tick_task.await;
         let _ = trim_task.await;
+        let _ = lease_task.await;
         let _ = stop_grpc.send(true);
 
         let drained = tokio::time::timeout(grace, async {
@@ -479,6 +493,21 @@ async fn tick(hub: Arc<HotKeyHub>, mut stop: watch::Receiver<bool>) {
     loop {
         tokio::select! {
             _ = interval.tick() => hub.tick(),
+            _ = stop.wait_for(|stop| *stop) => return,
+        }
+    }
+}
+
+/// Every [`LEASE_CHECK_INTERVAL`] until told to stop: drops consumer-group members whose lease
+/// ran out (a stream stuck sending renews nothing), so their partitions move.
+async fn expire_leases(groups: Arc<Groups>, mut stop: watch::Receiver<bool>) {
+    let mut interval = tokio::time::interval(LEASE_CHECK_INTERVAL);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tokio::select! {
+            _ = interval.tick() => {
+                groups.expire_leases(crate::queue::topic::consume::now_ms());
+            }
             _ = stop.wait_for(|stop| *stop) => return,
         }
     }

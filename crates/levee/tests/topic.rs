@@ -808,3 +808,52 @@ fn given_a_commit_below_the_committed_offset_then_the_answer_says_the_offset_tha
         assert_eq!(taken.start_offset, 4);
     });
 }
+
+#[test]
+fn given_a_member_stuck_sending_to_a_client_that_stopped_reading_then_its_lease_runs_out() {
+    let server = LeveeProcess::start(&[]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        client.create_topic("stuck", 2).await.unwrap();
+        // More deliveries than the stream's response queue (16 rounds of up to 1,000) and the
+        // transport's window hold.
+        let payload = vec![b'x'; 100];
+        for batch in 0..60_u32 {
+            let messages: Vec<Vec<u8>> = (0..1_000_u32)
+                .map(|index| (batch * 1_000 + index).to_le_bytes().to_vec())
+                .collect();
+            let pairs: Vec<(&[u8], &[u8])> = messages
+                .iter()
+                .map(|key| (key.as_slice(), payload.as_slice()))
+                .collect();
+            client.publish("stuck", &pairs).await.unwrap();
+        }
+        // Member a takes both partitions, then never reads nor sends again: its stream
+        // fills the transport's window and its response queue, and stays stuck sending.
+        let (_requests_a, _unread_a) =
+            raw_member(&server.grpc(), "stuck", "a", 100_000, 1_000).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (_requests_b, mut responses_b) =
+            raw_member(&server.grpc(), "stuck", "b", 100, 60_000).await;
+        let started = Instant::now();
+        loop {
+            let response = tokio::time::timeout(Duration::from_secs(10), responses_b.message())
+                .await
+                .expect("b hears of every change")
+                .unwrap()
+                .unwrap();
+            if response
+                .assignment
+                .is_some_and(|assignment| assignment.partitions.len() == 2)
+            {
+                break;
+            }
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "a's partitions moved {:?} after b joined",
+            started.elapsed()
+        );
+    });
+}

@@ -282,10 +282,17 @@ impl ConsumeSession {
                 }
                 changed = assignment_changes.changed() => {
                     if changed.is_err() {
+                        // The group dropped this stream: its lease ran out, or the member
+                        // joined again on another stream.
+                        let reason = if self.membership.replaced() {
+                            "joined again on another stream"
+                        } else {
+                            "let its lease run out"
+                        };
                         return Err(WireError::new(
                             ErrorCode::FailedPrecondition,
                             format!(
-                                "member '{}' joined again on another stream; this one ends",
+                                "member '{}' {reason}; this stream ends, join again",
                                 self.membership.member
                             ),
                         ));

@@ -138,6 +138,29 @@ impl Groups {
         Ok(created)
     }
 
+    /// Drops every member whose lease ran out by `now_ms` (a stream stuck sending to a client
+    /// that stopped reading renews nothing) and hands its partitions to the others, with new
+    /// epochs; the dropped member's stream learns it when it next looks. Returns how many
+    /// members were dropped.
+    pub fn expire_leases(&self, now_ms: u64) -> usize {
+        let groups: Vec<Arc<Mutex<Group>>> = lock(&self.groups).values().cloned().collect();
+        let mut dropped = 0;
+        for handle in groups {
+            let mut group = lock(&handle);
+            let expired = group.state.expire(now_ms);
+            if expired.is_empty() {
+                continue;
+            }
+            for member in &expired {
+                tracing::info!(group = %group.name, %member, "consumer lease ran out");
+                group.watchers.remove(member);
+            }
+            dropped += expired.len();
+            group.publish();
+        }
+        dropped
+    }
+
     /// Looks a group up: in memory, or loaded from its commits if it ever committed on
     /// `topic` (also before a restart). `None` if it never did.
     pub fn find(
@@ -207,6 +230,16 @@ impl Membership {
         lock(&self.group)
             .state
             .renew(&self.member, self.session, now_ms)
+    }
+
+    /// Whether the member id belongs to another stream now (it joined again).
+    pub fn replaced(&self) -> bool {
+        let group = lock(&self.group);
+        group
+            .state
+            .members()
+            .any(|(member, _)| member == self.member)
+            && !group.state.is_member(&self.member, self.session)
     }
 
     /// Applies a commit batch and appends the group's new snapshot to its commit queue.
