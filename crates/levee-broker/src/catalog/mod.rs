@@ -32,6 +32,8 @@ use crate::rate::RATE_MIN_PER_S;
 pub const TOPICS_MAX: usize = 10_000;
 /// Most producer names with a rate limit at once.
 pub const PRODUCER_RATES_MAX: usize = 10_000;
+/// Most consumer groups with a rate limit at once.
+pub const GROUP_RATES_MAX: usize = 10_000;
 
 /// One topic: a fixed set of partitions, each a queue of the store.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,6 +140,15 @@ pub enum CatalogError {
         /// The name that would be one more.
         producer_name: String,
     },
+    /// [`GROUP_RATES_MAX`] groups have a limit.
+    #[error(
+        "at most {GROUP_RATES_MAX} consumer groups may have a rate limit; clear one (rate 0) \
+         before limiting '{group}'"
+    )]
+    GroupRatesFull {
+        /// The group that would be one more.
+        group: String,
+    },
     /// [`RETENTION_RULES_MAX`] rules exist.
     #[error("{RETENTION_RULES_MAX} retention rules exist, the most the server holds")]
     RetentionRulesFull,
@@ -214,6 +225,14 @@ impl Catalog {
             } => {
                 check_group_name(group)?;
                 check_rate(*messages_per_s)?;
+                if *messages_per_s > 0.0
+                    && !self.group_rates.contains_key(group)
+                    && self.group_rates.len() >= GROUP_RATES_MAX
+                {
+                    return Err(CatalogError::GroupRatesFull {
+                        group: group.clone(),
+                    });
+                }
                 CatalogRecord::GroupRate {
                     group: group.clone(),
                     messages_per_s: *messages_per_s,
@@ -282,7 +301,11 @@ impl Catalog {
             } => {
                 check_group_name(group).map_err(|error| unreadable(error.to_string()))?;
                 check_rate(*messages_per_s).map_err(|error| unreadable(error.to_string()))?;
-                self.group_rates.insert(group.clone(), *messages_per_s);
+                if *messages_per_s > 0.0 {
+                    self.group_rates.insert(group.clone(), *messages_per_s);
+                } else {
+                    self.group_rates.remove(group);
+                }
             }
             CatalogRecord::ProducerRate {
                 producer_name,
@@ -507,6 +530,25 @@ mod tests {
             );
         }
         assert_eq!(catalog, Catalog::default());
+    }
+
+    #[test]
+    fn given_the_most_group_limits_then_a_new_one_is_refused_and_a_clear_frees_its_slot() {
+        let mut catalog = Catalog::default();
+        let limit = |group: &str, messages_per_s: f64| CatalogCommand::SetGroupRate {
+            group: group.to_owned(),
+            messages_per_s,
+        };
+        for index in 0..GROUP_RATES_MAX {
+            run(&mut catalog, &limit(&format!("g{index}"), 1.0)).unwrap();
+        }
+        assert!(matches!(
+            run(&mut catalog, &limit("new", 1.0)),
+            Err(CatalogError::GroupRatesFull { .. })
+        ));
+        assert_eq!(run(&mut catalog, &limit("g0", 0.0)), Ok(true));
+        assert!(catalog.group_rate("g0").abs() < f64::EPSILON);
+        assert_eq!(run(&mut catalog, &limit("new", 1.0)), Ok(true));
     }
 
     #[test]

@@ -112,6 +112,7 @@ pub(crate) fn catalog_error(error: &CatalogError) -> WireError {
         CatalogError::PartitionsChanged { .. } => ErrorCode::AlreadyExists,
         CatalogError::TopicsFull
         | CatalogError::ProducerRatesFull { .. }
+        | CatalogError::GroupRatesFull { .. }
         | CatalogError::RetentionRulesFull => ErrorCode::ResourceExhausted,
         CatalogError::TopicNotFound { .. } => ErrorCode::NotFound,
         CatalogError::Unreadable { .. } => ErrorCode::StorageFailed,
