@@ -12,7 +12,8 @@
 //!
 //! A command is decided and applied by the broker engine on every replica, in log order, so
 //! every replica reaches the same state and gives the same answer: nothing in `apply` reads a
-//! clock or the network. The server's wiring is not here yet.
+//! clock or the network. [`writer`]: [`MetaWriter`] writes a command from any node (proposed
+//! on the leader, forwarded to it from the others). The server's wiring is not here yet.
 
 #![deny(missing_docs)]
 #![allow(
@@ -26,11 +27,13 @@ pub mod command;
 pub mod log_store;
 pub mod network;
 pub mod state_machine;
+pub mod writer;
 
 pub use command::{MetaCommand, MetaResponse, NodeInfo};
 pub use log_store::LogStore;
 pub use network::{PeerNetwork, PeerService, Raft};
 pub use state_machine::MetaStateMachine;
+pub use writer::{MetaWriter, WriteError};
 
 openraft::declare_raft_types!(
     /// The metadata group's types for openraft.

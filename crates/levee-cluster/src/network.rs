@@ -5,7 +5,8 @@
 //! - [`PeerNetwork`]: openraft's network factory; a [`PeerConnection`] per target node, its
 //!   channel made on first use and kept (tonic reconnects it), every call bounded by the time
 //!   openraft gives it.
-//! - [`PeerService`]: the server side, handing each call to the local [`Raft`].
+//! - [`PeerService`]: the server side, handing each call to the local [`Raft`], and proposing
+//!   the commands other nodes forward (see [`crate::writer`]).
 
 use std::time::Duration;
 
@@ -25,7 +26,7 @@ use serde::de::DeserializeOwned;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-use crate::{MetaConfig, NodeId, NodeInfo};
+use crate::{MetaCommand, MetaConfig, MetaResponse, NodeId, NodeInfo};
 
 /// The metadata group's Raft instance.
 pub type Raft = openraft::Raft<MetaConfig>;
@@ -203,6 +204,22 @@ impl Peer for PeerService {
         request: Request<PeerMessage>,
     ) -> Result<Response<PeerMessage>, Status> {
         let answer = self.raft.install_snapshot(decode(request)?).await;
+        encode(&answer)
+    }
+
+    async fn forward(
+        &self,
+        request: Request<PeerMessage>,
+    ) -> Result<Response<PeerMessage>, Status> {
+        let command: MetaCommand = decode(request)?;
+        // Proposed here only: a node that lost the lead since answers so, and the sender
+        // tries again with the leader it then knows.
+        let answer: Result<MetaResponse, String> = self
+            .raft
+            .client_write(command)
+            .await
+            .map(|written| written.data)
+            .map_err(|error| error.to_string());
         encode(&answer)
     }
 }

@@ -1,7 +1,8 @@
 //! Three metadata-group nodes in one process, each with its own data directories and a real
 //! gRPC peer server on a loopback port: the cluster forms (one voter, then two learners made
 //! voters), a catalog command written on the leader is applied on every node, and when the
-//! leader stops the two others elect a new one that commits the next command.
+//! leader stops the two others elect a new one that commits the next command; writes made on
+//! a follower are forwarded to the leader; with no quorum left a write fails fast.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -9,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use levee_broker::catalog::CatalogCommand;
 use levee_cluster::{
-    LogStore, MetaCommand, MetaStateMachine, NodeId, NodeInfo, PeerNetwork, PeerService, Raft,
+    LogStore, MetaCommand, MetaStateMachine, MetaWriter, NodeId, NodeInfo, PeerNetwork,
+    PeerService, Raft, WriteError,
 };
 use tokio::sync::oneshot;
 
@@ -136,6 +138,16 @@ async fn given_three_nodes_then_a_write_reaches_all_and_survives_the_leader_stop
         repeat.data.refused.is_some(),
         "the engine's answer comes back"
     );
+    // A follower takes a write too: it forwards it to the leader and answers once applied.
+    let forwarded = MetaWriter::new(nodes[2].raft.clone())
+        .write(create("refunds", 2))
+        .await
+        .unwrap();
+    assert!(forwarded.changed && forwarded.refused.is_none());
+    wait_until("refunds on every node", async || {
+        nodes.iter().all(|node| has_topic(node, "refunds"))
+    })
+    .await;
 
     // The leader stops: the two others elect one of themselves and commit the next write.
     let mut old = nodes.remove(0);
@@ -153,17 +165,35 @@ async fn given_three_nodes_then_a_write_reaches_all_and_survives_the_leader_stop
     })
     .await;
     assert!(failover < Duration::from_secs(5), "{failover:?}");
-    let leader = nodes.iter().find(|node| node.id == leader).unwrap();
-    let written = leader
-        .raft
-        .client_write(create("payments", 4))
+    // Written through the node that does not lead: forwarded to the new leader.
+    let follower = nodes.iter().find(|node| node.id != leader).unwrap();
+    let written = MetaWriter::new(follower.raft.clone())
+        .write(create("payments", 4))
         .await
         .unwrap();
-    assert!(written.data.changed);
+    assert!(written.changed);
     wait_until("payments on both", async || {
         nodes.iter().all(|node| has_topic(node, "payments"))
     })
     .await;
+    // The new leader stops too: the last node has no quorum, and a write through it fails
+    // fast with a clear error instead of hanging.
+    let index = nodes.iter().position(|node| node.id == leader).unwrap();
+    let mut stopped = nodes.remove(index);
+    stopped.raft.shutdown().await.unwrap();
+    let _ = stopped.stop.take().unwrap().send(());
+    let started = Instant::now();
+    let error = MetaWriter::new(nodes[0].raft.clone())
+        .write(create("lost", 1))
+        .await
+        .unwrap_err();
+    assert!(matches!(error, WriteError::NoLeader { .. }), "{error}");
+    assert!(error.to_string().contains("no quorum"), "{error}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
     for node in &nodes {
         node.raft.shutdown().await.unwrap();
     }

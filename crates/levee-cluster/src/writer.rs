@@ -1,0 +1,130 @@
+//! [`MetaWriter`]: how a node writes a metadata command, whichever node leads: proposed here
+//! when this node is the leader, else forwarded over the peer port to the leader it knows,
+//! which answers once the command is committed and applied (docs/CLUSTER.md, writes). While
+//! no leader is known (an election) it retries every [`LEADER_WAIT_STEP`] for up to
+//! [`WRITE_WAIT_MAX`], then fails: without a quorum a write fails fast, it never hangs.
+
+use std::time::{Duration, Instant};
+
+use levee_proto::peer_v1::PeerMessage;
+use levee_proto::peer_v1::peer_client::PeerClient;
+use openraft::error::{ClientWriteError, RaftError};
+use tonic::transport::Channel;
+
+use crate::network::{PEER_CONNECT_TIMEOUT, Raft};
+use crate::{MetaCommand, MetaResponse, NodeId, NodeInfo};
+
+/// Longest a write waits for a leader (an election, a forward that must be tried again).
+pub const WRITE_WAIT_MAX: Duration = Duration::from_secs(2);
+/// The pause between two tries while no leader is known.
+pub const LEADER_WAIT_STEP: Duration = Duration::from_millis(50);
+
+/// Why a metadata write failed; nothing is known to have been applied then, and a retry is
+/// safe (metadata commands are idempotent).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WriteError {
+    /// No leader could take the write in time: the cluster has no quorum reachable from here.
+    #[error(
+        "no leader took the write within {waited_ms} ms: the cluster has no quorum reachable \
+         from this node ({reason}); retry, or check the cluster's nodes with levee cluster status"
+    )]
+    NoLeader {
+        /// How long the write waited.
+        waited_ms: u64,
+        /// The last thing that went wrong.
+        reason: String,
+    },
+    /// The Raft instance stopped (a storage failure, or shutdown).
+    #[error("this node's metadata group stopped ({0}); write through another node")]
+    Stopped(String),
+}
+
+/// Writes metadata commands through a node's Raft instance.
+#[derive(Clone)]
+pub struct MetaWriter {
+    raft: Raft,
+}
+
+impl std::fmt::Debug for MetaWriter {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("MetaWriter")
+    }
+}
+
+/// What one try did.
+enum Attempt {
+    Done(MetaResponse),
+    /// Try again after a pause; why.
+    Again(String),
+}
+
+impl MetaWriter {
+    /// A writer over `raft`.
+    pub fn new(raft: Raft) -> Self {
+        Self { raft }
+    }
+
+    /// Writes `command` and answers what applying it did, once committed.
+    pub async fn write(&self, command: MetaCommand) -> Result<MetaResponse, WriteError> {
+        let started = Instant::now();
+        loop {
+            match self.attempt(&command).await? {
+                Attempt::Done(response) => return Ok(response),
+                Attempt::Again(reason) => {
+                    if started.elapsed() >= WRITE_WAIT_MAX {
+                        return Err(WriteError::NoLeader {
+                            waited_ms: u64::try_from(started.elapsed().as_millis())
+                                .unwrap_or(u64::MAX),
+                            reason,
+                        });
+                    }
+                    tokio::time::sleep(LEADER_WAIT_STEP).await;
+                }
+            }
+        }
+    }
+
+    async fn attempt(&self, command: &MetaCommand) -> Result<Attempt, WriteError> {
+        match self.raft.client_write(command.clone()).await {
+            Ok(written) => Ok(Attempt::Done(written.data)),
+            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(forward))) => {
+                match (forward.leader_id, forward.leader_node) {
+                    (Some(leader), Some(node)) => Ok(forward_to(leader, &node, command).await),
+                    _ => Ok(Attempt::Again("no leader is known yet".to_owned())),
+                }
+            }
+            Err(RaftError::APIError(other)) => Ok(Attempt::Again(other.to_string())),
+            Err(RaftError::Fatal(fatal)) => Err(WriteError::Stopped(fatal.to_string())),
+        }
+    }
+}
+
+/// Sends `command` to the leader's peer port.
+async fn forward_to(leader: NodeId, node: &NodeInfo, command: &MetaCommand) -> Attempt {
+    let json = match serde_json::to_vec(command) {
+        Ok(json) => json,
+        Err(error) => return Attempt::Again(format!("cannot encode the command: {error}")),
+    };
+    let channel = match Channel::from_shared(format!("http://{}", node.peer_addr)) {
+        Ok(endpoint) => endpoint
+            .connect_timeout(PEER_CONNECT_TIMEOUT)
+            .connect_lazy(),
+        Err(error) => return Attempt::Again(format!("leader {leader}'s peer address: {error}")),
+    };
+    let answer = tokio::time::timeout(
+        WRITE_WAIT_MAX,
+        PeerClient::new(channel).forward(PeerMessage { json }),
+    )
+    .await;
+    let message = match answer {
+        Ok(Ok(message)) => message.into_inner(),
+        Ok(Err(status)) => return Attempt::Again(format!("forward to leader {leader}: {status}")),
+        Err(_) => return Attempt::Again(format!("forward to leader {leader} timed out")),
+    };
+    match serde_json::from_slice::<Result<MetaResponse, String>>(&message.json) {
+        Ok(Ok(response)) => Attempt::Done(response),
+        Ok(Err(reason)) => Attempt::Again(format!("leader {leader}: {reason}")),
+        Err(error) => Attempt::Again(format!("leader {leader}'s answer is unreadable: {error}")),
+    }
+}
