@@ -50,6 +50,8 @@ async fn server(State(state): State<Arc<ServerState>>) -> Json<serde_json::Value
         "grpc_addr": state.grpc_addr.to_string(),
         "admin_addr": state.admin_addr.to_string(),
         "data_dir": state.data_dir.display().to_string(),
+        "cluster_id": state.cluster.cluster_id,
+        "node_id": state.cluster.node_id,
         "uptime_ms": state.uptime_ms(),
         "process_id": std::process::id(),
         "ready": state.is_ready(),

@@ -49,6 +49,8 @@ pub const QUEUE_BUFFER_BUDGET_MB_MAX: u64 = 65_536;
 pub const QUEUE_POSITION_LOG_COMPACT_ENTRIES_DEFAULT: u64 = 1_000_000;
 /// Highest allowed `queue_position_log_compact_entries`.
 pub const QUEUE_POSITION_LOG_COMPACT_ENTRIES_MAX: u64 = 1_000_000_000;
+/// Highest allowed `node_id`.
+pub const NODE_ID_MAX: u64 = 1_000_000;
 /// Highest allowed `hotkey_batch_keys_max`.
 pub const HOTKEY_BATCH_KEYS_MAX_MAX: u32 = 65_536;
 /// Most bytes one hot-key report message may take on the wire: `hotkey_key_bytes_max` and
@@ -95,6 +97,9 @@ pub struct Config {
     /// Acks a consumer's position log (`SubscribeMany`) takes before it is compacted, at the
     /// least (and twice its last snapshot): see docs/ARCHITECTURE.md, queues step 7.
     pub queue_position_log_compact_entries: u64,
+    /// This node's id in its cluster (1 for a lone server); kept in the data dir, which will
+    /// not start as another node.
+    pub node_id: u64,
     /// A file the `levee server` command writes once the server is ready: its bound
     /// addresses and process id as JSON (so a script that started it on port 0 learns them),
     /// removed on a graceful shutdown. None by default.
@@ -120,6 +125,7 @@ impl Default for Config {
             queue_message_bytes_max: QUEUE_MESSAGE_BYTES_MAX_DEFAULT,
             queue_buffer_budget_mb: QUEUE_BUFFER_BUDGET_MB_DEFAULT,
             queue_position_log_compact_entries: QUEUE_POSITION_LOG_COMPACT_ENTRIES_DEFAULT,
+            node_id: 1,
             ready_file: None,
         }
     }
@@ -144,6 +150,7 @@ struct FileConfig {
     queue_message_bytes_max: Option<u32>,
     queue_buffer_budget_mb: Option<u64>,
     queue_position_log_compact_entries: Option<u64>,
+    node_id: Option<u64>,
     ready_file: Option<PathBuf>,
 }
 
@@ -210,6 +217,8 @@ pub struct Overrides {
     pub queue_buffer_budget_mb: Option<Override>,
     /// `--queue-position-log-compact-entries` / `LEVEE_QUEUE_POSITION_LOG_COMPACT_ENTRIES`.
     pub queue_position_log_compact_entries: Option<Override>,
+    /// `--node-id` / `LEVEE_NODE_ID`.
+    pub node_id: Option<Override>,
     /// `--ready-file` / `LEVEE_READY_FILE`.
     pub ready_file: Option<Override>,
 }
@@ -350,6 +359,9 @@ impl Config {
             text(file_config.queue_position_log_compact_entries),
             |raw| { parse_bounded(raw, 1, QUEUE_POSITION_LOG_COMPACT_ENTRIES_MAX) }
         );
+        layer!(node_id, text(file_config.node_id), |raw| {
+            parse_bounded(raw, 1, NODE_ID_MAX)
+        });
         layer!(
             ready_file,
             file_config

@@ -149,6 +149,7 @@ impl RunningServer {
     /// anything, if any of them cannot be had.
     pub async fn start(config: &Config) -> Result<Self, StartError> {
         let data_dir = DataDir::open(&config.data_dir)?;
+        let cluster = data_dir.identity(config.node_id)?;
         let metrics = Metrics::new();
         let shard_count = std::thread::available_parallelism().map_or(1, usize::from);
         let hub = Arc::new(HotKeyHub::open(config, shard_count)?.with_metrics(metrics.clone()));
@@ -165,6 +166,7 @@ impl RunningServer {
             local_addr(&grpc_listener, config.grpc_addr.0),
             local_addr(&admin_listener, config.admin_addr.0),
             data_dir.path().to_path_buf(),
+            cluster,
             metrics,
         ));
 
@@ -226,6 +228,8 @@ impl RunningServer {
             grpc_addr = %state.grpc_addr,
             admin_addr = %state.admin_addr,
             data_dir = %state.data_dir.display(),
+            cluster_id = %state.cluster.cluster_id,
+            node_id = state.cluster.node_id,
             "levee server ready"
         );
         Ok(Self {

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use crate::data_dir::ClusterIdentity;
 use crate::metrics::Metrics;
 
 /// Shared, read-mostly facts about the running server.
@@ -18,6 +19,8 @@ pub struct ServerState {
     pub admin_addr: SocketAddr,
     /// The data directory, as configured.
     pub data_dir: PathBuf,
+    /// The cluster this node belongs to, and its node id.
+    pub cluster: ClusterIdentity,
     /// The server's metrics.
     pub metrics: Metrics,
     ready: AtomicBool,
@@ -29,6 +32,7 @@ impl ServerState {
         grpc_addr: SocketAddr,
         admin_addr: SocketAddr,
         data_dir: PathBuf,
+        cluster: ClusterIdentity,
         metrics: Metrics,
     ) -> Self {
         Self {
@@ -36,6 +40,7 @@ impl ServerState {
             grpc_addr,
             admin_addr,
             data_dir,
+            cluster,
             metrics,
             ready: AtomicBool::new(false),
         }

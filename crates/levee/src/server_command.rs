@@ -71,6 +71,10 @@ pub struct ServerArgs {
         value_name = "ACKS"
     )]
     queue_position_log_compact_entries: Option<String>,
+    /// This node's id in its cluster, 1 to 1000000; the data dir keeps it and will not start as
+    /// another node [default: 1]
+    #[arg(long, env = "LEVEE_NODE_ID", value_name = "ID")]
+    node_id: Option<String>,
     /// Once ready, write the bound addresses and process id to this file as JSON (removed on
     /// a graceful shutdown) [default: none]
     #[arg(long, env = "LEVEE_READY_FILE", value_name = "PATH")]
@@ -119,6 +123,7 @@ impl ServerArgs {
                 "queue_position_log_compact_entries",
                 &self.queue_position_log_compact_entries,
             ),
+            node_id: given("node_id", &self.node_id),
             ready_file: given("ready_file", &self.ready_file),
         }
     }

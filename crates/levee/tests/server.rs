@@ -536,3 +536,41 @@ fn given_a_ready_file_then_a_script_learns_the_bound_addresses_without_reading_l
     assert!(child.wait().unwrap().success());
     assert!(!ready_file.exists());
 }
+
+#[test]
+fn given_a_data_dir_of_node_1_then_it_will_not_start_as_node_2() {
+    let directory = tempfile::tempdir().unwrap();
+    let data_dir = directory.path().join("data");
+    let mut server = LeveeProcess::start_in(&data_dir, &[]);
+    let (_, body) = http_get(server.admin_addr, "/v1/server");
+    let facts: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(facts["node_id"], 1);
+    let cluster_id = facts["cluster_id"].as_str().unwrap().to_owned();
+    assert_eq!(cluster_id.len(), 32);
+    server.signal("TERM");
+    assert_eq!(server.wait_exit(Duration::from_secs(10)).code(), Some(0));
+
+    let data_dir_text = data_dir.to_str().unwrap();
+    let (code, _, stderr) = run_to_exit(
+        &[
+            "server",
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--admin-addr",
+            "127.0.0.1:0",
+            "--data-dir",
+            data_dir_text,
+            "--node-id",
+            "2",
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(2), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("belongs to node 1")
+            && stderr.contains(&cluster_id)
+            && stderr.contains("--node-id 1"),
+        "{stderr}"
+    );
+}
