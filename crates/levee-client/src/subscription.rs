@@ -93,6 +93,20 @@ impl Subscription {
         }
     }
 
+    /// Why the stream ended, once sending to it failed: the server's error if it sent one.
+    async fn ended(&mut self) -> ClientError {
+        loop {
+            match self.responses.message().await {
+                Ok(Some(_)) => {}
+                Ok(None) => {
+                    return WireError::new(ErrorCode::Unavailable, "the subscription is closed")
+                        .into();
+                }
+                Err(status) => return status.into(),
+            }
+        }
+    }
+
     /// Marks every delivered message up to and including `offset` done and grants their credit
     /// back; returns once the server has made the ack durable. Messages that arrive meanwhile
     /// wait for [`Subscription::next`].
@@ -110,12 +124,18 @@ impl Subscription {
         let ack = SubscribeRequest {
             kind: Some(Kind::Ack(Ack { offset })),
         };
-        self.requests.send(ack).await.map_err(|_| closed())?;
+        if self.requests.send(ack).await.is_err() {
+            return Err(self.ended().await);
+        }
         if messages > 0 {
             let credit = SubscribeRequest {
                 kind: Some(Kind::Credit(Credit { messages, bytes })),
             };
-            self.requests.send(credit).await.map_err(|_| closed())?;
+            // The server may have ended the stream on the ack (a protocol error): then its
+            // error, not the closed channel, is the answer.
+            if self.requests.send(credit).await.is_err() {
+                return Err(self.ended().await);
+            }
         }
         loop {
             let response = self.responses.message().await?.ok_or_else(closed)?;

@@ -1,7 +1,7 @@
 //! [`MetaCommand`]: one entry of the metadata log; [`MetaResponse`]: what applying it
 //! answered; [`NodeInfo`]: a member's addresses, as the membership keeps them.
 
-use levee_broker::catalog::{CatalogCommand, CatalogError};
+use levee_broker::catalog::{CatalogCommand, CatalogError, CatalogRecord};
 use serde::{Deserialize, Serialize};
 
 /// A change to the replicated metadata.
@@ -9,6 +9,9 @@ use serde::{Deserialize, Serialize};
 pub enum MetaCommand {
     /// A change of the broker's catalog (topics, rates, retention rules).
     Catalog(CatalogCommand),
+    /// The catalog a data dir kept before the cluster (its `\0meta` queue), as records, applied
+    /// once into an empty catalog when a node first starts on it.
+    Import(Vec<CatalogRecord>),
 }
 
 /// What applying one entry did. Entries that carry no command (blank and membership entries)

@@ -5,7 +5,7 @@
 
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use levee_broker::catalog::{Catalog, CatalogRecord};
 use openraft::storage::{RaftStateMachine, Snapshot};
@@ -47,7 +47,7 @@ struct StoredSnapshot {
 /// The replicated metadata. Clones share the state (the snapshot builder is a clone).
 #[derive(Debug, Clone)]
 pub struct MetaStateMachine {
-    state: Arc<Mutex<MetaState>>,
+    state: Arc<RwLock<MetaState>>,
     directory: PathBuf,
 }
 
@@ -63,6 +63,23 @@ impl MetaState {
     /// Applies one command; what it did.
     fn apply_command(&mut self, command: &MetaCommand, index: u64) -> MetaResponse {
         match command {
+            MetaCommand::Import(records) => {
+                let mut imported = self.catalog.clone();
+                for record in records {
+                    if let Err(error) = imported.apply(record, index) {
+                        return MetaResponse {
+                            changed: false,
+                            refused: Some(error),
+                        };
+                    }
+                }
+                let changed = imported != self.catalog;
+                self.catalog = imported;
+                MetaResponse {
+                    changed,
+                    refused: None,
+                }
+            }
             MetaCommand::Catalog(command) => {
                 let decided = self
                     .catalog
@@ -112,7 +129,7 @@ impl MetaStateMachine {
     pub fn open(directory: &Path) -> Result<Self, StorageError> {
         std::fs::create_dir_all(directory).map_err(|error| write_error(&error))?;
         let machine = Self {
-            state: Arc::new(Mutex::new(MetaState::default())),
+            state: Arc::new(RwLock::new(MetaState::default())),
             directory: directory.to_path_buf(),
         };
         if let Some(stored) = machine.read_snapshot()? {
@@ -121,13 +138,17 @@ impl MetaStateMachine {
         Ok(machine)
     }
 
-    fn lock(&self) -> MutexGuard<'_, MetaState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> RwLockWriteGuard<'_, MetaState> {
+        self.state.write().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Reads the catalog as it stands.
+    fn read(&self) -> RwLockReadGuard<'_, MetaState> {
+        self.state.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Reads the catalog as it stands (a shared lock: readers do not wait for each other).
     pub fn with_catalog<T>(&self, read: impl FnOnce(&Catalog) -> T) -> T {
-        read(&self.lock().catalog)
+        read(&self.read().catalog)
     }
 
     fn read_snapshot(&self) -> Result<Option<StoredSnapshot>, StorageError> {

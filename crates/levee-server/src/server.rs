@@ -36,12 +36,17 @@ use crate::queue::limits::producer_rate::ProducerRates;
 use crate::queue::mailbox::position_log::PositionLogs;
 use crate::queue::retention::{self, POSITION_TRIM_INTERVAL};
 use crate::queue::service::QueueService;
-use crate::queue::topic::catalog::Topics;
+use crate::queue::topic::catalog::{Topics, legacy_records};
 use crate::queue::topic::consume::ConsumeContext;
 use crate::queue::topic::group::Groups;
 use crate::queue::topic::service::TopicService;
 use crate::queue::waiters::Waiters;
 use crate::state::ServerState;
+use levee_broker::names::META_QUEUE;
+use levee_cluster::{
+    LogStore, MetaCommand, MetaStateMachine, MetaWriter, NodeInfo, PeerNetwork, Raft,
+};
+use std::collections::BTreeMap;
 
 /// How often consumer-group leases are checked (the shortest lease is 1 s).
 const LEASE_CHECK_INTERVAL: Duration = Duration::from_millis(250);
@@ -76,14 +81,14 @@ pub enum StartError {
         /// What the store said.
         source: OpenError,
     },
-    /// The topics and group rates kept in the store cannot be read.
+    /// The metadata group (its log, state or start) failed.
     #[error(
-        "queue store {path}: the topic metadata cannot be read ({message}); restore the data \
-         dir from a backup",
+        "metadata group in {path}: {message}; restore the data dir from a backup, or move it \
+         away to start a new node",
         path = path.display()
     )]
-    Topics {
-        /// The store's directory.
+    Metadata {
+        /// The group's directory.
         path: std::path::PathBuf,
         /// What went wrong.
         message: String,
@@ -139,6 +144,7 @@ pub struct RunningServer {
     tick_task: JoinHandle<()>,
     trim_task: JoinHandle<()>,
     lease_task: JoinHandle<()>,
+    raft: MetadataGroup,
     store: Arc<Store>,
     grpc_task: JoinHandle<Result<(), tonic::transport::Error>>,
     admin_task: JoinHandle<std::io::Result<()>>,
@@ -158,7 +164,9 @@ impl RunningServer {
         // Recovery may take a while: it runs after the cheap checks above have passed.
         let store = Arc::new(open_store(config).await?);
         metrics.attach_store(&store);
-        let topics = Arc::new(load_topics(&store, config).await?);
+        let (raft, topics) = open_metadata(&store, config, &cluster).await?;
+        let raft = MetadataGroup(raft);
+        let topics = Arc::new(topics);
         let local_addr = |listener: &TcpListener, configured: SocketAddr| {
             listener.local_addr().unwrap_or(configured)
         };
@@ -242,6 +250,7 @@ impl RunningServer {
             tick_task,
             trim_task,
             lease_task,
+            raft,
             store,
             grpc_task,
             admin_task,
@@ -281,6 +290,7 @@ impl RunningServer {
             tick_task,
             trim_task,
             lease_task,
+            raft,
             store,
             mut grpc_task,
             mut admin_task,
@@ -298,6 +308,9 @@ impl RunningServer {
         let _ = tick_task.await;
         let _ = trim_task.await;
         let _ = lease_task.await;
+        if let Err(error) = raft.0.shutdown().await {
+            tracing::warn!(%error, "the metadata group did not stop cleanly");
+        }
         let _ = stop_grpc.send(true);
 
         let drained = tokio::time::timeout(grace, async {
@@ -398,16 +411,98 @@ fn queue_services(
     Ok((queue_service, topic_service, consume_context))
 }
 
-/// Replays the topics and group rates kept in the store, on the blocking pool.
-async fn load_topics(store: &Arc<Store>, config: &Config) -> Result<Topics, StartError> {
-    let store = Arc::clone(store);
-    let loaded = tokio::task::spawn_blocking(move || Topics::load(&store))
-        .await
-        .unwrap_or_else(|error| Err(error.to_string()));
-    loaded.map_err(|message| StartError::Topics {
-        path: config.data_dir.join(STORE_DIR_NAME),
+/// This node's Raft instance of the metadata group.
+struct MetadataGroup(Raft);
+
+impl std::fmt::Debug for MetadataGroup {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("MetadataGroup")
+    }
+}
+
+/// The metadata group's directory inside the data dir.
+pub const RAFT_DIR_NAME: &str = "raft";
+/// Longest a lone node waits to lead its own metadata group at start.
+const LEAD_WAIT_MAX: Duration = Duration::from_secs(10);
+
+/// Opens this node's metadata group (docs/CLUSTER.md): its log and state machine in the data
+/// dir, and its Raft instance. A lone server is a group of one: initialised with itself as
+/// the only voter on first start, it leads at once. A catalog kept by an older version in the
+/// store's `\0meta` queue is imported into the group once, then the queue is deleted.
+async fn open_metadata(
+    store: &Arc<Store>,
+    config: &Config,
+    cluster: &crate::data_dir::ClusterIdentity,
+) -> Result<(Raft, Topics), StartError> {
+    let directory = config.data_dir.join(RAFT_DIR_NAME);
+    let failed = |message: String| StartError::Metadata {
+        path: directory.clone(),
         message,
-    })
+    };
+    let log = LogStore::open(&directory.join("log")).map_err(|error| failed(error.to_string()))?;
+    let machine = MetaStateMachine::open(&directory.join("state"))
+        .map_err(|error| failed(error.to_string()))?;
+    let raft_config = openraft::Config {
+        cluster_name: cluster.cluster_id.clone(),
+        heartbeat_interval: 50,
+        election_timeout_min: 150,
+        election_timeout_max: 300,
+        ..openraft::Config::default()
+    }
+    .validate()
+    .map_err(|error| failed(error.to_string()))?;
+    let node_id = cluster.node_id;
+    let raft = Raft::new(
+        node_id,
+        Arc::new(raft_config),
+        PeerNetwork,
+        log,
+        machine.clone(),
+    )
+    .await
+    .map_err(|error| failed(error.to_string()))?;
+    if !raft
+        .is_initialized()
+        .await
+        .map_err(|error| failed(error.to_string()))?
+    {
+        let me = NodeInfo {
+            grpc_addr: config.grpc_addr.to_string(),
+            admin_addr: config.admin_addr.to_string(),
+            peer_addr: String::new(),
+        };
+        raft.initialize(BTreeMap::from([(node_id, me)]))
+            .await
+            .map_err(|error| failed(error.to_string()))?;
+    }
+    raft.wait(Some(LEAD_WAIT_MAX))
+        .current_leader(node_id, "a lone node leads its metadata group")
+        .await
+        .map_err(|error| failed(format!("this node did not lead its group: {error}")))?;
+    let writer = MetaWriter::new(raft.clone());
+    let legacy_store = Arc::clone(store);
+    let legacy = tokio::task::spawn_blocking(move || legacy_records(&legacy_store))
+        .await
+        .unwrap_or_else(|error| Err(error.to_string()))
+        .map_err(|message| failed(format!("the catalog of the \\0meta queue: {message}")))?;
+    if let Some(records) = legacy {
+        if machine.with_catalog(|catalog| catalog.records().is_empty()) {
+            let response = writer
+                .write(MetaCommand::Import(records))
+                .await
+                .map_err(|error| failed(error.to_string()))?;
+            if let Some(error) = response.refused {
+                return Err(failed(format!("importing the \\0meta queue: {error}")));
+            }
+        }
+        // Imported now (or before a crash that kept the queue): it is read no more.
+        let delete_store = Arc::clone(store);
+        tokio::task::spawn_blocking(move || delete_store.delete_queue(META_QUEUE))
+            .await
+            .map_err(|error| failed(error.to_string()))?
+            .map_err(|error| failed(error.to_string()))?;
+    }
+    Ok((raft, Topics::new(machine, writer)))
 }
 
 /// Opens (and recovers) the queue store in the data dir, on the blocking pool.

@@ -857,3 +857,53 @@ fn given_a_member_stuck_sending_to_a_client_that_stopped_reading_then_its_lease_
         );
     });
 }
+
+#[test]
+fn given_a_data_dir_of_an_older_version_then_its_catalog_is_imported_into_the_metadata_group() {
+    let directory = tempfile::tempdir().unwrap();
+    let data_dir = directory.path().join("data");
+    // The catalog as versions before the cluster kept it: records of the store's \0meta queue.
+    {
+        let (store, _) = levee_store::Store::open(
+            data_dir.join("queues"),
+            levee_store::StoreOptions::default(),
+        )
+        .unwrap();
+        for record in [
+            &br#"{"kind":"topic","topic":"legacy","partitions":3}"#[..],
+            br#"{"kind":"group_rate","group":"billing","messages_per_s":5.0}"#,
+            br#"{"kind":"producer_rate","producer_name":"checkout","messages_per_s":7.0}"#,
+        ] {
+            store.append(b"\0meta", record).unwrap();
+        }
+        store.close().unwrap();
+    }
+    let runtime = runtime();
+    let check = |server: &LeveeProcess| {
+        runtime.block_on(async {
+            let client = Client::connect(&server.grpc()).await.unwrap();
+            let topic = client.describe_topic("legacy").await.unwrap();
+            assert_eq!(topic.partitions.len(), 3);
+        });
+        let (_, rate) = http_get(server.admin_addr, "/v1/groups/billing/rate");
+        assert!(rate.contains("\"messages_per_s\":5.0"), "{rate}");
+        let (_, producer) = http_get(server.admin_addr, "/v1/producers/checkout/rate");
+        assert!(producer.contains("\"messages_per_s\":7.0"), "{producer}");
+    };
+    for _ in 0..2 {
+        // Imported on the first start, kept by the group's own log on the second.
+        let mut server = LeveeProcess::start_in(&data_dir, &[]);
+        check(&server);
+        server.signal("TERM");
+        assert_eq!(server.wait_exit(Duration::from_secs(10)).code(), Some(0));
+    }
+    let (store, _) = levee_store::Store::open(
+        data_dir.join("queues"),
+        levee_store::StoreOptions::default(),
+    )
+    .unwrap();
+    assert!(
+        store.queue_info(b"\0meta").unwrap().is_none(),
+        "the old queue is read no more, and deleted"
+    );
+}

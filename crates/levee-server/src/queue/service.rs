@@ -511,10 +511,10 @@ impl Queues for QueueService {
             max_age_ms: request.max_age_ms,
             max_bytes: request.max_bytes,
         };
+        self.topics.set_retention(&request.prefix, rule).await?;
         let topics = Arc::clone(&self.topics);
         let messages_removed = self
             .blocking(move |store| {
-                topics.set_retention(store, &request.prefix, rule)?;
                 let now_ms = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |since| {

@@ -128,13 +128,11 @@ impl TopicService {
         group: String,
         messages_per_s: f64,
     ) -> Result<(), WireError> {
-        let (topics, pacers) = (Arc::clone(&context.topics), Arc::clone(&context.pacers));
+        let pacers = &context.pacers;
         context
-            .calls
-            .run(move |store| {
-                topics.set_rate(store, &group, messages_per_s, || {
-                    pacers.set(&group, messages_per_s);
-                })
+            .topics
+            .set_rate(&group, messages_per_s, || {
+                pacers.set(&group, messages_per_s);
             })
             .await
     }
@@ -145,14 +143,11 @@ impl TopicService {
         producer_name: String,
         messages_per_s: f64,
     ) -> Result<(), WireError> {
-        let topics = Arc::clone(&context.topics);
-        let rates = Arc::clone(&context.producer_rates);
+        let rates = &context.producer_rates;
         context
-            .calls
-            .run(move |store| {
-                topics.set_producer_rate(store, &producer_name, messages_per_s, || {
-                    rates.set(&producer_name, messages_per_s);
-                })
+            .topics
+            .set_producer_rate(&producer_name, messages_per_s, || {
+                rates.set(&producer_name, messages_per_s);
             })
             .await
     }
@@ -184,11 +179,10 @@ impl TopicsApi for TopicService {
         request: Request<CreateTopicRequest>,
     ) -> Result<Response<CreateTopicResponse>, Status> {
         let request = request.into_inner();
-        let topics = Arc::clone(&self.context.topics);
         let existed = self
             .context
-            .calls
-            .run(move |store| topics.create(store, &request.topic, request.partitions))
+            .topics
+            .create(&request.topic, request.partitions)
             .await?;
         Ok(Response::new(CreateTopicResponse { existed }))
     }
