@@ -6,6 +6,8 @@
 //!   ([`NodeInfo`]: its addresses).
 //! - [`log_store`]: [`LogStore`], the Raft log, vote and purge point in a fjall keyspace; every
 //!   append and vote is persisted (fsynced) before openraft is told it is durable.
+//! - [`join`]: a new node asks a member to add it; the leader adds it as a learner, then a
+//!   voter.
 //! - [`network`]: openraft's calls between nodes over the peer gRPC service.
 //! - [`state_machine`]: [`MetaStateMachine`], the replicated state (the broker's catalog and
 //!   the membership) applied from the log, with its snapshot in a file.
@@ -24,6 +26,7 @@
 use std::io::Cursor;
 
 pub mod command;
+pub mod join;
 pub mod log_store;
 pub mod network;
 pub mod state_machine;

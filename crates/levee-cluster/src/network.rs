@@ -207,6 +207,11 @@ impl Peer for PeerService {
         encode(&answer)
     }
 
+    async fn join(&self, request: Request<PeerMessage>) -> Result<Response<PeerMessage>, Status> {
+        let answer = crate::join::add_node(&self.raft, decode(request)?).await;
+        encode(&answer)
+    }
+
     async fn forward(
         &self,
         request: Request<PeerMessage>,

@@ -100,6 +100,14 @@ pub struct Config {
     /// This node's id in its cluster (1 for a lone server); kept in the data dir, which will
     /// not start as another node.
     pub node_id: u64,
+    /// Where this node listens for its cluster's other nodes (docs/CLUSTER.md); none for a
+    /// lone server, which needs no peer port.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peer_addr: Option<ListenAddress>,
+    /// A member's peer address to join its cluster through, on this node's first start (a
+    /// node that has joined rejoins by itself after).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub join: Option<String>,
     /// A file the `levee server` command writes once the server is ready: its bound
     /// addresses and process id as JSON (so a script that started it on port 0 learns them),
     /// removed on a graceful shutdown. None by default.
@@ -113,7 +121,7 @@ impl Default for Config {
             grpc_addr: ListenAddress(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 7070)),
             admin_addr: ListenAddress(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 7071)),
             data_dir: PathBuf::from(DATA_DIR_DEFAULT),
-            log_level: LogLevel("info".to_owned()),
+            log_level: LogLevel("info,openraft=warn".to_owned()),
             log_format: LogFormat::Text,
             shutdown_grace_ms: SHUTDOWN_GRACE_MS_DEFAULT,
             connections_max: CONNECTIONS_MAX_DEFAULT,
@@ -126,6 +134,8 @@ impl Default for Config {
             queue_buffer_budget_mb: QUEUE_BUFFER_BUDGET_MB_DEFAULT,
             queue_position_log_compact_entries: QUEUE_POSITION_LOG_COMPACT_ENTRIES_DEFAULT,
             node_id: 1,
+            peer_addr: None,
+            join: None,
             ready_file: None,
         }
     }
@@ -151,6 +161,8 @@ struct FileConfig {
     queue_buffer_budget_mb: Option<u64>,
     queue_position_log_compact_entries: Option<u64>,
     node_id: Option<u64>,
+    peer_addr: Option<String>,
+    join: Option<String>,
     ready_file: Option<PathBuf>,
 }
 
@@ -219,6 +231,10 @@ pub struct Overrides {
     pub queue_position_log_compact_entries: Option<Override>,
     /// `--node-id` / `LEVEE_NODE_ID`.
     pub node_id: Option<Override>,
+    /// `--peer-addr` / `LEVEE_PEER_ADDR`.
+    pub peer_addr: Option<Override>,
+    /// `--join` / `LEVEE_JOIN`.
+    pub join: Option<Override>,
     /// `--ready-file` / `LEVEE_READY_FILE`.
     pub ready_file: Option<Override>,
 }
@@ -269,6 +285,10 @@ pub enum ConfigError {
 
 impl Config {
     /// Builds the effective configuration from an optional file and the overrides.
+    #[allow(
+        clippy::too_many_lines,
+        reason = "one layer per setting, in the README's order"
+    )]
     pub fn load(file: Option<&Path>, overrides: &Overrides) -> Result<Self, ConfigError> {
         let (file_config, file_path) = match file {
             Some(path) => (read_file(path)?, Some(path.to_path_buf())),
@@ -362,6 +382,15 @@ impl Config {
         layer!(node_id, text(file_config.node_id), |raw| {
             parse_bounded(raw, 1, NODE_ID_MAX)
         });
+        layer!(peer_addr, file_config.peer_addr, |raw| parse_setting(raw)
+            .map(Some));
+        layer!(join, file_config.join, |raw: (
+            String,
+            Source,
+            &'static str
+        )| {
+            parse_setting::<ListenAddress>(raw.clone()).map(|_| Some(raw.0))
+        });
         layer!(
             ready_file,
             file_config
@@ -385,6 +414,14 @@ impl Config {
 
     /// Checks settings that bound each other.
     fn check_combinations(&self) -> Result<(), ConfigError> {
+        if self.join.is_some() && self.peer_addr.is_none() {
+            return Err(ConfigError::Combination {
+                keys: "join and peer_addr",
+                message: "a node that joins a cluster needs --peer-addr, where the other nodes \
+                          reach it"
+                    .to_owned(),
+            });
+        }
         let report_bytes = self.hotkey_report_message_bytes_max();
         if report_bytes > HOTKEY_REPORT_MESSAGE_BYTES_MAX {
             return Err(ConfigError::Combination {

@@ -43,8 +43,10 @@ use crate::queue::topic::service::TopicService;
 use crate::queue::waiters::Waiters;
 use crate::state::ServerState;
 use levee_broker::names::META_QUEUE;
+use levee_cluster::join::{JoinRequest, join};
 use levee_cluster::{
-    LogStore, MetaCommand, MetaStateMachine, MetaWriter, NodeInfo, PeerNetwork, Raft,
+    LogStore, MetaCommand, MetaStateMachine, MetaWriter, NodeId, NodeInfo, PeerNetwork,
+    PeerService, Raft,
 };
 use std::collections::BTreeMap;
 
@@ -148,6 +150,7 @@ pub struct RunningServer {
     store: Arc<Store>,
     grpc_task: JoinHandle<Result<(), tonic::transport::Error>>,
     admin_task: JoinHandle<std::io::Result<()>>,
+    peer_addr: Option<SocketAddr>,
 }
 
 impl RunningServer {
@@ -161,18 +164,17 @@ impl RunningServer {
         let hub = Arc::new(HotKeyHub::open(config, shard_count)?.with_metrics(metrics.clone()));
         let grpc_listener = bind("gRPC", config.grpc_addr.0, "--grpc-addr").await?;
         let admin_listener = bind("admin HTTP", config.admin_addr.0, "--admin-addr").await?;
+        let grpc_addr = grpc_listener.local_addr().unwrap_or(config.grpc_addr.0);
+        let admin_addr = admin_listener.local_addr().unwrap_or(config.admin_addr.0);
+        let (peer_listener, peer_addr, me) = bind_peer(config, grpc_addr, admin_addr).await?;
         // Recovery may take a while: it runs after the cheap checks above have passed.
         let store = Arc::new(open_store(config).await?);
         metrics.attach_store(&store);
-        let (raft, topics) = open_metadata(&store, config, &cluster).await?;
-        let raft = MetadataGroup(raft);
+        let (raft, topics) = open_metadata(&store, config, &cluster, me, peer_listener).await?;
         let topics = Arc::new(topics);
-        let local_addr = |listener: &TcpListener, configured: SocketAddr| {
-            listener.local_addr().unwrap_or(configured)
-        };
         let state = Arc::new(ServerState::new(
-            local_addr(&grpc_listener, config.grpc_addr.0),
-            local_addr(&admin_listener, config.admin_addr.0),
+            grpc_addr,
+            admin_addr,
             data_dir.path().to_path_buf(),
             cluster,
             metrics,
@@ -235,6 +237,7 @@ impl RunningServer {
         tracing::info!(
             grpc_addr = %state.grpc_addr,
             admin_addr = %state.admin_addr,
+            peer_addr = peer_addr.map(tracing::field::display),
             data_dir = %state.data_dir.display(),
             cluster_id = %state.cluster.cluster_id,
             node_id = state.cluster.node_id,
@@ -254,6 +257,7 @@ impl RunningServer {
             store,
             grpc_task,
             admin_task,
+            peer_addr,
         })
     }
 
@@ -265,6 +269,11 @@ impl RunningServer {
     /// The bound admin HTTP address.
     pub fn admin_addr(&self) -> SocketAddr {
         self.state.admin_addr
+    }
+
+    /// The bound peer (Raft) address, when the server was given `--peer-addr`.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.peer_addr
     }
 
     /// Completes only if a listener task stops on its own, which is a fatal error.
@@ -294,6 +303,7 @@ impl RunningServer {
             store,
             mut grpc_task,
             mut admin_task,
+            peer_addr: _,
         } = self;
         state.set_ready(false);
         health
@@ -308,8 +318,12 @@ impl RunningServer {
         let _ = tick_task.await;
         let _ = trim_task.await;
         let _ = lease_task.await;
-        if let Err(error) = raft.0.shutdown().await {
+        if let Err(error) = raft.raft.shutdown().await {
             tracing::warn!(%error, "the metadata group did not stop cleanly");
+        }
+        let _ = raft.stop_peers.send(true);
+        if let Some(peer_task) = raft.peer_task {
+            let _ = peer_task.await;
         }
         let _ = stop_grpc.send(true);
 
@@ -411,13 +425,42 @@ fn queue_services(
     Ok((queue_service, topic_service, consume_context))
 }
 
-/// This node's Raft instance of the metadata group.
-struct MetadataGroup(Raft);
+/// This node's Raft instance of the metadata group, and its peer server (if it has a peer
+/// port).
+struct MetadataGroup {
+    raft: Raft,
+    peer_task: Option<JoinHandle<Result<(), tonic::transport::Error>>>,
+    stop_peers: watch::Sender<bool>,
+}
 
 impl std::fmt::Debug for MetadataGroup {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         formatter.write_str("MetadataGroup")
     }
+}
+
+/// Binds the peer listener, if the configuration names a peer address, and says this node's
+/// addresses as the cluster will know them.
+async fn bind_peer(
+    config: &Config,
+    grpc_addr: SocketAddr,
+    admin_addr: SocketAddr,
+) -> Result<(Option<TcpListener>, Option<SocketAddr>, NodeInfo), StartError> {
+    let peer_listener = match config.peer_addr {
+        Some(address) => Some(bind("peer", address.0, "--peer-addr").await?),
+        None => None,
+    };
+    let peer_addr = peer_listener
+        .as_ref()
+        .and_then(|listener| listener.local_addr().ok());
+    let me = NodeInfo {
+        grpc_addr: grpc_addr.to_string(),
+        admin_addr: admin_addr.to_string(),
+        peer_addr: peer_addr
+            .map(|address| address.to_string())
+            .unwrap_or_default(),
+    };
+    Ok((peer_listener, peer_addr, me))
 }
 
 /// The metadata group's directory inside the data dir.
@@ -433,7 +476,9 @@ async fn open_metadata(
     store: &Arc<Store>,
     config: &Config,
     cluster: &crate::data_dir::ClusterIdentity,
-) -> Result<(Raft, Topics), StartError> {
+    me: NodeInfo,
+    peer_listener: Option<TcpListener>,
+) -> Result<(MetadataGroup, Topics), StartError> {
     let directory = config.data_dir.join(RAFT_DIR_NAME);
     let failed = |message: String| StartError::Metadata {
         path: directory.clone(),
@@ -461,48 +506,107 @@ async fn open_metadata(
     )
     .await
     .map_err(|error| failed(error.to_string()))?;
-    if !raft
+    // Peers reach this node's Raft before it joins: the leader replicates to it while adding it.
+    let (stop_peers, _) = watch::channel(false);
+    let mut stopped_peers = stop_peers.subscribe();
+    let peer_task = peer_listener.map(|listener| {
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(PeerService::server(raft.clone()))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    async move {
+                        let _ = stopped_peers.wait_for(|stop| *stop).await;
+                    },
+                ),
+        )
+    });
+    let joined = join_or_initialize(&raft, config, node_id, me)
+        .await
+        .map_err(failed)?;
+    raft.wait(Some(LEAD_WAIT_MAX))
+        .metrics(
+            |metrics| metrics.current_leader.is_some(),
+            "the metadata group has a leader",
+        )
+        .await
+        .map_err(|error| {
+            failed(format!(
+                "no leader of the metadata group within {} s ({error}); start a majority of the \
+                 cluster's nodes",
+                LEAD_WAIT_MAX.as_secs()
+            ))
+        })?;
+    let writer = MetaWriter::new(raft.clone());
+    if !joined {
+        import_legacy(store, &machine, &writer)
+            .await
+            .map_err(failed)?;
+    }
+    let group = MetadataGroup {
+        raft,
+        peer_task,
+        stop_peers,
+    };
+    Ok((group, Topics::new(machine, writer)))
+}
+
+/// On a node's first start, joins the cluster `--join` names or, without it, initialises a
+/// group of one with this node as its only voter. True when the node joined.
+async fn join_or_initialize(
+    raft: &Raft,
+    config: &Config,
+    node_id: NodeId,
+    me: NodeInfo,
+) -> Result<bool, String> {
+    if raft
         .is_initialized()
         .await
-        .map_err(|error| failed(error.to_string()))?
+        .map_err(|error| error.to_string())?
     {
-        let me = NodeInfo {
-            grpc_addr: config.grpc_addr.to_string(),
-            admin_addr: config.admin_addr.to_string(),
-            peer_addr: String::new(),
-        };
-        raft.initialize(BTreeMap::from([(node_id, me)]))
-            .await
-            .map_err(|error| failed(error.to_string()))?;
+        return Ok(false);
     }
-    raft.wait(Some(LEAD_WAIT_MAX))
-        .current_leader(node_id, "a lone node leads its metadata group")
+    if let Some(seed) = &config.join {
+        join(seed, &JoinRequest { node_id, node: me }).await?;
+        return Ok(true);
+    }
+    raft.initialize(BTreeMap::from([(node_id, me)]))
         .await
-        .map_err(|error| failed(format!("this node did not lead its group: {error}")))?;
-    let writer = MetaWriter::new(raft.clone());
+        .map_err(|error| error.to_string())?;
+    Ok(false)
+}
+
+/// Imports a catalog kept by an older version in the store's `\0meta` queue into the group,
+/// unless the group already has one, then deletes the queue.
+async fn import_legacy(
+    store: &Arc<Store>,
+    machine: &MetaStateMachine,
+    writer: &MetaWriter,
+) -> Result<(), String> {
     let legacy_store = Arc::clone(store);
     let legacy = tokio::task::spawn_blocking(move || legacy_records(&legacy_store))
         .await
         .unwrap_or_else(|error| Err(error.to_string()))
-        .map_err(|message| failed(format!("the catalog of the \\0meta queue: {message}")))?;
-    if let Some(records) = legacy {
-        if machine.with_catalog(|catalog| catalog.records().is_empty()) {
-            let response = writer
-                .write(MetaCommand::Import(records))
-                .await
-                .map_err(|error| failed(error.to_string()))?;
-            if let Some(error) = response.refused {
-                return Err(failed(format!("importing the \\0meta queue: {error}")));
-            }
-        }
-        // Imported now (or before a crash that kept the queue): it is read no more.
-        let delete_store = Arc::clone(store);
-        tokio::task::spawn_blocking(move || delete_store.delete_queue(META_QUEUE))
+        .map_err(|message| format!("the catalog of the \\0meta queue: {message}"))?;
+    let Some(records) = legacy else {
+        return Ok(());
+    };
+    if machine.with_catalog(|catalog| catalog.records().is_empty()) {
+        let response = writer
+            .write(MetaCommand::Import(records))
             .await
-            .map_err(|error| failed(error.to_string()))?
-            .map_err(|error| failed(error.to_string()))?;
+            .map_err(|error| error.to_string())?;
+        if let Some(error) = response.refused {
+            return Err(format!("importing the \\0meta queue: {error}"));
+        }
     }
-    Ok((raft, Topics::new(machine, writer)))
+    // Imported now (or before a crash that kept the queue): it is read no more.
+    let delete_store = Arc::clone(store);
+    tokio::task::spawn_blocking(move || delete_store.delete_queue(META_QUEUE))
+        .await
+        .map_err(|error| error.to_string())?
+        .map(|_deleted| ())
+        .map_err(|error| error.to_string())
 }
 
 /// Opens (and recovers) the queue store in the data dir, on the blocking pool.

@@ -75,6 +75,14 @@ pub struct ServerArgs {
     /// another node [default: 1]
     #[arg(long, env = "LEVEE_NODE_ID", value_name = "ID")]
     node_id: Option<String>,
+    /// Where this node listens for its cluster's other nodes, HOST:PORT [default: none, a lone
+    /// server needs no peer port]
+    #[arg(long, env = "LEVEE_PEER_ADDR", value_name = "HOST:PORT")]
+    peer_addr: Option<String>,
+    /// Join the cluster of the member whose peer address this is, on this node's first start
+    /// (needs --peer-addr)
+    #[arg(long, env = "LEVEE_JOIN", value_name = "HOST:PORT")]
+    join: Option<String>,
     /// Once ready, write the bound addresses and process id to this file as JSON (removed on
     /// a graceful shutdown) [default: none]
     #[arg(long, env = "LEVEE_READY_FILE", value_name = "PATH")]
@@ -124,6 +132,8 @@ impl ServerArgs {
                 &self.queue_position_log_compact_entries,
             ),
             node_id: given("node_id", &self.node_id),
+            peer_addr: given("peer_addr", &self.peer_addr),
+            join: given("join", &self.join),
             ready_file: given("ready_file", &self.ready_file),
         }
     }
@@ -212,12 +222,13 @@ async fn serve(config: Config) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// Writes the ready file: `{"grpc_addr", "admin_addr", "pid"}`, whole or not at all (a
+/// Writes the ready file: `{"grpc_addr", "admin_addr", "peer_addr", "pid"}`, whole or not at all (a
 /// temporary file beside it, renamed).
 fn write_ready_file(path: &std::path::Path, server: &RunningServer) -> std::io::Result<()> {
     let facts = serde_json::json!({
         "grpc_addr": server.grpc_addr().to_string(),
         "admin_addr": server.admin_addr().to_string(),
+        "peer_addr": server.peer_addr().map(|address| address.to_string()),
         "pid": std::process::id(),
     });
     let mut temporary = path.as_os_str().to_owned();

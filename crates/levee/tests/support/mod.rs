@@ -29,6 +29,8 @@ pub struct LeveeProcess {
     child: Child,
     pub grpc_addr: SocketAddr,
     pub admin_addr: SocketAddr,
+    /// The peer (Raft) address, when started with `--peer-addr`.
+    pub peer_addr: Option<SocketAddr>,
     pub data_dir: PathBuf,
     log_lines: mpsc::Receiver<String>,
     pub logs: Vec<String>,
@@ -118,6 +120,9 @@ impl LeveeProcess {
                 return Ok(Self {
                     grpc_addr: address("grpc_addr"),
                     admin_addr: address("admin_addr"),
+                    peer_addr: event["peer_addr"]
+                        .as_str()
+                        .map(|peer| peer.parse().unwrap()),
                     child,
                     data_dir: data_dir.to_path_buf(),
                     log_lines,

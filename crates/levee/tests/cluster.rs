@@ -1,0 +1,147 @@
+//! Several `levee server` processes forming one cluster over loopback (docs/CLUSTER.md): the
+//! catalog written through any node is seen by every node, and survives the leader's kill -9.
+
+mod support;
+
+use std::time::Duration;
+
+use levee_client::Client;
+use support::{LeveeProcess, run_to_exit, runtime, wait_for};
+
+/// How long a cluster may take to see a write everywhere, or to elect a new leader.
+const CONVERGE_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Starts node 1 alone, then nodes 2 and 3 joining it.
+fn three_nodes(directory: &std::path::Path) -> Vec<LeveeProcess> {
+    let first = LeveeProcess::start_in(
+        &directory.join("n1"),
+        &["--node-id", "1", "--peer-addr", "127.0.0.1:0"],
+    );
+    let seed = first
+        .peer_addr
+        .expect("node 1 logs its peer address")
+        .to_string();
+    let mut nodes = vec![first];
+    for node_id in ["2", "3"] {
+        nodes.push(LeveeProcess::start_in(
+            &directory.join(format!("n{node_id}")),
+            &[
+                "--node-id",
+                node_id,
+                "--peer-addr",
+                "127.0.0.1:0",
+                "--join",
+                &seed,
+            ],
+        ));
+    }
+    nodes
+}
+
+/// The topics a node knows, by name.
+fn topics(runtime: &tokio::runtime::Runtime, node: &LeveeProcess) -> Vec<String> {
+    runtime.block_on(async {
+        let Ok(client) = Client::connect(&node.grpc()).await else {
+            return Vec::new();
+        };
+        client
+            .list_topics()
+            .await
+            .map(|topics| topics.into_iter().map(|topic| topic.topic).collect())
+            .unwrap_or_default()
+    })
+}
+
+/// Creates `topic` through `node`, retrying while the cluster has no leader.
+fn create_topic(runtime: &tokio::runtime::Runtime, node: &LeveeProcess, topic: &str) {
+    wait_for(&format!("{topic} created"), CONVERGE_TIMEOUT, || {
+        runtime.block_on(async {
+            let client = Client::connect(&node.grpc()).await.unwrap();
+            client.create_topic(topic, 2).await.is_ok()
+        })
+    });
+}
+
+#[test]
+fn given_three_nodes_when_the_leader_is_killed_then_the_catalog_is_kept_and_still_writable() {
+    let directory = tempfile::tempdir().unwrap();
+    let runtime = runtime();
+    let mut nodes = three_nodes(directory.path());
+
+    // Written through a follower: forwarded to the leader, then seen by every node.
+    create_topic(&runtime, &nodes[1], "orders");
+    for node in &nodes {
+        wait_for("orders on every node", CONVERGE_TIMEOUT, || {
+            topics(&runtime, node) == ["orders"]
+        });
+    }
+
+    // Node 1 started the cluster and leads it; losing it leaves two of three, a majority.
+    let leader = nodes.remove(0);
+    let leader_peer = leader.peer_addr.unwrap().to_string();
+    leader.signal("KILL");
+    drop(leader);
+    create_topic(&runtime, &nodes[1], "after-failover");
+    for node in &nodes {
+        wait_for("both topics on the survivors", CONVERGE_TIMEOUT, || {
+            topics(&runtime, node) == ["after-failover", "orders"]
+        });
+    }
+
+    // The killed node comes back from its data dir, without --join, on the peer address the
+    // members know it by, and catches up.
+    let restarted = LeveeProcess::start_in(
+        &directory.path().join("n1"),
+        &["--node-id", "1", "--peer-addr", &leader_peer],
+    );
+    wait_for("the restarted node caught up", CONVERGE_TIMEOUT, || {
+        topics(&runtime, &restarted) == ["after-failover", "orders"]
+    });
+}
+
+#[test]
+fn given_a_node_id_in_use_when_another_node_joins_with_it_then_it_is_refused_with_the_fix() {
+    let directory = tempfile::tempdir().unwrap();
+    let nodes = three_nodes(directory.path());
+    let seed = nodes[0].peer_addr.unwrap().to_string();
+    let data_dir = directory.path().join("taken");
+    let (code, _, stderr) = run_to_exit(
+        &[
+            "server",
+            "--node-id",
+            "2",
+            "--data-dir",
+            data_dir.to_str().unwrap(),
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--admin-addr",
+            "127.0.0.1:0",
+            "--peer-addr",
+            "127.0.0.1:0",
+            "--join",
+            &seed,
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("node id 2 is taken"), "{stderr}");
+    assert!(stderr.contains("--node-id"), "{stderr}");
+}
+
+#[test]
+fn given_join_without_a_peer_address_then_the_server_refuses_to_start() {
+    let directory = tempfile::tempdir().unwrap();
+    let data_dir = directory.path().join("data");
+    let (code, _, stderr) = run_to_exit(
+        &[
+            "server",
+            "--data-dir",
+            data_dir.to_str().unwrap(),
+            "--join",
+            "127.0.0.1:7072",
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("peer_addr"), "{stderr}");
+}
