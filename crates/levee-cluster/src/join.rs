@@ -43,7 +43,12 @@ pub struct JoinRefusal {
 }
 
 /// On the member: adds `request`'s node, as a learner then a voter, if this node leads.
-pub async fn add_node(raft: &Raft, request: JoinRequest) -> Result<(), JoinRefusal> {
+/// Answers the cluster's id, which the new node adopts.
+pub async fn add_node(
+    raft: &Raft,
+    cluster_id: &str,
+    request: JoinRequest,
+) -> Result<String, JoinRefusal> {
     let refused = |error: RaftError<NodeId, ClientWriteError<NodeId, NodeInfo>>| match error {
         RaftError::APIError(ClientWriteError::ForwardToLeader(forward)) => JoinRefusal {
             message: "this node does not lead the cluster".to_owned(),
@@ -85,18 +90,18 @@ pub async fn add_node(raft: &Raft, request: JoinRequest) -> Result<(), JoinRefus
     )
     .await
     .map_err(refused)?;
-    Ok(())
+    Ok(cluster_id.to_owned())
 }
 
 /// On the new node: asks the member at `seed` (a peer address) to add this node, following
-/// the leader it names, until added or [`JOIN_WAIT_MAX`] passed.
-pub async fn join(seed: &str, request: &JoinRequest) -> Result<(), String> {
+/// the leader it names, until added or [`JOIN_WAIT_MAX`] passed. Answers the cluster's id.
+pub async fn join(seed: &str, request: &JoinRequest) -> Result<String, String> {
     let started = Instant::now();
     let mut address = seed.to_owned();
     let json = serde_json::to_vec(request).map_err(|error| error.to_string())?;
     loop {
         let reason = match ask(&address, json.clone()).await {
-            Ok(Ok(())) => return Ok(()),
+            Ok(Ok(cluster_id)) => return Ok(cluster_id),
             Ok(Err(refusal)) if refusal.permanent => return Err(refusal.message),
             Ok(Err(refusal)) => {
                 if let Some(leader) = refusal.leader_peer_addr.filter(|leader| !leader.is_empty()) {
@@ -117,7 +122,7 @@ pub async fn join(seed: &str, request: &JoinRequest) -> Result<(), String> {
     }
 }
 
-async fn ask(address: &str, json: Vec<u8>) -> Result<Result<(), JoinRefusal>, String> {
+async fn ask(address: &str, json: Vec<u8>) -> Result<Result<String, JoinRefusal>, String> {
     let channel = Channel::from_shared(format!("http://{address}"))
         .map_err(|error| error.to_string())?
         .connect_timeout(PEER_CONNECT_TIMEOUT)

@@ -152,6 +152,7 @@ impl RaftNetwork<MetaConfig> for PeerConnection {
 #[derive(Clone)]
 pub struct PeerService {
     raft: Raft,
+    cluster_id: tokio::sync::watch::Receiver<String>,
 }
 
 impl std::fmt::Debug for PeerService {
@@ -161,9 +162,13 @@ impl std::fmt::Debug for PeerService {
 }
 
 impl PeerService {
-    /// The service of `raft`, for a tonic server on the peer port.
-    pub fn server(raft: Raft) -> PeerServer<Self> {
-        PeerServer::new(Self { raft })
+    /// The service of `raft`, for a tonic server on the peer port; `cluster_id` is what a
+    /// joining node is told to adopt (it changes once, when this node itself joins).
+    pub fn server(
+        raft: Raft,
+        cluster_id: tokio::sync::watch::Receiver<String>,
+    ) -> PeerServer<Self> {
+        PeerServer::new(Self { raft, cluster_id })
     }
 }
 
@@ -208,7 +213,8 @@ impl Peer for PeerService {
     }
 
     async fn join(&self, request: Request<PeerMessage>) -> Result<Response<PeerMessage>, Status> {
-        let answer = crate::join::add_node(&self.raft, decode(request)?).await;
+        let cluster_id = self.cluster_id.borrow().clone();
+        let answer = crate::join::add_node(&self.raft, &cluster_id, decode(request)?).await;
         encode(&answer)
     }
 

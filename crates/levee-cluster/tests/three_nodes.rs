@@ -55,7 +55,10 @@ async fn start(id: NodeId) -> Node {
     let (stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(PeerService::server(raft.clone()))
+            .add_service(PeerService::server(
+                raft.clone(),
+                tokio::sync::watch::channel("test".to_owned()).1,
+            ))
             .serve_with_incoming_shutdown(
                 tokio_stream::wrappers::TcpListenerStream::new(listener),
                 async {

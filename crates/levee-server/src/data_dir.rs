@@ -194,21 +194,31 @@ impl DataDir {
                     cluster_id: new_cluster_id(),
                     node_id,
                 };
-                let bytes =
-                    serde_json::to_vec_pretty(&identity).map_err(|error| bad(error.to_string()))?;
-                let temporary = self.path.join(format!("{CLUSTER_FILE_NAME}.partial"));
-                let written = (|| {
-                    let mut out = File::create(&temporary)?;
-                    out.write_all(&bytes)?;
-                    out.sync_all()?;
-                    std::fs::rename(&temporary, &file)?;
-                    File::open(&self.path)?.sync_all()
-                })();
-                written.map_err(|source| DataDirError::NotWritable { path: file, source })?;
+                self.write_identity(&identity)?;
                 Ok(identity)
             }
             Err(source) => Err(DataDirError::NotWritable { path: file, source }),
         }
+    }
+
+    /// Makes `identity` the directory's, durably: a node that joined a cluster takes the
+    /// cluster's id in place of the one it made on its first start.
+    pub fn write_identity(&self, identity: &ClusterIdentity) -> Result<(), DataDirError> {
+        let file = self.path.join(CLUSTER_FILE_NAME);
+        let bytes =
+            serde_json::to_vec_pretty(identity).map_err(|error| DataDirError::BadIdentity {
+                path: self.path.clone(),
+                reason: error.to_string(),
+            })?;
+        let temporary = self.path.join(format!("{CLUSTER_FILE_NAME}.partial"));
+        let written = (|| {
+            let mut out = File::create(&temporary)?;
+            out.write_all(&bytes)?;
+            out.sync_all()?;
+            std::fs::rename(&temporary, &file)?;
+            File::open(&self.path)?.sync_all()
+        })();
+        written.map_err(|source| DataDirError::NotWritable { path: file, source })
     }
 
     /// The directory's path, as configured.

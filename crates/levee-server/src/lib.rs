@@ -26,6 +26,7 @@
 mod admin_http;
 mod admin_service;
 mod api_error;
+mod cluster_http;
 pub mod config;
 mod connection;
 mod data_dir;

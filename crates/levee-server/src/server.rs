@@ -158,7 +158,7 @@ impl RunningServer {
     /// anything, if any of them cannot be had.
     pub async fn start(config: &Config) -> Result<Self, StartError> {
         let data_dir = DataDir::open(&config.data_dir)?;
-        let cluster = data_dir.identity(config.node_id)?;
+        let mut cluster = data_dir.identity(config.node_id)?;
         let metrics = Metrics::new();
         let shard_count = std::thread::available_parallelism().map_or(1, usize::from);
         let hub = Arc::new(HotKeyHub::open(config, shard_count)?.with_metrics(metrics.clone()));
@@ -170,8 +170,8 @@ impl RunningServer {
         // Recovery may take a while: it runs after the cheap checks above have passed.
         let store = Arc::new(open_store(config).await?);
         metrics.attach_store(&store);
-        let (raft, topics) = open_metadata(&store, config, &cluster, me, peer_listener).await?;
-        let topics = Arc::new(topics);
+        let (raft, topics) =
+            open_metadata(&store, config, (&data_dir, &mut cluster), me, peer_listener).await?;
         let state = Arc::new(ServerState::new(
             grpc_addr,
             admin_addr,
@@ -225,6 +225,7 @@ impl RunningServer {
         let grpc_task = tokio::spawn(grpc_server);
 
         let admin_router = admin_http::router(Arc::clone(&state))
+            .merge(crate::cluster_http::router(raft.raft.clone()))
             .merge(hotkey::http::router(Arc::clone(&hub)))
             .merge(crate::queue::http::router(consume_context))
             .fallback(crate::api_error::not_found)
@@ -471,14 +472,15 @@ const LEAD_WAIT_MAX: Duration = Duration::from_secs(10);
 /// Opens this node's metadata group (docs/CLUSTER.md): its log and state machine in the data
 /// dir, and its Raft instance. A lone server is a group of one: initialised with itself as
 /// the only voter on first start, it leads at once. A catalog kept by an older version in the
-/// store's `\0meta` queue is imported into the group once, then the queue is deleted.
+/// store's `\0meta` queue is imported into the group once, then the queue is deleted. A node
+/// that joins a cluster takes its id, in `cluster.json` too.
 async fn open_metadata(
     store: &Arc<Store>,
     config: &Config,
-    cluster: &crate::data_dir::ClusterIdentity,
+    (data_dir, cluster): (&DataDir, &mut crate::data_dir::ClusterIdentity),
     me: NodeInfo,
     peer_listener: Option<TcpListener>,
-) -> Result<(MetadataGroup, Topics), StartError> {
+) -> Result<(MetadataGroup, Arc<Topics>), StartError> {
     let directory = config.data_dir.join(RAFT_DIR_NAME);
     let failed = |message: String| StartError::Metadata {
         path: directory.clone(),
@@ -509,10 +511,11 @@ async fn open_metadata(
     // Peers reach this node's Raft before it joins: the leader replicates to it while adding it.
     let (stop_peers, _) = watch::channel(false);
     let mut stopped_peers = stop_peers.subscribe();
+    let (cluster_id, told_joiners) = watch::channel(cluster.cluster_id.clone());
     let peer_task = peer_listener.map(|listener| {
         tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(PeerService::server(raft.clone()))
+                .add_service(PeerService::server(raft.clone(), told_joiners))
                 .serve_with_incoming_shutdown(
                     tokio_stream::wrappers::TcpListenerStream::new(listener),
                     async move {
@@ -538,42 +541,48 @@ async fn open_metadata(
             ))
         })?;
     let writer = MetaWriter::new(raft.clone());
-    if !joined {
-        import_legacy(store, &machine, &writer)
+    match &joined {
+        Some(joined_id) => {
+            cluster_id.send_replace(joined_id.clone());
+            cluster.cluster_id.clone_from(joined_id);
+            data_dir.write_identity(cluster)?;
+        }
+        None => import_legacy(store, &machine, &writer)
             .await
-            .map_err(failed)?;
+            .map_err(failed)?,
     }
     let group = MetadataGroup {
         raft,
         peer_task,
         stop_peers,
     };
-    Ok((group, Topics::new(machine, writer)))
+    Ok((group, Arc::new(Topics::new(machine, writer))))
 }
 
 /// On a node's first start, joins the cluster `--join` names or, without it, initialises a
-/// group of one with this node as its only voter. True when the node joined.
+/// group of one with this node as its only voter. The cluster's id when the node joined.
 async fn join_or_initialize(
     raft: &Raft,
     config: &Config,
     node_id: NodeId,
     me: NodeInfo,
-) -> Result<bool, String> {
+) -> Result<Option<String>, String> {
     if raft
         .is_initialized()
         .await
         .map_err(|error| error.to_string())?
     {
-        return Ok(false);
+        return Ok(None);
     }
     if let Some(seed) = &config.join {
-        join(seed, &JoinRequest { node_id, node: me }).await?;
-        return Ok(true);
+        return join(seed, &JoinRequest { node_id, node: me })
+            .await
+            .map(Some);
     }
     raft.initialize(BTreeMap::from([(node_id, me)]))
         .await
         .map_err(|error| error.to_string())?;
-    Ok(false)
+    Ok(None)
 }
 
 /// Imports a catalog kept by an older version in the store's `\0meta` queue into the group,

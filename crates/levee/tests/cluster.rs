@@ -6,7 +6,7 @@ mod support;
 use std::time::Duration;
 
 use levee_client::Client;
-use support::{LeveeProcess, run_to_exit, runtime, wait_for};
+use support::{LeveeProcess, http_get, run_to_exit, runtime, wait_for};
 
 /// How long a cluster may take to see a write everywhere, or to elect a new leader.
 const CONVERGE_TIMEOUT: Duration = Duration::from_secs(20);
@@ -52,6 +52,27 @@ fn topics(runtime: &tokio::runtime::Runtime, node: &LeveeProcess) -> Vec<String>
     })
 }
 
+/// The leader `node` knows and the members it sees in each role, from `/v1/cluster`.
+fn cluster_view(node: &LeveeProcess) -> (Option<u64>, Vec<u64>, Vec<u64>) {
+    let (status, body) = http_get(node.admin_addr, "/v1/cluster");
+    assert_eq!(status, 200, "{body}");
+    let view: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let with_role = |role: &str| {
+        view["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|member| member["role"] == role)
+            .map(|member| member["node_id"].as_u64().unwrap())
+            .collect::<Vec<_>>()
+    };
+    (
+        view["leader_id"].as_u64(),
+        with_role("leader"),
+        with_role("voter"),
+    )
+}
+
 /// Creates `topic` through `node`, retrying while the cluster has no leader.
 fn create_topic(runtime: &tokio::runtime::Runtime, node: &LeveeProcess, topic: &str) {
     wait_for(&format!("{topic} created"), CONVERGE_TIMEOUT, || {
@@ -68,20 +89,50 @@ fn given_three_nodes_when_the_leader_is_killed_then_the_catalog_is_kept_and_stil
     let runtime = runtime();
     let mut nodes = three_nodes(directory.path());
 
+    // Every node knows the same leader, and sees it and two other voters.
+    wait_for("one leader and three voters", CONVERGE_TIMEOUT, || {
+        let views: Vec<_> = nodes.iter().map(cluster_view).collect();
+        views.iter().all(|(leader, leaders, voters)| {
+            *leader == views[0].0
+                && leader.is_some()
+                && *leaders == [leader.unwrap()]
+                && voters.len() == 2
+        })
+    });
+    let leader_id = cluster_view(&nodes[0]).0.unwrap();
+    // The nodes that joined took the first node's cluster id.
+    let cluster_ids: Vec<String> = nodes
+        .iter()
+        .map(|node| {
+            let (_, body) = http_get(node.admin_addr, "/v1/server");
+            let facts: serde_json::Value = serde_json::from_str(&body).unwrap();
+            facts["cluster_id"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert!(
+        cluster_ids.iter().all(|id| *id == cluster_ids[0]),
+        "{cluster_ids:?}"
+    );
+    let follower = usize::from(leader_id == 1);
+
     // Written through a follower: forwarded to the leader, then seen by every node.
-    create_topic(&runtime, &nodes[1], "orders");
+    create_topic(&runtime, &nodes[follower], "orders");
     for node in &nodes {
         wait_for("orders on every node", CONVERGE_TIMEOUT, || {
             topics(&runtime, node) == ["orders"]
         });
     }
 
-    // Node 1 started the cluster and leads it; losing it leaves two of three, a majority.
-    let leader = nodes.remove(0);
+    // Losing the leader leaves two of three, a majority, which elects another.
+    let leader = nodes.remove(usize::try_from(leader_id).unwrap() - 1);
     let leader_peer = leader.peer_addr.unwrap().to_string();
     leader.signal("KILL");
     drop(leader);
     create_topic(&runtime, &nodes[1], "after-failover");
+    wait_for("a new leader", CONVERGE_TIMEOUT, || {
+        let (leader, _, _) = cluster_view(&nodes[0]);
+        leader.is_some() && leader != Some(leader_id)
+    });
     for node in &nodes {
         wait_for("both topics on the survivors", CONVERGE_TIMEOUT, || {
             topics(&runtime, node) == ["after-failover", "orders"]
@@ -91,8 +142,13 @@ fn given_three_nodes_when_the_leader_is_killed_then_the_catalog_is_kept_and_stil
     // The killed node comes back from its data dir, without --join, on the peer address the
     // members know it by, and catches up.
     let restarted = LeveeProcess::start_in(
-        &directory.path().join("n1"),
-        &["--node-id", "1", "--peer-addr", &leader_peer],
+        &directory.path().join(format!("n{leader_id}")),
+        &[
+            "--node-id",
+            &leader_id.to_string(),
+            "--peer-addr",
+            &leader_peer,
+        ],
     );
     wait_for("the restarted node caught up", CONVERGE_TIMEOUT, || {
         topics(&runtime, &restarted) == ["after-failover", "orders"]
