@@ -167,6 +167,8 @@ pub struct Metrics {
     pub group_rebalances: Family<GroupLabels, Counter>,
     /// The queue store whose figures `/metrics` reports, once it is open.
     store: Arc<OnceLock<Weak<levee_store::Store>>>,
+    /// This node's Raft instance of the metadata group, once it is open.
+    raft: Arc<OnceLock<MetadataRaft>>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -397,10 +399,14 @@ impl Metrics {
                 Family::default(),
             ),
             store: Arc::new(OnceLock::new()),
+            raft: Arc::new(OnceLock::new()),
             registry: Arc::new(Registry::default()),
         };
         registry.register_collector(Box::new(StoreCollector {
             store: Arc::clone(&metrics.store),
+        }));
+        registry.register_collector(Box::new(RaftCollector {
+            raft: Arc::clone(&metrics.raft),
         }));
         registry.register_collector(Box::new(ProcessCollector {
             start: SystemTime::now(),
@@ -416,6 +422,11 @@ impl Metrics {
         let _ = self.store.set(Arc::downgrade(store));
     }
 
+    /// Reports the metadata group's figures, as `raft` sees them, from now on.
+    pub fn attach_raft(&self, raft: &levee_cluster::Raft) {
+        let _ = self.raft.set(MetadataRaft(raft.clone()));
+    }
+
     /// Everything in the `OpenMetrics` text format that Prometheus scrapes.
     pub fn encode(&self) -> String {
         let mut text = String::new();
@@ -429,6 +440,75 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// This node's Raft instance of the metadata group.
+struct MetadataRaft(levee_cluster::Raft);
+
+impl std::fmt::Debug for MetadataRaft {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("MetadataRaft")
+    }
+}
+
+/// Reads the metadata group's figures (docs/CLUSTER.md) at scrape time.
+#[derive(Debug)]
+struct RaftCollector {
+    raft: Arc<OnceLock<MetadataRaft>>,
+}
+
+impl Collector for RaftCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(MetadataRaft(raft)) = self.raft.get() else {
+            return Ok(());
+        };
+        let metrics = raft.metrics().borrow().clone();
+        let membership = metrics.membership_config.membership();
+        let index = |index: Option<u64>| i64::try_from(index.unwrap_or(0)).unwrap_or(i64::MAX);
+        let count = |count: usize| i64::try_from(count).unwrap_or(i64::MAX);
+        let gauges = [
+            (
+                "levee_cluster_term",
+                "the metadata group's current Raft term",
+                index(Some(metrics.current_term)),
+            ),
+            (
+                "levee_cluster_is_leader",
+                "1 when this node leads the metadata group",
+                i64::from(metrics.current_leader == Some(metrics.id)),
+            ),
+            (
+                "levee_cluster_has_leader",
+                "1 when this node knows a leader of the metadata group",
+                i64::from(metrics.current_leader.is_some()),
+            ),
+            (
+                "levee_cluster_last_log_index",
+                "the index of the last entry in this node's metadata log",
+                index(metrics.last_log_index),
+            ),
+            (
+                "levee_cluster_last_applied_index",
+                "the index of the last entry this node applied",
+                index(metrics.last_applied.map(|log_id| log_id.index)),
+            ),
+            (
+                "levee_cluster_members",
+                "nodes in the metadata group, voters and learners",
+                count(membership.nodes().count()),
+            ),
+            (
+                "levee_cluster_voters",
+                "voters of the metadata group",
+                count(membership.voter_ids().count()),
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let gauge = ConstGauge::new(value);
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        Ok(())
     }
 }
 

@@ -172,6 +172,7 @@ impl RunningServer {
         metrics.attach_store(&store);
         let (raft, topics) =
             open_metadata(&store, config, (&data_dir, &mut cluster), me, peer_listener).await?;
+        metrics.attach_raft(&raft.raft);
         let state = Arc::new(ServerState::new(
             grpc_addr,
             admin_addr,
@@ -224,12 +225,7 @@ impl RunningServer {
             .serve_with_incoming_shutdown(incoming, stopped(stop_grpc.subscribe()));
         let grpc_task = tokio::spawn(grpc_server);
 
-        let admin_router = admin_http::router(Arc::clone(&state))
-            .merge(crate::cluster_http::router(raft.raft.clone()))
-            .merge(hotkey::http::router(Arc::clone(&hub)))
-            .merge(crate::queue::http::router(consume_context))
-            .fallback(crate::api_error::not_found)
-            .layer(axum::middleware::from_fn(crate::api_error::json_errors));
+        let admin_router = admin_router(&state, &raft.raft, &hub, consume_context);
         let admin_server = axum::serve(admin_listener, admin_router)
             .with_graceful_shutdown(stopped(stop_admin.subscribe()));
         let admin_task = tokio::spawn(async move { admin_server.await });
@@ -462,6 +458,21 @@ async fn bind_peer(
             .unwrap_or_default(),
     };
     Ok((peer_listener, peer_addr, me))
+}
+
+/// Every route of the admin HTTP port, with Levee's JSON errors.
+fn admin_router(
+    state: &Arc<ServerState>,
+    raft: &Raft,
+    hub: &Arc<HotKeyHub>,
+    consume_context: Arc<ConsumeContext>,
+) -> axum::Router {
+    admin_http::router(Arc::clone(state))
+        .merge(crate::cluster_http::router(raft.clone()))
+        .merge(hotkey::http::router(Arc::clone(hub)))
+        .merge(crate::queue::http::router(consume_context))
+        .fallback(crate::api_error::not_found)
+        .layer(axum::middleware::from_fn(crate::api_error::json_errors))
 }
 
 /// The metadata group's directory inside the data dir.

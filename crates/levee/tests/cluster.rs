@@ -6,7 +6,7 @@ mod support;
 use std::time::Duration;
 
 use levee_client::Client;
-use support::{LeveeProcess, http_get, run_to_exit, runtime, wait_for};
+use support::{LeveeProcess, http_get, metric_value, run_to_exit, runtime, wait_for};
 
 /// How long a cluster may take to see a write everywhere, or to elect a new leader.
 const CONVERGE_TIMEOUT: Duration = Duration::from_secs(20);
@@ -100,6 +100,15 @@ fn given_three_nodes_when_the_leader_is_killed_then_the_catalog_is_kept_and_stil
         })
     });
     let leader_id = cluster_view(&nodes[0]).0.unwrap();
+    let leading: Vec<u64> = nodes
+        .iter()
+        .map(|node| metric_value(node, "levee_cluster_is_leader"))
+        .collect();
+    assert_eq!(leading.iter().sum::<u64>(), 1, "{leading:?}");
+    for node in &nodes {
+        assert_eq!(metric_value(node, "levee_cluster_voters"), 3);
+        assert_eq!(metric_value(node, "levee_cluster_has_leader"), 1);
+    }
     // The nodes that joined took the first node's cluster id.
     let cluster_ids: Vec<String> = nodes
         .iter()
