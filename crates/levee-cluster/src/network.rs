@@ -26,7 +26,8 @@ use serde::de::DeserializeOwned;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-use crate::{MetaCommand, MetaConfig, MetaResponse, NodeId, NodeInfo};
+use crate::writer::Forwarded;
+use crate::{MetaCommand, MetaConfig, NodeId, NodeInfo};
 
 /// The metadata group's Raft instance.
 pub type Raft = openraft::Raft<MetaConfig>;
@@ -225,11 +226,14 @@ impl Peer for PeerService {
         let command: MetaCommand = decode(request)?;
         // Proposed here only: a node that lost the lead since answers so, and the sender
         // tries again with the leader it then knows.
-        let answer: Result<MetaResponse, String> = self
+        let answer: Result<Forwarded, String> = self
             .raft
             .client_write(command)
             .await
-            .map(|written| written.data)
+            .map(|written| Forwarded {
+                response: written.data,
+                log_index: written.log_id.index,
+            })
             .map_err(|error| error.to_string());
         encode(&answer)
     }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use levee_proto::peer_v1::PeerMessage;
 use levee_proto::peer_v1::peer_client::PeerClient;
 use openraft::error::{ClientWriteError, RaftError};
+use serde::{Deserialize, Serialize};
 use tonic::transport::Channel;
 
 use crate::network::{PEER_CONNECT_TIMEOUT, Raft};
@@ -52,9 +53,21 @@ impl std::fmt::Debug for MetaWriter {
     }
 }
 
+/// The leader's answer to a forwarded command: what applying it did, and its log index.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Forwarded {
+    /// What applying the command answered.
+    pub response: MetaResponse,
+    /// Where the command sits in the log.
+    pub log_index: u64,
+}
+
 /// What one try did.
 enum Attempt {
     Done(MetaResponse),
+    /// Committed through the leader at this log index; applied here once this node has
+    /// applied that far.
+    Forwarded(Forwarded),
     /// Try again after a pause; why.
     Again(String),
 }
@@ -71,6 +84,19 @@ impl MetaWriter {
         loop {
             match self.attempt(&command).await? {
                 Attempt::Done(response) => return Ok(response),
+                Attempt::Forwarded(forwarded) => {
+                    // Reads here come from this node's state machine: wait until it has the
+                    // write, so whoever wrote through this node reads what they wrote.
+                    let applied = self
+                        .raft
+                        .wait(Some(WRITE_WAIT_MAX))
+                        .applied_index_at_least(Some(forwarded.log_index), "the write applied")
+                        .await;
+                    if let Err(error) = applied {
+                        tracing::warn!(%error, "a forwarded write is committed, not yet applied here");
+                    }
+                    return Ok(forwarded.response);
+                }
                 Attempt::Again(reason) => {
                     if started.elapsed() >= WRITE_WAIT_MAX {
                         return Err(WriteError::NoLeader {
@@ -122,8 +148,8 @@ async fn forward_to(leader: NodeId, node: &NodeInfo, command: &MetaCommand) -> A
         Ok(Err(status)) => return Attempt::Again(format!("forward to leader {leader}: {status}")),
         Err(_) => return Attempt::Again(format!("forward to leader {leader} timed out")),
     };
-    match serde_json::from_slice::<Result<MetaResponse, String>>(&message.json) {
-        Ok(Ok(response)) => Attempt::Done(response),
+    match serde_json::from_slice::<Result<Forwarded, String>>(&message.json) {
+        Ok(Ok(forwarded)) => Attempt::Forwarded(forwarded),
         Ok(Err(reason)) => Attempt::Again(format!("leader {leader}: {reason}")),
         Err(error) => Attempt::Again(format!("leader {leader}'s answer is unreadable: {error}")),
     }

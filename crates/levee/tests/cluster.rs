@@ -126,6 +126,8 @@ fn given_three_nodes_when_the_leader_is_killed_then_the_catalog_is_kept_and_stil
 
     // Written through a follower: forwarded to the leader, then seen by every node.
     create_topic(&runtime, &nodes[follower], "orders");
+    // Whoever wrote through a node reads it back there at once.
+    assert_eq!(topics(&runtime, &nodes[follower]), ["orders"]);
     for node in &nodes {
         wait_for("orders on every node", CONVERGE_TIMEOUT, || {
             topics(&runtime, node) == ["orders"]
