@@ -6,7 +6,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use levee_client::{Client, ErrorCode, HealthStatus};
-use support::{LeveeProcess, http_get, run_to_exit, runtime};
+use support::{LeveeProcess, http_get, http_raw, run_to_exit, runtime};
 
 #[test]
 fn given_running_server_then_grpc_health_healthz_readyz_and_info_answer() {
@@ -395,40 +395,6 @@ fn write_config(directory: &tempfile::TempDir, text: &str) -> std::path::PathBuf
     let path = directory.path().join("levee.toml");
     std::fs::write(&path, text).unwrap();
     path
-}
-
-/// A raw HTTP/1.1 request with a body of `content_type`; returns the status and body.
-fn http_raw(
-    address: std::net::SocketAddr,
-    method: &str,
-    path: &str,
-    content_type: &str,
-    body: &[u8],
-) -> (u16, String) {
-    use std::io::{Read, Write};
-    let mut stream =
-        std::net::TcpStream::connect_timeout(&address, Duration::from_secs(5)).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\
-         Content-Type: {content_type}\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).unwrap();
-    // The server may answer (413) before it read the whole body.
-    let _ = stream.write_all(body);
-    let mut response = Vec::new();
-    let _ = stream.read_to_end(&mut response);
-    let response = String::from_utf8_lossy(&response).into_owned();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .unwrap_or(0);
-    (status, body.to_owned())
 }
 
 /// A request the admin port refuses, and the status and Levee code it answers.

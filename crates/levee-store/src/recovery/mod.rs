@@ -114,6 +114,21 @@ fn io_error(operation: String) -> impl FnOnce(std::io::Error) -> OpenError {
     move |source| OpenError::Io { operation, source }
 }
 
+/// Opens segment `id`: its file name, the file and its length.
+fn open_segment(
+    storage: &dyn Storage,
+    id: u32,
+) -> Result<(String, Arc<dyn StorageFile>, u64), OpenError> {
+    let name = format::segment_file_name(id);
+    let file = storage
+        .open(&name)
+        .map_err(io_error(format!("opening {name}")))?;
+    let length = file
+        .len()
+        .map_err(io_error(format!("reading the length of {name}")))?;
+    Ok((name, file, length))
+}
+
 /// Recovers the store in `storage` (ARCHITECTURE-store.md, recovery): on three threads where
 /// there are two cores or more, else on one.
 pub(crate) fn recover(
@@ -197,13 +212,7 @@ fn recover_on(
     let mut active: Option<(u32, Arc<dyn StorageFile>, u64, u32)> = None;
     for (index, &id) in ids.iter().enumerate() {
         let last = index + 1 == ids.len();
-        let name = format::segment_file_name(id);
-        let file = storage
-            .open(&name)
-            .map_err(io_error(format!("opening {name}")))?;
-        let length = file
-            .len()
-            .map_err(io_error(format!("reading the length of {name}")))?;
+        let (name, file, length) = open_segment(storage, id)?;
         if length < SEGMENT_HEADER_BYTES {
             if !last {
                 return Err(OpenError::Corrupt {
@@ -423,13 +432,7 @@ fn check_header(file: &dyn StorageFile, name: &str, id: u32) -> Result<u32, Open
 fn find_floor(storage: &dyn Storage, ids: &[u32]) -> Result<LogFloor, OpenError> {
     const HEADER_BYTES: usize = 32;
     for &id in ids.iter().rev() {
-        let name = format::segment_file_name(id);
-        let file = storage
-            .open(&name)
-            .map_err(io_error(format!("opening {name}")))?;
-        let length = file
-            .len()
-            .map_err(io_error(format!("reading the length of {name}")))?;
+        let (name, file, length) = open_segment(storage, id)?;
         let mut start = [0_u8; HEADER_BYTES + FLOOR_RECORD_BYTES];
         if length < start.len() as u64 {
             continue;

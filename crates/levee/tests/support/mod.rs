@@ -241,19 +241,32 @@ pub fn metric_value(server: &LeveeProcess, series: &str) -> u64 {
 
 /// A plain HTTP/1.1 request with a JSON body; returns the status code and body.
 pub fn http_request(address: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    http_raw(address, method, path, "application/json", body.as_bytes())
+}
+
+/// A raw HTTP/1.1 request with a body of `content_type`; returns the status and body.
+pub fn http_raw(
+    address: SocketAddr,
+    method: &str,
+    path: &str,
+    content_type: &str,
+    body: &[u8],
+) -> (u16, String) {
     let mut stream = TcpStream::connect_timeout(&address, Duration::from_secs(5)).unwrap();
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    let length = body.len();
-    write!(
-        stream,
+    let head = format!(
         "{method} {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n{body}"
-    )
-    .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
+         Content-Type: {content_type}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    // The server may answer (413) before it read the whole body.
+    let _ = stream.write_all(body);
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response);
+    let response = String::from_utf8_lossy(&response).into_owned();
     let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
     let status = head
         .split_whitespace()
