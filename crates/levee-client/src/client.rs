@@ -4,9 +4,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use levee_proto::v1::admin_client::AdminClient;
+use levee_proto::v1::cluster_client::ClusterClient;
 use levee_proto::v1::hot_keys_client::HotKeysClient;
 use levee_proto::v1::queues_client::QueuesClient;
 use levee_proto::v1::topics_client::TopicsClient;
+use levee_proto::v1::{
+    AddNodeRequest, GetClusterRequest, GetClusterResponse, MemberRole, RemoveNodeRequest,
+    WatchMembersRequest, WatchMembersResponse,
+};
 use levee_proto::v1::{
     AppendMessage, AppendRequest, DeleteQueueRequest, GetQueueInfoRequest, GetQueueInfoResponse,
     ListQueuesRequest, ListQueuesResponse, ReadRequest, ReadResponse, SetRetentionRequest,
@@ -132,6 +137,41 @@ impl Client {
             .echo(EchoRequest { payload, delay_ms })
             .await?;
         Ok(response.into_inner().payload)
+    }
+
+    /// The server's view of its cluster: the leader, the term, its log and apply positions,
+    /// and every member with its role, addresses, health and (on the leader) lag.
+    pub async fn cluster(&self) -> Result<GetClusterResponse, ClientError> {
+        let response = ClusterClient::new(self.channel.clone())
+            .get_cluster(GetClusterRequest {})
+            .await?;
+        Ok(response.into_inner())
+    }
+
+    /// The cluster's members now, then again at every change (each item is the whole list).
+    pub async fn watch_members(
+        &self,
+    ) -> Result<tonic::Streaming<WatchMembersResponse>, ClientError> {
+        let response = ClusterClient::new(self.channel.clone())
+            .watch_members(WatchMembersRequest {})
+            .await?;
+        Ok(response.into_inner())
+    }
+
+    /// Adds the node `node` (a learner first, then a voter unless `learner`); answers its role.
+    pub async fn add_node(&self, node: AddNodeRequest) -> Result<MemberRole, ClientError> {
+        let response = ClusterClient::new(self.channel.clone())
+            .add_node(node)
+            .await?;
+        Ok(response.into_inner().role())
+    }
+
+    /// Removes node `node_id` from the cluster; it stops serving.
+    pub async fn remove_node(&self, node_id: u64) -> Result<(), ClientError> {
+        ClusterClient::new(self.channel.clone())
+            .remove_node(RemoveNodeRequest { node_id })
+            .await?;
+        Ok(())
     }
 
     /// Asks the standard gRPC health service about `service` (`""` for the whole server).

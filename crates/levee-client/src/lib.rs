@@ -39,10 +39,11 @@ pub use error::ClientError;
 pub use hotkey::{HotKeyChange, HotKeys, HotKeysOptions, HotKeysStats};
 pub use levee_proto::topic_partition;
 pub use levee_proto::v1::{
-    Delivery, DescribeGroupResponse as GroupDescription, DescribeTopicResponse as TopicDescription,
-    ErrorCode, GetAppStatsResponse as AppStats, GetServerInfoResponse as ServerInfo, HotKeyEvent,
-    HotKeyRule, KeyCount, ListQueuesResponse as QueuePage, MailboxDelivery, MatchKind,
-    TopicSummary,
+    AddNodeRequest, Delivery, DescribeGroupResponse as GroupDescription,
+    DescribeTopicResponse as TopicDescription, ErrorCode, GetAppStatsResponse as AppStats,
+    GetClusterResponse as ClusterView, GetServerInfoResponse as ServerInfo, HotKeyEvent,
+    HotKeyRule, KeyCount, ListQueuesResponse as QueuePage, MailboxDelivery, MatchKind, Member,
+    MemberRole, TopicSummary, WatchMembersResponse as MembersUpdate,
 };
 pub use levee_proto::{Bytes, WireError};
 pub use mailboxes::{MAILBOXES_PER_REQUEST_MAX, Mailboxes};

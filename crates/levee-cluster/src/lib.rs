@@ -8,6 +8,8 @@
 //!   append and vote is persisted (fsynced) before openraft is told it is durable.
 //! - [`join`]: a new node asks a member to add it; the leader adds it as a learner, then a
 //!   voter.
+//! - [`manage`]: [`Manager`], what only the leader does (add and remove nodes, read indexes
+//!   for linearizable reads), served there and asked for from any node.
 //! - [`network`]: openraft's calls between nodes over the peer gRPC service.
 //! - [`state_machine`]: [`MetaStateMachine`], the replicated state (the broker's catalog and
 //!   the membership) applied from the log, with its snapshot in a file.
@@ -15,7 +17,7 @@
 //! A command is decided and applied by the broker engine on every replica, in log order, so
 //! every replica reaches the same state and gives the same answer: nothing in `apply` reads a
 //! clock or the network. [`writer`]: [`MetaWriter`] writes a command from any node (proposed
-//! on the leader, forwarded to it from the others). The server's wiring is not here yet.
+//! on the leader, forwarded to it from the others).
 
 #![deny(missing_docs)]
 #![allow(
@@ -28,12 +30,14 @@ use std::io::Cursor;
 pub mod command;
 pub mod join;
 pub mod log_store;
+pub mod manage;
 pub mod network;
 pub mod state_machine;
 pub mod writer;
 
 pub use command::{MetaCommand, MetaResponse, NodeInfo};
 pub use log_store::LogStore;
+pub use manage::{LeaveNotice, Manager, Refusal, RefusalKind};
 pub use network::{PeerNetwork, PeerService, Raft};
 pub use state_machine::MetaStateMachine;
 pub use writer::{MetaWriter, WriteError};

@@ -26,11 +26,14 @@ use serde::de::DeserializeOwned;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
+use crate::manage::Manager;
 use crate::writer::Forwarded;
 use crate::{MetaCommand, MetaConfig, NodeId, NodeInfo};
 
 /// The metadata group's Raft instance.
 pub type Raft = openraft::Raft<MetaConfig>;
+/// What the Raft instance says of itself.
+pub type RaftMetrics = openraft::RaftMetrics<NodeId, NodeInfo>;
 
 /// How long a connection to a peer may take to open.
 pub const PEER_CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
@@ -153,7 +156,7 @@ impl RaftNetwork<MetaConfig> for PeerConnection {
 #[derive(Clone)]
 pub struct PeerService {
     raft: Raft,
-    cluster_id: tokio::sync::watch::Receiver<String>,
+    manager: Manager,
 }
 
 impl std::fmt::Debug for PeerService {
@@ -163,13 +166,12 @@ impl std::fmt::Debug for PeerService {
 }
 
 impl PeerService {
-    /// The service of `raft`, for a tonic server on the peer port; `cluster_id` is what a
-    /// joining node is told to adopt (it changes once, when this node itself joins).
-    pub fn server(
-        raft: Raft,
-        cluster_id: tokio::sync::watch::Receiver<String>,
-    ) -> PeerServer<Self> {
-        PeerServer::new(Self { raft, cluster_id })
+    /// The service of `manager`'s Raft instance, for a tonic server on the peer port.
+    pub fn server(manager: Manager) -> PeerServer<Self> {
+        PeerServer::new(Self {
+            raft: manager.raft().clone(),
+            manager,
+        })
     }
 }
 
@@ -214,8 +216,17 @@ impl Peer for PeerService {
     }
 
     async fn join(&self, request: Request<PeerMessage>) -> Result<Response<PeerMessage>, Status> {
-        let cluster_id = self.cluster_id.borrow().clone();
-        let answer = crate::join::add_node(&self.raft, &cluster_id, decode(request)?).await;
+        let answer = self.manager.serve_join(decode(request)?).await;
+        encode(&answer)
+    }
+
+    async fn manage(&self, request: Request<PeerMessage>) -> Result<Response<PeerMessage>, Status> {
+        let answer = self.manager.serve_manage(decode(request)?).await;
+        encode(&answer)
+    }
+
+    async fn leave(&self, request: Request<PeerMessage>) -> Result<Response<PeerMessage>, Status> {
+        let answer = self.manager.serve_leave(decode(request)?);
         encode(&answer)
     }
 

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use levee_broker::catalog::CatalogCommand;
 use levee_cluster::{
-    LogStore, MetaCommand, MetaStateMachine, MetaWriter, NodeId, NodeInfo, PeerNetwork,
+    LogStore, Manager, MetaCommand, MetaStateMachine, MetaWriter, NodeId, NodeInfo, PeerNetwork,
     PeerService, Raft, WriteError,
 };
 use tokio::sync::oneshot;
@@ -55,10 +55,11 @@ async fn start(id: NodeId) -> Node {
     let (stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(PeerService::server(
+            .add_service(PeerService::server(Manager::new(
                 raft.clone(),
                 tokio::sync::watch::channel("test".to_owned()).1,
-            ))
+                tokio::sync::watch::channel(None).0,
+            )))
             .serve_with_incoming_shutdown(
                 tokio_stream::wrappers::TcpListenerStream::new(listener),
                 async {

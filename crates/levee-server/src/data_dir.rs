@@ -19,6 +19,10 @@ pub struct ClusterIdentity {
     pub cluster_id: String,
     /// The node's id in that cluster.
     pub node_id: u64,
+    /// Set when the cluster's leader removed this node: it will not serve again unless added
+    /// back (`--join`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub removed: bool,
 }
 
 /// An open, locked data directory.
@@ -193,6 +197,7 @@ impl DataDir {
                 let identity = ClusterIdentity {
                     cluster_id: new_cluster_id(),
                     node_id,
+                    removed: false,
                 };
                 self.write_identity(&identity)?;
                 Ok(identity)

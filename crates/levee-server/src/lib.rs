@@ -6,6 +6,8 @@
 //! - [`server`]: [`RunningServer`] binds the listeners, serves, and shuts down gracefully.
 //! - [`admin_service`]: the `levee.v1.Admin` gRPC service; the standard gRPC health service is
 //!   served beside it.
+//! - [`cluster_service`]: the `levee.v1.Cluster` gRPC service (members, their health, adding
+//!   and removing nodes); [`cluster_http`]: `/v1/cluster`.
 //! - [`admin_http`]: `/healthz`, `/readyz`, `/metrics`, `/v1/server`.
 //! - [`metrics`], [`grpc_metrics`], [`connection`]: Prometheus metrics, the layer that measures
 //!   every gRPC call, and the connection cap and gauge.
@@ -27,6 +29,7 @@ mod admin_http;
 mod admin_service;
 mod api_error;
 mod cluster_http;
+mod cluster_service;
 pub mod config;
 mod connection;
 mod data_dir;

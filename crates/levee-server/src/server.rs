@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use levee_proto::v1::admin_server::AdminServer;
+use levee_proto::v1::cluster_server::ClusterServer;
 use levee_proto::v1::hot_keys_server::HotKeysServer;
 use levee_proto::v1::queues_server::QueuesServer;
 use levee_proto::v1::topics_server::TopicsServer;
@@ -20,6 +21,7 @@ use tonic_health::server::HealthReporter;
 
 use crate::admin_http;
 use crate::admin_service::AdminService;
+use crate::cluster_service::{self, ClusterService};
 use crate::config::Config;
 use crate::connection::accept_connections;
 use crate::data_dir::{DataDir, DataDirError};
@@ -43,10 +45,11 @@ use crate::queue::topic::service::TopicService;
 use crate::queue::waiters::Waiters;
 use crate::state::ServerState;
 use levee_broker::names::META_QUEUE;
-use levee_cluster::join::{JoinRequest, join};
+use levee_cluster::join::join;
+use levee_cluster::manage::{JoinRequest, Joined};
 use levee_cluster::{
-    LogStore, MetaCommand, MetaStateMachine, MetaWriter, NodeId, NodeInfo, PeerNetwork,
-    PeerService, Raft,
+    LeaveNotice, LogStore, Manager, MetaCommand, MetaStateMachine, MetaWriter, NodeInfo,
+    PeerNetwork, PeerService, Raft,
 };
 use std::collections::BTreeMap;
 
@@ -143,9 +146,9 @@ pub struct RunningServer {
     stop_grpc: watch::Sender<bool>,
     stop_admin: watch::Sender<bool>,
     stop_sessions: watch::Sender<bool>,
-    tick_task: JoinHandle<()>,
-    trim_task: JoinHandle<()>,
-    lease_task: JoinHandle<()>,
+    /// Tasks that run until `stop_sessions`: the hot-key tick, retention, leases, member
+    /// probes, following the catalog.
+    background: Vec<JoinHandle<()>>,
     raft: MetadataGroup,
     store: Arc<Store>,
     grpc_task: JoinHandle<Result<(), tonic::transport::Error>>,
@@ -184,23 +187,30 @@ impl RunningServer {
         let (stop_grpc, _) = watch::channel(false);
         let (stop_admin, _) = watch::channel(false);
         let (stop_sessions, _) = watch::channel(false);
-        let tick_task = tokio::spawn(tick(Arc::clone(&hub), stop_sessions.subscribe()));
-        let trim_task = tokio::spawn(enforce_retention(
+        let mut background = vec![tokio::spawn(tick(
+            Arc::clone(&hub),
+            stop_sessions.subscribe(),
+        ))];
+        background.push(tokio::spawn(enforce_retention(
             Arc::clone(&store),
             Arc::clone(&topics),
             stop_sessions.subscribe(),
-        ));
-        let (health, health_service) = tonic_health::server::health_reporter();
-        health.set_serving::<AdminServer<AdminService>>().await;
-        health.set_serving::<HotKeysServer<HotKeyService>>().await;
-        health.set_serving::<QueuesServer<QueueService>>().await;
-        health.set_serving::<TopicsServer<TopicService>>().await;
+        )));
+        let (cluster_service, probe_task) =
+            cluster_service::serve(&raft.manager, &state, &stop_sessions);
+        background.push(probe_task);
+        let (health, health_service) = serving_health().await;
         let (queue_service, topic_service, consume_context) =
             queue_services(&store, topics, config, &state.metrics, &stop_sessions)?;
-        let lease_task = tokio::spawn(expire_leases(
+        background.push(tokio::spawn(crate::queue::limits::follow_catalog(
+            Arc::clone(&consume_context),
+            raft.raft.metrics(),
+            stop_sessions.subscribe(),
+        )));
+        background.push(tokio::spawn(expire_leases(
             Arc::clone(&consume_context.groups),
             stop_sessions.subscribe(),
-        ));
+        )));
         let hotkey_service = HotKeyService::new(
             Arc::clone(&hub),
             state.metrics.clone(),
@@ -216,6 +226,7 @@ impl RunningServer {
             .layer(GrpcMetricsLayer::new(state.metrics.clone()))
             .add_service(health_service)
             .add_service(AdminServer::new(AdminService::new(Arc::clone(&state))))
+            .add_service(cluster_service)
             .add_service(
                 HotKeysServer::new(hotkey_service)
                     .max_decoding_message_size(config.hotkey_report_message_bytes_max()),
@@ -231,15 +242,7 @@ impl RunningServer {
         let admin_task = tokio::spawn(async move { admin_server.await });
 
         state.set_ready(true);
-        tracing::info!(
-            grpc_addr = %state.grpc_addr,
-            admin_addr = %state.admin_addr,
-            peer_addr = peer_addr.map(tracing::field::display),
-            data_dir = %state.data_dir.display(),
-            cluster_id = %state.cluster.cluster_id,
-            node_id = state.cluster.node_id,
-            "levee server ready"
-        );
+        log_ready(&state, peer_addr);
         Ok(Self {
             state,
             data_dir,
@@ -247,9 +250,7 @@ impl RunningServer {
             stop_grpc,
             stop_admin,
             stop_sessions,
-            tick_task,
-            trim_task,
-            lease_task,
+            background,
             raft,
             store,
             grpc_task,
@@ -274,10 +275,29 @@ impl RunningServer {
     }
 
     /// Completes only if a listener task stops on its own, which is a fatal error.
+    /// Also completes when the cluster's leader removed this node, which then stops serving
+    /// (and records the removal in its data dir, so that it does not serve again unless added
+    /// back with `--join`).
     pub async fn failed(&mut self) -> String {
+        let left = &mut self.raft.left;
         tokio::select! {
             result = &mut self.grpc_task => format!("gRPC server stopped: {result:?}"),
             result = &mut self.admin_task => format!("admin HTTP server stopped: {result:?}"),
+            Ok(notice) = left.wait_for(Option::is_some) => {
+                let notice = notice.clone().unwrap_or_else(|| unreachable!("waited for Some"));
+                let identity = crate::data_dir::ClusterIdentity {
+                    removed: true,
+                    ..self.state.cluster.clone()
+                };
+                if let Err(error) = self.data_dir.write_identity(&identity) {
+                    tracing::error!(%error, "cannot record the removal in the data dir");
+                }
+                format!(
+                    "node {} was removed from cluster {} by leader {}; it stops serving. Start \
+                     it with --join <a member's peer address> to add it back",
+                    notice.node_id, notice.cluster_id, notice.leader_id
+                )
+            }
         }
     }
 
@@ -293,9 +313,7 @@ impl RunningServer {
             stop_grpc,
             stop_admin,
             stop_sessions,
-            tick_task,
-            trim_task,
-            lease_task,
+            background,
             raft,
             store,
             mut grpc_task,
@@ -312,9 +330,9 @@ impl RunningServer {
             .await;
         // Long-lived sessions end first (app servers reconnect elsewhere), then the drain.
         let _ = stop_sessions.send(true);
-        let _ = tick_task.await;
-        let _ = trim_task.await;
-        let _ = lease_task.await;
+        for task in background {
+            let _ = task.await;
+        }
         if let Err(error) = raft.raft.shutdown().await {
             tracing::warn!(%error, "the metadata group did not stop cleanly");
         }
@@ -359,6 +377,33 @@ impl RunningServer {
         }
         outcome
     }
+}
+
+/// The line scripts and tests wait for.
+fn log_ready(state: &ServerState, peer_addr: Option<SocketAddr>) {
+    tracing::info!(
+        grpc_addr = %state.grpc_addr,
+        admin_addr = %state.admin_addr,
+        peer_addr = peer_addr.map(tracing::field::display),
+        data_dir = %state.data_dir.display(),
+        cluster_id = %state.cluster.cluster_id,
+        node_id = state.cluster.node_id,
+        "levee server ready"
+    );
+}
+
+/// The standard gRPC health service, with every Levee service serving.
+async fn serving_health() -> (
+    HealthReporter,
+    tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
+) {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<ClusterServer<ClusterService>>().await;
+    health.set_serving::<AdminServer<AdminService>>().await;
+    health.set_serving::<HotKeysServer<HotKeyService>>().await;
+    health.set_serving::<QueuesServer<QueueService>>().await;
+    health.set_serving::<TopicsServer<TopicService>>().await;
+    (health, health_service)
 }
 
 /// The Queues and Topics services, and what consume streams share.
@@ -426,6 +471,9 @@ fn queue_services(
 /// port).
 struct MetadataGroup {
     raft: Raft,
+    manager: Manager,
+    /// Set when the leader removed this node.
+    left: watch::Receiver<Option<LeaveNotice>>,
     peer_task: Option<JoinHandle<Result<(), tonic::transport::Error>>>,
     stop_peers: watch::Sender<bool>,
 }
@@ -523,10 +571,12 @@ async fn open_metadata(
     let (stop_peers, _) = watch::channel(false);
     let mut stopped_peers = stop_peers.subscribe();
     let (cluster_id, told_joiners) = watch::channel(cluster.cluster_id.clone());
+    let (left, left_notice) = watch::channel(None);
+    let manager = Manager::new(raft.clone(), told_joiners, left);
     let peer_task = peer_listener.map(|listener| {
         tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(PeerService::server(raft.clone(), told_joiners))
+                .add_service(PeerService::server(manager.clone()))
                 .serve_with_incoming_shutdown(
                     tokio_stream::wrappers::TcpListenerStream::new(listener),
                     async move {
@@ -535,7 +585,7 @@ async fn open_metadata(
                 ),
         )
     });
-    let joined = join_or_initialize(&raft, config, node_id, me)
+    let joined = join_or_initialize(&raft, config, cluster, me)
         .await
         .map_err(failed)?;
     raft.wait(Some(LEAD_WAIT_MAX))
@@ -553,9 +603,10 @@ async fn open_metadata(
         })?;
     let writer = MetaWriter::new(raft.clone());
     match &joined {
-        Some(joined_id) => {
-            cluster_id.send_replace(joined_id.clone());
-            cluster.cluster_id.clone_from(joined_id);
+        Some(joined) => {
+            cluster_id.send_replace(joined.cluster_id.clone());
+            cluster.cluster_id.clone_from(&joined.cluster_id);
+            cluster.removed = false;
             data_dir.write_identity(cluster)?;
         }
         None => import_legacy(store, &machine, &writer)
@@ -564,10 +615,13 @@ async fn open_metadata(
     }
     let group = MetadataGroup {
         raft,
+        manager,
+        left: left_notice,
         peer_task,
         stop_peers,
     };
-    Ok((group, Arc::new(Topics::new(machine, writer))))
+    let topics = Topics::new(machine, writer, group.manager.clone());
+    Ok((group, Arc::new(topics)))
 }
 
 /// On a node's first start, joins the cluster `--join` names or, without it, initialises a
@@ -575,20 +629,31 @@ async fn open_metadata(
 async fn join_or_initialize(
     raft: &Raft,
     config: &Config,
-    node_id: NodeId,
+    cluster: &crate::data_dir::ClusterIdentity,
     me: NodeInfo,
-) -> Result<Option<String>, String> {
-    if raft
+) -> Result<Option<Joined>, String> {
+    let node_id = cluster.node_id;
+    let initialized = raft
         .is_initialized()
         .await
-        .map_err(|error| error.to_string())?
-    {
+        .map_err(|error| error.to_string())?;
+    if cluster.removed && config.join.is_none() {
+        return Err(format!(
+            "node {node_id} was removed from cluster {}; start it with --join <a member's peer \
+             address> to add it back, or with an empty data dir as a new node",
+            cluster.cluster_id
+        ));
+    }
+    if initialized && !cluster.removed {
         return Ok(None);
     }
     if let Some(seed) = &config.join {
-        return join(seed, &JoinRequest { node_id, node: me })
-            .await
-            .map(Some);
+        let request = JoinRequest {
+            node_id,
+            node: me,
+            voter: None,
+        };
+        return join(seed, &request).await.map(Some);
     }
     raft.initialize(BTreeMap::from([(node_id, me)]))
         .await

@@ -3,7 +3,7 @@
 //! them and find exactly these messages. The generator is `#[ignore]`d: run it only to create
 //! the fixture of a new format version, never to refresh an existing one.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use levee_store::format::FORMAT_VERSION;
 use levee_store::{Retention, Store, StoreOptions};
@@ -11,8 +11,13 @@ use levee_store::{Retention, Store, StoreOptions};
 /// The format versions with a committed fixture.
 const FIXTURE_VERSIONS: [u32; 4] = [1, 2, 3, 4];
 
+/// Where the fixture of `version` is. The crate's directory is read when the test runs (cargo
+/// sets it), not when it was compiled: checkouts in other places that share one target
+/// directory reuse the compiled test, and the place it was compiled in may be gone.
 fn fixture_directory(version: u32) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/format-v{version}"))
+    let crate_directory = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
+    crate_directory.join(format!("tests/fixtures/format-v{version}"))
 }
 
 /// A copy of the fixture of `version` in a temporary directory; the id of its last segment.

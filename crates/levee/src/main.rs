@@ -6,6 +6,7 @@
 
 mod bench;
 mod client_commands;
+mod cluster_commands;
 mod hotkey_commands;
 mod queue_commands;
 mod server_command;
@@ -51,6 +52,9 @@ enum Command {
     /// Hot keys: rules, hot keys by hand, top keys, stats.
     #[command(subcommand)]
     Hotkey(hotkey_commands::HotKeyCommand),
+    /// The cluster: status, add a node, remove a node.
+    #[command(subcommand)]
+    Cluster(cluster_commands::ClusterCommand),
     /// Load tools that drive a server through the real client over loopback.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -58,6 +62,9 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
+    /// Cluster failover: kill -9 the leader again and again while writing metadata; failover
+    /// time percentiles and acknowledged writes lost (must be 0).
+    Failover(bench::failover::FailoverBenchArgs),
     /// Hot keys: ingestion, detection latency, precision and recall, push throughput.
     Hotkey(bench::hotkey::HotKeyBenchArgs),
     /// Queues over the network: producers and subscriptions, append-to-delivery latency.
@@ -81,8 +88,10 @@ fn main() -> ExitCode {
         Command::Topic(command) => topic_commands::run_topic(&command),
         Command::Group(command) => topic_commands::run_group(&command),
         Command::Producer(command) => topic_commands::run_producer(&command),
+        Command::Cluster(command) => cluster_commands::run(&command),
         Command::Bench(command) => {
             let result = match command {
+                BenchCommand::Failover(args) => bench::failover::run(&args),
                 BenchCommand::Hotkey(args) => bench::hotkey::run(&args),
                 BenchCommand::Store(args) => bench::store::run(&args),
                 BenchCommand::Queue(args) => bench::queue::run(&args),

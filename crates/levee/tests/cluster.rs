@@ -212,3 +212,173 @@ fn given_join_without_a_peer_address_then_the_server_refuses_to_start() {
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("peer_addr"), "{stderr}");
 }
+
+/// A topic created through one node is listed at once by another (linearizable reads), and a
+/// rate set through one node is in force on every node.
+fn reads_and_rates_agree(runtime: &tokio::runtime::Runtime, nodes: &[LeveeProcess]) {
+    // Linearizable reads: a topic created through one node is listed at once by another.
+    create_topic(runtime, &nodes[1], "first");
+    assert_eq!(topics(runtime, &nodes[2]), ["first"]);
+    // A rate set through one node is in force on every node.
+    runtime.block_on(async {
+        let client = Client::connect(&nodes[2].grpc()).await.unwrap();
+        client.set_producer_rate("billing", 250.0).await.unwrap();
+    });
+    for node in nodes {
+        wait_for("the rate on every node", CONVERGE_TIMEOUT, || {
+            runtime.block_on(async {
+                let client = Client::connect(&node.grpc()).await.unwrap();
+                let described = client.describe_producer("billing").await.unwrap();
+                (described.rate_limit_per_s - 250.0).abs() < f64::EPSILON
+            })
+        });
+    }
+}
+
+/// Removing a node that is not a member, or adding node 0, is refused naming the problem.
+fn bad_requests_say_why(node: &LeveeProcess) {
+    // Bad requests say what is wrong.
+    let (code, _, stderr) = run_to_exit(
+        &[
+            "cluster",
+            "remove-node",
+            "--server",
+            &node.grpc(),
+            "--node-id",
+            "9",
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("node 9 is not a member"), "{stderr}");
+    let (code, _, stderr) = run_to_exit(
+        &[
+            "cluster",
+            "add-node",
+            "--server",
+            &node.grpc(),
+            "--node-id",
+            "0",
+            "--peer-addr",
+            "127.0.0.1:1",
+            "--grpc-addr",
+            "127.0.0.1:2",
+            "--admin-addr",
+            "127.0.0.1:3",
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("node_id: 0 is not a node id"), "{stderr}");
+}
+
+/// `levee cluster status --json` through `node`.
+fn status(node: &LeveeProcess) -> serde_json::Value {
+    let (code, stdout, stderr) = run_to_exit(
+        &["cluster", "status", "--server", &node.grpc(), "--json"],
+        &[],
+    );
+    assert_eq!(code, Some(0), "{stderr}");
+    serde_json::from_str(&stdout).unwrap()
+}
+
+/// The members' ids in a status, by role.
+fn members_with(view: &serde_json::Value, role: &str) -> Vec<u64> {
+    view["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|member| member["role"] == role)
+        .map(|member| member["node_id"].as_u64().unwrap())
+        .collect()
+}
+
+#[test]
+fn given_three_nodes_when_a_node_is_removed_then_it_stops_and_can_be_added_back() {
+    let directory = tempfile::tempdir().unwrap();
+    let runtime = runtime();
+    let mut nodes = three_nodes(directory.path());
+    wait_for(
+        "a leader, two voters, all healthy",
+        CONVERGE_TIMEOUT,
+        || {
+            let view = status(&nodes[0]);
+            members_with(&view, "leader").len() == 1
+                && members_with(&view, "voter").len() == 2
+                && view["members"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .all(|member| member["healthy"] == true)
+        },
+    );
+    let leader_id = status(&nodes[0])["leader_id"].as_u64().unwrap();
+
+    reads_and_rates_agree(&runtime, &nodes);
+    bad_requests_say_why(&nodes[0]);
+
+    // A follower removed through another node stops, and says why.
+    let victim_id = (1..=3).find(|id| *id != leader_id).unwrap();
+    let victim_index = usize::try_from(victim_id).unwrap() - 1;
+    let through = (victim_index + 1) % 3;
+    let (code, _, stderr) = run_to_exit(
+        &[
+            "cluster",
+            "remove-node",
+            "--server",
+            &nodes[through].grpc(),
+            "--node-id",
+            &victim_id.to_string(),
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(0), "{stderr}");
+    let victim_peer = nodes[victim_index].peer_addr.unwrap().to_string();
+    let exit = nodes[victim_index].wait_exit(CONVERGE_TIMEOUT);
+    assert!(!exit.success());
+    assert!(nodes[victim_index].logged("was removed from cluster"));
+    let view = status(&nodes[through]);
+    assert_eq!(view["members"].as_array().unwrap().len(), 2, "{view}");
+
+    // Started again on its data dir it refuses to serve, unless added back with --join.
+    let victim_dir = directory.path().join(format!("n{victim_id}"));
+    let (code, _, stderr) = run_to_exit(
+        &[
+            "server",
+            "--node-id",
+            &victim_id.to_string(),
+            "--data-dir",
+            victim_dir.to_str().unwrap(),
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--admin-addr",
+            "127.0.0.1:0",
+            "--peer-addr",
+            &victim_peer,
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("was removed from cluster"), "{stderr}");
+    assert!(stderr.contains("--join"), "{stderr}");
+    create_topic(&runtime, &nodes[through], "while-away");
+    let seed = nodes[through].peer_addr.unwrap().to_string();
+    let back = LeveeProcess::start_in(
+        &victim_dir,
+        &[
+            "--node-id",
+            &victim_id.to_string(),
+            "--peer-addr",
+            &victim_peer,
+            "--join",
+            &seed,
+        ],
+    );
+    wait_for("the node back with every topic", CONVERGE_TIMEOUT, || {
+        topics(&runtime, &back) == ["first", "while-away"]
+    });
+    wait_for("three members again", CONVERGE_TIMEOUT, || {
+        let view = status(&back);
+        view["members"].as_array().unwrap().len() == 3 && view["leader_id"].is_u64()
+    });
+}

@@ -363,6 +363,11 @@ impl Catalog {
         self.group_rates.get(group).copied().unwrap_or(0.0)
     }
 
+    /// Every group with a delivery rate, and the rate.
+    pub fn group_rates(&self) -> &BTreeMap<String, f64> {
+        &self.group_rates
+    }
+
     /// Every producer name with a rate limit, and the limit.
     pub fn producer_rates(&self) -> &BTreeMap<String, f64> {
         &self.producer_rates

@@ -9,6 +9,7 @@
     clippy::cast_sign_loss
 )]
 
+pub mod failover;
 pub mod hotkey;
 pub mod queue;
 #[cfg(feature = "baseline")]

@@ -17,7 +17,8 @@ pub struct ServerProcess {
     child: Child,
     /// Its gRPC address.
     pub grpc_addr: String,
-    _data_dir: tempfile::TempDir,
+    /// The temporary data dir, removed when the server is dropped (none when the caller owns it).
+    temporary_dir: Option<tempfile::TempDir>,
 }
 
 impl ServerProcess {
@@ -26,22 +27,31 @@ impl ServerProcess {
         super::peak_rss_bytes(&self.child.id().to_string())
     }
 
-    /// Starts `levee server` (this same binary) with `extra` flags.
+    /// Starts `levee server` (this same binary) on free loopback ports and a temporary data
+    /// dir, with `extra` flags.
     pub fn start(extra: &[&str]) -> anyhow::Result<Self> {
         let data_dir = tempfile::tempdir().context("creating a temporary data dir")?;
+        let mut server = Self::start_in(
+            data_dir.path(),
+            &[
+                &["--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"],
+                extra,
+            ]
+            .concat(),
+        )?;
+        server.temporary_dir = Some(data_dir);
+        Ok(server)
+    }
+
+    /// Starts `levee server` on `data_dir` (kept when the server stops) with `flags`.
+    pub fn start_in(data_dir: &std::path::Path, flags: &[&str]) -> anyhow::Result<Self> {
         let executable = std::env::current_exe().context("finding the levee binary")?;
         let mut child = Command::new(executable)
-            .args([
-                "server",
-                "--grpc-addr",
-                "127.0.0.1:0",
-                "--admin-addr",
-                "127.0.0.1:0",
-            ])
+            .arg("server")
             .arg("--data-dir")
-            .arg(data_dir.path())
+            .arg(data_dir)
             .args(["--log-format", "json", "--log-level", "info"])
-            .args(extra)
+            .args(flags)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -59,16 +69,24 @@ impl ServerProcess {
             }
         });
         let deadline = Instant::now() + SERVER_READY_TIMEOUT;
+        let mut last_error = String::new();
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             let Ok(line) = lines.recv_timeout(remaining) else {
                 let _ = child.kill();
                 let _ = child.wait();
-                bail!("the levee server did not become ready within {SERVER_READY_TIMEOUT:?}");
+                bail!(
+                    "the levee server did not become ready within {SERVER_READY_TIMEOUT:?} \
+                     (last error: {last_error})"
+                );
             };
             let Ok(event) = serde_json::from_str::<serde_json::Value>(&line) else {
+                last_error = line;
                 continue;
             };
+            if event["level"] == "ERROR" {
+                last_error = event["message"].to_string();
+            }
             if event["message"] == "levee server ready" {
                 let grpc_addr = event["grpc_addr"].as_str().unwrap_or_default().to_owned();
                 // Keep draining the server's logs so that it never blocks on a full pipe.
@@ -76,15 +94,24 @@ impl ServerProcess {
                 return Ok(Self {
                     child,
                     grpc_addr,
-                    _data_dir: data_dir,
+                    temporary_dir: None,
                 });
             }
         }
+    }
+
+    /// Kills the server with SIGKILL (no shutdown, as a crash) and reaps it.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
 impl Drop for ServerProcess {
     fn drop(&mut self) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
         let stopped = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status()

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use levee_broker::catalog::{Catalog, CatalogCommand, CatalogRecord};
 pub use levee_broker::catalog::{RetentionRule, Topic};
 use levee_broker::names::META_QUEUE;
-use levee_cluster::{MetaCommand, MetaStateMachine, MetaWriter};
+use levee_cluster::{Manager, MetaCommand, MetaStateMachine, MetaWriter};
 use levee_proto::WireError;
 use levee_proto::v1::ErrorCode;
 use levee_store::Store;
@@ -30,6 +30,7 @@ const REPLAY_READ_BYTES: usize = 1 << 20;
 pub struct Topics {
     machine: MetaStateMachine,
     writer: MetaWriter,
+    manager: Manager,
     /// Serialises this node's metadata writes so each is enforced (rates applied to pacers)
     /// in the order it was committed.
     writing: tokio::sync::Mutex<()>,
@@ -65,10 +66,11 @@ pub fn legacy_records(store: &Store) -> Result<Option<Vec<CatalogRecord>>, Strin
 
 impl Topics {
     /// The catalog of the group `writer` writes to, whose state `machine` holds.
-    pub fn new(machine: MetaStateMachine, writer: MetaWriter) -> Self {
+    pub fn new(machine: MetaStateMachine, writer: MetaWriter, manager: Manager) -> Self {
         Self {
             machine,
             writer,
+            manager,
             writing: tokio::sync::Mutex::new(()),
         }
     }
@@ -106,7 +108,33 @@ impl Topics {
         self.change(command, || {}).await.map(|created| !created)
     }
 
-    /// The topic, or a `NOT_FOUND` error that says how to create it.
+    /// Waits until this node has applied every metadata write committed before the call, so
+    /// that what it reads next is linearizable (docs/CLUSTER.md, reads); `UNAVAILABLE` when no
+    /// leader confirms within 2 s (no quorum).
+    pub async fn linearize(&self) -> Result<(), WireError> {
+        self.manager.linearize().await.map_err(|refusal| {
+            WireError::new(
+                ErrorCode::Unavailable,
+                format!("a linearizable read failed: {refusal}"),
+            )
+        })
+    }
+
+    /// The topic, read linearizably when this node does not know it yet (created through
+    /// another node a moment ago): else `NOT_FOUND`, saying how to create it.
+    pub async fn require_current(&self, topic: &str) -> Result<Arc<Topic>, WireError> {
+        match self.require(topic) {
+            Ok(found) => Ok(found),
+            Err(missing) if missing.code == ErrorCode::NotFound => {
+                self.linearize().await?;
+                self.require(topic)
+            }
+            Err(other) => Err(other),
+        }
+    }
+
+    /// The topic as this node has applied the catalog, or a `NOT_FOUND` error that says how
+    /// to create it.
     pub fn require(&self, topic: &str) -> Result<Arc<Topic>, WireError> {
         self.machine.with_catalog(|catalog| {
             catalog
@@ -149,6 +177,16 @@ impl Topics {
             messages_per_s,
         };
         self.change(command, enforce).await.map(drop)
+    }
+
+    /// Every group with a delivery rate, and every producer name with a rate limit.
+    pub fn rates(&self) -> (BTreeMap<String, f64>, BTreeMap<String, f64>) {
+        self.machine.with_catalog(|catalog| {
+            (
+                catalog.group_rates().clone(),
+                catalog.producer_rates().clone(),
+            )
+        })
     }
 
     /// Every producer name with a rate limit, and the limit.

@@ -154,7 +154,7 @@ impl ConsumeSession {
         outgoing: Outgoing<ConsumeResponse>,
     ) -> Result<Self, WireError> {
         let lease = check_start(&start)?;
-        let topic = context.topics.require(&start.topic)?;
+        let topic = context.topics.require_current(&start.topic).await?;
         let groups = Arc::clone(&context.groups);
         let (group, member, joined_topic) = (
             start.group.clone(),

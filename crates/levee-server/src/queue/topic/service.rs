@@ -192,7 +192,7 @@ impl TopicsApi for TopicService {
         request: Request<DescribeTopicRequest>,
     ) -> Result<Response<DescribeTopicResponse>, Status> {
         let name = request.into_inner().topic;
-        let topic = self.context.topics.require(&name)?;
+        let topic = self.context.topics.require_current(&name).await?;
         let store = &self.context.calls.store;
         let partitions = (0_u32..)
             .zip(&topic.queues)
@@ -215,6 +215,7 @@ impl TopicsApi for TopicService {
         &self,
         _request: Request<ListTopicsRequest>,
     ) -> Result<Response<ListTopicsResponse>, Status> {
+        self.context.topics.linearize().await?;
         let topics = self
             .context
             .topics
@@ -233,7 +234,7 @@ impl TopicsApi for TopicService {
         request: Request<PublishRequest>,
     ) -> Result<Response<PublishResponse>, Status> {
         let request = request.into_inner();
-        let topic = self.context.topics.require(&request.topic)?;
+        let topic = self.context.topics.require_current(&request.topic).await?;
         let count = request.messages.len();
         if count == 0 || count > APPEND_MESSAGES_MAX {
             return Err(WireError::new(
