@@ -1,6 +1,6 @@
-//! [`MetaStateMachine`]: the metadata group's replicated state: the broker's catalog and the
-//! membership, applied from the log. A snapshot is the state as JSON (the catalog as the
-//! records that rebuild it), kept in one file written whole (a temporary file, fsynced,
+//! [`MetaStateMachine`]: the metadata group's replicated state: the broker's catalog, the
+//! hot-key settings and the membership, applied from the log. A snapshot is the state as JSON
+//! (the catalog as the records that rebuild it), kept in one file written whole (a temporary file, fsynced,
 //! renamed); a restarted node loads it and openraft replays the log after it.
 
 use std::io::Cursor;
@@ -15,7 +15,7 @@ use openraft::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::command::{MetaCommand, MetaResponse};
+use crate::command::{HotKeyMeta, HotKeyObserver, MetaCommand, MetaResponse};
 use crate::{MetaConfig, NodeId, NodeInfo, StorageError};
 
 /// The snapshot's file name in the state machine's directory.
@@ -27,6 +27,7 @@ struct MetaState {
     last_applied: Option<LogId<NodeId>>,
     membership: StoredMembership<NodeId, NodeInfo>,
     catalog: Catalog,
+    hot_keys: HotKeyMeta,
     /// Snapshots built so far by this process, to tell their ids apart.
     snapshots_built: u64,
 }
@@ -35,6 +36,9 @@ struct MetaState {
 #[derive(Debug, Serialize, Deserialize)]
 struct SnapshotState {
     catalog: Vec<CatalogRecord>,
+    /// Absent from snapshots of versions before hot keys were replicated.
+    #[serde(default)]
+    hot_keys: HotKeyMeta,
 }
 
 /// A snapshot as its file holds it.
@@ -49,6 +53,7 @@ struct StoredSnapshot {
 pub struct MetaStateMachine {
     state: Arc<RwLock<MetaState>>,
     directory: PathBuf,
+    observer: Option<Arc<dyn HotKeyObserver>>,
 }
 
 fn read_error(error: &impl std::error::Error) -> StorageError {
@@ -61,15 +66,29 @@ fn write_error(error: &impl std::error::Error) -> StorageError {
 
 impl MetaState {
     /// Applies one command; what it did.
-    fn apply_command(&mut self, command: &MetaCommand, index: u64) -> MetaResponse {
+    fn apply_command(
+        &mut self,
+        command: &MetaCommand,
+        index: u64,
+        observer: Option<&dyn HotKeyObserver>,
+    ) -> MetaResponse {
         match command {
+            MetaCommand::SetHotKeyRules { .. }
+            | MetaCommand::SetManualHotKey { .. }
+            | MetaCommand::RemoveHotKey { .. } => {
+                let response = self.hot_keys.apply(command).unwrap_or_default();
+                if let Some(observer) = observer.filter(|_| response.hot_key_refused.is_none()) {
+                    tell(observer, command);
+                }
+                response
+            }
             MetaCommand::Import(records) => {
                 let mut imported = self.catalog.clone();
                 for record in records {
                     if let Err(error) = imported.apply(record, index) {
                         return MetaResponse {
-                            changed: false,
                             refused: Some(error),
+                            ..MetaResponse::default()
                         };
                     }
                 }
@@ -77,7 +96,7 @@ impl MetaState {
                 self.catalog = imported;
                 MetaResponse {
                     changed,
-                    refused: None,
+                    ..MetaResponse::default()
                 }
             }
             MetaCommand::Catalog(command) => {
@@ -91,11 +110,11 @@ impl MetaState {
                 match decided {
                     Ok(changed) => MetaResponse {
                         changed,
-                        refused: None,
+                        ..MetaResponse::default()
                     },
                     Err(error) => MetaResponse {
-                        changed: false,
                         refused: Some(error),
+                        ..MetaResponse::default()
                     },
                 }
             }
@@ -117,9 +136,25 @@ impl MetaState {
                 .map_err(|error| read_error(&error))?;
         }
         self.catalog = catalog;
+        self.hot_keys = state.hot_keys;
         self.last_applied = meta.last_log_id;
         self.membership = meta.last_membership.clone();
         Ok(())
+    }
+}
+
+/// Tells `observer` what a hot-key command did.
+fn tell(observer: &dyn HotKeyObserver, command: &MetaCommand) {
+    match command {
+        MetaCommand::SetHotKeyRules { app, rules } => observer.rules(app, rules),
+        MetaCommand::SetManualHotKey {
+            app,
+            key,
+            expires_at_ms,
+            ..
+        } => observer.manual_hot(app, key, *expires_at_ms),
+        MetaCommand::RemoveHotKey { app, key, .. } => observer.cooled(app, key),
+        MetaCommand::Catalog(_) | MetaCommand::Import(_) => {}
     }
 }
 
@@ -131,11 +166,26 @@ impl MetaStateMachine {
         let machine = Self {
             state: Arc::new(RwLock::new(MetaState::default())),
             directory: directory.to_path_buf(),
+            observer: None,
         };
         if let Some(stored) = machine.read_snapshot()? {
             machine.lock().restore(&stored.meta, &stored.data)?;
         }
         Ok(machine)
+    }
+
+    /// Tells `observer` of every hot-key change from now on, starting with the whole state as
+    /// it stands. Set it before the Raft instance starts applying the log.
+    #[must_use]
+    pub fn with_observer(mut self, observer: Arc<dyn HotKeyObserver>) -> Self {
+        observer.reset(&self.read().hot_keys);
+        self.observer = Some(observer);
+        self
+    }
+
+    /// Reads the replicated hot-key settings as they stand.
+    pub fn with_hot_keys<T>(&self, read: impl FnOnce(&HotKeyMeta) -> T) -> T {
+        read(&self.read().hot_keys)
     }
 
     fn lock(&self) -> RwLockWriteGuard<'_, MetaState> {
@@ -183,6 +233,7 @@ impl RaftSnapshotBuilder<MetaConfig> for MetaStateMachine {
             state.snapshots_built += 1;
             let data = serde_json::to_vec(&SnapshotState {
                 catalog: state.catalog.records(),
+                hot_keys: state.hot_keys.clone(),
             })
             .map_err(|error| write_error(&error))?;
             let last_index = state.last_applied.map_or(0, |log_id| log_id.index);
@@ -225,7 +276,9 @@ impl RaftStateMachine<MetaConfig> for MetaStateMachine {
             state.last_applied = Some(entry.log_id);
             let response = match entry.payload {
                 EntryPayload::Blank => MetaResponse::default(),
-                EntryPayload::Normal(command) => state.apply_command(&command, entry.log_id.index),
+                EntryPayload::Normal(command) => {
+                    state.apply_command(&command, entry.log_id.index, self.observer.as_deref())
+                }
                 EntryPayload::Membership(membership) => {
                     state.membership = StoredMembership::new(Some(entry.log_id), membership);
                     MetaResponse::default()
@@ -250,7 +303,13 @@ impl RaftStateMachine<MetaConfig> for MetaStateMachine {
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError> {
         let data = snapshot.into_inner();
-        self.lock().restore(meta, &data)?;
+        {
+            let mut state = self.lock();
+            state.restore(meta, &data)?;
+            if let Some(observer) = &self.observer {
+                observer.reset(&state.hot_keys);
+            }
+        }
         self.write_snapshot(&StoredSnapshot {
             meta: meta.clone(),
             data,

@@ -104,4 +104,7 @@ pub use engine::{
     AppStats, BatchOutcome, EngineConfig, Event, HotEvent, HotKeyEngine, HotSource, KeyCount,
     MemoryStats, REPORT_BATCH_KEYS_MAX, ReportError, UnknownAppPolicy,
 };
-pub use rule::{APP_NAME_BYTES_MAX, Rule, RuleError, RuleMatch, validate_app_name};
+pub use rule::{
+    APP_NAME_BYTES_MAX, HOT_DURATION_MS_MAX, HOT_DURATION_MS_MIN, Rule, RuleError, RuleMatch,
+    validate_app_name,
+};

@@ -26,7 +26,9 @@ use crate::config::Config;
 use crate::connection::accept_connections;
 use crate::data_dir::{DataDir, DataDirError};
 use crate::grpc_metrics::GrpcMetricsLayer;
+use crate::hotkey::admin::HotKeyAdmin;
 use crate::hotkey::hub::HotKeyHub;
+use crate::hotkey::observer::HubObserver;
 use crate::hotkey::rules_file::RulesFileError;
 use crate::hotkey::service::HotKeyService;
 use crate::hotkey::{self, TICK_INTERVAL};
@@ -164,7 +166,7 @@ impl RunningServer {
         let mut cluster = data_dir.identity(config.node_id)?;
         let metrics = Metrics::new();
         let shard_count = std::thread::available_parallelism().map_or(1, usize::from);
-        let hub = Arc::new(HotKeyHub::open(config, shard_count)?.with_metrics(metrics.clone()));
+        let hub = Arc::new(HotKeyHub::open(config, shard_count).with_metrics(metrics.clone()));
         let grpc_listener = bind("gRPC", config.grpc_addr.0, "--grpc-addr").await?;
         let admin_listener = bind("admin HTTP", config.admin_addr.0, "--admin-addr").await?;
         let grpc_addr = grpc_listener.local_addr().unwrap_or(config.grpc_addr.0);
@@ -173,8 +175,10 @@ impl RunningServer {
         // Recovery may take a while: it runs after the cheap checks above have passed.
         let store = Arc::new(open_store(config).await?);
         metrics.attach_store(&store);
+        let opened = (&data_dir, &mut cluster);
         let (raft, topics) =
-            open_metadata(&store, config, (&data_dir, &mut cluster), me, peer_listener).await?;
+            open_metadata((&store, &hub), config, opened, me, peer_listener).await?;
+        let hotkey_admin = raft.hotkey_admin(&hub);
         metrics.attach_raft(&raft.raft);
         let state = Arc::new(ServerState::new(
             grpc_addr,
@@ -212,7 +216,7 @@ impl RunningServer {
             stop_sessions.subscribe(),
         )));
         let hotkey_service = HotKeyService::new(
-            Arc::clone(&hub),
+            hotkey_admin.clone(),
             state.metrics.clone(),
             stop_sessions.subscribe(),
         );
@@ -236,7 +240,7 @@ impl RunningServer {
             .serve_with_incoming_shutdown(incoming, stopped(stop_grpc.subscribe()));
         let grpc_task = tokio::spawn(grpc_server);
 
-        let admin_router = admin_router(&state, &raft.raft, &hub, consume_context);
+        let admin_router = admin_router(&state, &raft.raft, hotkey_admin, consume_context);
         let admin_server = axum::serve(admin_listener, admin_router)
             .with_graceful_shutdown(stopped(stop_admin.subscribe()));
         let admin_task = tokio::spawn(async move { admin_server.await });
@@ -471,11 +475,19 @@ fn queue_services(
 /// port).
 struct MetadataGroup {
     raft: Raft,
+    writer: MetaWriter,
     manager: Manager,
     /// Set when the leader removed this node.
     left: watch::Receiver<Option<LeaveNotice>>,
     peer_task: Option<JoinHandle<Result<(), tonic::transport::Error>>>,
     stop_peers: watch::Sender<bool>,
+}
+
+impl MetadataGroup {
+    /// The operator's hot-key calls on `hub`, written through this group.
+    fn hotkey_admin(&self, hub: &Arc<HotKeyHub>) -> HotKeyAdmin {
+        HotKeyAdmin::new(Arc::clone(hub), self.writer.clone(), self.manager.clone())
+    }
 }
 
 impl std::fmt::Debug for MetadataGroup {
@@ -512,12 +524,12 @@ async fn bind_peer(
 fn admin_router(
     state: &Arc<ServerState>,
     raft: &Raft,
-    hub: &Arc<HotKeyHub>,
+    hotkey_admin: HotKeyAdmin,
     consume_context: Arc<ConsumeContext>,
 ) -> axum::Router {
     admin_http::router(Arc::clone(state))
         .merge(crate::cluster_http::router(raft.clone()))
-        .merge(hotkey::http::router(Arc::clone(hub)))
+        .merge(hotkey::http::router(hotkey_admin))
         .merge(crate::queue::http::router(consume_context))
         .fallback(crate::api_error::not_found)
         .layer(axum::middleware::from_fn(crate::api_error::json_errors))
@@ -534,7 +546,7 @@ const LEAD_WAIT_MAX: Duration = Duration::from_secs(10);
 /// store's `\0meta` queue is imported into the group once, then the queue is deleted. A node
 /// that joins a cluster takes its id, in `cluster.json` too.
 async fn open_metadata(
-    store: &Arc<Store>,
+    (store, hub): (&Arc<Store>, &Arc<HotKeyHub>),
     config: &Config,
     (data_dir, cluster): (&DataDir, &mut crate::data_dir::ClusterIdentity),
     me: NodeInfo,
@@ -547,7 +559,8 @@ async fn open_metadata(
     };
     let log = LogStore::open(&directory.join("log")).map_err(|error| failed(error.to_string()))?;
     let machine = MetaStateMachine::open(&directory.join("state"))
-        .map_err(|error| failed(error.to_string()))?;
+        .map_err(|error| failed(error.to_string()))?
+        .with_observer(Arc::new(HubObserver(Arc::clone(hub))));
     let raft_config = openraft::Config {
         cluster_name: cluster.cluster_id.clone(),
         heartbeat_interval: 50,
@@ -602,19 +615,22 @@ async fn open_metadata(
             ))
         })?;
     let writer = MetaWriter::new(raft.clone());
-    match &joined {
-        Some(joined) => {
-            cluster_id.send_replace(joined.cluster_id.clone());
-            cluster.cluster_id.clone_from(&joined.cluster_id);
-            cluster.removed = false;
-            data_dir.write_identity(cluster)?;
-        }
-        None => import_legacy(store, &machine, &writer)
+    if let Some(joined) = &joined {
+        cluster_id.send_replace(joined.cluster_id.clone());
+        cluster.cluster_id.clone_from(&joined.cluster_id);
+        cluster.removed = false;
+        data_dir.write_identity(cluster)?;
+    } else {
+        import_legacy(store, &machine, &writer)
             .await
-            .map_err(failed)?,
+            .map_err(&failed)?;
+        import_rules_file(&config.data_dir, &machine, &writer)
+            .await
+            .map_err(failed)?;
     }
     let group = MetadataGroup {
         raft,
+        writer: writer.clone(),
         manager,
         left: left_notice,
         peer_task,
@@ -659,6 +675,35 @@ async fn join_or_initialize(
         .await
         .map_err(|error| error.to_string())?;
     Ok(None)
+}
+
+/// Imports the hot-key rules file an older version kept in the data dir into the group, unless
+/// the group has rules already, then removes the file.
+async fn import_rules_file(
+    data_dir: &std::path::Path,
+    machine: &MetaStateMachine,
+    writer: &MetaWriter,
+) -> Result<(), String> {
+    let path = data_dir.join(crate::hotkey::rules_file::RULES_FILE_NAME);
+    if !path.exists() {
+        return Ok(());
+    }
+    let apps = crate::hotkey::rules_file::load(data_dir).map_err(|error| error.to_string())?;
+    if machine.with_hot_keys(|meta| meta.rules.is_empty()) {
+        for (app, rules) in apps {
+            let rules = rules
+                .iter()
+                .map(crate::hotkey::convert::rule_to_record)
+                .collect();
+            writer
+                .write(MetaCommand::SetHotKeyRules { app, rules })
+                .await
+                .map_err(|error| format!("importing {}: {error}", path.display()))?;
+        }
+    }
+    std::fs::remove_file(&path)
+        .and_then(|()| std::fs::File::open(data_dir)?.sync_all())
+        .map_err(|error| format!("removing {} once imported: {error}", path.display()))
 }
 
 /// Imports a catalog kept by an older version in the store's `\0meta` queue into the group,

@@ -235,6 +235,46 @@ fn reads_and_rates_agree(runtime: &tokio::runtime::Runtime, nodes: &[LeveeProces
     }
 }
 
+/// Hot-key rules set through one node, and a key set hot by hand through another, are in force
+/// on every node.
+fn hot_key_settings_reach_every_node(runtime: &tokio::runtime::Runtime, nodes: &[LeveeProcess]) {
+    let rule = levee_client::HotKeyRule {
+        match_kind: levee_client::MatchKind::Prefix as i32,
+        key: b"sku-".to_vec(),
+        window_ms: 1_000,
+        threshold: 50,
+        hot_duration_ms: 5_000,
+        description: "cluster".to_owned(),
+    };
+    runtime.block_on(async {
+        let first = Client::connect(&nodes[0].grpc()).await.unwrap();
+        first
+            .set_hot_key_rules("shop", vec![rule.clone()])
+            .await
+            .unwrap();
+        let second = Client::connect(&nodes[1].grpc()).await.unwrap();
+        second
+            .set_hot_key("shop", b"sku-42", Duration::from_secs(60))
+            .await
+            .unwrap();
+    });
+    for node in nodes {
+        // Rules are read linearizably: at once, on every node.
+        let rules = runtime.block_on(async {
+            let client = Client::connect(&node.grpc()).await.unwrap();
+            client.hot_key_rules("shop").await.unwrap()
+        });
+        assert_eq!(rules, std::slice::from_ref(&rule));
+        wait_for("the manual hot key on every node", CONVERGE_TIMEOUT, || {
+            runtime.block_on(async {
+                let client = Client::connect(&node.grpc()).await.unwrap();
+                let hot = client.hot_keys("shop").await.unwrap();
+                hot.iter().any(|event| event.key == b"sku-42")
+            })
+        });
+    }
+}
+
 /// Removing a node that is not a member, or adding node 0, is refused naming the problem.
 fn bad_requests_say_why(node: &LeveeProcess) {
     // Bad requests say what is wrong.
@@ -315,6 +355,7 @@ fn given_three_nodes_when_a_node_is_removed_then_it_stops_and_can_be_added_back(
     let leader_id = status(&nodes[0])["leader_id"].as_u64().unwrap();
 
     reads_and_rates_agree(&runtime, &nodes);
+    hot_key_settings_reach_every_node(&runtime, &nodes);
     bad_requests_say_why(&nodes[0]);
 
     // A follower removed through another node stops, and says why.

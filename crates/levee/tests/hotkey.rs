@@ -209,10 +209,11 @@ fn given_hot_keys_when_app_server_connects_or_reconnects_then_snapshot_replaces_
     let client = start_client(&server);
     wait_for("snapshot on connect", WAIT, || client.is_hot_now(b"before"));
 
-    // The server restarts with no hot keys: the new session's snapshot drops the stale one.
+    // Another server with no hot keys (an empty data dir: manual hot keys are kept across
+    // restarts) takes the address: the new session's snapshot drops the stale key.
     server.signal("TERM");
     assert_eq!(server.wait_exit(WAIT).code(), Some(0));
-    let server = LeveeProcess::start_at(&address, &data_dir, &[]);
+    let server = LeveeProcess::start_at(&address, &directory.path().join("other"), &[]);
     wait_for("reconnect", WAIT, || client.stats().sessions_opened >= 2);
     wait_for("stale key dropped", WAIT, || !client.is_hot_now(b"before"));
     let admin = runtime.block_on(Client::connect(&server.grpc())).unwrap();
@@ -222,6 +223,34 @@ fn given_hot_keys_when_app_server_connects_or_reconnects_then_snapshot_replaces_
     wait_for("events after reconnect", WAIT, || {
         client.is_hot_now(b"after")
     });
+}
+
+#[test]
+fn given_the_rules_file_of_an_older_version_then_it_is_imported_once_and_removed() {
+    let directory = tempfile::tempdir().unwrap();
+    let data_dir = directory.path().join("data");
+    std::fs::create_dir_all(&data_dir).unwrap();
+    let file = data_dir.join("hotkey-rules.json");
+    std::fs::write(
+        &file,
+        r#"{"format_version": 1, "apps": {"shop": [{"match": "prefix", "key": "sku-",
+            "window_ms": 1000, "threshold": 5, "hot_duration_ms": 2000, "description": "old"}]}}"#,
+    )
+    .unwrap();
+    let server = LeveeProcess::start_in(&data_dir, &[]);
+    let runtime = runtime();
+    let rules = runtime.block_on(async {
+        let admin = Client::connect(&server.grpc()).await.unwrap();
+        admin.hot_key_rules("shop").await.unwrap()
+    });
+    assert_eq!(
+        rules,
+        [prefix_rule("sku-", 1_000, 5, 2_000)].map(|mut rule| {
+            rule.description = "old".to_owned();
+            rule
+        })
+    );
+    assert!(!file.exists(), "the file is removed once imported");
 }
 
 #[test]
@@ -235,19 +264,32 @@ fn given_rules_when_server_restarts_then_rules_are_kept() {
         prefix_rule("api/", 100, 5, 1_000),
     ];
     set_rules(&runtime, &server, rules.clone());
+    runtime.block_on(async {
+        let admin = Client::connect(&server.grpc()).await.unwrap();
+        admin
+            .set_hot_key(APP, b"pinned", Duration::from_secs(600))
+            .await
+            .unwrap();
+    });
     server.signal("TERM");
     assert_eq!(server.wait_exit(WAIT).code(), Some(0));
 
+    // Rules and keys set hot by hand are kept (the metadata log); their expiry too.
     let server = LeveeProcess::start_in(&data_dir, &[]);
-    let kept = runtime.block_on(async {
-        Client::connect(&server.grpc())
-            .await
-            .unwrap()
-            .hot_key_rules(APP)
-            .await
-            .unwrap()
+    let (kept, hot) = runtime.block_on(async {
+        let admin = Client::connect(&server.grpc()).await.unwrap();
+        (
+            admin.hot_key_rules(APP).await.unwrap(),
+            admin.hot_keys(APP).await.unwrap(),
+        )
     });
     assert_eq!(kept, rules);
+    assert_eq!(hot.len(), 1, "{hot:?}");
+    assert_eq!(hot[0].key, b"pinned");
+    assert!(
+        hot[0].hot_for_ms <= 600_000 && hot[0].hot_for_ms > 500_000,
+        "{hot:?}"
+    );
 }
 
 #[test]

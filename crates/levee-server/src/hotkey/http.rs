@@ -1,8 +1,6 @@
 //! The hot-key admin API as JSON on the admin HTTP port, under `/v1/hotkeys`. Keys travel as
 //! `key` (text) or, when they are not UTF-8, `key_hex`.
 
-use std::sync::Arc;
-
 use axum::Router;
 use axum::extract::{Path, Query, State};
 use axum::response::Json;
@@ -16,11 +14,11 @@ use crate::api_error::ApiError;
 
 use levee_proto::json::{RuleRecord, key_from_hex, key_hex, key_text};
 
+use super::admin::HotKeyAdmin;
 use super::convert::{rule_from_record, rule_to_record};
-use super::hub::HotKeyHub;
 
 /// The `/v1/hotkeys` routes.
-pub fn router(hub: Arc<HotKeyHub>) -> Router {
+pub fn router(admin: HotKeyAdmin) -> Router {
     Router::new()
         .route("/v1/hotkeys/apps", get(list_apps))
         .route(
@@ -33,7 +31,7 @@ pub fn router(hub: Arc<HotKeyHub>) -> Router {
         )
         .route("/v1/hotkeys/apps/{app}/top", get(top_keys))
         .route("/v1/hotkeys/apps/{app}/stats", get(stats))
-        .with_state(hub)
+        .with_state(admin)
 }
 
 fn bad_request(message: String) -> ApiError {
@@ -99,20 +97,25 @@ struct TopParameters {
     limit: Option<usize>,
 }
 
-async fn list_apps(State(hub): State<Arc<HotKeyHub>>) -> Json<Value> {
-    Json(json!({"apps": hub.apps()}))
+async fn list_apps(State(admin): State<HotKeyAdmin>) -> Result<Json<Value>, ApiError> {
+    Ok(Json(json!({"apps": admin.apps().await?})))
 }
 
 async fn get_rules(
-    State(hub): State<Arc<HotKeyHub>>,
+    State(admin): State<HotKeyAdmin>,
     Path(app): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let rules: Vec<RuleRecord> = hub.rules(&app)?.iter().map(rule_to_record).collect();
+    let rules: Vec<RuleRecord> = admin
+        .rules(&app)
+        .await?
+        .iter()
+        .map(rule_to_record)
+        .collect();
     Ok(Json(json!({"app": app, "rules": rules})))
 }
 
 async fn put_rules(
-    State(hub): State<Arc<HotKeyHub>>,
+    State(admin): State<HotKeyAdmin>,
     Path(app): Path<String>,
     Json(records): Json<Vec<RuleRecord>>,
 ) -> Result<Json<Value>, ApiError> {
@@ -121,17 +124,17 @@ async fn put_rules(
         .map(rule_from_record)
         .collect::<Result<Vec<_>, _>>()
         .map_err(bad_request)?;
-    hub.set_rules(&app, rules)?;
-    get_rules(State(hub), Path(app)).await
+    admin.set_rules(&app, &rules).await?;
+    get_rules(State(admin), Path(app)).await
 }
 
-async fn list_hot(State(hub): State<Arc<HotKeyHub>>, Path(app): Path<String>) -> Json<Value> {
-    let hot: Vec<Value> = hub.snapshot(&app).iter().map(event_json).collect();
+async fn list_hot(State(admin): State<HotKeyAdmin>, Path(app): Path<String>) -> Json<Value> {
+    let hot: Vec<Value> = admin.hub().snapshot(&app).iter().map(event_json).collect();
     Json(json!({"app": app, "hot": hot}))
 }
 
 async fn set_hot(
-    State(hub): State<Arc<HotKeyHub>>,
+    State(admin): State<HotKeyAdmin>,
     Path(app): Path<String>,
     Json(body): Json<SetHotBody>,
 ) -> Result<Json<Value>, ApiError> {
@@ -140,27 +143,27 @@ async fn set_hot(
         key_hex: body.key_hex,
     }
     .bytes()?;
-    hub.set_manual_hot(&app, &key, body.duration_ms)?;
+    admin.set_manual_hot(&app, &key, body.duration_ms).await?;
     Ok(Json(json!({"app": app, "hot": true})))
 }
 
 async fn remove_hot(
-    State(hub): State<Arc<HotKeyHub>>,
+    State(admin): State<HotKeyAdmin>,
     Path(app): Path<String>,
     Query(parameter): Query<KeyParameter>,
 ) -> Result<Json<Value>, ApiError> {
     let key = parameter.bytes()?;
     Ok(Json(
-        json!({"app": app, "was_hot": hub.remove_hot(&app, &key)}),
+        json!({"app": app, "was_hot": admin.remove_hot(&app, &key).await?}),
     ))
 }
 
 async fn top_keys(
-    State(hub): State<Arc<HotKeyHub>>,
+    State(admin): State<HotKeyAdmin>,
     Path(app): Path<String>,
     Query(parameters): Query<TopParameters>,
 ) -> Result<Json<Value>, ApiError> {
-    let keys = hub.top_keys(&app, parameters.limit.unwrap_or(10))?;
+    let keys = admin.hub().top_keys(&app, parameters.limit.unwrap_or(10))?;
     let keys: Vec<Value> = keys
         .iter()
         .map(|entry| {
@@ -174,10 +177,10 @@ async fn top_keys(
 }
 
 async fn stats(
-    State(hub): State<Arc<HotKeyHub>>,
+    State(admin): State<HotKeyAdmin>,
     Path(app): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let (stats, clients) = hub.stats(&app)?;
+    let (stats, clients) = admin.hub().stats(&app)?;
     Ok(Json(json!({
         "app": app,
         "hits_received": stats.hits_received,

@@ -8,7 +8,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::BuildHasher;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
@@ -22,7 +21,6 @@ use tokio::sync::broadcast;
 
 use super::clock::Clock;
 use super::convert::{event_to_wire, hot_to_wire};
-use super::rules_file::{self, RulesFileError};
 use crate::config::{Config, UnknownApp};
 use crate::metrics::{AppLabels, Metrics, ReasonLabels};
 
@@ -42,7 +40,6 @@ pub struct HotKeyHub {
     channels: RwLock<HashMap<String, Arc<AppChannel>>>,
     rules: Mutex<BTreeMap<String, Vec<Rule>>>,
     clock: Clock,
-    data_dir: PathBuf,
     batch_keys_max: usize,
     key_bytes_max: usize,
     unknown_app: UnknownApp,
@@ -104,8 +101,10 @@ fn rule_error(error: &RuleError) -> WireError {
 }
 
 impl HotKeyHub {
-    /// Engines sized from `config`, one shard per core, with the rules saved in the data dir.
-    pub fn open(config: &Config, shard_count: usize) -> Result<Self, RulesFileError> {
+    /// Engines sized from `config`, one shard per core, with no rules yet: the replicated
+    /// rules reach them through [`super::observer::HubObserver`] as the metadata log is
+    /// applied.
+    pub fn open(config: &Config, shard_count: usize) -> Self {
         let shard_count = shard_count.max(1);
         let budget_bytes = usize::try_from(config.hotkey_memory_budget_mb.saturating_mul(1 << 20))
             .unwrap_or(usize::MAX);
@@ -118,33 +117,21 @@ impl HotKeyHub {
             },
             ..EngineConfig::default()
         };
-        let rules = rules_file::load(&config.data_dir)?;
-        let mut shards = Vec::with_capacity(shard_count);
-        for _ in 0..shard_count {
-            let mut engine = HotKeyEngine::new(engine_config.clone());
-            for (app, app_rules) in &rules {
-                engine.set_rules(app, app_rules.clone()).map_err(|error| {
-                    RulesFileError::Invalid {
-                        path: config.data_dir.join(rules_file::RULES_FILE_NAME),
-                        message: error.to_string(),
-                    }
-                })?;
-            }
-            shards.push(Mutex::new(engine));
-        }
-        Ok(Self {
+        let shards: Vec<_> = (0..shard_count)
+            .map(|_| Mutex::new(HotKeyEngine::new(engine_config.clone())))
+            .collect();
+        Self {
             shards: shards.into_boxed_slice(),
             hasher: foldhash::fast::FixedState::with_seed(0x6c65_7665_6568_6b79),
             channels: RwLock::new(HashMap::new()),
-            rules: Mutex::new(rules),
+            rules: Mutex::new(BTreeMap::new()),
             clock: Clock::new(),
-            data_dir: config.data_dir.clone(),
             batch_keys_max: config.hotkey_batch_keys_max as usize,
             key_bytes_max: config.hotkey_key_bytes_max as usize,
             unknown_app: config.hotkey_unknown_app,
             metrics: Metrics::default(),
             budget_evictions_seen: AtomicU64::new(0),
-        })
+        }
     }
 
     /// Records into `metrics` (the server's registry) from now on.
@@ -399,12 +386,18 @@ impl HotKeyHub {
         }
     }
 
-    /// Replaces an app's rules on every shard and saves them to the data dir.
-    pub fn set_rules(&self, app: &str, rules: Vec<Rule>) -> Result<(), WireError> {
+    /// Checks an app's rules as [`Self::set_rules`] would, changing nothing.
+    pub fn check_rules(app: &str, rules: &[Rule]) -> Result<(), WireError> {
         check_app_name(app)?;
-        for rule in &rules {
+        for rule in rules {
             rule.validate().map_err(|error| rule_error(&error))?;
         }
+        Ok(())
+    }
+
+    /// Replaces an app's rules on every shard (the replicated rules, as they are applied).
+    pub fn set_rules(&self, app: &str, rules: Vec<Rule>) -> Result<(), WireError> {
+        Self::check_rules(app, &rules)?;
         let mut saved = lock(&self.rules);
         // Every rule was validated above, so every shard accepts the set or none does.
         for shard in &self.shards {
@@ -413,8 +406,7 @@ impl HotKeyHub {
                 .map_err(|error| rule_error(&error))?;
         }
         saved.insert(app.to_owned(), rules);
-        rules_file::save(&self.data_dir, &saved)
-            .map_err(|error| wire(ErrorCode::StorageFailed, error.to_string()))
+        Ok(())
     }
 
     /// An app's rules: the saved ones, or the default rule of an app created by a report.
@@ -437,6 +429,63 @@ impl HotKeyHub {
         apps.sort();
         apps.dedup();
         apps
+    }
+
+    /// Checks a manual hot key as [`Self::set_manual_hot`] would (app name, key length,
+    /// duration), changing nothing.
+    pub fn check_manual_hot(
+        &self,
+        app: &str,
+        key: &[u8],
+        duration_ms: u64,
+    ) -> Result<(), WireError> {
+        check_app_name(app)?;
+        if key.is_empty() || key.len() > self.key_bytes_max {
+            return Err(wire(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "key: 1 to {} bytes, got {}; send a shorter key, or raise hotkey_key_bytes_max",
+                    self.key_bytes_max,
+                    key.len()
+                ),
+            ));
+        }
+        let range = levee_hotkey::HOT_DURATION_MS_MIN..=levee_hotkey::HOT_DURATION_MS_MAX;
+        if !range.contains(&duration_ms) {
+            return Err(wire(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "duration_ms: {} to {}, got {duration_ms}; ask for a duration in range",
+                    range.start(),
+                    range.end()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The hot-key clock as Unix milliseconds (monotonic within this process).
+    pub fn now_unix_ms(&self) -> u64 {
+        self.clock.to_unix_ms(self.clock.now_ms())
+    }
+
+    /// Whether `key` of `app` is hot on this node now.
+    pub fn is_hot(&self, app: &str, key: &[u8]) -> bool {
+        self.hot_keys(app).iter().any(|hot| hot.key == key)
+    }
+
+    /// Sets `key` hot by hand until `expires_at_unix_ms`, if that is still ahead.
+    pub fn set_manual_hot_until(
+        &self,
+        app: &str,
+        key: &[u8],
+        expires_at_unix_ms: u64,
+    ) -> Result<(), WireError> {
+        let remaining = expires_at_unix_ms.saturating_sub(self.now_unix_ms());
+        if remaining < levee_hotkey::HOT_DURATION_MS_MIN {
+            return Ok(());
+        }
+        self.set_manual_hot(app, key, remaining.min(levee_hotkey::HOT_DURATION_MS_MAX))
     }
 
     /// Sets `key` hot by hand for `duration_ms`, and pushes it.

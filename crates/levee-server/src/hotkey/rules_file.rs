@@ -1,9 +1,8 @@
-//! Hot-key rules in JSON: the form the admin HTTP API speaks and the file in the data dir that
-//! keeps rules across restarts (`hotkey-rules.json`, replaced atomically on every change).
+//! Hot-key rules in JSON: the form the admin HTTP API speaks, and the file in the data dir in
+//! which versions before the cluster kept rules (`hotkey-rules.json`). Rules are now replicated
+//! by the metadata group; a server that finds the file imports it once, then removes it.
 
 use std::collections::BTreeMap;
-use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use levee_hotkey::Rule;
@@ -11,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use levee_proto::json::RuleRecord;
 
-use super::convert::{rule_from_record, rule_to_record};
+use super::convert::rule_from_record;
 
 /// The rules file's name inside the data dir.
 pub const RULES_FILE_NAME: &str = "hotkey-rules.json";
@@ -93,45 +92,50 @@ pub fn load(data_dir: &Path) -> Result<BTreeMap<String, Vec<Rule>>, RulesFileErr
         .collect()
 }
 
-/// Replaces the file with `apps`: write a temporary file, fsync it, rename it over the old one,
-/// fsync the directory.
-pub fn save(data_dir: &Path, apps: &BTreeMap<String, Vec<Rule>>) -> Result<(), RulesFileError> {
-    let path = data_dir.join(RULES_FILE_NAME);
-    let temporary = data_dir.join(format!("{RULES_FILE_NAME}.tmp"));
-    let document = RulesDocument {
-        format_version: RULES_FORMAT_VERSION,
-        apps: apps
-            .iter()
-            .map(|(app, rules)| (app.clone(), rules.iter().map(rule_to_record).collect()))
-            .collect(),
-    };
-    let io = |operation, source| RulesFileError::Io {
-        path: path.clone(),
-        operation,
-        source,
-    };
-    let text = serde_json::to_vec_pretty(&document)
-        .map_err(|error| io("write", std::io::Error::other(error)))?;
-    let mut file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&temporary)
-        .map_err(|source| io("write", source))?;
-    file.write_all(&text)
-        .map_err(|source| io("write", source))?;
-    file.sync_all().map_err(|source| io("fsync", source))?;
-    std::fs::rename(&temporary, &path).map_err(|source| io("rename", source))?;
-    File::open(data_dir)
-        .and_then(|directory| directory.sync_all())
-        .map_err(|source| io("fsync", source))
-}
-
 #[cfg(test)]
 mod tests {
+    use std::fs::{File, OpenOptions};
+    use std::io::Write;
+
+    use super::super::convert::rule_to_record;
+
     use levee_hotkey::RuleMatch;
 
     use super::*;
+
+    /// Replaces the file with `apps`: write a temporary file, fsync it, rename it over the old one,
+    /// fsync the directory. Versions before the cluster kept rules so; the tests make such files.
+    fn save(data_dir: &Path, apps: &BTreeMap<String, Vec<Rule>>) -> Result<(), RulesFileError> {
+        let path = data_dir.join(RULES_FILE_NAME);
+        let temporary = data_dir.join(format!("{RULES_FILE_NAME}.tmp"));
+        let document = RulesDocument {
+            format_version: RULES_FORMAT_VERSION,
+            apps: apps
+                .iter()
+                .map(|(app, rules)| (app.clone(), rules.iter().map(rule_to_record).collect()))
+                .collect(),
+        };
+        let io = |operation, source| RulesFileError::Io {
+            path: path.clone(),
+            operation,
+            source,
+        };
+        let text = serde_json::to_vec_pretty(&document)
+            .map_err(|error| io("write", std::io::Error::other(error)))?;
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&temporary)
+            .map_err(|source| io("write", source))?;
+        file.write_all(&text)
+            .map_err(|source| io("write", source))?;
+        file.sync_all().map_err(|source| io("fsync", source))?;
+        std::fs::rename(&temporary, &path).map_err(|source| io("rename", source))?;
+        File::open(data_dir)
+            .and_then(|directory| directory.sync_all())
+            .map_err(|source| io("fsync", source))
+    }
 
     fn rule(matcher: RuleMatch) -> Rule {
         Rule {

@@ -19,6 +19,7 @@ use levee_proto::v1::{
 use tokio::sync::{broadcast, oneshot, watch};
 use tonic::{Request, Response, Status, Streaming};
 
+use super::admin::HotKeyAdmin;
 use super::convert::{rule_from_wire, rule_to_wire};
 use super::hub::{ClientGuard, HotKeyHub};
 use crate::metrics::Metrics;
@@ -32,15 +33,18 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone)]
 pub struct HotKeyService {
     hub: Arc<HotKeyHub>,
+    admin: HotKeyAdmin,
     metrics: Metrics,
     closing: watch::Receiver<bool>,
 }
 
 impl HotKeyService {
-    /// A service over `hub`; sessions end when `closing` turns true (server shutdown).
-    pub fn new(hub: Arc<HotKeyHub>, metrics: Metrics, closing: watch::Receiver<bool>) -> Self {
+    /// A service over `admin`'s hub; sessions end when `closing` turns true (server
+    /// shutdown).
+    pub fn new(admin: HotKeyAdmin, metrics: Metrics, closing: watch::Receiver<bool>) -> Self {
         Self {
-            hub,
+            hub: Arc::clone(admin.hub()),
+            admin,
             metrics,
             closing,
         }
@@ -241,7 +245,7 @@ impl HotKeys for HotKeyService {
             .iter()
             .map(rule_from_wire)
             .collect::<Result<Vec<_>, _>>()?;
-        self.hub.set_rules(&request.app, rules)?;
+        self.admin.set_rules(&request.app, &rules).await?;
         Ok(Response::new(SetRulesResponse {}))
     }
 
@@ -249,7 +253,7 @@ impl HotKeys for HotKeyService {
         &self,
         request: Request<GetRulesRequest>,
     ) -> Result<Response<GetRulesResponse>, Status> {
-        let rules = self.hub.rules(&request.into_inner().app)?;
+        let rules = self.admin.rules(&request.into_inner().app).await?;
         Ok(Response::new(GetRulesResponse {
             rules: rules.iter().map(rule_to_wire).collect(),
         }))
@@ -260,7 +264,7 @@ impl HotKeys for HotKeyService {
         _request: Request<ListAppsRequest>,
     ) -> Result<Response<ListAppsResponse>, Status> {
         Ok(Response::new(ListAppsResponse {
-            apps: self.hub.apps(),
+            apps: self.admin.apps().await?,
         }))
     }
 
@@ -269,8 +273,9 @@ impl HotKeys for HotKeyService {
         request: Request<SetHotKeyRequest>,
     ) -> Result<Response<SetHotKeyResponse>, Status> {
         let request = request.into_inner();
-        self.hub
-            .set_manual_hot(&request.app, &request.key, request.duration_ms)?;
+        self.admin
+            .set_manual_hot(&request.app, &request.key, request.duration_ms)
+            .await?;
         Ok(Response::new(SetHotKeyResponse {}))
     }
 
@@ -279,7 +284,7 @@ impl HotKeys for HotKeyService {
         request: Request<RemoveHotKeyRequest>,
     ) -> Result<Response<RemoveHotKeyResponse>, Status> {
         let request = request.into_inner();
-        let was_hot = self.hub.remove_hot(&request.app, &request.key);
+        let was_hot = self.admin.remove_hot(&request.app, &request.key).await?;
         Ok(Response::new(RemoveHotKeyResponse { was_hot }))
     }
 
