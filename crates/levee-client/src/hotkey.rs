@@ -68,6 +68,11 @@ pub struct HotKeysOptions {
     pub reconnect_backoff_max: Duration,
     /// Most time to establish a connection (default 5 s).
     pub connect_timeout: Duration,
+    /// Follow the cluster (default true): `servers` are seeds; the client asks one of them for
+    /// the cluster's members (the `Cluster.WatchMembers` stream), holds a session with every
+    /// member and routes keys over the members, following every change. False: exactly
+    /// `servers`, as given.
+    pub follow_cluster: bool,
 }
 
 impl HotKeysOptions {
@@ -84,6 +89,7 @@ impl HotKeysOptions {
             reconnect_backoff_min: Duration::from_millis(100),
             reconnect_backoff_max: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
+            follow_cluster: true,
         }
     }
 
@@ -166,13 +172,34 @@ struct LocalHot<V> {
     value: Option<V>,
 }
 
-/// One server's session slot.
+/// One server's session slot. Links are never removed (their index is the server's number for
+/// good); a server that leaves the cluster is retired, and taken up again if it comes back.
 #[derive(Debug)]
 struct ServerLink {
     address: String,
     seed: u64,
     sender: Mutex<Option<mpsc::Sender<HotKeyClientMessage>>>,
+    /// True while the server is one the client routes to; its session task runs meanwhile.
+    active: watch::Sender<bool>,
 }
+
+impl ServerLink {
+    fn new(address: &str, hasher: foldhash::fast::FixedState) -> Self {
+        Self {
+            address: address.to_owned(),
+            seed: hasher.hash_one(address.as_bytes()),
+            sender: Mutex::new(None),
+            active: watch::Sender::new(true),
+        }
+    }
+
+    fn is_active(&self) -> bool {
+        *self.active.borrow()
+    }
+}
+
+/// Most servers a client holds links to over its life (members seen, seeds included).
+pub const SERVERS_MAX: usize = 256;
 
 #[derive(Debug, Default)]
 struct Counters {
@@ -192,7 +219,10 @@ struct Inner<V> {
     hot: RwLock<HashMap<Box<[u8]>, LocalHot<V>>>,
     loads: Loads<V>,
     callbacks: RwLock<Vec<Callback>>,
-    links: Box<[ServerLink]>,
+    links: RwLock<Vec<Arc<ServerLink>>>,
+    /// Where background tasks run, and what stops them.
+    runtime: tokio::runtime::Handle,
+    stopped: watch::Receiver<bool>,
     counters: Counters,
     stopping: AtomicBool,
 }
@@ -245,12 +275,9 @@ impl<V: Clone + Send + Sync + 'static> HotKeys<V> {
         let links = options
             .servers
             .iter()
-            .map(|address| ServerLink {
-                address: address.clone(),
-                seed: hasher.hash_one(address.as_bytes()),
-                sender: Mutex::new(None),
-            })
+            .map(|address| Arc::new(ServerLink::new(address, hasher)))
             .collect();
+        let (stop, stopped) = watch::channel(false);
         let inner = Arc::new(Inner {
             hasher,
             buffer: (0..BUFFER_SHARDS)
@@ -260,14 +287,18 @@ impl<V: Clone + Send + Sync + 'static> HotKeys<V> {
             hot: RwLock::new(HashMap::new()),
             loads: Mutex::new(HashMap::new()),
             callbacks: RwLock::new(Vec::new()),
-            links,
+            links: RwLock::new(links),
+            runtime: runtime.clone(),
+            stopped: stopped.clone(),
             counters: Counters::default(),
             stopping: AtomicBool::new(false),
             options,
         });
-        let (stop, stopped) = watch::channel(false);
-        for index in 0..inner.links.len() {
+        for index in 0..read(&inner.links).len() {
             runtime.spawn(run_link(Arc::clone(&inner), index, stopped.clone()));
+        }
+        if inner.options.follow_cluster {
+            runtime.spawn(run_membership(Arc::clone(&inner), stopped.clone()));
         }
         runtime.spawn(run_reporter(Arc::clone(&inner), stopped));
         Ok(Self {
@@ -397,9 +428,7 @@ impl<V: Clone + Send + Sync + 'static> HotKeys<V> {
             keys_unsent: load(&counters.keys_unsent),
             events_received: load(&counters.events_received),
             sessions_opened: load(&counters.sessions_opened),
-            servers_connected: self
-                .inner
-                .links
+            servers_connected: read(&self.inner.links)
                 .iter()
                 .filter(|link| lock(&link.sender).is_some())
                 .count() as u64,
@@ -434,9 +463,53 @@ impl<V> Inner<V> {
         shard
     }
 
-    /// Rendezvous hashing over the servers that `eligible` accepts.
+    /// Rendezvous hashing over the active servers that `eligible` accepts.
     fn route(&self, key_hash: u64, eligible: impl Fn(usize) -> bool) -> Option<usize> {
-        rendezvous(key_hash, self.links.iter().map(|link| link.seed), eligible)
+        let links = read(&self.links);
+        rendezvous(key_hash, links.iter().map(|link| link.seed), |index| {
+            links[index].is_active() && eligible(index)
+        })
+    }
+
+    /// The link of server `server`.
+    fn link(&self, server: usize) -> Arc<ServerLink> {
+        Arc::clone(&read(&self.links)[server])
+    }
+
+    /// Makes `members` (gRPC addresses) the servers: links of servers that left are retired,
+    /// new ones get a link and a session.
+    fn follow_members(self: &Arc<Self>, members: &[String])
+    where
+        V: Clone + Send + Sync + 'static,
+    {
+        let mut links = write(&self.links);
+        for link in links.iter() {
+            if !members.contains(&link.address) && link.is_active() {
+                tracing::info!(server = %link.address, "hot-key server left the cluster");
+                link.active.send_replace(false);
+            }
+        }
+        for member in members {
+            match links.iter().position(|link| link.address == *member) {
+                Some(index) if !links[index].is_active() => {
+                    links[index].active.send_replace(true);
+                    self.runtime
+                        .spawn(run_link(Arc::clone(self), index, self.stopped.clone()));
+                }
+                Some(_) => {}
+                None if links.len() < SERVERS_MAX => {
+                    tracing::info!(server = %member, "hot-key server joined the cluster");
+                    links.push(Arc::new(ServerLink::new(member, self.hasher)));
+                    let index = links.len() - 1;
+                    self.runtime
+                        .spawn(run_link(Arc::clone(self), index, self.stopped.clone()));
+                }
+                None => tracing::warn!(
+                    server = %member,
+                    "more than {SERVERS_MAX} servers seen; not following this one"
+                ),
+            }
+        }
     }
 
     /// Sends the buffer to the connected servers.
@@ -450,12 +523,11 @@ impl<V> Inner<V> {
         if drained.is_empty() {
             return;
         }
-        let senders: Vec<Option<mpsc::Sender<HotKeyClientMessage>>> = self
-            .links
+        let senders: Vec<Option<mpsc::Sender<HotKeyClientMessage>>> = read(&self.links)
             .iter()
             .map(|link| lock(&link.sender).clone())
             .collect();
-        let mut per_server: Vec<Vec<KeyReport>> = vec![Vec::new(); self.links.len()];
+        let mut per_server: Vec<Vec<KeyReport>> = vec![Vec::new(); senders.len()];
         let mut unsent = 0_u64;
         for (key, count) in drained {
             match self.route(self.key_hash(&key), |index| senders[index].is_some()) {
@@ -605,20 +677,26 @@ async fn run_reporter<V>(inner: Arc<Inner<V>>, mut stopped: watch::Receiver<bool
 }
 
 async fn run_link<V>(inner: Arc<Inner<V>>, server: usize, mut stopped: watch::Receiver<bool>) {
+    let link = inner.link(server);
+    let mut retired = link.active.subscribe();
     let mut backoff = inner.options.reconnect_backoff_min;
     loop {
         let opened = Instant::now();
         let result = tokio::select! {
             result = session(&inner, server) => result,
             _ = stopped.wait_for(|stop| *stop) => return,
+            _ = retired.wait_for(|active| !*active) => {
+                *lock(&link.sender) = None;
+                return;
+            }
         };
-        *lock(&inner.links[server].sender) = None;
-        if inner.stopping.load(Ordering::Relaxed) {
+        *lock(&link.sender) = None;
+        if inner.stopping.load(Ordering::Relaxed) || !link.is_active() {
             return;
         }
         if let Err(error) = result {
             tracing::warn!(
-                server = %inner.links[server].address,
+                server = %link.address,
                 %error,
                 retry_in_ms = backoff.as_millis(),
                 "hot-key session failed; reconnecting"
@@ -631,13 +709,107 @@ async fn run_link<V>(inner: Arc<Inner<V>>, server: usize, mut stopped: watch::Re
         tokio::select! {
             () = tokio::time::sleep(backoff) => {}
             _ = stopped.wait_for(|stop| *stop) => return,
+            _ = retired.wait_for(|active| !*active) => return,
         }
         backoff = (backoff * 2).min(inner.options.reconnect_backoff_max);
     }
 }
 
+/// Follows the cluster's members: asks a seed (or a member learnt since) for the
+/// `WatchMembers` stream and makes every update the set of servers, until stopped. A stream
+/// that ends or fails is opened again elsewhere, with backoff.
+async fn run_membership<V: Clone + Send + Sync + 'static>(
+    inner: Arc<Inner<V>>,
+    mut stopped: watch::Receiver<bool>,
+) {
+    let mut backoff = inner.options.reconnect_backoff_min;
+    let mut turn = 0_usize;
+    loop {
+        let candidates: Vec<String> = {
+            let links = read(&inner.links);
+            let mut candidates: Vec<String> = links
+                .iter()
+                .filter(|link| link.is_active())
+                .map(|link| link.address.clone())
+                .collect();
+            candidates.extend(inner.options.servers.iter().cloned());
+            candidates.sort();
+            candidates.dedup();
+            candidates
+        };
+        turn = turn.wrapping_add(1);
+        let address = candidates[turn % candidates.len()].clone();
+        let opened = Instant::now();
+        let result = tokio::select! {
+            result = watch_members(&inner, &address) => result,
+            _ = stopped.wait_for(|stop| *stop) => return,
+        };
+        match result {
+            // A server without the Cluster service: a fixed set of servers, as given.
+            Err(error) if error.code() == Some(levee_proto::v1::ErrorCode::Unimplemented) => {
+                tracing::info!(server = %address, "server does not list members; not following");
+                return;
+            }
+            Err(error) => tracing::debug!(server = %address, %error, "member stream ended"),
+            Ok(()) => tracing::debug!(server = %address, "member stream ended"),
+        }
+        if opened.elapsed() > inner.options.reconnect_backoff_max {
+            backoff = inner.options.reconnect_backoff_min;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(backoff) => {}
+            _ = stopped.wait_for(|stop| *stop) => return,
+        }
+        backoff = (backoff * 2).min(inner.options.reconnect_backoff_max);
+    }
+}
+
+/// One `WatchMembers` stream from `address`: each update becomes the set of servers.
+async fn watch_members<V: Clone + Send + Sync + 'static>(
+    inner: &Arc<Inner<V>>,
+    address: &str,
+) -> Result<(), ClientError> {
+    let client = crate::Client::connect_with(
+        address,
+        &crate::ClientOptions {
+            connect_timeout: inner.options.connect_timeout,
+            request_timeout: Duration::from_secs(365 * 24 * 3600),
+        },
+    )
+    .await?;
+    let mut updates = client.watch_members().await?;
+    while let Some(update) = updates.message().await? {
+        let members: Vec<String> = update
+            .members
+            .iter()
+            .map(|member| member.grpc_addr.clone())
+            .collect();
+        // A server bound to 0.0.0.0 (or [::]) tells no address a client can use: keep the
+        // servers as given.
+        let unusable = members.iter().find(|address| {
+            address.is_empty()
+                || address
+                    .parse::<std::net::SocketAddr>()
+                    .is_ok_and(|address| address.ip().is_unspecified())
+        });
+        if let Some(unusable) = unusable {
+            tracing::warn!(
+                server = %address,
+                member = %unusable,
+                "a member's API address is not one clients can reach; not following the \
+                 cluster (bind --grpc-addr to a reachable address, or set follow_cluster false)"
+            );
+            return Ok(());
+        }
+        if !members.is_empty() {
+            inner.follow_members(&members);
+        }
+    }
+    Ok(())
+}
+
 async fn session<V>(inner: &Arc<Inner<V>>, server: usize) -> Result<(), ClientError> {
-    let link = &inner.links[server];
+    let link = inner.link(server);
     let uri = if link.address.contains("://") {
         link.address.clone()
     } else {

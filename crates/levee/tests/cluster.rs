@@ -275,6 +275,39 @@ fn hot_key_settings_reach_every_node(runtime: &tokio::runtime::Runtime, nodes: &
     }
 }
 
+/// Two app servers, each given a different node as its only seed, follow the cluster: each
+/// holds a session with every node, and a key detected hot by whichever node owns it reaches
+/// both.
+fn hot_keys_reach_app_servers_through_any_node(
+    runtime: &tokio::runtime::Runtime,
+    nodes: &[LeveeProcess],
+) {
+    let _entered = runtime.enter();
+    let start = |node: &LeveeProcess| {
+        let mut options = levee_client::HotKeysOptions::new("shop", vec![node.grpc()]);
+        options.report_interval = Duration::from_millis(10);
+        options.reconnect_backoff_min = Duration::from_millis(20);
+        options.reconnect_backoff_max = Duration::from_millis(200);
+        levee_client::HotKeys::<Vec<u8>>::start(options).unwrap()
+    };
+    let reporter = start(&nodes[0]);
+    let watcher = start(&nodes[2]);
+    wait_for("sessions with all three nodes", CONVERGE_TIMEOUT, || {
+        reporter.stats().servers_connected == 3 && watcher.stats().servers_connected == 3
+    });
+    // The rule set above: 50 hits of sku-... within 1 s make a key hot.
+    for key in ["sku-1", "sku-2", "sku-3", "sku-4"] {
+        reporter.record(key.as_bytes(), 60);
+    }
+    wait_for("keys hot at the other app server", CONVERGE_TIMEOUT, || {
+        ["sku-1", "sku-2", "sku-3", "sku-4"]
+            .iter()
+            .all(|key| watcher.is_hot_now(key.as_bytes()))
+    });
+    reporter.close();
+    watcher.close();
+}
+
 /// Removing a node that is not a member, or adding node 0, is refused naming the problem.
 fn bad_requests_say_why(node: &LeveeProcess) {
     // Bad requests say what is wrong.
@@ -356,6 +389,7 @@ fn given_three_nodes_when_a_node_is_removed_then_it_stops_and_can_be_added_back(
 
     reads_and_rates_agree(&runtime, &nodes);
     hot_key_settings_reach_every_node(&runtime, &nodes);
+    hot_keys_reach_app_servers_through_any_node(&runtime, &nodes);
     bad_requests_say_why(&nodes[0]);
 
     // A follower removed through another node stops, and says why.
