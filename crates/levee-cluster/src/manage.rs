@@ -44,6 +44,10 @@ pub struct JoinRequest {
     /// `None`: a voter while the voters are fewer than [`VOTERS_AUTO_MAX`], else a learner.
     #[serde(default)]
     pub voter: Option<bool>,
+    /// The cluster the node's data dir already belongs to, if it does: a member of another
+    /// cluster refuses it (a node cannot move between clusters with its data).
+    #[serde(default)]
+    pub cluster_id: Option<String>,
 }
 
 /// What the leader did with a [`JoinRequest`].
@@ -206,6 +210,21 @@ impl Manager {
     /// it a voter if asked (or, by default, while the voters are fewer than
     /// [`VOTERS_AUTO_MAX`]).
     pub async fn serve_join(&self, request: JoinRequest) -> Result<Joined, Refusal> {
+        if let Some(theirs) = request
+            .cluster_id
+            .as_ref()
+            .filter(|theirs| **theirs != self.cluster_id())
+        {
+            return Err(Refusal::new(
+                RefusalKind::FailedPrecondition,
+                format!(
+                    "node {}'s data dir belongs to cluster {theirs}, not to this cluster ({}); \
+                     start it with an empty data dir to join this one",
+                    request.node_id,
+                    self.cluster_id()
+                ),
+            ));
+        }
         let membership = self.raft.metrics().borrow().membership_config.clone();
         let membership = membership.membership();
         // The same node asking again (its first answer was lost) is added again, harmlessly;
@@ -485,6 +504,19 @@ impl Manager {
                 other => return other,
             }
         }
+    }
+}
+
+/// On a node whose data dir already belongs to a cluster and that was given a seed: asks the
+/// seed once whether it is of the same cluster. `Err` only when the seed answered that it is
+/// not (an unreachable seed, or a member that does not lead, is no reason to stop).
+pub async fn check_same_cluster(seed: &str, request: &JoinRequest) -> Result<(), String> {
+    let Ok(json) = serde_json::to_vec(request) else {
+        return Ok(());
+    };
+    match ask::<Joined>(Rpc::Join, seed, json).await {
+        Err(refusal) if refusal.kind == RefusalKind::FailedPrecondition => Err(refusal.message),
+        _ => Ok(()),
     }
 }
 

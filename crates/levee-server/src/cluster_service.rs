@@ -233,6 +233,7 @@ impl Cluster for ClusterService {
                     peer_addr: request.peer_addr,
                 },
                 voter: Some(!request.learner),
+                cluster_id: None,
             })
             .await
             .map_err(wire)?;

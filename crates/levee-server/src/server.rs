@@ -48,7 +48,7 @@ use crate::queue::waiters::Waiters;
 use crate::state::ServerState;
 use levee_broker::names::META_QUEUE;
 use levee_cluster::join::join;
-use levee_cluster::manage::{JoinRequest, Joined};
+use levee_cluster::manage::{JoinRequest, Joined, check_same_cluster};
 use levee_cluster::{
     LeaveNotice, LogStore, Manager, MetaCommand, MetaStateMachine, MetaWriter, NodeInfo,
     PeerNetwork, PeerService, Raft,
@@ -661,6 +661,15 @@ async fn join_or_initialize(
         ));
     }
     if initialized && !cluster.removed {
+        if let Some(seed) = &config.join {
+            let request = JoinRequest {
+                node_id,
+                node: me,
+                voter: None,
+                cluster_id: Some(cluster.cluster_id.clone()),
+            };
+            check_same_cluster(seed, &request).await?;
+        }
         return Ok(None);
     }
     if let Some(seed) = &config.join {
@@ -668,6 +677,8 @@ async fn join_or_initialize(
             node_id,
             node: me,
             voter: None,
+            // A removed node rejoins the cluster it was removed from; a new one adopts any.
+            cluster_id: cluster.removed.then(|| cluster.cluster_id.clone()),
         };
         return join(seed, &request).await.map(Some);
     }

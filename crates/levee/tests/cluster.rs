@@ -457,3 +457,39 @@ fn given_three_nodes_when_a_node_is_removed_then_it_stops_and_can_be_added_back(
         view["members"].as_array().unwrap().len() == 3 && view["leader_id"].is_u64()
     });
 }
+
+#[test]
+fn given_a_node_of_another_cluster_when_it_joins_then_it_is_refused_with_the_fix() {
+    let directory = tempfile::tempdir().unwrap();
+    let other_dir = directory.path().join("other");
+    let other = LeveeProcess::start_in(
+        &other_dir,
+        &["--node-id", "5", "--peer-addr", "127.0.0.1:0"],
+    );
+    drop(other);
+    let member = LeveeProcess::start_in(
+        &directory.path().join("member"),
+        &["--node-id", "1", "--peer-addr", "127.0.0.1:0"],
+    );
+    let (code, _, stderr) = run_to_exit(
+        &[
+            "server",
+            "--node-id",
+            "5",
+            "--data-dir",
+            other_dir.to_str().unwrap(),
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--admin-addr",
+            "127.0.0.1:0",
+            "--peer-addr",
+            "127.0.0.1:0",
+            "--join",
+            &member.peer_addr.unwrap().to_string(),
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("belongs to cluster"), "{stderr}");
+    assert!(stderr.contains("empty data dir"), "{stderr}");
+}
