@@ -1,0 +1,160 @@
+"""`Subscription`: one consumer's mailbox stream on one queue, with credits and acks.
+
+The server pushes messages as they are appended, never more than the credit granted, starting
+after the consumer's last ack; messages delivered but not acked are delivered again to the next
+subscription of the same consumer. `ack(offset)` is cumulative and returns once durable, and
+grants the acked messages' credit back. Everything held here is bounded by the credit: the
+server never sends past it. One task uses a subscription at a time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Deque, Optional, Tuple
+
+import grpc
+import grpc.aio
+
+from . import validation
+from .errors import ErrorCode, LeveeError, from_rpc_error, make_error
+from .v1 import common_pb2, queue_pb2
+
+if TYPE_CHECKING:
+    from .client import Client
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One message of the subscribed queue."""
+
+    offset: int
+    payload: bytes
+
+
+class Subscription:
+    """A consumer's subscription to one queue; `async for delivery in subscription`."""
+
+    def __init__(self, stream: Any, start_offset: int, first: Any) -> None:
+        self._stream = stream
+        self.start_offset = start_offset
+        """Where delivery started: the offset after the consumer's last ack."""
+        self._received: Deque[Delivery] = deque(
+            Delivery(d.offset, d.payload) for d in first.deliveries
+        )
+        # Delivered to the caller and not yet acked: (offset, payload bytes), for credit.
+        self._unacked: Deque[Tuple[int, int]] = deque()
+        self._closed = False
+
+    @classmethod
+    async def open(
+        cls, client: "Client", queue: bytes, consumer: str, credit_messages: int
+    ) -> "Subscription":
+        validation.check_subscribe_queue(queue)
+        validation.check_consumer(consumer)
+        validation.check_credit(credit_messages)
+        stream = client.queues_stub.Subscribe()
+        start = queue_pb2.SubscribeRequest(
+            start=queue_pb2.SubscribeStart(
+                queue=queue,
+                consumer=consumer,
+                credit=common_pb2.Credit(messages=credit_messages, bytes=0),
+            )
+        )
+        try:
+            await stream.write(start)
+            first = await stream.read()
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        if first is grpc.aio.EOF:
+            raise make_error(ErrorCode.UNAVAILABLE, "the server closed the subscription")
+        if not first.HasField("start_offset"):
+            stream.cancel()
+            raise make_error(
+                ErrorCode.INTERNAL, "the server's first subscription message has no start_offset"
+            )
+        return cls(stream, first.start_offset, first)
+
+    async def _read(self) -> Any:
+        try:
+            response = await self._stream.read()
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        if response is grpc.aio.EOF:
+            return None
+        return response
+
+    async def next(self) -> Optional[Delivery]:
+        """The next message, waiting until one is appended; None once the stream has ended."""
+        while True:
+            if self._received:
+                delivery = self._received.popleft()
+                self._unacked.append((delivery.offset, len(delivery.payload)))
+                return delivery
+            if self._closed:
+                return None
+            response = await self._read()
+            if response is None:
+                self._closed = True
+                return None
+            self._received.extend(Delivery(d.offset, d.payload) for d in response.deliveries)
+
+    def __aiter__(self) -> AsyncIterator[Delivery]:
+        return self
+
+    async def __anext__(self) -> Delivery:
+        delivery = await self.next()
+        if delivery is None:
+            raise StopAsyncIteration
+        return delivery
+
+    async def _write(self, request: queue_pb2.SubscribeRequest) -> None:
+        try:
+            await self._stream.write(request)
+        except (grpc.RpcError, grpc.aio.UsageError, RuntimeError):
+            raise await self._ended() from None
+
+    async def _ended(self) -> LeveeError:
+        """Why the stream ended: the server's error when it sent one."""
+        try:
+            while await self._stream.read() is not grpc.aio.EOF:
+                pass
+        except grpc.RpcError as error:
+            return from_rpc_error(error)
+        except Exception:  # the call was cancelled or closed locally
+            pass
+        return make_error(ErrorCode.UNAVAILABLE, "the subscription is closed")
+
+    async def ack(self, offset: int) -> None:
+        """Marks every delivered message up to and including `offset` done and grants their
+        credit back; returns once the server made the ack durable."""
+        messages = 0
+        payload_bytes = 0
+        while self._unacked and self._unacked[0][0] <= offset:
+            payload_bytes += self._unacked.popleft()[1]
+            messages += 1
+        await self._write(queue_pb2.SubscribeRequest(ack=queue_pb2.Ack(offset=offset)))
+        if messages:
+            await self._write(
+                queue_pb2.SubscribeRequest(
+                    credit=common_pb2.Credit(messages=messages, bytes=min(payload_bytes, 2**32 - 1))
+                )
+            )
+        while True:
+            response = await self._read()
+            if response is None:
+                raise make_error(ErrorCode.UNAVAILABLE, "the subscription is closed")
+            self._received.extend(Delivery(d.offset, d.payload) for d in response.deliveries)
+            if response.acked_offset > offset:
+                return
+
+    async def close(self) -> None:
+        """Ends the stream; messages not acked are delivered again to the next subscription."""
+        self._closed = True
+        self._stream.cancel()
+
+    async def __aenter__(self) -> "Subscription":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
