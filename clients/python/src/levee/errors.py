@@ -188,3 +188,8 @@ def from_rpc_error(error: grpc.RpcError) -> LeveeError:
         )
     code = _CODE_FROM_GRPC.get(status, ErrorCode.INTERNAL)
     return make_error(code, details or str(status))
+
+
+__all__ = ["ErrorCode", "LeveeError", "make_error", "from_rpc_error"] + [
+    cls.__name__ for cls in ERROR_CLASSES.values()
+]

@@ -2,13 +2,15 @@
 
 The server pushes messages as they are appended, never more than the credit granted, starting
 after the consumer's last ack; messages delivered but not acked are delivered again to the next
-subscription of the same consumer. `ack(offset)` is cumulative and returns once durable, and
-grants the acked messages' credit back. Everything held here is bounded by the credit: the
-server never sends past it. One task uses a subscription at a time.
+subscription of the same consumer. `ack(offset)` is cumulative, returns once durable, and
+grants the acked messages' credit back. A reader task takes the server's messages as they come;
+what it holds is bounded by the credit (the server never sends past it). `next()` and `ack()`
+may wait in different tasks, and a `next()` cancelled by a timeout loses nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Deque, Optional, Tuple
@@ -35,16 +37,21 @@ class Delivery:
 class Subscription:
     """A consumer's subscription to one queue; `async for delivery in subscription`."""
 
-    def __init__(self, stream: Any, start_offset: int, first: Any) -> None:
+    def __init__(self, stream: Any, first: Any) -> None:
         self._stream = stream
-        self.start_offset = start_offset
+        self.start_offset: int = first.start_offset
         """Where delivery started: the offset after the consumer's last ack."""
         self._received: Deque[Delivery] = deque(
             Delivery(d.offset, d.payload) for d in first.deliveries
         )
-        # Delivered to the caller and not yet acked: (offset, payload bytes), for credit.
+        # Handed to the caller and not yet acked: (offset, payload bytes), for the credit.
         self._unacked: Deque[Tuple[int, int]] = deque()
-        self._closed = False
+        self._acked_offset: int = first.acked_offset
+        self._changed = asyncio.Event()
+        self._ended: Optional[LeveeError] = None  # set once the stream is over
+        self._clean_end = False  # ended by the server without an error, or closed here
+        self._write_lock = asyncio.Lock()
+        self._reader = asyncio.ensure_future(self._read())
 
     @classmethod
     async def open(
@@ -73,31 +80,46 @@ class Subscription:
             raise make_error(
                 ErrorCode.INTERNAL, "the server's first subscription message has no start_offset"
             )
-        return cls(stream, first.start_offset, first)
+        return cls(stream, first)
 
-    async def _read(self) -> Any:
+    async def _read(self) -> None:
         try:
-            response = await self._stream.read()
+            while True:
+                response = await self._stream.read()
+                if response is grpc.aio.EOF:
+                    self._clean_end = True
+                    self._ended = make_error(ErrorCode.UNAVAILABLE, "the subscription is closed")
+                    return
+                self._received.extend(Delivery(d.offset, d.payload) for d in response.deliveries)
+                if response.acked_offset > self._acked_offset:
+                    self._acked_offset = response.acked_offset
+                self._changed.set()
         except grpc.RpcError as error:
-            raise from_rpc_error(error) from None
-        if response is grpc.aio.EOF:
-            return None
-        return response
+            self._ended = from_rpc_error(error)
+        except asyncio.CancelledError:
+            self._clean_end = True
+            self._ended = make_error(ErrorCode.UNAVAILABLE, "the subscription is closed")
+            raise
+        finally:
+            self._changed.set()
+
+    async def _wait(self) -> None:
+        self._changed.clear()
+        await self._changed.wait()
 
     async def next(self) -> Optional[Delivery]:
-        """The next message, waiting until one is appended; None once the stream has ended."""
+        """The next message, waiting until one is appended; None once the stream has ended
+        cleanly. Raises the server's error when it ended the stream with one."""
         while True:
             if self._received:
                 delivery = self._received.popleft()
                 self._unacked.append((delivery.offset, len(delivery.payload)))
                 return delivery
-            if self._closed:
-                return None
-            response = await self._read()
-            if response is None:
-                self._closed = True
-                return None
-            self._received.extend(Delivery(d.offset, d.payload) for d in response.deliveries)
+            if self._ended is not None:
+                if self._clean_end:
+                    return None
+                raise self._ended
+            await self._wait()
 
     def __aiter__(self) -> AsyncIterator[Delivery]:
         return self
@@ -109,21 +131,17 @@ class Subscription:
         return delivery
 
     async def _write(self, request: queue_pb2.SubscribeRequest) -> None:
-        try:
-            await self._stream.write(request)
-        except (grpc.RpcError, grpc.aio.UsageError, RuntimeError):
-            raise await self._ended() from None
-
-    async def _ended(self) -> LeveeError:
-        """Why the stream ended: the server's error when it sent one."""
-        try:
-            while await self._stream.read() is not grpc.aio.EOF:
-                pass
-        except grpc.RpcError as error:
-            return from_rpc_error(error)
-        except Exception:  # the call was cancelled or closed locally
-            pass
-        return make_error(ErrorCode.UNAVAILABLE, "the subscription is closed")
+        if self._ended is not None:
+            raise self._ended
+        async with self._write_lock:
+            try:
+                await self._stream.write(request)
+            except (grpc.RpcError, grpc.aio.UsageError, RuntimeError, asyncio.InvalidStateError):
+                pass  # the reader learns why the stream ended
+            else:
+                return
+        await asyncio.wait({self._reader}, timeout=5)
+        raise self._ended or make_error(ErrorCode.UNAVAILABLE, "the subscription is closed")
 
     async def ack(self, offset: int) -> None:
         """Marks every delivered message up to and including `offset` done and grants their
@@ -137,21 +155,21 @@ class Subscription:
         if messages:
             await self._write(
                 queue_pb2.SubscribeRequest(
-                    credit=common_pb2.Credit(messages=messages, bytes=min(payload_bytes, 2**32 - 1))
+                    credit=common_pb2.Credit(
+                        messages=messages, bytes=min(payload_bytes, 2**32 - 1)
+                    )
                 )
             )
-        while True:
-            response = await self._read()
-            if response is None:
-                raise make_error(ErrorCode.UNAVAILABLE, "the subscription is closed")
-            self._received.extend(Delivery(d.offset, d.payload) for d in response.deliveries)
-            if response.acked_offset > offset:
-                return
+        while self._acked_offset <= offset:
+            if self._ended is not None:
+                raise self._ended
+            await self._wait()
 
     async def close(self) -> None:
         """Ends the stream; messages not acked are delivered again to the next subscription."""
-        self._closed = True
         self._stream.cancel()
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
 
     async def __aenter__(self) -> "Subscription":
         return self
