@@ -97,6 +97,8 @@ async def call(awaitable: Awaitable[T]) -> T:
         return await awaitable
     except grpc.RpcError as error:
         raise from_rpc_error(error) from None
+    except grpc.aio.UsageError as error:
+        raise make_error(ErrorCode.UNAVAILABLE, f"the client is closed ({error})") from None
 
 
 def _message(item: AppendInput) -> QueueMessage:

@@ -181,6 +181,7 @@ class HotKeys(Generic[V]):
         self._buffer: Dict[bytes, int] = {}
         self._recorded = 0
         self._dropped = 0
+        self._invalid_logged = False
         self._hot: Dict[bytes, _LocalHot] = {}
         self._hash_cache: Dict[bytes, int] = {}
         self._callbacks: List[Callable[[HotKeyChange], None]] = []
@@ -224,9 +225,17 @@ class HotKeys(Generic[V]):
                     self._dropped += 1
             entry = self._hot.get(key)  # type: ignore[call-overload]
             return entry is not None and entry.until > time.monotonic()
-        except Exception:  # never break the business path
-            log.exception("is_hot failed")
+        except Exception as error:  # never break the business path: count it, log it once
+            self._invalid_key(error)
             return False
+
+    def _invalid_key(self, error: Exception) -> None:
+        with self._lock:
+            self._dropped += 1
+            first = not self._invalid_logged
+            self._invalid_logged = True
+        if first:
+            log.error("hot keys: a key that is not bytes or str was dropped (%s)", error)
 
     def is_hot_now(self, key: BytesLike) -> bool:
         """Whether `key` is hot now, without recording an access. Never raises."""
@@ -251,8 +260,8 @@ class HotKeys(Generic[V]):
                     buffer[key] = count
                 else:
                     self._dropped += count
-        except Exception:
-            log.exception("record failed")
+        except Exception as error:
+            self._invalid_key(error)
 
     def hot_keys(self) -> List[bytes]:
         """The keys hot now, sorted."""

@@ -10,7 +10,10 @@ wait for room (back-pressure).
 With `idempotent`, the producer takes a fresh producer id and numbers each queue's messages;
 a batch whose request failed in a way that may not have reached the disk (UNAVAILABLE,
 DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, or a SEQUENCE_GAP left by a batch still in flight) is
-resent with the same numbers up to `retries_max` times, and the server stores nothing twice.
+resent with the same numbers, and the server stores nothing twice. A SEQUENCE_GAP while an
+earlier batch is still in flight (batches in flight together may arrive in any order) is
+resent once the earlier batches are answered, without counting against `retries_max`; other
+retryable failures are resent up to `retries_max` times with a doubling backoff.
 The sequence counters are bounded: past `sequence_queues_max` queues the producer takes a new
 id (sequences restart at 0 under it). Failed batches are never silent: each caller gets the
 error, and `stats()` counts them.
@@ -118,6 +121,10 @@ class Producer:
         self._producer_id = fresh_producer_id() if self.options.idempotent else ""
         self._sequences: Dict[bytes, int] = {}
         self._stats = ProducerStats()
+        # Batches in flight by number (increasing), each with an event set once answered;
+        # at most requests_in_flight_max.
+        self._batches: Dict[int, asyncio.Event] = {}
+        self._batch_number = 0
 
     @property
     def producer_id(self) -> str:
@@ -185,8 +192,10 @@ class Producer:
             await self._slots.acquire()
             self._in_flight += 1
             messages = self._number(batch)
+            self._batch_number += 1
+            self._batches[self._batch_number] = asyncio.Event()
             task = asyncio.get_running_loop().create_task(
-                self._send_batch(batch, messages, self._producer_id)
+                self._send_batch(batch, messages, self._producer_id, self._batch_number)
             )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -206,7 +215,9 @@ class Producer:
             numbered.append((pending.queue, pending.payload, sequence))
         return numbered
 
-    async def _send_batch(self, batch: List[_Pending], messages: list, producer_id: str) -> None:
+    async def _send_batch(
+        self, batch: List[_Pending], messages: list, producer_id: str, number: int
+    ) -> None:
         try:
             backoff = self.options.retry_backoff_s
             attempt = 0
@@ -215,6 +226,15 @@ class Producer:
                     offsets = await self._client.append_messages(messages, producer_id)
                     break
                 except LeveeError as error:
+                    earlier = [
+                        done for batch_number, done in self._batches.items() if batch_number < number
+                    ]
+                    if producer_id and error.code == ErrorCode.SEQUENCE_GAP and earlier:
+                        # An earlier batch of this producer is still on its way: once it is
+                        # answered the gap is filled (or will never be), so wait, then resend.
+                        await asyncio.wait([asyncio.ensure_future(e.wait()) for e in earlier])
+                        self._stats.retries += 1
+                        continue
                     retryable = bool(producer_id) and error.code in RETRYABLE_CODES
                     if not retryable or attempt >= self.options.retries_max:
                         self._stats.batches_failed += 1
@@ -242,6 +262,7 @@ class Producer:
                     )
             raise
         finally:
+            self._batches.pop(number).set()
             self._in_flight -= 1
             self._slots.release()
             for _ in batch:

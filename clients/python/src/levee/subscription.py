@@ -152,6 +152,12 @@ class Subscription:
             payload_bytes += self._unacked.popleft()[1]
             messages += 1
         await self._write(queue_pb2.SubscribeRequest(ack=queue_pb2.Ack(offset=offset)))
+        while self._acked_offset <= offset:
+            if self._ended is not None:
+                raise self._ended
+            await self._wait()
+        # The credit goes once the ack is answered: a refused ack ends the stream, and a write
+        # after that would hide the server's error behind the transport's.
         if messages:
             await self._write(
                 queue_pb2.SubscribeRequest(
@@ -160,10 +166,6 @@ class Subscription:
                     )
                 )
             )
-        while self._acked_offset <= offset:
-            if self._ended is not None:
-                raise self._ended
-            await self._wait()
 
     async def close(self) -> None:
         """Ends the stream; messages not acked are delivered again to the next subscription."""

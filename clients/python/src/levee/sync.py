@@ -121,24 +121,11 @@ class Subscription:
 
     def next(self, timeout_s: Optional[float] = None) -> Optional[Delivery]:
         """The next message; None once the stream ended. Raises TimeoutError after timeout_s
-        (the subscription stays usable)."""
-        future = asyncio.run_coroutine_threadsafe(
-            asyncio.wait_for(asyncio.shield(self._pending()), timeout_s), self._runner.loop
-        )
+        (nothing is lost: the subscription stays usable)."""
         try:
-            return future.result()
+            return self._runner.run(asyncio.wait_for(self._subscription.next(), timeout_s))
         except asyncio.TimeoutError:
             raise TimeoutError(f"no message within {timeout_s} s") from None
-
-    async def _pending(self) -> Optional[Delivery]:
-        # One next() in flight at a time: a timed-out one is picked up by the following call.
-        if getattr(self, "_in_flight", None) is None or self._in_flight.done():
-            self._in_flight = asyncio.ensure_future(self._subscription.next())
-        try:
-            return await self._in_flight
-        finally:
-            if self._in_flight.done():
-                self._in_flight = None  # type: ignore[assignment]
 
     def __iter__(self) -> Iterator[Delivery]:
         while True:

@@ -48,7 +48,9 @@ def to_bytes(value: BytesLike) -> bytes:
         return value
     if isinstance(value, str):
         return value.encode("utf-8")
-    return bytes(value)
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"expected bytes or str, got {type(value).__name__}")
 
 
 def invalid(message: str) -> LeveeError:
