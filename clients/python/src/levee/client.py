@@ -291,6 +291,11 @@ class Client:
             producer_id=producer_id,
             producer_name=self._producer_name,
         )
+        return await self.append_request(request)
+
+    async def append_request(self, request: queue_pb2.AppendRequest) -> List[int]:
+        """Sends a prepared AppendRequest as it is (the `Producer` checks its messages when
+        they are queued); returns the offsets."""
         response = await call(self._queues.Append(request, timeout=self._timeout))
         return list(response.offsets)
 

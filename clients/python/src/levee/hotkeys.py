@@ -406,6 +406,9 @@ class HotKeys(Generic[V]):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # Let the gRPC library deliver the closed channels' last completions to this loop
+        # before it closes (else it logs "Event loop is closed" from its poller thread).
+        await asyncio.sleep(0.05)
 
     async def _reporter(self) -> None:
         while True:

@@ -10,10 +10,12 @@ wait for room (back-pressure).
 With `idempotent`, the producer takes a fresh producer id and numbers each queue's messages;
 a batch whose request failed in a way that may not have reached the disk (UNAVAILABLE,
 DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, or a SEQUENCE_GAP left by a batch still in flight) is
-resent with the same numbers, and the server stores nothing twice. A SEQUENCE_GAP while an
-earlier batch is still in flight (batches in flight together may arrive in any order) is
-resent once the earlier batches are answered, without counting against `retries_max`; other
-retryable failures are resent up to `retries_max` times with a doubling backoff.
+resent with the same numbers, and the server stores nothing twice. Since the server takes a
+producer's sequences on a queue only in order, a batch that shares a queue with a batch in
+flight waits for it (batches of other queues still go in parallel); a SEQUENCE_GAP while an
+earlier batch is in flight is resent once the earlier batches are answered, without counting
+against `retries_max`; other retryable failures are resent up to `retries_max` times with a
+doubling backoff.
 The sequence counters are bounded: past `sequence_queues_max` queues the producer takes a new
 id (sequences restart at 0 under it). Failed batches are never silent: each caller gets the
 error, and `stats()` counts them.
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Deque, Dict, List, Optional
 
 from . import validation
 from .errors import ErrorCode, LeveeError, make_error
+from .v1.queue_pb2 import AppendMessage, AppendRequest
 from .validation import BytesLike, to_bytes
 
 if TYPE_CHECKING:
@@ -111,7 +114,9 @@ class Producer:
         self.options = options or ProducerOptions()
         self.options.validate()
         self._queued: Deque[_Pending] = deque()
-        self._room = asyncio.Semaphore(self.options.queued_messages_max)
+        # Messages queued or in flight, at most queued_messages_max; senders wait for room.
+        self._held = 0
+        self._room = asyncio.Event()
         self._wake = asyncio.Event()
         self._in_flight = 0
         self._slots = asyncio.Semaphore(self.options.requests_in_flight_max)
@@ -125,6 +130,8 @@ class Producer:
         # at most requests_in_flight_max.
         self._batches: Dict[int, asyncio.Event] = {}
         self._batch_number = 0
+        # Idempotent: the batch in flight for each queue (bounded by the batches in flight).
+        self._queue_batches: Dict[bytes, int] = {}
 
     @property
     def producer_id(self) -> str:
@@ -141,14 +148,24 @@ class Producer:
     async def enqueue(self, queue: BytesLike, payload: BytesLike) -> "asyncio.Future[int]":
         """Queues a message, waiting only for room; returns a future of its offset. Lets one
         caller pipeline many messages without a task per message."""
-        queue = to_bytes(queue)
-        payload = to_bytes(payload)
-        validation.check_append_queue(queue)
-        validation.check_not_reserved(queue)
-        validation.check_payload(payload, self._client.options.message_bytes_max)
+        if type(queue) is not bytes:
+            queue = to_bytes(queue)
+        if type(payload) is not bytes:
+            payload = to_bytes(payload)
+        if (
+            not 0 < len(queue) <= validation.QUEUE_NAME_BYTES_MAX
+            or queue[0] == 0
+            or len(payload) > self._client.options.message_bytes_max
+        ):
+            validation.check_append_queue(queue)
+            validation.check_not_reserved(queue)
+            validation.check_payload(payload, self._client.options.message_bytes_max)
         if self._closing:
             raise make_error(ErrorCode.UNAVAILABLE, "the producer is closed")
-        await self._room.acquire()
+        while self._held >= self.options.queued_messages_max:
+            self._room.clear()
+            await self._room.wait()
+        self._held += 1
         loop = asyncio.get_running_loop()
         answer: "asyncio.Future[int]" = loop.create_future()
         self._queued.append(_Pending(queue, payload, answer))
@@ -189,11 +206,26 @@ class Producer:
                     break
                 batch.append(self._queued.popleft())
                 payload_bytes += size
+            if options.idempotent:
+                # The server takes a producer's sequences on a queue only in order: a batch
+                # sharing a queue with one in flight would meet a SEQUENCE_GAP, so it waits for
+                # it (meanwhile what arrives makes the next batch larger).
+                queues = {pending.queue for pending in batch}
+                earlier = {
+                    self._queue_batches[queue] for queue in queues if queue in self._queue_batches
+                }
+                for number in earlier:
+                    done = self._batches.get(number)
+                    if done is not None:
+                        await done.wait()
             await self._slots.acquire()
             self._in_flight += 1
             messages = self._number(batch)
             self._batch_number += 1
             self._batches[self._batch_number] = asyncio.Event()
+            if options.idempotent:
+                for pending in batch:
+                    self._queue_batches[pending.queue] = self._batch_number
             task = asyncio.get_running_loop().create_task(
                 self._send_batch(batch, messages, self._producer_id, self._batch_number)
             )
@@ -202,7 +234,7 @@ class Producer:
 
     def _number(self, batch: List[_Pending]) -> list:
         if not self.options.idempotent:
-            return [(p.queue, p.payload) for p in batch]
+            return [AppendMessage(queue=p.queue, payload=p.payload) for p in batch]
         new_queues = {p.queue for p in batch if p.queue not in self._sequences}
         if len(self._sequences) + len(new_queues) > self.options.sequence_queues_max:
             # Bounded counters: a new id restarts every queue's sequence at 0.
@@ -212,18 +244,24 @@ class Producer:
         for pending in batch:
             sequence = self._sequences.get(pending.queue, 0)
             self._sequences[pending.queue] = sequence + 1
-            numbered.append((pending.queue, pending.payload, sequence))
+            numbered.append(
+                AppendMessage(queue=pending.queue, payload=pending.payload, sequence=sequence)
+            )
         return numbered
 
     async def _send_batch(
         self, batch: List[_Pending], messages: list, producer_id: str, number: int
     ) -> None:
+        # Built once: a resend carries the same request.
+        request = AppendRequest(
+            messages=messages, producer_id=producer_id, producer_name=self._client.producer_name
+        )
         try:
             backoff = self.options.retry_backoff_s
             attempt = 0
             while True:
                 try:
-                    offsets = await self._client.append_messages(messages, producer_id)
+                    offsets = await self._client.append_request(request)
                     break
                 except LeveeError as error:
                     earlier = [
@@ -263,10 +301,13 @@ class Producer:
             raise
         finally:
             self._batches.pop(number).set()
+            for pending in batch:
+                if self._queue_batches.get(pending.queue) == number:
+                    del self._queue_batches[pending.queue]
             self._in_flight -= 1
             self._slots.release()
-            for _ in batch:
-                self._room.release()
+            self._held -= len(batch)
+            self._room.set()
             self._wake.set()
 
     async def flush(self) -> None:
