@@ -88,3 +88,40 @@ def test_given_unknown_topic_then_run_raises_not_found(server, unique) -> None: 
                 raise AssertionError("an unknown topic must end run()")
 
     run(main())
+
+
+def test_given_server_restart_then_consumer_rejoins_and_finishes_from_the_last_commit(fresh_server) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        client = await levee.Client.connect(fresh_server.grpc_addr)
+        await client.create_topic("restarts", 2)
+        await client.publish("restarts", [(b"k%d" % n, b"%d" % n) for n in range(40)])
+        seen: set = set()
+        stop = asyncio.Event()
+        restarted = asyncio.Event()
+
+        async def handle(message: levee.Message) -> None:
+            seen.add((message.partition, message.offset))
+            if len(seen) == 40:
+                stop.set()
+            await asyncio.sleep(0.005)
+
+        consumer = levee.GroupConsumer(client, "restarts", "g", levee.ConsumerOptions(
+            parallelism=2, commit_interval_s=0.01, backoff_initial_s=0.05, backoff_max_s=0.2,
+            credit_messages=4))
+
+        async def restart_midway() -> None:
+            await eventually(lambda: len(seen) >= 10)
+            await asyncio.get_running_loop().run_in_executor(None, fresh_server.restart)
+            restarted.set()
+
+        restarter = asyncio.ensure_future(restart_midway())
+        stats = await asyncio.wait_for(consumer.run(handle, stop), 30)
+        await restarter
+        assert restarted.is_set() and len(seen) == 40
+        assert stats.streams >= 2, stats
+        assert stats.handled >= 40, "at least once: some may be handled twice after the restart"
+        assert await committed(client, "g", "restarts") == [
+            p.next_offset for p in (await client.describe_topic("restarts")).partitions]
+        await client.close()
+
+    run(main())

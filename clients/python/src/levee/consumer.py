@@ -29,6 +29,7 @@ from typing import (
     List,
     Optional,
     Set,
+    Tuple,
 )
 
 import grpc
@@ -244,6 +245,10 @@ class GroupConsumer:
         self._credit_owed = [0, 0]
         self._commits_awaiting = 0
         self._runner: "Optional[asyncio.Task[ConsumerStats]]" = None
+        self._stream_number = 0
+        # Iterator mode: messages handed out and not yet done, with their stream's number
+        # (bounded by the credit).
+        self._handed_out: Dict[Tuple[int, int, int], int] = {}
         self._error: Optional[BaseException] = None
 
     def stats(self) -> ConsumerStats:
@@ -294,7 +299,10 @@ class GroupConsumer:
 
     def done(self, message: Message) -> None:
         """Marks a message from `async for` finished; commits follow in offset order."""
-        self._finish(message.partition, message.epoch, [message.offset], len(message.payload))
+        stream = self._handed_out.pop((message.partition, message.offset, message.epoch), None)
+        if stream is None:
+            return  # not handed out by this consumer, or marked done already
+        self._finish(message.partition, message.epoch, [message.offset], len(message.payload), stream)
 
     async def close(self) -> ConsumerStats:
         """Stops (iterator mode): commits what is done and leaves the group."""
@@ -305,8 +313,12 @@ class GroupConsumer:
 
     # ---- internals
 
-    def _finish(self, partition: int, epoch: int, offsets: List[int], payload_bytes: int) -> None:
+    def _finish(
+        self, partition: int, epoch: int, offsets: List[int], payload_bytes: int, stream: int
+    ) -> None:
         self._stats.handled += len(offsets)
+        if stream != self._stream_number:
+            return  # delivered on an earlier stream: its credit and commits died with it
         self._credit_owed[0] += len(offsets)
         self._credit_owed[1] += payload_bytes
         state = self._partitions.get(partition)
@@ -341,6 +353,8 @@ class GroupConsumer:
             backoff = min(backoff * 2, self.options.backoff_max_s)
 
     async def _one_stream(self) -> None:
+        self._stream_number += 1
+        self._handed_out.clear()
         self._partitions = {}
         self._ready.clear()
         self._credit_owed = [0, 0]
@@ -408,7 +422,15 @@ class GroupConsumer:
                     )
                 kept[assigned.partition] = state
             self._partitions = kept
-            self._ready = deque(m for m in self._ready if self._owns(m))
+            kept_ready: Deque[Message] = deque()
+            for message in self._ready:
+                if self._owns(message):
+                    kept_ready.append(message)
+                else:  # revoked before the caller took it: hand its credit back
+                    self._handed_out.pop((message.partition, message.offset, message.epoch), None)
+                    self._credit_owed[0] += 1
+                    self._credit_owed[1] += len(message.payload)
+            self._ready = kept_ready
         for delivery in response.deliveries:
             state = self._partitions.get(delivery.partition)
             if state is None or state.epoch != delivery.epoch:
@@ -445,7 +467,10 @@ class GroupConsumer:
                 # Iterator mode: hand every delivered message out in order.
                 while state.waiting:
                     state.running += 1
-                    self._ready.append(state.waiting.popleft())
+                    message = state.waiting.popleft()
+                    key = (message.partition, message.offset, message.epoch)
+                    self._handed_out[key] = self._stream_number
+                    self._ready.append(message)
                     self._ready_changed.set()
                 continue
             while state.waiting and (not self.options.ordered or state.running == 0):
@@ -458,9 +483,9 @@ class GroupConsumer:
                     job = [state.waiting.popleft()]
                 state.running += 1
                 self._slots += 1
-                asyncio.ensure_future(self._handle(job))
+                asyncio.ensure_future(self._handle(job, self._stream_number))
 
-    async def _handle(self, job: List[Message]) -> None:
+    async def _handle(self, job: List[Message], stream: int) -> None:
         assert self._handler is not None
         offsets: List[int] = []
         payload_bytes = 0
@@ -478,7 +503,7 @@ class GroupConsumer:
                 payload_bytes += len(message.payload)
         finally:
             self._slots -= 1
-            self._finish(job[0].partition, job[0].epoch, offsets, payload_bytes)
+            self._finish(job[0].partition, job[0].epoch, offsets, payload_bytes, stream)
 
     def _commits_due(self) -> List[topic_pb2.Commit]:
         due = []
