@@ -161,7 +161,7 @@ class Runner:
             raise ScenarioFailure(f"step {number} ({op}): unexpected error {result}")
         problem = matches(expect, result or {}, "result")
         if problem:
-            raise ScenarioFailure(f"step {number} ({op} {json.dumps(args)[:300]}): {problem}")
+            raise ScenarioFailure(f"step {number} ({op} {json.dumps(args)[:300]}): {problem}; result {json.dumps(result)[:300]}")
         for name, path in step.get("save", {}).items():
             self.variables[name] = lookup(result, path)
 

@@ -161,6 +161,8 @@ def test_given_callbacks_then_a_raising_one_is_counted_and_others_still_run(serv
             await eventually(lambda: hot_keys.is_hot_now(b"k1"))
             await client.set_hot_key(app, b"k2", 60_000)
             await eventually(lambda: hot_keys.is_hot_now(b"k2"))
+            # Callbacks run on the background thread just after the key turns hot locally.
+            await eventually(lambda: len(seen) == 2)
 
     try:
         run(main())

@@ -286,15 +286,18 @@ class GroupConsumer:
         return self
 
     async def __anext__(self) -> Message:
+        if self._runner is None:
+            self._runner = asyncio.ensure_future(self._loop())
+        runner = self._runner
         while True:
             self._ready_changed.clear()
             if self._ready:
                 return self._ready.popleft()
-            if self._runner is not None and self._runner.done():
-                self._runner.result()  # raises the consumer's error
+            if runner.done():
+                runner.result()  # raises the consumer's error
                 raise StopAsyncIteration
             waiter = asyncio.ensure_future(self._ready_changed.wait())
-            await asyncio.wait({waiter, self._runner}, return_when=asyncio.FIRST_COMPLETED)  # type: ignore[arg-type]
+            await asyncio.wait({waiter, runner}, return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
             waiter.cancel()
 
     def done(self, message: Message) -> None:
@@ -506,7 +509,7 @@ class GroupConsumer:
             self._finish(job[0].partition, job[0].epoch, offsets, payload_bytes, stream)
 
     def _commits_due(self) -> List[topic_pb2.Commit]:
-        due = []
+        due: List[topic_pb2.Commit] = []
         for partition, state in self._partitions.items():
             if state.frontier > state.committed and len(due) < COMMITS_PER_BATCH_MAX:
                 state.committed = state.frontier

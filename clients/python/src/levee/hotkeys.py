@@ -560,12 +560,12 @@ class HotKeys(Generic[V]):
             if event.hot:
                 hot_for_s = event.hot_for_ms / 1000.0
                 until = now + hot_for_s
-                entry = hot.get(key)
-                if entry is None:
+                existing = hot.get(key)
+                if existing is None:
                     hot[key] = _LocalHot(until, server)
                 else:
-                    entry.until = max(entry.until, until)
-                    entry.server = server
+                    existing.until = max(existing.until, until)
+                    existing.server = server
                 changes.append(
                     HotKeyChange(
                         key, True, hot_for_s, event.source == hotkey_pb2.HOT_KEY_SOURCE_MANUAL
