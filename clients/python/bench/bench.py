@@ -94,9 +94,11 @@ async def bench_producer(address: str, messages: int, payload_bytes: int, queues
     async with await levee.Client.connect(address) as client:
         producer = levee.Producer(client, levee.ProducerOptions(idempotent=idempotent))
         started = time.perf_counter()
+        cpu_started = time.process_time()
         futures = [await producer.enqueue(names[n % queues], payload) for n in range(messages)]
         offsets = await asyncio.gather(*futures)
         elapsed = time.perf_counter() - started
+        cpu = time.process_time() - cpu_started
         await producer.close()
         stats = producer.stats()
         assert len(offsets) == messages and stats.messages_failed == 0
@@ -107,6 +109,7 @@ async def bench_producer(address: str, messages: int, payload_bytes: int, queues
             "idempotent": idempotent, "seconds": round(elapsed, 3),
             "messages_per_s": round(messages / elapsed), "batches": stats.batches_sent,
             "retries": stats.retries,
+            "client_cpu_us_per_message": round(cpu / messages * 1e6, 2),
         }
 
 
@@ -148,7 +151,8 @@ def main() -> None:
     for run in result["producer"]:
         print(f"producer: {run['messages_per_s']:,} msg/s ({run['messages']:,} x {run['payload_bytes']} B "
               f"to {run['queues']} queue(s), idempotent={run['idempotent']}, sync={arguments.sync}, "
-              f"{run['batches']} batches, {run['retries']} retries)")
+              f"{run['batches']} batches, {run['retries']} retries, "
+              f"client CPU {run['client_cpu_us_per_message']} us/message)")
 
 
 if __name__ == "__main__":
