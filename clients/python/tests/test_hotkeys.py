@@ -204,3 +204,27 @@ def test_given_detection_then_reports_are_batched_and_counted(server, unique) ->
         assert hot_keys.stats().keys_unsent == 0
     finally:
         hot_keys.close()
+
+
+def test_given_full_server_queue_then_batches_that_do_not_fit_are_counted_as_unsent() -> None:
+    hot_keys: HotKeys = HotKeys(options(["127.0.0.1:1", "127.0.0.1:2"], batch_keys_max=1,
+                                        batches_queued_per_server_max=1))
+
+    async def main() -> None:
+        queues = [asyncio.Queue(1), asyncio.Queue(1)]
+        hot_keys._queues = queues  # type: ignore[assignment]  # both servers "connected"
+        keys = [b"key-%d" % n for n in range(8)]
+        for key in keys:
+            hot_keys.record(key, 2)
+        await hot_keys._flush_async()
+        servers = {hot_keys.server_of(key) for key in keys}
+        assert servers == {0, 1}, "the keys spread over both servers"
+        stats = hot_keys.stats()
+        assert stats.keys_reported == 2, "one batch of one key fits in each server's queue"
+        assert (stats.keys_unsent, stats.batches_unsent) == (6, 6)
+        for server, queue in enumerate(queues):
+            message, count = queue.get_nowait()
+            assert count == 1 and hot_keys.server_of(message.report.keys[0].key) == server
+            assert message.report.keys[0].count == 2
+
+    run(main())

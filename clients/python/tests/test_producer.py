@@ -90,3 +90,39 @@ def test_given_bad_options_then_producer_refuses_them(server) -> None:  # type: 
                 levee.Producer(client, levee.ProducerOptions(batch_messages_max=10_001))
 
     run(main())
+
+
+class BlockedClient:
+    """A client whose appends wait until released: what the producer holds meanwhile shows."""
+
+    def __init__(self) -> None:
+        self.options = levee.ClientOptions()
+        self.producer_name = ""
+        self.release = asyncio.Event()
+        self.requests: list = []
+
+    async def append_request(self, request) -> list:  # type: ignore[no-untyped-def]
+        self.requests.append(request)
+        await self.release.wait()
+        return list(range(len(request.messages)))
+
+
+def test_given_full_queue_then_senders_wait_for_room() -> None:
+    async def main() -> None:
+        client = BlockedClient()
+        producer = levee.Producer(client, levee.ProducerOptions(  # type: ignore[arg-type]
+            queued_messages_max=3, requests_in_flight_max=1, batch_messages_max=2))
+        futures = [await producer.enqueue(b"q", b"%d" % n) for n in range(3)]
+        fourth = asyncio.ensure_future(producer.enqueue(b"q", b"3"))
+        await asyncio.sleep(0.05)
+        assert not fourth.done(), "a fourth message waits while three are held"
+        assert [len(r.messages) for r in client.requests] == [2], \
+            "one request in flight (a full batch of two); the third message waits for the slot"
+        client.release.set()
+        futures.append(await asyncio.wait_for(fourth, 5))
+        offsets = await asyncio.gather(*futures)
+        await producer.close()
+        assert sum(len(r.messages) for r in client.requests) == 4
+        assert offsets[:2] == [0, 1], "the blocked client answers 0.. per request"
+
+    run(main())

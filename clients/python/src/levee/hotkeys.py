@@ -367,6 +367,9 @@ class HotKeys(Generic[V]):
         """Sends what is buffered now (else it goes at the next report interval)."""
         if self._loop.is_closed() or self._stopping:
             return
+        if threading.current_thread() is self._thread:  # from a callback: do not wait on itself
+            self._loop.create_task(self._flush_async())
+            return
         try:
             asyncio.run_coroutine_threadsafe(self._flush_async(), self._loop).result(timeout_s)
         except Exception:
@@ -380,7 +383,8 @@ class HotKeys(Generic[V]):
         self._stopping = True
         if self._stopped is not None:
             self._loop.call_soon_threadsafe(self._stopped.set)
-        self._thread.join(timeout_s)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
 
     def __enter__(self) -> "HotKeys[V]":
         return self
