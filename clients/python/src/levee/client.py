@@ -35,6 +35,8 @@ T = TypeVar("T")
 # The largest message the channel sends or takes: above every call's server limit (16 MiB for
 # queues and topics), so that the server, not the library, names the limit it enforces.
 CHANNEL_MESSAGE_BYTES_MAX = 64 << 20
+# A call failing this close to its deadline (or after) failed because of it.
+DEADLINE_SLACK_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,19 @@ async def call(awaitable: Awaitable[T]) -> T:
     try:
         return await awaitable
     except grpc.RpcError as error:
-        raise from_rpc_error(error) from None
+        levee_error = from_rpc_error(error)
+        remaining = getattr(awaitable, "time_remaining", lambda: None)()
+        if (
+            levee_error.code == ErrorCode.UNAVAILABLE
+            and remaining is not None
+            and remaining <= DEADLINE_SLACK_S
+        ):
+            # The call's deadline has passed: a server that gave up on it on its own (tonic
+            # answers "Timeout expired" as CANCELLED, sent as UNAVAILABLE) means the same.
+            raise make_error(
+                ErrorCode.DEADLINE_EXCEEDED, f"the call's deadline passed ({levee_error.message})"
+            ) from None
+        raise levee_error from None
     except grpc.aio.UsageError as error:
         raise make_error(ErrorCode.UNAVAILABLE, f"the client is closed ({error})") from None
 

@@ -47,6 +47,8 @@ REQUESTS_QUEUED_MAX = 64
 COMMITS_PER_BATCH_MAX = 1024
 """The server's bound on commits per CommitBatch."""
 FINAL_COMMIT_WAIT_S = 5.0
+LEAVE_WAIT_S = 2.0
+"""How long leaving waits for the server to end the stream."""
 
 
 @dataclass(frozen=True)
@@ -152,8 +154,17 @@ class MemberStream:
         await self.write(topic_pb2.ConsumeRequest(heartbeat=topic_pb2.Heartbeat()))
 
     def close(self) -> None:
-        """Leaves the group (ends the stream)."""
+        """Ends the stream at once (the server drops the member when it notices)."""
         self._stream.cancel()
+
+    async def leave(self) -> None:
+        """Leaves the group: closes this side of the stream; the server then ends it (read
+        until None to know the member is gone)."""
+        try:
+            async with self._write_lock:
+                await self._stream.done_writing()
+        except (grpc.RpcError, grpc.aio.UsageError, RuntimeError, asyncio.InvalidStateError):
+            self._stream.cancel()
 
 
 @dataclass(frozen=True)
@@ -383,6 +394,10 @@ class GroupConsumer:
                     await stream.grant(messages, payload_bytes)
                 if self._stopping.is_set() and self._idle():
                     await self._final_commit(stream)
+                    # Leave, and wait (a little) for the server to end the stream, so that the
+                    # member is gone from the group when run() returns.
+                    await stream.leave()
+                    await asyncio.wait({reader}, timeout=LEAVE_WAIT_S)
                     return
                 if reader.done():
                     reader.result()  # the stream's error
@@ -393,8 +408,10 @@ class GroupConsumer:
                 await asyncio.wait({waiter, reader, ticker}, return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
         finally:
-            reader.cancel()
-            ticker.cancel()
+            for task in (reader, ticker):
+                if task.done() and not task.cancelled():
+                    task.exception()  # retrieved: its error, if any, was handled above
+                task.cancel()
             stream.close()
             self._stream = None
 
