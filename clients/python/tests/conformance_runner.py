@@ -76,6 +76,9 @@ def matches(expected: Any, actual: Any, path: str) -> Optional[str]:
             return None if operand in actual else f"{path}: {actual!r} lacks {operand!r}"
         if operator == "not_contains":
             return None if operand not in actual else f"{path}: {actual!r} has {operand!r}"
+        if operator == "unordered":
+            same = isinstance(actual, list) and sorted(map(json.dumps, actual)) == sorted(map(json.dumps, operand))
+            return None if same else f"{path}: {actual!r} is not {operand!r} in some order"
         if operator == "length":
             return None if len(actual) == operand else f"{path}: length {len(actual)}, not {operand}"
     if isinstance(expected, dict) and isinstance(actual, dict):
@@ -115,6 +118,7 @@ class Runner:
         self.changes: Dict[str, List[Dict[str, Any]]] = {}
         self.members: Dict[str, Dict[str, Any]] = {}
         self.subscriptions: Dict[str, Dict[str, Any]] = {}
+        self.many: Dict[str, levee.Mailboxes] = {}
 
     async def run(self) -> None:
         for _ in range(int(self.scenario.get("servers", 1))):
@@ -132,6 +136,8 @@ class Runner:
             member["stream"].close()
         for subscription in self.subscriptions.values():
             await subscription["stream"].close()
+        for mailboxes in self.many.values():
+            await mailboxes.close()
         for client in self.clients.values():
             await client.close()
         for server in self.servers:
@@ -516,6 +522,43 @@ class Runner:
 
     async def op_unsubscribe(self, subscription: str) -> Dict[str, Any]:
         await self.subscriptions.pop(subscription)["stream"].close()
+        return {}
+
+    # ---- many-queue mailboxes
+
+    async def op_mailboxes_open(self, stream: str, consumer: str, credit: int = 1000,
+                                server: int = 0) -> Dict[str, Any]:
+        self.many[stream] = await (await self.client(server)).subscribe_many(consumer, credit)
+        return {}
+
+    async def op_mailboxes_add(self, stream: str, queues: List[Any]) -> Dict[str, Any]:
+        numbers = await self.many[stream].add([to_bytes(queue) for queue in queues])
+        return {"mailboxes": list(numbers)}
+
+    async def op_mailboxes_receive(self, stream: str, count: int, within_ms: int = 5000) -> Dict[str, Any]:
+        mailboxes = self.many[stream]
+        deadline = time.monotonic() + within_ms / 1000
+        received: List[levee.MailboxDelivery] = []
+        while len(received) < count:
+            try:
+                delivery = await asyncio.wait_for(mailboxes.next(), max(deadline - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                break
+            if delivery is None:
+                break
+            received.append(delivery)
+        return {"deliveries": [{"mailbox": d.mailbox, "offset": d.offset, "payload": from_bytes(d.payload)}
+                               for d in received]}
+
+    async def op_mailboxes_ack(self, stream: str, acks: List[Dict[str, int]]) -> Dict[str, Any]:
+        mailboxes = self.many[stream]
+        for ack in acks:
+            mailboxes.ack(ack["mailbox"], ack["offset"])
+        await mailboxes.flush_acks()
+        return {}
+
+    async def op_mailboxes_close(self, stream: str) -> Dict[str, Any]:
+        await self.many.pop(stream).close()
         return {}
 
     # ---- helpers

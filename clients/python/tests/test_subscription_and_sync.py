@@ -49,6 +49,12 @@ def test_given_sync_client_then_calls_block_and_return_plain_values(server, uniq
             first = mailbox.next(timeout_s=5)
             assert first is not None and first.payload == b"a"
             mailbox.ack(first.offset)
+        with client.subscribe_many("scripts") as mailboxes:  # positions shared with subscribe
+            assert mailboxes.add([queue]) == range(0, 1)
+            delivery = mailboxes.next(timeout_s=5)
+            assert delivery is not None and (delivery.mailbox, delivery.offset) == (0, 1)
+            mailboxes.ack(0, delivery.offset)
+            mailboxes.flush_acks()
         client.create_topic(topic, 2)
         client.publish(topic, [(b"k%d" % n, b"v") for n in range(10)])
         handled = []

@@ -5,6 +5,7 @@ these tests fail."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Awaitable, Callable, List, Tuple
 
 import grpc
@@ -25,6 +26,23 @@ Case = Tuple[str, Callable[[levee.Client], Awaitable[Any]], Callable[[grpc.Chann
 def first_stream_error(responses: Any) -> None:
     for _ in responses:
         return
+
+
+async def add_mailboxes(client: levee.Client, queues: list) -> None:
+    # Opening needs the server; adding is refused before anything is sent.
+    mailboxes = levee.Mailboxes(_ClosedStream(), 1)
+    await mailboxes.add(queues)
+
+
+class _ClosedStream:
+    async def read(self):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(3600)
+
+    async def write(self, request) -> None:  # type: ignore[no-untyped-def]
+        raise AssertionError("nothing may be sent")
+
+    def cancel(self) -> None:
+        pass
 
 
 CASES: List[Case] = [
@@ -88,6 +106,11 @@ CASES: List[Case] = [
     ("subscribe credit", lambda c: c.subscribe(b"q", "c", 0),
      lambda ch: first_stream_error(queue_pb2_grpc.QueuesStub(ch).Subscribe(iter([queue_pb2.SubscribeRequest(
          start=queue_pb2.SubscribeStart(queue=b"q", consumer="c", credit=common_pb2.Credit(messages=0)))])))),
+    ("add a reserved mailbox", lambda c: add_mailboxes(c, [b"q", b"\0q"]),
+     lambda ch: first_stream_error(queue_pb2_grpc.QueuesStub(ch).SubscribeMany(iter([
+         queue_pb2.SubscribeManyRequest(start=queue_pb2.SubscribeManyStart(
+             consumer="c", credit=common_pb2.Credit(messages=1))),
+         queue_pb2.SubscribeManyRequest(add=queue_pb2.AddMailboxes(queues=[b"q", b"\0q"]))])))),
     ("member too long", lambda c: levee.MemberStream.open(c, "ok", "g", "m" * 65),
      lambda ch: first_stream_error(topic_pb2_grpc.TopicsStub(ch).Consume(iter([topic_pb2.ConsumeRequest(
          start=topic_pb2.ConsumeStart(topic="ok", group="g", member="m" * 65, credit=common_pb2.Credit(messages=1)))])))),

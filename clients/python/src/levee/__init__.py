@@ -6,7 +6,8 @@
   value cache with single-flight loading, hot/cool callbacks, batched reports, rendezvous
   routing over several servers identical to the Rust client's.
 - `Producer`: batches appends from many callers; optionally idempotent.
-- `Subscription`: one consumer's mailbox on one queue (`async for`), with credits and acks.
+- `Subscription`: one consumer's mailbox on one queue (`async for`), with credits and acks;
+  `Mailboxes`: one stream over many queues (up to a million), one credit, batched acks.
 - `GroupConsumer`: a consumer-group member: bounded parallelism, commits strictly in order.
   `MemberStream` is its raw Consume stream.
 - `LeveeError` and its subclasses carry the wire `ErrorCode`.
@@ -18,6 +19,7 @@ from .consumer import CommitResult, ConsumerOptions, ConsumerStats, GroupConsume
 from .errors import *  # noqa: F401,F403  (LeveeError, ErrorCode and one class per code)
 from .errors import ErrorCode, LeveeError
 from .hotkeys import HotKeyChange, HotKeys, HotKeysOptions, HotKeysStats
+from .mailboxes import MailboxDelivery, Mailboxes
 from .producer import Producer, ProducerOptions, ProducerStats
 from .routing import topic_partition
 from .subscription import Delivery, Subscription
@@ -38,6 +40,8 @@ __all__ = [
     "HotKeysOptions",
     "HotKeysStats",
     "LeveeError",
+    "MailboxDelivery",
+    "Mailboxes",
     "MemberStream",
     "Message",
     "Producer",

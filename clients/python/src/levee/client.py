@@ -381,6 +381,12 @@ class Client:
 
         return await Subscription.open(self, to_bytes(queue), consumer, credit_messages)
 
+    async def subscribe_many(self, consumer: str, credit_messages: int = 1000) -> "Mailboxes":
+        """Opens `consumer`'s stream over many queues (added with `Mailboxes.add`)."""
+        from .mailboxes import Mailboxes
+
+        return await Mailboxes.open(self, consumer, credit_messages)
+
     # ---- topics
 
     async def create_topic(self, topic: str, partitions: int) -> bool:
@@ -482,6 +488,7 @@ class Client:
         return self._topics
 
 
-from .subscription import Subscription  # noqa: E402  (for the annotation above)
+from .mailboxes import Mailboxes  # noqa: E402  (for the annotations above)
+from .subscription import Subscription  # noqa: E402
 
 __all__ = ["Client", "ClientOptions", "Record", "Published", "QueueMessage", "LeveeError"]

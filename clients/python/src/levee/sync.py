@@ -10,11 +10,12 @@ import concurrent.futures
 import functools
 import inspect
 import threading
-from typing import Any, Callable, Coroutine, Iterator, Optional, TypeVar
+from typing import Any, Callable, Coroutine, Iterator, Optional, Sequence, TypeVar
 
 from .client import Client as AsyncClient
 from .client import ClientOptions
 from .consumer import ConsumerOptions, ConsumerStats, GroupConsumer, Message
+from .mailboxes import MailboxDelivery, Mailboxes
 from .producer import Producer as AsyncProducer
 from .producer import ProducerOptions, ProducerStats
 from .subscription import Delivery
@@ -79,6 +80,11 @@ class Client:
             self._runner, self._runner.run(self._client.subscribe(queue, consumer, credit_messages))
         )
 
+    def subscribe_many(self, consumer: str, credit_messages: int = 1000) -> "SyncMailboxes":
+        return SyncMailboxes(
+            self._runner, self._runner.run(self._client.subscribe_many(consumer, credit_messages))
+        )
+
     def producer(self, options: Optional[ProducerOptions] = None) -> "Producer":
         return Producer(self._runner, self._runner.run(_make_producer(self._client, options)))
 
@@ -141,6 +147,41 @@ class Subscription:
         self._runner.run(self._subscription.close())
 
     def __enter__(self) -> "Subscription":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SyncMailboxes:
+    """A blocking many-queue stream: `add`, `next(timeout_s)`, `ack`, `flush_acks`."""
+
+    def __init__(self, runner: _LoopThread, mailboxes: Mailboxes) -> None:
+        self._runner = runner
+        self._mailboxes = mailboxes
+
+    def add(self, queues: Sequence[BytesLike]) -> range:
+        return self._runner.run(self._mailboxes.add(queues))
+
+    def remove(self, mailboxes: Sequence[int]) -> None:
+        self._runner.run(self._mailboxes.remove(mailboxes))
+
+    def next(self, timeout_s: Optional[float] = None) -> Optional[MailboxDelivery]:
+        try:
+            return self._runner.run(asyncio.wait_for(self._mailboxes.next(), timeout_s))
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no message within {timeout_s} s") from None
+
+    def ack(self, mailbox: int, offset: int) -> None:
+        self._mailboxes.ack(mailbox, offset)
+
+    def flush_acks(self) -> None:
+        self._runner.run(self._mailboxes.flush_acks())
+
+    def close(self) -> None:
+        self._runner.run(self._mailboxes.close())
+
+    def __enter__(self) -> "SyncMailboxes":
         return self
 
     def __exit__(self, *exc: object) -> None:
