@@ -24,7 +24,8 @@ import grpc
 import grpc.aio
 
 from . import validation
-from .errors import ErrorCode, LeveeError, from_rpc_error, make_error
+from .errors import LeveeError, from_rpc_error, make_error
+from .stream import PushStream
 from .v1 import common_pb2, queue_pb2
 from .validation import BytesLike, to_bytes
 
@@ -46,11 +47,10 @@ class MailboxDelivery:
     payload: bytes
 
 
-class Mailboxes:
+class Mailboxes(PushStream):
     """A consumer's stream over many queues; `async for delivery in mailboxes`."""
 
     def __init__(self, stream: Any, credit_messages: int) -> None:
-        self._stream = stream
         self._credit_messages = credit_messages
         self._received: Deque[MailboxDelivery] = deque()
         self._added = 0
@@ -60,11 +60,7 @@ class Mailboxes:
         self._acks: Dict[int, int] = {}
         self._ack_sequence = 0
         self._acked_sequence = 0
-        self._changed = asyncio.Event()
-        self._ended: Optional[LeveeError] = None
-        self._clean_end = False
-        self._write_lock = asyncio.Lock()
-        self._reader = asyncio.ensure_future(self._read())
+        super().__init__(stream)
 
     @classmethod
     async def open(cls, client: "Client", consumer: str, credit_messages: int) -> "Mailboxes":
@@ -84,44 +80,12 @@ class Mailboxes:
             raise from_rpc_error(error) from None
         return cls(stream, credit_messages)
 
-    async def _read(self) -> None:
-        try:
-            while True:
-                response = await self._stream.read()
-                if response is grpc.aio.EOF:
-                    self._clean_end = True
-                    self._ended = make_error(ErrorCode.UNAVAILABLE, "the subscription is closed")
-                    return
-                self._received.extend(
-                    MailboxDelivery(d.mailbox, d.offset, d.payload) for d in response.deliveries
-                )
-                self._confirmed = max(self._confirmed, response.mailboxes_added)
-                self._acked_sequence = max(self._acked_sequence, response.acked_sequence)
-                self._changed.set()
-        except grpc.RpcError as error:
-            self._ended = from_rpc_error(error)
-        except asyncio.CancelledError:
-            self._clean_end = True
-            self._ended = make_error(ErrorCode.UNAVAILABLE, "the subscription is closed")
-            raise
-        finally:
-            self._changed.set()
-
-    async def _wait(self) -> None:
-        self._changed.clear()
-        await self._changed.wait()
-
-    async def _write(self, request: queue_pb2.SubscribeManyRequest) -> None:
-        if self._ended is not None:
-            raise self._ended
-        async with self._write_lock:
-            try:
-                await self._stream.write(request)
-                return
-            except (grpc.RpcError, grpc.aio.UsageError, RuntimeError, asyncio.InvalidStateError):
-                pass  # the reader learns why the stream ended
-        await asyncio.wait({self._reader}, timeout=5)
-        raise self._ended or make_error(ErrorCode.UNAVAILABLE, "the subscription is closed")
+    def _take(self, response: Any) -> None:
+        self._received.extend(
+            MailboxDelivery(d.mailbox, d.offset, d.payload) for d in response.deliveries
+        )
+        self._confirmed = max(self._confirmed, response.mailboxes_added)
+        self._acked_sequence = max(self._acked_sequence, response.acked_sequence)
 
     async def add(self, queues: Sequence[BytesLike]) -> range:
         """Adds `queues` (each at most once per stream) and returns once the server registered
@@ -142,8 +106,7 @@ class Mailboxes:
             )
             self._added += len(chunk)
         while self._confirmed < self._added:
-            if self._ended is not None:
-                raise self._ended
+            self._raise_if_ended()
             await self._wait()
         return range(first, self._added)
 
@@ -202,8 +165,7 @@ class Mailboxes:
         """Sends the recorded acks and returns once they (and every ack before) are durable."""
         await self._send_acks()
         while self._acked_sequence < self._ack_sequence:
-            if self._ended is not None:
-                raise self._ended
+            self._raise_if_ended()
             await self._wait()
 
     async def _grant_credit(self) -> None:
@@ -233,12 +195,6 @@ class Mailboxes:
                     )
                 )
             )
-
-    async def close(self) -> None:
-        """Ends the stream; messages not acked are delivered again to the next subscription."""
-        self._stream.cancel()
-        self._reader.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
 
     async def __aenter__(self) -> "Mailboxes":
         return self

@@ -3,9 +3,8 @@
 The server pushes messages as they are appended, never more than the credit granted, starting
 after the consumer's last ack; messages delivered but not acked are delivered again to the next
 subscription of the same consumer. `ack(offset)` is cumulative, returns once durable, and
-grants the acked messages' credit back. A reader task takes the server's messages as they come;
-what it holds is bounded by the credit (the server never sends past it). `next()` and `ack()`
-may wait in different tasks, and a `next()` cancelled by a timeout loses nothing.
+grants the acked messages' credit back. The stream machinery (a reader bounded by the credit,
+waits that a timeout may cancel without loss) is `PushStream`'s.
 """
 
 from __future__ import annotations
@@ -19,7 +18,8 @@ import grpc
 import grpc.aio
 
 from . import validation
-from .errors import ErrorCode, LeveeError, from_rpc_error, make_error
+from .errors import ErrorCode, from_rpc_error, make_error
+from .stream import PushStream
 from .v1 import common_pb2, queue_pb2
 
 if TYPE_CHECKING:
@@ -34,11 +34,10 @@ class Delivery:
     payload: bytes
 
 
-class Subscription:
+class Subscription(PushStream):
     """A consumer's subscription to one queue; `async for delivery in subscription`."""
 
     def __init__(self, stream: Any, first: Any) -> None:
-        self._stream = stream
         self.start_offset: int = first.start_offset
         """Where delivery started: the offset after the consumer's last ack."""
         self._received: Deque[Delivery] = deque(
@@ -47,11 +46,7 @@ class Subscription:
         # Handed to the caller and not yet acked: (offset, payload bytes), for the credit.
         self._unacked: Deque[Tuple[int, int]] = deque()
         self._acked_offset: int = first.acked_offset
-        self._changed = asyncio.Event()
-        self._ended: Optional[LeveeError] = None  # set once the stream is over
-        self._clean_end = False  # ended by the server without an error, or closed here
-        self._write_lock = asyncio.Lock()
-        self._reader = asyncio.ensure_future(self._read())
+        super().__init__(stream)
 
     @classmethod
     async def open(
@@ -82,30 +77,10 @@ class Subscription:
             )
         return cls(stream, first)
 
-    async def _read(self) -> None:
-        try:
-            while True:
-                response = await self._stream.read()
-                if response is grpc.aio.EOF:
-                    self._clean_end = True
-                    self._ended = make_error(ErrorCode.UNAVAILABLE, "the subscription is closed")
-                    return
-                self._received.extend(Delivery(d.offset, d.payload) for d in response.deliveries)
-                if response.acked_offset > self._acked_offset:
-                    self._acked_offset = response.acked_offset
-                self._changed.set()
-        except grpc.RpcError as error:
-            self._ended = from_rpc_error(error)
-        except asyncio.CancelledError:
-            self._clean_end = True
-            self._ended = make_error(ErrorCode.UNAVAILABLE, "the subscription is closed")
-            raise
-        finally:
-            self._changed.set()
-
-    async def _wait(self) -> None:
-        self._changed.clear()
-        await self._changed.wait()
+    def _take(self, response: Any) -> None:
+        self._received.extend(Delivery(d.offset, d.payload) for d in response.deliveries)
+        if response.acked_offset > self._acked_offset:
+            self._acked_offset = response.acked_offset
 
     async def next(self) -> Optional[Delivery]:
         """The next message, waiting until one is appended; None once the stream has ended
@@ -130,19 +105,6 @@ class Subscription:
             raise StopAsyncIteration
         return delivery
 
-    async def _write(self, request: queue_pb2.SubscribeRequest) -> None:
-        if self._ended is not None:
-            raise self._ended
-        async with self._write_lock:
-            try:
-                await self._stream.write(request)
-            except (grpc.RpcError, grpc.aio.UsageError, RuntimeError, asyncio.InvalidStateError):
-                pass  # the reader learns why the stream ended
-            else:
-                return
-        await asyncio.wait({self._reader}, timeout=5)
-        raise self._ended or make_error(ErrorCode.UNAVAILABLE, "the subscription is closed")
-
     async def ack(self, offset: int) -> None:
         """Marks every delivered message up to and including `offset` done and grants their
         credit back; returns once the server made the ack durable."""
@@ -153,8 +115,7 @@ class Subscription:
             messages += 1
         await self._write(queue_pb2.SubscribeRequest(ack=queue_pb2.Ack(offset=offset)))
         while self._acked_offset <= offset:
-            if self._ended is not None:
-                raise self._ended
+            self._raise_if_ended()
             await self._wait()
         # The credit goes once the ack is answered: a refused ack ends the stream, and a write
         # after that would hide the server's error behind the transport's.
@@ -166,12 +127,6 @@ class Subscription:
                     )
                 )
             )
-
-    async def close(self) -> None:
-        """Ends the stream; messages not acked are delivered again to the next subscription."""
-        self._stream.cancel()
-        self._reader.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
 
     async def __aenter__(self) -> "Subscription":
         return self
