@@ -12,7 +12,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 import levee
-from levee.errors import make_error
+from levee.errors import ERROR_CLASSES, make_error
 from levee.v1 import hotkey_pb2, topic_pb2
 
 from support import LeveeServer
@@ -162,6 +162,8 @@ class Runner:
         try:
             result = await handler(**args)
         except levee.LeveeError as error:
+            if type(error) is not ERROR_CLASSES.get(error.code, levee.LeveeError):
+                raise ScenarioFailure(f"step {number} ({op}): {error!r} is not the typed error of its code")
             result = {"error": error.code.reason, "code": int(error.code), "message": error.message}
         if "error" not in expect and "error" in (result or {}):
             raise ScenarioFailure(f"step {number} ({op}): unexpected error {result}")
