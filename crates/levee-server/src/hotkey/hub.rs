@@ -440,28 +440,30 @@ impl HotKeyHub {
         duration_ms: u64,
     ) -> Result<(), WireError> {
         check_app_name(app)?;
-        if key.is_empty() || key.len() > self.key_bytes_max {
-            return Err(wire(
-                ErrorCode::InvalidArgument,
-                format!(
-                    "key: 1 to {} bytes, got {}; send a shorter key, or raise hotkey_key_bytes_max",
-                    self.key_bytes_max,
-                    key.len()
-                ),
-            ));
-        }
-        let range = levee_hotkey::HOT_DURATION_MS_MIN..=levee_hotkey::HOT_DURATION_MS_MAX;
-        if !range.contains(&duration_ms) {
-            return Err(wire(
-                ErrorCode::InvalidArgument,
-                format!(
-                    "duration_ms: {} to {}, got {duration_ms}; ask for a duration in range",
-                    range.start(),
-                    range.end()
-                ),
-            ));
-        }
-        Ok(())
+        let refused = if key.is_empty() {
+            Some(ReportError::EmptyKey {
+                app: app.to_owned(),
+                max: self.key_bytes_max,
+            })
+        } else if key.len() > self.key_bytes_max {
+            Some(ReportError::KeyTooLong {
+                app: app.to_owned(),
+                length: key.len(),
+                max: self.key_bytes_max,
+            })
+        } else if !(levee_hotkey::HOT_DURATION_MS_MIN..=levee_hotkey::HOT_DURATION_MS_MAX)
+            .contains(&duration_ms)
+        {
+            Some(ReportError::InvalidDuration {
+                app: app.to_owned(),
+                got: duration_ms,
+                min: levee_hotkey::HOT_DURATION_MS_MIN,
+                max: levee_hotkey::HOT_DURATION_MS_MAX,
+            })
+        } else {
+            None
+        };
+        refused.map_or(Ok(()), |error| Err(report_error(&error)))
     }
 
     /// The hot-key clock as Unix milliseconds (monotonic within this process).
