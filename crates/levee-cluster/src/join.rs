@@ -6,6 +6,7 @@
 use std::time::{Duration, Instant};
 
 use crate::manage::{JoinRequest, Joined, RefusalKind, Rpc, ask};
+use crate::network::PeerDialer;
 
 /// Longest a node tries to join before it gives up.
 pub const JOIN_WAIT_MAX: Duration = Duration::from_secs(30);
@@ -14,12 +15,12 @@ const JOIN_RETRY_PAUSE: Duration = Duration::from_millis(200);
 
 /// On the new node: asks the member at `seed` (a peer address) to add this node, following
 /// the leader it names, until added or [`JOIN_WAIT_MAX`] passed.
-pub async fn join(seed: &str, request: &JoinRequest) -> Result<Joined, String> {
+pub async fn join(dialer: PeerDialer, seed: &str, request: &JoinRequest) -> Result<Joined, String> {
     let started = Instant::now();
     let mut address = seed.to_owned();
     let json = serde_json::to_vec(request).map_err(|error| error.to_string())?;
     loop {
-        let reason = match ask::<Joined>(Rpc::Join, &address, json.clone()).await {
+        let reason = match ask::<Joined>(dialer, Rpc::Join, &address, json.clone()).await {
             Ok(joined) => return Ok(joined),
             Err(refusal) if refusal.is_retryable() || refusal.kind == RefusalKind::NotCaughtUp => {
                 if let Some(leader) = refusal.leader_peer_addr.filter(|leader| !leader.is_empty()) {

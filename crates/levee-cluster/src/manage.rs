@@ -14,9 +14,8 @@ use openraft::error::{CheckIsLeaderError, ClientWriteError, RaftError};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
-use tonic::transport::Channel;
 
-use crate::network::{PEER_CONNECT_TIMEOUT, Raft};
+use crate::network::{PeerDialer, Raft};
 use crate::writer::{LEADER_WAIT_STEP, WRITE_WAIT_MAX};
 use crate::{NodeId, NodeInfo};
 
@@ -142,6 +141,7 @@ pub struct Manager {
     raft: Raft,
     cluster_id: watch::Receiver<String>,
     left: watch::Sender<Option<LeaveNotice>>,
+    dialer: PeerDialer,
 }
 
 impl std::fmt::Debug for Manager {
@@ -193,7 +193,15 @@ impl Manager {
             raft,
             cluster_id,
             left,
+            dialer: PeerDialer::default(),
         }
+    }
+
+    /// The manager dialing its peers with `dialer`.
+    #[must_use]
+    pub fn with_dialer(mut self, dialer: PeerDialer) -> Self {
+        self.dialer = dialer;
+        self
     }
 
     /// The Raft instance.
@@ -364,7 +372,7 @@ impl Manager {
         if node_id == metrics.id {
             self.left.send_replace(Some(notice));
         } else {
-            tokio::spawn(tell_removed(node, notice));
+            tokio::spawn(tell_removed(self.dialer, node, notice));
         }
         Ok(ManageAnswer::Removed)
     }
@@ -474,8 +482,19 @@ impl Manager {
                 .take()
                 .or_else(|| leader.as_ref().map(|(_, address)| address.clone()));
             let outcome = match (&leader, target) {
-                (Some((leader, _)), _) if *leader == me => local(self.clone()).await,
-                (_, Some(address)) => ask(rpc, &address, json.clone()).await,
+                (Some((leader, _)), _) if *leader == me => {
+                    // A leader cut off from the majority may wait for ever: not longer than a
+                    // remote ask would.
+                    tokio::time::timeout(rpc.timeout(), local(self.clone()))
+                        .await
+                        .unwrap_or_else(|_| {
+                            Err(Refusal::new(
+                                RefusalKind::Unavailable,
+                                "this node leads but no majority answered it in time",
+                            ))
+                        })
+                }
+                (_, Some(address)) => ask(self.dialer, rpc, &address, json.clone()).await,
                 (_, None) => Err(Refusal::new(
                     RefusalKind::Unavailable,
                     "no leader is known yet",
@@ -510,11 +529,15 @@ impl Manager {
 /// On a node whose data dir already belongs to a cluster and that was given a seed: asks the
 /// seed once whether it is of the same cluster. `Err` only when the seed answered that it is
 /// not (an unreachable seed, or a member that does not lead, is no reason to stop).
-pub async fn check_same_cluster(seed: &str, request: &JoinRequest) -> Result<(), String> {
+pub async fn check_same_cluster(
+    dialer: PeerDialer,
+    seed: &str,
+    request: &JoinRequest,
+) -> Result<(), String> {
     let Ok(json) = serde_json::to_vec(request) else {
         return Ok(());
     };
-    match ask::<Joined>(Rpc::Join, seed, json).await {
+    match ask::<Joined>(dialer, Rpc::Join, seed, json).await {
         Err(refusal) if refusal.kind == RefusalKind::FailedPrecondition => Err(refusal.message),
         _ => Ok(()),
     }
@@ -527,21 +550,28 @@ pub(crate) enum Rpc {
     Manage,
 }
 
+impl Rpc {
+    /// How long an answer may take: adding a node waits for it to catch up.
+    fn timeout(self) -> std::time::Duration {
+        match self {
+            Rpc::Join => CATCH_UP_WAIT_MAX + WRITE_WAIT_MAX,
+            Rpc::Manage => WRITE_WAIT_MAX,
+        }
+    }
+}
+
 /// Asks the node at peer address `address`.
 pub(crate) async fn ask<Ans: DeserializeOwned>(
+    dialer: PeerDialer,
     rpc: Rpc,
     address: &str,
     json: Vec<u8>,
 ) -> Result<Ans, Refusal> {
     let unreachable = |message: String| Refusal::new(RefusalKind::Unavailable, message);
-    let channel = Channel::from_shared(format!("http://{address}"))
-        .map_err(|error| unreachable(format!("{address}: {error}")))?
-        .connect_timeout(PEER_CONNECT_TIMEOUT)
-        .connect_lazy();
+    let channel = dialer.channel(address).map_err(unreachable)?;
     let mut client = PeerClient::new(channel);
     let message = PeerMessage { json };
-    // Adding a node waits for it to catch up: allow for that, and a margin.
-    let answer = tokio::time::timeout(CATCH_UP_WAIT_MAX + WRITE_WAIT_MAX, async move {
+    let answer = tokio::time::timeout(rpc.timeout(), async move {
         match rpc {
             Rpc::Join => client.join(message).await,
             Rpc::Manage => client.manage(message).await,
@@ -555,16 +585,13 @@ pub(crate) async fn ask<Ans: DeserializeOwned>(
 }
 
 /// Tells a removed node so, a few times while it does not answer.
-async fn tell_removed(node: NodeInfo, notice: LeaveNotice) {
+async fn tell_removed(dialer: PeerDialer, node: NodeInfo, notice: LeaveNotice) {
     let Ok(json) = serde_json::to_vec(&notice) else {
         return;
     };
     for _ in 0..LEAVE_TRIES {
         let told = async {
-            let channel = Channel::from_shared(format!("http://{}", node.peer_addr))
-                .ok()?
-                .connect_timeout(PEER_CONNECT_TIMEOUT)
-                .connect_lazy();
+            let channel = dialer.channel(&node.peer_addr).ok()?;
             PeerClient::new(channel)
                 .leave(PeerMessage { json: json.clone() })
                 .await

@@ -23,7 +23,9 @@ use openraft::raft::{
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tonic::transport::Channel;
+use std::net::IpAddr;
+
+use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 
 use crate::manage::Manager;
@@ -41,9 +43,44 @@ pub const PEER_CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 /// The error of one call to a peer.
 type CallError<E> = RPCError<NodeId, NodeInfo, RaftError<NodeId, E>>;
 
+/// How a node opens connections to its peers: from the IP address of its own peer listener
+/// (when it listens on one address, not all), so that a peer, a firewall or a fault-injecting
+/// proxy sees which node a connection comes from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PeerDialer {
+    local_ip: Option<IpAddr>,
+}
+
+impl PeerDialer {
+    /// Dials from `listen_ip` (none for an unspecified address such as 0.0.0.0).
+    pub fn from(listen_ip: Option<IpAddr>) -> Self {
+        Self {
+            local_ip: listen_ip.filter(|ip| !ip.is_unspecified()),
+        }
+    }
+
+    /// A channel to the peer at `address` (host:port), connecting lazily; tonic reconnects it.
+    pub fn channel(self, address: &str) -> Result<Channel, String> {
+        Ok(Endpoint::from_shared(format!("http://{address}"))
+            .map_err(|error| format!("peer address {address}: {error}"))?
+            .local_address(self.local_ip)
+            .connect_timeout(PEER_CONNECT_TIMEOUT)
+            .connect_lazy())
+    }
+}
+
 /// openraft's network: connections to peers by their peer address.
 #[derive(Debug, Default, Clone)]
-pub struct PeerNetwork;
+pub struct PeerNetwork {
+    dialer: PeerDialer,
+}
+
+impl PeerNetwork {
+    /// The network of a node that dials with `dialer`.
+    pub fn new(dialer: PeerDialer) -> Self {
+        Self { dialer }
+    }
+}
 
 impl RaftNetworkFactory<MetaConfig> for PeerNetwork {
     type Network = PeerConnection;
@@ -52,6 +89,7 @@ impl RaftNetworkFactory<MetaConfig> for PeerNetwork {
         PeerConnection {
             target,
             address: node.peer_addr.clone(),
+            dialer: self.dialer,
             client: None,
         }
     }
@@ -62,6 +100,7 @@ impl RaftNetworkFactory<MetaConfig> for PeerNetwork {
 pub struct PeerConnection {
     target: NodeId,
     address: String,
+    dialer: PeerDialer,
     client: Option<PeerClient<Channel>>,
 }
 
@@ -79,10 +118,9 @@ impl PeerConnection {
         if let Some(client) = &self.client {
             return Ok(client.clone());
         }
-        let channel = Channel::from_shared(format!("http://{}", self.address))
-            .map_err(|error| RPCError::Unreachable(Unreachable::new(&error)))?
-            .connect_timeout(PEER_CONNECT_TIMEOUT)
-            .connect_lazy();
+        let channel = self.dialer.channel(&self.address).map_err(|error| {
+            RPCError::Unreachable(Unreachable::new(&std::io::Error::other(error)))
+        })?;
         let client = PeerClient::new(channel);
         self.client = Some(client.clone());
         Ok(client)

@@ -10,9 +10,8 @@ use levee_proto::peer_v1::PeerMessage;
 use levee_proto::peer_v1::peer_client::PeerClient;
 use openraft::error::{ClientWriteError, RaftError};
 use serde::{Deserialize, Serialize};
-use tonic::transport::Channel;
 
-use crate::network::{PEER_CONNECT_TIMEOUT, Raft};
+use crate::network::{PeerDialer, Raft};
 use crate::{MetaCommand, MetaResponse, NodeId, NodeInfo};
 
 /// Longest a write waits for a leader (an election, a forward that must be tried again).
@@ -45,6 +44,7 @@ pub enum WriteError {
 #[derive(Clone)]
 pub struct MetaWriter {
     raft: Raft,
+    dialer: PeerDialer,
 }
 
 impl std::fmt::Debug for MetaWriter {
@@ -75,7 +75,17 @@ enum Attempt {
 impl MetaWriter {
     /// A writer over `raft`.
     pub fn new(raft: Raft) -> Self {
-        Self { raft }
+        Self {
+            raft,
+            dialer: PeerDialer::default(),
+        }
+    }
+
+    /// The writer forwarding with `dialer`.
+    #[must_use]
+    pub fn with_dialer(mut self, dialer: PeerDialer) -> Self {
+        self.dialer = dialer;
+        self
     }
 
     /// Writes `command` and answers what applying it did, once committed.
@@ -112,11 +122,24 @@ impl MetaWriter {
     }
 
     async fn attempt(&self, command: &MetaCommand) -> Result<Attempt, WriteError> {
-        match self.raft.client_write(command.clone()).await {
+        // A leader cut off from the majority cannot commit: give up on it in time (the entry may
+        // still commit later if the partition heals; a retry is safe, commands are idempotent).
+        let Ok(written) =
+            tokio::time::timeout(WRITE_WAIT_MAX, self.raft.client_write(command.clone())).await
+        else {
+            return Ok(Attempt::Again(
+                "the leader did not commit the write in time: it cannot reach a majority; the \
+                 write may still be applied if it does"
+                    .to_owned(),
+            ));
+        };
+        match written {
             Ok(written) => Ok(Attempt::Done(written.data)),
             Err(RaftError::APIError(ClientWriteError::ForwardToLeader(forward))) => {
                 match (forward.leader_id, forward.leader_node) {
-                    (Some(leader), Some(node)) => Ok(forward_to(leader, &node, command).await),
+                    (Some(leader), Some(node)) => {
+                        Ok(forward_to(self.dialer, leader, &node, command).await)
+                    }
                     _ => Ok(Attempt::Again("no leader is known yet".to_owned())),
                 }
             }
@@ -127,16 +150,19 @@ impl MetaWriter {
 }
 
 /// Sends `command` to the leader's peer port.
-async fn forward_to(leader: NodeId, node: &NodeInfo, command: &MetaCommand) -> Attempt {
+async fn forward_to(
+    dialer: PeerDialer,
+    leader: NodeId,
+    node: &NodeInfo,
+    command: &MetaCommand,
+) -> Attempt {
     let json = match serde_json::to_vec(command) {
         Ok(json) => json,
         Err(error) => return Attempt::Again(format!("cannot encode the command: {error}")),
     };
-    let channel = match Channel::from_shared(format!("http://{}", node.peer_addr)) {
-        Ok(endpoint) => endpoint
-            .connect_timeout(PEER_CONNECT_TIMEOUT)
-            .connect_lazy(),
-        Err(error) => return Attempt::Again(format!("leader {leader}'s peer address: {error}")),
+    let channel = match dialer.channel(&node.peer_addr) {
+        Ok(channel) => channel,
+        Err(error) => return Attempt::Again(format!("leader {leader}: {error}")),
     };
     let answer = tokio::time::timeout(
         WRITE_WAIT_MAX,

@@ -46,7 +46,7 @@ async fn start(id: NodeId) -> Node {
     let raft = Raft::new(
         id,
         Arc::new(config.validate().unwrap()),
-        PeerNetwork,
+        PeerNetwork::default(),
         log,
         machine.clone(),
     )

@@ -104,6 +104,10 @@ pub struct Config {
     /// lone server, which needs no peer port.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peer_addr: Option<ListenAddress>,
+    /// The address the other nodes reach this node's peer port at, when it is not the bound
+    /// one (a proxy, NAT, or a container's published port); needs `peer_addr`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peer_advertise_addr: Option<String>,
     /// A member's peer address to join its cluster through, on this node's first start (a
     /// node that has joined rejoins by itself after).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -135,6 +139,7 @@ impl Default for Config {
             queue_position_log_compact_entries: QUEUE_POSITION_LOG_COMPACT_ENTRIES_DEFAULT,
             node_id: 1,
             peer_addr: None,
+            peer_advertise_addr: None,
             join: None,
             ready_file: None,
         }
@@ -162,6 +167,7 @@ struct FileConfig {
     queue_position_log_compact_entries: Option<u64>,
     node_id: Option<u64>,
     peer_addr: Option<String>,
+    peer_advertise_addr: Option<String>,
     join: Option<String>,
     ready_file: Option<PathBuf>,
 }
@@ -233,6 +239,8 @@ pub struct Overrides {
     pub node_id: Option<Override>,
     /// `--peer-addr` / `LEVEE_PEER_ADDR`.
     pub peer_addr: Option<Override>,
+    /// `--peer-advertise-addr` / `LEVEE_PEER_ADVERTISE_ADDR`.
+    pub peer_advertise_addr: Option<Override>,
     /// `--join` / `LEVEE_JOIN`.
     pub join: Option<Override>,
     /// `--ready-file` / `LEVEE_READY_FILE`.
@@ -384,6 +392,13 @@ impl Config {
         });
         layer!(peer_addr, file_config.peer_addr, |raw| parse_setting(raw)
             .map(Some));
+        layer!(
+            peer_advertise_addr,
+            file_config.peer_advertise_addr,
+            |raw: (String, Source, &'static str)| {
+                parse_setting::<ListenAddress>(raw.clone()).map(|_| Some(raw.0))
+            }
+        );
         layer!(join, file_config.join, |raw: (
             String,
             Source,
@@ -414,6 +429,14 @@ impl Config {
 
     /// Checks settings that bound each other.
     fn check_combinations(&self) -> Result<(), ConfigError> {
+        if self.peer_advertise_addr.is_some() && self.peer_addr.is_none() {
+            return Err(ConfigError::Combination {
+                keys: "peer_advertise_addr and peer_addr",
+                message: "peer_advertise_addr says where the peer port is reached; give \
+                          --peer-addr too, where it listens"
+                    .to_owned(),
+            });
+        }
         if self.join.is_some() && self.peer_addr.is_none() {
             return Err(ConfigError::Combination {
                 keys: "join and peer_addr",

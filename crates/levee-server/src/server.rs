@@ -51,7 +51,7 @@ use levee_cluster::join::join;
 use levee_cluster::manage::{JoinRequest, Joined, check_same_cluster};
 use levee_cluster::{
     LeaveNotice, LogStore, Manager, MetaCommand, MetaStateMachine, MetaWriter, NodeInfo,
-    PeerNetwork, PeerService, Raft,
+    PeerNetwork, PeerService, Raft, network::PeerDialer,
 };
 use std::collections::BTreeMap;
 
@@ -510,11 +510,12 @@ async fn bind_peer(
     let peer_addr = peer_listener
         .as_ref()
         .and_then(|listener| listener.local_addr().ok());
+    let advertised = config.peer_advertise_addr.clone();
     let me = NodeInfo {
         grpc_addr: grpc_addr.to_string(),
         admin_addr: admin_addr.to_string(),
-        peer_addr: peer_addr
-            .map(|address| address.to_string())
+        peer_addr: advertised
+            .or_else(|| peer_addr.map(|address| address.to_string()))
             .unwrap_or_default(),
     };
     Ok((peer_listener, peer_addr, me))
@@ -558,6 +559,8 @@ async fn open_metadata(
         message,
     };
     let log = LogStore::open(&directory.join("log")).map_err(|error| failed(error.to_string()))?;
+    // Peer connections leave from the peer listener's own address.
+    let dialer = PeerDialer::from(config.peer_addr.map(|address| address.0.ip()));
     let machine = MetaStateMachine::open(&directory.join("state"))
         .map_err(|error| failed(error.to_string()))?
         .with_observer(Arc::new(HubObserver(Arc::clone(hub))));
@@ -574,7 +577,7 @@ async fn open_metadata(
     let raft = Raft::new(
         node_id,
         Arc::new(raft_config),
-        PeerNetwork,
+        PeerNetwork::new(dialer),
         log,
         machine.clone(),
     )
@@ -585,7 +588,7 @@ async fn open_metadata(
     let mut stopped_peers = stop_peers.subscribe();
     let (cluster_id, told_joiners) = watch::channel(cluster.cluster_id.clone());
     let (left, left_notice) = watch::channel(None);
-    let manager = Manager::new(raft.clone(), told_joiners, left);
+    let manager = Manager::new(raft.clone(), told_joiners, left).with_dialer(dialer);
     let peer_task = peer_listener.map(|listener| {
         tokio::spawn(
             tonic::transport::Server::builder()
@@ -598,7 +601,7 @@ async fn open_metadata(
                 ),
         )
     });
-    let joined = join_or_initialize(&raft, config, cluster, me)
+    let joined = join_or_initialize(&raft, (config, dialer), cluster, me)
         .await
         .map_err(failed)?;
     raft.wait(Some(LEAD_WAIT_MAX))
@@ -614,7 +617,7 @@ async fn open_metadata(
                 LEAD_WAIT_MAX.as_secs()
             ))
         })?;
-    let writer = MetaWriter::new(raft.clone());
+    let writer = MetaWriter::new(raft.clone()).with_dialer(dialer);
     if let Some(joined) = &joined {
         cluster_id.send_replace(joined.cluster_id.clone());
         cluster.cluster_id.clone_from(&joined.cluster_id);
@@ -644,7 +647,7 @@ async fn open_metadata(
 /// group of one with this node as its only voter. The cluster's id when the node joined.
 async fn join_or_initialize(
     raft: &Raft,
-    config: &Config,
+    (config, dialer): (&Config, PeerDialer),
     cluster: &crate::data_dir::ClusterIdentity,
     me: NodeInfo,
 ) -> Result<Option<Joined>, String> {
@@ -668,7 +671,7 @@ async fn join_or_initialize(
                 voter: None,
                 cluster_id: Some(cluster.cluster_id.clone()),
             };
-            check_same_cluster(seed, &request).await?;
+            check_same_cluster(dialer, seed, &request).await?;
         }
         return Ok(None);
     }
@@ -680,7 +683,7 @@ async fn join_or_initialize(
             // A removed node rejoins the cluster it was removed from; a new one adopts any.
             cluster_id: cluster.removed.then(|| cluster.cluster_id.clone()),
         };
-        return join(seed, &request).await.map(Some);
+        return join(dialer, seed, &request).await.map(Some);
     }
     raft.initialize(BTreeMap::from([(node_id, me)]))
         .await

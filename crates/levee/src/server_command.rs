@@ -79,6 +79,10 @@ pub struct ServerArgs {
     /// server needs no peer port]
     #[arg(long, env = "LEVEE_PEER_ADDR", value_name = "HOST:PORT")]
     peer_addr: Option<String>,
+    /// The address the other nodes reach this node's peer port at, HOST:PORT, when it is not
+    /// --peer-addr (a proxy, NAT, a container's published port) [default: --peer-addr as bound]
+    #[arg(long, env = "LEVEE_PEER_ADVERTISE_ADDR", value_name = "HOST:PORT")]
+    peer_advertise_addr: Option<String>,
     /// Join the cluster of the member whose peer address this is, on this node's first start
     /// (needs --peer-addr)
     #[arg(long, env = "LEVEE_JOIN", value_name = "HOST:PORT")]
@@ -133,6 +137,7 @@ impl ServerArgs {
             ),
             node_id: given("node_id", &self.node_id),
             peer_addr: given("peer_addr", &self.peer_addr),
+            peer_advertise_addr: given("peer_advertise_addr", &self.peer_advertise_addr),
             join: given("join", &self.join),
             ready_file: given("ready_file", &self.ready_file),
         }

@@ -1,0 +1,289 @@
+//! A network partition between real `levee server` processes (docs/CLUSTER.md, failure
+//! cases), made by fault-injecting TCP proxies: every node's peer port is reached through a
+//! proxy (`--peer-advertise-addr`), and every node dials its peers from its own loopback
+//! address (127.0.0.1N for node N), so a proxy knows which node each connection comes from.
+//! Partitioning drops the connections that cross the cut and refuses new ones: real packets
+//! stop, nothing inside the nodes is told.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use levee_client::{Client, ErrorCode};
+use support::{LeveeProcess, http_get, runtime, wait_for};
+
+/// How long the cluster may take to elect, replicate or catch up.
+const CONVERGE_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The loopback address node `node` listens and dials from.
+fn node_ip(node: u64) -> IpAddr {
+    IpAddr::from([127, 0, 0, u8::try_from(10 + node).unwrap()])
+}
+
+/// Which node a connection comes from, by its source address.
+fn node_of(ip: IpAddr) -> Option<u64> {
+    match ip {
+        IpAddr::V4(v4) if v4.octets()[..3] == [127, 0, 0] && v4.octets()[3] > 10 => {
+            Some(u64::from(v4.octets()[3]) - 10)
+        }
+        _ => None,
+    }
+}
+
+/// What the proxies share: the cut, and the open connections with their ends.
+#[derive(Default)]
+struct Cut {
+    /// The nodes on the isolated side; empty: no partition.
+    isolated: BTreeSet<u64>,
+    /// (from node, to node, both sockets of the pair) of every proxied connection.
+    open: Vec<(u64, u64, TcpStream, TcpStream)>,
+}
+
+impl Cut {
+    fn crosses(&self, from: u64, to: u64) -> bool {
+        self.isolated.contains(&from) != self.isolated.contains(&to)
+    }
+}
+
+/// One proxy per node, in front of its peer port.
+struct Proxies {
+    cut: Arc<Mutex<Cut>>,
+    addresses: Vec<SocketAddr>,
+    targets: Vec<Arc<Mutex<Option<SocketAddr>>>>,
+}
+
+impl Proxies {
+    fn new(nodes: u64) -> Self {
+        let cut = Arc::new(Mutex::new(Cut::default()));
+        let mut addresses = Vec::new();
+        let mut targets = Vec::new();
+        for node in 1..=nodes {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            addresses.push(listener.local_addr().unwrap());
+            let target = Arc::new(Mutex::new(None));
+            targets.push(Arc::clone(&target));
+            let cut = Arc::clone(&cut);
+            std::thread::spawn(move || {
+                for incoming in listener.incoming() {
+                    let Ok(client) = incoming else { continue };
+                    proxy(&cut, &target, node, client);
+                }
+            });
+        }
+        Self {
+            cut,
+            addresses,
+            targets,
+        }
+    }
+
+    /// Where node `node`'s peers reach it.
+    fn address(&self, node: u64) -> String {
+        self.addresses[usize::try_from(node).unwrap() - 1].to_string()
+    }
+
+    /// Node `node`'s real peer port, once it listens.
+    fn set_target(&self, node: u64, target: SocketAddr) {
+        *lock(&self.targets[usize::try_from(node).unwrap() - 1]) = Some(target);
+    }
+
+    /// Cuts `isolated` off from the other nodes (both ways), dropping open connections.
+    fn partition(&self, isolated: &[u64]) {
+        let mut cut = lock(&self.cut);
+        cut.isolated = isolated.iter().copied().collect();
+        let crossing: Vec<usize> = (0..cut.open.len())
+            .filter(|index| cut.crosses(cut.open[*index].0, cut.open[*index].1))
+            .collect();
+        for index in crossing.into_iter().rev() {
+            let (_, _, client, server) = cut.open.swap_remove(index);
+            let _ = client.shutdown(Shutdown::Both);
+            let _ = server.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn heal(&self) {
+        lock(&self.cut).isolated.clear();
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Proxies one connection to node `to`, unless it crosses the cut.
+fn proxy(
+    cut: &Arc<Mutex<Cut>>,
+    target: &Arc<Mutex<Option<SocketAddr>>>,
+    to: u64,
+    client: TcpStream,
+) {
+    let Some(from) = client.peer_addr().ok().and_then(|peer| node_of(peer.ip())) else {
+        return;
+    };
+    let Some(target) = *lock(target) else { return };
+    let mut state = lock(cut);
+    if state.crosses(from, to) {
+        return;
+    }
+    let Ok(server) = TcpStream::connect(target) else {
+        return;
+    };
+    let (Ok(client_copy), Ok(server_copy)) = (client.try_clone(), server.try_clone()) else {
+        return;
+    };
+    state.open.push((from, to, client_copy, server_copy));
+    drop(state);
+    let (Ok(client_reader), Ok(server_reader)) = (client.try_clone(), server.try_clone()) else {
+        return;
+    };
+    std::thread::spawn(move || pipe(client_reader, server));
+    std::thread::spawn(move || pipe(server_reader, client));
+}
+
+/// Copies `from` to `to` until either side closes.
+fn pipe(mut from: TcpStream, mut to: TcpStream) {
+    let mut buffer = [0_u8; 16 << 10];
+    loop {
+        match from.read(&mut buffer) {
+            Ok(0) | Err(_) => break,
+            Ok(read) => {
+                if to.write_all(&buffer[..read]).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    let _ = to.shutdown(Shutdown::Both);
+    let _ = from.shutdown(Shutdown::Both);
+}
+
+/// The leader `node` knows, from `/v1/cluster`.
+fn leader_seen_by(node: &LeveeProcess) -> Option<u64> {
+    let (status, body) = http_get(node.admin_addr, "/v1/cluster");
+    assert_eq!(status, 200, "{body}");
+    let view: serde_json::Value = serde_json::from_str(&body).unwrap();
+    view["leader_id"].as_u64()
+}
+
+fn topics(
+    runtime: &tokio::runtime::Runtime,
+    node: &LeveeProcess,
+) -> Result<Vec<String>, ErrorCode> {
+    runtime.block_on(async {
+        let client = Client::connect(&node.grpc()).await.unwrap();
+        client
+            .list_topics()
+            .await
+            .map(|topics| topics.into_iter().map(|topic| topic.topic).collect())
+            .map_err(|error| error.code().unwrap_or(ErrorCode::Unspecified))
+    })
+}
+
+fn create_topic(
+    runtime: &tokio::runtime::Runtime,
+    node: &LeveeProcess,
+    topic: &str,
+) -> Result<bool, ErrorCode> {
+    runtime.block_on(async {
+        let client = Client::connect(&node.grpc()).await.unwrap();
+        client
+            .create_topic(topic, 1)
+            .await
+            .map_err(|error| error.code().unwrap_or(ErrorCode::Unspecified))
+    })
+}
+
+/// Starts three nodes behind the proxies: node 1 alone, then 2 and 3 joining through node 1's
+/// proxy.
+fn three_nodes(directory: &std::path::Path, proxies: &Proxies) -> Vec<LeveeProcess> {
+    let mut nodes: Vec<LeveeProcess> = Vec::new();
+    for node in 1..=3_u64 {
+        // A fixed port, known before the node starts: it joins through the proxies, which
+        // must reach it while it is being added.
+        let listen = TcpListener::bind((node_ip(node), 0))
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        proxies.set_target(node, listen);
+        let listen = listen.to_string();
+        let advertised = proxies.address(node);
+        let seed = proxies.address(1);
+        let node_id = node.to_string();
+        let mut flags = vec![
+            "--node-id",
+            &node_id,
+            "--peer-addr",
+            &listen,
+            "--peer-advertise-addr",
+            &advertised,
+        ];
+        if node > 1 {
+            flags.extend(["--join", &seed]);
+        }
+        nodes.push(LeveeProcess::start_in(
+            &directory.join(format!("n{node}")),
+            &flags,
+        ));
+    }
+    nodes
+}
+
+#[test]
+fn given_a_partitioned_leader_then_it_cannot_commit_and_the_majority_elects_another() {
+    let directory = tempfile::tempdir().unwrap();
+    let runtime = runtime();
+    let proxies = Proxies::new(3);
+    let nodes = three_nodes(directory.path(), &proxies);
+    wait_for("one leader known to all", CONVERGE_TIMEOUT, || {
+        let leaders: Vec<Option<u64>> = nodes.iter().map(leader_seen_by).collect();
+        leaders[0].is_some() && leaders.iter().all(|leader| *leader == leaders[0])
+    });
+    let leader_id = leader_seen_by(&nodes[0]).unwrap();
+    let leader = &nodes[usize::try_from(leader_id).unwrap() - 1];
+    let majority: Vec<&LeveeProcess> = (1..=3)
+        .filter(|id| *id != leader_id)
+        .map(|id| &nodes[usize::try_from(id).unwrap() - 1])
+        .collect();
+    assert_eq!(create_topic(&runtime, leader, "before"), Ok(false));
+
+    proxies.partition(&[leader_id]);
+
+    // The isolated leader cannot commit: its write fails fast with a retryable error, and a
+    // linearizable read there says it cannot be served rather than answer stale.
+    let started = Instant::now();
+    assert_eq!(
+        create_topic(&runtime, leader, "isolated"),
+        Err(ErrorCode::Unavailable)
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(topics(&runtime, leader), Err(ErrorCode::Unavailable));
+
+    // The majority elects a leader among itself and commits.
+    wait_for("a leader on the majority side", CONVERGE_TIMEOUT, || {
+        let seen = leader_seen_by(majority[0]);
+        seen.is_some() && seen != Some(leader_id) && seen == leader_seen_by(majority[1])
+    });
+    wait_for("a write on the majority side", CONVERGE_TIMEOUT, || {
+        create_topic(&runtime, majority[0], "majority").is_ok()
+    });
+    assert_eq!(
+        topics(&runtime, majority[1]),
+        Ok(vec!["before".to_owned(), "majority".to_owned()])
+    );
+
+    // Healed, the old leader follows the new one: it has what the majority committed, and
+    // the write it could not commit is gone (it was never acknowledged).
+    proxies.heal();
+    wait_for("the old leader caught up", CONVERGE_TIMEOUT, || {
+        topics(&runtime, leader) == Ok(vec!["before".to_owned(), "majority".to_owned()])
+    });
+    assert_ne!(leader_seen_by(leader), Some(leader_id));
+}
