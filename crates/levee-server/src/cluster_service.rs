@@ -257,22 +257,30 @@ impl Cluster for ClusterService {
     }
 }
 
-/// The Cluster service and its member probes, which stop (and its streams end) when
-/// `closing` turns true.
+/// The Cluster service, its member probes and the count of leader changes, which stop (and
+/// its streams end) when `closing` turns true.
 pub fn serve(
     manager: &Manager,
     state: &Arc<ServerState>,
     closing: &watch::Sender<bool>,
-) -> (ClusterServer<ClusterService>, tokio::task::JoinHandle<()>) {
+) -> (
+    ClusterServer<ClusterService>,
+    Vec<tokio::task::JoinHandle<()>>,
+) {
     let (health, probe_task) =
         probe_members(manager.clone(), Arc::clone(state), closing.subscribe());
+    let count_task = tokio::spawn(count_leader_changes(
+        manager.clone(),
+        state.metrics.cluster_leader_changes.clone(),
+        closing.subscribe(),
+    ));
     let service = ClusterService::new(
         manager.clone(),
         Arc::clone(state),
         health,
         closing.subscribe(),
     );
-    (ClusterServer::new(service), probe_task)
+    (ClusterServer::new(service), vec![probe_task, count_task])
 }
 
 /// Probes every other member's API every [`PROBE_INTERVAL`] until `stop` turns true, and says
@@ -347,4 +355,29 @@ async fn probe(channel: Channel) -> bool {
     let mut client = AdminClient::new(channel);
     let call = client.get_server_info(GetServerInfoRequest {});
     matches!(tokio::time::timeout(PROBE_TIMEOUT, call).await, Ok(Ok(_)))
+}
+
+/// Counts changes of the leader this node knows into `leader_changes` until `stop` turns true (an
+/// election that ends with the same leader is not a change; a spell without a leader is not
+/// one either).
+async fn count_leader_changes(
+    manager: Manager,
+    leader_changes: prometheus_client::metrics::counter::Counter,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut metrics = manager.raft().metrics();
+    let mut leader = metrics.borrow_and_update().current_leader;
+    loop {
+        tokio::select! {
+            changed = metrics.changed() => if changed.is_err() { return },
+            _ = stop.wait_for(|stop| *stop) => return,
+        }
+        let now = metrics.borrow_and_update().current_leader;
+        if let Some(now) = now {
+            if leader.is_some_and(|before| before != now) {
+                leader_changes.inc();
+            }
+            leader = Some(now);
+        }
+    }
 }

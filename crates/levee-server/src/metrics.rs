@@ -99,6 +99,8 @@ pub struct Metrics {
     registry: Arc<Registry>,
     /// gRPC connections open now.
     pub grpc_connections_open: Gauge,
+    /// Times the leader this node knows changed to another node (docs/CLUSTER.md).
+    pub cluster_leader_changes: Counter,
     /// gRPC connections accepted since start.
     pub grpc_connections_accepted: Counter,
     /// Failed `accept` calls (for example: out of file descriptors).
@@ -193,6 +195,12 @@ impl Metrics {
         let mut registry = Registry::default();
         let registry_ref = &mut registry;
         let metrics = Self {
+            cluster_leader_changes: registered(
+                registry_ref,
+                "levee_cluster_leader_changes",
+                "times the metadata group's leader, as this node knows it, became another node",
+                Counter::default(),
+            ),
             grpc_connections_open: registered(
                 registry_ref,
                 "levee_grpc_connections_open",
@@ -507,6 +515,21 @@ impl Collector for RaftCollector {
         for (name, help, value) in gauges {
             let gauge = ConstGauge::new(value);
             gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        // On the leader: how many entries each member's log is behind.
+        if let Some(replication) = &metrics.replication {
+            let mut family = encoder.encode_descriptor(
+                "levee_cluster_replication_lag_entries",
+                "on the leader: entries each member's metadata log is behind the leader's",
+                None,
+                prometheus_client::metrics::MetricType::Gauge,
+            )?;
+            let last = metrics.last_log_index.unwrap_or(0);
+            for (node_id, matched) in replication {
+                let lag = last.saturating_sub(matched.map_or(0, |log_id| log_id.index));
+                let labels = [("node_id", node_id.to_string())];
+                ConstGauge::new(index(Some(lag))).encode(family.encode_family(&labels)?)?;
+            }
         }
         Ok(())
     }

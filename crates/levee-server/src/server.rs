@@ -200,9 +200,9 @@ impl RunningServer {
             Arc::clone(&topics),
             stop_sessions.subscribe(),
         )));
-        let (cluster_service, probe_task) =
+        let (cluster_service, cluster_tasks) =
             cluster_service::serve(&raft.manager, &state, &stop_sessions);
-        background.push(probe_task);
+        background.extend(cluster_tasks);
         let (health, health_service) = serving_health().await;
         let (queue_service, topic_service, consume_context) =
             queue_services(&store, topics, config, &state.metrics, &stop_sessions)?;

@@ -109,6 +109,16 @@ fn given_three_nodes_when_the_leader_is_killed_then_the_catalog_is_kept_and_stil
         assert_eq!(metric_value(node, "levee_cluster_voters"), 3);
         assert_eq!(metric_value(node, "levee_cluster_has_leader"), 1);
     }
+    // The leader reports each member's lag (none here: nothing is being written).
+    let (_, exposed) = http_get(
+        nodes[usize::try_from(leader_id).unwrap() - 1].admin_addr,
+        "/metrics",
+    );
+    let lags = exposed
+        .lines()
+        .filter(|line| line.starts_with("levee_cluster_replication_lag_entries{"))
+        .count();
+    assert_eq!(lags, 3, "{exposed}");
     // The nodes that joined took the first node's cluster id.
     let cluster_ids: Vec<String> = nodes
         .iter()
@@ -144,6 +154,9 @@ fn given_three_nodes_when_the_leader_is_killed_then_the_catalog_is_kept_and_stil
         let (leader, _, _) = cluster_view(&nodes[0]);
         leader.is_some() && leader != Some(leader_id)
     });
+    for node in &nodes {
+        assert!(metric_value(node, "levee_cluster_leader_changes_total") >= 1);
+    }
     for node in &nodes {
         wait_for("both topics on the survivors", CONVERGE_TIMEOUT, || {
             topics(&runtime, node) == ["after-failover", "orders"]
