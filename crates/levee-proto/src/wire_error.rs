@@ -97,6 +97,14 @@ impl WireError {
                      send less per message (the limits are in the proto comments)"
                 ),
             ),
+            // The server's own deadline (the request's grpc-timeout) ran out: tonic cancels
+            // the call with this message.
+            tonic::Code::Cancelled if message.contains("Timeout expired") => Self::new(
+                ErrorCode::DeadlineExceeded,
+                format!(
+                    "{message}: the request's deadline passed on the server; retry with a longer deadline"
+                ),
+            ),
             _ => Self::from_status(status),
         }
     }
@@ -280,6 +288,19 @@ mod tests {
             "INVALID_ARGUMENT"
         );
         assert_eq!(WireError::from_status(&status), sent);
+    }
+
+    #[test]
+    fn given_the_servers_own_timeout_then_the_error_is_deadline_exceeded() {
+        let status = tonic::Status::cancelled("Timeout expired");
+        let error = WireError::from_transport(&status);
+        assert_eq!(error.code, ErrorCode::DeadlineExceeded);
+        assert!(error.message.contains("deadline"), "{}", error.message);
+        let cancelled = tonic::Status::cancelled("the client went away");
+        assert_eq!(
+            WireError::from_transport(&cancelled).code,
+            ErrorCode::Unavailable
+        );
     }
 
     #[test]
