@@ -44,7 +44,9 @@ impl ClientError {
 }
 
 impl From<tonic::Status> for ClientError {
+    /// A status with Levee's code keeps it; one the gRPC library raised on its own (the call's
+    /// deadline passing, a message over a size limit) gets the code the server would send.
     fn from(status: tonic::Status) -> Self {
-        ClientError::Server(WireError::from_status(&status))
+        ClientError::Server(WireError::from_transport(&status))
     }
 }

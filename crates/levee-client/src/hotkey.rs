@@ -150,6 +150,9 @@ pub struct HotKeysStats {
     pub keys_reported: u64,
     /// Keys dropped because no server was connected or a server's queue was full.
     pub keys_unsent: u64,
+    /// Report messages dropped because their server's queue was full (their keys are counted
+    /// in `keys_unsent` too).
+    pub batches_unsent: u64,
     /// Hot and cool events (snapshot entries included) received.
     pub events_received: u64,
     /// Sessions opened, first ones included.
@@ -207,6 +210,7 @@ struct Counters {
     accesses_dropped: AtomicU64,
     keys_reported: AtomicU64,
     keys_unsent: AtomicU64,
+    batches_unsent: AtomicU64,
     events_received: AtomicU64,
     sessions_opened: AtomicU64,
 }
@@ -426,6 +430,7 @@ impl<V: Clone + Send + Sync + 'static> HotKeys<V> {
             accesses_dropped: load(&counters.accesses_dropped),
             keys_reported: load(&counters.keys_reported),
             keys_unsent: load(&counters.keys_unsent),
+            batches_unsent: load(&counters.batches_unsent),
             events_received: load(&counters.events_received),
             sessions_opened: load(&counters.sessions_opened),
             servers_connected: read(&self.inner.links)
@@ -441,6 +446,11 @@ impl<V: Clone + Send + Sync + 'static> HotKeys<V> {
         self.inner
             .route(self.inner.key_hash(key), |_| true)
             .unwrap_or(0)
+    }
+
+    /// Sends what is buffered now, without waiting for the next report interval.
+    pub fn flush(&self) {
+        self.inner.flush();
     }
 
     /// Sends what is buffered now, then stops the background tasks.
@@ -559,6 +569,7 @@ impl<V> Inner<V> {
                         .fetch_add(count, Ordering::Relaxed);
                 } else {
                     unsent += count;
+                    self.counters.batches_unsent.fetch_add(1, Ordering::Relaxed);
                 }
                 reports = rest;
             }

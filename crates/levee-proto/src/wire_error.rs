@@ -97,8 +97,8 @@ impl WireError {
                      send less per message (the limits are in the proto comments)"
                 ),
             ),
-            // The server's own deadline (the request's grpc-timeout) ran out: tonic cancels
-            // the call with this message.
+            // The call's deadline (its grpc-timeout) ran out, on the server or in the client:
+            // tonic cancels the call with this message.
             tonic::Code::Cancelled if message.contains("Timeout expired") => Self::new(
                 ErrorCode::DeadlineExceeded,
                 format!(
