@@ -1,0 +1,95 @@
+package dev.levee.client;
+
+import java.time.Duration;
+
+/** How a {@link Producer} batches and retries. Fluent setters; checked when it is made. */
+public final class ProducerOptions {
+    Duration linger = Duration.ofMillis(1);
+    boolean sendWhenIdle = true;
+    int batchMessagesMax = 1000;
+    int batchBytesMax = 4 << 20;
+    int queuedMessagesMax = 100_000;
+    int requestsInFlightMax = 8;
+    boolean idempotent;
+    int retriesMax = 5;
+    Duration retryBackoff = Duration.ofMillis(10);
+    int sequenceQueuesMax = 100_000;
+
+    public static ProducerOptions defaults() {
+        return new ProducerOptions();
+    }
+
+    /** Most time a message waits for others to join its batch (default 1 ms). */
+    public ProducerOptions linger(Duration value) {
+        linger = value;
+        return this;
+    }
+
+    /** Send at once when no request is in flight (default true). */
+    public ProducerOptions sendWhenIdle(boolean value) {
+        sendWhenIdle = value;
+        return this;
+    }
+
+    /** Messages per request, 1 to 10000 (default 1000). */
+    public ProducerOptions batchMessagesMax(int value) {
+        batchMessagesMax = value;
+        return this;
+    }
+
+    /** Payload bytes per request (default 4 MiB). */
+    public ProducerOptions batchBytesMax(int value) {
+        batchBytesMax = value;
+        return this;
+    }
+
+    /** Messages queued or in flight (default 100000); further sends wait for room. */
+    public ProducerOptions queuedMessagesMax(int value) {
+        queuedMessagesMax = value;
+        return this;
+    }
+
+    /** Append requests in flight at once (default 8). */
+    public ProducerOptions requestsInFlightMax(int value) {
+        requestsInFlightMax = value;
+        return this;
+    }
+
+    /** Take a producer id and number each queue's messages, so retries store nothing twice. */
+    public ProducerOptions idempotent(boolean value) {
+        idempotent = value;
+        return this;
+    }
+
+    /** Resends of a batch after a retryable failure (idempotent only; default 5). */
+    public ProducerOptions retriesMax(int value) {
+        retriesMax = value;
+        return this;
+    }
+
+    /** First wait before a resend, doubling (default 10 ms). */
+    public ProducerOptions retryBackoff(Duration value) {
+        retryBackoff = value;
+        return this;
+    }
+
+    /** Queues with a sequence counter; past it the producer takes a new id (default 100000). */
+    public ProducerOptions sequenceQueuesMax(int value) {
+        sequenceQueuesMax = value;
+        return this;
+    }
+
+    void validate() {
+        if (batchMessagesMax < 1 || batchMessagesMax > Validation.MESSAGES_PER_REQUEST_MAX) {
+            throw Validation.invalid("batch_messages_max must be 1 to " + Validation.MESSAGES_PER_REQUEST_MAX + ", got "
+                    + batchMessagesMax);
+        }
+        if (batchBytesMax < 1 || queuedMessagesMax < 1 || requestsInFlightMax < 1 || sequenceQueuesMax < 1) {
+            throw Validation.invalid("batch_bytes_max, queued_messages_max, requests_in_flight_max and "
+                    + "sequence_queues_max must be at least 1");
+        }
+        if (linger.isNegative() || retriesMax < 0 || retryBackoff.isNegative()) {
+            throw Validation.invalid("linger, retry_backoff and retries_max must not be negative");
+        }
+    }
+}
