@@ -44,7 +44,9 @@ fn decisions(criterion: &mut Criterion) {
             keys_max: 10_000,
         };
         let mut limiter = PerKeyLimiter::new(rule).unwrap();
-        let keys: Vec<Vec<u8>> = (0..10_000_u32).map(|key| key.to_le_bytes().to_vec()).collect();
+        let keys: Vec<Vec<u8>> = (0..10_000_u32)
+            .map(|key| key.to_le_bytes().to_vec())
+            .collect();
         let mut now = 0_u64;
         bench.iter(|| {
             for call in 0..CALLS {
