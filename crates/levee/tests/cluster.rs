@@ -472,6 +472,62 @@ fn given_three_nodes_when_a_node_is_removed_then_it_stops_and_can_be_added_back(
 }
 
 #[test]
+fn given_three_voters_when_a_fourth_node_joins_then_it_is_a_learner_until_promoted_by_hand() {
+    let directory = tempfile::tempdir().unwrap();
+    let nodes = three_nodes(directory.path());
+    let seed = nodes[0].peer_addr.unwrap().to_string();
+    let fourth = LeveeProcess::start_in(
+        &directory.path().join("n4"),
+        &[
+            "--node-id",
+            "4",
+            "--peer-addr",
+            "127.0.0.1:0",
+            "--join",
+            &seed,
+        ],
+    );
+    let role_of_4 = |view: &serde_json::Value| {
+        view["members"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|member| member["node_id"] == 4)
+            .map(|member| member["role"].as_str().unwrap().to_owned())
+    };
+    wait_for("node 4 a learner", CONVERGE_TIMEOUT, || {
+        role_of_4(&status(&nodes[0])).as_deref() == Some("learner")
+    });
+    assert_eq!(members_with(&status(&nodes[0]), "voter").len(), 2);
+    // Promoted by hand through another node.
+    let (code, stdout, stderr) = run_to_exit(
+        &[
+            "cluster",
+            "add-node",
+            "--server",
+            &nodes[1].grpc(),
+            "--node-id",
+            "4",
+            "--peer-addr",
+            &fourth.peer_addr.unwrap().to_string(),
+            "--grpc-addr",
+            &fourth.grpc(),
+            "--admin-addr",
+            &fourth.admin_addr.to_string(),
+            "--json",
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stdout.contains("\"voter\""), "{stdout}");
+    wait_for("four voters", CONVERGE_TIMEOUT, || {
+        let view = status(&fourth);
+        role_of_4(&view).is_some_and(|role| role != "learner")
+            && members_with(&view, "voter").len() + members_with(&view, "leader").len() == 4
+    });
+}
+
+#[test]
 fn given_a_node_of_another_cluster_when_it_joins_then_it_is_refused_with_the_fix() {
     let directory = tempfile::tempdir().unwrap();
     let other_dir = directory.path().join("other");
