@@ -12,6 +12,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "levee/v1/common.proto",
         "levee/v1/admin.proto",
         "levee/v1/cluster.proto",
+        "levee/v1/limits.proto",
         "levee/v1/hotkey.proto",
         "levee/v1/queue.proto",
         "levee/v1/topic.proto",

@@ -33,6 +33,20 @@ pub enum MetaCommand {
         /// dropped as this command is applied.
         now_ms: u64,
     },
+    /// Sets a limits resource's budget (docs/LIMITS.md): `permits` per `period_ms`.
+    SetLimitRule {
+        /// The resource.
+        resource: String,
+        /// Permits per period.
+        permits: u64,
+        /// The period, in milliseconds.
+        period_ms: u64,
+    },
+    /// Removes a limits resource's rule.
+    DeleteLimitRule {
+        /// The resource.
+        resource: String,
+    },
     /// Cools a key by hand (a manual key is forgotten; a detected one cools on every node).
     RemoveHotKey {
         /// The app.
@@ -53,9 +67,10 @@ pub struct MetaResponse {
     pub changed: bool,
     /// Why the command was refused, if it was; nothing changed then.
     pub refused: Option<CatalogError>,
-    /// Why a hot-key command was refused (a bound of the replicated state), if it was.
+    /// Why a hot-key or limits command was refused (a bound of the replicated state), if it
+    /// was; nothing changed then.
     #[serde(default)]
-    pub hot_key_refused: Option<String>,
+    pub refused_at_bound: Option<String>,
 }
 
 /// A member of the cluster as the membership records it.
@@ -132,7 +147,7 @@ impl HotKeyMeta {
                 let entry = (app.clone(), key.clone());
                 if !self.manual.contains_key(&entry) && self.manual.len() >= MANUAL_HOT_KEYS_MAX {
                     return Some(MetaResponse {
-                        hot_key_refused: Some(format!(
+                        refused_at_bound: Some(format!(
                             "the cluster keeps at most {MANUAL_HOT_KEYS_MAX} keys set hot by \
                              hand; remove some, or set them for a shorter time"
                         )),
@@ -153,7 +168,10 @@ impl HotKeyMeta {
                     ..MetaResponse::default()
                 }
             }
-            MetaCommand::Catalog(_) | MetaCommand::Import(_) => return None,
+            MetaCommand::Catalog(_)
+            | MetaCommand::Import(_)
+            | MetaCommand::SetLimitRule { .. }
+            | MetaCommand::DeleteLimitRule { .. } => return None,
         };
         Some(response)
     }
@@ -171,4 +189,49 @@ pub trait HotKeyObserver: Send + Sync + std::fmt::Debug {
     fn cooled(&self, app: &str, key: &[u8]);
     /// The whole state was replaced (a snapshot): every app's rules and manual key now.
     fn reset(&self, meta: &HotKeyMeta);
+}
+
+/// Most limits resources the cluster keeps.
+pub const LIMIT_RULES_MAX: usize = 10_000;
+
+/// The limits rules (docs/LIMITS.md), replicated: each resource's budget as
+/// (permits, period in milliseconds).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct LimitMeta {
+    /// Every resource's rule, by name.
+    pub rules: std::collections::BTreeMap<String, (u64, u64)>,
+}
+
+impl LimitMeta {
+    /// Applies a limits command; `None` for the other commands.
+    pub fn apply(&mut self, command: &MetaCommand) -> Option<MetaResponse> {
+        let response = match command {
+            MetaCommand::SetLimitRule {
+                resource,
+                permits,
+                period_ms,
+            } => {
+                if !self.rules.contains_key(resource) && self.rules.len() >= LIMIT_RULES_MAX {
+                    return Some(MetaResponse {
+                        refused_at_bound: Some(format!(
+                            "the cluster keeps at most {LIMIT_RULES_MAX} limits resources; \
+                             delete unused ones first"
+                        )),
+                        ..MetaResponse::default()
+                    });
+                }
+                let rule = (*permits, *period_ms);
+                MetaResponse {
+                    changed: self.rules.insert(resource.clone(), rule) != Some(rule),
+                    ..MetaResponse::default()
+                }
+            }
+            MetaCommand::DeleteLimitRule { resource } => MetaResponse {
+                changed: self.rules.remove(resource).is_some(),
+                ..MetaResponse::default()
+            },
+            _ => return None,
+        };
+        Some(response)
+    }
 }

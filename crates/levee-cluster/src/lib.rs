@@ -35,7 +35,7 @@ pub mod network;
 pub mod state_machine;
 pub mod writer;
 
-pub use command::{HotKeyMeta, HotKeyObserver, MetaCommand, MetaResponse, NodeInfo};
+pub use command::{HotKeyMeta, HotKeyObserver, LimitMeta, MetaCommand, MetaResponse, NodeInfo};
 pub use log_store::LogStore;
 pub use manage::{LeaveNotice, Manager, Refusal, RefusalKind};
 pub use network::{PeerNetwork, PeerService, Raft};

@@ -15,7 +15,7 @@ use openraft::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::command::{HotKeyMeta, HotKeyObserver, MetaCommand, MetaResponse};
+use crate::command::{HotKeyMeta, HotKeyObserver, LimitMeta, MetaCommand, MetaResponse};
 use crate::{MetaConfig, NodeId, NodeInfo, StorageError};
 
 /// The snapshot's file name in the state machine's directory.
@@ -28,6 +28,7 @@ struct MetaState {
     membership: StoredMembership<NodeId, NodeInfo>,
     catalog: Catalog,
     hot_keys: HotKeyMeta,
+    limits: LimitMeta,
     /// Snapshots built so far by this process, to tell their ids apart.
     snapshots_built: u64,
 }
@@ -39,6 +40,9 @@ struct SnapshotState {
     /// Absent from snapshots of versions before hot keys were replicated.
     #[serde(default)]
     hot_keys: HotKeyMeta,
+    /// Absent from snapshots of versions before limits.
+    #[serde(default)]
+    limits: LimitMeta,
 }
 
 /// A snapshot as its file holds it.
@@ -73,11 +77,14 @@ impl MetaState {
         observer: Option<&dyn HotKeyObserver>,
     ) -> MetaResponse {
         match command {
+            MetaCommand::SetLimitRule { .. } | MetaCommand::DeleteLimitRule { .. } => {
+                self.limits.apply(command).unwrap_or_default()
+            }
             MetaCommand::SetHotKeyRules { .. }
             | MetaCommand::SetManualHotKey { .. }
             | MetaCommand::RemoveHotKey { .. } => {
                 let response = self.hot_keys.apply(command).unwrap_or_default();
-                if let Some(observer) = observer.filter(|_| response.hot_key_refused.is_none()) {
+                if let Some(observer) = observer.filter(|_| response.refused_at_bound.is_none()) {
                     tell(observer, command);
                 }
                 response
@@ -137,6 +144,7 @@ impl MetaState {
         }
         self.catalog = catalog;
         self.hot_keys = state.hot_keys;
+        self.limits = state.limits;
         self.last_applied = meta.last_log_id;
         self.membership = meta.last_membership.clone();
         Ok(())
@@ -154,7 +162,10 @@ fn tell(observer: &dyn HotKeyObserver, command: &MetaCommand) {
             ..
         } => observer.manual_hot(app, key, *expires_at_ms),
         MetaCommand::RemoveHotKey { app, key, .. } => observer.cooled(app, key),
-        MetaCommand::Catalog(_) | MetaCommand::Import(_) => {}
+        MetaCommand::Catalog(_)
+        | MetaCommand::Import(_)
+        | MetaCommand::SetLimitRule { .. }
+        | MetaCommand::DeleteLimitRule { .. } => {}
     }
 }
 
@@ -181,6 +192,11 @@ impl MetaStateMachine {
         observer.reset(&self.read().hot_keys);
         self.observer = Some(observer);
         self
+    }
+
+    /// Reads the replicated limits rules as they stand.
+    pub fn with_limits<T>(&self, read: impl FnOnce(&LimitMeta) -> T) -> T {
+        read(&self.read().limits)
     }
 
     /// Reads the replicated hot-key settings as they stand.
@@ -234,6 +250,7 @@ impl RaftSnapshotBuilder<MetaConfig> for MetaStateMachine {
             let data = serde_json::to_vec(&SnapshotState {
                 catalog: state.catalog.records(),
                 hot_keys: state.hot_keys.clone(),
+                limits: state.limits.clone(),
             })
             .map_err(|error| write_error(&error))?;
             let last_index = state.last_applied.map_or(0, |log_id| log_id.index);

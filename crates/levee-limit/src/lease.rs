@@ -4,8 +4,8 @@
 //! demand). The allocator hands out each window's budget:
 //!
 //! - **Never over the budget.** Window k (the `window_ns` starting at `k x window_ns`) has the
-//!   budget `floor((k + 1) x B) - floor(k x B)` with `B = permits_per_s x window_ns / 1 s`, so
-//!   the windows of any interval of length D hold at most `permits_per_s x D + B + 1` tokens
+//!   budget `floor((k + 1) x B) - floor(k x B)` with `B = permits x window_ns / period_ns`, so
+//!   the windows of any interval of length D hold at most `permits x D / period + B + 1` tokens
 //!   (the `B` for a partial window at each end), and a window's grants never pass its budget.
 //!   Tokens of a lease are valid only until the end of its window: unused ones are not carried,
 //!   so a cap can only be missed from below.
@@ -30,8 +30,10 @@ pub type ClientId = u64;
 /// The budget of one resource.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaseRule {
-    /// Tokens per second over all clients: at least 1.
-    pub permits_per_s: u64,
+    /// Tokens per period over all clients: at least 1.
+    pub permits: u64,
+    /// The period: 1 s to a day (a minute for "per minute").
+    pub period_ns: u64,
     /// The lease period: 10 ms to 10 s.
     pub window_ns: u64,
     /// Clients remembered at once: 1 to 1,000,000.
@@ -39,10 +41,19 @@ pub struct LeaseRule {
 }
 
 impl LeaseRule {
-    /// `permits_per_s` in leases of 100 ms, up to 100,000 clients.
-    pub fn per_second(permits_per_s: u64) -> Self {
+    /// `permits` a minute in leases of 100 ms, up to 100,000 clients.
+    pub fn per_minute(permits: u64) -> Self {
         Self {
-            permits_per_s,
+            period_ns: 60 * NANOS_PER_S,
+            ..Self::per_second(permits)
+        }
+    }
+
+    /// `permits` a second in leases of 100 ms, up to 100,000 clients.
+    pub fn per_second(permits: u64) -> Self {
+        Self {
+            permits,
+            period_ns: NANOS_PER_S,
             window_ns: 100_000_000,
             clients_max: 100_000,
         }
@@ -50,10 +61,19 @@ impl LeaseRule {
 
     /// Checks every field.
     pub fn validate(&self) -> Result<(), RuleError> {
-        if self.permits_per_s == 0 {
+        if self.permits == 0 {
             return Err(RuleError::NotPositive {
-                field: "permits_per_s",
+                field: "permits",
                 got: 0,
+            });
+        }
+        if !(NANOS_PER_S..=86_400 * NANOS_PER_S).contains(&self.period_ns) {
+            return Err(RuleError::OutOfRange {
+                field: "period_ns",
+                got: self.period_ns,
+                min: NANOS_PER_S,
+                max: 86_400 * NANOS_PER_S,
+                fix: "give a period from 1 s to a day",
             });
         }
         if !(10_000_000..=10 * NANOS_PER_S).contains(&self.window_ns) {
@@ -125,13 +145,21 @@ impl LeaseAllocator {
         Ok(())
     }
 
+    /// The rule.
+    pub fn rule(&self) -> LeaseRule {
+        self.rule
+    }
+
+    /// The current window's number and the tokens granted in it so far.
+    pub fn granted(&self) -> (u64, u64) {
+        (self.window, self.granted_in_window)
+    }
+
     /// The budget of window `window`.
     pub fn budget(&self, window: u64) -> u64 {
         let cumulative = |windows: u64| {
-            u128::from(windows)
-                * u128::from(self.rule.permits_per_s)
-                * u128::from(self.rule.window_ns)
-                / u128::from(NANOS_PER_S)
+            u128::from(windows) * u128::from(self.rule.permits) * u128::from(self.rule.window_ns)
+                / u128::from(self.rule.period_ns)
         };
         u64::try_from(cumulative(window + 1) - cumulative(window)).unwrap_or(u64::MAX)
     }
@@ -264,12 +292,7 @@ mod tests {
     #[test]
     fn given_bad_rules_then_the_error_names_the_field() {
         let mut rule = LeaseRule::per_second(0);
-        assert!(
-            rule.validate()
-                .unwrap_err()
-                .to_string()
-                .contains("permits_per_s")
-        );
+        assert!(rule.validate().unwrap_err().to_string().contains("permits"));
         rule = LeaseRule::per_second(1);
         rule.window_ns = MS;
         assert!(

@@ -14,6 +14,7 @@
 //! - [`hotkey`]: hot keys over the network: sharded engines, app-server sessions that push hot
 //!   and cool events, the admin calls on gRPC and JSON, and the rules file.
 //! - [`queue`]: the `levee.v1.Queues` gRPC service on the embedded queue store.
+//! - [`limits`]: the `levee.v1.Limits` gRPC service: rules as metadata, leases from the leader.
 //! - [`logging`]: tracing in text or JSON.
 //!
 //! A request's path: the accept loop in [`connection`] takes a connection permit and counts the
@@ -36,6 +37,7 @@ mod data_dir;
 mod grpc_metrics;
 mod grpc_status;
 mod hotkey;
+mod limits;
 pub mod logging;
 mod metrics;
 mod queue;

@@ -231,6 +231,7 @@ impl RunningServer {
             .add_service(health_service)
             .add_service(AdminServer::new(AdminService::new(Arc::clone(&state))))
             .add_service(cluster_service)
+            .add_service(raft.limits_service(stop_sessions.subscribe()))
             .add_service(
                 HotKeysServer::new(hotkey_service)
                     .max_decoding_message_size(config.hotkey_report_message_bytes_max()),
@@ -475,6 +476,7 @@ fn queue_services(
 /// port).
 struct MetadataGroup {
     raft: Raft,
+    machine: MetaStateMachine,
     writer: MetaWriter,
     manager: Manager,
     /// Set when the leader removed this node.
@@ -484,6 +486,19 @@ struct MetadataGroup {
 }
 
 impl MetadataGroup {
+    /// The Limits service over this group; its lease streams end when `closing` turns true.
+    fn limits_service(
+        &self,
+        closing: watch::Receiver<bool>,
+    ) -> levee_proto::v1::limits_server::LimitsServer<crate::limits::LimitsService> {
+        crate::limits::LimitsService::server(
+            self.machine.clone(),
+            self.writer.clone(),
+            self.manager.clone(),
+            closing,
+        )
+    }
+
     /// The operator's hot-key calls on `hub`, written through this group.
     fn hotkey_admin(&self, hub: &Arc<HotKeyHub>) -> HotKeyAdmin {
         HotKeyAdmin::new(Arc::clone(hub), self.writer.clone(), self.manager.clone())
@@ -633,13 +648,14 @@ async fn open_metadata(
     }
     let group = MetadataGroup {
         raft,
+        machine: machine.clone(),
         writer: writer.clone(),
         manager,
         left: left_notice,
         peer_task,
         stop_peers,
     };
-    let topics = Topics::new(machine, writer, group.manager.clone());
+    let topics = Topics::new(group.machine.clone(), writer, group.manager.clone());
     Ok((group, Arc::new(topics)))
 }
 

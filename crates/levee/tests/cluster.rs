@@ -321,6 +321,55 @@ fn hot_keys_reach_app_servers_through_any_node(
     watcher.close();
 }
 
+/// A limits rule set through a follower is the cluster's; leases come from the leader, and a
+/// follower's refusal names it.
+fn leases_come_from_the_leader(runtime: &tokio::runtime::Runtime, nodes: &[LeveeProcess]) {
+    use levee_proto::v1::limits_client::LimitsClient;
+    use levee_proto::v1::{LeaseDemand, LeaseRequest, LimitRule, SetLimitRuleRequest};
+    let leader_id = status(&nodes[0])["leader_id"].as_u64().unwrap();
+    let leader = &nodes[usize::try_from(leader_id).unwrap() - 1];
+    let follower = nodes
+        .iter()
+        .find(|node| node.grpc() != leader.grpc())
+        .unwrap();
+    runtime.block_on(async {
+        let connect =
+            |node: &LeveeProcess| LimitsClient::connect(format!("http://{}", node.grpc()));
+        let mut through_follower = connect(follower).await.unwrap();
+        let rule = LimitRule {
+            resource: "search".to_owned(),
+            permits: 600,
+            period_ms: 60_000,
+        };
+        through_follower
+            .set_rule(SetLimitRuleRequest { rule: Some(rule) })
+            .await
+            .unwrap();
+        let request = || {
+            tokio_stream::iter([LeaseRequest {
+                client_id: 7,
+                demands: vec![LeaseDemand {
+                    resource: "search".to_owned(),
+                    demand: 100,
+                }],
+            }])
+        };
+        let refused = through_follower.leases(request()).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+        assert!(refused.message().contains(&leader.grpc()), "{refused:?}");
+        let mut granted = connect(leader)
+            .await
+            .unwrap()
+            .leases(request())
+            .await
+            .unwrap()
+            .into_inner();
+        let answer = granted.message().await.unwrap().unwrap();
+        // 600 a minute: 1 a lease period of 100 ms.
+        assert_eq!(answer.grants[0].permits, 1, "{answer:?}");
+    });
+}
+
 /// Removing a node that is not a member, or adding node 0, is refused naming the problem.
 fn bad_requests_say_why(node: &LeveeProcess) {
     // Bad requests say what is wrong.
@@ -403,6 +452,7 @@ fn given_three_nodes_when_a_node_is_removed_then_it_stops_and_can_be_added_back(
     reads_and_rates_agree(&runtime, &nodes);
     hot_key_settings_reach_every_node(&runtime, &nodes);
     hot_keys_reach_app_servers_through_any_node(&runtime, &nodes);
+    leases_come_from_the_leader(&runtime, &nodes);
     bad_requests_say_why(&nodes[0]);
 
     // A follower removed through another node stops, and says why.

@@ -42,7 +42,7 @@ impl HotKeyAdmin {
             .write(command)
             .await
             .map_err(|error| WireError::new(ErrorCode::Unavailable, error.to_string()))?;
-        match response.hot_key_refused {
+        match response.refused_at_bound {
             Some(message) => Err(WireError::new(ErrorCode::ResourceExhausted, message)),
             None => Ok(response),
         }

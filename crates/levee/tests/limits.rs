@@ -1,0 +1,170 @@
+//! The Limits service against a real server (proto/levee/v1/limits.proto): rules with clear
+//! refusals, and lease sessions whose grants never pass a lease period's budget and share it
+//! fairly between clients of uneven demand.
+
+mod support;
+
+use std::time::Duration;
+
+use levee_proto::WireError;
+use levee_proto::v1::limits_client::LimitsClient;
+use levee_proto::v1::{
+    DeleteLimitRuleRequest, DescribeResourceRequest, ErrorCode, LeaseDemand, LeaseRequest,
+    LeaseResponse, LimitRule, ListLimitRulesRequest, SetLimitRuleRequest,
+};
+use support::{LeveeProcess, runtime};
+use tokio::sync::mpsc;
+use tonic::transport::Channel;
+
+async fn client(server: &LeveeProcess) -> LimitsClient<Channel> {
+    LimitsClient::connect(format!("http://{}", server.grpc()))
+        .await
+        .unwrap()
+}
+
+async fn set_rule(
+    client: &mut LimitsClient<Channel>,
+    resource: &str,
+    permits: u64,
+    period_ms: u64,
+) -> Result<(), WireError> {
+    let rule = LimitRule {
+        resource: resource.to_owned(),
+        permits,
+        period_ms,
+    };
+    client
+        .set_rule(SetLimitRuleRequest { rule: Some(rule) })
+        .await
+        .map(drop)
+        .map_err(|status| WireError::from_status(&status))
+}
+
+/// One client's lease session: send a request, read its answer.
+struct Session {
+    requests: mpsc::Sender<LeaseRequest>,
+    answers: tonic::Streaming<LeaseResponse>,
+    client_id: u64,
+}
+
+impl Session {
+    async fn open(client: &mut LimitsClient<Channel>, client_id: u64) -> Self {
+        let (requests, receiver) = mpsc::channel(4);
+        let answers = client
+            .leases(tokio_stream::wrappers::ReceiverStream::new(receiver))
+            .await
+            .unwrap()
+            .into_inner();
+        Self {
+            requests,
+            answers,
+            client_id,
+        }
+    }
+
+    async fn ask(&mut self, demands: &[(&str, u64)]) -> LeaseResponse {
+        let request = LeaseRequest {
+            client_id: self.client_id,
+            demands: demands
+                .iter()
+                .map(|(resource, demand)| LeaseDemand {
+                    resource: (*resource).to_owned(),
+                    demand: *demand,
+                })
+                .collect(),
+        };
+        self.requests.send(request).await.unwrap();
+        self.answers.message().await.unwrap().unwrap()
+    }
+}
+
+#[test]
+fn given_bad_rules_then_each_refusal_names_the_field() {
+    let server = LeveeProcess::start(&[]);
+    runtime().block_on(async {
+        let mut limits = client(&server).await;
+        for (resource, permits, period_ms, field) in [
+            ("", 10, 1_000, "resource"),
+            ("a", 0, 1_000, "permits"),
+            ("a", 10, 10, "period_ms"),
+        ] {
+            let error = set_rule(&mut limits, resource, permits, period_ms)
+                .await
+                .unwrap_err();
+            assert_eq!(error.code, ErrorCode::InvalidArgument);
+            assert!(error.message.contains(field), "{}", error.message);
+        }
+        let missing = limits
+            .describe_resource(DescribeResourceRequest {
+                resource: "none".to_owned(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(WireError::from_status(&missing).code, ErrorCode::NotFound);
+    });
+}
+
+#[test]
+fn given_two_clients_of_uneven_demand_then_leases_share_each_periods_budget_and_never_pass_it() {
+    let server = LeveeProcess::start(&[]);
+    runtime().block_on(async {
+        let mut limits = client(&server).await;
+        // 1,000 a second: 100 a lease period of 100 ms.
+        set_rule(&mut limits, "checkout", 1_000, 1_000)
+            .await
+            .unwrap();
+        let rules = limits
+            .list_rules(ListLimitRulesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .rules;
+        assert_eq!(rules.len(), 1);
+        let mut greedy = Session::open(&mut limits, 1).await;
+        let mut modest = Session::open(&mut limits, 2).await;
+        let mut greedy_total = 0;
+        let mut modest_total = 0;
+        for _ in 0..20 {
+            let big = greedy.ask(&[("checkout", 1_000)]).await.grants[0].clone();
+            let small = modest.ask(&[("checkout", 10)]).await.grants[0].clone();
+            assert!(!big.unknown_resource && big.valid_ms <= 100, "{big:?}");
+            assert!(small.permits <= 10);
+            greedy_total += big.permits;
+            modest_total += small.permits;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // 20 rounds take at least 2 s: at most 2,000 and a period's 100 (two periods at the
+        // ends), and the modest client got what it asked for most of the time.
+        let elapsed_budget = 2_000 + 2 * 100;
+        assert!(
+            greedy_total + modest_total <= elapsed_budget,
+            "{greedy_total} + {modest_total}"
+        );
+        assert!(modest_total >= 150, "{modest_total}");
+        assert!(greedy_total >= 1_000, "{greedy_total}");
+        let described = limits
+            .describe_resource(DescribeResourceRequest {
+                resource: "checkout".to_owned(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(described.clients, 2);
+        assert!(described.granted <= described.budget);
+        assert_eq!(described.lease_period_ms, 100);
+
+        // A resource without a rule, and one whose rule was deleted, grant nothing.
+        let unknown = greedy.ask(&[("nope", 5)]).await.grants[0].clone();
+        assert!(unknown.unknown_resource && unknown.permits == 0);
+        let deleted = limits
+            .delete_rule(DeleteLimitRuleRequest {
+                resource: "checkout".to_owned(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(deleted.existed);
+        let after = greedy.ask(&[("checkout", 5)]).await.grants[0].clone();
+        assert!(after.unknown_resource, "{after:?}");
+    });
+}
