@@ -118,6 +118,11 @@ impl Client {
         }
     }
 
+    /// The connection, for the SDK's own streams.
+    pub(crate) fn channel(&self) -> Channel {
+        self.channel.clone()
+    }
+
     fn producer_name(&self) -> String {
         self.producer_name.as_deref().unwrap_or_default().to_owned()
     }

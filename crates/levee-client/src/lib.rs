@@ -10,6 +10,7 @@
 //! - [`Subscription`]: one consumer's mailbox stream on one queue, with credits and acks.
 //! - [`Mailboxes`]: one consumer's stream over many queues (up to a million), one credit,
 //!   batched acks.
+//! - [`Limiter`]: cluster-wide limits decided locally from leases (`try_acquire`).
 //! - [`GroupConsumer`]: a consumer-group member on a topic: leases, bounded parallelism, commits
 //!   strictly in order, rejoin with backoff.
 //! - [`ClientError`]: what went wrong; server errors carry Levee's stable [`ErrorCode`].
@@ -29,6 +30,7 @@ mod client;
 mod consumer;
 mod error;
 pub mod hotkey;
+mod limiter;
 mod mailboxes;
 mod producer;
 mod subscription;
@@ -46,6 +48,7 @@ pub use levee_proto::v1::{
     MemberRole, TopicSummary, WatchMembersResponse as MembersUpdate,
 };
 pub use levee_proto::{Bytes, WireError};
+pub use limiter::{Limiter, LimiterOptions, LimiterStats};
 pub use mailboxes::{MAILBOXES_PER_REQUEST_MAX, Mailboxes};
 pub use producer::{Producer, ProducerOptions};
 pub use subscription::Subscription;

@@ -1,0 +1,322 @@
+//! [`Limiter`]: cluster-wide limits decided locally (docs/LIMITS.md). `try_acquire(resource,
+//! permits)` spends permits from the lease this client holds for the resource: an atomic
+//! decrement, no network, never failing. A background task keeps one `Limits.Leases` session
+//! with the cluster's leader and, every lease period, asks for each resource's next lease sized
+//! from the permits the application asked for in the last period (its demand); the grants of a
+//! period never pass the resource's budget, so the cap can only be missed from below.
+//!
+//! While no lease is held (at start, for the first period; while the leader cannot be reached)
+//! a resource answers from its **fallback**: `fallback_permits` per lease period for this
+//! client alone (0 by default: refuse), counted in [`LimiterStats::fallback_decisions`].
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use levee_proto::v1::limits_client::LimitsClient;
+use levee_proto::v1::{LeaseDemand, LeaseRequest, LeaseResponse, MemberRole};
+use tokio::sync::{mpsc, watch};
+
+use crate::error::ClientError;
+
+/// How a [`Limiter`] connects and falls back.
+#[derive(Debug, Clone)]
+pub struct LimiterOptions {
+    /// Any of the cluster's nodes (the limiter finds the leader).
+    pub servers: Vec<String>,
+    /// How often leases are renewed: the server's lease period (100 ms).
+    pub lease_interval: Duration,
+    /// Permits per lease period a resource may use while no lease is held (0: refuse).
+    pub fallback_permits: u64,
+    /// Most time to connect.
+    pub connect_timeout: Duration,
+}
+
+impl LimiterOptions {
+    /// Options against `servers`, refusing while no lease is held.
+    pub fn new(servers: Vec<String>) -> Self {
+        Self {
+            servers,
+            lease_interval: Duration::from_millis(100),
+            fallback_permits: 0,
+            connect_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// What a limiter did so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LimiterStats {
+    /// Permits admitted.
+    pub admitted: u64,
+    /// Permits refused.
+    pub refused: u64,
+    /// Decisions taken from the fallback (no lease held).
+    pub fallback_decisions: u64,
+    /// Lease answers received.
+    pub leases_received: u64,
+    /// Whether a lease session is open now.
+    pub connected: bool,
+}
+
+/// One resource's lease, as the application spends it.
+#[derive(Debug, Default)]
+struct Resource {
+    /// Permits left in the lease.
+    tokens: AtomicU64,
+    /// When the lease expires, in nanoseconds since the limiter started.
+    expires_ns: AtomicU64,
+    /// Permits the application asked for since the last lease request.
+    wanted: AtomicU64,
+    /// Permits left of the fallback in this period.
+    fallback: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Inner {
+    options: LimiterOptions,
+    client_id: u64,
+    started: Instant,
+    resources: RwLock<HashMap<String, Arc<Resource>>>,
+    connected: AtomicBool,
+    admitted: AtomicU64,
+    refused: AtomicU64,
+    fallback_decisions: AtomicU64,
+    leases_received: AtomicU64,
+}
+
+/// Most resources one limiter follows.
+pub const RESOURCES_MAX: usize = 1_000;
+
+/// Cluster-wide limits, decided locally from leases. Cheap to clone; clones share everything.
+/// Dropping the last clone stops the background task.
+#[derive(Debug, Clone)]
+pub struct Limiter {
+    inner: Arc<Inner>,
+    _stop: Arc<watch::Sender<bool>>,
+}
+
+/// Takes `permits` from `counter` if it holds that many.
+fn take(counter: &AtomicU64, permits: u64) -> bool {
+    counter
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| {
+            left.checked_sub(permits)
+        })
+        .is_ok()
+}
+
+impl Limiter {
+    /// Starts the lease session in the background on the current tokio runtime.
+    pub fn start(options: LimiterOptions) -> Result<Self, ClientError> {
+        if options.servers.is_empty() || options.lease_interval.is_zero() {
+            return Err(ClientError::InvalidOptions(
+                "servers: give at least one server; lease_interval: above 0".to_owned(),
+            ));
+        }
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            ClientError::InvalidOptions("Limiter::start must run inside a tokio runtime".into())
+        })?;
+        let started = Instant::now();
+        let client_id = (u64::from(std::process::id()) << 32
+            ^ u64::try_from(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |since| since.as_nanos()),
+            )
+            .unwrap_or(1))
+        .max(1);
+        let inner = Arc::new(Inner {
+            options,
+            client_id,
+            started,
+            resources: RwLock::new(HashMap::new()),
+            connected: AtomicBool::new(false),
+            admitted: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            fallback_decisions: AtomicU64::new(0),
+            leases_received: AtomicU64::new(0),
+        });
+        let (stop, stopped) = watch::channel(false);
+        runtime.spawn(run_leases(Arc::clone(&inner), stopped));
+        Ok(Self {
+            inner,
+            _stop: Arc::new(stop),
+        })
+    }
+
+    /// This limiter's client id in its lease session.
+    pub fn client_id(&self) -> u64 {
+        self.inner.client_id
+    }
+
+    /// Takes `permits` of `resource` if the lease (or the fallback) has them. Never blocks and
+    /// never fails; a resource first asked for here is leased from the next period on.
+    pub fn try_acquire(&self, resource: &str, permits: u64) -> bool {
+        let inner = &self.inner;
+        let known = inner
+            .resources
+            .read()
+            .ok()
+            .and_then(|map| map.get(resource).cloned());
+        let Some(state) = known.or_else(|| self.follow(resource)) else {
+            inner.refused.fetch_add(permits, Ordering::Relaxed);
+            return false;
+        };
+        state.wanted.fetch_add(permits, Ordering::Relaxed);
+        let now = inner.now_ns();
+        let admitted = if state.expires_ns.load(Ordering::Acquire) > now {
+            take(&state.tokens, permits)
+        } else {
+            inner.fallback_decisions.fetch_add(1, Ordering::Relaxed);
+            take(&state.fallback, permits)
+        };
+        let counter = if admitted {
+            &inner.admitted
+        } else {
+            &inner.refused
+        };
+        counter.fetch_add(permits, Ordering::Relaxed);
+        admitted
+    }
+
+    /// Starts following `resource` (at most [`RESOURCES_MAX`]).
+    fn follow(&self, resource: &str) -> Option<Arc<Resource>> {
+        let mut resources = self.inner.resources.write().ok()?;
+        if let Some(state) = resources.get(resource) {
+            return Some(Arc::clone(state));
+        }
+        if resources.len() >= RESOURCES_MAX {
+            return None;
+        }
+        let state = Arc::new(Resource::default());
+        state
+            .fallback
+            .store(self.inner.options.fallback_permits, Ordering::Relaxed);
+        resources.insert(resource.to_owned(), Arc::clone(&state));
+        Some(state)
+    }
+
+    /// What the limiter did so far.
+    pub fn stats(&self) -> LimiterStats {
+        let inner = &self.inner;
+        LimiterStats {
+            admitted: inner.admitted.load(Ordering::Relaxed),
+            refused: inner.refused.load(Ordering::Relaxed),
+            fallback_decisions: inner.fallback_decisions.load(Ordering::Relaxed),
+            leases_received: inner.leases_received.load(Ordering::Relaxed),
+            connected: inner.connected.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl Inner {
+    fn now_ns(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The request of this period: each resource's demand since the last one.
+    fn request(&self) -> LeaseRequest {
+        let resources = self.resources.read().map(|map| {
+            map.iter()
+                .map(|(resource, state)| LeaseDemand {
+                    resource: resource.clone(),
+                    demand: state.wanted.swap(0, Ordering::AcqRel),
+                })
+                .collect()
+        });
+        LeaseRequest {
+            client_id: self.client_id,
+            demands: resources.unwrap_or_default(),
+        }
+    }
+
+    /// Applies an answer: each lease replaces the last.
+    fn apply(&self, answer: &LeaseResponse, sent_ns: u64) {
+        self.leases_received.fetch_add(1, Ordering::Relaxed);
+        let Ok(resources) = self.resources.read() else {
+            return;
+        };
+        for grant in &answer.grants {
+            if let Some(state) = resources.get(&grant.resource) {
+                // The lease counts from when it was asked for, so it never outlives the
+                // server's period.
+                let expires = sent_ns.saturating_add(grant.valid_ms.saturating_mul(1_000_000));
+                state.tokens.store(grant.permits, Ordering::Release);
+                state.expires_ns.store(
+                    if grant.unknown_resource { 0 } else { expires },
+                    Ordering::Release,
+                );
+            }
+        }
+    }
+
+    /// Refills every resource's fallback for a new period.
+    fn refill_fallback(&self) {
+        if let Ok(resources) = self.resources.read() {
+            for state in resources.values() {
+                state
+                    .fallback
+                    .store(self.options.fallback_permits, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Keeps a lease session with the leader until stopped, reconnecting after failures.
+async fn run_leases(inner: Arc<Inner>, mut stopped: watch::Receiver<bool>) {
+    let mut turn = 0_usize;
+    loop {
+        turn = turn.wrapping_add(1);
+        let seed = inner.options.servers[turn % inner.options.servers.len()].clone();
+        tokio::select! {
+            result = session(&inner, &seed) => {
+                if let Err(error) = result {
+                    tracing::debug!(server = %seed, %error, "limits lease session ended");
+                }
+            }
+            _ = stopped.wait_for(|stop| *stop) => return,
+        }
+        inner.connected.store(false, Ordering::Relaxed);
+        inner.refill_fallback();
+        tokio::select! {
+            () = tokio::time::sleep(inner.options.lease_interval) => {}
+            _ = stopped.wait_for(|stop| *stop) => return,
+        }
+    }
+}
+
+/// One session: finds the leader through `seed`, then renews leases every period.
+async fn session(inner: &Arc<Inner>, seed: &str) -> Result<(), ClientError> {
+    let options = crate::ClientOptions {
+        connect_timeout: inner.options.connect_timeout,
+        request_timeout: Duration::from_secs(365 * 24 * 3600),
+    };
+    let seed_client = crate::Client::connect_with(seed, &options).await?;
+    let view = seed_client.cluster().await?;
+    let leader = view
+        .members
+        .iter()
+        .find(|member| member.role() == MemberRole::Leader)
+        .map_or_else(|| seed.to_owned(), |member| member.grpc_addr.clone());
+    let client = crate::Client::connect_with(&leader, &options).await?;
+    let (requests, receiver) = mpsc::channel(2);
+    let mut answers = LimitsClient::new(client.channel())
+        .leases(tokio_stream::wrappers::ReceiverStream::new(receiver))
+        .await?
+        .into_inner();
+    inner.connected.store(true, Ordering::Relaxed);
+    let mut ticker = tokio::time::interval(inner.options.lease_interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let sent = inner.now_ns();
+        if requests.send(inner.request()).await.is_err() {
+            return Ok(());
+        }
+        let Some(answer) = answers.message().await? else {
+            return Ok(());
+        };
+        inner.apply(&answer, sent);
+    }
+}
