@@ -1,9 +1,10 @@
 //! [`Limiter`]: cluster-wide limits decided locally (docs/LIMITS.md). `try_acquire(resource,
 //! permits)` spends permits from the lease this client holds for the resource: an atomic
 //! decrement, no network, never failing. A background task keeps one `Limits.Leases` session
-//! with the cluster's leader and, every lease period, asks for each resource's next lease sized
-//! from the permits the application asked for in the last period (its demand); the grants of a
-//! period never pass the resource's budget, so the cap can only be missed from below.
+//! with the cluster's leader and, a little before each lease ends, asks for each resource's
+//! lease of the next period, sized from the permits the application asked for in the last
+//! period (its demand), so a lease is held without a gap; the grants of a period never pass the
+//! resource's budget, so the cap can only be missed from below.
 //!
 //! While no lease is held (at start, for the first period; while the leader cannot be reached)
 //! a resource answers from its **fallback**: `fallback_permits` per lease period for this
@@ -60,13 +61,27 @@ pub struct LimiterStats {
     pub connected: bool,
 }
 
-/// One resource's lease, as the application spends it.
+/// One lease: permits to spend between its start and its expiry (nanoseconds since the
+/// limiter started).
+#[derive(Debug, Default)]
+struct Slot {
+    tokens: AtomicU64,
+    starts_ns: AtomicU64,
+    expires_ns: AtomicU64,
+}
+
+impl Slot {
+    fn is_current(&self, now: u64) -> bool {
+        self.starts_ns.load(Ordering::Acquire) <= now
+            && now < self.expires_ns.load(Ordering::Acquire)
+    }
+}
+
+/// One resource's leases, as the application spends them: the current one and the next (asked
+/// for a little before the current one ends).
 #[derive(Debug, Default)]
 struct Resource {
-    /// Permits left in the lease.
-    tokens: AtomicU64,
-    /// When the lease expires, in nanoseconds since the limiter started.
-    expires_ns: AtomicU64,
+    slots: [Slot; 2],
     /// Permits the application asked for since the last lease request.
     wanted: AtomicU64,
     /// Permits left of the fallback in this period.
@@ -165,8 +180,9 @@ impl Limiter {
         };
         state.wanted.fetch_add(permits, Ordering::Relaxed);
         let now = inner.now_ns();
-        let admitted = if state.expires_ns.load(Ordering::Acquire) > now {
-            take(&state.tokens, permits)
+        let current = state.slots.iter().find(|slot| slot.is_current(now));
+        let admitted = if let Some(slot) = current {
+            take(&slot.tokens, permits)
         } else {
             inner.fallback_decisions.fetch_add(1, Ordering::Relaxed);
             take(&state.fallback, permits)
@@ -237,17 +253,28 @@ impl Inner {
         let Ok(resources) = self.resources.read() else {
             return;
         };
+        let now = self.now_ns();
         for grant in &answer.grants {
-            if let Some(state) = resources.get(&grant.resource) {
-                // The lease counts from when it was asked for, so it never outlives the
-                // server's period.
-                let expires = sent_ns.saturating_add(grant.valid_ms.saturating_mul(1_000_000));
-                state.tokens.store(grant.permits, Ordering::Release);
-                state.expires_ns.store(
-                    if grant.unknown_resource { 0 } else { expires },
-                    Ordering::Release,
-                );
+            let Some(state) = resources.get(&grant.resource) else {
+                continue;
+            };
+            // Times count from when the lease was asked for, so a lease never outlives the
+            // server's period; it goes in the slot that is not being spent now.
+            let at = |ms: u64| sent_ns.saturating_add(ms.saturating_mul(1_000_000));
+            let slot = state
+                .slots
+                .iter()
+                .find(|slot| !slot.is_current(now))
+                .unwrap_or(&state.slots[0]);
+            slot.tokens.store(0, Ordering::Release);
+            if grant.unknown_resource {
+                slot.expires_ns.store(0, Ordering::Release);
+                continue;
             }
+            slot.starts_ns
+                .store(at(grant.starts_in_ms), Ordering::Release);
+            slot.expires_ns.store(at(grant.valid_ms), Ordering::Release);
+            slot.tokens.store(grant.permits, Ordering::Release);
         }
     }
 
@@ -306,10 +333,7 @@ async fn session(inner: &Arc<Inner>, seed: &str) -> Result<(), ClientError> {
         .await?
         .into_inner();
     inner.connected.store(true, Ordering::Relaxed);
-    let mut ticker = tokio::time::interval(inner.options.lease_interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        ticker.tick().await;
         let sent = inner.now_ns();
         if requests.send(inner.request()).await.is_err() {
             return Ok(());
@@ -318,5 +342,20 @@ async fn session(inner: &Arc<Inner>, seed: &str) -> Result<(), ClientError> {
             return Ok(());
         };
         inner.apply(&answer, sent);
+        // The next request goes a little before these leases end, in the last fifth of the
+        // server's period: its answer is the next period's lease, so there is no gap.
+        let ends_in = answer
+            .grants
+            .iter()
+            .filter(|grant| !grant.unknown_resource)
+            .map(|grant| Duration::from_millis(grant.valid_ms))
+            .min()
+            .unwrap_or(inner.options.lease_interval)
+            .min(inner.options.lease_interval * 2);
+        let ahead = inner.options.lease_interval / 10;
+        let next = ends_in
+            .saturating_sub(ahead)
+            .max(inner.options.lease_interval / 20);
+        tokio::time::sleep(next).await;
     }
 }

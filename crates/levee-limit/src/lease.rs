@@ -9,6 +9,9 @@
 //!   (the `B` for a partial window at each end), and a window's grants never pass its budget.
 //!   Tokens of a lease are valid only until the end of its window: unused ones are not carried,
 //!   so a cap can only be missed from below.
+//! - **Ahead of time.** A request in the last fifth of a window is for the next window (its
+//!   lease starts then), so a client that asks a little before its lease runs out always holds
+//!   one.
 //! - **Fair.** A client gets at most its max-min fair share of the window's budget over the
 //!   demands of the clients heard from in the last two windows (a client asking for less than
 //!   its share leaves the rest to the others), and never more than what is left in the window.
@@ -20,7 +23,7 @@
 //! The shortfall (budget not handed out) comes from clients asking after the window's budget
 //! went to others and from demand that changes within a window; the load tool measures it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::{NANOS_PER_S, Nanos, RuleError};
 
@@ -98,11 +101,14 @@ impl LeaseRule {
     }
 }
 
-/// A lease: tokens to spend until the end of its window.
+/// A lease: tokens to spend from its start until the end of its window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Grant {
     /// Tokens granted.
     pub permits: u64,
+    /// When they may be spent from: now, or the next window's start for a request made in the
+    /// last fifth of a window.
+    pub starts_at: Nanos,
     /// When they expire (the end of the window).
     pub expires_at: Nanos,
     /// True when the client was granted nothing because too many clients are remembered.
@@ -121,10 +127,13 @@ struct Client {
 #[derive(Debug, Clone)]
 pub struct LeaseAllocator {
     rule: LeaseRule,
-    window: u64,
-    granted_in_window: u64,
+    /// Tokens granted per window (the current one and the next, at most).
+    granted: BTreeMap<u64, u64>,
     clients: HashMap<ClientId, Client>,
 }
+
+/// A request within the last `window_ns / PREFETCH_DIVISOR` of a window is for the next one.
+pub const PREFETCH_DIVISOR: u64 = 5;
 
 impl LeaseAllocator {
     /// An allocator of `rule`.
@@ -132,8 +141,7 @@ impl LeaseAllocator {
         rule.validate()?;
         Ok(Self {
             rule,
-            window: 0,
-            granted_in_window: 0,
+            granted: BTreeMap::new(),
             clients: HashMap::new(),
         })
     }
@@ -150,9 +158,9 @@ impl LeaseAllocator {
         self.rule
     }
 
-    /// The current window's number and the tokens granted in it so far.
-    pub fn granted(&self) -> (u64, u64) {
-        (self.window, self.granted_in_window)
+    /// Tokens granted so far for window `window` (0 for a window long gone).
+    pub fn granted(&self, window: u64) -> u64 {
+        self.granted.get(&window).copied().unwrap_or(0)
     }
 
     /// The budget of window `window`.
@@ -171,18 +179,25 @@ impl LeaseAllocator {
 
     /// Client `client` asks at `now` for a lease of up to `demand` tokens.
     pub fn request(&mut self, client: ClientId, demand: u64, now: Nanos) -> Grant {
-        let window = now / self.rule.window_ns;
-        let expires_at = (window + 1).saturating_mul(self.rule.window_ns);
-        if window != self.window {
-            self.window = window;
-            self.granted_in_window = 0;
-        }
+        let window_ns = self.rule.window_ns;
+        let current = now / window_ns;
+        // Near a window's end a request is for the next window: the client gets its lease
+        // before the current one runs out, and spends it over the whole window.
+        let window = if window_ns - now % window_ns <= window_ns / PREFETCH_DIVISOR {
+            current + 1
+        } else {
+            current
+        };
+        let starts_at = now.max(window.saturating_mul(window_ns));
+        let expires_at = (window + 1).saturating_mul(window_ns);
+        self.granted.retain(|known, _| *known >= current);
         let recent = window.saturating_sub(1);
         if !self.clients.contains_key(&client) && self.clients.len() >= self.rule.clients_max {
             self.clients.retain(|_, known| known.last_window >= recent);
             if self.clients.len() >= self.rule.clients_max {
                 return Grant {
                     permits: 0,
+                    starts_at,
                     expires_at,
                     refused: true,
                 };
@@ -200,6 +215,7 @@ impl LeaseAllocator {
         entry.last_window = window;
         let already = entry.granted;
         let budget = self.budget(window);
+        let granted = self.granted.get(&window).copied().unwrap_or(0);
         let demands: Vec<u64> = self
             .clients
             .values()
@@ -207,15 +223,14 @@ impl LeaseAllocator {
             .map(|known| known.demand)
             .collect();
         let share = fair_share(budget, &demands, demand);
-        let permits = share
-            .saturating_sub(already)
-            .min(budget - self.granted_in_window);
-        self.granted_in_window += permits;
+        let permits = share.saturating_sub(already).min(budget - granted);
+        self.granted.insert(window, granted + permits);
         if let Some(entry) = self.clients.get_mut(&client) {
             entry.granted += permits;
         }
         Grant {
             permits,
+            starts_at,
             expires_at,
             refused: false,
         }

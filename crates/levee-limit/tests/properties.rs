@@ -86,7 +86,8 @@ proptest! {
             now += step;
             let grant = leases.request(client, demand, now);
             prop_assert!(grant.permits <= demand);
-            *per_window.entry(now / 100_000_000).or_default() += grant.permits;
+            prop_assert!(grant.starts_at >= now && grant.starts_at < grant.expires_at);
+            *per_window.entry(grant.expires_at / 100_000_000 - 1).or_default() += grant.permits;
         }
         for (window, granted) in per_window {
             prop_assert!(granted <= leases.budget(window), "window {window}: {granted}");

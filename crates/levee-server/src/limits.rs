@@ -175,7 +175,8 @@ impl LimitsService {
             grants.push(LeaseGrant {
                 resource: demand.resource.clone(),
                 permits: grant.permits,
-                valid_ms: grant.expires_at.saturating_sub(now).div_ceil(1_000_000),
+                valid_ms: grant.expires_at.saturating_sub(now) / 1_000_000,
+                starts_in_ms: grant.starts_at.saturating_sub(now).div_ceil(1_000_000),
                 unknown_resource: false,
                 refused: grant.refused,
             });
@@ -325,10 +326,8 @@ impl Limits for LimitsService {
         let (granted, budget, clients) = allocators.get(&resource).map_or_else(
             || (0, lease_budget(permits, period_ms, now_window), 0),
             |allocator| {
-                let (window, granted) = allocator.granted();
-                let granted = if window == now_window { granted } else { 0 };
                 (
-                    granted,
+                    allocator.granted(now_window),
                     allocator.budget(now_window),
                     allocator.clients() as u64,
                 )

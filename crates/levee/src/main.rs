@@ -65,6 +65,8 @@ enum BenchCommand {
     /// Cluster failover: kill -9 the leader again and again while writing metadata; failover
     /// time percentiles and acknowledged writes lost (must be 0).
     Failover(bench::failover::FailoverBenchArgs),
+    /// Limits: local decisions per second, and a cluster-wide cap's accuracy with many clients.
+    Limits(bench::limits::LimitsBenchArgs),
     /// Hot keys: ingestion, detection latency, precision and recall, push throughput.
     Hotkey(bench::hotkey::HotKeyBenchArgs),
     /// Queues over the network: producers and subscriptions, append-to-delivery latency.
@@ -93,6 +95,7 @@ fn main() -> ExitCode {
             let result = match command {
                 BenchCommand::Failover(args) => bench::failover::run(&args),
                 BenchCommand::Hotkey(args) => bench::hotkey::run(&args),
+                BenchCommand::Limits(args) => bench::limits::run(&args),
                 BenchCommand::Store(args) => bench::store::run(&args),
                 BenchCommand::Queue(args) => bench::queue::run(&args),
             };

@@ -11,6 +11,7 @@
 
 pub mod failover;
 pub mod hotkey;
+pub mod limits;
 pub mod queue;
 #[cfg(feature = "baseline")]
 pub mod redis_baseline;
