@@ -48,7 +48,7 @@ pub use levee_proto::v1::{
     MemberRole, TopicSummary, WatchMembersResponse as MembersUpdate,
 };
 pub use levee_proto::{Bytes, WireError};
-pub use limiter::{Limiter, LimiterOptions, LimiterStats};
+pub use limiter::{LimitedResource, Limiter, LimiterOptions, LimiterStats};
 pub use mailboxes::{MAILBOXES_PER_REQUEST_MAX, Mailboxes};
 pub use producer::{Producer, ProducerOptions};
 pub use subscription::Subscription;

@@ -178,22 +178,24 @@ impl Limiter {
             inner.refused.fetch_add(permits, Ordering::Relaxed);
             return false;
         };
-        state.wanted.fetch_add(permits, Ordering::Relaxed);
-        let now = inner.now_ns();
-        let current = state.slots.iter().find(|slot| slot.is_current(now));
-        let admitted = if let Some(slot) = current {
-            take(&slot.tokens, permits)
-        } else {
-            inner.fallback_decisions.fetch_add(1, Ordering::Relaxed);
-            take(&state.fallback, permits)
-        };
-        let counter = if admitted {
-            &inner.admitted
-        } else {
-            &inner.refused
-        };
-        counter.fetch_add(permits, Ordering::Relaxed);
-        admitted
+        decide(inner, &state, permits)
+    }
+
+    /// A handle on `resource` for the hot path: its `try_acquire` skips the lookup by name.
+    /// `None` when the limiter already follows [`RESOURCES_MAX`] other resources.
+    pub fn resource(&self, resource: &str) -> Option<LimitedResource> {
+        let known = self
+            .inner
+            .resources
+            .read()
+            .ok()
+            .and_then(|map| map.get(resource).cloned());
+        known
+            .or_else(|| self.follow(resource))
+            .map(|state| LimitedResource {
+                inner: Arc::clone(&self.inner),
+                state,
+            })
     }
 
     /// Starts following `resource` (at most [`RESOURCES_MAX`]).
@@ -223,6 +225,40 @@ impl Limiter {
             leases_received: inner.leases_received.load(Ordering::Relaxed),
             connected: inner.connected.load(Ordering::Relaxed),
         }
+    }
+}
+
+/// Spends `permits` of `state`'s current lease, or of its fallback while it holds none.
+fn decide(inner: &Inner, state: &Resource, permits: u64) -> bool {
+    state.wanted.fetch_add(permits, Ordering::Relaxed);
+    let now = inner.now_ns();
+    let current = state.slots.iter().find(|slot| slot.is_current(now));
+    let admitted = if let Some(slot) = current {
+        take(&slot.tokens, permits)
+    } else {
+        inner.fallback_decisions.fetch_add(1, Ordering::Relaxed);
+        take(&state.fallback, permits)
+    };
+    let counter = if admitted {
+        &inner.admitted
+    } else {
+        &inner.refused
+    };
+    counter.fetch_add(permits, Ordering::Relaxed);
+    admitted
+}
+
+/// A resource's handle: [`LimitedResource::try_acquire`] decides without looking the name up.
+#[derive(Debug, Clone)]
+pub struct LimitedResource {
+    inner: Arc<Inner>,
+    state: Arc<Resource>,
+}
+
+impl LimitedResource {
+    /// Takes `permits` if the lease (or the fallback) has them; as [`Limiter::try_acquire`].
+    pub fn try_acquire(&self, permits: u64) -> bool {
+        decide(&self.inner, &self.state, permits)
     }
 }
 
@@ -271,8 +307,20 @@ impl Inner {
                 slot.expires_ns.store(0, Ordering::Release);
                 continue;
             }
-            slot.starts_ns
-                .store(at(grant.starts_in_ms), Ordering::Release);
+            // The next lease takes over the moment the current one expires (the times are
+            // rounded to milliseconds and shifted by the request's trip, which would otherwise
+            // leave a gap of a millisecond or two each period).
+            let current_end = state
+                .slots
+                .iter()
+                .filter(|other| !std::ptr::eq(*other, slot) && other.is_current(now))
+                .map(|other| other.expires_ns.load(Ordering::Acquire))
+                .min();
+            let starts = at(grant.starts_in_ms);
+            slot.starts_ns.store(
+                current_end.map_or(starts, |end| end.min(starts)),
+                Ordering::Release,
+            );
             slot.expires_ns.store(at(grant.valid_ms), Ordering::Release);
             slot.tokens.store(grant.permits, Ordering::Release);
         }

@@ -190,6 +190,9 @@ async fn bench(args: &LimitsBenchArgs, address: &str) -> anyhow::Result<Value> {
 
 /// Calls `try_acquire` `per_ms` times a millisecond (fractions carried over) until stopped.
 async fn drive(limiter: Limiter, per_ms: f64, admitted: Arc<AtomicU64>, stop: Arc<AtomicBool>) {
+    let Some(resource) = limiter.resource(RESOURCE) else {
+        return;
+    };
     let mut ticker = tokio::time::interval(Duration::from_millis(1));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let mut owed = 0.0_f64;
@@ -199,14 +202,12 @@ async fn drive(limiter: Limiter, per_ms: f64, admitted: Arc<AtomicU64>, stop: Ar
         let calls = owed.floor();
         owed -= calls;
         let calls = calls as u64;
-        let taken = (0..calls)
-            .filter(|_| limiter.try_acquire(RESOURCE, 1))
-            .count() as u64;
+        let taken = (0..calls).filter(|_| resource.try_acquire(1)).count() as u64;
         admitted.fetch_add(taken, Ordering::Relaxed);
     }
 }
 
-/// Decisions per second of one thread calling `try_acquire` on a leased resource.
+/// Decisions per second of one thread calling `try_acquire` on a leased resource's handle.
 async fn local_decisions(address: &str) -> anyhow::Result<f64> {
     let limiter = Limiter::start(LimiterOptions::new(vec![address.to_owned()]))?;
     // Ask once so the next periods lease the resource.
@@ -218,12 +219,15 @@ async fn local_decisions(address: &str) -> anyhow::Result<f64> {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let resource = limiter
+        .resource(LOCAL_RESOURCE)
+        .context("following the resource")?;
     let measured = tokio::task::spawn_blocking(move || {
         let started = Instant::now();
         let mut calls = 0_u64;
         while started.elapsed() < Duration::from_secs(1) {
             for _ in 0..10_000 {
-                std::hint::black_box(limiter.try_acquire(LOCAL_RESOURCE, 1));
+                std::hint::black_box(resource.try_acquire(1));
             }
             calls += 10_000;
         }
