@@ -8,6 +8,7 @@ mod bench;
 mod client_commands;
 mod cluster_commands;
 mod hotkey_commands;
+mod limit_commands;
 mod queue_commands;
 mod server_command;
 mod topic_commands;
@@ -52,6 +53,9 @@ enum Command {
     /// Hot keys: rules, hot keys by hand, top keys, stats.
     #[command(subcommand)]
     Hotkey(hotkey_commands::HotKeyCommand),
+    /// Limits: cluster-wide budgets shared through leases (set a rule, list, describe, delete).
+    #[command(subcommand)]
+    Limit(limit_commands::LimitCommand),
     /// The cluster: status, add a node, remove a node.
     #[command(subcommand)]
     Cluster(cluster_commands::ClusterCommand),
@@ -91,6 +95,7 @@ fn main() -> ExitCode {
         Command::Group(command) => topic_commands::run_group(&command),
         Command::Producer(command) => topic_commands::run_producer(&command),
         Command::Cluster(command) => cluster_commands::run(&command),
+        Command::Limit(command) => limit_commands::run(&command),
         Command::Bench(command) => {
             let result = match command {
                 BenchCommand::Failover(args) => bench::failover::run(&args),

@@ -227,3 +227,46 @@ fn given_limiters_of_uneven_demand_then_together_they_stay_within_the_budget() {
         assert!(unruled.stats().fallback_decisions > 0);
     });
 }
+
+#[test]
+fn given_the_cli_then_rules_are_set_listed_described_and_refused_with_the_field() {
+    let server = LeveeProcess::start(&[]);
+    let address = server.grpc();
+    let cli = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--server", &address, "--json"]);
+        support::run_to_exit(&all, &[])
+    };
+    let (code, _, stderr) = cli(&[
+        "limit",
+        "set-rule",
+        "--resource",
+        "search",
+        "--per-minute",
+        "600",
+    ]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let (code, stdout, stderr) = cli(&["limit", "rules"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let rules: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(
+        rules["rules"][0],
+        serde_json::json!({"resource": "search", "permits": 600, "period_ms": 60_000})
+    );
+    let (code, stdout, _) = cli(&["limit", "describe", "--resource", "search"]);
+    assert_eq!(code, Some(0));
+    assert!(stdout.contains("\"lease_period_ms\":100"), "{stdout}");
+    let (code, _, stderr) = cli(&[
+        "limit",
+        "set-rule",
+        "--resource",
+        "search",
+        "--per-second",
+        "0",
+    ]);
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("permits"), "{stderr}");
+    let (code, stdout, _) = cli(&["limit", "delete-rule", "--resource", "search"]);
+    assert_eq!(code, Some(0));
+    assert!(stdout.contains("\"existed\":true"), "{stdout}");
+}
