@@ -20,6 +20,8 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::metrics::{Metrics, ResourceLabels};
+
 /// Longest resource name, in bytes.
 pub const RESOURCE_BYTES_MAX: usize = 128;
 /// Most demands in one lease request.
@@ -39,6 +41,7 @@ pub struct LimitsService {
     allocators: Arc<Mutex<HashMap<String, LeaseAllocator>>>,
     started: Instant,
     closing: watch::Receiver<bool>,
+    metrics: Metrics,
 }
 
 impl std::fmt::Debug for LimitsService {
@@ -74,9 +77,8 @@ impl LimitsService {
     /// The service over the metadata group's state machine, written with `writer`; lease
     /// streams end when `closing` turns true.
     pub fn server(
-        machine: MetaStateMachine,
-        writer: MetaWriter,
-        manager: Manager,
+        (machine, writer, manager): (MetaStateMachine, MetaWriter, Manager),
+        metrics: Metrics,
         closing: watch::Receiver<bool>,
     ) -> LimitsServer<Self> {
         LimitsServer::new(Self {
@@ -86,6 +88,7 @@ impl LimitsService {
             allocators: Arc::default(),
             started: Instant::now(),
             closing,
+            metrics,
         })
     }
 
@@ -172,6 +175,12 @@ impl LimitsService {
                     .map_err(|error| invalid(error.to_string()))?;
             }
             let grant = allocator.request(request.client_id, demand.demand, now);
+            self.metrics
+                .limits_permits_granted
+                .get_or_create(&ResourceLabels {
+                    resource: demand.resource.clone(),
+                })
+                .inc_by(grant.permits);
             grants.push(LeaseGrant {
                 resource: demand.resource.clone(),
                 permits: grant.permits,
@@ -277,6 +286,11 @@ impl Limits for LimitsService {
         let service = self.clone();
         let mut closing = self.closing.clone();
         tokio::spawn(async move {
+            let sessions = service.metrics.limits_lease_sessions.clone();
+            sessions.inc();
+            let _open = scopeguard(move || {
+                sessions.dec();
+            });
             loop {
                 let next = tokio::select! {
                     next = requests.message() => Some(next),
@@ -345,6 +359,19 @@ impl Limits for LimitsService {
             lease_period_ms: lease_rule(permits, period_ms).window_ns / 1_000_000,
         }))
     }
+}
+
+/// Runs `release` when dropped (however the session task ends).
+fn scopeguard(release: impl FnOnce()) -> impl Drop {
+    struct Guard<F: FnOnce()>(Option<F>);
+    impl<F: FnOnce()> Drop for Guard<F> {
+        fn drop(&mut self) {
+            if let Some(release) = self.0.take() {
+                release();
+            }
+        }
+    }
+    Guard(Some(release))
 }
 
 /// The budget of window `window` of a rule no allocator holds yet.

@@ -47,6 +47,13 @@ impl AppLabels {
     }
 }
 
+/// Labels of a per-resource limits metric.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResourceLabels {
+    /// The limits resource.
+    pub resource: String,
+}
+
 /// Labels of a per-consumer-group metric.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct GroupLabels {
@@ -125,6 +132,10 @@ pub struct Metrics {
     pub hotkey_reports_rejected: Family<ReasonLabels, Counter>,
     /// App servers connected, by app.
     pub hotkey_clients_connected: Family<AppLabels, Gauge>,
+    /// Permits granted in leases, by limits resource (docs/LIMITS.md).
+    pub limits_permits_granted: Family<ResourceLabels, Counter>,
+    /// Lease sessions open on this node.
+    pub limits_lease_sessions: Gauge,
     /// Bytes the hot-key engines use.
     pub hotkey_memory_bytes: Gauge,
     /// The hot-key engines' memory budget.
@@ -278,6 +289,18 @@ impl Metrics {
                 "levee_hotkey_clients_connected",
                 "app servers connected, by app",
                 Family::default(),
+            ),
+            limits_permits_granted: registered(
+                registry_ref,
+                "levee_limits_permits_granted",
+                "permits granted in leases, by limits resource",
+                Family::default(),
+            ),
+            limits_lease_sessions: registered(
+                registry_ref,
+                "levee_limits_lease_sessions",
+                "limits lease sessions open on this node",
+                Gauge::default(),
             ),
             hotkey_memory_bytes: registered(
                 registry_ref,

@@ -231,7 +231,7 @@ impl RunningServer {
             .add_service(health_service)
             .add_service(AdminServer::new(AdminService::new(Arc::clone(&state))))
             .add_service(cluster_service)
-            .add_service(raft.limits_service(stop_sessions.subscribe()))
+            .add_service(raft.limits_service(&state.metrics, stop_sessions.subscribe()))
             .add_service(
                 HotKeysServer::new(hotkey_service)
                     .max_decoding_message_size(config.hotkey_report_message_bytes_max()),
@@ -489,12 +489,16 @@ impl MetadataGroup {
     /// The Limits service over this group; its lease streams end when `closing` turns true.
     fn limits_service(
         &self,
+        metrics: &Metrics,
         closing: watch::Receiver<bool>,
     ) -> levee_proto::v1::limits_server::LimitsServer<crate::limits::LimitsService> {
         crate::limits::LimitsService::server(
-            self.machine.clone(),
-            self.writer.clone(),
-            self.manager.clone(),
+            (
+                self.machine.clone(),
+                self.writer.clone(),
+                self.manager.clone(),
+            ),
+            metrics.clone(),
             closing,
         )
     }

@@ -150,6 +150,18 @@ fn given_two_clients_of_uneven_demand_then_leases_share_each_periods_budget_and_
             .unwrap()
             .into_inner();
         assert_eq!(described.clients, 2);
+        // The metrics count every permit granted and the sessions open.
+        assert_eq!(
+            support::metric_value(
+                &server,
+                "levee_limits_permits_granted_total{resource=\"checkout\"}"
+            ),
+            greedy_total + modest_total
+        );
+        assert_eq!(
+            support::metric_value(&server, "levee_limits_lease_sessions"),
+            2
+        );
         assert!(described.granted <= described.budget);
         assert_eq!(described.lease_period_ms, 100);
 
