@@ -1,7 +1,10 @@
 //! The `levee.v1.Limits` gRPC service (proto/levee/v1/limits.proto, docs/LIMITS.md): rules are
 //! the cluster's metadata (written through the metadata group, read from its state machine);
 //! leases are granted by the metadata group's leader from one [`LeaseAllocator`] per resource,
-//! so the whole cluster shares one budget.
+//! so the whole cluster shares one budget. [`router`] serves the rules as JSON on the admin
+//! port: `GET /v1/limits` (every rule), `GET`/`PUT`/`DELETE /v1/limits/{resource}` (describe;
+//! set with `{"permits": N, "period_ms": M}`, or `{"per_second": N}` / `{"per_minute": N}`;
+//! remove).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -76,12 +79,12 @@ fn lease_rule(permits: u64, period_ms: u64) -> LeaseRule {
 impl LimitsService {
     /// The service over the metadata group's state machine, written with `writer`; lease
     /// streams end when `closing` turns true.
-    pub fn server(
+    pub fn new(
         (machine, writer, manager): (MetaStateMachine, MetaWriter, Manager),
         metrics: Metrics,
         closing: watch::Receiver<bool>,
-    ) -> LimitsServer<Self> {
-        LimitsServer::new(Self {
+    ) -> Self {
+        Self {
             machine,
             writer,
             manager,
@@ -89,7 +92,12 @@ impl LimitsService {
             started: Instant::now(),
             closing,
             metrics,
-        })
+        }
+    }
+
+    /// The gRPC server of this service.
+    pub fn grpc(self) -> LimitsServer<Self> {
+        LimitsServer::new(self)
     }
 
     fn now_ns(&self) -> u64 {
@@ -378,4 +386,121 @@ fn scopeguard(release: impl FnOnce()) -> impl Drop {
 fn lease_budget(permits: u64, period_ms: u64, window: u64) -> u64 {
     LeaseAllocator::new(lease_rule(permits, period_ms))
         .map_or(0, |allocator| allocator.budget(window))
+}
+
+/// The body of `PUT /v1/limits/{resource}`: a budget as permits per period, or per second or
+/// minute.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleBody {
+    permits: Option<u64>,
+    period_ms: Option<u64>,
+    per_second: Option<u64>,
+    per_minute: Option<u64>,
+}
+
+/// The `/v1/limits` routes over `service`.
+pub fn router(service: LimitsService) -> axum::Router {
+    use axum::routing::get;
+    axum::Router::new()
+        .route("/v1/limits", get(http_rules))
+        .route(
+            "/v1/limits/{resource}",
+            get(http_describe).put(http_set).delete(http_delete),
+        )
+        .with_state(service)
+}
+
+type HttpResult = Result<axum::Json<serde_json::Value>, crate::api_error::ApiError>;
+
+fn api(status: &Status) -> crate::api_error::ApiError {
+    crate::api_error::ApiError(WireError::from_status(status))
+}
+
+fn rule_json(rule: &LimitRule) -> serde_json::Value {
+    serde_json::json!({"resource": rule.resource, "permits": rule.permits, "period_ms": rule.period_ms})
+}
+
+async fn http_rules(
+    axum::extract::State(service): axum::extract::State<LimitsService>,
+) -> HttpResult {
+    let rules = service
+        .list_rules(Request::new(ListLimitRulesRequest {}))
+        .await
+        .map_err(|status| api(&status))?
+        .into_inner()
+        .rules;
+    Ok(axum::Json(
+        serde_json::json!({"rules": rules.iter().map(rule_json).collect::<Vec<_>>()}),
+    ))
+}
+
+async fn http_describe(
+    axum::extract::State(service): axum::extract::State<LimitsService>,
+    axum::extract::Path(resource): axum::extract::Path<String>,
+) -> HttpResult {
+    let described = service
+        .describe_resource(Request::new(DescribeResourceRequest { resource }))
+        .await
+        .map_err(|status| api(&status))?
+        .into_inner();
+    Ok(axum::Json(serde_json::json!({
+        "rule": described.rule.as_ref().map(rule_json),
+        "granted": described.granted,
+        "budget": described.budget,
+        "clients": described.clients,
+        "lease_period_ms": described.lease_period_ms,
+    })))
+}
+
+async fn http_set(
+    axum::extract::State(service): axum::extract::State<LimitsService>,
+    axum::extract::Path(resource): axum::extract::Path<String>,
+    axum::Json(body): axum::Json<RuleBody>,
+) -> HttpResult {
+    let (permits, period_ms) = match (
+        body.permits,
+        body.period_ms,
+        body.per_second,
+        body.per_minute,
+    ) {
+        (Some(permits), Some(period_ms), None, None) => (permits, period_ms),
+        (None, None, Some(per_second), None) => (per_second, 1_000),
+        (None, None, None, Some(per_minute)) => (per_minute, 60_000),
+        _ => {
+            return Err(crate::api_error::ApiError(WireError::new(
+                ErrorCode::InvalidArgument,
+                "give {\"permits\", \"period_ms\"}, or {\"per_second\"}, or {\"per_minute\"}",
+            )));
+        }
+    };
+    let rule = LimitRule {
+        resource,
+        permits,
+        period_ms,
+    };
+    service
+        .set_rule(Request::new(SetLimitRuleRequest {
+            rule: Some(rule.clone()),
+        }))
+        .await
+        .map_err(|status| api(&status))?;
+    Ok(axum::Json(rule_json(&rule)))
+}
+
+async fn http_delete(
+    axum::extract::State(service): axum::extract::State<LimitsService>,
+    axum::extract::Path(resource): axum::extract::Path<String>,
+) -> HttpResult {
+    let existed = service
+        .delete_rule(Request::new(DeleteLimitRuleRequest {
+            resource: resource.clone(),
+        }))
+        .await
+        .map_err(|status| api(&status))?
+        .into_inner()
+        .existed;
+    Ok(axum::Json(
+        serde_json::json!({"resource": resource, "existed": existed}),
+    ))
 }

@@ -221,6 +221,7 @@ impl RunningServer {
             stop_sessions.subscribe(),
         );
 
+        let limits = raft.limits_service(&state.metrics, stop_sessions.subscribe());
         let incoming =
             accept_connections(grpc_listener, config.connections_max, state.metrics.clone());
         let grpc_server = tonic::transport::Server::builder()
@@ -231,7 +232,7 @@ impl RunningServer {
             .add_service(health_service)
             .add_service(AdminServer::new(AdminService::new(Arc::clone(&state))))
             .add_service(cluster_service)
-            .add_service(raft.limits_service(&state.metrics, stop_sessions.subscribe()))
+            .add_service(limits.clone().grpc())
             .add_service(
                 HotKeysServer::new(hotkey_service)
                     .max_decoding_message_size(config.hotkey_report_message_bytes_max()),
@@ -241,7 +242,8 @@ impl RunningServer {
             .serve_with_incoming_shutdown(incoming, stopped(stop_grpc.subscribe()));
         let grpc_task = tokio::spawn(grpc_server);
 
-        let admin_router = admin_router(&state, &raft.raft, hotkey_admin, consume_context);
+        let admin_router =
+            admin_router(&state, &raft.raft, (hotkey_admin, limits), consume_context);
         let admin_server = axum::serve(admin_listener, admin_router)
             .with_graceful_shutdown(stopped(stop_admin.subscribe()));
         let admin_task = tokio::spawn(async move { admin_server.await });
@@ -491,8 +493,8 @@ impl MetadataGroup {
         &self,
         metrics: &Metrics,
         closing: watch::Receiver<bool>,
-    ) -> levee_proto::v1::limits_server::LimitsServer<crate::limits::LimitsService> {
-        crate::limits::LimitsService::server(
+    ) -> crate::limits::LimitsService {
+        crate::limits::LimitsService::new(
             (
                 self.machine.clone(),
                 self.writer.clone(),
@@ -544,12 +546,13 @@ async fn bind_peer(
 fn admin_router(
     state: &Arc<ServerState>,
     raft: &Raft,
-    hotkey_admin: HotKeyAdmin,
+    (hotkey_admin, limits): (HotKeyAdmin, crate::limits::LimitsService),
     consume_context: Arc<ConsumeContext>,
 ) -> axum::Router {
     admin_http::router(Arc::clone(state))
         .merge(crate::cluster_http::router(raft.clone()))
         .merge(hotkey::http::router(hotkey_admin))
+        .merge(crate::limits::router(limits))
         .merge(crate::queue::http::router(consume_context))
         .fallback(crate::api_error::not_found)
         .layer(axum::middleware::from_fn(crate::api_error::json_errors))

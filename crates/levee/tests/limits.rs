@@ -282,3 +282,34 @@ fn given_the_cli_then_rules_are_set_listed_described_and_refused_with_the_field(
     assert_eq!(code, Some(0));
     assert!(stdout.contains("\"existed\":true"), "{stdout}");
 }
+
+#[test]
+fn given_the_admin_json_then_rules_are_set_listed_described_and_bad_bodies_say_why() {
+    let server = LeveeProcess::start(&[]);
+    let (status, body) = support::http_request(
+        server.admin_addr,
+        "PUT",
+        "/v1/limits/search",
+        r#"{"per_minute": 600}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = support::http_get(server.admin_addr, "/v1/limits");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains(r#""period_ms":60000"#), "{body}");
+    let (status, body) = support::http_get(server.admin_addr, "/v1/limits/search");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains(r#""lease_period_ms":100"#), "{body}");
+    let (status, body) = support::http_request(
+        server.admin_addr,
+        "PUT",
+        "/v1/limits/search",
+        r#"{"per_second": 5, "per_minute": 5}"#,
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("per_second"), "{body}");
+    let (status, body) =
+        support::http_request(server.admin_addr, "DELETE", "/v1/limits/search", "");
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = support::http_get(server.admin_addr, "/v1/limits/search");
+    assert_eq!(status, 404, "{body}");
+}
