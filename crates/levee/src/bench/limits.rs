@@ -7,6 +7,8 @@
 //!   largest share) against a rule of `--per-minute` permits; every `--window-s` the tool
 //!   counts the permits admitted by all clients and compares with the window's budget. A cap is
 //!   met when no window passes its budget and the shortfall is small.
+//! - **Rule change**: then the cap is halved while the clients run, and the tool measures how
+//!   long until the permits admitted over 100 ms follow the new cap.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -76,13 +78,14 @@ pub fn run(args: &LimitsBenchArgs) -> anyhow::Result<()> {
     let worst = &report["windows_worst"];
     eprintln!(
         "levee: {} local decisions/s on one thread; {} windows of {} s: admitted {} to {} of the \
-         budget, over it by at most {} permits",
+         budget, over it by at most {} permits; a halved cap in force within {} ms",
         report["local_decisions_per_s"],
         report["windows"].as_array().map_or(0, Vec::len),
         args.window_s,
         worst["lowest_ratio"],
         worst["highest_ratio"],
         worst["most_over"],
+        report["rule_change_ms"],
     );
     if args.json {
         println!("{report}");
@@ -146,6 +149,7 @@ async fn bench(args: &LimitsBenchArgs, address: &str) -> anyhow::Result<Value> {
             "ratio": in_window as f64 / budget as f64,
         }));
     }
+    let rule_change_ms = rule_change(address, args.per_minute, &admitted).await?;
     stop.store(true, Ordering::Relaxed);
     for driver in drivers {
         driver.await?;
@@ -180,12 +184,40 @@ async fn bench(args: &LimitsBenchArgs, address: &str) -> anyhow::Result<Value> {
         "offered_per_s": (args.per_minute as f64 / 60.0 * args.offered).round(),
         "attempted_per_s": (attempts as f64 / run_s).round(),
         "windows": windows,
+        "rule_change_ms": rule_change_ms,
         "windows_worst": {
             "lowest_ratio": ratios.iter().copied().fold(f64::INFINITY, f64::min),
             "highest_ratio": ratios.iter().copied().fold(0.0, f64::max),
             "most_over": most_over,
         },
     }))
+}
+
+/// Halves the cap while the clients run and measures how long until their admissions follow:
+/// the milliseconds from the rule's acknowledgement until the permits admitted over the last
+/// 100 ms are within 10% of the new cap's 100 ms (a sliding count sampled every 10 ms).
+async fn rule_change(address: &str, per_minute: u64, admitted: &AtomicU64) -> anyhow::Result<f64> {
+    let halved = (per_minute / 2).max(1);
+    let per_100ms = halved as f64 / 600.0;
+    set_rule(address, RESOURCE, halved).await?;
+    let changed = Instant::now();
+    let mut samples = std::collections::VecDeque::from([admitted.load(Ordering::Relaxed)]);
+    while changed.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        samples.push_back(admitted.load(Ordering::Relaxed));
+        if samples.len() > 11 {
+            samples.pop_front();
+        }
+        let (Some(first), Some(last)) = (samples.front(), samples.back()) else {
+            continue;
+        };
+        if samples.len() == 11 && ((last - first) as f64) <= per_100ms * 1.1 {
+            // The sliding 100 ms ended at the sample: the change was in force 100 ms before.
+            let elapsed = changed.elapsed().saturating_sub(Duration::from_millis(100));
+            return Ok((elapsed.as_secs_f64() * 1_000.0).round());
+        }
+    }
+    bail!("the clients did not follow a halved cap within 5 s")
 }
 
 /// Calls `try_acquire` `per_ms` times a millisecond (fractions carried over) until stopped.
