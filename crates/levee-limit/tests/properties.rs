@@ -36,7 +36,8 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
     /// Over any interval [a, b] of the times calls may go (now, or now plus their wait), the
-    /// permits admitted are at most burst + (b - a) x rate.
+    /// permits admitted are at most burst + (b - a) x rate, to the nanosecond (waits are whole
+    /// nanoseconds, rounded up).
     #[test]
     fn given_any_calls_then_a_rate_limiter_never_admits_beyond_burst_plus_rate(
         rule in rate_rule(),
@@ -62,7 +63,9 @@ proptest! {
             let mut total = 0_u128;
             for last in first..admitted.len() {
                 total += u128::from(admitted[last].1);
-                let span = u128::from(admitted[last].0 - admitted[first].0);
+                // Waits are whole nanoseconds, rounded up: a waited call's time is up to 1 ns
+                // later than the exact one, so a span may be up to 1 ns shorter than exact.
+                let span = u128::from(admitted[last].0 - admitted[first].0) + 1;
                 let bound = u128::from(rule.burst) * u128::from(rule.period_ns)
                     + span * u128::from(rule.permits);
                 prop_assert!(
