@@ -533,14 +533,26 @@ impl<V> Inner<V> {
         if drained.is_empty() {
             return;
         }
-        let senders: Vec<Option<mpsc::Sender<HotKeyClientMessage>>> = read(&self.links)
-            .iter()
-            .map(|link| lock(&link.sender).clone())
-            .collect();
+        // The servers as they stand, taken once for the whole round: a key's route is then a
+        // rendezvous over plain seeds, with no lock per key.
+        let (seeds, senders): (Vec<u64>, Vec<Option<mpsc::Sender<HotKeyClientMessage>>>) =
+            read(&self.links)
+                .iter()
+                .map(|link| {
+                    let sender = link
+                        .is_active()
+                        .then(|| lock(&link.sender).clone())
+                        .flatten();
+                    (link.seed, sender)
+                })
+                .unzip();
         let mut per_server: Vec<Vec<KeyReport>> = vec![Vec::new(); senders.len()];
         let mut unsent = 0_u64;
         for (key, count) in drained {
-            match self.route(self.key_hash(&key), |index| senders[index].is_some()) {
+            let route = rendezvous(self.key_hash(&key), seeds.iter().copied(), |index| {
+                senders[index].is_some()
+            });
+            match route {
                 Some(server) => per_server[server].push(KeyReport {
                     key: key.into(),
                     count,

@@ -14,6 +14,7 @@
 //! - [`hotkey`]: hot keys over the network: sharded engines, app-server sessions that push hot
 //!   and cool events, the admin calls on gRPC and JSON, and the rules file.
 //! - [`queue`]: the `levee.v1.Queues` gRPC service on the embedded queue store.
+//! - [`metadata`]: the metadata group's writes and linearizable reads as wire errors.
 //! - [`limits`]: the `levee.v1.Limits` gRPC service: rules as metadata, leases from the leader.
 //! - [`logging`]: tracing in text or JSON.
 //!
@@ -39,6 +40,7 @@ mod grpc_status;
 mod hotkey;
 mod limits;
 pub mod logging;
+mod metadata;
 mod metrics;
 mod queue;
 pub mod server;

@@ -223,20 +223,12 @@ impl Limits for LimitsService {
         lease_rule(rule.permits, rule.period_ms)
             .validate()
             .map_err(|error| invalid(error.to_string()))?;
-        let response = self
-            .writer
-            .write(MetaCommand::SetLimitRule {
-                resource: rule.resource,
-                permits: rule.permits,
-                period_ms: rule.period_ms,
-            })
-            .await
-            .map_err(|error| {
-                Status::from(WireError::new(ErrorCode::Unavailable, error.to_string()))
-            })?;
-        if let Some(message) = response.refused_at_bound {
-            return Err(WireError::new(ErrorCode::ResourceExhausted, message).into());
-        }
+        let command = MetaCommand::SetLimitRule {
+            resource: rule.resource,
+            permits: rule.permits,
+            period_ms: rule.period_ms,
+        };
+        crate::metadata::write(&self.writer, command).await?;
         Ok(Response::new(SetLimitRuleResponse {}))
     }
 
@@ -244,12 +236,7 @@ impl Limits for LimitsService {
         &self,
         _request: Request<ListLimitRulesRequest>,
     ) -> Result<Response<ListLimitRulesResponse>, Status> {
-        self.manager.linearize().await.map_err(|refusal| {
-            Status::from(WireError::new(
-                ErrorCode::Unavailable,
-                format!("a linearizable read failed: {refusal}"),
-            ))
-        })?;
+        crate::metadata::linearize(&self.manager).await?;
         let rules = self.machine.with_limits(|limits| {
             limits
                 .rules
@@ -270,13 +257,8 @@ impl Limits for LimitsService {
     ) -> Result<Response<DeleteLimitRuleResponse>, Status> {
         let resource = request.into_inner().resource;
         check_resource(&resource)?;
-        let response = self
-            .writer
-            .write(MetaCommand::DeleteLimitRule { resource })
-            .await
-            .map_err(|error| {
-                Status::from(WireError::new(ErrorCode::Unavailable, error.to_string()))
-            })?;
+        let response =
+            crate::metadata::write(&self.writer, MetaCommand::DeleteLimitRule { resource }).await?;
         Ok(Response::new(DeleteLimitRuleResponse {
             existed: response.changed,
         }))

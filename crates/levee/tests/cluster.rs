@@ -38,6 +38,34 @@ fn three_nodes(directory: &std::path::Path) -> Vec<LeveeProcess> {
     nodes
 }
 
+/// Runs `levee server` as node `node_id` on `data_dir` (ports picked freely, peers reach it at
+/// `peer_addr`), joining through `join`, until it exits: its exit code and standard error.
+fn server_to_exit(
+    node_id: &str,
+    data_dir: &std::path::Path,
+    peer_addr: &str,
+    join: Option<&str>,
+) -> (Option<i32>, String) {
+    let mut args = vec![
+        "server",
+        "--node-id",
+        node_id,
+        "--data-dir",
+        data_dir.to_str().unwrap(),
+        "--grpc-addr",
+        "127.0.0.1:0",
+        "--admin-addr",
+        "127.0.0.1:0",
+        "--peer-addr",
+        peer_addr,
+    ];
+    if let Some(join) = join {
+        args.extend(["--join", join]);
+    }
+    let (code, _, stderr) = run_to_exit(&args, &[]);
+    (code, stderr)
+}
+
 /// The topics a node knows, by name.
 fn topics(runtime: &tokio::runtime::Runtime, node: &LeveeProcess) -> Vec<String> {
     runtime.block_on(async {
@@ -185,24 +213,7 @@ fn given_a_node_id_in_use_when_another_node_joins_with_it_then_it_is_refused_wit
     let nodes = three_nodes(directory.path());
     let seed = nodes[0].peer_addr.unwrap().to_string();
     let data_dir = directory.path().join("taken");
-    let (code, _, stderr) = run_to_exit(
-        &[
-            "server",
-            "--node-id",
-            "2",
-            "--data-dir",
-            data_dir.to_str().unwrap(),
-            "--grpc-addr",
-            "127.0.0.1:0",
-            "--admin-addr",
-            "127.0.0.1:0",
-            "--peer-addr",
-            "127.0.0.1:0",
-            "--join",
-            &seed,
-        ],
-        &[],
-    );
+    let (code, stderr) = server_to_exit("2", &data_dir, "127.0.0.1:0", Some(&seed));
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("node id 2 is taken"), "{stderr}");
     assert!(stderr.contains("--node-id"), "{stderr}");
@@ -480,22 +491,7 @@ fn given_three_nodes_when_a_node_is_removed_then_it_stops_and_can_be_added_back(
 
     // Started again on its data dir it refuses to serve, unless added back with --join.
     let victim_dir = directory.path().join(format!("n{victim_id}"));
-    let (code, _, stderr) = run_to_exit(
-        &[
-            "server",
-            "--node-id",
-            &victim_id.to_string(),
-            "--data-dir",
-            victim_dir.to_str().unwrap(),
-            "--grpc-addr",
-            "127.0.0.1:0",
-            "--admin-addr",
-            "127.0.0.1:0",
-            "--peer-addr",
-            &victim_peer,
-        ],
-        &[],
-    );
+    let (code, stderr) = server_to_exit(&victim_id.to_string(), &victim_dir, &victim_peer, None);
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("was removed from cluster"), "{stderr}");
     assert!(stderr.contains("--join"), "{stderr}");
@@ -590,23 +586,11 @@ fn given_a_node_of_another_cluster_when_it_joins_then_it_is_refused_with_the_fix
         &directory.path().join("member"),
         &["--node-id", "1", "--peer-addr", "127.0.0.1:0"],
     );
-    let (code, _, stderr) = run_to_exit(
-        &[
-            "server",
-            "--node-id",
-            "5",
-            "--data-dir",
-            other_dir.to_str().unwrap(),
-            "--grpc-addr",
-            "127.0.0.1:0",
-            "--admin-addr",
-            "127.0.0.1:0",
-            "--peer-addr",
-            "127.0.0.1:0",
-            "--join",
-            &member.peer_addr.unwrap().to_string(),
-        ],
-        &[],
+    let (code, stderr) = server_to_exit(
+        "5",
+        &other_dir,
+        "127.0.0.1:0",
+        Some(&member.peer_addr.unwrap().to_string()),
     );
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("belongs to cluster"), "{stderr}");

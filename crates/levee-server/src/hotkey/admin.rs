@@ -8,7 +8,6 @@ use std::sync::Arc;
 use levee_cluster::{Manager, MetaCommand, MetaResponse, MetaWriter};
 use levee_hotkey::Rule;
 use levee_proto::WireError;
-use levee_proto::v1::ErrorCode;
 
 use super::convert::rule_to_record;
 use super::hub::HotKeyHub;
@@ -37,24 +36,11 @@ impl HotKeyAdmin {
     }
 
     async fn write(&self, command: MetaCommand) -> Result<MetaResponse, WireError> {
-        let response = self
-            .writer
-            .write(command)
-            .await
-            .map_err(|error| WireError::new(ErrorCode::Unavailable, error.to_string()))?;
-        match response.refused_at_bound {
-            Some(message) => Err(WireError::new(ErrorCode::ResourceExhausted, message)),
-            None => Ok(response),
-        }
+        crate::metadata::write(&self.writer, command).await
     }
 
     async fn linearize(&self) -> Result<(), WireError> {
-        self.manager.linearize().await.map_err(|refusal| {
-            WireError::new(
-                ErrorCode::Unavailable,
-                format!("a linearizable read failed: {refusal}"),
-            )
-        })
+        crate::metadata::linearize(&self.manager).await
     }
 
     /// Replaces an app's rules on every node.

@@ -64,15 +64,7 @@ pub fn run(args: &LimitsBenchArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let mut started_server = None;
-    let address = if let Some(address) = &args.server {
-        address.clone()
-    } else {
-        let server = ServerProcess::start(&[])?;
-        let address = server.grpc_addr.clone();
-        started_server = Some(server);
-        address
-    };
+    let (address, started_server) = ServerProcess::given_or_started(args.server.as_ref(), &[])?;
     let report = runtime.block_on(bench(args, &address))?;
     drop(started_server);
     let worst = &report["windows_worst"];

@@ -143,15 +143,8 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
         .worker_threads(client_threads(args))
         .enable_all()
         .build()?;
-    let mut started_server = None;
-    let address = if let Some(address) = &args.server {
-        address.clone()
-    } else {
-        let server = ServerProcess::start(&["--queue-sync", &sync])?;
-        let address = server.grpc_addr.clone();
-        started_server = Some(server);
-        address
-    };
+    let (address, started_server) =
+        ServerProcess::given_or_started(args.server.as_ref(), &["--queue-sync", &sync])?;
     let mut report = runtime.block_on(bench(args, &address))?;
     if let Some(server) = &started_server {
         report["server_peak_rss_bytes"] = json!(server.peak_rss_bytes());

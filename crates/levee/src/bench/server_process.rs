@@ -100,6 +100,19 @@ impl ServerProcess {
         }
     }
 
+    /// The server at `given`, or a server started with `flags` (kept alive by the returned
+    /// handle): its gRPC address either way.
+    pub fn given_or_started(
+        given: Option<&String>,
+        flags: &[&str],
+    ) -> anyhow::Result<(String, Option<Self>)> {
+        if let Some(address) = given {
+            return Ok((address.clone(), None));
+        }
+        let server = Self::start(flags)?;
+        Ok((server.grpc_addr.clone(), Some(server)))
+    }
+
     /// Kills the server with SIGKILL (no shutdown, as a crash) and reaps it.
     pub fn kill(mut self) {
         let _ = self.child.kill();

@@ -84,11 +84,7 @@ impl Topics {
         enforce: impl FnOnce(),
     ) -> Result<bool, WireError> {
         let _writing = self.writing.lock().await;
-        let response = self
-            .writer
-            .write(MetaCommand::Catalog(command))
-            .await
-            .map_err(|error| WireError::new(ErrorCode::Unavailable, error.to_string()))?;
+        let response = crate::metadata::write(&self.writer, MetaCommand::Catalog(command)).await?;
         if let Some(error) = response.refused {
             return Err(catalog_error(&error));
         }
@@ -108,16 +104,10 @@ impl Topics {
         self.change(command, || {}).await.map(|created| !created)
     }
 
-    /// Waits until this node has applied every metadata write committed before the call, so
-    /// that what it reads next is linearizable (docs/CLUSTER.md, reads); `UNAVAILABLE` when no
-    /// leader confirms within 2 s (no quorum).
+    /// Waits until this node has applied every metadata write committed before the call
+    /// ([`crate::metadata::linearize`]).
     pub async fn linearize(&self) -> Result<(), WireError> {
-        self.manager.linearize().await.map_err(|refusal| {
-            WireError::new(
-                ErrorCode::Unavailable,
-                format!("a linearizable read failed: {refusal}"),
-            )
-        })
+        crate::metadata::linearize(&self.manager).await
     }
 
     /// The topic, read linearizably when this node does not know it yet (created through
