@@ -19,6 +19,10 @@
 //! - [`producer`]: idempotent producers: each one's recent runs, and the judgement of a
 //!   request's sequences against them (new, a resend, or refused).
 //! - [`rate`]: the token bucket that paces a group's deliveries and a producer's appends.
+//! - [`retry`]: a group's retry policy, the decision for each failed message (retry after a
+//!   delay, or dead-letter) and the record a retried or dead message travels in.
+//! - [`delay`]: where messages that must wait (retries, delayed publishes) wait: slots of
+//!   due times, each a store queue, and the wheel that says which are due.
 //!
 //! Dependencies: `levee-store` for its bounds and retention type only; never tonic, prost
 //! types or tokio.
@@ -26,8 +30,10 @@
 #![deny(missing_docs)]
 
 pub mod catalog;
+pub mod delay;
 pub mod group;
 pub mod names;
 pub mod position;
 pub mod producer;
 pub mod rate;
+pub mod retry;

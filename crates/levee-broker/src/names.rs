@@ -25,6 +25,16 @@ pub const POSITION_PREFIX: &[u8] = b"\0position\0";
 pub const POSITION_LOG_PREFIX: &[u8] = b"\0poslog\0";
 /// Prefix of every idempotent producer's queue of runs: `\0producer\0{producer id}`.
 pub const PRODUCER_PREFIX: &[u8] = b"\0producer\0";
+/// Prefix of every group's queue of retries ready for delivery, one per partition:
+/// `\0r\0{group}\0{topic}\0{partition}` (short, so that it fits with the longest names).
+pub const RETRY_PREFIX: &[u8] = b"\0r\0";
+/// Prefix of every group's dead-letter queue: `\0dlq\0{group}\0{topic}`.
+pub const DEAD_LETTER_PREFIX: &[u8] = b"\0dlq\0";
+/// Prefix of every group's queue of redriven dead letters' offsets: `\0dlx\0{group}\0{topic}`.
+pub const REDRIVEN_PREFIX: &[u8] = b"\0dlx\0";
+/// Prefix of every delay slot's queue: `\0delay\0` then `f` (a fine slot) or `c` (a coarse
+/// one) and the slot number in 16 hex digits (see [`crate::delay`]).
+pub const DELAY_PREFIX: &[u8] = b"\0delay\0";
 /// The reserved queues whose only newest records matter (positions, commits, producers'
 /// runs): retention trims them to a small size instead of applying users' rules.
 pub const LOG_QUEUE_PREFIXES: [&[u8]; 3] = [POSITION_PREFIX, COMMIT_PREFIX, PRODUCER_PREFIX];
@@ -66,6 +76,12 @@ const _: () = assert!(
 const _: () = assert!(
     PRODUCER_PREFIX.len() + PRODUCER_ID_BYTES_MAX <= QUEUE_NAME_BYTES_MAX,
     "every producer queue's name fits the store's bound"
+);
+const _: () = assert!(
+    RETRY_PREFIX.len() + 1 + 1 + PARTITION_DIGITS_MAX <= COMMIT_PREFIX.len() + 1
+        && DEAD_LETTER_PREFIX.len() <= COMMIT_PREFIX.len()
+        && REDRIVEN_PREFIX.len() <= COMMIT_PREFIX.len(),
+    "a group's retry and dead-letter queues fit wherever its commit queue fits"
 );
 const _: () = assert!(
     GROUP_BYTES_MAX <= GROUP_AND_TOPIC_BYTES_MAX && TOPIC_BYTES_MAX <= GROUP_AND_TOPIC_BYTES_MAX,
@@ -262,11 +278,35 @@ pub fn partition_queue(topic: &str, partition: u32) -> Vec<u8> {
 
 /// The commit queue of `group` on `topic` (checked by [`check_group_on_topic`] to fit).
 pub fn commit_queue(group: &str, topic: &str) -> Vec<u8> {
-    let mut name = COMMIT_PREFIX.to_vec();
+    group_topic_queue(COMMIT_PREFIX, group, topic)
+}
+
+/// `prefix`, the group, a zero byte, the topic.
+fn group_topic_queue(prefix: &[u8], group: &str, topic: &str) -> Vec<u8> {
+    let mut name = prefix.to_vec();
     name.extend_from_slice(group.as_bytes());
     name.push(0);
     name.extend_from_slice(topic.as_bytes());
     name
+}
+
+/// The queue of `group`'s retries of `topic`'s partition `partition` that are due (checked by
+/// [`check_group_on_topic`] to fit).
+pub fn retry_queue(group: &str, topic: &str, partition: u32) -> Vec<u8> {
+    let mut name = group_topic_queue(RETRY_PREFIX, group, topic);
+    name.push(0);
+    name.extend_from_slice(partition.to_string().as_bytes());
+    name
+}
+
+/// The dead-letter queue of `group` on `topic`.
+pub fn dead_letter_queue(group: &str, topic: &str) -> Vec<u8> {
+    group_topic_queue(DEAD_LETTER_PREFIX, group, topic)
+}
+
+/// The queue of the offsets of `group`'s redriven dead letters of `topic`.
+pub fn redriven_queue(group: &str, topic: &str) -> Vec<u8> {
+    group_topic_queue(REDRIVEN_PREFIX, group, topic)
 }
 
 /// The queue of an idempotent producer's runs.
@@ -288,6 +328,9 @@ mod tests {
         let topic = "t".repeat(GROUP_AND_TOPIC_BYTES_MAX - GROUP_BYTES_MAX);
         check_group_on_topic(&group, &topic).unwrap();
         assert_eq!(commit_queue(&group, &topic).len(), QUEUE_NAME_BYTES_MAX);
+        assert!(retry_queue(&group, &topic, PARTITIONS_MAX - 1).len() <= QUEUE_NAME_BYTES_MAX);
+        assert!(dead_letter_queue(&group, &topic).len() <= QUEUE_NAME_BYTES_MAX);
+        assert!(redriven_queue(&group, &topic).len() <= QUEUE_NAME_BYTES_MAX);
         assert!(producer_queue(&"p".repeat(PRODUCER_ID_BYTES_MAX)).len() <= QUEUE_NAME_BYTES_MAX);
     }
 

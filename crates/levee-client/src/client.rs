@@ -123,7 +123,7 @@ impl Client {
         self.channel.clone()
     }
 
-    fn producer_name(&self) -> String {
+    pub(crate) fn producer_name(&self) -> String {
         self.producer_name.as_deref().unwrap_or_default().to_owned()
     }
 
@@ -503,7 +503,7 @@ impl Client {
         crate::Mailboxes::open(self.queues_client(), consumer, credit_messages).await
     }
 
-    fn topics_client(&self) -> TopicsClient<Channel> {
+    pub(crate) fn topics_client(&self) -> TopicsClient<Channel> {
         TopicsClient::new(self.channel.clone())
             .max_decoding_message_size(QUEUE_MESSAGE_BYTES_MAX)
             .max_encoding_message_size(QUEUE_MESSAGE_BYTES_MAX)
@@ -559,8 +559,7 @@ impl Client {
                 .map(|(key, payload)| PublishMessage {
                     key: levee_proto::Bytes::copy_from_slice(key),
                     payload: levee_proto::Bytes::copy_from_slice(payload),
-                    partition_plus_one: 0,
-                    sequence: 0,
+                    ..PublishMessage::default()
                 })
                 .collect(),
             producer_id: String::new(),

@@ -6,6 +6,12 @@
 //! back as handlers finish, so the server never sends more than `credit_messages` unfinished
 //! messages (back-pressure end to end). When the stream breaks it rejoins with exponential
 //! backoff; the group redelivers from the last commit (at-least-once).
+//!
+//! A handler returns an [`Outcome`] (or `()`, or a `Result<(), E>`: `Err` is a retry with
+//! the error's text). A retry or a reject is sent to the server, which moves the message into
+//! the group's retry path or dead letters durably before answering; only then does the
+//! message count as finished for the commits. Retried messages come back on the partition's
+//! retry queue ([`Message::retry`], [`Message::attempt`], [`Message::last_error`]).
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::future::Future;
@@ -16,6 +22,7 @@ use levee_proto::WireError;
 use levee_proto::v1::consume_request::Kind;
 use levee_proto::v1::{
     Assignment, Commit, CommitBatch, ConsumeRequest, ConsumeStart, Credit, ErrorCode, Heartbeat,
+    MessageOutcome, OutcomeAction, OutcomeBatch, OutcomeResult,
 };
 use tokio::sync::{Semaphore, mpsc};
 
@@ -69,10 +76,79 @@ impl Default for ConsumerOptions {
 pub struct Message {
     /// Its partition.
     pub partition: u32,
-    /// Its offset in the partition.
+    /// Its offset in the partition (for a retried message, where it was first published).
     pub offset: u64,
     /// Its payload: a slice of the received frame (cheap to clone).
     pub payload: levee_proto::Bytes,
+    /// Which delivery this is: 1 the first, 2 the first retry, and so on.
+    pub attempt: u32,
+    /// A retried message: delivered from the partition's retry queue.
+    pub retry: bool,
+    /// With `retry`: the error its last failed attempt reported.
+    pub last_error: String,
+    /// Its offset in the queue it was delivered from (the partition, or its retry queue).
+    delivered_offset: u64,
+}
+
+/// What a handler decided for a message.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Outcome {
+    /// Done: counts as finished.
+    #[default]
+    Success,
+    /// Failed: deliver it again later, after `delay` (or, with `None`, the group's retry
+    /// policy's step); dead-lettered instead when the policy's attempts are spent.
+    Retry {
+        /// Wait this long instead of the policy's step (at most 7 days: longer is cut).
+        delay: Option<Duration>,
+        /// Why it failed, kept in the message's history (cut to 512 bytes).
+        error: String,
+    },
+    /// Failed for good: straight to the group's dead letters.
+    Reject {
+        /// Why, kept in the message's history.
+        error: String,
+    },
+}
+
+impl Outcome {
+    /// A retry after the group's policy's delay, with `error` as the reason.
+    pub fn retry(error: impl std::fmt::Display) -> Self {
+        Self::Retry {
+            delay: None,
+            error: error.to_string(),
+        }
+    }
+
+    /// A retry after `delay`, with `error` as the reason.
+    pub fn retry_after(delay: Duration, error: impl std::fmt::Display) -> Self {
+        Self::Retry {
+            delay: Some(delay),
+            error: error.to_string(),
+        }
+    }
+
+    /// A reject, with `error` as the reason.
+    pub fn reject(error: impl std::fmt::Display) -> Self {
+        Self::Reject {
+            error: error.to_string(),
+        }
+    }
+}
+
+impl From<()> for Outcome {
+    fn from((): ()) -> Self {
+        Self::Success
+    }
+}
+
+impl<E: std::fmt::Display> From<Result<(), E>> for Outcome {
+    fn from(result: Result<(), E>) -> Self {
+        match result {
+            Ok(()) => Self::Success,
+            Err(error) => Self::retry(error),
+        }
+    }
 }
 
 /// What a consumer did, returned when it stops.
@@ -88,6 +164,12 @@ pub struct ConsumerStats {
     pub assignments: u64,
     /// Streams opened (1 + reconnections).
     pub streams: u64,
+    /// Messages the server accepted for a retry.
+    pub retried: u64,
+    /// Messages the server moved to the dead letters (rejected, or attempts spent).
+    pub dead_lettered: u64,
+    /// Outcomes the server refused (the message is delivered again instead).
+    pub outcomes_refused: u64,
 }
 
 /// A consumer-group member; see the module docs.
@@ -100,12 +182,17 @@ pub struct GroupConsumer {
     options: ConsumerOptions,
 }
 
-/// Per partition: its epoch, undelivered-to-handler messages and commit frontier.
+/// A partition (`false`) or its retry queue (`true`).
+type Lane = (u32, bool);
+
+/// Per lane: its epoch, undelivered-to-handler messages and commit frontier.
 #[derive(Debug)]
 struct PartitionState {
     epoch: u64,
     waiting: VecDeque<Message>,
     running: usize,
+    /// Failed messages whose outcome the server has not answered yet.
+    failing: usize,
     /// Every offset below this one is finished.
     frontier: u64,
     /// Finished offsets at or above the frontier.
@@ -113,8 +200,35 @@ struct PartitionState {
     committed: u64,
 }
 
-/// A job finished: (partition, epoch, the offsets it handled, their payload bytes).
-type Finished = (u32, u64, Vec<u64>, u32);
+impl PartitionState {
+    /// Marks `offset` finished and moves the frontier past every finished offset.
+    fn finish(&mut self, offset: u64) {
+        self.finished.insert(offset);
+        while self.finished.remove(&self.frontier) {
+            self.frontier += 1;
+        }
+    }
+}
+
+/// Longest delay a retry may ask for (the server's bound): 7 days.
+const DELAY_MS_MAX: u64 = 7 * 24 * 3_600_000;
+
+/// Most outcomes in one outcome batch (the server's bound).
+const OUTCOMES_PER_BATCH_MAX: usize = 1_024;
+
+/// A job finished.
+#[derive(Debug)]
+struct Finished {
+    lane: Lane,
+    epoch: u64,
+    /// The delivered offsets whose handler succeeded.
+    done: Vec<u64>,
+    /// Those whose handler failed, with what it decided.
+    failed: Vec<(u64, Outcome)>,
+    /// Messages handled and their payload bytes (the credit to grant back).
+    messages: u32,
+    bytes: u32,
+}
 
 /// Most messages of one partition handed to one task in ordered mode: they run one after the
 /// other anyway, and one task per run of messages costs far less than one per message.
@@ -166,14 +280,15 @@ impl GroupConsumer {
     /// Runs `handler` on every message until `stop` completes, rejoining after broken streams.
     /// On stop it waits for running handlers, commits what finished and leaves the group.
     /// Errors that retrying cannot fix (an unknown topic, invalid options) end it.
-    pub async fn run<H, F>(
+    pub async fn run<H, F, O>(
         &self,
         handler: H,
         stop: impl Future<Output = ()>,
     ) -> Result<ConsumerStats, ClientError>
     where
         H: Fn(Message) -> F + Send + Sync + 'static,
-        F: Future<Output = ()> + Send + 'static,
+        F: Future<Output = O> + Send + 'static,
+        O: Into<Outcome> + Send + 'static,
     {
         let handler = Arc::new(handler);
         let mut stats = ConsumerStats::default();
@@ -201,7 +316,7 @@ impl GroupConsumer {
     }
 
     /// One stream, until it breaks (`Err`) or `stop` completes (`Ok`).
-    async fn stream<H, F>(
+    async fn stream<H, F, O>(
         &self,
         handler: &Arc<H>,
         mut stop: std::pin::Pin<&mut impl Future<Output = ()>>,
@@ -209,7 +324,8 @@ impl GroupConsumer {
     ) -> Result<(), ClientError>
     where
         H: Fn(Message) -> F + Send + Sync + 'static,
-        F: Future<Output = ()> + Send + 'static,
+        F: Future<Output = O> + Send + 'static,
+        O: Into<Outcome> + Send + 'static,
     {
         let (requests, receiver) = mpsc::channel(REQUESTS_QUEUED_MAX);
         let start = ConsumeRequest {
@@ -235,7 +351,7 @@ impl GroupConsumer {
         let slots = Arc::new(Semaphore::new(self.options.parallelism));
         let in_flight_max = self.options.credit_messages as usize + self.options.parallelism;
         let (finished_sender, mut finished) = mpsc::channel::<Finished>(in_flight_max);
-        let mut partitions: HashMap<u32, PartitionState> = HashMap::new();
+        let mut partitions: HashMap<Lane, PartitionState> = HashMap::new();
         let mut commit_tick = tokio::time::interval(self.options.commit_interval);
         commit_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut heartbeat = tokio::time::interval(self.options.lease / 3);
@@ -245,7 +361,13 @@ impl GroupConsumer {
         let mut commits_awaiting = 0_usize;
         loop {
             self.dispatch(&mut partitions, &slots, handler, &finished_sender);
-            if stopping && partitions.values().all(|state| state.running == 0) {
+            // Also waits for the answers to failed messages' outcomes, so their commits pass
+            // them.
+            if stopping
+                && partitions
+                    .values()
+                    .all(|state| state.running == 0 && state.failing == 0)
+            {
                 final_commit(
                     &mut partitions,
                     &requests,
@@ -259,7 +381,7 @@ impl GroupConsumer {
             tokio::select! {
                 response = responses.message() => {
                     let response = response?.ok_or_else(closed)?;
-                    let taken = take_response(response, &mut partitions, stats);
+                    let taken = take_response(response, &mut partitions, stats)?;
                     if taken.commit_answered {
                         commits_awaiting = commits_awaiting.saturating_sub(1);
                     }
@@ -274,12 +396,18 @@ impl GroupConsumer {
                     while let Ok(more) = finished.try_recv() {
                         done.push(more);
                     }
-                    stats.handled += done.iter().map(|job| job.2.len() as u64).sum::<u64>();
-                    let (messages, bytes) = apply_finished(&mut partitions, &done);
+                    stats.handled += done.iter().map(|job| u64::from(job.messages)).sum::<u64>();
+                    let (messages, bytes, outcomes) = apply_finished(&mut partitions, done);
                     requests
                         .send(credit_request(messages, bytes))
                         .await
                         .map_err(|_| closed())?;
+                    for batch in outcomes.chunks(OUTCOMES_PER_BATCH_MAX) {
+                        let outcomes = ConsumeRequest {
+                            kind: Some(Kind::Outcomes(OutcomeBatch { outcomes: batch.to_vec() })),
+                        };
+                        requests.send(outcomes).await.map_err(|_| closed())?;
+                    }
                 }
                 _ = commit_tick.tick() => {
                     let batch = commits_due(&mut partitions);
@@ -303,17 +431,18 @@ impl GroupConsumer {
     }
 
     /// Starts handlers for waiting messages while slots are free.
-    fn dispatch<H, F>(
+    fn dispatch<H, F, O>(
         &self,
-        partitions: &mut HashMap<u32, PartitionState>,
+        partitions: &mut HashMap<Lane, PartitionState>,
         slots: &Arc<Semaphore>,
         handler: &Arc<H>,
         finished: &mpsc::Sender<Finished>,
     ) where
         H: Fn(Message) -> F + Send + Sync + 'static,
-        F: Future<Output = ()> + Send + 'static,
+        F: Future<Output = O> + Send + 'static,
+        O: Into<Outcome> + Send + 'static,
     {
-        for state in partitions.values_mut() {
+        for (&lane, state) in partitions.iter_mut() {
             while !state.waiting.is_empty() && (!self.options.ordered || state.running == 0) {
                 let Ok(permit) = Arc::clone(slots).try_acquire_owned() else {
                     return;
@@ -328,17 +457,25 @@ impl GroupConsumer {
                 let (handler, finished) = (Arc::clone(handler), finished.clone());
                 let epoch = state.epoch;
                 tokio::spawn(async move {
-                    let partition = job[0].partition;
-                    let mut offsets = Vec::with_capacity(job.len());
-                    let mut bytes = 0_u32;
+                    let mut report = Finished {
+                        lane,
+                        epoch,
+                        done: Vec::with_capacity(job.len()),
+                        failed: Vec::new(),
+                        messages: u32::try_from(job.len()).unwrap_or(u32::MAX),
+                        bytes: 0,
+                    };
                     for message in job {
-                        offsets.push(message.offset);
+                        let offset = message.delivered_offset;
                         let size = u32::try_from(message.payload.len()).unwrap_or(u32::MAX);
-                        bytes = bytes.saturating_add(size);
-                        handler(message).await;
+                        report.bytes = report.bytes.saturating_add(size);
+                        match handler(message).await.into() {
+                            Outcome::Success => report.done.push(offset),
+                            failed => report.failed.push((offset, failed)),
+                        }
                     }
                     drop(permit);
-                    let _ = finished.send((partition, epoch, offsets, bytes)).await;
+                    let _ = finished.send(report).await;
                 });
             }
         }
@@ -354,12 +491,14 @@ struct Taken {
     commit_answered: bool,
 }
 
-/// Applies a response: a new assignment, deliveries queued per partition, commit answers.
+/// Applies a response: a new assignment, deliveries queued per lane, commit and outcome
+/// answers (an outcome refused for another reason than fencing breaks the stream, so the
+/// message is delivered again).
 fn take_response(
     response: levee_proto::v1::ConsumeResponse,
-    partitions: &mut HashMap<u32, PartitionState>,
+    partitions: &mut HashMap<Lane, PartitionState>,
     stats: &mut ConsumerStats,
-) -> Taken {
+) -> Result<Taken, ClientError> {
     if let Some(assignment) = response.assignment {
         stats.assignments += 1;
         apply_assignment(partitions, &assignment);
@@ -370,18 +509,29 @@ fn take_response(
         commit_answered: !response.commit_results.is_empty(),
     };
     for delivery in response.deliveries {
-        if let Some(state) = partitions.get_mut(&delivery.partition)
+        if let Some(state) = partitions.get_mut(&(delivery.partition, delivery.retry))
             && state.epoch == delivery.epoch
         {
-            let idle = state.waiting.is_empty() && state.running == 0 && state.finished.is_empty();
+            let idle = state.waiting.is_empty()
+                && state.running == 0
+                && state.finished.is_empty()
+                && state.failing == 0;
             if idle && delivery.offset > state.frontier {
                 // Retention removed the messages in between: nothing to wait for.
                 state.frontier = delivery.offset;
             }
             state.waiting.push_back(Message {
                 partition: delivery.partition,
-                offset: delivery.offset,
+                offset: if delivery.retry {
+                    delivery.original_offset
+                } else {
+                    delivery.offset
+                },
                 payload: delivery.payload,
+                attempt: delivery.attempt,
+                retry: delivery.retry,
+                last_error: delivery.last_error,
+                delivered_offset: delivery.offset,
             });
         } else {
             taken.revoked_messages += 1;
@@ -390,33 +540,104 @@ fn take_response(
         }
     }
     count_commits(&response.commit_results, stats);
-    taken
+    take_outcome_results(&response.outcome_results, partitions, stats)?;
+    Ok(taken)
 }
 
-/// Marks finished handlers' offsets done (those of the current epochs) and moves the commit
-/// frontiers; returns the credit to grant back (every finished message counts).
-fn apply_finished(partitions: &mut HashMap<u32, PartitionState>, done: &[Finished]) -> (u32, u32) {
-    let (mut messages, mut total_bytes) = (0_u32, 0_u32);
-    for (partition, epoch, offsets, bytes) in done {
-        messages = messages.saturating_add(u32::try_from(offsets.len()).unwrap_or(u32::MAX));
-        total_bytes = total_bytes.saturating_add(*bytes);
-        if let Some(state) = partitions.get_mut(partition)
-            && state.epoch == *epoch
-        {
-            state.running -= 1;
-            state.finished.extend(offsets);
-            while state.finished.remove(&state.frontier) {
-                state.frontier += 1;
+/// Marks the messages whose outcome the server accepted finished.
+fn take_outcome_results(
+    results: &[OutcomeResult],
+    partitions: &mut HashMap<Lane, PartitionState>,
+    stats: &mut ConsumerStats,
+) -> Result<(), ClientError> {
+    for result in results {
+        let lane = (result.partition, result.retry);
+        if result.code == 0 {
+            if result.dead_lettered {
+                stats.dead_lettered += 1;
+            } else {
+                stats.retried += 1;
             }
+            if let Some(state) = partitions.get_mut(&lane) {
+                state.failing = state.failing.saturating_sub(1);
+                state.finish(result.offset);
+            }
+        } else if result.code == ErrorCode::Fenced as i32 {
+            // The partition moved: its new owner gets the message again.
+            stats.outcomes_refused += 1;
+        } else {
+            stats.outcomes_refused += 1;
+            // Not permanent for the consumer: it rejoins and gets the message again.
+            return Err(ClientError::Server(WireError::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "the outcome of partition {} offset {} was refused (code {}): {}; \
+                     rejoining",
+                    result.partition, result.offset, result.code, result.message
+                ),
+            )));
         }
     }
-    (messages, total_bytes)
+    Ok(())
+}
+
+/// Marks finished handlers' successful offsets done (those of the current epochs) and moves
+/// the commit frontiers; returns the credit to grant back (every handled message counts) and
+/// the outcomes of the failed ones to send (they finish once the server accepts them).
+fn apply_finished(
+    partitions: &mut HashMap<Lane, PartitionState>,
+    finished: Vec<Finished>,
+) -> (u32, u32, Vec<MessageOutcome>) {
+    let (mut messages, mut total_bytes) = (0_u32, 0_u32);
+    let mut outcomes = Vec::new();
+    for job in finished {
+        messages = messages.saturating_add(job.messages);
+        total_bytes = total_bytes.saturating_add(job.bytes);
+        if let Some(state) = partitions.get_mut(&job.lane)
+            && state.epoch == job.epoch
+        {
+            state.running -= 1;
+            for offset in job.done {
+                state.finish(offset);
+            }
+            state.failing += job.failed.len();
+            outcomes.extend(
+                job.failed
+                    .into_iter()
+                    .map(|(offset, outcome)| outcome_message(job.lane, job.epoch, offset, outcome)),
+            );
+        }
+    }
+    (messages, total_bytes, outcomes)
+}
+
+/// The wire form of a handler's failed outcome.
+fn outcome_message(lane: Lane, epoch: u64, offset: u64, outcome: Outcome) -> MessageOutcome {
+    let (action, delay, error) = match outcome {
+        Outcome::Retry { delay, error } => (OutcomeAction::Retry, delay, error),
+        Outcome::Reject { error } => (OutcomeAction::Reject, None, error),
+        Outcome::Success => (OutcomeAction::Unspecified, None, String::new()),
+    };
+    MessageOutcome {
+        partition: lane.0,
+        epoch,
+        offset,
+        retry: lane.1,
+        action: action as i32,
+        // A delay under 1 ms is rounded up (0 would mean the policy's), one over 7 days cut.
+        delay_ms: delay.map_or(0, |delay| {
+            u64::try_from(delay.as_millis())
+                .unwrap_or(u64::MAX)
+                .clamp(1, DELAY_MS_MAX)
+        }),
+        error,
+    }
 }
 
 /// On stop: commits what finished and waits (at most 5 s) for the answers to every commit
 /// batch still unanswered, so the last commit is durable before the member leaves.
 async fn final_commit(
-    partitions: &mut HashMap<u32, PartitionState>,
+    partitions: &mut HashMap<Lane, PartitionState>,
     requests: &mpsc::Sender<ConsumeRequest>,
     responses: &mut tonic::Streaming<levee_proto::v1::ConsumeResponse>,
     mut awaiting: usize,
@@ -476,37 +697,46 @@ fn count_commits(results: &[levee_proto::v1::CommitResult], stats: &mut Consumer
 }
 
 /// Takes the latest assignment: kept partitions (same epoch) keep their state, revoked ones
-/// drop their waiting messages, new ones start at the group's committed offset.
-fn apply_assignment(partitions: &mut HashMap<u32, PartitionState>, assignment: &Assignment) {
+/// drop their waiting messages, new ones (and their retry queues) start at the group's
+/// committed offsets.
+fn apply_assignment(partitions: &mut HashMap<Lane, PartitionState>, assignment: &Assignment) {
     let mut next = HashMap::new();
     for assigned in &assignment.partitions {
-        let state = match partitions.remove(&assigned.partition) {
-            Some(state) if state.epoch == assigned.epoch => state,
-            _ => PartitionState {
-                epoch: assigned.epoch,
-                waiting: VecDeque::new(),
-                running: 0,
-                frontier: assigned.start_offset,
-                finished: BTreeSet::new(),
-                committed: assigned.start_offset,
-            },
-        };
-        next.insert(assigned.partition, state);
+        for (retry, start) in [
+            (false, assigned.start_offset),
+            (true, assigned.retry_start_offset),
+        ] {
+            let lane = (assigned.partition, retry);
+            let state = match partitions.remove(&lane) {
+                Some(state) if state.epoch == assigned.epoch => state,
+                _ => PartitionState {
+                    epoch: assigned.epoch,
+                    waiting: VecDeque::new(),
+                    running: 0,
+                    failing: 0,
+                    frontier: start,
+                    finished: BTreeSet::new(),
+                    committed: start,
+                },
+            };
+            next.insert(lane, state);
+        }
     }
     *partitions = next;
 }
 
 /// The commits whose frontier moved since the last commit.
-fn commits_due(partitions: &mut HashMap<u32, PartitionState>) -> Vec<Commit> {
+fn commits_due(partitions: &mut HashMap<Lane, PartitionState>) -> Vec<Commit> {
     partitions
         .iter_mut()
         .filter(|(_, state)| state.frontier > state.committed)
-        .map(|(&partition, state)| {
+        .map(|(&(partition, retry), state)| {
             state.committed = state.frontier;
             Commit {
                 partition,
                 epoch: state.epoch,
                 next_offset: state.frontier,
+                retry,
             }
         })
         .collect()
@@ -517,6 +747,57 @@ mod tests {
     use super::*;
     use levee_proto::v1::PartitionAssignment;
 
+    #[test]
+    fn given_a_failed_message_then_the_frontier_waits_for_its_outcome_to_be_accepted() {
+        let mut partitions = HashMap::new();
+        apply_assignment(&mut partitions, &assignment(&[(0, 1, 0)]));
+        partitions.get_mut(&(0, false)).unwrap().running = 1;
+        let job = Finished {
+            lane: (0, false),
+            epoch: 1,
+            done: vec![1],
+            failed: vec![(0, Outcome::retry_after(Duration::from_micros(10), "down"))],
+            messages: 2,
+            bytes: 6,
+        };
+        let (messages, bytes, outcomes) = apply_finished(&mut partitions, vec![job]);
+        assert_eq!(
+            (messages, bytes),
+            (2, 6),
+            "every handled message gives credit back"
+        );
+        assert_eq!(outcomes.len(), 1);
+        assert_eq!(
+            outcomes[0].delay_ms, 1,
+            "rounded up, never 0 (the policy's)"
+        );
+        assert_eq!(outcomes[0].action, OutcomeAction::Retry as i32);
+        assert!(
+            commits_due(&mut partitions).is_empty(),
+            "0 is not finished yet"
+        );
+        let mut stats = ConsumerStats::default();
+        let accepted = OutcomeResult {
+            partition: 0,
+            offset: 0,
+            ..OutcomeResult::default()
+        };
+        take_outcome_results(&[accepted], &mut partitions, &mut stats).unwrap();
+        assert_eq!(stats.retried, 1);
+        let due = commits_due(&mut partitions);
+        assert_eq!(
+            due[0].next_offset, 2,
+            "accepted: finished, the commit passes both"
+        );
+        let refused = OutcomeResult {
+            code: ErrorCode::NotFound as i32,
+            ..OutcomeResult::default()
+        };
+        assert!(take_outcome_results(&[refused], &mut partitions, &mut stats).is_err());
+        assert_eq!(Outcome::from(Err::<(), _>("bad")), Outcome::retry("bad"));
+        assert_eq!(Outcome::from(()), Outcome::Success);
+    }
+
     fn assignment(partitions: &[(u32, u64, u64)]) -> Assignment {
         Assignment {
             generation: 1,
@@ -526,6 +807,7 @@ mod tests {
                     partition,
                     epoch,
                     start_offset,
+                    retry_start_offset: 0,
                 })
                 .collect(),
         }
@@ -535,25 +817,21 @@ mod tests {
     fn given_out_of_order_finishes_then_commit_waits_for_the_earliest() {
         let mut partitions = HashMap::new();
         apply_assignment(&mut partitions, &assignment(&[(0, 1, 10)]));
-        let state = partitions.get_mut(&0).unwrap();
+        let state = partitions.get_mut(&(0, false)).unwrap();
         for offset in [11, 12] {
-            state.finished.insert(offset);
-        }
-        while state.finished.remove(&state.frontier) {
-            state.frontier += 1;
+            state.finish(offset);
         }
         assert!(
             commits_due(&mut partitions).is_empty(),
             "10 is not finished"
         );
-        let state = partitions.get_mut(&0).unwrap();
-        state.finished.insert(10);
-        while state.finished.remove(&state.frontier) {
-            state.frontier += 1;
-        }
+        partitions.get_mut(&(0, false)).unwrap().finish(10);
         let due = commits_due(&mut partitions);
         assert_eq!(due.len(), 1);
-        assert_eq!((due[0].epoch, due[0].next_offset), (1, 13));
+        assert_eq!(
+            (due[0].epoch, due[0].next_offset, due[0].retry),
+            (1, 13, false)
+        );
         assert!(commits_due(&mut partitions).is_empty(), "nothing new");
     }
 
@@ -561,19 +839,24 @@ mod tests {
     fn given_reassignment_then_kept_partitions_keep_state_and_moved_ones_restart() {
         let mut partitions = HashMap::new();
         apply_assignment(&mut partitions, &assignment(&[(0, 1, 0), (1, 1, 0)]));
-        partitions.get_mut(&0).unwrap().frontier = 5;
-        partitions.get_mut(&1).unwrap().frontier = 7;
+        partitions.get_mut(&(0, false)).unwrap().frontier = 5;
+        partitions.get_mut(&(1, false)).unwrap().frontier = 7;
         apply_assignment(
             &mut partitions,
             &assignment(&[(0, 1, 0), (1, 2, 3), (2, 1, 9)]),
         );
-        assert_eq!(partitions[&0].frontier, 5, "same epoch: kept");
+        assert_eq!(partitions[&(0, false)].frontier, 5, "same epoch: kept");
         assert_eq!(
-            partitions[&1].frontier, 3,
+            partitions[&(1, false)].frontier,
+            3,
             "new epoch: from the committed offset"
         );
-        assert_eq!(partitions[&2].frontier, 9);
+        assert_eq!(partitions[&(2, false)].frontier, 9);
         apply_assignment(&mut partitions, &assignment(&[(2, 1, 9)]));
-        assert_eq!(partitions.len(), 1, "revoked partitions are dropped");
+        assert_eq!(
+            partitions.len(),
+            2,
+            "revoked partitions are dropped; a partition and its retry queue stay"
+        );
     }
 }

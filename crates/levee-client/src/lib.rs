@@ -29,6 +29,7 @@
 mod client;
 mod consumer;
 mod error;
+mod failures;
 pub mod hotkey;
 mod limiter;
 mod mailboxes;
@@ -36,7 +37,7 @@ mod producer;
 mod subscription;
 
 pub use client::{Client, ClientOptions, HealthStatus};
-pub use consumer::{ConsumerOptions, ConsumerStats, GroupConsumer, Message};
+pub use consumer::{ConsumerOptions, ConsumerStats, GroupConsumer, Message, Outcome};
 pub use error::ClientError;
 pub use hotkey::{HotKeyChange, HotKeys, HotKeysOptions, HotKeysStats};
 pub use levee_proto::topic_partition;
@@ -46,6 +47,11 @@ pub use levee_proto::v1::{
     GetClusterResponse as ClusterView, GetServerInfoResponse as ServerInfo, HotKeyEvent,
     HotKeyRule, KeyCount, ListQueuesResponse as QueuePage, MailboxDelivery, MatchKind, Member,
     MemberRole, TopicSummary, WatchMembersResponse as MembersUpdate,
+};
+pub use levee_proto::v1::{
+    DeadLetter, DescribeRetryPolicyResponse as RetryPolicyDescription,
+    ListDeadLettersResponse as DeadLetterPage, PartitionReset,
+    ResetGroupOffsetsResponse as OffsetsReset, reset_group_offsets_request::To as ResetTo,
 };
 pub use levee_proto::{Bytes, WireError};
 pub use limiter::{LimitedResource, Limiter, LimiterOptions, LimiterStats};

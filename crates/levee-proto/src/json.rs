@@ -5,7 +5,10 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::v1::{DescribeGroupResponse, DescribeProducerResponse, HotKeyRule, MatchKind};
+use crate::v1::{
+    DescribeGroupResponse, DescribeProducerResponse, DescribeRetryPolicyResponse, HotKeyRule,
+    ListDeadLettersResponse, MatchKind, ResetGroupOffsetsResponse,
+};
 
 /// A key for JSON: the text when it is UTF-8, otherwise `None` (then see [`key_hex`]).
 pub fn key_text(key: &[u8]) -> Option<&str> {
@@ -145,6 +148,11 @@ pub fn group_json(described: &DescribeGroupResponse) -> Value {
                 "committed_offset": partition.committed_offset,
                 "next_offset": partition.next_offset,
                 "lag": partition.next_offset.saturating_sub(partition.committed_offset),
+                "retry_committed_offset": partition.retry_committed_offset,
+                "retry_next_offset": partition.retry_next_offset,
+                "retries_due": partition
+                    .retry_next_offset
+                    .saturating_sub(partition.retry_committed_offset),
             })
         })
         .collect();
@@ -157,7 +165,70 @@ pub fn group_json(described: &DescribeGroupResponse) -> Value {
         "rate_limit_per_s": described.rate_limit_per_s,
         "delivered": described.delivered,
         "throttled_s": described.throttled_s,
+        "retries_scheduled": described.retries_scheduled,
+        "dead_lettered": described.dead_lettered,
+        "redriven": described.redriven,
     })
+}
+
+/// A group's retry policy as JSON.
+pub fn retry_policy_json(described: &DescribeRetryPolicyResponse) -> Value {
+    json!({
+        "group": described.group,
+        "delays_ms": described.delays_ms,
+        "max_attempts": described.max_attempts,
+        "is_default": described.is_default,
+    })
+}
+
+/// A page of dead letters as JSON: each payload as `payload` (text) or `payload_hex`.
+pub fn dead_letters_json(page: &ListDeadLettersResponse) -> Value {
+    let letters: Vec<Value> = page
+        .dead_letters
+        .iter()
+        .map(|letter| {
+            let history: Vec<Value> = letter
+                .history
+                .iter()
+                .map(|failure| json!({"at_ms": failure.at_ms, "error": failure.error}))
+                .collect();
+            let mut value = json!({
+                "offset": letter.offset,
+                "partition": letter.partition,
+                "original_offset": letter.original_offset,
+                "attempts": letter.attempts,
+                "dead_at_ms": letter.dead_at_ms,
+                "history": history,
+            });
+            match key_text(&letter.payload) {
+                Some(text) => value["payload"] = json!(text),
+                None => value["payload_hex"] = json!(key_hex(&letter.payload)),
+            }
+            value
+        })
+        .collect();
+    json!({
+        "dead_letters": letters,
+        "next_offset": page.next_offset,
+        "end_offset": page.end_offset,
+    })
+}
+
+/// An offset reset's answer as JSON.
+pub fn reset_json(reset: &ResetGroupOffsetsResponse) -> Value {
+    let partitions: Vec<Value> = reset
+        .partitions
+        .iter()
+        .map(|partition| {
+            json!({
+                "partition": partition.partition,
+                "committed_offset": partition.committed_offset,
+                "first_offset": partition.first_offset,
+                "before_retention": partition.before_retention,
+            })
+        })
+        .collect();
+    json!({"partitions": partitions, "members_fenced": reset.members_fenced})
 }
 
 /// A producer name's limit and figures as JSON.

@@ -174,6 +174,20 @@ pub struct Metrics {
     pub producer_messages_admitted: Family<ProducerLabels, Counter>,
     /// Seconds appends waited for their producer's rate limit, by producer name.
     pub producer_throttled_seconds: Family<ProducerLabels, SecondsCounter>,
+    /// Failed messages scheduled for a retry, by group.
+    pub group_retries_scheduled: Family<GroupLabels, Counter>,
+    /// Failed messages moved to the dead letters, by group.
+    pub group_dead_lettered: Family<GroupLabels, Counter>,
+    /// Dead letters redriven into the retry path, by group.
+    pub group_redriven: Family<GroupLabels, Counter>,
+    /// Messages that wait for their time (retries and delayed publishes) on this server.
+    pub delayed_messages_waiting: Gauge,
+    /// Messages placed to wait (retries and delayed publishes).
+    pub delayed_messages_scheduled: Counter,
+    /// Waiting messages delivered to their queue once due.
+    pub delayed_messages_delivered: Counter,
+    /// How long after its time each waiting message was appended to its queue.
+    pub delayed_delivery_lateness_seconds: Histogram,
     /// Consumer-group members connected, by group.
     pub group_members: Family<GroupLabels, Gauge>,
     /// Rebalances, by group.
@@ -416,6 +430,49 @@ impl Metrics {
                 "levee_producer_throttled_seconds",
                 "seconds appends waited for their producer name's rate limit",
                 Family::default(),
+            ),
+            group_retries_scheduled: registered(
+                registry_ref,
+                "levee_group_retries_scheduled",
+                "failed messages scheduled for a retry, by group",
+                Family::default(),
+            ),
+            group_dead_lettered: registered(
+                registry_ref,
+                "levee_group_dead_lettered",
+                "failed messages moved to the group's dead letters, by group",
+                Family::default(),
+            ),
+            group_redriven: registered(
+                registry_ref,
+                "levee_group_redriven",
+                "dead letters redriven into the retry path, by group",
+                Family::default(),
+            ),
+            delayed_messages_waiting: registered(
+                registry_ref,
+                "levee_delayed_messages_waiting",
+                "messages waiting for their time (retries and delayed publishes)",
+                Gauge::default(),
+            ),
+            delayed_messages_scheduled: registered(
+                registry_ref,
+                "levee_delayed_messages_scheduled",
+                "messages placed to wait for their time (retries and delayed publishes)",
+                Counter::default(),
+            ),
+            delayed_messages_delivered: registered(
+                registry_ref,
+                "levee_delayed_messages_delivered",
+                "waiting messages appended to their queue once due",
+                Counter::default(),
+            ),
+            delayed_delivery_lateness_seconds: registered(
+                registry_ref,
+                "levee_delayed_delivery_lateness_seconds",
+                "how long after its time each waiting message was appended to its queue",
+                // 1 ms to about 65 s.
+                Histogram::new(exponential_buckets(0.001, 2.0, 17)),
             ),
             group_members: registered(
                 registry_ref,

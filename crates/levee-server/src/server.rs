@@ -211,10 +211,7 @@ impl RunningServer {
             raft.raft.metrics(),
             stop_sessions.subscribe(),
         )));
-        background.push(tokio::spawn(expire_leases(
-            Arc::clone(&consume_context.groups),
-            stop_sessions.subscribe(),
-        )));
+        background.extend(group_tasks(&consume_context, &stop_sessions));
         let hotkey_service = HotKeyService::new(
             hotkey_admin.clone(),
             state.metrics.clone(),
@@ -452,6 +449,11 @@ fn queue_services(
         metrics.clone(),
         stop_sessions.subscribe(),
     );
+    let delayer = Arc::new(crate::queue::delay::Delayer::open(
+        calls.clone(),
+        Arc::clone(&waiters),
+        metrics.clone(),
+    ));
     let consume_context = Arc::new(ConsumeContext {
         calls,
         topics,
@@ -459,6 +461,8 @@ fn queue_services(
         pacers: Arc::new(Pacers::new(metrics.clone())),
         producer_rates,
         waiters,
+        delayer,
+        dead_letters: std::sync::Mutex::new(()),
         metrics: metrics.clone(),
         closing: stop_sessions.subscribe(),
     });
@@ -870,6 +874,20 @@ async fn tick(hub: Arc<HotKeyHub>, mut stop: watch::Receiver<bool>) {
 
 /// Every [`LEASE_CHECK_INTERVAL`] until told to stop: drops consumer-group members whose lease
 /// ran out (a stream stuck sending renews nothing), so their partitions move.
+/// The consumer groups' background tasks: lease expiry and the delivery of waiting messages.
+fn group_tasks(
+    context: &Arc<ConsumeContext>,
+    stop_sessions: &watch::Sender<bool>,
+) -> [JoinHandle<()>; 2] {
+    [
+        tokio::spawn(Arc::clone(&context.delayer).run(stop_sessions.subscribe())),
+        tokio::spawn(expire_leases(
+            Arc::clone(&context.groups),
+            stop_sessions.subscribe(),
+        )),
+    ]
+}
+
 async fn expire_leases(groups: Arc<Groups>, mut stop: watch::Receiver<bool>) {
     let mut interval = tokio::time::interval(LEASE_CHECK_INTERVAL);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);

@@ -73,6 +73,39 @@ impl Store {
     }
 }
 
+impl Store {
+    /// Where `queue`'s messages written at or after `timestamp_ms` (ms since the Unix epoch)
+    /// start, to within one chunk, never later: the first offset of the oldest retained chunk
+    /// sealed at or after it (a chunk is stamped when it is sealed, so it may hold messages
+    /// appended before, up to `chunk_bytes` of them), else the first message not yet sealed
+    /// (unstamped), else the next offset. `None` if the queue does not exist. Reads one chunk
+    /// header per step of a binary search over the queue's chunks.
+    pub fn offset_at_time(&self, queue: &[u8], timestamp_ms: u64) -> Result<Option<u64>, String> {
+        crate::store::check_name(queue).map_err(|error| error.to_string())?;
+        let (chunks, end) = {
+            let shard = lock(self.inner.shard(queue));
+            let Some(state) = shard.queues.get(queue) else {
+                return Ok(None);
+            };
+            let chunks: Vec<ChunkEntry> = state.chunks.iter().collect();
+            (chunks, state.disk_end_offset())
+        };
+        let (mut low, mut high) = (0, chunks.len());
+        while low < high {
+            let middle = low + (high - low) / 2;
+            let (_, stamped_ms) = self.inner.chunk_header(chunks[middle])?;
+            if stamped_ms >= timestamp_ms {
+                high = middle;
+            } else {
+                low = middle + 1;
+            }
+        }
+        Ok(Some(
+            chunks.get(low).map_or(end, |chunk| chunk.first_offset),
+        ))
+    }
+}
+
 impl Inner {
     /// Removes the oldest chunks of one queue past `retention`; encodes the trim record into
     /// `bytes` and returns what it does once durable.

@@ -1733,3 +1733,37 @@ fn given_a_disk_filling_mid_round_under_interval_when_space_returns_should_keep_
         "no round failed after publishing part of its chunks: {partly_published}"
     );
 }
+
+#[test]
+fn given_chunks_sealed_over_time_when_asked_for_a_time_should_give_the_first_offset_at_or_after() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, tiny());
+    let now_ms = || {
+        u64::try_from(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_millis(),
+        )
+        .unwrap()
+    };
+    for index in 0..10_u32 {
+        store.append(b"log", &index.to_le_bytes()).unwrap();
+    }
+    store.sync().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    let between = now_ms();
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    for index in 10..20_u32 {
+        store.append(b"log", &index.to_le_bytes()).unwrap();
+    }
+    store.sync().unwrap();
+    assert_eq!(store.offset_at_time(b"log", 0).unwrap(), Some(0));
+    assert_eq!(store.offset_at_time(b"log", between).unwrap(), Some(10));
+    assert_eq!(
+        store.offset_at_time(b"log", now_ms() + 60_000).unwrap(),
+        Some(20),
+        "nothing newer: the next offset"
+    );
+    assert_eq!(store.offset_at_time(b"none", 0).unwrap(), None);
+}

@@ -754,6 +754,7 @@ impl Runner {
                             .as_u64()
                             .map_or(0, |partition| small(partition) + 1),
                         sequence: message["sequence"].as_u64().unwrap_or(0),
+                        ..PublishMessage::default()
                     });
                 }
                 let request = PublishRequest {
@@ -985,6 +986,7 @@ impl Runner {
                 partition: small(commit["partition"].as_u64().unwrap_or(0)),
                 epoch: commit["epoch"].as_u64().unwrap_or(0),
                 next_offset: commit["next_offset"].as_u64().unwrap_or(0),
+                retry: false,
             });
         }
         let request = ConsumeRequest {

@@ -406,6 +406,7 @@ fn given_partition_moved_when_old_owner_commits_then_fenced() {
                         partition: moved,
                         epoch: stale_epoch,
                         next_offset: 0,
+                        retry: false,
                     }],
                 })),
             })
@@ -433,6 +434,7 @@ fn given_partition_moved_when_old_owner_commits_then_fenced() {
                         partition: kept,
                         epoch,
                         next_offset: 1_000,
+                        retry: false,
                     }],
                 })),
             })
@@ -778,6 +780,7 @@ fn given_a_commit_below_the_committed_offset_then_the_answer_says_the_offset_tha
                     partition: 0,
                     epoch: epoch_a,
                     next_offset,
+                    retry: false,
                 }],
             })),
         };

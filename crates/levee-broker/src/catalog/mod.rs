@@ -27,6 +27,7 @@ use crate::names::{
     check_topic_name,
 };
 use crate::rate::RATE_MIN_PER_S;
+use crate::retry::{RetryError, RetryPolicy};
 
 /// Most topics on one server.
 pub const TOPICS_MAX: usize = 10_000;
@@ -34,6 +35,8 @@ pub const TOPICS_MAX: usize = 10_000;
 pub const PRODUCER_RATES_MAX: usize = 10_000;
 /// Most consumer groups with a rate limit at once.
 pub const GROUP_RATES_MAX: usize = 10_000;
+/// Most groups with a retry policy of their own.
+pub const RETRY_POLICIES_MAX: usize = 10_000;
 
 /// One topic: a fixed set of partitions, each a queue of the store.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,6 +88,13 @@ pub enum CatalogCommand {
         producer_name: String,
         /// 0, or at least [`RATE_MIN_PER_S`].
         messages_per_s: f64,
+    },
+    /// Set a group's retry policy (`None` restores the default).
+    SetRetryPolicy {
+        /// The group.
+        group: String,
+        /// The policy.
+        policy: Option<RetryPolicy>,
     },
     /// Set the retention of queues starting with `prefix` (a rule of zeros removes it).
     SetRetention {
@@ -149,6 +159,18 @@ pub enum CatalogError {
         /// The group that would be one more.
         group: String,
     },
+    /// A retry policy out of its bounds.
+    #[error(transparent)]
+    Retry(#[from] RetryError),
+    /// [`RETRY_POLICIES_MAX`] groups have a policy.
+    #[error(
+        "at most {RETRY_POLICIES_MAX} consumer groups may have a retry policy of their own; \
+         clear one before setting '{group}'s"
+    )]
+    RetryPoliciesFull {
+        /// The group that would be one more.
+        group: String,
+    },
     /// [`RETENTION_RULES_MAX`] rules exist.
     #[error("{RETENTION_RULES_MAX} retention rules exist, the most the server holds")]
     RetentionRulesFull,
@@ -177,6 +199,7 @@ pub struct Catalog {
     topics: BTreeMap<String, Arc<Topic>>,
     group_rates: BTreeMap<String, f64>,
     producer_rates: BTreeMap<String, f64>,
+    retry_policies: BTreeMap<String, RetryPolicy>,
     retention: RetentionRules,
 }
 
@@ -257,6 +280,23 @@ impl Catalog {
                     messages_per_s: *messages_per_s,
                 }
             }
+            CatalogCommand::SetRetryPolicy { group, policy } => {
+                check_group_name(group)?;
+                if let Some(policy) = policy {
+                    policy.check()?;
+                    if !self.retry_policies.contains_key(group)
+                        && self.retry_policies.len() >= RETRY_POLICIES_MAX
+                    {
+                        return Err(CatalogError::RetryPoliciesFull {
+                            group: group.clone(),
+                        });
+                    }
+                }
+                CatalogRecord::RetryPolicy {
+                    group: group.clone(),
+                    policy: policy.clone(),
+                }
+            }
             CatalogCommand::SetRetention { prefix, rule } => {
                 check_name_prefix(prefix)?;
                 if !rule.is_none()
@@ -321,6 +361,20 @@ impl Catalog {
                     self.producer_rates.remove(producer_name);
                 }
             }
+            CatalogRecord::RetryPolicy { group, policy } => {
+                check_group_name(group).map_err(|error| unreadable(error.to_string()))?;
+                match policy {
+                    Some(policy) => {
+                        policy
+                            .check()
+                            .map_err(|error| unreadable(error.to_string()))?;
+                        self.retry_policies.insert(group.clone(), policy.clone());
+                    }
+                    None => {
+                        self.retry_policies.remove(group);
+                    }
+                }
+            }
             CatalogRecord::Retention {
                 prefix_hex,
                 max_age_ms,
@@ -373,6 +427,16 @@ impl Catalog {
         &self.producer_rates
     }
 
+    /// `group`'s retry policy (the default unless one was set).
+    pub fn retry_policy(&self, group: &str) -> RetryPolicy {
+        self.retry_policies.get(group).cloned().unwrap_or_default()
+    }
+
+    /// Every group with a retry policy of its own.
+    pub fn retry_policies(&self) -> &BTreeMap<String, RetryPolicy> {
+        &self.retry_policies
+    }
+
     /// The retention rules.
     pub fn retention(&self) -> &RetentionRules {
         &self.retention
@@ -406,9 +470,17 @@ impl Catalog {
                 max_age_ms: rule.max_age_ms,
                 max_bytes: rule.max_bytes,
             });
+        let retry_policies =
+            self.retry_policies
+                .iter()
+                .map(|(group, policy)| CatalogRecord::RetryPolicy {
+                    group: group.clone(),
+                    policy: Some(policy.clone()),
+                });
         topics
             .chain(group_rates)
             .chain(producer_rates)
+            .chain(retry_policies)
             .chain(retention)
             .collect()
     }
@@ -535,6 +607,44 @@ mod tests {
             );
         }
         assert_eq!(catalog, Catalog::default());
+    }
+
+    #[test]
+    fn given_retry_policies_then_set_checked_kept_in_snapshots_and_cleared() {
+        let mut catalog = Catalog::default();
+        assert_eq!(catalog.retry_policy("g"), RetryPolicy::default());
+        let policy = RetryPolicy {
+            delays_ms: vec![5, 50],
+            max_attempts: 3,
+        };
+        let set = CatalogCommand::SetRetryPolicy {
+            group: "g".to_owned(),
+            policy: Some(policy.clone()),
+        };
+        assert!(run(&mut catalog, &set).unwrap());
+        assert_eq!(catalog.retry_policy("g"), policy);
+        let mut rebuilt = Catalog::default();
+        for (record, offset) in catalog.records().iter().zip(0..) {
+            rebuilt.apply(record, offset).unwrap();
+        }
+        assert_eq!(rebuilt, catalog, "the snapshot keeps policies");
+        let empty = CatalogCommand::SetRetryPolicy {
+            group: "g".to_owned(),
+            policy: Some(RetryPolicy {
+                delays_ms: vec![],
+                max_attempts: 3,
+            }),
+        };
+        assert!(matches!(
+            catalog.decide(&empty),
+            Err(CatalogError::Retry(RetryError::Steps { steps: 0 }))
+        ));
+        let clear = CatalogCommand::SetRetryPolicy {
+            group: "g".to_owned(),
+            policy: None,
+        };
+        assert!(run(&mut catalog, &clear).unwrap());
+        assert!(catalog.retry_policies().is_empty());
     }
 
     #[test]

@@ -30,6 +30,13 @@ pub enum CatalogRecord {
         /// Messages per second.
         messages_per_s: f64,
     },
+    /// A group's retry policy was set (`None`: back to the default).
+    RetryPolicy {
+        /// The group.
+        group: String,
+        /// The policy.
+        policy: Option<crate::retry::RetryPolicy>,
+    },
     /// A retention rule was set (both bounds 0: removed).
     Retention {
         /// The queue-name prefix, as lowercase hex.

@@ -9,6 +9,8 @@ pub struct PartitionAssignment {
     pub epoch: u64,
     /// The group's committed offset on it: where delivery starts.
     pub start_offset: u64,
+    /// The group's committed offset on the partition's retry queue (retries that came due).
+    pub retry_start_offset: u64,
 }
 
 /// What a member owns after the group's latest rebalance.

@@ -11,7 +11,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::{Assignment, GroupError, MEMBERS_MAX, PartitionAssignment, encode_committed};
 
-/// One commit a member asks for: `partition` delivered up to `next_offset` under `epoch`.
+/// One commit a member asks for: `partition` (or its retry queue, with `retry`) delivered up
+/// to `next_offset` under `epoch`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Commit {
     /// The partition.
@@ -20,6 +21,8 @@ pub struct Commit {
     pub epoch: u64,
     /// The next offset to deliver: every message before it is done.
     pub next_offset: u64,
+    /// The commit is of the partition's retry queue, not of the partition.
+    pub retry: bool,
 }
 
 /// What a commit batch decided: each commit's refusal (if any), in order, and the snapshot
@@ -50,15 +53,17 @@ pub struct GroupCoordinator {
     members: BTreeMap<String, MemberState>,
     owners: Vec<Option<String>>,
     epochs: Vec<u64>,
+    /// Each partition's committed offset, then each partition's retry queue's.
     committed: Vec<u64>,
 }
 
 impl GroupCoordinator {
     /// A group with no members over `partitions` partitions, starting from `committed` (one
-    /// offset per partition; missing ones start at 0, extra ones are dropped).
+    /// offset per partition, then one per partition's retry queue; missing ones start at 0,
+    /// extra ones are dropped).
     pub fn new(partitions: u32, mut committed: Vec<u64>) -> Self {
         let count = partitions as usize;
-        committed.resize(count, 0);
+        committed.resize(count * 2, 0);
         Self {
             partitions,
             generation: 0,
@@ -240,6 +245,7 @@ impl GroupCoordinator {
                     partition,
                     epoch: self.epochs[partition as usize],
                     start_offset: self.committed[partition as usize],
+                    retry_start_offset: self.committed[self.owners.len() + partition as usize],
                 })
                 .collect(),
         }
@@ -277,29 +283,43 @@ impl GroupCoordinator {
         next_offset: u64,
         end: u64,
     ) -> Result<bool, GroupError> {
-        self.check_commit(member, partition, epoch)?;
-        if next_offset > end {
+        let commit = Commit {
+            partition,
+            epoch,
+            next_offset,
+            retry: false,
+        };
+        self.commit_lane(member, &commit, end)
+    }
+
+    /// [`GroupCoordinator::commit`] of the partition or of its retry queue.
+    fn commit_lane(&mut self, member: &str, commit: &Commit, end: u64) -> Result<bool, GroupError> {
+        self.check_commit(member, commit.partition, commit.epoch)?;
+        if commit.next_offset > end {
             return Err(GroupError::PastEnd {
-                partition,
-                next_offset,
+                partition: commit.partition,
+                next_offset: commit.next_offset,
                 end,
+                retry: commit.retry,
             });
         }
-        let slot = &mut self.committed[partition as usize];
-        let moved = next_offset > *slot;
-        *slot = (*slot).max(next_offset);
+        let lane = if commit.retry { self.owners.len() } else { 0 };
+        let slot = &mut self.committed[lane + commit.partition as usize];
+        let moved = commit.next_offset > *slot;
+        *slot = (*slot).max(commit.next_offset);
         Ok(moved)
     }
 
     /// Commits a batch for `member`, each checked as [`GroupCoordinator::commit`] does;
-    /// `end_of(partition)` gives the partition's next offset, asked only for commits that pass
+    /// `end_of(partition, retry)` gives the partition's (or its retry queue's) next offset,
+    /// asked only for commits that pass
     /// the epoch check (it may read a store: its error ends the batch, with what was
     /// accepted before it kept in memory and logged by the next batch).
     pub fn commit_batch<E>(
         &mut self,
         member: &str,
         commits: &[Commit],
-        mut end_of: impl FnMut(u32) -> Result<u64, E>,
+        mut end_of: impl FnMut(u32, bool) -> Result<u64, E>,
     ) -> Result<CommitOutcome, E> {
         let mut refusals = Vec::with_capacity(commits.len());
         let mut accepted = false;
@@ -308,14 +328,8 @@ impl GroupCoordinator {
                 if let Err(refusal) = self.check_commit(member, commit.partition, commit.epoch) {
                     Err(refusal)
                 } else {
-                    let end = end_of(commit.partition)?;
-                    self.commit(
-                        member,
-                        commit.partition,
-                        commit.epoch,
-                        commit.next_offset,
-                        end,
-                    )
+                    let end = end_of(commit.partition, commit.retry)?;
+                    self.commit_lane(member, commit, end)
                 };
             // A commit at or below the committed offset is accepted and logged like any.
             accepted |= decided.is_ok();
@@ -329,7 +343,41 @@ impl GroupCoordinator {
 
     /// Every partition's committed offset.
     pub fn committed(&self) -> &[u64] {
-        &self.committed
+        &self.committed[..self.owners.len()]
+    }
+
+    /// Every partition's retry queue's committed offset.
+    pub fn retry_committed(&self) -> &[u64] {
+        &self.committed[self.owners.len()..]
+    }
+
+    /// Sets the committed offsets of the partitions in `offsets` (they may go back: a reset to
+    /// replay). Refused while the group has members unless `force`, which removes them all
+    /// (their streams are told to join again; every partition they owned gets a new epoch,
+    /// so their commits are fenced). Returns the snapshot record to log.
+    pub fn reset(&mut self, offsets: &[(u32, u64)], force: bool) -> Result<Vec<u8>, GroupError> {
+        if let Some(&(partition, _)) = offsets
+            .iter()
+            .find(|(partition, _)| *partition as usize >= self.owners.len())
+        {
+            return Err(GroupError::NoSuchPartition {
+                partition,
+                partitions: self.partitions,
+            });
+        }
+        if !self.members.is_empty() {
+            if !force {
+                return Err(GroupError::MembersActive {
+                    members: self.members.len(),
+                });
+            }
+            self.members.clear();
+            self.rebalance(None);
+        }
+        for &(partition, offset) in offsets {
+            self.committed[partition as usize] = offset;
+        }
+        Ok(encode_committed(&self.committed))
     }
 
     /// Owner and epoch of each partition.
@@ -480,7 +528,8 @@ mod tests {
             Err(GroupError::PastEnd {
                 partition: 0,
                 next_offset: 21,
-                end: 20
+                end: 20,
+                retry: false,
             })
         );
         assert!(matches!(
@@ -500,28 +549,37 @@ mod tests {
                 partition: 0,
                 epoch: epochs[0],
                 next_offset: 5,
+                retry: false,
             },
             Commit {
                 partition: 1,
                 epoch: epochs[1] + 1,
                 next_offset: 5,
+                retry: false,
             },
             Commit {
                 partition: 1,
                 epoch: epochs[1],
                 next_offset: 50,
+                retry: false,
+            },
+            Commit {
+                partition: 1,
+                epoch: epochs[1],
+                next_offset: 3,
+                retry: true,
             },
         ];
         let mut asked = Vec::new();
         let outcome = state
-            .commit_batch("a", &commits, |partition| {
-                asked.push(partition);
+            .commit_batch("a", &commits, |partition, retry| {
+                asked.push((partition, retry));
                 Ok::<_, ()>(10)
             })
             .unwrap();
         assert_eq!(
             asked,
-            [0, 1],
+            [(0, false), (1, false), (1, true)],
             "the end is read only for commits past the epoch check"
         );
         assert_eq!(outcome.refusals[0], None);
@@ -533,18 +591,44 @@ mod tests {
             outcome.refusals[2],
             Some(GroupError::PastEnd { .. })
         ));
-        assert_eq!(outcome.record, Some(encode_committed(&[5, 0])));
+        assert_eq!(outcome.refusals[3], None);
+        assert_eq!(outcome.record, Some(encode_committed(&[5, 0, 0, 3])));
+        assert_eq!(state.retry_committed(), &[0, 3]);
         let refused_only = state
-            .commit_batch("b", &commits[..1], |_| Ok::<_, ()>(10))
+            .commit_batch("b", &commits[..1], |_, _| Ok::<_, ()>(10))
             .unwrap();
         assert_eq!(
             refused_only.record, None,
             "nothing accepted, nothing to log"
         );
         assert_eq!(
-            state.commit_batch("a", &commits[..1], |_| Err("disk")),
+            state.commit_batch("a", &commits[..1], |_, _| Err("disk")),
             Err("disk")
         );
+    }
+
+    #[test]
+    fn given_members_then_a_reset_is_refused_unless_forced_and_forced_fences_them() {
+        let mut state = GroupCoordinator::new(2, vec![10, 20, 1, 2]);
+        assert_eq!(state.retry_committed(), &[1, 2], "retry offsets load");
+        state.join("a", 1, 1_000, 0).unwrap();
+        let before: Vec<u64> = state.owners().map(|(_, epoch)| epoch).collect();
+        assert_eq!(
+            state.reset(&[(0, 3)], false),
+            Err(GroupError::MembersActive { members: 1 })
+        );
+        assert_eq!(state.committed(), &[10, 20], "refused: nothing changed");
+        assert!(matches!(
+            state.reset(&[(2, 0)], true),
+            Err(GroupError::NoSuchPartition { partition: 2, .. })
+        ));
+        let record = state.reset(&[(0, 3)], true).unwrap();
+        assert_eq!(record, encode_committed(&[3, 20, 1, 2]), "offsets go back");
+        assert_eq!(state.member_count(), 0);
+        for ((owner, epoch), old) in state.owners().zip(before) {
+            assert_eq!((owner, epoch), (None, old + 1), "the old owner is fenced");
+        }
+        assert!(state.check_commit("a", 0, 1).is_err());
     }
 
     #[test]

@@ -56,8 +56,9 @@ pub enum GroupError {
     },
     /// A commit past the partition's end.
     #[error(
-        "partition {partition}: commit of offset {next_offset} is past its end {end}; commit \
-         only delivered messages"
+        "partition {partition}{}: commit of offset {next_offset} is past its end {end}; commit \
+         only delivered messages",
+        if *retry { " (its retry queue)" } else { "" }
     )]
     PastEnd {
         /// The partition.
@@ -66,5 +67,16 @@ pub enum GroupError {
         next_offset: u64,
         /// The partition's next offset.
         end: u64,
+        /// The commit was of the partition's retry queue.
+        retry: bool,
+    },
+    /// An offset reset while members consume.
+    #[error(
+        "the group has {members} active members; stop them first, or force the reset (their \
+         streams end and they join again at the new offsets)"
+    )]
+    MembersActive {
+        /// How many.
+        members: usize,
     },
 }

@@ -10,6 +10,7 @@
 //!   `levee.v1.Topics` gRPC service.
 //! - `producer/`: idempotent producers' remembered runs.
 //! - `limits/`: group delivery pacing and producer append admission.
+//! - `delay`: messages that wait for their time (retries, delayed publishes) in slot queues.
 //! - Shared by the rooms: `stream` (the transport-neutral session streams; `grpc_stream`
 //!   adapts them to tonic), `waiters` (who waits on which queue), `credit` (a stream's flow
 //!   control), `retention` (retention passes), `durable` (waiting for fsyncs without a
@@ -30,6 +31,7 @@ use levee_store::{CommitTicket, Store, SyncPolicy, WriteError};
 use tokio::sync::Semaphore;
 
 pub mod credit;
+pub mod delay;
 pub mod durable;
 pub mod grpc_stream;
 pub mod http;
@@ -113,7 +115,8 @@ pub(crate) fn catalog_error(error: &CatalogError) -> WireError {
         CatalogError::TopicsFull
         | CatalogError::ProducerRatesFull { .. }
         | CatalogError::GroupRatesFull { .. }
-        | CatalogError::RetentionRulesFull => ErrorCode::ResourceExhausted,
+        | CatalogError::RetentionRulesFull
+        | CatalogError::RetryPoliciesFull { .. } => ErrorCode::ResourceExhausted,
         CatalogError::TopicNotFound { .. } => ErrorCode::NotFound,
         CatalogError::Unreadable { .. } => ErrorCode::StorageFailed,
         _ => ErrorCode::InvalidArgument,
@@ -127,10 +130,13 @@ pub(crate) fn group_error(group: &str, error: &GroupError) -> WireError {
         GroupError::MembersFull => ErrorCode::ResourceExhausted,
         GroupError::Fenced { .. } => ErrorCode::Fenced,
         GroupError::PastEnd { .. } => ErrorCode::OffsetOutOfRange,
+        GroupError::MembersActive { .. } => ErrorCode::FailedPrecondition,
         _ => ErrorCode::InvalidArgument,
     };
     let message = match error {
-        GroupError::MembersFull => format!("group '{group}': {error}"),
+        GroupError::MembersFull | GroupError::MembersActive { .. } => {
+            format!("group '{group}': {error}")
+        }
         _ => error.to_string(),
     };
     WireError::new(code, message)

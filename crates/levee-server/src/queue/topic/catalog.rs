@@ -201,6 +201,29 @@ impl Topics {
             .with_catalog(|catalog| catalog.retention().rule_for(queue))
     }
 
+    /// Sets `group`'s retry policy (`None`: back to the default), durably.
+    pub async fn set_retry_policy(
+        &self,
+        group: &str,
+        policy: Option<levee_broker::retry::RetryPolicy>,
+    ) -> Result<(), WireError> {
+        let command = CatalogCommand::SetRetryPolicy {
+            group: group.to_owned(),
+            policy,
+        };
+        self.change(command, || {}).await.map(drop)
+    }
+
+    /// `group`'s retry policy, and whether it is the default (the group has none of its own).
+    pub fn retry_policy(&self, group: &str) -> (levee_broker::retry::RetryPolicy, bool) {
+        self.machine.with_catalog(|catalog| {
+            (
+                catalog.retry_policy(group),
+                !catalog.retry_policies().contains_key(group),
+            )
+        })
+    }
+
     /// `group`'s rate in messages per second, 0 for none.
     pub fn rate(&self, group: &str) -> f64 {
         self.machine

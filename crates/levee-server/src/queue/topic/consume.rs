@@ -19,15 +19,18 @@ use levee_proto::v1::{
 use tokio::sync::{Notify, watch};
 
 use levee_broker::group::Commit;
-use levee_broker::names::{check_group_on_topic, check_member_name};
+use levee_broker::names::{check_group_on_topic, check_member_name, retry_queue};
+use levee_broker::retry::RetryRecord;
 
 use crate::metrics::{GroupLabels, Metrics};
 use crate::queue::credit::{ROUND_BYTES_MAX, ROUND_MESSAGES_MAX, StreamCredit, check_credit};
+use crate::queue::delay::Delayer;
 use crate::queue::limits::group_rate::{Pacer, Pacers};
 use crate::queue::limits::producer_rate::ProducerRates;
 use crate::queue::stream::{Incoming, Outgoing};
 use crate::queue::topic::catalog::{Topic, Topics};
 use crate::queue::topic::group::{Groups, Membership};
+use crate::queue::topic::retry::{self, OUTCOMES_PER_BATCH_MAX};
 use crate::queue::waiters::Waiters;
 use crate::queue::{StoreCalls, name_error, storage_error};
 
@@ -73,6 +76,10 @@ pub struct ConsumeContext {
     pub producer_rates: Arc<ProducerRates>,
     /// Topic wake-ups.
     pub waiters: Arc<Waiters>,
+    /// Messages waiting for their time (retries, delayed publishes).
+    pub delayer: Arc<Delayer>,
+    /// Serialises writes to dead-letter queues with redrives of them.
+    pub dead_letters: std::sync::Mutex<()>,
     /// Metrics.
     pub metrics: Metrics,
     /// Turns true when the server shuts down.
@@ -101,12 +108,28 @@ pub fn check_start(start: &ConsumeStart) -> Result<Duration, WireError> {
     Ok(Duration::from_millis(u64::from(lease_ms)))
 }
 
-/// Where delivery stands on one owned partition.
+/// Where delivery stands on one owned partition, or on its retry queue.
 #[derive(Debug, Clone, Copy)]
 struct Cursor {
     partition: u32,
     epoch: u64,
     next: u64,
+    retry: bool,
+}
+
+/// Turns a delivery of a retry queue's record into the retried message it carries (a record
+/// that does not decode is delivered as it is, attempt 0, so the handler can reject it).
+fn retried(delivery: &mut TopicDelivery) {
+    delivery.retry = true;
+    match RetryRecord::decode(&delivery.payload) {
+        Some(record) => {
+            delivery.attempt = record.attempts.saturating_add(1);
+            record.last_error().clone_into(&mut delivery.last_error);
+            delivery.original_offset = record.offset;
+            delivery.payload = levee_proto::Bytes::from(record.payload);
+        }
+        None => delivery.attempt = 0,
+    }
 }
 
 /// Returns once the server starts closing (the watch guard is dropped inside).
@@ -132,6 +155,8 @@ pub struct ConsumeSession {
     outgoing: Outgoing<ConsumeResponse>,
     lease: Duration,
     cursors: Vec<Cursor>,
+    /// The group's retry queue of each partition.
+    retry_queues: Vec<Vec<u8>>,
     round_robin: usize,
     credit: StreamCredit,
 }
@@ -182,7 +207,11 @@ impl ConsumeSession {
             .pacers
             .get(&start.group, context.topics.rate(&start.group));
         let credit = StreamCredit::initial(start.credit);
+        let retry_queues = (0..topic.partitions())
+            .map(|partition| retry_queue(&start.group, &topic.name, partition))
+            .collect();
         Ok(Self {
+            retry_queues,
             notify,
             context,
             topic,
@@ -218,24 +247,33 @@ impl ConsumeSession {
         }
     }
 
-    /// Takes the latest assignment: new partitions start at their committed offset, kept ones
-    /// (same epoch) keep their place, revoked ones are dropped.
+    /// Takes the latest assignment: new partitions (and their retry queues) start at their
+    /// committed offsets, kept ones (same epoch) keep their place, revoked ones are dropped.
     fn apply_assignment(&mut self, assignment: &Assignment) {
-        let old: HashMap<u32, Cursor> = self
+        let old: HashMap<(u32, bool), Cursor> = self
             .cursors
             .iter()
-            .map(|cursor| (cursor.partition, *cursor))
+            .map(|cursor| ((cursor.partition, cursor.retry), *cursor))
             .collect();
         self.cursors = assignment
             .partitions
             .iter()
-            .map(|assigned| match old.get(&assigned.partition) {
-                Some(cursor) if cursor.epoch == assigned.epoch => *cursor,
-                _ => Cursor {
-                    partition: assigned.partition,
-                    epoch: assigned.epoch,
-                    next: assigned.start_offset,
-                },
+            .flat_map(|assigned| {
+                [
+                    (false, assigned.start_offset),
+                    (true, assigned.retry_start_offset),
+                ]
+                .map(|(retry, start)| {
+                    match old.get(&(assigned.partition, retry)) {
+                        Some(cursor) if cursor.epoch == assigned.epoch => *cursor,
+                        _ => Cursor {
+                            partition: assigned.partition,
+                            epoch: assigned.epoch,
+                            next: start,
+                            retry,
+                        },
+                    }
+                })
             })
             .collect();
     }
@@ -287,7 +325,8 @@ impl ConsumeSession {
                         let reason = if self.membership.replaced() {
                             "joined again on another stream"
                         } else {
-                            "let its lease run out"
+                            "was dropped from the group (its lease ran out, or an operator \
+                             reset the group's offsets with force)"
                         };
                         return Err(WireError::new(
                             ErrorCode::FailedPrecondition,
@@ -365,7 +404,11 @@ impl ConsumeSession {
             }
             let index = (start + step) % self.cursors.len();
             let cursor = self.cursors[index];
-            let queue = &self.topic.queues[cursor.partition as usize];
+            let queue = if cursor.retry {
+                &self.retry_queues[cursor.partition as usize]
+            } else {
+                &self.topic.queues[cursor.partition as usize]
+            };
             let batch = store
                 .read(queue, cursor.next, left, bytes_left)
                 .map_err(|error| storage_error(&error))?;
@@ -386,12 +429,18 @@ impl ConsumeSession {
             }
             let first_offset = batch.first_offset;
             for (payload, offset) in crate::queue::payloads(batch).zip(first_offset..) {
-                deliveries.push(TopicDelivery {
+                let mut delivery = TopicDelivery {
                     partition: cursor.partition,
                     epoch: cursor.epoch,
                     offset,
                     payload,
-                });
+                    attempt: 1,
+                    ..TopicDelivery::default()
+                };
+                if cursor.retry {
+                    retried(&mut delivery);
+                }
+                deliveries.push(delivery);
             }
         }
         let sent = deliveries.len() as u64;
@@ -434,6 +483,7 @@ impl ConsumeSession {
                         partition: commit.partition,
                         epoch: commit.epoch,
                         next_offset: commit.next_offset,
+                        retry: commit.retry,
                     })
                     .collect();
                 let answers = self
@@ -447,6 +497,7 @@ impl ConsumeSession {
                         Ok(committed) => CommitResult {
                             partition: commit.partition,
                             next_offset: committed,
+                            retry: commit.retry,
                             ..CommitResult::default()
                         },
                         Err(error) => CommitResult {
@@ -454,6 +505,7 @@ impl ConsumeSession {
                             next_offset: commit.next_offset,
                             code: error.code as i32,
                             message: error.message,
+                            retry: commit.retry,
                         },
                     })
                     .collect();
@@ -461,6 +513,23 @@ impl ConsumeSession {
                     .outgoing
                     .send(ConsumeResponse {
                         commit_results,
+                        ..ConsumeResponse::default()
+                    })
+                    .await)
+            }
+            Some(Kind::Outcomes(batch)) => {
+                if batch.outcomes.len() > OUTCOMES_PER_BATCH_MAX {
+                    return Err(invalid(format!(
+                        "an outcome batch holds at most {OUTCOMES_PER_BATCH_MAX} outcomes, got {}",
+                        batch.outcomes.len()
+                    )));
+                }
+                let outcome_results =
+                    retry::judge(&self.context, &self.membership, &batch.outcomes).await;
+                Ok(self
+                    .outgoing
+                    .send(ConsumeResponse {
+                        outcome_results,
                         ..ConsumeResponse::default()
                     })
                     .await)

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use levee_broker::group::{Commit, GROUPS_MAX, GroupCoordinator, decode_committed};
-use levee_broker::names::commit_queue;
+use levee_broker::names::{commit_queue, retry_queue};
 use levee_proto::WireError;
 use levee_proto::v1::{Assignment, ErrorCode, PartitionAssignment};
 use levee_store::{CommitTicket, Store};
@@ -29,6 +29,7 @@ fn to_wire(assignment: levee_broker::group::Assignment) -> Assignment {
                 partition: owned.partition,
                 epoch: owned.epoch,
                 start_offset: owned.start_offset,
+                retry_start_offset: owned.retry_start_offset,
             })
             .collect(),
     }
@@ -68,6 +69,52 @@ impl Group {
     fn commit_queue(&self) -> Vec<u8> {
         commit_queue(&self.name, &self.topic.name)
     }
+
+    /// The group's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The next offset of `partition`'s queue, or of its retry queue with `retry`.
+    fn end_of_queue(
+        group: &str,
+        topic: &Topic,
+        store: &Store,
+        partition: u32,
+        retry: bool,
+    ) -> Result<u64, WireError> {
+        let queue = if retry {
+            retry_queue(group, &topic.name, partition)
+        } else {
+            topic.queues[partition as usize].clone()
+        };
+        store
+            .queue_info(&queue)
+            .map(|info| info.map_or(0, |info| info.next_offset))
+            .map_err(|error| storage_error(&error))
+    }
+
+    /// Sets the committed offsets in `offsets` (see [`GroupCoordinator::reset`]): with
+    /// `force`, ends the members' streams first. Buffers the snapshot record; returns the
+    /// members whose streams were ended and the ticket that makes the reset durable.
+    pub fn reset(
+        &mut self,
+        store: &Store,
+        offsets: &[(u32, u64)],
+        force: bool,
+    ) -> Result<(usize, CommitTicket), WireError> {
+        let members = self.state.member_count();
+        let record = self
+            .state
+            .reset(offsets, force)
+            .map_err(|error| group_error(&self.name, &error))?;
+        // Dropping their senders ends the members' streams: they join again.
+        self.watchers.clear();
+        let (_, ticket) = store
+            .append_deferred(&self.commit_queue(), &record)
+            .map_err(write_error)?;
+        Ok((members, ticket))
+    }
 }
 
 /// What a commit batch answers.
@@ -104,7 +151,7 @@ pub struct Groups {
 
 impl Groups {
     /// The group, loaded with its committed offsets if new (reads the store).
-    fn group(
+    pub fn group(
         &self,
         store: &Store,
         group: &str,
@@ -247,14 +294,11 @@ impl Membership {
     /// refused, and, if anything was committed, the ticket that makes it durable.
     pub fn commit(&self, store: &Store, commits: &[Commit]) -> Result<CommitAnswers, WireError> {
         let mut group = lock(&self.group);
-        let queues = Arc::clone(&group.topic);
+        let group = &mut *group;
         let outcome = group
             .state
-            .commit_batch(&self.member, commits, |partition| {
-                store
-                    .queue_info(&queues.queues[partition as usize])
-                    .map(|info| info.map_or(0, |info| info.next_offset))
-                    .map_err(|error| storage_error(&error))
+            .commit_batch(&self.member, commits, |partition, retry| {
+                Group::end_of_queue(&group.name, &group.topic, store, partition, retry)
             })?;
         let mut ticket = None;
         if let Some(record) = outcome.record {
@@ -265,12 +309,13 @@ impl Membership {
         }
         // An accepted commit is answered with the partition's committed offset after the
         // batch: a commit below it changed nothing, and the answer says so.
-        let committed = group.state.committed();
+        let (committed, retry_committed) = (group.state.committed(), group.state.retry_committed());
         let results = commits
             .iter()
             .zip(outcome.refusals)
             .map(|(commit, refusal)| match refusal {
                 Some(error) => Err(group_error(&group.name, &error)),
+                None if commit.retry => Ok(retry_committed[commit.partition as usize]),
                 None => Ok(committed[commit.partition as usize]),
             })
             .collect();

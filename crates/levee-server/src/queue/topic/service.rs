@@ -10,21 +10,33 @@ use levee_proto::v1::{
     ConsumeRequest, ConsumeResponse, CreateTopicRequest, CreateTopicResponse, DescribeGroupRequest,
     DescribeGroupResponse, DescribeProducerRequest, DescribeProducerResponse, DescribeTopicRequest,
     DescribeTopicResponse, ErrorCode, GroupMember, GroupPartition, ListTopicsRequest,
-    ListTopicsResponse, PartitionInfo, PublishRequest, PublishResponse, SetGroupRateRequest,
-    SetGroupRateResponse, SetProducerRateRequest, SetProducerRateResponse, TopicSummary,
+    ListTopicsResponse, PartitionInfo, PublishMessage, PublishRequest, PublishResponse,
+    SetGroupRateRequest, SetGroupRateResponse, SetProducerRateRequest, SetProducerRateResponse,
+    TopicSummary,
+};
+use levee_proto::v1::{
+    DescribeRetryPolicyRequest, DescribeRetryPolicyResponse, ListDeadLettersRequest,
+    ListDeadLettersResponse, RedriveDeadLettersRequest, RedriveDeadLettersResponse,
+    ResetGroupOffsetsRequest, ResetGroupOffsetsResponse, SetRetryPolicyRequest,
+    SetRetryPolicyResponse,
 };
 use levee_proto::{WireError, topic_partition};
 use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status, Streaming};
 
-use levee_broker::names::{check_group_name, check_producer_name};
+use levee_broker::delay::DelayedEntry;
+use levee_broker::names::{check_group_name, check_producer_name, retry_queue};
+use levee_broker::retry::{DELAY_MS_MAX, RetryPolicy};
 
+use crate::metrics::GroupLabels;
 use crate::queue::credit::{STREAM_START_TIMEOUT, SUBSCRIPTIONS_MAX};
 use crate::queue::grpc_stream::{self, GrpcResponses};
 use crate::queue::producer::idempotent::SequencedMessage;
 use crate::queue::service::{APPEND_MESSAGES_MAX, QueueService};
 use crate::queue::stream;
+use crate::queue::topic::catalog::Topic;
 use crate::queue::topic::consume::{ConsumeContext, ConsumeSession, now_ms, topic_wake_key};
+use crate::queue::topic::retry;
 use crate::queue::{lock, name_error};
 
 /// Implements `levee.v1.Topics`.
@@ -85,8 +97,10 @@ impl TopicService {
             })
             .collect();
         let mut partitions = Vec::new();
-        for ((partition, (owner, epoch)), committed) in
-            (0_u32..).zip(state.owners()).zip(state.committed())
+        for (((partition, (owner, epoch)), committed), retry_committed) in (0_u32..)
+            .zip(state.owners())
+            .zip(state.committed())
+            .zip(state.retry_committed())
         {
             if let Some(member) = members
                 .iter_mut()
@@ -101,14 +115,25 @@ impl TopicService {
                 .ok()
                 .flatten()
                 .map_or(0, |info| info.next_offset);
+            let retry_next_offset = context
+                .calls
+                .store
+                .queue_info(&retry_queue(group, topic, partition))
+                .ok()
+                .flatten()
+                .map_or(0, |info| info.next_offset);
             partitions.push(GroupPartition {
                 partition,
                 owner: owner.unwrap_or_default().to_owned(),
                 epoch,
                 committed_offset: *committed,
                 next_offset,
+                retry_committed_offset: *retry_committed,
+                retry_next_offset,
             });
         }
+        let labels = GroupLabels::new(group);
+        let metrics = &context.metrics;
         let pacer = context.pacers.get(group, context.topics.rate(group));
         Ok(DescribeGroupResponse {
             group: group.to_owned(),
@@ -119,6 +144,9 @@ impl TopicService {
             rate_limit_per_s: context.topics.rate(group),
             delivered: pacer.delivered(),
             throttled_s: pacer.throttled_s(),
+            retries_scheduled: metrics.group_retries_scheduled.get_or_create(&labels).get(),
+            dead_lettered: metrics.group_dead_lettered.get_or_create(&labels).get(),
+            redriven: metrics.group_redriven.get_or_create(&labels).get(),
         })
     }
 
@@ -152,6 +180,21 @@ impl TopicService {
             .await
     }
 
+    /// `group`'s retry policy.
+    pub fn describe_retry_policy_now(
+        context: &ConsumeContext,
+        group: String,
+    ) -> Result<DescribeRetryPolicyResponse, WireError> {
+        check_group_name(&group).map_err(|error| name_error(&error))?;
+        let (policy, is_default) = context.topics.retry_policy(&group);
+        Ok(DescribeRetryPolicyResponse {
+            group,
+            delays_ms: policy.delays_ms,
+            max_attempts: policy.max_attempts,
+            is_default,
+        })
+    }
+
     /// `producer_name`'s limit and figures.
     pub fn describe_producer_now(
         context: &ConsumeContext,
@@ -165,6 +208,85 @@ impl TopicService {
             admitted: figures.admitted,
             throttled_s: figures.throttled_s,
         })
+    }
+}
+
+/// When a message asks to be delivered (ms since the Unix epoch), `None` for at once; a time
+/// too far ahead is refused.
+fn delivery_time(message: &PublishMessage, now_ms: u64) -> Result<Option<u64>, WireError> {
+    if message.delay_ms > DELAY_MS_MAX {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            format!(
+                "delay_ms is at most {DELAY_MS_MAX} (7 days), got {}",
+                message.delay_ms
+            ),
+        ));
+    }
+    if message.deliver_at_ms > now_ms.saturating_add(DELAY_MS_MAX) {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            format!(
+                "deliver_at_ms {} is more than 7 days ({DELAY_MS_MAX} ms) after the server's \
+                 clock ({now_ms}); deliver sooner",
+                message.deliver_at_ms
+            ),
+        ));
+    }
+    let due = message
+        .deliver_at_ms
+        .max(now_ms.saturating_add(message.delay_ms));
+    Ok((due > now_ms).then_some(due))
+}
+
+impl TopicService {
+    /// Publishes a request with delayed messages: those due later wait in the delayer, the
+    /// others are appended at once. Returns the offsets (0 for the delayed ones) once durable.
+    async fn publish_delayed(
+        &self,
+        topic: &Topic,
+        partitions: &[u32],
+        messages: &[(levee_proto::Bytes, u64)],
+        due: &[u64],
+        now: u64,
+    ) -> Result<Vec<u64>, WireError> {
+        let entries: Vec<DelayedEntry> = partitions
+            .iter()
+            .zip(messages)
+            .zip(due)
+            .map(|((&partition, (payload, _)), &due_ms)| DelayedEntry {
+                // A message not delayed is due now: the delayer appends it at once.
+                due_ms: due_ms.max(now),
+                topic: topic.name.clone(),
+                target: topic.queues[partition as usize].clone(),
+                body: payload.to_vec(),
+            })
+            .collect();
+        let (delayed, immediate): (Vec<_>, Vec<_>) =
+            (0..entries.len()).partition(|&index| due[index] > now);
+        let mut offsets = vec![0; entries.len()];
+        let batch: Vec<(&[u8], &[u8])> = immediate
+            .iter()
+            .map(|&index| {
+                (
+                    entries[index].target.as_slice(),
+                    entries[index].body.as_slice(),
+                )
+            })
+            .collect();
+        let waiting: Vec<DelayedEntry> = delayed
+            .iter()
+            .map(|&index| entries[index].clone())
+            .collect();
+        let scheduled = self.context.delayer.schedule(&waiting, now)?;
+        if !batch.is_empty() {
+            let stored = self.context.calls.append_batch(&batch).await?;
+            for (index, offset) in immediate.into_iter().zip(stored) {
+                offsets[index] = offset;
+            }
+        }
+        self.context.calls.durable(scheduled.ticket).await?;
+        Ok(offsets)
     }
 }
 
@@ -245,8 +367,27 @@ impl TopicsApi for TopicService {
             )
             .into());
         }
+        let now = crate::queue::delay::unix_ms();
         let mut partitions = Vec::with_capacity(count);
         let mut messages = Vec::with_capacity(count);
+        let mut due = Vec::new();
+        for (index, message) in request.messages.iter().enumerate() {
+            if let Some(due_ms) = delivery_time(message, now)? {
+                if !request.producer_id.is_empty() {
+                    return Err(WireError::new(
+                        ErrorCode::InvalidArgument,
+                        "a delayed message cannot have a producer_id (delayed messages are not \
+                         deduplicated); publish it without one",
+                    )
+                    .into());
+                }
+                due.resize(index, 0);
+                due.push(due_ms);
+            }
+        }
+        if !due.is_empty() {
+            due.resize(count, 0);
+        }
         for message in request.messages {
             let partition = match message.partition_plus_one {
                 0 => topic_partition(&message.key, topic.partitions()),
@@ -272,7 +413,10 @@ impl TopicsApi for TopicService {
             .admit_producer(&request.producer_name, count as u64)
             .await?;
         let queue_of = |partition: u32| &topic.queues[partition as usize];
-        let offsets = if request.producer_id.is_empty() {
+        let offsets = if !due.is_empty() {
+            self.publish_delayed(&topic, &partitions, &messages, &due, now)
+                .await?
+        } else if request.producer_id.is_empty() {
             // The partitions' queue names are borrowed, not copied per message.
             let batch: Vec<(&[u8], &[u8])> = partitions
                 .iter()
@@ -304,6 +448,7 @@ impl TopicsApi for TopicService {
         Ok(Response::new(PublishResponse {
             partitions,
             offsets,
+            deliver_at_ms: due,
         }))
     }
 
@@ -376,5 +521,62 @@ impl TopicsApi for TopicService {
             &self.context,
             &request.producer_name,
         )?))
+    }
+
+    async fn set_retry_policy(
+        &self,
+        request: Request<SetRetryPolicyRequest>,
+    ) -> Result<Response<SetRetryPolicyResponse>, Status> {
+        let request = request.into_inner();
+        let policy = (!request.reset_to_default).then_some(RetryPolicy {
+            delays_ms: request.delays_ms,
+            max_attempts: request.max_attempts,
+        });
+        retry::set_policy(&self.context, &request.group, policy).await?;
+        Ok(Response::new(SetRetryPolicyResponse {}))
+    }
+
+    async fn describe_retry_policy(
+        &self,
+        request: Request<DescribeRetryPolicyRequest>,
+    ) -> Result<Response<DescribeRetryPolicyResponse>, Status> {
+        let group = request.into_inner().group;
+        Ok(Response::new(Self::describe_retry_policy_now(
+            &self.context,
+            group,
+        )?))
+    }
+
+    async fn list_dead_letters(
+        &self,
+        request: Request<ListDeadLettersRequest>,
+    ) -> Result<Response<ListDeadLettersResponse>, Status> {
+        Ok(Response::new(
+            retry::list_dead_letters(&self.context, request.into_inner()).await?,
+        ))
+    }
+
+    async fn redrive_dead_letters(
+        &self,
+        request: Request<RedriveDeadLettersRequest>,
+    ) -> Result<Response<RedriveDeadLettersResponse>, Status> {
+        let request = request.into_inner();
+        let redriven = retry::redrive(
+            &self.context,
+            (request.group, request.topic),
+            request.offsets,
+            request.all,
+        )
+        .await?;
+        Ok(Response::new(RedriveDeadLettersResponse { redriven }))
+    }
+
+    async fn reset_group_offsets(
+        &self,
+        request: Request<ResetGroupOffsetsRequest>,
+    ) -> Result<Response<ResetGroupOffsetsResponse>, Status> {
+        Ok(Response::new(
+            retry::reset_offsets(&self.context, request.into_inner()).await?,
+        ))
     }
 }

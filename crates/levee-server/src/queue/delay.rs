@@ -1,0 +1,308 @@
+//! Messages that wait for their time (a group's retries, delayed publishes), over the store:
+//! the broker's [`DelayWheel`] says which slot each goes to and which slots are due; this
+//! module appends [`DelayedEntry`] records to the slots' queues, and a task, every
+//! [`FINE_MS`], delivers the due slots (each entry's body appended to its target queue, the
+//! target's topic woken) and spreads coarse slots into fine ones. A slot's queue is deleted
+//! only once what it held is durable elsewhere, so a crash delivers an entry twice at worst,
+//! never loses one. At start the slots are found again from the store's queue names.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use levee_broker::delay::{DelayWheel, DelayedEntry, Due, FINE_MS, Placement, Slot};
+use levee_broker::names::DELAY_PREFIX;
+use levee_proto::WireError;
+use levee_store::{CommitTicket, Store};
+use tokio::sync::watch;
+
+use crate::metrics::Metrics;
+use crate::queue::topic::consume::topic_wake_key;
+use crate::queue::waiters::Waiters;
+use crate::queue::{StoreCalls, lock, storage_error, write_error};
+
+/// Messages one read of a slot takes.
+const SLOT_READ_MESSAGES: usize = 10_000;
+/// Bytes one read of a slot takes.
+const SLOT_READ_BYTES: usize = 4 << 20;
+
+/// Milliseconds since the Unix epoch, by this server's clock.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        })
+}
+
+/// What [`Delayer::schedule`] buffered: wait for `ticket`, then wake `topics` (entries due at
+/// once went straight to their queues).
+#[derive(Debug, Default)]
+pub struct Scheduled {
+    /// Makes the appends durable.
+    pub ticket: Option<CommitTicket>,
+    /// Topics whose consumers to wake once durable.
+    pub topics: Vec<String>,
+}
+
+/// Every waiting message of the server; see the module docs.
+#[derive(Debug)]
+pub struct Delayer {
+    calls: StoreCalls,
+    waiters: Arc<Waiters>,
+    metrics: Metrics,
+    wheel: Mutex<DelayWheel>,
+}
+
+impl Delayer {
+    /// The delayer, with the slots the store holds (a pass over its queue names with the
+    /// delay prefix). Blocks on the store.
+    pub fn open(calls: StoreCalls, waiters: Arc<Waiters>, metrics: Metrics) -> Self {
+        let mut wheel = DelayWheel::default();
+        let store = &calls.store;
+        let mut found = Vec::new();
+        store.for_each_queue_with_prefix(DELAY_PREFIX, |name| found.push(name.to_vec()));
+        for name in found {
+            if let (Some(slot), Ok(Some(info))) = (Slot::parse(&name), store.queue_info(&name)) {
+                wheel.restore(slot, info.next_offset - info.first_offset);
+            }
+        }
+        metrics
+            .delayed_messages_waiting
+            .set(i64::try_from(wheel.pending()).unwrap_or(i64::MAX));
+        if wheel.pending() > 0 {
+            tracing::info!(
+                waiting = wheel.pending(),
+                slots = wheel.slots(),
+                "delayed messages found"
+            );
+        }
+        Self {
+            calls,
+            waiters,
+            metrics,
+            wheel: Mutex::new(wheel),
+        }
+    }
+
+    /// Buffers `entries` at `now_ms`: each into its slot's queue, or, when due, its body into
+    /// its target queue. Wait for the returned ticket before answering, then wake its topics.
+    pub fn schedule(&self, entries: &[DelayedEntry], now_ms: u64) -> Result<Scheduled, WireError> {
+        let scheduled = self.place(entries, now_ms)?;
+        self.metrics
+            .delayed_messages_scheduled
+            .inc_by(entries.len() as u64);
+        Ok(scheduled)
+    }
+
+    /// [`Delayer::schedule`] without counting the entries as newly scheduled.
+    fn place(&self, entries: &[DelayedEntry], now_ms: u64) -> Result<Scheduled, WireError> {
+        let mut scheduled = Scheduled::default();
+        if entries.is_empty() {
+            return Ok(scheduled);
+        }
+        let mut encoded = Vec::with_capacity(entries.len());
+        let mut wheel = lock(&self.wheel);
+        for entry in entries {
+            match wheel.place(entry.due_ms, now_ms) {
+                Placement::Now => {
+                    encoded.push((entry.target.clone(), entry.body.clone()));
+                    if !scheduled.topics.contains(&entry.topic) {
+                        scheduled.topics.push(entry.topic.clone());
+                    }
+                }
+                Placement::Slot(slot) => encoded.push((slot.queue(), entry.encode())),
+            }
+        }
+        let batch: Vec<(&[u8], &[u8])> = encoded
+            .iter()
+            .map(|(queue, body)| (queue.as_slice(), body.as_slice()))
+            .collect();
+        // Under the wheel's lock, so a slot taken for delivery never gains an entry after.
+        let (_, ticket) = self
+            .calls
+            .store
+            .append_batch_deferred(&batch)
+            .map_err(write_error)?;
+        let waiting = wheel.pending();
+        drop(wheel);
+        self.metrics
+            .delayed_messages_waiting
+            .set(i64::try_from(waiting).unwrap_or(i64::MAX));
+        scheduled.ticket = Some(ticket);
+        Ok(scheduled)
+    }
+
+    fn wake(&self, topics: &[String]) {
+        for topic in topics {
+            self.waiters.wake(&topic_wake_key(topic));
+        }
+    }
+
+    /// Messages waiting now.
+    pub fn waiting(&self) -> u64 {
+        lock(&self.wheel).pending()
+    }
+
+    /// Delivers due slots every [`FINE_MS`] until the server closes. A failed pass (a full
+    /// disk) is logged and its slots are tried again a second later.
+    pub async fn run(self: Arc<Self>, mut closing: watch::Receiver<bool>) {
+        let mut tick = tokio::time::interval(Duration::from_millis(FINE_MS));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = closing.wait_for(|closing| *closing) => return,
+            }
+            let due = lock(&self.wheel).take_due(unix_ms());
+            if due.is_empty() {
+                continue;
+            }
+            let delayer = Arc::clone(&self);
+            let failed = self
+                .calls
+                .run(move |store| Ok(delayer.process(store, &due)))
+                .await;
+            match failed {
+                Ok(Ok(topics)) => self.wake(&topics),
+                Ok(Err((error, left))) => {
+                    tracing::warn!(%error, "delivering delayed messages failed; retrying in 1 s");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    self.restore_slots(&left);
+                }
+                Err(error) => tracing::warn!(%error, "delivering delayed messages failed"),
+            }
+            self.metrics
+                .delayed_messages_waiting
+                .set(i64::try_from(self.waiting()).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// Puts slots whose pass failed back into the wheel (their queues are still there).
+    fn restore_slots(&self, due: &Due) {
+        let store = &self.calls.store;
+        let mut wheel = lock(&self.wheel);
+        let slots = due
+            .spread
+            .iter()
+            .map(|&number| Slot::Coarse(number))
+            .chain(due.deliver.iter().map(|&number| Slot::Fine(number)));
+        for slot in slots {
+            if let Ok(Some(info)) = store.queue_info(&slot.queue()) {
+                wheel.restore(slot, info.next_offset - info.first_offset);
+            }
+        }
+    }
+
+    /// One pass over the due slots (blocks on the store): spreads the coarse ones, delivers
+    /// the fine ones, deletes each once its entries are durable elsewhere. Returns the topics
+    /// to wake, or the error with the slots not done.
+    fn process(&self, store: &Store, due: &Due) -> Result<Vec<String>, (WireError, Due)> {
+        // What was appended to the slots must be readable (fsynced under `always`).
+        store
+            .flush()
+            .map_err(|error| (write_error(error), due.clone()))?;
+        for (index, &coarse) in due.spread.iter().enumerate() {
+            let left = || Due {
+                spread: due.spread[index..].to_vec(),
+                deliver: due.deliver.clone(),
+            };
+            self.spread(store, Slot::Coarse(coarse))
+                .map_err(|error| (error, left()))?;
+        }
+        let mut topics = Vec::new();
+        for (index, &fine) in due.deliver.iter().enumerate() {
+            let left = || Due {
+                spread: Vec::new(),
+                deliver: due.deliver[index..].to_vec(),
+            };
+            self.deliver(store, Slot::Fine(fine), &mut topics)
+                .map_err(|error| (error, left()))?;
+        }
+        Ok(topics)
+    }
+
+    /// Calls `each` on every page of entries of `slot`'s queue.
+    fn read_slot(
+        store: &Store,
+        slot: Slot,
+        mut each: impl FnMut(Vec<DelayedEntry>) -> Result<(), WireError>,
+    ) -> Result<(), WireError> {
+        let queue = slot.queue();
+        let Some(info) = store
+            .queue_info(&queue)
+            .map_err(|error| storage_error(&error))?
+        else {
+            return Ok(());
+        };
+        let mut offset = info.first_offset;
+        while offset < info.next_offset {
+            let batch = store
+                .read(&queue, offset, SLOT_READ_MESSAGES, SLOT_READ_BYTES)
+                .map_err(|error| storage_error(&error))?;
+            if batch.is_empty() {
+                break;
+            }
+            offset = batch.next_offset();
+            let entries = batch
+                .iter()
+                .filter_map(|bytes| {
+                    let entry = DelayedEntry::decode(bytes);
+                    if entry.is_none() {
+                        tracing::warn!(?slot, "a delayed entry is unreadable; skipped");
+                    }
+                    entry
+                })
+                .collect();
+            each(entries)?;
+        }
+        Ok(())
+    }
+
+    /// Places every entry of a coarse slot again (into fine slots), then deletes it.
+    fn spread(&self, store: &Store, slot: Slot) -> Result<(), WireError> {
+        let mut topics = Vec::new();
+        Self::read_slot(store, slot, |entries| {
+            // Counted as scheduled when first placed.
+            let placed = self.place(&entries, unix_ms())?;
+            topics.extend(placed.topics);
+            Ok(())
+        })?;
+        store.flush().map_err(write_error)?;
+        self.wake(&topics);
+        store.delete_queue(&slot.queue()).map_err(write_error)?;
+        Ok(())
+    }
+
+    /// Appends every entry of a fine slot to its target, then deletes the slot.
+    fn deliver(
+        &self,
+        store: &Store,
+        slot: Slot,
+        topics: &mut Vec<String>,
+    ) -> Result<(), WireError> {
+        Self::read_slot(store, slot, |entries| {
+            let now = unix_ms();
+            let batch: Vec<(&[u8], &[u8])> = entries
+                .iter()
+                .map(|entry| (entry.target.as_slice(), entry.body.as_slice()))
+                .collect();
+            store.append_batch_deferred(&batch).map_err(write_error)?;
+            for entry in &entries {
+                let late_ms = now.saturating_sub(entry.due_ms);
+                self.metrics
+                    .delayed_delivery_lateness_seconds
+                    .observe(Duration::from_millis(late_ms).as_secs_f64());
+                if !topics.contains(&entry.topic) {
+                    topics.push(entry.topic.clone());
+                }
+            }
+            self.metrics
+                .delayed_messages_delivered
+                .inc_by(entries.len() as u64);
+            Ok(())
+        })?;
+        store.flush().map_err(write_error)?;
+        store.delete_queue(&slot.queue()).map_err(write_error)?;
+        Ok(())
+    }
+}
