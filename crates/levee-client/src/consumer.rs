@@ -86,6 +86,8 @@ pub struct Message {
     pub retry: bool,
     /// With `retry`: the error its last failed attempt reported.
     pub last_error: String,
+    /// With `retry`: when it was due again, ms since the Unix epoch by the server's clock.
+    pub due_ms: u64,
     /// Its offset in the queue it was delivered from (the partition, or its retry queue).
     delivered_offset: u64,
 }
@@ -297,7 +299,16 @@ impl GroupConsumer {
         loop {
             stats.streams += 1;
             let handled_before = stats.handled;
-            match self.stream(&handler, stop.as_mut(), &mut stats).await {
+            let mut stopped = false;
+            let result = self
+                .stream(&handler, (stop.as_mut(), &mut stopped), &mut stats)
+                .await;
+            if stopped {
+                // `stop` completed (it must not be polled again): the stream ended while
+                // stopping, whether or not its last commit got through.
+                return result.map(|()| stats);
+            }
+            match result {
                 Ok(()) => return Ok(stats),
                 Err(error) if is_permanent(&error) => return Err(error),
                 Err(error) => {
@@ -319,7 +330,7 @@ impl GroupConsumer {
     async fn stream<H, F, O>(
         &self,
         handler: &Arc<H>,
-        mut stop: std::pin::Pin<&mut impl Future<Output = ()>>,
+        (mut stop, stopped): (std::pin::Pin<&mut impl Future<Output = ()>>, &mut bool),
         stats: &mut ConsumerStats,
     ) -> Result<(), ClientError>
     where
@@ -359,6 +370,9 @@ impl GroupConsumer {
         let mut stopping = false;
         // Commit batches sent and not yet answered (each gets one answer).
         let mut commits_awaiting = 0_usize;
+        let mut outbox = Outbox::default();
+        // Failed messages' outcomes waiting for the next commit tick.
+        let mut failed = Vec::new();
         loop {
             self.dispatch(&mut partitions, &slots, handler, &finished_sender);
             // Also waits for the answers to failed messages' outcomes, so their commits pass
@@ -370,7 +384,7 @@ impl GroupConsumer {
             {
                 final_commit(
                     &mut partitions,
-                    &requests,
+                    (&requests, outbox),
                     &mut responses,
                     commits_awaiting,
                     stats,
@@ -387,8 +401,15 @@ impl GroupConsumer {
                     }
                     if taken.revoked_messages > 0 {
                         // Delivered for partitions revoked meanwhile: hand the credit back.
-                        let credit = credit_request(taken.revoked_messages, taken.revoked_bytes);
-                        requests.send(credit).await.map_err(|_| closed())?;
+                        outbox.credit(taken.revoked_messages, taken.revoked_bytes);
+                    }
+                }
+                // Requests go out from the outbox while responses are read, so a server
+                // waiting for this client to read never waits on a client waiting to send.
+                permit = requests.reserve(), if !outbox.is_empty() => {
+                    let permit = permit.map_err(|_| closed())?;
+                    if let Some(request) = outbox.pop() {
+                        permit.send(request);
                     }
                 }
                 Some(first) = finished.recv() => {
@@ -397,31 +418,25 @@ impl GroupConsumer {
                         done.push(more);
                     }
                     stats.handled += done.iter().map(|job| u64::from(job.messages)).sum::<u64>();
-                    let (messages, bytes, outcomes) = apply_finished(&mut partitions, done);
-                    requests
-                        .send(credit_request(messages, bytes))
-                        .await
-                        .map_err(|_| closed())?;
-                    for batch in outcomes.chunks(OUTCOMES_PER_BATCH_MAX) {
-                        let outcomes = ConsumeRequest {
-                            kind: Some(Kind::Outcomes(OutcomeBatch { outcomes: batch.to_vec() })),
-                        };
-                        requests.send(outcomes).await.map_err(|_| closed())?;
-                    }
+                    outbox.finished(apply_finished(&mut partitions, done), &mut failed);
                 }
                 _ = commit_tick.tick() => {
+                    outbox.outcomes(&mut failed);
                     let batch = commits_due(&mut partitions);
                     if !batch.is_empty() {
-                        requests.send(commit_request(batch)).await.map_err(|_| closed())?;
+                        outbox.push(commit_request(batch));
                         commits_awaiting += 1;
                     }
                 }
                 _ = heartbeat.tick() => {
-                    let beat = ConsumeRequest { kind: Some(Kind::Heartbeat(Heartbeat {})) };
-                    requests.send(beat).await.map_err(|_| closed())?;
+                    // Any request renews the lease: a heartbeat only when none waits.
+                    if outbox.is_empty() {
+                        outbox.push(ConsumeRequest { kind: Some(Kind::Heartbeat(Heartbeat {})) });
+                    }
                 }
                 () = stop.as_mut(), if !stopping => {
                     stopping = true;
+                    *stopped = true;
                     for state in partitions.values_mut() {
                         state.waiting.clear();
                     }
@@ -531,6 +546,7 @@ fn take_response(
                 attempt: delivery.attempt,
                 retry: delivery.retry,
                 last_error: delivery.last_error,
+                due_ms: delivery.due_ms,
                 delivered_offset: delivery.offset,
             });
         } else {
@@ -634,20 +650,88 @@ fn outcome_message(lane: Lane, epoch: u64, offset: u64, outcome: Outcome) -> Mes
     }
 }
 
-/// On stop: commits what finished and waits (at most 5 s) for the answers to every commit
-/// batch still unanswered, so the last commit is durable before the member leaves.
+/// Requests waiting to go out on the stream, in order; consecutive credits are merged. Bounded
+/// by the messages in flight (a finished job adds a credit and at most one outcome batch per
+/// 1,024 failures) plus a commit per commit interval while the server does not read.
+#[derive(Debug, Default)]
+struct Outbox(VecDeque<ConsumeRequest>);
+
+impl Outbox {
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn push(&mut self, request: ConsumeRequest) {
+        self.0.push_back(request);
+    }
+
+    fn pop(&mut self) -> Option<ConsumeRequest> {
+        self.0.pop_front()
+    }
+
+    /// Queues what finished jobs give back: their credit at once; their failed messages'
+    /// outcomes wait in `failed` for the next commit tick (or until a batch is full), so a
+    /// server answers a few large outcome batches, not one per job.
+    fn finished(
+        &mut self,
+        (messages, bytes, outcomes): (u32, u32, Vec<MessageOutcome>),
+        failed: &mut Vec<MessageOutcome>,
+    ) {
+        self.credit(messages, bytes);
+        failed.extend(outcomes);
+        if failed.len() >= OUTCOMES_PER_BATCH_MAX {
+            self.outcomes(failed);
+        }
+    }
+
+    /// Queues the waiting outcomes, in batches of at most [`OUTCOMES_PER_BATCH_MAX`].
+    fn outcomes(&mut self, failed: &mut Vec<MessageOutcome>) {
+        for batch in failed.chunks(OUTCOMES_PER_BATCH_MAX) {
+            self.push(ConsumeRequest {
+                kind: Some(Kind::Outcomes(OutcomeBatch {
+                    outcomes: batch.to_vec(),
+                })),
+            });
+        }
+        failed.clear();
+    }
+
+    /// Adds credit, to the last request if that is a credit.
+    fn credit(&mut self, messages: u32, bytes: u32) {
+        if let Some(ConsumeRequest {
+            kind: Some(Kind::Credit(credit)),
+        }) = self.0.back_mut()
+        {
+            credit.messages = credit.messages.saturating_add(messages);
+            credit.bytes = credit.bytes.saturating_add(bytes);
+            return;
+        }
+        self.push(credit_request(messages, bytes));
+    }
+}
+
+/// On stop: sends what the outbox holds, commits what finished and waits (at most 5 s in all)
+/// for the answers to every commit batch still unanswered, so the last commit is durable
+/// before the member leaves.
 async fn final_commit(
     partitions: &mut HashMap<Lane, PartitionState>,
-    requests: &mpsc::Sender<ConsumeRequest>,
+    (requests, mut outbox): (&mpsc::Sender<ConsumeRequest>, Outbox),
     responses: &mut tonic::Streaming<levee_proto::v1::ConsumeResponse>,
     mut awaiting: usize,
     stats: &mut ConsumerStats,
 ) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     let batch = commits_due(partitions);
-    if !batch.is_empty() && requests.send(commit_request(batch)).await.is_ok() {
+    if !batch.is_empty() {
+        outbox.push(commit_request(batch));
         awaiting += 1;
     }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while let Some(request) = outbox.pop() {
+        let sent = tokio::time::timeout_at(deadline, requests.send(request)).await;
+        if !matches!(sent, Ok(Ok(()))) {
+            return;
+        }
+    }
     while awaiting > 0 {
         let Ok(Ok(Some(response))) = tokio::time::timeout_at(deadline, responses.message()).await
         else {

@@ -7,6 +7,7 @@
 mod bench;
 mod client_commands;
 mod cluster_commands;
+mod failure_commands;
 mod hotkey_commands;
 mod limit_commands;
 mod queue_commands;
@@ -44,7 +45,7 @@ enum Command {
     /// Topics: create, describe, list, publish by key.
     #[command(subcommand)]
     Topic(topic_commands::TopicCommand),
-    /// Consumer groups: describe, set a rate limit.
+    /// Consumer groups: describe, set a rate limit, retry policy, dead letters, offset resets.
     #[command(subcommand)]
     Group(topic_commands::GroupCommand),
     /// Producers: describe, set an append rate limit per producer name.
@@ -66,6 +67,9 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
+    /// Delayed delivery: a million delayed messages waiting at once (server memory), and how
+    /// late each reaches its handler after its time.
+    Delay(bench::delay::DelayBenchArgs),
     /// Cluster failover: kill -9 the leader again and again while writing metadata; failover
     /// time percentiles and acknowledged writes lost (must be 0).
     Failover(bench::failover::FailoverBenchArgs),
@@ -98,6 +102,7 @@ fn main() -> ExitCode {
         Command::Limit(command) => limit_commands::run(&command),
         Command::Bench(command) => {
             let result = match command {
+                BenchCommand::Delay(args) => bench::delay::run(&args),
                 BenchCommand::Failover(args) => bench::failover::run(&args),
                 BenchCommand::Hotkey(args) => bench::hotkey::run(&args),
                 BenchCommand::Limits(args) => bench::limits::run(&args),

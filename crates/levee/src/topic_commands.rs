@@ -7,6 +7,7 @@ use levee_client::Client;
 use serde_json::{Value, json};
 
 use crate::client_commands::ServerAddress;
+use crate::failure_commands;
 
 #[derive(Debug, clap::Subcommand)]
 pub enum TopicCommand {
@@ -26,6 +27,16 @@ pub enum GroupCommand {
     Describe(GroupArgs),
     /// Set a consumer group's delivery rate limit (0 clears it); takes effect at once
     SetRate(SetRateArgs),
+    /// Show a consumer group's retry policy (delays and attempts before dead letters)
+    RetryPolicy(failure_commands::RetryPolicyArgs),
+    /// Set a consumer group's retry policy, or give it the default again
+    SetRetryPolicy(failure_commands::SetRetryPolicyArgs),
+    /// List a consumer group's dead letters on a topic with their history, oldest first
+    DeadLetters(failure_commands::DeadLettersArgs),
+    /// Put dead letters (selected, or all) back into the group's retry path
+    Redrive(failure_commands::RedriveArgs),
+    /// Set a group's committed offsets: earliest, latest, an offset or a time (replay, skip)
+    ResetOffsets(failure_commands::ResetArgs),
 }
 
 #[derive(Debug, clap::Subcommand)]
@@ -71,6 +82,9 @@ pub struct PublishArgs {
     /// The message, as text
     #[arg(long)]
     message: String,
+    /// Deliver it no earlier than this many ms from now (at most 604800000, 7 days)
+    #[arg(long)]
+    delay_ms: Option<u64>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -151,6 +165,11 @@ pub fn run_group(command: &GroupCommand) -> ExitCode {
     let address = match command {
         GroupCommand::Describe(args) => &args.address,
         GroupCommand::SetRate(args) => &args.address,
+        GroupCommand::RetryPolicy(args) => &args.address,
+        GroupCommand::SetRetryPolicy(args) => &args.address,
+        GroupCommand::DeadLetters(args) => &args.address,
+        GroupCommand::Redrive(args) => &args.address,
+        GroupCommand::ResetOffsets(args) => &args.address,
     };
     crate::client_commands::print_result(address.json, group(command, &address.server))
 }
@@ -188,6 +207,22 @@ async fn topic(command: &TopicCommand, server: &str) -> anyhow::Result<Value> {
                 .collect();
             json!({ "topics": topics })
         }
+        TopicCommand::Publish(args) if args.delay_ms.is_some() => {
+            let delay = std::time::Duration::from_millis(args.delay_ms.unwrap_or_default());
+            let published = client
+                .publish_delayed(
+                    &args.topic.topic,
+                    &[(args.key.as_bytes(), args.message.as_bytes())],
+                    delay,
+                )
+                .await?;
+            let (partition, deliver_at_ms) = published.first().copied().unwrap_or_default();
+            json!({
+                "topic": args.topic.topic,
+                "partition": partition,
+                "deliver_at_ms": deliver_at_ms,
+            })
+        }
         TopicCommand::Publish(args) => {
             let published = client
                 .publish(
@@ -213,6 +248,13 @@ async fn group(command: &GroupCommand, server: &str) -> anyhow::Result<Value> {
             client.set_group_rate(&args.group, per_second).await?;
             json!({"group": args.group, "messages_per_s": per_second})
         }
+        GroupCommand::RetryPolicy(args) => failure_commands::retry_policy(&client, args).await?,
+        GroupCommand::SetRetryPolicy(args) => {
+            failure_commands::set_retry_policy(&client, args).await?
+        }
+        GroupCommand::DeadLetters(args) => failure_commands::dead_letters(&client, args).await?,
+        GroupCommand::Redrive(args) => failure_commands::redrive(&client, args).await?,
+        GroupCommand::ResetOffsets(args) => failure_commands::reset(&client, args).await?,
     })
 }
 

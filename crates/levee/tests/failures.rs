@@ -225,6 +225,39 @@ fn failed_messages_retry_with_backoff_then_dead_letter_and_redrive() {
     assert_eq!(code, 200, "{json}");
     assert!(json.contains("card service down (attempt 3)"), "{json}");
 
+    // The CLI lists them and shows the policy; a bad policy names the bound.
+    let address = server.grpc();
+    let cli = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--server", &address, "--json"]);
+        support::run_to_exit(&all, &[])
+    };
+    let (code, listed, _) = cli(&[
+        "group",
+        "dead-letters",
+        "--group",
+        "cashback",
+        "--topic",
+        "pay",
+    ]);
+    assert_eq!(code, Some(0));
+    assert!(listed.contains("\"attempts\":3"), "{listed}");
+    let (code, policy, _) = cli(&["group", "retry-policy", "--group", "cashback"]);
+    assert_eq!(code, Some(0));
+    assert!(policy.contains("600"), "{policy}");
+    let (code, _, refused) = cli(&[
+        "group",
+        "set-retry-policy",
+        "--group",
+        "other",
+        "--delays-ms",
+        "0",
+        "--max-attempts",
+        "3",
+    ]);
+    assert_ne!(code, Some(0));
+    assert!(refused.contains("1 ms to"), "{refused}");
+
     // Redrive one, then the rest; the handler is healed.
     healed.store(true, std::sync::atomic::Ordering::SeqCst);
     runtime.block_on(async {
@@ -252,12 +285,26 @@ fn failed_messages_retry_with_backoff_then_dead_letter_and_redrive() {
             .await
             .unwrap();
         assert_eq!(left.dead_letters.len(), 1, "a redriven one is not listed");
+        let left_offset = left.dead_letters[0].offset.to_string();
+        let (code, redriven, _) = cli(&[
+            "group",
+            "redrive",
+            "--group",
+            "cashback",
+            "--topic",
+            "pay",
+            "--offsets",
+            &left_offset,
+        ]);
+        assert_eq!(code, Some(0));
+        assert!(redriven.contains("\"redriven\":1"), "{redriven}");
         assert_eq!(
             client
                 .redrive_dead_letters("cashback", "pay", None)
                 .await
                 .unwrap(),
-            1
+            0,
+            "nothing left: a redrive of all redrives none"
         );
         let none = client
             .dead_letters("cashback", "pay", 0, 100)

@@ -163,7 +163,7 @@ impl Delayer {
                 .run(move |store| Ok(delayer.process(store, &due)))
                 .await;
             match failed {
-                Ok(Ok(topics)) => self.wake(&topics),
+                Ok(Ok(())) => {}
                 Ok(Err((error, left))) => {
                     tracing::warn!(%error, "delivering delayed messages failed; retrying in 1 s");
                     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -194,9 +194,10 @@ impl Delayer {
     }
 
     /// One pass over the due slots (blocks on the store): spreads the coarse ones, delivers
-    /// the fine ones, deletes each once its entries are durable elsewhere. Returns the topics
-    /// to wake, or the error with the slots not done.
-    fn process(&self, store: &Store, due: &Due) -> Result<Vec<String>, (WireError, Due)> {
+    /// the fine ones, wakes their consumers and deletes each slot once its entries are durable
+    /// elsewhere. A failure returns the error with the slots not done (a slot delivered but
+    /// not deleted is delivered again: at-least-once).
+    fn process(&self, store: &Store, due: &Due) -> Result<(), (WireError, Due)> {
         // What was appended to the slots must be readable (fsynced under `always`).
         store
             .flush()
@@ -209,16 +210,29 @@ impl Delayer {
             self.spread(store, Slot::Coarse(coarse))
                 .map_err(|error| (error, left()))?;
         }
+        // Every due slot's entries go to their targets, one flush makes them all durable (and
+        // readable), their consumers are woken, and only then are the slots deleted.
         let mut topics = Vec::new();
-        for (index, &fine) in due.deliver.iter().enumerate() {
-            let left = || Due {
-                spread: Vec::new(),
-                deliver: due.deliver[index..].to_vec(),
-            };
+        for &fine in &due.deliver {
             self.deliver(store, Slot::Fine(fine), &mut topics)
-                .map_err(|error| (error, left()))?;
+                .map_err(|error| (error, due.clone()))?;
         }
-        Ok(topics)
+        store
+            .flush()
+            .map_err(|error| (write_error(error), due.clone()))?;
+        self.wake(&topics);
+        for (index, &fine) in due.deliver.iter().enumerate() {
+            store
+                .delete_queue(&Slot::Fine(fine).queue())
+                .map_err(|error| {
+                    let left = Due {
+                        spread: Vec::new(),
+                        deliver: due.deliver[index..].to_vec(),
+                    };
+                    (write_error(error), left)
+                })?;
+        }
+        Ok(())
     }
 
     /// Calls `each` on every page of entries of `slot`'s queue.
@@ -273,7 +287,8 @@ impl Delayer {
         Ok(())
     }
 
-    /// Appends every entry of a fine slot to its target, then deletes the slot.
+    /// Appends every entry of a fine slot to its target (not yet durable: the caller flushes,
+    /// then deletes the slot).
     fn deliver(
         &self,
         store: &Store,
@@ -300,9 +315,6 @@ impl Delayer {
                 .delayed_messages_delivered
                 .inc_by(entries.len() as u64);
             Ok(())
-        })?;
-        store.flush().map_err(write_error)?;
-        store.delete_queue(&slot.queue()).map_err(write_error)?;
-        Ok(())
+        })
     }
 }

@@ -9,6 +9,7 @@
     clippy::cast_sign_loss
 )]
 
+pub mod delay;
 pub mod failover;
 pub mod hotkey;
 pub mod limits;

@@ -7,7 +7,9 @@
 //!   queues between them as mailboxes, consume and ack every message.
 //! - `--shape topic`: one topic of `--partitions` partitions; producer tasks publish batches of
 //!   `--batch` keyed messages; `--consumers` members of one consumer group consume with the
-//!   `GroupConsumer` (ordered per partition) and commit in order.
+//!   `GroupConsumer` (ordered per partition) and commit in order. With `--fail-ratio` the
+//!   handler fails that share of first deliveries (asking for a retry after
+//!   `--retry-delay-ms`); the report adds the retries and their lateness after their due time.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -15,7 +17,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use hdrhistogram::Histogram;
-use levee_client::{Bytes, Client, ConsumerOptions, GroupConsumer, Producer, ProducerOptions};
+use levee_client::{
+    Bytes, Client, ConsumerOptions, GroupConsumer, Outcome, Producer, ProducerOptions,
+};
 use serde_json::{Value, json};
 
 use super::percentiles_ms;
@@ -62,6 +66,14 @@ pub struct QueueBenchArgs {
     /// every 10 s window after a 2 s warm-up; producers should offer more
     #[arg(long)]
     pub producer_rate: Option<f64>,
+    /// Topic shape: the handler fails this share (0 to 1) of first deliveries, asking for a
+    /// retry after --retry-delay-ms; retries succeed. Reports the retries and how late each
+    /// was delivered after its due time (the delay accuracy)
+    #[arg(long)]
+    pub fail_ratio: Option<f64>,
+    /// With --fail-ratio: the retry delay the handler asks for, in ms
+    #[arg(long, default_value_t = 1_000)]
+    pub retry_delay_ms: u64,
     /// Bytes per message (at least 8: a message starts with its send time)
     #[arg(long, default_value_t = 58)]
     pub message_bytes: usize,
@@ -131,8 +143,21 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
              --message-bytes >= 8, and --rate, --group-rate and --producer-rate above 0"
         );
     }
-    if args.shape == "mailbox" && (args.group_rate.is_some() || args.producer_rate.is_some()) {
-        bail!("--group-rate and --producer-rate apply to --shape topic");
+    if args.shape == "mailbox"
+        && (args.group_rate.is_some() || args.producer_rate.is_some() || args.fail_ratio.is_some())
+    {
+        bail!("--group-rate, --producer-rate and --fail-ratio apply to --shape topic");
+    }
+    if let Some(ratio) = args.fail_ratio
+        && !(0.0..=1.0).contains(&ratio)
+    {
+        bail!("--fail-ratio must be 0 to 1, got {ratio}");
+    }
+    if !(1..=600_000).contains(&args.retry_delay_ms) {
+        bail!(
+            "--retry-delay-ms must be 1 to 600000, got {}",
+            args.retry_delay_ms
+        );
     }
     let sync = match args.sync.as_str() {
         "always" => "always".to_owned(),
@@ -471,7 +496,8 @@ async fn bench_topic(
         }
         None => client.clone(),
     };
-    let (stops, members) = start_group(args, client, &topic, epoch, consumed, latency);
+    let failures = Arc::new(Failures::new()?);
+    let (stops, members) = start_group(args, client, &topic, (epoch, consumed, latency), &failures);
     wait_for_stable_group(args, client, &topic).await?;
     let sampling = Arc::new(AtomicBool::new(true));
     let sampler = tokio::spawn(sample_every_second(Arc::clone(consumed), {
@@ -544,15 +570,103 @@ async fn bench_topic(
     }
     let handled = consumed.load(Ordering::Relaxed);
     let mut result = report(args, total, handled, append_s, drained_s, latency);
+    report_topic_options(
+        args,
+        &mut result,
+        (&consumed_each_second, &appended_each_second),
+        &failures,
+    );
+    Ok(result)
+}
+
+/// Adds what the topic shape's options measured: the group's and the producer's rate windows,
+/// the failures.
+fn report_topic_options(
+    args: &QueueBenchArgs,
+    result: &mut Value,
+    (consumed_each_second, appended_each_second): (&[u64], &[u64]),
+    failures: &Failures,
+) {
     if let Some(rate) = args.group_rate {
-        result["group_rate"] = rate_windows(rate, &consumed_each_second);
+        result["group_rate"] = rate_windows(rate, consumed_each_second);
         eprintln!("group rate: {}", result["group_rate"]);
     }
     if let Some(rate) = args.producer_rate {
-        result["producer_rate"] = rate_windows(rate, &appended_each_second);
+        result["producer_rate"] = rate_windows(rate, appended_each_second);
         eprintln!("producer rate: {}", result["producer_rate"]);
     }
-    Ok(result)
+    if let Some(ratio) = args.fail_ratio {
+        result["failures"] = failures.report(ratio, args.retry_delay_ms);
+        eprintln!("failures: {}", result["failures"]);
+    }
+}
+
+/// With --fail-ratio: first deliveries failed, and how late each retry came after its due
+/// time.
+struct Failures {
+    failed: AtomicU64,
+    retried: AtomicU64,
+    lateness_ms: std::sync::Mutex<Histogram<u64>>,
+}
+
+impl Failures {
+    fn new() -> anyhow::Result<Self> {
+        Ok(Self {
+            failed: AtomicU64::new(0),
+            retried: AtomicU64::new(0),
+            lateness_ms: std::sync::Mutex::new(Histogram::new_with_bounds(1, 3_600_000, 3)?),
+        })
+    }
+
+    /// Whether the message at (partition, offset) fails its first delivery: a fixed hash of
+    /// its place, so the share is `ratio` and a redelivery decides the same.
+    fn fails(ratio: f64, partition: u32, offset: u64) -> bool {
+        let mixed = (u64::from(partition) << 40 ^ offset).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        // The top 24 bits as a fraction of 1.
+        #[allow(clippy::cast_precision_loss, reason = "24 bits are exact in an f64")]
+        let fraction = (mixed >> 40) as f64 / f64::from(1_u32 << 24);
+        fraction < ratio
+    }
+
+    /// A retried message delivered: how late after its due time.
+    fn record_retry(&self, due_ms: u64) {
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| {
+                u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+            });
+        self.retried.fetch_add(1, Ordering::Relaxed);
+        let late = now_ms.saturating_sub(due_ms).max(1);
+        if let Ok(mut histogram) = self.lateness_ms.lock() {
+            let _ = histogram.record(late.min(3_600_000));
+        }
+    }
+
+    fn report(&self, ratio: f64, delay_ms: u64) -> Value {
+        let histogram = match self.lateness_ms.lock() {
+            Ok(histogram) => histogram.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        };
+        let within_100 = histogram.count_between(1, 100);
+        json!({
+            "fail_ratio": ratio,
+            "retry_delay_ms": delay_ms,
+            "failed_first_deliveries": self.failed.load(Ordering::Relaxed),
+            "retries_delivered": self.retried.load(Ordering::Relaxed),
+            "retry_lateness_ms": {
+                "p50": histogram.value_at_quantile(0.5),
+                "p99": histogram.value_at_quantile(0.99),
+                "max": histogram.max(),
+            },
+            "retries_within_100ms_share": if histogram.is_empty() {
+                1.0
+            } else {
+                #[allow(clippy::cast_precision_loss, reason = "a share")]
+                let share = within_100 as f64 / histogram.len() as f64;
+                share
+            },
+        })
+    }
 }
 
 /// Waits (at most 10 s) until every member has joined and every partition has an owner, so
@@ -678,9 +792,8 @@ fn start_group(
     args: &QueueBenchArgs,
     client: &Client,
     topic: &str,
-    epoch: Instant,
-    consumed: &Arc<AtomicU64>,
-    latency: &Arc<Latencies>,
+    (epoch, consumed, latency): (Instant, &Arc<AtomicU64>, &Arc<Latencies>),
+    failures: &Arc<Failures>,
 ) -> (Vec<tokio::sync::oneshot::Sender<()>>, Vec<Member>) {
     let mut stops = Vec::new();
     let mut members = Vec::new();
@@ -695,15 +808,32 @@ fn start_group(
         };
         let (client, topic) = (client.clone(), topic.to_owned());
         let (consumed, latency) = (Arc::clone(consumed), Arc::clone(latency));
+        let (failures, fail_ratio) = (Arc::clone(failures), args.fail_ratio.unwrap_or(0.0));
+        let retry_delay = Duration::from_millis(args.retry_delay_ms);
         members.push(tokio::spawn(async move {
             let member = GroupConsumer::new(client, &topic, GROUP, options)?;
             member
                 .run(
                     move |message| {
                         let (consumed, latency) = (Arc::clone(&consumed), Arc::clone(&latency));
+                        let failures = Arc::clone(&failures);
                         async move {
-                            let _ = latency.record(epoch, &message.payload);
+                            if message.retry {
+                                // Its latency includes the delay: only its lateness counts.
+                                failures.record_retry(message.due_ms);
+                            } else if fail_ratio > 0.0
+                                && Failures::fails(fail_ratio, message.partition, message.offset)
+                            {
+                                failures.failed.fetch_add(1, Ordering::Relaxed);
+                                return Outcome::retry_after(
+                                    retry_delay,
+                                    "bench: failed on purpose",
+                                );
+                            } else {
+                                let _ = latency.record(epoch, &message.payload);
+                            }
                             consumed.fetch_add(1, Ordering::Relaxed);
+                            Outcome::Success
                         }
                     },
                     async move {

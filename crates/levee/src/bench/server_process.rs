@@ -22,6 +22,11 @@ pub struct ServerProcess {
 }
 
 impl ServerProcess {
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// The server's peak resident memory so far, in bytes (0 if unknown).
     pub fn peak_rss_bytes(&self) -> u64 {
         super::peak_rss_bytes(&self.child.id().to_string())

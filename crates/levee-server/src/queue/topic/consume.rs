@@ -30,7 +30,7 @@ use crate::queue::limits::producer_rate::ProducerRates;
 use crate::queue::stream::{Incoming, Outgoing};
 use crate::queue::topic::catalog::{Topic, Topics};
 use crate::queue::topic::group::{Groups, Membership};
-use crate::queue::topic::retry::{self, OUTCOMES_PER_BATCH_MAX};
+use crate::queue::topic::retry::{self, OUTCOME_BATCHES_IN_FLIGHT_MAX, OUTCOMES_PER_BATCH_MAX};
 use crate::queue::waiters::Waiters;
 use crate::queue::{StoreCalls, name_error, storage_error};
 
@@ -126,6 +126,7 @@ fn retried(delivery: &mut TopicDelivery) {
             delivery.attempt = record.attempts.saturating_add(1);
             record.last_error().clone_into(&mut delivery.last_error);
             delivery.original_offset = record.offset;
+            delivery.due_ms = record.due_ms;
             delivery.payload = levee_proto::Bytes::from(record.payload);
         }
         None => delivery.attempt = 0,
@@ -157,6 +158,8 @@ pub struct ConsumeSession {
     cursors: Vec<Cursor>,
     /// The group's retry queue of each partition.
     retry_queues: Vec<Vec<u8>>,
+    /// Outcome batches settling beside the stream.
+    outcome_slots: Arc<tokio::sync::Semaphore>,
     round_robin: usize,
     credit: StreamCredit,
 }
@@ -212,6 +215,7 @@ impl ConsumeSession {
             .collect();
         Ok(Self {
             retry_queues,
+            outcome_slots: Arc::new(tokio::sync::Semaphore::new(OUTCOME_BATCHES_IN_FLIGHT_MAX)),
             notify,
             context,
             topic,
@@ -524,15 +528,23 @@ impl ConsumeSession {
                         batch.outcomes.len()
                     )));
                 }
-                let outcome_results =
-                    retry::judge(&self.context, &self.membership, &batch.outcomes).await;
-                Ok(self
-                    .outgoing
-                    .send(ConsumeResponse {
-                        outcome_results,
-                        ..ConsumeResponse::default()
-                    })
-                    .await)
+                // Judged and buffered here; the wait for durability runs beside the stream.
+                let Ok(slot) = Arc::clone(&self.outcome_slots).acquire_owned().await else {
+                    return Ok(false);
+                };
+                let judged = retry::judge(&self.context, &self.membership, &batch.outcomes);
+                let (context, outgoing) = (Arc::clone(&self.context), self.outgoing.clone());
+                tokio::spawn(async move {
+                    let outcome_results = judged.settle(&context).await;
+                    outgoing
+                        .send(ConsumeResponse {
+                            outcome_results,
+                            ..ConsumeResponse::default()
+                        })
+                        .await;
+                    drop(slot);
+                });
+                Ok(true)
             }
             Some(Kind::Start(_)) | None => Err(invalid(
                 "a consume stream takes one start message".to_owned(),

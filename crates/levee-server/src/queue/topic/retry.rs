@@ -22,10 +22,10 @@ use levee_proto::v1::{
     MessageOutcome, OutcomeAction, OutcomeResult, PartitionReset, ResetGroupOffsetsRequest,
     ResetGroupOffsetsResponse,
 };
-use levee_store::Store;
+use levee_store::{CommitTicket, Store};
 
 use crate::metrics::GroupLabels;
-use crate::queue::delay::unix_ms;
+use crate::queue::delay::{Scheduled, unix_ms};
 use crate::queue::topic::catalog::Topic;
 use crate::queue::topic::consume::ConsumeContext;
 use crate::queue::topic::group::Membership;
@@ -33,6 +33,9 @@ use crate::queue::{lock, name_error, storage_error, write_error};
 
 /// Most outcomes in one outcome batch.
 pub const OUTCOMES_PER_BATCH_MAX: usize = 1_024;
+/// Outcome batches of one stream waiting to be durable at once; the stream waits for one to
+/// settle before it judges more (back-pressure).
+pub const OUTCOME_BATCHES_IN_FLIGHT_MAX: usize = 16;
 /// Most dead letters one list answers.
 pub const DEAD_LETTERS_PER_LIST_MAX: u32 = 1_000;
 /// Dead letters a list answers when it does not say.
@@ -49,7 +52,7 @@ fn invalid(message: String) -> WireError {
 }
 
 /// Where a judged outcome sends its message.
-enum Judged {
+enum Moved {
     Retry(DelayedEntry),
     Dead(Vec<u8>),
 }
@@ -101,7 +104,7 @@ fn judge_one(
     policy: &RetryPolicy,
     outcome: &MessageOutcome,
     now_ms: u64,
-) -> Result<Judged, WireError> {
+) -> Result<Moved, WireError> {
     let rejected = match OutcomeAction::try_from(outcome.action) {
         Ok(OutcomeAction::Retry) => false,
         Ok(OutcomeAction::Reject) => true,
@@ -129,7 +132,7 @@ fn judge_one(
         match policy.after_failure(record.attempts, rejected, delay_ms) {
             Next::Retry { delay_ms } => {
                 record.due_ms = now_ms.saturating_add(delay_ms);
-                Judged::Retry(DelayedEntry {
+                Moved::Retry(DelayedEntry {
                     due_ms: record.due_ms,
                     topic: topic.name.clone(),
                     target: retry_queue(group, &topic.name, outcome.partition),
@@ -138,20 +141,31 @@ fn judge_one(
             }
             Next::Dead => {
                 record.due_ms = now_ms;
-                Judged::Dead(record.encode())
+                Moved::Dead(record.encode())
             }
         },
     )
 }
 
-/// Judges a member's outcomes and moves each accepted message into the retry path or the dead
-/// letters; returns the answers once that is durable (a failed write refuses every outcome
-/// it held).
-pub async fn judge(
+/// A batch of outcomes judged, its moves buffered: [`Judged::settle`] waits until they are
+/// durable and gives the answers.
+#[derive(Debug)]
+pub struct Judged {
+    results: Vec<OutcomeResult>,
+    group: String,
+    retries: u64,
+    dead: u64,
+    /// The buffered moves, or why buffering them failed.
+    buffered: Result<(Scheduled, Option<CommitTicket>), WireError>,
+}
+
+/// Judges a member's outcomes and buffers each accepted message's move into the retry path
+/// or the dead letters (no waiting: the stream goes on while [`Judged::settle`] waits).
+pub fn judge(
     context: &ConsumeContext,
     membership: &Membership,
     outcomes: &[MessageOutcome],
-) -> Vec<OutcomeResult> {
+) -> Judged {
     let now = unix_ms();
     let (group, topic) = {
         let locked = lock(&membership.group);
@@ -168,11 +182,11 @@ pub async fn judge(
             ..OutcomeResult::default()
         };
         match judge_one(context, membership, (&group, &topic), &policy, outcome, now) {
-            Ok(Judged::Retry(entry)) => {
+            Ok(Moved::Retry(entry)) => {
                 result.due_ms = entry.due_ms;
                 retries.push(entry);
             }
-            Ok(Judged::Dead(record)) => {
+            Ok(Moved::Dead(record)) => {
                 result.dead_lettered = true;
                 dead.push(record);
             }
@@ -183,63 +197,85 @@ pub async fn judge(
         }
         results.push(result);
     }
-    match store_judged(context, (&group, &topic.name), &retries, &dead, now).await {
-        Ok(()) => {
-            let labels = GroupLabels::new(&group);
-            let metrics = &context.metrics;
-            metrics
-                .group_retries_scheduled
-                .get_or_create(&labels)
-                .inc_by(retries.len() as u64);
-            metrics
-                .group_dead_lettered
-                .get_or_create(&labels)
-                .inc_by(dead.len() as u64);
-        }
-        Err(error) => {
-            for result in results.iter_mut().filter(|result| result.code == 0) {
-                result.code = error.code as i32;
-                result.message.clone_from(&error.message);
-                result.dead_lettered = false;
-                result.due_ms = 0;
-            }
-        }
+    let buffered = buffer_moves(context, (&group, &topic.name), &retries, &dead, now);
+    Judged {
+        results,
+        group,
+        retries: retries.len() as u64,
+        dead: dead.len() as u64,
+        buffered,
     }
-    results
 }
 
-/// Buffers the retries and the dead letters, waits until durable, wakes the topic.
-async fn store_judged(
+impl Judged {
+    /// Waits until the moves are durable, wakes the topic, counts them and returns the
+    /// answers (a failed write refuses every outcome it held).
+    pub async fn settle(mut self, context: &ConsumeContext) -> Vec<OutcomeResult> {
+        let settled = match self.buffered {
+            Ok((scheduled, dead_ticket)) => {
+                let durable = async {
+                    context.calls.durable(scheduled.ticket).await?;
+                    context.calls.durable(dead_ticket).await
+                };
+                durable.await.map(|()| scheduled.topics)
+            }
+            Err(error) => Err(error),
+        };
+        match settled {
+            Ok(topics) => {
+                for topic in &topics {
+                    context
+                        .waiters
+                        .wake(&crate::queue::topic::consume::topic_wake_key(topic));
+                }
+                let labels = GroupLabels::new(&self.group);
+                let metrics = &context.metrics;
+                metrics
+                    .group_retries_scheduled
+                    .get_or_create(&labels)
+                    .inc_by(self.retries);
+                metrics
+                    .group_dead_lettered
+                    .get_or_create(&labels)
+                    .inc_by(self.dead);
+            }
+            Err(error) => {
+                for result in self.results.iter_mut().filter(|result| result.code == 0) {
+                    result.code = error.code as i32;
+                    result.message.clone_from(&error.message);
+                    result.dead_lettered = false;
+                    result.due_ms = 0;
+                }
+            }
+        }
+        self.results
+    }
+}
+
+/// Buffers the retries and the dead letters; returns what makes them durable.
+fn buffer_moves(
     context: &ConsumeContext,
     (group, topic): (&str, &str),
     retries: &[DelayedEntry],
     dead: &[Vec<u8>],
     now_ms: u64,
-) -> Result<(), WireError> {
+) -> Result<(Scheduled, Option<CommitTicket>), WireError> {
     let scheduled = context.delayer.schedule(retries, now_ms)?;
-    let mut dead_ticket = None;
-    if !dead.is_empty() {
-        let queue = dead_letter_queue(group, topic);
-        let batch: Vec<(&[u8], &[u8])> = dead
-            .iter()
-            .map(|record| (queue.as_slice(), record.as_slice()))
-            .collect();
-        let _writing = lock(&context.dead_letters);
-        let (_, ticket) = context
-            .calls
-            .store
-            .append_batch_deferred(&batch)
-            .map_err(write_error)?;
-        dead_ticket = Some(ticket);
+    if dead.is_empty() {
+        return Ok((scheduled, None));
     }
-    context.calls.durable(scheduled.ticket).await?;
-    context.calls.durable(dead_ticket).await?;
-    for topic in &scheduled.topics {
-        context
-            .waiters
-            .wake(&crate::queue::topic::consume::topic_wake_key(topic));
-    }
-    Ok(())
+    let queue = dead_letter_queue(group, topic);
+    let batch: Vec<(&[u8], &[u8])> = dead
+        .iter()
+        .map(|record| (queue.as_slice(), record.as_slice()))
+        .collect();
+    let _writing = lock(&context.dead_letters);
+    let (_, ticket) = context
+        .calls
+        .store
+        .append_batch_deferred(&batch)
+        .map_err(write_error)?;
+    Ok((scheduled, Some(ticket)))
 }
 
 /// The offsets of the group's redriven dead letters (their log read whole).
