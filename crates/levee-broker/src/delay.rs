@@ -8,7 +8,7 @@
 //!   before its span starts, its messages are placed again, now into fine slots.
 //!
 //! So the slots that exist at once are bounded by the horizon over the fine span plus the
-//! longest delay over the coarse span (12,000 + 10,080), however many messages wait, and the
+//! longest delay over the coarse span (12,000 + 60,480), however many messages wait, and the
 //! runtime keeps in memory only a count per slot ([`DelayWheel`]). The wheel is pure: it takes
 //! the time as an argument, and every placement after a slot was taken goes elsewhere, so a
 //! slot being delivered never gains an entry.
@@ -20,7 +20,7 @@ use crate::names::DELAY_PREFIX;
 /// Span of a fine slot, ms.
 pub const FINE_MS: u64 = 10;
 /// Span of a coarse slot, ms.
-pub const COARSE_MS: u64 = 60_000;
+pub const COARSE_MS: u64 = 10_000;
 /// Messages due within this many ms of their placement go straight to a fine slot.
 pub const HORIZON_MS: u64 = 120_000;
 /// A coarse slot is spread into fine slots this many ms before its span starts.
@@ -137,20 +137,29 @@ impl DelayWheel {
     /// Takes the slots due at `now_ms`: coarse ones whose span starts within
     /// [`SPREAD_AHEAD_MS`], fine ones whose span has passed. No later placement goes to them.
     pub fn take_due(&mut self, now_ms: u64) -> Due {
-        let spread_below = now_ms.saturating_add(SPREAD_AHEAD_MS) / COARSE_MS + 1;
-        let deliver_below = now_ms / FINE_MS;
-        self.coarse_taken_below = self.coarse_taken_below.max(spread_below);
-        self.fine_taken_below = self.fine_taken_below.max(deliver_below);
-        let kept_coarse = self.coarse.split_off(&self.coarse_taken_below);
-        let spread = std::mem::replace(&mut self.coarse, kept_coarse);
-        let kept_fine = self.fine.split_off(&self.fine_taken_below);
-        let deliver = std::mem::replace(&mut self.fine, kept_fine);
-        let taken: u64 = spread.values().chain(deliver.values()).sum();
-        self.pending = self.pending.saturating_sub(taken);
         Due {
-            spread: spread.into_keys().collect(),
-            deliver: deliver.into_keys().collect(),
+            spread: self.take_spread(now_ms),
+            deliver: self.take_deliver(now_ms),
         }
+    }
+
+    /// Takes the coarse slots whose span starts within [`SPREAD_AHEAD_MS`] of `now_ms`.
+    pub fn take_spread(&mut self, now_ms: u64) -> Vec<u64> {
+        let spread_below = now_ms.saturating_add(SPREAD_AHEAD_MS) / COARSE_MS + 1;
+        self.coarse_taken_below = self.coarse_taken_below.max(spread_below);
+        let kept = self.coarse.split_off(&self.coarse_taken_below);
+        let taken = std::mem::replace(&mut self.coarse, kept);
+        self.pending = self.pending.saturating_sub(taken.values().sum());
+        taken.into_keys().collect()
+    }
+
+    /// Takes the fine slots whose span has passed at `now_ms`.
+    pub fn take_deliver(&mut self, now_ms: u64) -> Vec<u64> {
+        self.fine_taken_below = self.fine_taken_below.max(now_ms / FINE_MS);
+        let kept = self.fine.split_off(&self.fine_taken_below);
+        let taken = std::mem::replace(&mut self.fine, kept);
+        self.pending = self.pending.saturating_sub(taken.values().sum());
+        taken.into_keys().collect()
     }
 
     /// Messages waiting in slots not yet taken.

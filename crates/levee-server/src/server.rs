@@ -195,11 +195,6 @@ impl RunningServer {
             Arc::clone(&hub),
             stop_sessions.subscribe(),
         ))];
-        background.push(tokio::spawn(enforce_retention(
-            Arc::clone(&store),
-            Arc::clone(&topics),
-            stop_sessions.subscribe(),
-        )));
         let (cluster_service, cluster_tasks) =
             cluster_service::serve(&raft.manager, &state, &stop_sessions);
         background.extend(cluster_tasks);
@@ -874,12 +869,17 @@ async fn tick(hub: Arc<HotKeyHub>, mut stop: watch::Receiver<bool>) {
 
 /// Every [`LEASE_CHECK_INTERVAL`] until told to stop: drops consumer-group members whose lease
 /// ran out (a stream stuck sending renews nothing), so their partitions move.
-/// The consumer groups' background tasks: lease expiry and the delivery of waiting messages.
+/// The queues' background tasks: retention passes, lease expiry and the delivery of waiting
+/// messages.
 fn group_tasks(
     context: &Arc<ConsumeContext>,
     stop_sessions: &watch::Sender<bool>,
-) -> [JoinHandle<()>; 2] {
+) -> [JoinHandle<()>; 3] {
     [
+        tokio::spawn(enforce_retention(
+            Arc::clone(context),
+            stop_sessions.subscribe(),
+        )),
         tokio::spawn(Arc::clone(&context.delayer).run(stop_sessions.subscribe())),
         tokio::spawn(expire_leases(
             Arc::clone(&context.groups),
@@ -901,13 +901,10 @@ async fn expire_leases(groups: Arc<Groups>, mut stop: watch::Receiver<bool>) {
     }
 }
 
-/// Every [`POSITION_TRIM_INTERVAL`] until told to stop: applies the retention rules and trims
-/// the server's own log queues (mailbox positions, group commits, producers' runs).
-async fn enforce_retention(
-    store: Arc<Store>,
-    topics: Arc<Topics>,
-    mut stop: watch::Receiver<bool>,
-) {
+/// Every [`POSITION_TRIM_INTERVAL`] until told to stop: applies the retention rules, trims
+/// the server's own log queues (mailbox positions, group commits, producers' runs) and the
+/// loaded groups' retry queues below their committed offsets.
+async fn enforce_retention(context: Arc<ConsumeContext>, mut stop: watch::Receiver<bool>) {
     let mut interval = tokio::time::interval(POSITION_TRIM_INTERVAL);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
@@ -915,17 +912,17 @@ async fn enforce_retention(
             _ = interval.tick() => {}
             _ = stop.wait_for(|stop| *stop) => return,
         }
-        let store = Arc::clone(&store);
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |since| {
-                u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
-            });
-        let topics = Arc::clone(&topics);
+        let store = Arc::clone(&context.calls.store);
+        let now_ms = crate::queue::delay::unix_ms();
+        let topics = Arc::clone(&context.topics);
+        let retried = context.groups.retry_offsets();
         let trimmed = tokio::task::spawn_blocking(move || {
-            retention::enforce_retention(&store, now_ms, |name| {
-                topics.retention_for(name).to_store()
-            })
+            retention::enforce_retention(
+                &store,
+                now_ms,
+                |name| topics.retention_for(name).to_store(),
+                |name| retried.get(name).copied(),
+            )
         })
         .await;
         match trimmed {

@@ -14,6 +14,9 @@ pub struct Retention {
     pub max_age_ms: Option<u64>,
     /// Remove oldest chunks while the queue's chunk records take more than this many bytes.
     pub max_bytes: Option<u64>,
+    /// Remove oldest chunks whose messages are all below this offset (their reader is done
+    /// with them: a consumer group's committed offset).
+    pub before_offset: Option<u64>,
 }
 
 /// What one [`Store::enforce_retention`] pass removed.
@@ -128,7 +131,15 @@ impl Inner {
             let too_old = retention
                 .max_age_ms
                 .is_some_and(|max_age| timestamp_ms.saturating_add(max_age) < now_ms);
-            if !(over_size || too_old) {
+            let done = retention.before_offset.is_some_and(|before| {
+                let end = state
+                    .chunks
+                    .iter()
+                    .nth(1)
+                    .map_or_else(|| state.disk_end_offset(), |next| next.first_offset);
+                end <= before
+            });
+            if !(over_size || too_old || done) {
                 break;
             }
             state.chunks.pop_front();

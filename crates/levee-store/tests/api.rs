@@ -311,6 +311,7 @@ fn given_retention_when_enforced_should_trim_persist_and_delete_dead_segments() 
     let policy = |_: &[u8]| Retention {
         max_bytes: Some(600),
         max_age_ms: None,
+        before_offset: None,
     };
     let report = store.enforce_retention(0, policy).unwrap();
     assert!(report.messages_removed > 200, "{report:?}");
@@ -328,6 +329,7 @@ fn given_retention_when_enforced_should_trim_persist_and_delete_dead_segments() 
     let all = |_: &[u8]| Retention {
         max_age_ms: Some(0),
         max_bytes: None,
+        before_offset: None,
     };
     store.enforce_retention(u64::MAX / 2, all).unwrap();
     let info = store.queue_info(b"log").unwrap().unwrap();
@@ -776,6 +778,7 @@ fn given_appends_deletes_retention_and_reads_at_once_when_running_should_not_dea
                             Retention {
                                 max_bytes: Some(100),
                                 max_age_ms: None,
+                                before_offset: None,
                             }
                         } else {
                             Retention::default()
@@ -858,6 +861,7 @@ fn given_long_lived_queue_in_old_segment_when_others_are_trimmed_should_relocate
                 Retention {
                     max_bytes: Some(300),
                     max_age_ms: None,
+                    before_offset: None,
                 }
             } else {
                 Retention::default()
@@ -1766,4 +1770,40 @@ fn given_chunks_sealed_over_time_when_asked_for_a_time_should_give_the_first_off
         "nothing newer: the next offset"
     );
     assert_eq!(store.offset_at_time(b"none", 0).unwrap(), None);
+}
+
+#[test]
+fn given_a_done_offset_when_retention_runs_should_remove_only_chunks_wholly_below_it() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, tiny());
+    for index in 0..300_u32 {
+        store
+            .append(b"retries", format!("entry {index:04}").as_bytes())
+            .unwrap();
+    }
+    store.sync().unwrap();
+    let done = |_: &[u8]| Retention {
+        before_offset: Some(200),
+        ..Retention::default()
+    };
+    let report = store.enforce_retention(0, done).unwrap();
+    let info = store.queue_info(b"retries").unwrap().unwrap();
+    assert!(report.messages_removed > 0, "{report:?}");
+    assert!(
+        info.first_offset <= 200,
+        "offset 200 is not done: kept, got first {}",
+        info.first_offset
+    );
+    assert_eq!(info.first_offset, report.messages_removed);
+    let batch = store.read(b"retries", 200, 1, 1000).unwrap();
+    assert_eq!(batch.iter().next(), Some(&b"entry 0200"[..]));
+    // Nothing is done: nothing goes.
+    let none = |_: &[u8]| Retention {
+        before_offset: Some(0),
+        ..Retention::default()
+    };
+    assert_eq!(
+        store.enforce_retention(0, none).unwrap().messages_removed,
+        0
+    );
 }

@@ -94,6 +94,7 @@ fn generate_fixture_of_this_format_version() {
             Retention {
                 max_bytes: Some(150),
                 max_age_ms: None,
+                before_offset: None,
             }
         } else {
             Retention::default()

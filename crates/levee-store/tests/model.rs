@@ -251,6 +251,7 @@ fn run(operations: Vec<Operation>, options: StoreOptions) {
                         Retention {
                             max_bytes: Some(max_bytes),
                             max_age_ms: None,
+                            before_offset: None,
                         }
                     } else {
                         Retention::default()

@@ -28,6 +28,7 @@ impl RetentionRule {
         levee_store::Retention {
             max_age_ms: (self.max_age_ms > 0).then_some(self.max_age_ms),
             max_bytes: (self.max_bytes > 0).then_some(self.max_bytes),
+            before_offset: None,
         }
     }
 }

@@ -1,8 +1,8 @@
 //! Messages that wait for their time (a group's retries, delayed publishes), over the store:
 //! the broker's [`DelayWheel`] says which slot each goes to and which slots are due; this
-//! module appends [`DelayedEntry`] records to the slots' queues, and a task, every
-//! [`FINE_MS`], delivers the due slots (each entry's body appended to its target queue, the
-//! target's topic woken) and spreads coarse slots into fine ones. A slot's queue is deleted
+//! module appends [`DelayedEntry`] records to the slots' queues; a task, every [`FINE_MS`],
+//! delivers the due fine slots (each entry's body appended to its target queue, the target's
+//! topic woken), and another, every 100 ms, spreads due coarse slots into fine ones. A slot's queue is deleted
 //! only once what it held is durable elsewhere, so a crash delivers an entry twice at worst,
 //! never loses one. At start the slots are found again from the store's queue names.
 
@@ -24,6 +24,8 @@ use crate::queue::{StoreCalls, lock, storage_error, write_error};
 const SLOT_READ_MESSAGES: usize = 10_000;
 /// Bytes one read of a slot takes.
 const SLOT_READ_BYTES: usize = 4 << 20;
+/// How often due coarse slots are spread (they are taken 30 s ahead of their span).
+const SPREAD_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Milliseconds since the Unix epoch, by this server's clock.
 pub fn unix_ms() -> u64 {
@@ -143,17 +145,44 @@ impl Delayer {
         lock(&self.wheel).pending()
     }
 
-    /// Delivers due slots every [`FINE_MS`] until the server closes. A failed pass (a full
-    /// disk) is logged and its slots are tried again a second later.
-    pub async fn run(self: Arc<Self>, mut closing: watch::Receiver<bool>) {
-        let mut tick = tokio::time::interval(Duration::from_millis(FINE_MS));
+    /// Delivers due fine slots every [`FINE_MS`], and spreads due coarse slots every
+    /// [`SPREAD_INTERVAL`] on a task of its own (a large coarse slot takes a while and must
+    /// not hold up deliveries), until the server closes. A failed pass (a full disk) is logged
+    /// and its slots are tried again a second later.
+    pub async fn run(self: Arc<Self>, closing: watch::Receiver<bool>) {
+        let spreading = tokio::spawn(Arc::clone(&self).run_level(
+            closing.clone(),
+            SPREAD_INTERVAL,
+            |wheel, now| Due {
+                spread: wheel.take_spread(now),
+                deliver: Vec::new(),
+            },
+        ));
+        let every = Duration::from_millis(FINE_MS);
+        Arc::clone(&self)
+            .run_level(closing, every, |wheel, now| Due {
+                spread: Vec::new(),
+                deliver: wheel.take_deliver(now),
+            })
+            .await;
+        let _ = spreading.await;
+    }
+
+    /// Every `every`, takes what `take` says is due and processes it.
+    async fn run_level(
+        self: Arc<Self>,
+        mut closing: watch::Receiver<bool>,
+        every: Duration,
+        take: impl Fn(&mut DelayWheel, u64) -> Due,
+    ) {
+        let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
                 _ = closing.wait_for(|closing| *closing) => return,
             }
-            let due = lock(&self.wheel).take_due(unix_ms());
+            let due = take(&mut lock(&self.wheel), unix_ms());
             if due.is_empty() {
                 continue;
             }

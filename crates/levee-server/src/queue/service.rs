@@ -520,9 +520,13 @@ impl Queues for QueueService {
                     .map_or(0, |since| {
                         u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
                     });
-                crate::queue::retention::enforce_retention(store, now_ms, |name| {
-                    topics.retention_for(name).to_store()
-                })
+                // Retry queues are trimmed by the minute's pass (it knows the groups).
+                crate::queue::retention::enforce_retention(
+                    store,
+                    now_ms,
+                    |name| topics.retention_for(name).to_store(),
+                    |_| None,
+                )
                 .map_err(write_error)
             })
             .await?;

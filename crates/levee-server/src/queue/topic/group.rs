@@ -208,6 +208,25 @@ impl Groups {
         dropped
     }
 
+    /// Each loaded group's retry queues with the group's committed offset on them (above 0):
+    /// what retention may remove below.
+    pub fn retry_offsets(&self) -> HashMap<Vec<u8>, u64> {
+        let groups: Vec<Arc<Mutex<Group>>> = lock(&self.groups).values().cloned().collect();
+        let mut offsets = HashMap::new();
+        for handle in groups {
+            let group = lock(&handle);
+            for (partition, &committed) in (0_u32..).zip(group.state.retry_committed()) {
+                if committed > 0 {
+                    offsets.insert(
+                        retry_queue(&group.name, &group.topic.name, partition),
+                        committed,
+                    );
+                }
+            }
+        }
+        offsets
+    }
+
     /// Looks a group up: in memory, or loaded from its commits if it ever committed on
     /// `topic` (also before a restart). `None` if it never did.
     pub fn find(
