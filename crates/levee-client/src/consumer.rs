@@ -374,6 +374,7 @@ impl GroupConsumer {
         // Failed messages' outcomes waiting for the next commit tick.
         let mut failed = Vec::new();
         loop {
+            outbox.try_flush(&requests).map_err(|()| closed())?;
             self.dispatch(&mut partitions, &slots, handler, &finished_sender);
             // Also waits for the answers to failed messages' outcomes, so their commits pass
             // them.
@@ -543,7 +544,7 @@ fn take_response(
                     delivery.offset
                 },
                 payload: delivery.payload,
-                attempt: delivery.attempt,
+                attempt: if delivery.retry { delivery.attempt } else { 1 },
                 retry: delivery.retry,
                 last_error: delivery.last_error,
                 due_ms: delivery.due_ms,
@@ -667,6 +668,21 @@ impl Outbox {
 
     fn pop(&mut self) -> Option<ConsumeRequest> {
         self.0.pop_front()
+    }
+
+    /// Sends what the stream's channel takes now, without waiting; the rest stays queued.
+    fn try_flush(&mut self, requests: &mpsc::Sender<ConsumeRequest>) -> Result<(), ()> {
+        while let Some(request) = self.0.pop_front() {
+            match requests.try_send(request) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(request)) => {
+                    self.0.push_front(request);
+                    return Ok(());
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => return Err(()),
+            }
+        }
+        Ok(())
     }
 
     /// Queues what finished jobs give back: their credit at once; their failed messages'

@@ -53,6 +53,9 @@ pub struct Delayer {
     waiters: Arc<Waiters>,
     metrics: Metrics,
     wheel: Mutex<DelayWheel>,
+    /// Raised each time retries became readable in groups' retry queues: a consume stream
+    /// reads its retry queues only when this moved since it last found them empty.
+    retry_generation: std::sync::atomic::AtomicU64,
 }
 
 impl Delayer {
@@ -83,7 +86,21 @@ impl Delayer {
             waiters,
             metrics,
             wheel: Mutex::new(wheel),
+            retry_generation: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// Says that retries appended to retry queues are now readable (durable under
+    /// `always`): call it after their flush or durable wait, before waking their consumers.
+    pub fn retries_visible(&self) {
+        self.retry_generation
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    /// The count [`Delayer::retries_visible`] raises.
+    pub fn retry_generation(&self) -> u64 {
+        self.retry_generation
+            .load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Buffers `entries` at `now_ms`: each into its slot's queue, or, when due, its body into
@@ -249,6 +266,7 @@ impl Delayer {
         store
             .flush()
             .map_err(|error| (write_error(error), due.clone()))?;
+        self.retries_visible();
         self.wake(&topics);
         for (index, &fine) in due.deliver.iter().enumerate() {
             store
@@ -311,6 +329,7 @@ impl Delayer {
             Ok(())
         })?;
         store.flush().map_err(write_error)?;
+        self.retries_visible();
         self.wake(&topics);
         store.delete_queue(&slot.queue()).map_err(write_error)?;
         Ok(())

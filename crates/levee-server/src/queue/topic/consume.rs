@@ -160,6 +160,10 @@ pub struct ConsumeSession {
     retry_queues: Vec<Vec<u8>>,
     /// Outcome batches settling beside the stream.
     outcome_slots: Arc<tokio::sync::Semaphore>,
+    /// The retry queues may hold something to deliver (else they are skipped until the
+    /// delayer's retry generation moves past `retry_seen`).
+    retry_pending: bool,
+    retry_seen: u64,
     round_robin: usize,
     credit: StreamCredit,
 }
@@ -216,6 +220,8 @@ impl ConsumeSession {
         Ok(Self {
             retry_queues,
             outcome_slots: Arc::new(tokio::sync::Semaphore::new(OUTCOME_BATCHES_IN_FLIGHT_MAX)),
+            retry_pending: true,
+            retry_seen: 0,
             notify,
             context,
             topic,
@@ -280,6 +286,7 @@ impl ConsumeSession {
                 })
             })
             .collect();
+        self.retry_pending = true;
     }
 
     async fn serve(&mut self) -> Result<(), WireError> {
@@ -402,6 +409,10 @@ impl ConsumeSession {
         let mut left = usize::try_from(granted).unwrap_or(usize::MAX);
         let mut bytes_left = self.credit.bytes.min(ROUND_BYTES_MAX) as usize;
         let mut batches = Vec::new();
+        // Retry queues are read only when retries may have come (most rounds skip them).
+        let generation = self.context.delayer.retry_generation();
+        let read_retries = self.retry_pending || generation != self.retry_seen;
+        let (mut retries_read, mut retries_found) = (0, false);
         for step in 0..self.cursors.len() {
             if left == 0 || bytes_left == 0 {
                 break;
@@ -409,6 +420,10 @@ impl ConsumeSession {
             let index = (start + step) % self.cursors.len();
             let cursor = self.cursors[index];
             let queue = if cursor.retry {
+                if !read_retries {
+                    continue;
+                }
+                retries_read += 1;
                 &self.retry_queues[cursor.partition as usize]
             } else {
                 &self.topic.queues[cursor.partition as usize]
@@ -416,9 +431,16 @@ impl ConsumeSession {
             let batch = store
                 .read(queue, cursor.next, left, bytes_left)
                 .map_err(|error| storage_error(&error))?;
+            retries_found |= cursor.retry && !batch.is_empty();
             left -= batch.len();
             bytes_left = bytes_left.saturating_sub(batch.bytes());
             batches.push((index, batch));
+        }
+        if read_retries {
+            // Every retry queue read and none had anything: skip them until more come.
+            let all_read = retries_read == self.cursors.len() / 2;
+            self.retry_pending = retries_found || !all_read;
+            self.retry_seen = generation;
         }
         let mut deliveries = Vec::new();
         let mut bytes = 0_usize;
@@ -438,7 +460,6 @@ impl ConsumeSession {
                     epoch: cursor.epoch,
                     offset,
                     payload,
-                    attempt: 1,
                     ..TopicDelivery::default()
                 };
                 if cursor.retry {

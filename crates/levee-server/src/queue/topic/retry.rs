@@ -223,6 +223,10 @@ impl Judged {
         };
         match settled {
             Ok(topics) => {
+                if self.retries > 0 {
+                    // Retries due at once are in their retry queues now.
+                    context.delayer.retries_visible();
+                }
                 for topic in &topics {
                     context
                         .waiters
@@ -533,6 +537,7 @@ pub async fn redrive(
                 store.append_deferred(&marks, &mark).map_err(write_error)?;
             }
             store.flush().map_err(write_error)?;
+            context.delayer.retries_visible();
             if all {
                 store.delete_queue(&queue).map_err(write_error)?;
                 store.delete_queue(&marks).map_err(write_error)?;
