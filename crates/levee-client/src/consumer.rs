@@ -370,7 +370,7 @@ impl GroupConsumer {
         let mut stopping = false;
         // Commit batches sent and not yet answered (each gets one answer).
         let mut commits_awaiting = 0_usize;
-        let mut outbox = Outbox::default();
+        let mut outbox = Outbox::new(self.options.credit_messages);
         // Failed messages' outcomes waiting for the next commit tick.
         let mut failed = Vec::new();
         loop {
@@ -655,9 +655,33 @@ fn outcome_message(lane: Lane, epoch: u64, offset: u64, outcome: Outcome) -> Mes
 /// by the messages in flight (a finished job adds a credit and at most one outcome batch per
 /// 1,024 failures) plus a commit per commit interval while the server does not read.
 #[derive(Debug, Default)]
-struct Outbox(VecDeque<ConsumeRequest>);
+struct Outbox(VecDeque<ConsumeRequest>, CreditOwed);
+
+/// Credit to give back, held until it is worth a message: a stream that gives back a few
+/// messages at a time gets a few delivered at a time, and stays in small rounds.
+#[derive(Debug, Default)]
+struct CreditOwed {
+    messages: u32,
+    bytes: u32,
+    /// Give back once this many messages are owed (a sixteenth of the window).
+    threshold: u32,
+}
+
+/// Give back once this many payload bytes are owed (whatever the messages).
+const CREDIT_BYTES_THRESHOLD: u32 = 256 << 10;
 
 impl Outbox {
+    /// An outbox for a stream whose window is `credit_messages`.
+    fn new(credit_messages: u32) -> Self {
+        Self(
+            VecDeque::new(),
+            CreditOwed {
+                threshold: (credit_messages / 16).max(1),
+                ..CreditOwed::default()
+            },
+        )
+    }
+
     fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
@@ -712,8 +736,17 @@ impl Outbox {
         failed.clear();
     }
 
-    /// Adds credit, to the last request if that is a credit.
+    /// Owes credit back; queues it once a sixteenth of the window (or 256 KiB) is owed. The
+    /// server never starves for it: with the whole window owed, it goes.
     fn credit(&mut self, messages: u32, bytes: u32) {
+        let owed = &mut self.1;
+        owed.messages = owed.messages.saturating_add(messages);
+        owed.bytes = owed.bytes.saturating_add(bytes);
+        if owed.messages < owed.threshold && owed.bytes < CREDIT_BYTES_THRESHOLD {
+            return;
+        }
+        let (messages, bytes) = (owed.messages, owed.bytes);
+        (owed.messages, owed.bytes) = (0, 0);
         if let Some(ConsumeRequest {
             kind: Some(Kind::Credit(credit)),
         }) = self.0.back_mut()

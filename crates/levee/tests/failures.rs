@@ -17,6 +17,8 @@ use support::{LeveeProcess, http_get, metric_value, runtime, wait_for};
 use tokio::sync::oneshot;
 
 const WAIT: Duration = Duration::from_secs(20);
+/// How long a raw stream waits for a delivery that should come at once.
+const DELIVERY_WAIT: Duration = Duration::from_secs(5);
 
 /// A delivery as the handler saw it: (payload, partition, offset, attempt, retry, last error,
 /// when).
@@ -647,5 +649,97 @@ fn delayed_publishes_wait_and_offset_resets_replay() {
             })
             .await
             .unwrap();
+    });
+}
+
+/// The next response with deliveries on a raw stream (others skipped), within
+/// [`DELIVERY_WAIT`].
+async fn next_deliveries(
+    responses: &mut tonic::Streaming<levee_proto::v1::ConsumeResponse>,
+) -> Vec<levee_proto::v1::TopicDelivery> {
+    loop {
+        let response = tokio::time::timeout(DELIVERY_WAIT, responses.message())
+            .await
+            .expect("a delivery within the wait: the stream's credit must not leak")
+            .unwrap()
+            .unwrap();
+        if !response.deliveries.is_empty() {
+            return response.deliveries;
+        }
+    }
+}
+
+#[test]
+fn given_a_byte_window_given_back_in_full_then_first_deliveries_and_retries_keep_flowing() {
+    use levee_proto::v1::consume_request::Kind;
+    use levee_proto::v1::{
+        ConsumeRequest, ConsumeStart, Credit, MessageOutcome, OutcomeAction, OutcomeBatch,
+    };
+    let server = LeveeProcess::start(&["--queue-sync", "always"]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        client.create_topic("small", 1).await.unwrap();
+        // A window of ten 100-byte payloads, given back in full after each round: a retry
+        // record's history must not be charged, or the window shrinks with every retry until
+        // nothing more is delivered.
+        let (requests, receiver) = tokio::sync::mpsc::channel(16);
+        let start = ConsumeStart {
+            topic: "small".to_owned(),
+            group: "tight".to_owned(),
+            member: "m".to_owned(),
+            credit: Some(Credit {
+                messages: 10,
+                bytes: 1_000,
+            }),
+            lease_ms: 0,
+        };
+        requests
+            .send(ConsumeRequest {
+                kind: Some(Kind::Start(start)),
+            })
+            .await
+            .unwrap();
+        let mut responses = TopicsClient::connect(format!("http://{}", server.grpc()))
+            .await
+            .unwrap()
+            .consume(tokio_stream::wrappers::ReceiverStream::new(receiver))
+            .await
+            .unwrap()
+            .into_inner();
+        let give_back = |messages: u32, bytes: u32| ConsumeRequest {
+            kind: Some(Kind::Credit(Credit { messages, bytes })),
+        };
+        for round in 0..16_u8 {
+            let payload = vec![round; 100];
+            client
+                .publish("small", &[(b"k".as_slice(), payload.as_slice())])
+                .await
+                .unwrap();
+            let first = next_deliveries(&mut responses).await.remove(0);
+            assert_eq!((first.retry, first.payload.len()), (false, 100));
+            let outcome = MessageOutcome {
+                partition: first.partition,
+                epoch: first.epoch,
+                offset: first.offset,
+                retry: false,
+                action: OutcomeAction::Retry as i32,
+                delay_ms: 1,
+                error: "a long error text that makes the retry record bigger than its payload"
+                    .to_owned(),
+            };
+            requests
+                .send(ConsumeRequest {
+                    kind: Some(Kind::Outcomes(OutcomeBatch {
+                        outcomes: vec![outcome],
+                    })),
+                })
+                .await
+                .unwrap();
+            let retried = next_deliveries(&mut responses).await.remove(0);
+            assert!(retried.retry, "round {round}: the retry comes back");
+            assert_eq!(retried.payload, first.payload);
+            requests.send(give_back(2, 200)).await.unwrap();
+        }
     });
 }

@@ -449,7 +449,9 @@ impl ConsumeSession {
             if batch.skipped_to_first_retained {
                 cursor.next = batch.first_offset;
             }
-            bytes += batch.bytes();
+            if !cursor.retry {
+                bytes += batch.bytes();
+            }
             if !batch.is_empty() {
                 cursor.next = batch.next_offset();
             }
@@ -463,7 +465,10 @@ impl ConsumeSession {
                     ..TopicDelivery::default()
                 };
                 if cursor.retry {
+                    // The credit is in payload bytes, as the client gives it back: a retry
+                    // record's history is not charged.
                     retried(&mut delivery);
+                    bytes += delivery.payload.len();
                 }
                 deliveries.push(delivery);
             }
