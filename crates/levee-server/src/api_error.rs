@@ -38,7 +38,7 @@ fn error_body(error: &WireError) -> Json<serde_json::Value> {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = match self.0.code {
-            ErrorCode::InvalidArgument => StatusCode::BAD_REQUEST,
+            ErrorCode::InvalidArgument | ErrorCode::OffsetOutOfRange => StatusCode::BAD_REQUEST,
             ErrorCode::NotFound => StatusCode::NOT_FOUND,
             ErrorCode::AlreadyExists | ErrorCode::FailedPrecondition | ErrorCode::Fenced => {
                 StatusCode::CONFLICT

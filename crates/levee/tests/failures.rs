@@ -13,7 +13,7 @@ use levee_client::{
 };
 use levee_proto::v1::topics_client::TopicsClient;
 use levee_proto::v1::{PublishMessage, PublishRequest, SetRetryPolicyRequest};
-use support::{LeveeProcess, http_get, metric_value, runtime, wait_for};
+use support::{LeveeProcess, http_get, http_request, metric_value, runtime, wait_for};
 use tokio::sync::oneshot;
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -742,4 +742,69 @@ fn given_a_byte_window_given_back_in_full_then_first_deliveries_and_retries_keep
             requests.send(give_back(2, 200)).await.unwrap();
         }
     });
+}
+
+#[test]
+fn given_the_admin_port_then_policies_resets_and_redrives_are_json_with_clear_errors() {
+    let server = LeveeProcess::start(&[]);
+    let runtime = runtime();
+    let client = runtime.block_on(Client::connect(&server.grpc())).unwrap();
+    runtime.block_on(async {
+        client.create_topic("audit", 2).await.unwrap();
+        client
+            .publish("audit", &[(b"a", b"1"), (b"b", b"2"), (b"c", b"3")])
+            .await
+            .unwrap();
+    });
+    let admin = server.admin_addr;
+    let (code, body) = http_request(
+        admin,
+        "PUT",
+        "/v1/groups/ops/retry-policy",
+        r#"{"delays_ms": [500, 5000], "max_attempts": 3}"#,
+    );
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains(r#""is_default":false"#), "{body}");
+    let (code, body) = http_request(
+        admin,
+        "PUT",
+        "/v1/groups/ops/retry-policy",
+        r#"{"delays_ms": [], "max_attempts": 3}"#,
+    );
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("1 to 32 steps"), "{body}");
+    let (code, body) = http_request(admin, "DELETE", "/v1/groups/ops/retry-policy", "");
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains(r#""is_default":true"#), "{body}");
+
+    let reset = "/v1/groups/ops/topics/audit/offsets/reset";
+    let (code, body) = http_request(admin, "POST", reset, r#"{"to": "latest"}"#);
+    assert_eq!(code, 200, "{body}");
+    let group = runtime
+        .block_on(client.describe_group("ops", "audit"))
+        .unwrap();
+    let ends: Vec<u64> = group.partitions.iter().map(|p| p.next_offset).collect();
+    let committed: Vec<u64> = group
+        .partitions
+        .iter()
+        .map(|p| p.committed_offset)
+        .collect();
+    assert_eq!(committed, ends, "reset to the end of every partition");
+    let (code, body) = http_request(admin, "POST", reset, r#"{"to": {"offset": 1000}}"#);
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("OFFSET_OUT_OF_RANGE"), "{body}");
+    let (code, body) = http_request(admin, "POST", reset, r#"{"to": "somewhere"}"#);
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("earliest"), "{body}");
+
+    let redrive = "/v1/groups/ops/topics/audit/dead-letters/redrive";
+    let (code, body) = http_request(admin, "POST", redrive, r#"{"offsets": [0]}"#);
+    assert_eq!(code, 404, "{body}");
+    assert!(body.contains("dead letter 0 does not exist"), "{body}");
+    let (code, body) = http_request(admin, "POST", redrive, r#"{"all": true}"#);
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains(r#""redriven":0"#), "{body}");
+    let (code, body) = http_request(admin, "POST", redrive, r#"{"all": true, "offsets": [1]}"#);
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("not both"), "{body}");
 }
