@@ -181,6 +181,21 @@ impl Limiter {
         decide(inner, &state, permits)
     }
 
+    /// Takes `permits` of `resource`, waiting for them up to `deadline` (a later lease, or the
+    /// fallback); false if they did not come in time. The demand is counted once, however long
+    /// it waits; it polls the lease every [`ACQUIRE_POLL`].
+    pub async fn acquire(
+        &self,
+        resource: &str,
+        permits: u64,
+        deadline: tokio::time::Instant,
+    ) -> bool {
+        match self.resource(resource) {
+            Some(handle) => handle.acquire(permits, deadline).await,
+            None => self.try_acquire(resource, permits),
+        }
+    }
+
     /// A handle on `resource` for the hot path: its `try_acquire` skips the lookup by name.
     /// `None` when the limiter already follows [`RESOURCES_MAX`] other resources.
     pub fn resource(&self, resource: &str) -> Option<LimitedResource> {
@@ -260,7 +275,46 @@ impl LimitedResource {
     pub fn try_acquire(&self, permits: u64) -> bool {
         decide(&self.inner, &self.state, permits)
     }
+
+    /// Takes `permits`, waiting up to `deadline`; as [`Limiter::acquire`].
+    pub async fn acquire(&self, permits: u64, deadline: tokio::time::Instant) -> bool {
+        if self.try_acquire(permits) {
+            return true;
+        }
+        // Counted as wanted and refused once above; a waiter wants its permits again in each
+        // later lease period (leases are sized from demand), and is not counted again as
+        // refused.
+        let inner = &self.inner;
+        let mut wanted_again = tokio::time::Instant::now() + LEASE_PERIOD;
+        loop {
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            if now >= wanted_again {
+                self.state.wanted.fetch_add(permits, Ordering::Relaxed);
+                wanted_again = now + LEASE_PERIOD;
+            }
+            tokio::time::sleep_until(deadline.min(now + ACQUIRE_POLL)).await;
+            let now_ns = inner.now_ns();
+            let tokens = match self.state.slots.iter().find(|slot| slot.is_current(now_ns)) {
+                Some(slot) => &slot.tokens,
+                None => &self.state.fallback,
+            };
+            if take(tokens, permits) {
+                inner.refused.fetch_sub(permits, Ordering::Relaxed);
+                inner.admitted.fetch_add(permits, Ordering::Relaxed);
+                return true;
+            }
+        }
+    }
 }
+
+/// How often a waiting [`Limiter::acquire`] looks at the lease again (a lease period is
+/// 100 ms).
+pub const ACQUIRE_POLL: Duration = Duration::from_millis(5);
+/// A lease period, as the server's rules give it (`LeaseRule.window_ns`, 100 ms).
+const LEASE_PERIOD: Duration = Duration::from_millis(100);
 
 impl Inner {
     fn now_ns(&self) -> u64 {

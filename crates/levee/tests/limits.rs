@@ -313,3 +313,58 @@ fn given_the_admin_json_then_rules_are_set_listed_described_and_bad_bodies_say_w
     let (status, body) = support::http_get(server.admin_addr, "/v1/limits/search");
     assert_eq!(status, 404, "{body}");
 }
+
+#[test]
+fn given_an_exhausted_lease_then_acquire_waits_for_the_next_one_or_gives_up_at_its_deadline() {
+    let server = LeveeProcess::start(&[]);
+    runtime().block_on(async {
+        let mut limits = client(&server).await;
+        // 100 permits a second: 10 in each 100 ms lease window.
+        set_rule(&mut limits, "slow", 100, 1_000).await.unwrap();
+        let limiter =
+            levee_client::Limiter::start(levee_client::LimiterOptions::new(vec![server.grpc()]))
+                .unwrap();
+        let soon = || tokio::time::Instant::now() + Duration::from_secs(5);
+        // The first lease arrives within a period or two of the first demand.
+        assert!(
+            limiter.acquire("slow", 1, soon()).await,
+            "the first lease comes"
+        );
+        // Twenty callers waiting their turn for a second: paced by the leases, never over.
+        let started = tokio::time::Instant::now();
+        let callers = (0..20).map(|_| {
+            let limiter = limiter.clone();
+            tokio::spawn(async move {
+                let mut admitted = 0_u32;
+                while started.elapsed() < Duration::from_secs(1) {
+                    let deadline = started + Duration::from_secs(1);
+                    if limiter.acquire("slow", 1, deadline).await {
+                        admitted += 1;
+                    }
+                }
+                admitted
+            })
+        });
+        let mut admitted = 0;
+        for caller in callers.collect::<Vec<_>>() {
+            admitted += caller.await.unwrap();
+        }
+        // A second's budget and one window at each end at most; most of it used.
+        assert!(
+            (60..=120).contains(&admitted),
+            "admitted {admitted} in one second"
+        );
+        // Spent for this window, and a deadline shorter than a window: it gives up in time.
+        while limiter.try_acquire("slow", 1) {}
+        let waited = tokio::time::Instant::now();
+        let given_up = !limiter
+            .acquire("slow", 1, waited + Duration::from_millis(1))
+            .await;
+        assert!(given_up || waited.elapsed() < Duration::from_millis(50));
+        assert!(
+            waited.elapsed() < Duration::from_millis(50),
+            "{:?}",
+            waited.elapsed()
+        );
+    });
+}
