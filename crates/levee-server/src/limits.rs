@@ -183,12 +183,24 @@ impl LimitsService {
                     .map_err(|error| invalid(error.to_string()))?;
             }
             let grant = allocator.request(request.client_id, demand.demand, now);
-            self.metrics
+            let labels = ResourceLabels {
+                resource: demand.resource.clone(),
+            };
+            let metrics = &self.metrics;
+            metrics
                 .limits_permits_granted
-                .get_or_create(&ResourceLabels {
-                    resource: demand.resource.clone(),
-                })
+                .get_or_create(&labels)
                 .inc_by(grant.permits);
+            metrics
+                .limits_permits_demanded
+                .get_or_create(&labels)
+                .inc_by(demand.demand);
+            #[allow(clippy::cast_precision_loss, reason = "a rate for a gauge")]
+            let per_second = permits as f64 * 1_000.0 / period_ms.max(1) as f64;
+            metrics
+                .limits_budget_per_second
+                .get_or_create(&labels)
+                .set(per_second);
             grants.push(LeaseGrant {
                 resource: demand.resource.clone(),
                 permits: grant.permits,

@@ -134,6 +134,11 @@ pub struct Metrics {
     pub hotkey_clients_connected: Family<AppLabels, Gauge>,
     /// Permits granted in leases, by limits resource (docs/LIMITS.md).
     pub limits_permits_granted: Family<ResourceLabels, Counter>,
+    /// Permits clients asked for in their lease requests (their demand), by limits resource:
+    /// beside the granted, what the rule held back.
+    pub limits_permits_demanded: Family<ResourceLabels, Counter>,
+    /// Each resource's configured budget in permits per second, as the lease requests found it.
+    pub limits_budget_per_second: Family<ResourceLabels, FloatGauge>,
     /// Lease sessions open on this node.
     pub limits_lease_sessions: Gauge,
     /// Bytes the hot-key engines use.
@@ -308,6 +313,18 @@ impl Metrics {
                 registry_ref,
                 "levee_limits_permits_granted",
                 "permits granted in leases, by limits resource",
+                Family::default(),
+            ),
+            limits_permits_demanded: registered(
+                registry_ref,
+                "levee_limits_permits_demanded",
+                "permits clients asked for in lease requests (their demand), by limits resource",
+                Family::default(),
+            ),
+            limits_budget_per_second: registered(
+                registry_ref,
+                "levee_limits_budget_per_second",
+                "each limits resource's configured budget in permits per second",
                 Family::default(),
             ),
             limits_lease_sessions: registered(

@@ -162,6 +162,19 @@ fn given_two_clients_of_uneven_demand_then_leases_share_each_periods_budget_and_
             support::metric_value(&server, "levee_limits_lease_sessions"),
             2
         );
+        // The demand they reported, beside the granted: what the rule held back.
+        assert_eq!(
+            support::metric_value(
+                &server,
+                "levee_limits_permits_demanded_total{resource=\"checkout\"}"
+            ),
+            20 * (1_000 + 10)
+        );
+        let (_, metrics) = support::http_get(server.admin_addr, "/metrics");
+        assert!(
+            metrics.contains("levee_limits_budget_per_second{resource=\"checkout\"} 1000.0"),
+            "the configured budget per second"
+        );
         assert!(described.granted <= described.budget);
         assert_eq!(described.lease_period_ms, 100);
 
