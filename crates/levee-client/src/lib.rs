@@ -26,6 +26,7 @@
 
 #![deny(missing_docs)]
 
+mod breaker;
 mod client;
 mod consumer;
 mod error;
@@ -36,6 +37,7 @@ mod mailboxes;
 mod producer;
 mod subscription;
 
+pub use breaker::{Breaker, BreakerRule, BreakerState, CallGuard, Trip};
 pub use client::{Client, ClientOptions, HealthStatus};
 pub use consumer::{ConsumerOptions, ConsumerStats, GroupConsumer, Message, Outcome};
 pub use error::ClientError;
