@@ -39,8 +39,9 @@ pub struct SetRetryPolicyArgs {
     default: bool,
 }
 
+/// A group on a topic, on a server.
 #[derive(Debug, clap::Args)]
-pub struct DeadLettersArgs {
+pub struct GroupTopicArgs {
     #[command(flatten)]
     pub address: ServerAddress,
     /// The consumer group
@@ -49,6 +50,12 @@ pub struct DeadLettersArgs {
     /// The topic it consumes
     #[arg(long)]
     topic: String,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DeadLettersArgs {
+    #[command(flatten)]
+    pub on: GroupTopicArgs,
     /// Start at this dead letter's offset
     #[arg(long, default_value_t = 0)]
     from: u64,
@@ -60,13 +67,7 @@ pub struct DeadLettersArgs {
 #[derive(Debug, clap::Args)]
 pub struct RedriveArgs {
     #[command(flatten)]
-    pub address: ServerAddress,
-    /// The consumer group
-    #[arg(long)]
-    group: String,
-    /// The topic it consumes
-    #[arg(long)]
-    topic: String,
+    pub on: GroupTopicArgs,
     /// The dead letters' offsets (as `levee group dead-letters` lists them), comma-separated
     #[arg(
         long,
@@ -84,13 +85,7 @@ pub struct RedriveArgs {
 #[command(group(clap::ArgGroup::new("to").required(true).args(["earliest", "latest", "offset", "timestamp_ms"])))]
 pub struct ResetArgs {
     #[command(flatten)]
-    pub address: ServerAddress,
-    /// The consumer group
-    #[arg(long)]
-    group: String,
-    /// The topic it consumes
-    #[arg(long)]
-    topic: String,
+    pub on: GroupTopicArgs,
     /// Only these partitions, comma-separated (default: every one)
     #[arg(long, value_delimiter = ',')]
     partitions: Vec<u32>,
@@ -139,7 +134,7 @@ pub async fn set_retry_policy(client: &Client, args: &SetRetryPolicyArgs) -> any
 
 pub async fn dead_letters(client: &Client, args: &DeadLettersArgs) -> anyhow::Result<Value> {
     let page = client
-        .dead_letters(&args.group, &args.topic, args.from, args.max)
+        .dead_letters(&args.on.group, &args.on.topic, args.from, args.max)
         .await?;
     Ok(levee_proto::json::dead_letters_json(&page))
 }
@@ -147,9 +142,9 @@ pub async fn dead_letters(client: &Client, args: &DeadLettersArgs) -> anyhow::Re
 pub async fn redrive(client: &Client, args: &RedriveArgs) -> anyhow::Result<Value> {
     let offsets = (!args.all).then_some(args.offsets.as_slice());
     let redriven = client
-        .redrive_dead_letters(&args.group, &args.topic, offsets)
+        .redrive_dead_letters(&args.on.group, &args.on.topic, offsets)
         .await?;
-    Ok(json!({"group": args.group, "topic": args.topic, "redriven": redriven}))
+    Ok(json!({"group": args.on.group, "topic": args.on.topic, "redriven": redriven}))
 }
 
 pub async fn reset(client: &Client, args: &ResetArgs) -> anyhow::Result<Value> {
@@ -161,7 +156,13 @@ pub async fn reset(client: &Client, args: &ResetArgs) -> anyhow::Result<Value> {
         _ => anyhow::bail!("give --earliest, --latest, --offset or --timestamp-ms"),
     };
     let reset = client
-        .reset_group_offsets(&args.group, &args.topic, &args.partitions, to, args.force)
+        .reset_group_offsets(
+            &args.on.group,
+            &args.on.topic,
+            &args.partitions,
+            to,
+            args.force,
+        )
         .await?;
     Ok(levee_proto::json::reset_json(&reset))
 }

@@ -167,9 +167,9 @@ pub fn run_group(command: &GroupCommand) -> ExitCode {
         GroupCommand::SetRate(args) => &args.address,
         GroupCommand::RetryPolicy(args) => &args.address,
         GroupCommand::SetRetryPolicy(args) => &args.address,
-        GroupCommand::DeadLetters(args) => &args.address,
-        GroupCommand::Redrive(args) => &args.address,
-        GroupCommand::ResetOffsets(args) => &args.address,
+        GroupCommand::DeadLetters(args) => &args.on.address,
+        GroupCommand::Redrive(args) => &args.on.address,
+        GroupCommand::ResetOffsets(args) => &args.on.address,
     };
     crate::client_commands::print_result(address.json, group(command, &address.server))
 }

@@ -103,6 +103,11 @@ pub(crate) fn last_record(store: &Store, queue: &[u8]) -> Result<Option<Vec<u8>>
     })
 }
 
+/// An `INVALID_ARGUMENT` wire error with `message` (which names the problem and the fix).
+pub(crate) fn invalid(message: String) -> WireError {
+    WireError::new(ErrorCode::InvalidArgument, message)
+}
+
 /// A refused name as a wire error.
 pub(crate) fn name_error(error: &NameError) -> WireError {
     WireError::new(ErrorCode::InvalidArgument, error.to_string())

@@ -33,7 +33,7 @@ use crate::queue::mailbox::many::{self, ManyContext, ManySession};
 use crate::queue::mailbox::position_log::PositionLogs;
 use crate::queue::producer::idempotent::{Producers, SequencedMessage};
 use crate::queue::topic::catalog::{RetentionRule, Topics};
-use crate::queue::{StoreCalls, name_error, write_error};
+use crate::queue::{StoreCalls, invalid, name_error, write_error};
 use crate::server::GRPC_MESSAGE_BYTES_MAX;
 
 /// Most messages in one append request.
@@ -151,10 +151,6 @@ impl QueueService {
         self.calls.durable(appended.ticket).await?;
         Ok((appended.offsets, appended.stored_now))
     }
-}
-
-fn invalid(message: String) -> WireError {
-    WireError::new(ErrorCode::InvalidArgument, message)
 }
 
 fn input_error(error: &InputError) -> WireError {
@@ -515,11 +511,7 @@ impl Queues for QueueService {
         let topics = Arc::clone(&self.topics);
         let messages_removed = self
             .blocking(move |store| {
-                let now_ms = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |since| {
-                        u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
-                    });
+                let now_ms = crate::queue::delay::unix_ms();
                 // Retry queues are trimmed by the minute's pass (it knows the groups).
                 crate::queue::retention::enforce_retention(
                     store,

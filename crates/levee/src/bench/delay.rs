@@ -16,6 +16,7 @@ use levee_proto::v1::{PublishMessage, PublishRequest};
 use serde_json::{Value, json};
 
 use super::server_process::ServerProcess;
+use super::unix_ms;
 
 const GROUP: &str = "bench-delay";
 
@@ -78,15 +79,6 @@ pub fn run(args: &DelayBenchArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     }
     Ok(())
-}
-
-/// Milliseconds since the Unix epoch.
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| {
-            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
-        })
 }
 
 /// A process's resident memory now (`VmRSS`), in bytes (0 if unknown).

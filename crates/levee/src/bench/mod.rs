@@ -47,6 +47,15 @@ pub mod redis_baseline {
     }
 }
 
+/// Milliseconds since the Unix epoch (the server's clock too, on the same machine).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        })
+}
+
 /// CPU time a process has used so far, user and system, all threads, in seconds; `process` is
 /// a pid or `self` (0 if unknown). From `/proc/PID/stat` (fields 14 and 15), in the kernel's
 /// `USER_HZ` ticks, which Linux fixes at 100 per second for user space on every architecture we

@@ -630,11 +630,7 @@ impl Failures {
 
     /// A retried message delivered: how late after its due time.
     fn record_retry(&self, due_ms: u64) {
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |since| {
-                u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
-            });
+        let now_ms = super::unix_ms();
         self.retried.fetch_add(1, Ordering::Relaxed);
         let late = now_ms.saturating_sub(due_ms).max(1);
         if let Ok(mut histogram) = self.lateness_ms.lock() {

@@ -28,6 +28,7 @@ use tokio::sync::{Semaphore, watch};
 
 use crate::queue::StoreCalls;
 use crate::queue::credit::{ROUND_BYTES_MAX, ROUND_MESSAGES_MAX, StreamCredit};
+use crate::queue::invalid;
 use crate::queue::mailbox::position_log::{ConsumerLog, Position, PositionLogs};
 use crate::queue::mailbox::subscription::{check_consumer_and_credit, check_queue_name};
 use crate::queue::stream::{Incoming, Outgoing};
@@ -46,10 +47,6 @@ pub const ADD_DELETE_WAIT_MAX: std::time::Duration = std::time::Duration::from_s
 pub const ACKS_MAX: usize = 10_000;
 /// Ack batches whose durability one stream awaits at once; further acks wait (back-pressure).
 const ACK_WAITS_MAX: usize = 16;
-
-fn invalid(message: String) -> WireError {
-    WireError::new(ErrorCode::InvalidArgument, message)
-}
 
 /// The error that ends a stream whose add waited [`ADD_DELETE_WAIT_MAX`] for a delete.
 fn still_deleting(index: usize, queues: &[Box<[u8]>]) -> WireError {

@@ -21,12 +21,9 @@ use levee_broker::names::{self, POSITION_PREFIX};
 use levee_broker::position::{decode_queue_position, encode_queue_position};
 
 use crate::queue::credit::{ROUND_BYTES_MAX, ROUND_MESSAGES_MAX, StreamCredit, check_credit};
+use crate::queue::invalid;
 use crate::queue::name_error;
 use crate::queue::stream::{Incoming, Outgoing};
-
-fn invalid(message: String) -> WireError {
-    WireError::new(ErrorCode::InvalidArgument, message)
-}
 
 /// The name of the queue holding `consumer`'s acked positions on `queue`.
 pub(crate) fn position_queue(consumer: &str, queue: &[u8]) -> Vec<u8> {

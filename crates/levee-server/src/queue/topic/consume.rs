@@ -32,7 +32,7 @@ use crate::queue::topic::catalog::{Topic, Topics};
 use crate::queue::topic::group::{Groups, Membership};
 use crate::queue::topic::retry::{self, OUTCOME_BATCHES_IN_FLIGHT_MAX, OUTCOMES_PER_BATCH_MAX};
 use crate::queue::waiters::Waiters;
-use crate::queue::{StoreCalls, name_error, storage_error};
+use crate::queue::{StoreCalls, invalid, name_error, storage_error};
 
 /// Lease of a start that does not say.
 pub const LEASE_MS_DEFAULT: u32 = 10_000;
@@ -84,10 +84,6 @@ pub struct ConsumeContext {
     pub metrics: Metrics,
     /// Turns true when the server shuts down.
     pub closing: watch::Receiver<bool>,
-}
-
-fn invalid(message: String) -> WireError {
-    WireError::new(ErrorCode::InvalidArgument, message)
 }
 
 /// Checks a start message; returns the lease.

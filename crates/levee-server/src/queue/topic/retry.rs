@@ -29,7 +29,7 @@ use crate::queue::delay::{Scheduled, unix_ms};
 use crate::queue::topic::catalog::Topic;
 use crate::queue::topic::consume::ConsumeContext;
 use crate::queue::topic::group::Membership;
-use crate::queue::{lock, name_error, storage_error, write_error};
+use crate::queue::{invalid, lock, name_error, storage_error, write_error};
 
 /// Most outcomes in one outcome batch.
 pub const OUTCOMES_PER_BATCH_MAX: usize = 1_024;
@@ -46,10 +46,6 @@ pub const REDRIVE_OFFSETS_MAX: usize = 10_000;
 const DEAD_LETTER_READ_MESSAGES: usize = 1_000;
 /// Bytes one read of a dead-letter queue takes.
 const DEAD_LETTER_READ_BYTES: usize = 4 << 20;
-
-fn invalid(message: String) -> WireError {
-    WireError::new(ErrorCode::InvalidArgument, message)
-}
 
 /// Where a judged outcome sends its message.
 enum Moved {
