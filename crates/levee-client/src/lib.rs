@@ -32,6 +32,7 @@ mod consumer;
 mod error;
 mod failures;
 pub mod hotkey;
+mod limit_keys;
 mod limiter;
 mod mailboxes;
 mod producer;
@@ -56,6 +57,7 @@ pub use levee_proto::v1::{
     ResetGroupOffsetsResponse as OffsetsReset, reset_group_offsets_request::To as ResetTo,
 };
 pub use levee_proto::{Bytes, WireError};
+pub use limit_keys::{KEYS_TRACKED_MAX, LimitCall};
 pub use limiter::{LimitedResource, Limiter, LimiterOptions, LimiterStats};
 pub use mailboxes::{MAILBOXES_PER_REQUEST_MAX, Mailboxes};
 pub use producer::{Producer, ProducerOptions};

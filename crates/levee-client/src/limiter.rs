@@ -11,15 +11,16 @@
 //! client alone (0 by default: refuse), counted in [`LimiterStats::fallback_decisions`].
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use levee_proto::v1::limits_client::LimitsClient;
-use levee_proto::v1::{LeaseDemand, LeaseRequest, LeaseResponse, MemberRole};
+use levee_proto::v1::{BreakerStatus, LeaseDemand, LeaseRequest, LeaseResponse, MemberRole};
 use tokio::sync::{mpsc, watch};
 
 use crate::error::ClientError;
+use crate::limit_keys::{CallReports, KeyShares, LimitCall};
 
 /// How a [`Limiter`] connects and falls back.
 #[derive(Debug, Clone)]
@@ -57,6 +58,8 @@ pub struct LimiterStats {
     pub fallback_decisions: u64,
     /// Lease answers received.
     pub leases_received: u64,
+    /// Permits refused by a key's share of a per-key limit (also counted in `refused`).
+    pub key_refused: u64,
     /// Whether a lease session is open now.
     pub connected: bool,
 }
@@ -86,6 +89,12 @@ struct Resource {
     wanted: AtomicU64,
     /// Permits left of the fallback in this period.
     fallback: AtomicU64,
+    /// Calls reported since the last lease request.
+    calls: CallReports,
+    /// The rule's breaker, as the last grant said (a `BreakerStatus`).
+    breaker: AtomicI32,
+    /// The per-key shares the grants carried (none: the rule limits no key).
+    keys: Mutex<Option<KeyShares>>,
 }
 
 #[derive(Debug)]
@@ -99,6 +108,7 @@ struct Inner {
     refused: AtomicU64,
     fallback_decisions: AtomicU64,
     leases_received: AtomicU64,
+    key_refused: AtomicU64,
 }
 
 /// Most resources one limiter follows.
@@ -151,6 +161,7 @@ impl Limiter {
             refused: AtomicU64::new(0),
             fallback_decisions: AtomicU64::new(0),
             leases_received: AtomicU64::new(0),
+            key_refused: AtomicU64::new(0),
         });
         let (stop, stopped) = watch::channel(false);
         runtime.spawn(run_leases(Arc::clone(&inner), stopped));
@@ -179,6 +190,17 @@ impl Limiter {
             return false;
         };
         decide(inner, &state, permits)
+    }
+
+    /// Takes `permits` of `key` of `resource`: the key's share of the rule's per-key limit
+    /// (answered locally), then the resource's lease, as [`Self::try_acquire`]. A key refused
+    /// by its limit is counted refused and not as demand. A rule without per-key limits
+    /// limits no key.
+    pub fn try_acquire_key(&self, resource: &str, key: &[u8], permits: u64) -> bool {
+        match self.resource(resource) {
+            Some(handle) => handle.try_acquire_key(key, permits),
+            None => self.try_acquire(resource, permits),
+        }
     }
 
     /// Takes `permits` of `resource`, waiting for them up to `deadline` (a later lease, or the
@@ -238,6 +260,7 @@ impl Limiter {
             refused: inner.refused.load(Ordering::Relaxed),
             fallback_decisions: inner.fallback_decisions.load(Ordering::Relaxed),
             leases_received: inner.leases_received.load(Ordering::Relaxed),
+            key_refused: inner.key_refused.load(Ordering::Relaxed),
             connected: inner.connected.load(Ordering::Relaxed),
         }
     }
@@ -274,6 +297,48 @@ impl LimitedResource {
     /// Takes `permits` if the lease (or the fallback) has them; as [`Limiter::try_acquire`].
     pub fn try_acquire(&self, permits: u64) -> bool {
         decide(&self.inner, &self.state, permits)
+    }
+
+    /// Takes `permits` of `key`: its per-key share, then the lease; as
+    /// [`Limiter::try_acquire_key`].
+    pub fn try_acquire_key(&self, key: &[u8], permits: u64) -> bool {
+        let now = self.inner.now_ns();
+        let key_admitted = self
+            .state
+            .keys
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_mut()
+            .is_none_or(|shares| shares.try_acquire(key, permits, now));
+        if !key_admitted {
+            self.inner.refused.fetch_add(permits, Ordering::Relaxed);
+            self.inner.key_refused.fetch_add(permits, Ordering::Relaxed);
+            return false;
+        }
+        self.try_acquire(permits)
+    }
+
+    /// Takes one permit and, if it came, a [`LimitCall`] that reports how the call ended (its
+    /// outcome and latency feed the rule's breaker and adaptive budget on the server).
+    pub fn try_call(&self) -> Option<LimitCall> {
+        self.try_acquire(1).then(|| LimitCall {
+            resource: self.clone(),
+            started: Instant::now(),
+            reported: false,
+        })
+    }
+
+    /// Reports a call that ended (for callers that time their own calls): sent with the next
+    /// lease request.
+    pub fn record(&self, succeeded: bool, latency: Duration) {
+        self.state.calls.record(succeeded, latency);
+    }
+
+    /// The rule's breaker as the last grant said: `Unspecified` when the rule has none (or no
+    /// grant came yet), `Open` while the server grants nothing.
+    pub fn breaker(&self) -> BreakerStatus {
+        BreakerStatus::try_from(self.state.breaker.load(Ordering::Relaxed))
+            .unwrap_or(BreakerStatus::Unspecified)
     }
 
     /// Takes `permits`, waiting up to `deadline`; as [`Limiter::acquire`].
@@ -328,6 +393,13 @@ impl Inner {
                 .map(|(resource, state)| LeaseDemand {
                     resource: resource.clone(),
                     demand: state.wanted.swap(0, Ordering::AcqRel),
+                    stats: state.calls.take(),
+                    keys_version: state
+                        .keys
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .as_ref()
+                        .map_or(0, KeyShares::version),
                 })
                 .collect()
         });
@@ -348,6 +420,14 @@ impl Inner {
             let Some(state) = resources.get(&grant.resource) else {
                 continue;
             };
+            state.breaker.store(grant.breaker, Ordering::Relaxed);
+            state.calls.slow_call_ns.store(
+                grant.slow_call_ms.saturating_mul(1_000_000),
+                Ordering::Relaxed,
+            );
+            if let Some(limits) = &grant.key_limits {
+                *state.keys.lock().unwrap_or_else(PoisonError::into_inner) = KeyShares::new(limits);
+            }
             // Times count from when the lease was asked for, so a lease never outlives the
             // server's period; it goes in the slot that is not being spent now.
             let at = |ms: u64| sent_ns.saturating_add(ms.saturating_mul(1_000_000));

@@ -41,6 +41,11 @@ pub enum MetaCommand {
         permits: u64,
         /// The period, in milliseconds.
         period_ms: u64,
+        /// The rule's per-key limits, breaker and adaptive budget: the `levee.v1.LimitRule`
+        /// message as protobuf (validated by the taking node); empty for a plain budget. Logs
+        /// written before it existed read as empty.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        policy: Vec<u8>,
     },
     /// Removes a limits resource's rule.
     DeleteLimitRule {
@@ -200,6 +205,10 @@ pub const LIMIT_RULES_MAX: usize = 10_000;
 pub struct LimitMeta {
     /// Every resource's rule, by name.
     pub rules: std::collections::BTreeMap<String, (u64, u64)>,
+    /// The rules with per-key limits, a breaker or an adaptive budget: their `LimitRule`
+    /// messages as protobuf, by name (snapshots taken before it existed read as none).
+    #[serde(default)]
+    pub policies: std::collections::BTreeMap<String, Vec<u8>>,
 }
 
 impl LimitMeta {
@@ -210,6 +219,7 @@ impl LimitMeta {
                 resource,
                 permits,
                 period_ms,
+                policy,
             } => {
                 if !self.rules.contains_key(resource) && self.rules.len() >= LIMIT_RULES_MAX {
                     return Some(MetaResponse {
@@ -221,15 +231,25 @@ impl LimitMeta {
                     });
                 }
                 let rule = (*permits, *period_ms);
+                let mut changed = self.rules.insert(resource.clone(), rule) != Some(rule);
+                let previous = if policy.is_empty() {
+                    self.policies.remove(resource)
+                } else {
+                    self.policies.insert(resource.clone(), policy.clone())
+                };
+                changed |= previous.as_deref().unwrap_or_default() != policy.as_slice();
                 MetaResponse {
-                    changed: self.rules.insert(resource.clone(), rule) != Some(rule),
+                    changed,
                     ..MetaResponse::default()
                 }
             }
-            MetaCommand::DeleteLimitRule { resource } => MetaResponse {
-                changed: self.rules.remove(resource).is_some(),
-                ..MetaResponse::default()
-            },
+            MetaCommand::DeleteLimitRule { resource } => {
+                self.policies.remove(resource);
+                MetaResponse {
+                    changed: self.rules.remove(resource).is_some(),
+                    ..MetaResponse::default()
+                }
+            }
             _ => return None,
         };
         Some(response)

@@ -17,6 +17,11 @@
 //!   [`AdaptiveLimit::reset_baseline`] when the dependency changes (a deploy, a new host).
 //!
 //! The limit always stays within `[min, max]`.
+//!
+//! [`AdaptiveBudget`] is the cluster form: a rate budget adapted by AIMD from the call
+//! statistics of many clients, interval by interval.
+
+use crate::breaker::CallCounts;
 
 /// The algorithm.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -109,6 +114,94 @@ impl AdaptiveLimit {
     }
 }
 
+/// A rate budget adapted from call statistics reported by many clients (the cluster mode's
+/// adaptive limit, as `PhxQueue` recomputes its flow control from call counts): every
+/// evaluation interval the caller hands it that interval's [`CallCounts`] over all clients.
+///
+/// AIMD on the budget: an interval with at least `min_calls` calls whose error ratio passes
+/// `error_ratio_max`, or whose mean latency (of successes) passes `latency_ns_max`, is an
+/// overload and multiplies the budget by `backoff`; any other interval adds `max / 20`
+/// (so a budget climbs from its floor to `max` in at most 20 intervals). The budget always
+/// stays within `[min, max]`. Against a backend whose latency rises past a load L, the budget
+/// saws between about `backoff x L` and `L + max / 20`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdaptiveBudget {
+    min: u64,
+    max: u64,
+    budget: f64,
+    /// Intervals with fewer calls decide nothing (no evidence of overload).
+    pub min_calls: u64,
+    /// An error ratio above this is an overload, (0, 1]; 1 turns the error test off.
+    pub error_ratio_max: f64,
+    /// A mean success latency above this is an overload; 0 turns the latency test off.
+    pub latency_ns_max: u64,
+    /// The factor applied on an overload, (0, 1).
+    pub backoff: f64,
+}
+
+impl AdaptiveBudget {
+    /// A budget starting at `max` (the configured one) and never below `min` (at least 1).
+    pub fn new(min: u64, max: u64) -> Self {
+        let min = min.clamp(1, max.max(1));
+        Self {
+            min,
+            max: max.max(min),
+            #[allow(clippy::cast_precision_loss, reason = "budgets far below 2^52")]
+            budget: max.max(min) as f64,
+            min_calls: 10,
+            error_ratio_max: 0.1,
+            latency_ns_max: 0,
+            backoff: 0.9,
+        }
+    }
+
+    /// The budget now, rounded down, within `[min, max]`.
+    pub fn budget(&self) -> u64 {
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            reason = "clamped to [min, max]"
+        )]
+        let budget = self.budget as u64;
+        budget.clamp(self.min, self.max)
+    }
+
+    /// Changes the range (the rule changed); the budget is clamped into it.
+    pub fn set_range(&mut self, min: u64, max: u64) {
+        self.min = min.clamp(1, max.max(1));
+        self.max = max.max(self.min);
+        #[allow(clippy::cast_precision_loss, reason = "budgets far below 2^52")]
+        let (low, high) = (self.min as f64, self.max as f64);
+        self.budget = self.budget.clamp(low, high);
+    }
+
+    /// Whether `counts` shows an overload.
+    pub fn is_overload(&self, counts: CallCounts) -> bool {
+        if counts.calls < self.min_calls.max(1) {
+            return false;
+        }
+        #[allow(clippy::cast_precision_loss, reason = "counts far below 2^52")]
+        let error_ratio = counts.errors as f64 / counts.calls as f64;
+        let successes = counts.calls.saturating_sub(counts.errors);
+        let mean_latency = counts.latency_sum_ns.checked_div(successes).unwrap_or(0);
+        error_ratio > self.error_ratio_max
+            || (self.latency_ns_max > 0 && mean_latency > self.latency_ns_max)
+    }
+
+    /// Takes one evaluation interval's calls and returns the new budget.
+    pub fn record(&mut self, counts: CallCounts) -> u64 {
+        #[allow(clippy::cast_precision_loss, reason = "budgets far below 2^52")]
+        let (low, high) = (self.min as f64, self.max as f64);
+        self.budget = if self.is_overload(counts) {
+            self.budget * self.backoff
+        } else {
+            self.budget + high / 20.0
+        }
+        .clamp(low, high);
+        self.budget()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,6 +241,59 @@ mod tests {
         let gradient = AdaptiveAlgorithm::Gradient { tolerance: 1.5 };
         let settled = settle(AdaptiveLimit::new(gradient, 10, 1, 1_000));
         assert!((40..=110).contains(&settled), "{settled}");
+    }
+
+    #[test]
+    fn given_a_backend_that_slows_past_a_load_then_the_budget_saws_around_that_load() {
+        // The backend answers in 10 ms up to 500 calls an interval, slower beyond.
+        let mut budget = AdaptiveBudget::new(50, 2_000);
+        budget.latency_ns_max = 15_000_000;
+        let mut seen = Vec::new();
+        for _ in 0..200 {
+            let calls = budget.budget();
+            let latency = if calls <= 500 {
+                10_000_000
+            } else {
+                10_000_000 * calls / 250
+            };
+            seen.push(budget.record(CallCounts {
+                calls,
+                latency_sum_ns: latency * calls,
+                ..CallCounts::default()
+            }));
+        }
+        let settled = &seen[100..];
+        assert!(
+            settled.iter().all(|b| (400..=900).contains(b)),
+            "{settled:?}"
+        );
+    }
+
+    #[test]
+    fn given_errors_then_the_budget_falls_to_its_floor_and_climbs_back() {
+        let mut budget = AdaptiveBudget::new(10, 1_000);
+        let failing = CallCounts {
+            calls: 100,
+            errors: 50,
+            ..CallCounts::default()
+        };
+        for _ in 0..100 {
+            budget.record(failing);
+        }
+        assert_eq!(budget.budget(), 10);
+        // Too few calls to judge: not an overload, so it climbs.
+        assert_eq!(
+            budget.record(CallCounts {
+                calls: 5,
+                errors: 5,
+                ..failing
+            }),
+            60
+        );
+        for _ in 0..30 {
+            budget.record(CallCounts::default());
+        }
+        assert_eq!(budget.budget(), 1_000);
     }
 
     #[test]

@@ -127,6 +127,30 @@ pub enum CallOutcome {
     Error,
 }
 
+/// Calls counted together, for [`CircuitBreaker::record_counts`] and
+/// [`crate::AdaptiveBudget::record`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CallCounts {
+    /// Calls that ended.
+    pub calls: u64,
+    /// Of them, failed.
+    pub errors: u64,
+    /// Of them, succeeded slower than the slow-call limit.
+    pub slow: u64,
+    /// Their latencies added up, in nanoseconds (successes only).
+    pub latency_sum_ns: u64,
+}
+
+impl CallCounts {
+    /// Adds `other`'s counts.
+    pub fn add(&mut self, other: Self) {
+        self.calls = self.calls.saturating_add(other.calls);
+        self.errors = self.errors.saturating_add(other.errors);
+        self.slow = self.slow.saturating_add(other.slow);
+        self.latency_sum_ns = self.latency_sum_ns.saturating_add(other.latency_sum_ns);
+    }
+}
+
 /// The breaker's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BreakerState {
@@ -252,24 +276,101 @@ impl CircuitBreaker {
                 }
             }
             BreakerState::Closed => {
-                let bucket_ns = self.bucket_ns();
-                let current = now / bucket_ns;
-                let was_slow = self.is_slow(outcome);
-                let index = usize::try_from(current % u64::from(self.rule.buckets)).unwrap_or(0);
-                let bucket = &mut self.buckets[index];
-                if bucket.slot != current {
-                    *bucket = Bucket {
-                        slot: current,
-                        ..Bucket::default()
+                let counts = CallCounts {
+                    calls: 1,
+                    errors: u64::from(outcome == CallOutcome::Error),
+                    slow: u64::from(self.is_slow(outcome)),
+                    latency_sum_ns: 0,
+                };
+                self.count_closed(counts, now);
+            }
+        }
+    }
+
+    /// Of `wanted` calls, how many may go now: the batch form of [`Self::allow`] for leases
+    /// (all while closed, none while open, what is left of the probes while half-open).
+    pub fn allow_many(&mut self, wanted: u64, now: Nanos) -> u64 {
+        match self.state(now) {
+            BreakerState::Closed => wanted,
+            BreakerState::Open { .. } => 0,
+            BreakerState::HalfOpen {
+                let_through,
+                succeeded,
+            } => {
+                let left = u64::from(self.rule.probes.saturating_sub(let_through));
+                let allowed = wanted.min(left);
+                self.state = BreakerState::HalfOpen {
+                    let_through: let_through + u32::try_from(allowed).unwrap_or(0),
+                    succeeded,
+                };
+                allowed
+            }
+        }
+    }
+
+    /// Records calls reported together (a lease period's calls of many clients, counted by
+    /// each client): `counts.calls` calls, of which `errors` failed and `slow` succeeded slower
+    /// than the slow-call limit. As [`Self::record`] for each, with one trip check at the end.
+    pub fn record_counts(&mut self, counts: CallCounts, now: Nanos) {
+        if counts.calls == 0 {
+            return;
+        }
+        let slow_trips = matches!(self.rule.trip, Trip::SlowRatio { .. });
+        let failed = counts.errors + if slow_trips { counts.slow } else { 0 };
+        match self.state(now) {
+            BreakerState::Open { .. } => {}
+            BreakerState::HalfOpen {
+                let_through,
+                succeeded,
+            } => {
+                let succeeded = u64::from(succeeded).saturating_add(counts.calls);
+                if failed > 0 {
+                    self.open(now);
+                } else if succeeded >= u64::from(self.rule.probes) {
+                    self.state = BreakerState::Closed;
+                    self.buckets.fill(Bucket::default());
+                } else {
+                    self.state = BreakerState::HalfOpen {
+                        let_through,
+                        succeeded: u32::try_from(succeeded).unwrap_or(u32::MAX),
                     };
                 }
-                bucket.calls += 1;
-                bucket.errors += u64::from(outcome == CallOutcome::Error);
-                bucket.slow += u64::from(was_slow);
-                if self.trips(current) {
-                    self.open(now);
-                }
             }
+            BreakerState::Closed => {
+                let counted = CallCounts {
+                    errors: counts.errors.min(counts.calls),
+                    slow: if slow_trips { counts.slow } else { 0 },
+                    ..counts
+                };
+                self.count_closed(counted, now);
+            }
+        }
+    }
+
+    /// Counts calls in the current bucket of a closed breaker and opens it if they trip it.
+    fn count_closed(&mut self, counts: CallCounts, now: Nanos) {
+        let current = now / self.bucket_ns();
+        let index = usize::try_from(current % u64::from(self.rule.buckets)).unwrap_or(0);
+        let bucket = &mut self.buckets[index];
+        if bucket.slot != current {
+            *bucket = Bucket {
+                slot: current,
+                ..Bucket::default()
+            };
+        }
+        bucket.calls += counts.calls;
+        bucket.errors += counts.errors;
+        bucket.slow += counts.slow;
+        if self.trips(current) {
+            self.open(now);
+        }
+    }
+
+    /// The slow-call limit of a slow-ratio trip (`None` for the other trips).
+    pub fn slow_ns(&self) -> Option<u64> {
+        match self.rule.trip {
+            Trip::SlowRatio { slow_ns, .. } => Some(slow_ns),
+            _ => None,
         }
     }
 
@@ -369,6 +470,48 @@ mod tests {
             breaker.state(600 * MS),
             BreakerState::Open { until: 1_100 * MS }
         );
+    }
+
+    #[test]
+    fn given_counts_reported_in_batches_then_it_trips_probes_and_closes_as_for_single_calls() {
+        let mut breaker = CircuitBreaker::new(rule(Trip::ErrorRatio(0.5))).unwrap();
+        let batch = |calls, errors| CallCounts {
+            calls,
+            errors,
+            ..CallCounts::default()
+        };
+        breaker.record_counts(batch(6, 2), 0);
+        assert_eq!(breaker.allow_many(100, MS), 100, "6 calls: under min_calls");
+        breaker.record_counts(batch(6, 4), 100 * MS);
+        // 6 errors in 12 calls: open.
+        assert_eq!(breaker.allow_many(100, 101 * MS), 0);
+        // Half-open after 500 ms: two probes in all, however they are asked for.
+        assert_eq!(breaker.allow_many(1, 700 * MS), 1);
+        assert_eq!(breaker.allow_many(5, 700 * MS), 1);
+        assert_eq!(breaker.allow_many(5, 700 * MS), 0);
+        breaker.record_counts(batch(2, 0), 800 * MS);
+        assert_eq!(breaker.state(800 * MS), BreakerState::Closed);
+        breaker.record_counts(batch(10, 10), 900 * MS);
+        assert_eq!(breaker.times_opened(), 2);
+    }
+
+    #[test]
+    fn given_slow_calls_in_a_batch_then_a_slow_ratio_trip_counts_them() {
+        let mut breaker = CircuitBreaker::new(rule(Trip::SlowRatio {
+            slow_ns: 5 * MS,
+            ratio: 0.3,
+        }))
+        .unwrap();
+        assert_eq!(breaker.slow_ns(), Some(5 * MS));
+        let counts = CallCounts {
+            calls: 10,
+            slow: 2,
+            ..CallCounts::default()
+        };
+        breaker.record_counts(counts, 0);
+        assert_eq!(breaker.state(0), BreakerState::Closed);
+        breaker.record_counts(CallCounts { slow: 5, ..counts }, MS);
+        assert!(matches!(breaker.state(MS), BreakerState::Open { .. }));
     }
 
     #[test]

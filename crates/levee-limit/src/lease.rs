@@ -177,6 +177,15 @@ impl LeaseAllocator {
         self.clients.len()
     }
 
+    /// Clients that asked for a lease of the current window or the one before, at `now`.
+    pub fn active_clients(&self, now: Nanos) -> usize {
+        let recent = (now / self.rule.window_ns).saturating_sub(1);
+        self.clients
+            .values()
+            .filter(|known| known.last_window >= recent)
+            .count()
+    }
+
     /// Client `client` asks at `now` for a lease of up to `demand` tokens.
     pub fn request(&mut self, client: ClientId, demand: u64, now: Nanos) -> Grant {
         let window_ns = self.rule.window_ns;

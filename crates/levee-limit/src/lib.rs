@@ -28,8 +28,8 @@ pub mod lease;
 pub mod per_key;
 pub mod rate;
 
-pub use adaptive::{AdaptiveAlgorithm, AdaptiveLimit};
-pub use breaker::{BreakerRule, BreakerState, CallOutcome, CircuitBreaker};
+pub use adaptive::{AdaptiveAlgorithm, AdaptiveBudget, AdaptiveLimit};
+pub use breaker::{BreakerRule, BreakerState, CallCounts, CallOutcome, CircuitBreaker, Trip};
 pub use concurrency::ConcurrencyLimiter;
 pub use lease::{Grant, LeaseAllocator, LeaseRule};
 pub use per_key::{PerKeyLimiter, PerKeyRule};

@@ -10,6 +10,7 @@
 //!   identically.
 
 pub mod json;
+pub mod limits_json;
 mod wire_error;
 
 /// The type of message payloads on the wire: a decoded payload is a slice of the received

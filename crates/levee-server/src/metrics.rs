@@ -137,8 +137,17 @@ pub struct Metrics {
     /// Permits clients asked for in their lease requests (their demand), by limits resource:
     /// beside the granted, what the rule held back.
     pub limits_permits_demanded: Family<ResourceLabels, Counter>,
-    /// Each resource's configured budget in permits per second, as the lease requests found it.
+    /// Each resource's budget in permits per second now (the adaptive budget where the rule
+    /// has one), as the lease requests found it.
     pub limits_budget_per_second: Family<ResourceLabels, FloatGauge>,
+    /// Calls clients reported in their lease requests, by limits resource.
+    pub limits_calls_reported: Family<ResourceLabels, Counter>,
+    /// Of them, failed.
+    pub limits_call_errors_reported: Family<ResourceLabels, Counter>,
+    /// Each resource's breaker: 0 closed, 1 half-open, 2 open (resources with a breaker).
+    pub limits_breaker_state: Family<ResourceLabels, Gauge>,
+    /// Times each resource's breaker opened since this node became the leader.
+    pub limits_breaker_opens: Family<ResourceLabels, Gauge>,
     /// Lease sessions open on this node.
     pub limits_lease_sessions: Gauge,
     /// Bytes the hot-key engines use.
@@ -324,7 +333,31 @@ impl Metrics {
             limits_budget_per_second: registered(
                 registry_ref,
                 "levee_limits_budget_per_second",
-                "each limits resource's configured budget in permits per second",
+                "each limits resource's budget in permits per second now (adaptive where set)",
+                Family::default(),
+            ),
+            limits_calls_reported: registered(
+                registry_ref,
+                "levee_limits_calls_reported",
+                "calls clients reported in lease requests, by limits resource",
+                Family::default(),
+            ),
+            limits_call_errors_reported: registered(
+                registry_ref,
+                "levee_limits_call_errors_reported",
+                "failed calls clients reported in lease requests, by limits resource",
+                Family::default(),
+            ),
+            limits_breaker_state: registered(
+                registry_ref,
+                "levee_limits_breaker_state",
+                "each limits resource's breaker: 0 closed, 1 half-open, 2 open",
+                Family::default(),
+            ),
+            limits_breaker_opens: registered(
+                registry_ref,
+                "levee_limits_breaker_opens",
+                "times each limits resource's breaker opened since this node became leader",
                 Family::default(),
             ),
             limits_lease_sessions: registered(

@@ -213,7 +213,7 @@ impl RunningServer {
             stop_sessions.subscribe(),
         );
 
-        let limits = raft.limits_service(&state.metrics, stop_sessions.subscribe());
+        let limits = raft.limits_service(&hub, &state.metrics, stop_sessions.subscribe());
         let incoming =
             accept_connections(grpc_listener, config.connections_max, state.metrics.clone());
         let grpc_server = tonic::transport::Server::builder()
@@ -490,6 +490,7 @@ impl MetadataGroup {
     /// The Limits service over this group; its lease streams end when `closing` turns true.
     fn limits_service(
         &self,
+        hub: &Arc<HotKeyHub>,
         metrics: &Metrics,
         closing: watch::Receiver<bool>,
     ) -> crate::limits::LimitsService {
@@ -499,6 +500,7 @@ impl MetadataGroup {
                 self.writer.clone(),
                 self.manager.clone(),
             ),
+            Arc::clone(hub),
             metrics.clone(),
             closing,
         )

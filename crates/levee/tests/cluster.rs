@@ -351,6 +351,7 @@ fn leases_come_from_the_leader(runtime: &tokio::runtime::Runtime, nodes: &[Levee
             resource: "search".to_owned(),
             permits: 600,
             period_ms: 60_000,
+            ..LimitRule::default()
         };
         through_follower
             .set_rule(SetLimitRuleRequest { rule: Some(rule) })
@@ -362,6 +363,7 @@ fn leases_come_from_the_leader(runtime: &tokio::runtime::Runtime, nodes: &[Levee
                 demands: vec![LeaseDemand {
                     resource: "search".to_owned(),
                     demand: 100,
+                    ..LeaseDemand::default()
                 }],
             }])
         };

@@ -228,12 +228,7 @@ fn failed_messages_retry_with_backoff_then_dead_letter_and_redrive() {
     assert!(json.contains("card service down (attempt 3)"), "{json}");
 
     // The CLI lists them and shows the policy; a bad policy names the bound.
-    let address = server.grpc();
-    let cli = |args: &[&str]| {
-        let mut all = args.to_vec();
-        all.extend(["--server", &address, "--json"]);
-        support::run_to_exit(&all, &[])
-    };
+    let cli = |args: &[&str]| server.cli(args);
     let (code, listed, _) = cli(&[
         "group",
         "dead-letters",

@@ -32,6 +32,7 @@ async fn set_rule(
         resource: resource.to_owned(),
         permits,
         period_ms,
+        ..LimitRule::default()
     };
     client
         .set_rule(SetLimitRuleRequest { rule: Some(rule) })
@@ -70,6 +71,7 @@ impl Session {
                 .map(|(resource, demand)| LeaseDemand {
                     resource: (*resource).to_owned(),
                     demand: *demand,
+                    ..LeaseDemand::default()
                 })
                 .collect(),
         };
@@ -256,12 +258,7 @@ fn given_limiters_of_uneven_demand_then_together_they_stay_within_the_budget() {
 #[test]
 fn given_the_cli_then_rules_are_set_listed_described_and_refused_with_the_field() {
     let server = LeveeProcess::start(&[]);
-    let address = server.grpc();
-    let cli = |args: &[&str]| {
-        let mut all = args.to_vec();
-        all.extend(["--server", &address, "--json"]);
-        support::run_to_exit(&all, &[])
-    };
+    let cli = |args: &[&str]| server.cli(args);
     let (code, _, stderr) = cli(&[
         "limit",
         "set-rule",

@@ -573,7 +573,7 @@ impl HotKeyHub {
 }
 
 /// Checks an app name with the engine's one rule for it.
-fn check_app_name(app: &str) -> Result<(), WireError> {
+pub fn check_app_name(app: &str) -> Result<(), WireError> {
     levee_hotkey::validate_app_name(app).map_err(|error| rule_error(&error))
 }
 

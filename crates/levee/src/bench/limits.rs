@@ -94,6 +94,7 @@ async fn set_rule(address: &str, resource: &str, per_minute: u64) -> anyhow::Res
         resource: resource.to_owned(),
         permits: per_minute,
         period_ms: 60_000,
+        ..LimitRule::default()
     };
     limits
         .set_rule(SetLimitRuleRequest { rule: Some(rule) })

@@ -185,6 +185,17 @@ impl Drop for LeveeProcess {
     }
 }
 
+impl LeveeProcess {
+    /// Runs the CLI with `args` against this server's gRPC port, answering in JSON: its exit
+    /// code, stdout and stderr.
+    pub fn cli(&self, args: &[&str]) -> (Option<i32>, String, String) {
+        let address = self.grpc();
+        let mut all = args.to_vec();
+        all.extend(["--server", &address, "--json"]);
+        run_to_exit(&all, &[])
+    }
+}
+
 /// Runs `levee` with `args` to completion (at most 30 s); returns its exit code and stderr.
 pub fn run_to_exit(args: &[&str], environment: &[(&str, &str)]) -> (Option<i32>, String, String) {
     let mut child = levee_command()

@@ -11,19 +11,27 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use levee_cluster::{Manager, MetaCommand, MetaStateMachine, MetaWriter};
-use levee_limit::{LeaseAllocator, LeaseRule};
+use levee_limit::LeaseAllocator;
 use levee_proto::WireError;
 use levee_proto::v1::limits_server::{Limits, LimitsServer};
 use levee_proto::v1::{
-    DeleteLimitRuleRequest, DeleteLimitRuleResponse, DescribeResourceRequest,
-    DescribeResourceResponse, ErrorCode, LeaseGrant, LeaseRequest, LeaseResponse, LimitRule,
-    ListLimitRulesRequest, ListLimitRulesResponse, SetLimitRuleRequest, SetLimitRuleResponse,
+    BreakerStatus, CallStats, DeleteLimitRuleRequest, DeleteLimitRuleResponse,
+    DescribeResourceRequest, DescribeResourceResponse, ErrorCode, LeaseGrant, LeaseRequest,
+    LeaseResponse, LimitRule, ListLimitRulesRequest, ListLimitRulesResponse, SetLimitRuleRequest,
+    SetLimitRuleResponse,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::hotkey::hub::HotKeyHub;
 use crate::metrics::{Metrics, ResourceLabels};
+
+mod http;
+mod policy;
+
+pub use http::router;
+use policy::{ResourceState, lease_rule};
 
 /// Longest resource name, in bytes.
 pub const RESOURCE_BYTES_MAX: usize = 128;
@@ -41,7 +49,8 @@ pub struct LimitsService {
     machine: MetaStateMachine,
     writer: MetaWriter,
     manager: Manager,
-    allocators: Arc<Mutex<HashMap<String, LeaseAllocator>>>,
+    resources: Arc<Mutex<HashMap<String, ResourceState>>>,
+    hub: Arc<HotKeyHub>,
     started: Instant,
     closing: watch::Receiver<bool>,
     metrics: Metrics,
@@ -53,7 +62,7 @@ impl std::fmt::Debug for LimitsService {
     }
 }
 
-fn invalid(message: String) -> Status {
+pub(crate) fn invalid(message: String) -> Status {
     WireError::new(ErrorCode::InvalidArgument, message).into()
 }
 
@@ -67,20 +76,12 @@ fn check_resource(resource: &str) -> Result<(), Status> {
     Ok(())
 }
 
-/// The allocator rule of a replicated rule: `permits` per `period_ms`, leases of 100 ms.
-fn lease_rule(permits: u64, period_ms: u64) -> LeaseRule {
-    LeaseRule {
-        permits,
-        period_ns: period_ms.saturating_mul(1_000_000),
-        ..LeaseRule::per_second(permits)
-    }
-}
-
 impl LimitsService {
     /// The service over the metadata group's state machine, written with `writer`; lease
     /// streams end when `closing` turns true.
     pub fn new(
         (machine, writer, manager): (MetaStateMachine, MetaWriter, Manager),
+        hub: Arc<HotKeyHub>,
         metrics: Metrics,
         closing: watch::Receiver<bool>,
     ) -> Self {
@@ -88,7 +89,8 @@ impl LimitsService {
             machine,
             writer,
             manager,
-            allocators: Arc::default(),
+            resources: Arc::default(),
+            hub,
             started: Instant::now(),
             closing,
             metrics,
@@ -149,18 +151,23 @@ impl LimitsService {
             request
                 .demands
                 .iter()
-                .map(|demand| limits.rules.get(&demand.resource).copied())
+                .map(|demand| {
+                    limits.rules.get(&demand.resource).map(|budget| {
+                        let policy = limits.policies.get(&demand.resource);
+                        (*budget, policy.cloned().unwrap_or_default())
+                    })
+                })
                 .collect::<Vec<_>>()
         });
-        let mut allocators = self
-            .allocators
+        let mut resources = self
+            .resources
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         let mut grants = Vec::with_capacity(request.demands.len());
         for (demand, rule) in request.demands.iter().zip(rules) {
             check_resource(&demand.resource)?;
-            let Some((permits, period_ms)) = rule else {
-                allocators.remove(&demand.resource);
+            let Some((budget, policy)) = rule else {
+                resources.remove(&demand.resource);
                 grants.push(LeaseGrant {
                     resource: demand.resource.clone(),
                     unknown_resource: true,
@@ -168,49 +175,109 @@ impl LimitsService {
                 });
                 continue;
             };
-            let rule = lease_rule(permits, period_ms);
-            if !allocators.contains_key(&demand.resource) {
-                let allocator =
-                    LeaseAllocator::new(rule).map_err(|error| invalid(error.to_string()))?;
-                allocators.insert(demand.resource.clone(), allocator);
+            if !resources.contains_key(&demand.resource) {
+                let state = ResourceState::new(budget, &policy, now)?;
+                resources.insert(demand.resource.clone(), state);
             }
-            let Some(allocator) = allocators.get_mut(&demand.resource) else {
+            let Some(state) = resources.get_mut(&demand.resource) else {
                 continue;
             };
-            if allocator.rule() != rule {
-                allocator
-                    .set_rule(rule)
-                    .map_err(|error| invalid(error.to_string()))?;
-            }
-            let grant = allocator.request(request.client_id, demand.demand, now);
-            let labels = ResourceLabels {
-                resource: demand.resource.clone(),
-            };
-            let metrics = &self.metrics;
-            metrics
-                .limits_permits_granted
-                .get_or_create(&labels)
-                .inc_by(grant.permits);
-            metrics
-                .limits_permits_demanded
-                .get_or_create(&labels)
-                .inc_by(demand.demand);
-            #[allow(clippy::cast_precision_loss, reason = "a rate for a gauge")]
-            let per_second = permits as f64 * 1_000.0 / period_ms.max(1) as f64;
-            metrics
-                .limits_budget_per_second
-                .get_or_create(&labels)
-                .set(per_second);
+            state.sync(budget, &policy)?;
+            state.record(demand.stats.as_ref(), now)?;
+            let grant = state
+                .allocator
+                .request(request.client_id, demand.demand, now);
+            let hub = &self.hub;
+            let extras = state.extras(
+                grant.permits,
+                demand.keys_version,
+                |app| {
+                    hub.hot_keys(app)
+                        .into_iter()
+                        .map(|event| event.key)
+                        .collect()
+                },
+                now,
+            );
+            self.count(&demand.resource, demand, state, extras.permits);
             grants.push(LeaseGrant {
                 resource: demand.resource.clone(),
-                permits: grant.permits,
+                permits: extras.permits,
                 valid_ms: grant.expires_at.saturating_sub(now) / 1_000_000,
                 starts_in_ms: grant.starts_at.saturating_sub(now).div_ceil(1_000_000),
                 unknown_resource: false,
                 refused: grant.refused,
+                breaker: extras.breaker.into(),
+                slow_call_ms: extras.slow_call_ms,
+                key_limits: extras.key_limits,
             });
         }
         Ok(LeaseResponse { grants })
+    }
+
+    /// The metrics of one grant.
+    fn count(
+        &self,
+        resource: &str,
+        demand: &levee_proto::v1::LeaseDemand,
+        state: &mut ResourceState,
+        granted: u64,
+    ) {
+        let labels = ResourceLabels {
+            resource: resource.to_owned(),
+        };
+        let metrics = &self.metrics;
+        metrics
+            .limits_permits_granted
+            .get_or_create(&labels)
+            .inc_by(granted);
+        metrics
+            .limits_permits_demanded
+            .get_or_create(&labels)
+            .inc_by(demand.demand);
+        let rule = state.allocator.rule();
+        #[allow(clippy::cast_precision_loss, reason = "a rate for a gauge")]
+        let per_second = rule.permits as f64 * 1e9 / rule.period_ns.max(1) as f64;
+        metrics
+            .limits_budget_per_second
+            .get_or_create(&labels)
+            .set(per_second);
+        if let Some(stats) = &demand.stats {
+            metrics
+                .limits_calls_reported
+                .get_or_create(&labels)
+                .inc_by(stats.calls.min(policy::REPORTED_CALLS_MAX));
+            metrics
+                .limits_call_errors_reported
+                .get_or_create(&labels)
+                .inc_by(
+                    stats
+                        .errors
+                        .min(stats.calls)
+                        .min(policy::REPORTED_CALLS_MAX),
+                );
+        }
+        let status = state.breaker_status(self.now_ns());
+        if let Some(breaker) = &state.breaker {
+            metrics
+                .limits_breaker_state
+                .get_or_create(&labels)
+                .set(state_gauge(status));
+            metrics
+                .limits_breaker_opens
+                .get_or_create(&labels)
+                .set(i64::try_from(breaker.times_opened()).unwrap_or(i64::MAX));
+        }
+    }
+}
+
+/// A breaker state as the gauge shows it: 0 closed, 1 half-open, 2 open.
+fn state_gauge(status: levee_proto::v1::BreakerStatus) -> i64 {
+    use levee_proto::v1::BreakerStatus;
+    match status {
+        BreakerStatus::Unspecified | BreakerStatus::Closed => 0,
+        BreakerStatus::HalfOpen => 1,
+        BreakerStatus::Open => 2,
     }
 }
 
@@ -235,7 +302,9 @@ impl Limits for LimitsService {
         lease_rule(rule.permits, rule.period_ms)
             .validate()
             .map_err(|error| invalid(error.to_string()))?;
+        policy::check(&rule)?;
         let command = MetaCommand::SetLimitRule {
+            policy: ResourceState::policy_bytes(&rule),
             resource: rule.resource,
             permits: rule.permits,
             period_ms: rule.period_ms,
@@ -253,10 +322,16 @@ impl Limits for LimitsService {
             limits
                 .rules
                 .iter()
-                .map(|(resource, (permits, period_ms))| LimitRule {
-                    resource: resource.clone(),
-                    permits: *permits,
-                    period_ms: *period_ms,
+                .map(|(resource, (permits, period_ms))| {
+                    policy::with_policy(
+                        LimitRule {
+                            resource: resource.clone(),
+                            permits: *permits,
+                            period_ms: *period_ms,
+                            ..LimitRule::default()
+                        },
+                        limits.policies.get(resource),
+                    )
                 })
                 .collect()
         });
@@ -324,42 +399,64 @@ impl Limits for LimitsService {
         request: Request<DescribeResourceRequest>,
     ) -> Result<Response<DescribeResourceResponse>, Status> {
         let resource = request.into_inner().resource;
-        let Some((permits, period_ms)) = self
-            .machine
-            .with_limits(|limits| limits.rules.get(&resource).copied())
-        else {
+        let Some(((permits, period_ms), policy_bytes)) = self.machine.with_limits(|limits| {
+            limits
+                .rules
+                .get(&resource)
+                .map(|budget| (*budget, limits.policies.get(&resource).cloned()))
+        }) else {
             return Err(WireError::new(
                 ErrorCode::NotFound,
                 format!("resource '{resource}' has no rule; set one with SetRule"),
             )
             .into());
         };
-        let allocators = self
-            .allocators
+        let now = self.now_ns();
+        let mut resources = self
+            .resources
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let now_window = self.now_ns() / lease_rule(permits, period_ms).window_ns;
-        let (granted, budget, clients) = allocators.get(&resource).map_or_else(
-            || (0, lease_budget(permits, period_ms, now_window), 0),
-            |allocator| {
-                (
-                    allocator.granted(now_window),
-                    allocator.budget(now_window),
-                    allocator.clients() as u64,
-                )
-            },
-        );
-        Ok(Response::new(DescribeResourceResponse {
-            rule: Some(LimitRule {
-                resource,
+        let now_window = now / lease_rule(permits, period_ms).window_ns;
+        let rule = policy::with_policy(
+            LimitRule {
+                resource: resource.clone(),
                 permits,
                 period_ms,
-            }),
-            granted,
-            budget,
-            clients,
+                ..LimitRule::default()
+            },
+            policy_bytes.as_ref(),
+        );
+        let mut described = DescribeResourceResponse {
+            budget: lease_budget(permits, period_ms, now_window),
             lease_period_ms: lease_rule(permits, period_ms).window_ns / 1_000_000,
-        }))
+            permits_now: permits,
+            breaker: if rule.breaker.is_some() {
+                BreakerStatus::Closed.into()
+            } else {
+                BreakerStatus::Unspecified.into()
+            },
+            ..DescribeResourceResponse::default()
+        };
+        if let Some(state) = resources.get_mut(&resource) {
+            described.granted = state.allocator.granted(now_window);
+            described.budget = state.allocator.budget(now_window);
+            described.clients = state.allocator.active_clients(now) as u64;
+            described.breaker = state.breaker_status(now).into();
+            described.breaker_opened = state
+                .breaker
+                .as_ref()
+                .map_or(0, levee_limit::CircuitBreaker::times_opened);
+            described.permits_now = state.permits_now();
+            described.calls = Some(CallStats {
+                calls: state.total.calls,
+                errors: state.total.errors,
+                slow: state.total.slow,
+                latency_sum_us: state.total.latency_sum_ns / 1_000,
+            });
+            described.hot_keys_limited = state.hot_keys_limited();
+        }
+        described.rule = Some(rule);
+        Ok(Response::new(described))
     }
 }
 
@@ -380,121 +477,4 @@ fn scopeguard(release: impl FnOnce()) -> impl Drop {
 fn lease_budget(permits: u64, period_ms: u64, window: u64) -> u64 {
     LeaseAllocator::new(lease_rule(permits, period_ms))
         .map_or(0, |allocator| allocator.budget(window))
-}
-
-/// The body of `PUT /v1/limits/{resource}`: a budget as permits per period, or per second or
-/// minute.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RuleBody {
-    permits: Option<u64>,
-    period_ms: Option<u64>,
-    per_second: Option<u64>,
-    per_minute: Option<u64>,
-}
-
-/// The `/v1/limits` routes over `service`.
-pub fn router(service: LimitsService) -> axum::Router {
-    use axum::routing::get;
-    axum::Router::new()
-        .route("/v1/limits", get(http_rules))
-        .route(
-            "/v1/limits/{resource}",
-            get(http_describe).put(http_set).delete(http_delete),
-        )
-        .with_state(service)
-}
-
-type HttpResult = Result<axum::Json<serde_json::Value>, crate::api_error::ApiError>;
-
-fn api(status: &Status) -> crate::api_error::ApiError {
-    crate::api_error::ApiError(WireError::from_status(status))
-}
-
-fn rule_json(rule: &LimitRule) -> serde_json::Value {
-    serde_json::json!({"resource": rule.resource, "permits": rule.permits, "period_ms": rule.period_ms})
-}
-
-async fn http_rules(
-    axum::extract::State(service): axum::extract::State<LimitsService>,
-) -> HttpResult {
-    let rules = service
-        .list_rules(Request::new(ListLimitRulesRequest {}))
-        .await
-        .map_err(|status| api(&status))?
-        .into_inner()
-        .rules;
-    Ok(axum::Json(
-        serde_json::json!({"rules": rules.iter().map(rule_json).collect::<Vec<_>>()}),
-    ))
-}
-
-async fn http_describe(
-    axum::extract::State(service): axum::extract::State<LimitsService>,
-    axum::extract::Path(resource): axum::extract::Path<String>,
-) -> HttpResult {
-    let described = service
-        .describe_resource(Request::new(DescribeResourceRequest { resource }))
-        .await
-        .map_err(|status| api(&status))?
-        .into_inner();
-    Ok(axum::Json(serde_json::json!({
-        "rule": described.rule.as_ref().map(rule_json),
-        "granted": described.granted,
-        "budget": described.budget,
-        "clients": described.clients,
-        "lease_period_ms": described.lease_period_ms,
-    })))
-}
-
-async fn http_set(
-    axum::extract::State(service): axum::extract::State<LimitsService>,
-    axum::extract::Path(resource): axum::extract::Path<String>,
-    axum::Json(body): axum::Json<RuleBody>,
-) -> HttpResult {
-    let (permits, period_ms) = match (
-        body.permits,
-        body.period_ms,
-        body.per_second,
-        body.per_minute,
-    ) {
-        (Some(permits), Some(period_ms), None, None) => (permits, period_ms),
-        (None, None, Some(per_second), None) => (per_second, 1_000),
-        (None, None, None, Some(per_minute)) => (per_minute, 60_000),
-        _ => {
-            return Err(crate::api_error::ApiError(WireError::new(
-                ErrorCode::InvalidArgument,
-                "give {\"permits\", \"period_ms\"}, or {\"per_second\"}, or {\"per_minute\"}",
-            )));
-        }
-    };
-    let rule = LimitRule {
-        resource,
-        permits,
-        period_ms,
-    };
-    service
-        .set_rule(Request::new(SetLimitRuleRequest {
-            rule: Some(rule.clone()),
-        }))
-        .await
-        .map_err(|status| api(&status))?;
-    Ok(axum::Json(rule_json(&rule)))
-}
-
-async fn http_delete(
-    axum::extract::State(service): axum::extract::State<LimitsService>,
-    axum::extract::Path(resource): axum::extract::Path<String>,
-) -> HttpResult {
-    let existed = service
-        .delete_rule(Request::new(DeleteLimitRuleRequest {
-            resource: resource.clone(),
-        }))
-        .await
-        .map_err(|status| api(&status))?
-        .into_inner()
-        .existed;
-    Ok(axum::Json(
-        serde_json::json!({"resource": resource, "existed": existed}),
-    ))
 }
