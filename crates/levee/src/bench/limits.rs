@@ -9,6 +9,8 @@
 //!   met when no window passes its budget and the shortfall is small.
 //! - **Rule change**: then the cap is halved while the clients run, and the tool measures how
 //!   long until the permits admitted over 100 ms follow the new cap.
+//! - **Adaptive budget**: then `--adaptive-s` seconds of an adaptive rule against a simulated
+//!   backend whose latency rises with its load (`limits_adaptive`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -42,6 +44,9 @@ pub struct LimitsBenchArgs {
     /// The accuracy window, in seconds
     #[arg(long, default_value_t = 10)]
     window_s: u64,
+    /// Length of the adaptive run, in seconds (0: skip it)
+    #[arg(long, default_value_t = 30)]
+    adaptive_s: u64,
     /// A running server's gRPC address; without it the tool starts one
     #[arg(long, value_name = "HOST:PORT")]
     server: Option<String>,
@@ -79,6 +84,19 @@ pub fn run(args: &LimitsBenchArgs) -> anyhow::Result<()> {
         worst["most_over"],
         report["rule_change_ms"],
     );
+    let adaptive = &report["adaptive"];
+    if !adaptive.is_null() {
+        eprintln!(
+            "levee: adaptive budget from {}/s settled at {}/s (median of the last half; admitted \
+             {}/s, latency {} ms) against a backend whose latency crosses {} ms at {}/s",
+            adaptive["rule_per_s"],
+            adaptive["settled_median_budget_per_s"],
+            adaptive["settled_median_admitted_per_s"],
+            adaptive["settled_median_latency_ms"],
+            adaptive["target_latency_ms"],
+            adaptive["latency_crosses_target_at_per_s"],
+        );
+    }
     if args.json {
         println!("{report}");
     } else {
@@ -147,6 +165,11 @@ async fn bench(args: &LimitsBenchArgs, address: &str) -> anyhow::Result<Value> {
     for driver in drivers {
         driver.await?;
     }
+    let adaptive = if args.adaptive_s == 0 {
+        Value::Null
+    } else {
+        super::limits_adaptive::run(address, args.adaptive_s).await?
+    };
     let ratios: Vec<f64> = windows.iter().filter_map(|w| w["ratio"].as_f64()).collect();
     let most_over = windows
         .iter()
@@ -178,6 +201,7 @@ async fn bench(args: &LimitsBenchArgs, address: &str) -> anyhow::Result<Value> {
         "attempted_per_s": (attempts as f64 / run_s).round(),
         "windows": windows,
         "rule_change_ms": rule_change_ms,
+        "adaptive": adaptive,
         "windows_worst": {
             "lowest_ratio": ratios.iter().copied().fold(f64::INFINITY, f64::min),
             "highest_ratio": ratios.iter().copied().fold(0.0, f64::max),

@@ -13,6 +13,7 @@ pub mod delay;
 pub mod failover;
 pub mod hotkey;
 pub mod limits;
+pub mod limits_adaptive;
 pub mod queue;
 #[cfg(feature = "baseline")]
 pub mod redis_baseline;
