@@ -60,6 +60,12 @@ pub struct LimiterStats {
     pub leases_received: u64,
     /// Permits refused by a key's share of a per-key limit (also counted in `refused`).
     pub key_refused: u64,
+    /// Permits of leases that expired unspent (granted, not used: the cap missed from below).
+    pub expired_unspent: u64,
+    /// Permits granted in leases (top-ups included).
+    pub granted: u64,
+    /// Permits given back before their lease ended (for clients that ran short).
+    pub returned: u64,
     /// Whether a lease session is open now.
     pub connected: bool,
 }
@@ -97,6 +103,33 @@ struct Resource {
     keys: Mutex<Option<KeyShares>>,
 }
 
+impl Resource {
+    /// In the last fifth of the current lease (when the next one is asked for), gives back
+    /// what it holds beyond what the recent demand (`demand` over `since_ns`) needs until it
+    /// ends, with a quarter and one permit to spare: those permits are taken out of the lease,
+    /// and the server may grant them to clients that ran short.
+    fn give_back(&self, now: u64, demand: u64, since_ns: u64, period_ns: u64) -> u64 {
+        let Some(slot) = self.slots.iter().find(|slot| slot.is_current(now)) else {
+            return 0;
+        };
+        let rest_ns = slot.expires_ns.load(Ordering::Acquire).saturating_sub(now);
+        if rest_ns > period_ns / 5 {
+            return 0;
+        }
+        let need = (u128::from(demand) * u128::from(rest_ns) * 21)
+            .div_ceil(20 * u128::from(since_ns.max(1)));
+        let need = u64::try_from(need).unwrap_or(u64::MAX);
+        let mut given = 0;
+        let _ = slot
+            .tokens
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| {
+                given = left.saturating_sub(need);
+                (given > 0).then(|| left - given)
+            });
+        given
+    }
+}
+
 #[derive(Debug)]
 struct Inner {
     options: LimiterOptions,
@@ -109,6 +142,11 @@ struct Inner {
     fallback_decisions: AtomicU64,
     leases_received: AtomicU64,
     key_refused: AtomicU64,
+    expired_unspent: AtomicU64,
+    granted: AtomicU64,
+    returned: AtomicU64,
+    /// When the last lease request was made.
+    last_request_ns: AtomicU64,
 }
 
 /// Most resources one limiter follows.
@@ -162,6 +200,10 @@ impl Limiter {
             fallback_decisions: AtomicU64::new(0),
             leases_received: AtomicU64::new(0),
             key_refused: AtomicU64::new(0),
+            expired_unspent: AtomicU64::new(0),
+            granted: AtomicU64::new(0),
+            returned: AtomicU64::new(0),
+            last_request_ns: AtomicU64::new(0),
         });
         let (stop, stopped) = watch::channel(false);
         runtime.spawn(run_leases(Arc::clone(&inner), stopped));
@@ -261,6 +303,9 @@ impl Limiter {
             fallback_decisions: inner.fallback_decisions.load(Ordering::Relaxed),
             leases_received: inner.leases_received.load(Ordering::Relaxed),
             key_refused: inner.key_refused.load(Ordering::Relaxed),
+            expired_unspent: inner.expired_unspent.load(Ordering::Relaxed),
+            granted: inner.granted.load(Ordering::Relaxed),
+            returned: inner.returned.load(Ordering::Relaxed),
             connected: inner.connected.load(Ordering::Relaxed),
         }
     }
@@ -388,11 +433,19 @@ impl Inner {
 
     /// The request of this period: each resource's demand since the last one.
     fn request(&self) -> LeaseRequest {
+        let now = self.now_ns();
+        let since_ns = now.saturating_sub(self.last_request_ns.swap(now, Ordering::AcqRel));
+        let period_ns = u64::try_from(self.options.lease_interval.as_nanos()).unwrap_or(u64::MAX);
         let resources = self.resources.read().map(|map| {
             map.iter()
-                .map(|(resource, state)| LeaseDemand {
+                .map(|(resource, state)| {
+                    let demand = state.wanted.swap(0, Ordering::AcqRel);
+                    (resource, state, demand)
+                })
+                .map(|(resource, state, demand)| LeaseDemand {
                     resource: resource.clone(),
-                    demand: state.wanted.swap(0, Ordering::AcqRel),
+                    demand,
+                    returned: state.give_back(now, demand, since_ns, period_ns),
                     stats: state.calls.take(),
                     keys_version: state
                         .keys
@@ -403,6 +456,12 @@ impl Inner {
                 })
                 .collect()
         });
+        self.returned.fetch_add(
+            resources.as_ref().map_or(0, |demands: &Vec<LeaseDemand>| {
+                demands.iter().map(|demand| demand.returned).sum()
+            }),
+            Ordering::Relaxed,
+        );
         LeaseRequest {
             client_id: self.client_id,
             demands: resources.unwrap_or_default(),
@@ -421,6 +480,12 @@ impl Inner {
                 continue;
             };
             state.breaker.store(grant.breaker, Ordering::Relaxed);
+            if grant.top_up > 0
+                && let Some(slot) = state.slots.iter().find(|slot| slot.is_current(now))
+            {
+                slot.tokens.fetch_add(grant.top_up, Ordering::AcqRel);
+                self.granted.fetch_add(grant.top_up, Ordering::Relaxed);
+            }
             state.calls.slow_call_ns.store(
                 grant.slow_call_ms.saturating_mul(1_000_000),
                 Ordering::Relaxed,
@@ -436,7 +501,10 @@ impl Inner {
                 .iter()
                 .find(|slot| !slot.is_current(now))
                 .unwrap_or(&state.slots[0]);
-            slot.tokens.store(0, Ordering::Release);
+            let left = slot.tokens.swap(0, Ordering::AcqRel);
+            if slot.expires_ns.load(Ordering::Acquire) <= now {
+                self.expired_unspent.fetch_add(left, Ordering::Relaxed);
+            }
             if grant.unknown_resource {
                 slot.expires_ns.store(0, Ordering::Release);
                 continue;
@@ -457,6 +525,7 @@ impl Inner {
             );
             slot.expires_ns.store(at(grant.valid_ms), Ordering::Release);
             slot.tokens.store(grant.permits, Ordering::Release);
+            self.granted.fetch_add(grant.permits, Ordering::Relaxed);
         }
     }
 

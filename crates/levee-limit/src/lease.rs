@@ -113,6 +113,10 @@ pub struct Grant {
     pub expires_at: Nanos,
     /// True when the client was granted nothing because too many clients are remembered.
     pub refused: bool,
+    /// Tokens added to the client's lease of the window now running (valid until `starts_at`),
+    /// for a request for the next window from a client whose current lease fell short of its
+    /// demand: what others gave back and the budget left unallocated.
+    pub top_up: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -121,6 +125,8 @@ struct Client {
     last_window: u64,
     /// Tokens granted to it in `last_window`.
     granted: u64,
+    /// Whether that grant fell short of its demand.
+    short: bool,
 }
 
 /// Hands out one resource's budget as leases.
@@ -188,6 +194,22 @@ impl LeaseAllocator {
 
     /// Client `client` asks at `now` for a lease of up to `demand` tokens.
     pub fn request(&mut self, client: ClientId, demand: u64, now: Nanos) -> Grant {
+        self.request_returning(client, demand, 0, now)
+    }
+
+    /// As [`Self::request`], the client also giving back `returned` tokens of its lease of the
+    /// window now running, which it will not spend. Only a request for the next window (in the
+    /// last fifth of the current one) gives back, at most what the client was granted for the
+    /// current window; what is given back may be granted again as top-ups of the current
+    /// window to clients whose leases fell short, so a window's grants still never pass its
+    /// budget.
+    pub fn request_returning(
+        &mut self,
+        client: ClientId,
+        demand: u64,
+        returned: u64,
+        now: Nanos,
+    ) -> Grant {
         let window_ns = self.rule.window_ns;
         let current = now / window_ns;
         // Near a window's end a request is for the next window: the client gets its lease
@@ -209,13 +231,20 @@ impl LeaseAllocator {
                     starts_at,
                     expires_at,
                     refused: true,
+                    top_up: 0,
                 };
             }
         }
+        let top_up = if window == current + 1 {
+            self.settle_current(client, demand, returned, now)
+        } else {
+            0
+        };
         let entry = self.clients.entry(client).or_insert(Client {
             demand,
             last_window: window,
             granted: 0,
+            short: false,
         });
         if entry.last_window != window {
             entry.granted = 0;
@@ -236,13 +265,46 @@ impl LeaseAllocator {
         self.granted.insert(window, granted + permits);
         if let Some(entry) = self.clients.get_mut(&client) {
             entry.granted += permits;
+            entry.short = entry.granted < demand;
         }
         Grant {
             permits,
             starts_at,
             expires_at,
             refused: false,
+            top_up,
         }
+    }
+
+    /// A client asking for the next window settles the current one: it gives back `returned`
+    /// tokens (at most its grant), and, if its grant fell short of its demand, is topped up
+    /// with what is left of the window's budget, up to its demand's rate over the rest of the
+    /// window. Returns the top-up.
+    fn settle_current(&mut self, client: ClientId, demand: u64, returned: u64, now: Nanos) -> u64 {
+        let window_ns = self.rule.window_ns;
+        let current = now / window_ns;
+        let budget = self.budget(current);
+        let Some(known) = self.clients.get_mut(&client) else {
+            return 0;
+        };
+        if known.last_window != current {
+            return 0;
+        }
+        let held = self.granted.entry(current).or_default();
+        let back = returned.min(known.granted).min(*held);
+        known.granted -= back;
+        *held -= back;
+        if !known.short {
+            return 0;
+        }
+        let rest_ns = (current + 1).saturating_mul(window_ns).saturating_sub(now);
+        let wanted = u128::from(demand) * u128::from(rest_ns) / u128::from(window_ns) + 1;
+        let top_up = budget
+            .saturating_sub(*held)
+            .min(u64::try_from(wanted).unwrap_or(u64::MAX));
+        *held += top_up;
+        known.granted += top_up;
+        top_up
     }
 }
 
@@ -290,6 +352,30 @@ mod tests {
             0,
             "its share is spent"
         );
+    }
+
+    #[test]
+    fn given_tokens_given_back_then_a_client_that_fell_short_is_topped_up_within_the_budget() {
+        // 100 tokens a window; a small client asks for 20, a big one for 500.
+        let mut leases = LeaseAllocator::new(LeaseRule::per_second(1_000)).unwrap();
+        leases.request(1, 20, 0);
+        leases.request(2, 500, 0);
+        // Next windows' leases (asked in the last fifth of window 0): 20 and 80.
+        assert_eq!(leases.request(1, 20, 85 * MS).permits, 20);
+        assert_eq!(leases.request(2, 500, 85 * MS).permits, 80);
+        // In window 1's last fifth the small one gives back 15 of its 20; the big one, short,
+        // is topped up with them (its demand's rate over the 10 ms left: 51).
+        let small = leases.request_returning(1, 20, 15, 190 * MS);
+        assert_eq!(small.top_up, 0);
+        let big = leases.request_returning(2, 500, 0, 190 * MS);
+        assert_eq!(big.top_up, 15);
+        assert_eq!(leases.granted(1), 100, "never past the window's budget");
+        // A client cannot give back more than it was granted.
+        let mut leases = LeaseAllocator::new(LeaseRule::per_second(1_000)).unwrap();
+        leases.request(1, 20, 0);
+        leases.request(1, 20, 85 * MS);
+        leases.request_returning(1, 20, 1_000, 190 * MS);
+        assert_eq!(leases.granted(1), 0);
     }
 
     #[test]

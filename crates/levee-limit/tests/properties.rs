@@ -76,24 +76,44 @@ proptest! {
         }
     }
 
-    /// Grants never exceed a window's budget in sum, nor a client's demand.
+    /// Grants never exceed a window's budget in sum, nor a client's demand; with clients
+    /// giving back tokens (at most what they hold) and being topped up, what the clients can
+    /// spend in a window never passes its budget either.
     #[test]
     fn given_any_requests_then_leases_stay_within_each_windows_budget(
         permits_per_s in 1_u64..100_000,
-        requests in prop::collection::vec((0_u64..30 * MS, 0_u64..20, 0_u64..50_000), 1..300),
+        requests in prop::collection::vec(
+            (0_u64..30 * MS, 0_u64..20, 0_u64..50_000, 0_u64..2_000),
+            1..300,
+        ),
     ) {
         let mut leases = LeaseAllocator::new(LeaseRule::per_second(permits_per_s)).unwrap();
         let mut now = 0_u64;
-        let mut per_window = std::collections::BTreeMap::<u64, u64>::new();
-        for (step, client, demand) in requests {
+        // What each (client, window) may spend: grants and top-ups, less what it gave back.
+        let mut holding = std::collections::BTreeMap::<(u64, u64), u64>::new();
+        for (step, client, demand, returned) in requests {
             now += step;
-            let grant = leases.request(client, demand, now);
+            let current = now / (100 * MS);
+            let held = holding.entry((client, current)).or_default();
+            let given_back = returned.min(*held);
+            let grant = leases.request_returning(client, demand, returned, now);
             prop_assert!(grant.permits <= demand);
             prop_assert!(grant.starts_at >= now && grant.starts_at < grant.expires_at);
-            *per_window.entry(grant.expires_at / 100_000_000 - 1).or_default() += grant.permits;
+            let window = grant.expires_at / (100 * MS) - 1;
+            if window == current + 1 {
+                let held = holding.entry((client, current)).or_default();
+                *held = *held - given_back + grant.top_up;
+            } else {
+                prop_assert_eq!(grant.top_up, 0);
+            }
+            *holding.entry((client, window)).or_default() += grant.permits;
         }
-        for (window, granted) in per_window {
-            prop_assert!(granted <= leases.budget(window), "window {window}: {granted}");
+        let mut per_window = std::collections::BTreeMap::<u64, u64>::new();
+        for ((_, window), held) in holding {
+            *per_window.entry(window).or_default() += held;
+        }
+        for (window, held) in per_window {
+            prop_assert!(held <= leases.budget(window), "window {window}: {held}");
         }
     }
 }

@@ -184,9 +184,12 @@ impl LimitsService {
             };
             state.sync(budget, &policy)?;
             state.record(demand.stats.as_ref(), now)?;
-            let grant = state
-                .allocator
-                .request(request.client_id, demand.demand, now);
+            let grant = state.allocator.request_returning(
+                request.client_id,
+                demand.demand,
+                demand.returned,
+                now,
+            );
             let hub = &self.hub;
             let extras = state.extras(
                 grant.permits,
@@ -210,6 +213,15 @@ impl LimitsService {
                 breaker: extras.breaker.into(),
                 slow_call_ms: extras.slow_call_ms,
                 key_limits: extras.key_limits,
+                // Top-ups only while calls pass freely (not past a breaker's probes).
+                top_up: if matches!(
+                    extras.breaker,
+                    BreakerStatus::Closed | BreakerStatus::Unspecified
+                ) {
+                    grant.top_up
+                } else {
+                    0
+                },
             });
         }
         Ok(LeaseResponse { grants })

@@ -190,6 +190,15 @@ async fn bench(args: &LimitsBenchArgs, address: &str) -> anyhow::Result<Value> {
         .map(|limiter| limiter.stats().admitted + limiter.stats().refused)
         .sum();
     let run_s = (args.duration_s / args.window_s * args.window_s) as f64 + 0.3;
+    let expired_unspent: u64 = limiters
+        .iter()
+        .map(|limiter| limiter.stats().expired_unspent)
+        .sum();
+    let granted: u64 = limiters.iter().map(|limiter| limiter.stats().granted).sum();
+    let returned: u64 = limiters
+        .iter()
+        .map(|limiter| limiter.stats().returned)
+        .sum();
     Ok(json!({
         "clients": args.clients,
         "clients_connected": connected,
@@ -199,6 +208,9 @@ async fn bench(args: &LimitsBenchArgs, address: &str) -> anyhow::Result<Value> {
         "local_decisions_per_s": local,
         "offered_per_s": (args.per_minute as f64 / 60.0 * args.offered).round(),
         "attempted_per_s": (attempts as f64 / run_s).round(),
+        "granted_per_s": (granted as f64 / (run_s + rule_change_ms / 1_000.0)).round(),
+        "expired_unspent_per_s": (expired_unspent as f64 / (run_s + rule_change_ms / 1_000.0)).round(),
+        "returned_per_s": (returned as f64 / (run_s + rule_change_ms / 1_000.0)).round(),
         "windows": windows,
         "rule_change_ms": rule_change_ms,
         "adaptive": adaptive,
