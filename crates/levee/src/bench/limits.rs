@@ -1,7 +1,8 @@
 //! `levee bench limits`: cluster-wide limits through the real client (docs/LIMITS.md).
 //!
 //! - **Local decisions**: one thread calls `Limiter::try_acquire` on a leased resource for a
-//!   second: decisions per second.
+//!   second: decisions per second; then `try_acquire_key` over 1,000 keys of a resource with
+//!   a per-key limit.
 //! - **Cap accuracy**: `--clients` limiters in this process, each its own lease session, offer
 //!   `--offered` times the budget with Zipf-skewed demand (client i wants `1 / (i + 1)` of the
 //!   largest share) against a rule of `--per-minute` permits; every `--window-s` the tool
@@ -26,6 +27,7 @@ use super::server_process::ServerProcess;
 
 const RESOURCE: &str = "bench";
 const LOCAL_RESOURCE: &str = "bench-local";
+const LOCAL_KEYS_RESOURCE: &str = "bench-local-keys";
 
 #[derive(Debug, clap::Args)]
 pub struct LimitsBenchArgs {
@@ -74,9 +76,10 @@ pub fn run(args: &LimitsBenchArgs) -> anyhow::Result<()> {
     drop(started_server);
     let worst = &report["windows_worst"];
     eprintln!(
-        "levee: {} local decisions/s on one thread; {} windows of {} s: admitted {} to {} of the \
+        "levee: {} local decisions/s on one thread ({} per key); {} windows of {} s: admitted {} to {} of the \
          budget, over it by at most {} permits; a halved cap in force within {} ms",
         report["local_decisions_per_s"],
+        report["local_key_decisions_per_s"],
         report["windows"].as_array().map_or(0, Vec::len),
         args.window_s,
         worst["lowest_ratio"],
@@ -126,6 +129,7 @@ async fn bench(args: &LimitsBenchArgs, address: &str) -> anyhow::Result<Value> {
     set_rule(address, RESOURCE, args.per_minute).await?;
     set_rule(address, LOCAL_RESOURCE, u64::MAX / 4).await?;
     let local = local_decisions(address).await?;
+    let local_keys = local_key_decisions(address).await?;
     let admitted = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let mut limiters = Vec::new();
@@ -206,6 +210,7 @@ async fn bench(args: &LimitsBenchArgs, address: &str) -> anyhow::Result<Value> {
         "offered": args.offered,
         "window_s": args.window_s,
         "local_decisions_per_s": local,
+        "local_key_decisions_per_s": local_keys,
         "offered_per_s": (args.per_minute as f64 / 60.0 * args.offered).round(),
         "attempted_per_s": (attempts as f64 / run_s).round(),
         "granted_per_s": (granted as f64 / (run_s + rule_change_ms / 1_000.0)).round(),
@@ -266,6 +271,54 @@ async fn drive(limiter: Limiter, per_ms: f64, admitted: Arc<AtomicU64>, stop: Ar
         let taken = (0..calls).filter(|_| resource.try_acquire(1)).count() as u64;
         admitted.fetch_add(taken, Ordering::Relaxed);
     }
+}
+
+/// Decisions per second of one thread calling `try_acquire_key` over 1,000 keys on a leased
+/// resource whose rule limits every key (to more than the thread can ask: every call admitted).
+async fn local_key_decisions(address: &str) -> anyhow::Result<f64> {
+    let mut limits = LimitsClient::connect(format!("http://{address}")).await?;
+    let rule = LimitRule {
+        resource: LOCAL_KEYS_RESOURCE.to_owned(),
+        permits: u64::MAX / 4,
+        period_ms: 1_000,
+        per_key: Some(levee_proto::v1::PerKeyLimit {
+            permits: u64::MAX / 4,
+            ..levee_proto::v1::PerKeyLimit::default()
+        }),
+        ..LimitRule::default()
+    };
+    limits
+        .set_rule(SetLimitRuleRequest { rule: Some(rule) })
+        .await
+        .context("setting the per-key rule")?;
+    let limiter = Limiter::start(LimiterOptions::new(vec![address.to_owned()]))?;
+    let resource = limiter
+        .resource(LOCAL_KEYS_RESOURCE)
+        .context("following the resource")?;
+    resource.try_acquire(1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while limiter.stats().leases_received < 3 {
+        if Instant::now() > deadline {
+            bail!("no lease within 5 s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let keys: Vec<Vec<u8>> = (0..1_000)
+        .map(|key| format!("user-{key}").into_bytes())
+        .collect();
+    let measured = tokio::task::spawn_blocking(move || {
+        let started = Instant::now();
+        let mut calls = 0_u64;
+        while started.elapsed() < Duration::from_secs(1) {
+            for key in &keys {
+                std::hint::black_box(resource.try_acquire_key(key, 1));
+            }
+            calls += keys.len() as u64;
+        }
+        calls as f64 / started.elapsed().as_secs_f64()
+    })
+    .await?;
+    Ok(measured.round())
 }
 
 /// Decisions per second of one thread calling `try_acquire` on a leased resource's handle.
