@@ -312,7 +312,7 @@ pub fn probe_members(
                 let channel = if id == metrics.id {
                     None
                 } else {
-                    channel_to(&mut channels, &address)
+                    channel_to(&mut channels, &address, PROBE_TIMEOUT)
                 };
                 let ready = state.is_ready();
                 async move {
@@ -337,14 +337,19 @@ pub fn probe_members(
     (receiver, task)
 }
 
-/// A lazily connected channel to `address`, made once and kept.
-fn channel_to(channels: &mut HashMap<String, Channel>, address: &str) -> Option<Channel> {
+/// A lazily connected channel to `address` (connecting within `timeout`), made once and kept
+/// in `channels`.
+pub(crate) fn channel_to(
+    channels: &mut HashMap<String, Channel>,
+    address: &str,
+    timeout: Duration,
+) -> Option<Channel> {
     if let Some(channel) = channels.get(address) {
         return Some(channel.clone());
     }
     let channel = Channel::from_shared(format!("http://{address}"))
         .ok()?
-        .connect_timeout(PROBE_TIMEOUT)
+        .connect_timeout(timeout)
         .connect_lazy();
     channels.insert(address.to_owned(), channel.clone());
     Some(channel)

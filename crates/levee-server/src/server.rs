@@ -214,6 +214,7 @@ impl RunningServer {
         );
 
         let limits = raft.limits_service(&hub, &state.metrics, stop_sessions.subscribe());
+        background.push(limits.follow_peer_hot_keys(stop_sessions.subscribe()));
         let incoming =
             accept_connections(grpc_listener, config.connections_max, state.metrics.clone());
         let grpc_server = tonic::transport::Server::builder()

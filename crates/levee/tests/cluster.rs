@@ -299,6 +299,12 @@ fn hot_key_settings_reach_every_node(runtime: &tokio::runtime::Runtime, nodes: &
     }
 }
 
+/// Keys made hot through one app server: eight, so that they fall on more than one node (all
+/// eight on one of three nodes: one run in 6,561).
+const SPREAD_KEYS: [&str; 8] = [
+    "sku-1", "sku-2", "sku-3", "sku-4", "sku-5", "sku-6", "sku-7", "sku-8",
+];
+
 /// Two app servers, each given a different node as its only seed, follow the cluster: each
 /// holds a session with every node, and a key detected hot by whichever node owns it reaches
 /// both.
@@ -320,16 +326,103 @@ fn hot_keys_reach_app_servers_through_any_node(
         reporter.stats().servers_connected == 3 && watcher.stats().servers_connected == 3
     });
     // The rule set above: 50 hits of sku-... within 1 s make a key hot.
-    for key in ["sku-1", "sku-2", "sku-3", "sku-4"] {
+    for key in SPREAD_KEYS {
         reporter.record(key.as_bytes(), 60);
     }
     wait_for("keys hot at the other app server", CONVERGE_TIMEOUT, || {
-        ["sku-1", "sku-2", "sku-3", "sku-4"]
+        SPREAD_KEYS
             .iter()
             .all(|key| watcher.is_hot_now(key.as_bytes()))
     });
     reporter.close();
     watcher.close();
+}
+
+/// A limits rule that limits the hot keys of "shop": the leader's grants name the keys every
+/// node detected (`SPREAD_KEYS`, spread over the nodes that own them), not only its own.
+fn hot_keys_of_every_node_are_limited(runtime: &tokio::runtime::Runtime, nodes: &[LeveeProcess]) {
+    use levee_proto::v1::hot_keys_client::HotKeysClient;
+    use levee_proto::v1::limits_client::LimitsClient;
+    use levee_proto::v1::{
+        LeaseDemand, LeaseRequest, LimitRule, ListHotKeysRequest, PerKeyLimit, SetLimitRuleRequest,
+    };
+    let leader_id = status(&nodes[0])["leader_id"].as_u64().unwrap();
+    let leader = &nodes[usize::try_from(leader_id).unwrap() - 1];
+    let hot: std::collections::BTreeSet<Vec<u8>> = SPREAD_KEYS
+        .iter()
+        .map(|key| key.as_bytes().to_vec())
+        .collect();
+    runtime.block_on(async {
+        let rule = LimitRule {
+            resource: "shop-calls".to_owned(),
+            permits: 1_000_000,
+            period_ms: 1_000,
+            per_key: Some(PerKeyLimit {
+                hot_key_app: "shop".to_owned(),
+                hot_key_permits: 10,
+                ..PerKeyLimit::default()
+            }),
+            ..LimitRule::default()
+        };
+        LimitsClient::connect(format!("http://{}", nodes[2].grpc()))
+            .await
+            .unwrap()
+            .set_rule(SetLimitRuleRequest { rule: Some(rule) })
+            .await
+            .unwrap();
+        let own: std::collections::BTreeSet<Vec<u8>> =
+            HotKeysClient::connect(format!("http://{}", leader.grpc()))
+                .await
+                .unwrap()
+                .list_hot_keys(ListHotKeysRequest {
+                    app: "shop".to_owned(),
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .hot
+                .into_iter()
+                .map(|event| event.key)
+                .collect();
+        let mut limits = LimitsClient::connect(format!("http://{}", leader.grpc()))
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        let limited = loop {
+            let request = LeaseRequest {
+                client_id: 9,
+                demands: vec![LeaseDemand {
+                    resource: "shop-calls".to_owned(),
+                    demand: 10,
+                    ..LeaseDemand::default()
+                }],
+            };
+            let answer = limits
+                .leases(tokio_stream::iter([request]))
+                .await
+                .unwrap()
+                .into_inner()
+                .message()
+                .await
+                .unwrap()
+                .unwrap();
+            let limited: std::collections::BTreeSet<Vec<u8>> = answer.grants[0]
+                .key_limits
+                .iter()
+                .flat_map(|limits| limits.keys.iter().map(|limit| limit.key.clone()))
+                .collect();
+            if hot.is_subset(&limited) || started.elapsed() > CONVERGE_TIMEOUT {
+                break limited;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        // Every detected key (and the manual one set earlier, sku-42) is limited.
+        assert!(
+            hot.is_subset(&limited),
+            "limited {limited:?}; the leader counted {own:?} itself"
+        );
+        assert!(!hot.is_subset(&own), "the peers counted some: {own:?}");
+    });
 }
 
 /// A limits rule set through a follower is the cluster's; leases come from the leader, and a
@@ -465,6 +558,7 @@ fn given_three_nodes_when_a_node_is_removed_then_it_stops_and_can_be_added_back(
     reads_and_rates_agree(&runtime, &nodes);
     hot_key_settings_reach_every_node(&runtime, &nodes);
     hot_keys_reach_app_servers_through_any_node(&runtime, &nodes);
+    hot_keys_of_every_node_are_limited(&runtime, &nodes);
     leases_come_from_the_leader(&runtime, &nodes);
     bad_requests_say_why(&nodes[0]);
 

@@ -28,6 +28,7 @@ use crate::hotkey::hub::HotKeyHub;
 use crate::metrics::{Metrics, ResourceLabels};
 
 mod http;
+mod peer_hot;
 mod policy;
 
 pub use http::router;
@@ -51,6 +52,7 @@ pub struct LimitsService {
     manager: Manager,
     resources: Arc<Mutex<HashMap<String, ResourceState>>>,
     hub: Arc<HotKeyHub>,
+    peers: peer_hot::PeerHotKeys,
     started: Instant,
     closing: watch::Receiver<bool>,
     metrics: Metrics,
@@ -91,6 +93,7 @@ impl LimitsService {
             manager,
             resources: Arc::default(),
             hub,
+            peers: peer_hot::PeerHotKeys::default(),
             started: Instant::now(),
             closing,
             metrics,
@@ -190,16 +193,10 @@ impl LimitsService {
                 demand.returned,
                 now,
             );
-            let hub = &self.hub;
             let extras = state.extras(
                 grant.permits,
                 demand.keys_version,
-                |app| {
-                    hub.hot_keys(app)
-                        .into_iter()
-                        .map(|event| event.key)
-                        .collect()
-                },
+                |app| self.hot_keys(app),
                 now,
             );
             self.count(&demand.resource, demand, state, extras.permits);
@@ -225,6 +222,20 @@ impl LimitsService {
             });
         }
         Ok(LeaseResponse { grants })
+    }
+
+    /// The hot keys of `app`: this node's, and those the other members answered last.
+    fn hot_keys(&self, app: &str) -> Vec<Vec<u8>> {
+        let mut keys = self.peers.hot_keys(app);
+        keys.extend(self.hub.hot_keys(app).into_iter().map(|event| event.key));
+        keys.into_iter().collect()
+    }
+
+    /// Follows the other members' hot keys of the apps the rules name while this node leads
+    /// (`peer_hot`), until `stop` turns true.
+    pub fn follow_peer_hot_keys(&self, stop: watch::Receiver<bool>) -> tokio::task::JoinHandle<()> {
+        self.peers
+            .follow(self.machine.clone(), self.manager.clone(), stop)
     }
 
     /// The metrics of one grant.
