@@ -401,7 +401,8 @@ impl GroupConsumer {
                         commits_awaiting = commits_awaiting.saturating_sub(1);
                     }
                     if taken.revoked_messages > 0 {
-                        // Delivered for partitions revoked meanwhile: hand the credit back.
+                        // Delivered for, or waiting in, partitions revoked meanwhile: hand
+                        // the credit back.
                         outbox.credit(taken.revoked_messages, taken.revoked_bytes);
                     }
                 }
@@ -500,7 +501,8 @@ impl GroupConsumer {
 
 /// What one response from the server changed.
 struct Taken {
-    /// Messages (and their bytes) delivered for partitions no longer owned: not handled.
+    /// Messages (and their bytes) delivered for partitions no longer owned, or waiting in
+    /// partitions revoked by a new assignment: not handled, their credit to give back.
     revoked_messages: u32,
     revoked_bytes: u32,
     /// The response answered a commit batch.
@@ -515,13 +517,16 @@ fn take_response(
     partitions: &mut HashMap<Lane, PartitionState>,
     stats: &mut ConsumerStats,
 ) -> Result<Taken, ClientError> {
-    if let Some(assignment) = response.assignment {
-        stats.assignments += 1;
-        apply_assignment(partitions, &assignment);
-    }
+    let (revoked_messages, revoked_bytes) = match response.assignment {
+        Some(assignment) => {
+            stats.assignments += 1;
+            apply_assignment(partitions, &assignment)
+        }
+        None => (0, 0),
+    };
     let mut taken = Taken {
-        revoked_messages: 0,
-        revoked_bytes: 0,
+        revoked_messages,
+        revoked_bytes,
         commit_answered: !response.commit_results.is_empty(),
     };
     for delivery in response.deliveries {
@@ -831,9 +836,14 @@ fn count_commits(results: &[levee_proto::v1::CommitResult], stats: &mut Consumer
 
 /// Takes the latest assignment: kept partitions (same epoch) keep their state, revoked ones
 /// drop their waiting messages, new ones (and their retry queues) start at the group's
-/// committed offsets.
-fn apply_assignment(partitions: &mut HashMap<Lane, PartitionState>, assignment: &Assignment) {
+/// committed offsets. Returns the messages dropped and their payload bytes: the credit they
+/// held, to grant back (the window is the stream's, not the partition's).
+fn apply_assignment(
+    partitions: &mut HashMap<Lane, PartitionState>,
+    assignment: &Assignment,
+) -> (u32, u32) {
     let mut next = HashMap::new();
+    let mut dropped = Vec::new();
     for assigned in &assignment.partitions {
         for (retry, start) in [
             (false, assigned.start_offset),
@@ -842,20 +852,31 @@ fn apply_assignment(partitions: &mut HashMap<Lane, PartitionState>, assignment: 
             let lane = (assigned.partition, retry);
             let state = match partitions.remove(&lane) {
                 Some(state) if state.epoch == assigned.epoch => state,
-                _ => PartitionState {
-                    epoch: assigned.epoch,
-                    waiting: VecDeque::new(),
-                    running: 0,
-                    failing: 0,
-                    frontier: start,
-                    finished: BTreeSet::new(),
-                    committed: start,
-                },
+                replaced => {
+                    dropped.extend(replaced);
+                    PartitionState {
+                        epoch: assigned.epoch,
+                        waiting: VecDeque::new(),
+                        running: 0,
+                        failing: 0,
+                        frontier: start,
+                        finished: BTreeSet::new(),
+                        committed: start,
+                    }
+                }
             };
             next.insert(lane, state);
         }
     }
-    *partitions = next;
+    // What is left was revoked.
+    dropped.extend(std::mem::replace(partitions, next).into_values());
+    dropped.into_iter().flat_map(|state| state.waiting).fold(
+        (0_u32, 0_u32),
+        |(messages, bytes), message| {
+            let size = u32::try_from(message.payload.len()).unwrap_or(u32::MAX);
+            (messages.saturating_add(1), bytes.saturating_add(size))
+        },
+    )
 }
 
 /// The commits whose frontier moved since the last commit.
@@ -991,5 +1012,32 @@ mod tests {
             2,
             "revoked partitions are dropped; a partition and its retry queue stay"
         );
+    }
+
+    #[test]
+    fn given_waiting_messages_in_revoked_or_refenced_partitions_then_their_credit_is_returned() {
+        let mut partitions = HashMap::new();
+        apply_assignment(
+            &mut partitions,
+            &assignment(&[(0, 1, 0), (1, 1, 0), (2, 1, 0)]),
+        );
+        let message = |partition, offset, size: usize| Message {
+            partition,
+            offset,
+            payload: levee_proto::Bytes::from(vec![0; size]),
+            attempt: 1,
+            retry: false,
+            last_error: String::new(),
+            due_ms: 0,
+            delivered_offset: offset,
+        };
+        for (partition, size) in [(0, 10), (1, 20), (1, 30), (2, 5)] {
+            let state = partitions.get_mut(&(partition, false)).unwrap();
+            state.waiting.push_back(message(partition, 0, size));
+        }
+        // Partition 0 kept, 1 revoked, 2 under a new epoch.
+        let returned = apply_assignment(&mut partitions, &assignment(&[(0, 1, 0), (2, 2, 0)]));
+        assert_eq!(returned, (3, 55));
+        assert_eq!(partitions[&(0, false)].waiting.len(), 1, "kept");
     }
 }
