@@ -106,9 +106,13 @@ struct Resource {
 impl Resource {
     /// In the last fifth of the current lease (when the next one is asked for), gives back
     /// what it holds beyond what the recent demand (`demand` over `since_ns`) needs until it
-    /// ends, with a quarter and one permit to spare: those permits are taken out of the lease,
-    /// and the server may grant them to clients that ran short.
+    /// ends, with 5% to spare (rounded up): those permits are taken out of the lease, and the
+    /// server may grant them to clients that ran short. Never while the rule's breaker is
+    /// half-open (the permits are its probes).
     fn give_back(&self, now: u64, demand: u64, since_ns: u64, period_ns: u64) -> u64 {
+        if self.breaker.load(Ordering::Relaxed) == BreakerStatus::HalfOpen as i32 {
+            return 0;
+        }
         let Some(slot) = self.slots.iter().find(|slot| slot.is_current(now)) else {
             return 0;
         };

@@ -187,6 +187,10 @@ pub struct CircuitBreaker {
     buckets: Vec<Bucket>,
     /// Times it opened.
     opened: u64,
+    /// Half-open: when the last probe was let through. Probes not reported within `open_ns` of
+    /// it are presumed lost (a caller that never reported) and let through again, so the
+    /// breaker never stays half-open for want of reports.
+    probed_at: Nanos,
 }
 
 impl CircuitBreaker {
@@ -198,6 +202,7 @@ impl CircuitBreaker {
             state: BreakerState::Closed,
             buckets: vec![Bucket::default(); rule.buckets as usize],
             opened: 0,
+            probed_at: 0,
         })
     }
 
@@ -221,24 +226,7 @@ impl CircuitBreaker {
 
     /// Whether a call may go now.
     pub fn allow(&mut self, now: Nanos) -> bool {
-        match self.state(now) {
-            BreakerState::Closed => true,
-            BreakerState::Open { .. } => false,
-            BreakerState::HalfOpen {
-                let_through,
-                succeeded,
-            } => {
-                if let_through < self.rule.probes {
-                    self.state = BreakerState::HalfOpen {
-                        let_through: let_through + 1,
-                        succeeded,
-                    };
-                    true
-                } else {
-                    false
-                }
-            }
-        }
+        self.allow_many(1, now) == 1
     }
 
     fn bucket_ns(&self) -> u64 {
@@ -288,17 +276,26 @@ impl CircuitBreaker {
     }
 
     /// Of `wanted` calls, how many may go now: the batch form of [`Self::allow`] for leases
-    /// (all while closed, none while open, what is left of the probes while half-open).
+    /// (all while closed, none while open, what is left of the probes while half-open; probes
+    /// let through more than `open_ns` ago and never reported are let through again).
     pub fn allow_many(&mut self, wanted: u64, now: Nanos) -> u64 {
         match self.state(now) {
             BreakerState::Closed => wanted,
             BreakerState::Open { .. } => 0,
             BreakerState::HalfOpen {
-                let_through,
+                mut let_through,
                 succeeded,
             } => {
+                if let_through >= self.rule.probes
+                    && now >= self.probed_at.saturating_add(self.rule.open_ns)
+                {
+                    let_through = succeeded;
+                }
                 let left = u64::from(self.rule.probes.saturating_sub(let_through));
                 let allowed = wanted.min(left);
+                if allowed > 0 {
+                    self.probed_at = now;
+                }
                 self.state = BreakerState::HalfOpen {
                     let_through: let_through + u32::try_from(allowed).unwrap_or(0),
                     succeeded,
@@ -311,6 +308,8 @@ impl CircuitBreaker {
     /// Records calls reported together (a lease period's calls of many clients, counted by
     /// each client): `counts.calls` calls, of which `errors` failed and `slow` succeeded slower
     /// than the slow-call limit. As [`Self::record`] for each, with one trip check at the end.
+    /// Half-open, a failure opens it again, and successes count as probes only up to the probes
+    /// let through and not yet reported (calls admitted before it opened do not close it).
     pub fn record_counts(&mut self, counts: CallCounts, now: Nanos) {
         if counts.calls == 0 {
             return;
@@ -323,7 +322,8 @@ impl CircuitBreaker {
                 let_through,
                 succeeded,
             } => {
-                let succeeded = u64::from(succeeded).saturating_add(counts.calls);
+                let outstanding = u64::from(let_through.saturating_sub(succeeded));
+                let succeeded = u64::from(succeeded).saturating_add(counts.calls.min(outstanding));
                 if failed > 0 {
                     self.open(now);
                 } else if succeeded >= u64::from(self.rule.probes) {
@@ -493,6 +493,30 @@ mod tests {
         assert_eq!(breaker.state(800 * MS), BreakerState::Closed);
         breaker.record_counts(batch(10, 10), 900 * MS);
         assert_eq!(breaker.times_opened(), 2);
+    }
+
+    #[test]
+    fn given_half_open_then_only_reported_probes_close_it_and_lost_probes_are_let_through_again() {
+        let mut breaker = CircuitBreaker::new(rule(Trip::ErrorCount(3))).unwrap();
+        let counts = |calls, errors| CallCounts {
+            calls,
+            errors,
+            ..CallCounts::default()
+        };
+        breaker.record_counts(counts(10, 10), 0);
+        // Half-open at 500 ms: successes of calls admitted before (no probe out) close nothing.
+        breaker.record_counts(counts(50, 0), 600 * MS);
+        assert!(matches!(
+            breaker.state(600 * MS),
+            BreakerState::HalfOpen { .. }
+        ));
+        // Two probes go and are never reported: within open_ns (500 ms) nothing more goes...
+        assert_eq!(breaker.allow_many(10, 600 * MS), 2);
+        assert_eq!(breaker.allow_many(10, 1_000 * MS), 0);
+        // ... then they are presumed lost and let through again.
+        assert_eq!(breaker.allow_many(10, 1_100 * MS), 2);
+        breaker.record_counts(counts(5, 0), 1_200 * MS);
+        assert_eq!(breaker.state(1_200 * MS), BreakerState::Closed);
     }
 
     #[test]

@@ -133,8 +133,9 @@ struct Client {
 #[derive(Debug, Clone)]
 pub struct LeaseAllocator {
     rule: LeaseRule,
-    /// Tokens granted per window (the current one and the next, at most).
-    granted: BTreeMap<u64, u64>,
+    /// Per window (the current one and the next, at most): its budget, fixed when the window
+    /// is first asked for, and the tokens granted of it.
+    granted: BTreeMap<u64, (u64, u64)>,
     clients: HashMap<ClientId, Client>,
 }
 
@@ -152,7 +153,9 @@ impl LeaseAllocator {
         })
     }
 
-    /// Replaces the rule (from the next window on).
+    /// Replaces the rule: windows already asked for keep their budget (their leases are out),
+    /// so the new one applies from the first window nobody has asked for yet (at most two
+    /// windows on).
     pub fn set_rule(&mut self, rule: LeaseRule) -> Result<(), RuleError> {
         rule.validate()?;
         self.rule = rule;
@@ -166,11 +169,19 @@ impl LeaseAllocator {
 
     /// Tokens granted so far for window `window` (0 for a window long gone).
     pub fn granted(&self, window: u64) -> u64 {
-        self.granted.get(&window).copied().unwrap_or(0)
+        self.granted.get(&window).map_or(0, |(_, granted)| *granted)
     }
 
-    /// The budget of window `window`.
+    /// The budget of window `window`: as fixed when it was first asked for, or as the rule
+    /// gives it.
     pub fn budget(&self, window: u64) -> u64 {
+        self.granted
+            .get(&window)
+            .map_or_else(|| self.rule_budget(window), |(budget, _)| *budget)
+    }
+
+    /// The budget the current rule gives window `window`.
+    pub fn rule_budget(&self, window: u64) -> u64 {
         let cumulative = |windows: u64| {
             u128::from(windows) * u128::from(self.rule.permits) * u128::from(self.rule.window_ns)
                 / u128::from(self.rule.period_ns)
@@ -252,8 +263,7 @@ impl LeaseAllocator {
         entry.demand = demand;
         entry.last_window = window;
         let already = entry.granted;
-        let budget = self.budget(window);
-        let granted = self.granted.get(&window).copied().unwrap_or(0);
+        let (budget, granted) = self.window(window);
         let demands: Vec<u64> = self
             .clients
             .values()
@@ -261,8 +271,10 @@ impl LeaseAllocator {
             .map(|known| known.demand)
             .collect();
         let share = fair_share(budget, &demands, demand);
-        let permits = share.saturating_sub(already).min(budget - granted);
-        self.granted.insert(window, granted + permits);
+        let permits = share
+            .saturating_sub(already)
+            .min(budget.saturating_sub(granted));
+        self.granted.insert(window, (budget, granted + permits));
         if let Some(entry) = self.clients.get_mut(&client) {
             entry.granted += permits;
             entry.short = entry.granted < demand;
@@ -276,6 +288,12 @@ impl LeaseAllocator {
         }
     }
 
+    /// Window `window`'s budget and what is granted of it, its budget fixed from now on.
+    fn window(&mut self, window: u64) -> (u64, u64) {
+        let budget = self.rule_budget(window);
+        *self.granted.entry(window).or_insert((budget, 0))
+    }
+
     /// A client asking for the next window settles the current one: it gives back `returned`
     /// tokens (at most its grant), and, if its grant fell short of its demand, is topped up
     /// with what is left of the window's budget, up to its demand's rate over the rest of the
@@ -283,14 +301,19 @@ impl LeaseAllocator {
     fn settle_current(&mut self, client: ClientId, demand: u64, returned: u64, now: Nanos) -> u64 {
         let window_ns = self.rule.window_ns;
         let current = now / window_ns;
-        let budget = self.budget(current);
-        let Some(known) = self.clients.get_mut(&client) else {
+        let Some(known) = self.clients.get(&client) else {
             return 0;
         };
         if known.last_window != current {
             return 0;
         }
-        let held = self.granted.entry(current).or_default();
+        let (budget, _) = self.window(current);
+        let Some(known) = self.clients.get_mut(&client) else {
+            return 0;
+        };
+        let Some((_, held)) = self.granted.get_mut(&current) else {
+            return 0;
+        };
         let back = returned.min(known.granted).min(*held);
         known.granted -= back;
         *held -= back;

@@ -77,13 +77,20 @@ proptest! {
     }
 
     /// Grants never exceed a window's budget in sum, nor a client's demand; with clients
-    /// giving back tokens (at most what they hold) and being topped up, what the clients can
-    /// spend in a window never passes its budget either.
+    /// giving back tokens (at most what they hold) and being topped up, and the rule changing
+    /// at any time, what the clients can spend in a window never passes the budget the rule
+    /// gave it when it was first asked for.
     #[test]
     fn given_any_requests_then_leases_stay_within_each_windows_budget(
         permits_per_s in 1_u64..100_000,
         requests in prop::collection::vec(
-            (0_u64..30 * MS, 0_u64..20, 0_u64..50_000, 0_u64..2_000),
+            (
+                0_u64..30 * MS,
+                0_u64..20,
+                0_u64..50_000,
+                0_u64..2_000,
+                prop::option::weighted(0.1, 1_u64..100_000),
+            ),
             1..300,
         ),
     ) {
@@ -91,9 +98,16 @@ proptest! {
         let mut now = 0_u64;
         // What each (client, window) may spend: grants and top-ups, less what it gave back.
         let mut holding = std::collections::BTreeMap::<(u64, u64), u64>::new();
-        for (step, client, demand, returned) in requests {
+        // Each window's budget when first asked for.
+        let mut budgets = std::collections::BTreeMap::<u64, u64>::new();
+        for (step, client, demand, returned, new_rule) in requests {
+            if let Some(permits) = new_rule {
+                leases.set_rule(LeaseRule::per_second(permits)).unwrap();
+            }
             now += step;
             let current = now / (100 * MS);
+            let asked = if 100 * MS - now % (100 * MS) <= 20 * MS { current + 1 } else { current };
+            budgets.entry(asked).or_insert_with(|| leases.rule_budget(asked));
             let held = holding.entry((client, current)).or_default();
             let given_back = returned.min(*held);
             let grant = leases.request_returning(client, demand, returned, now);
@@ -113,7 +127,7 @@ proptest! {
             *per_window.entry(window).or_default() += held;
         }
         for (window, held) in per_window {
-            prop_assert!(held <= leases.budget(window), "window {window}: {held}");
+            prop_assert!(held <= budgets[&window], "window {window}: {held}");
         }
     }
 }

@@ -154,11 +154,22 @@ impl PerKeyArgs {
 }
 
 impl BreakerArgs {
-    fn spec(&self) -> Option<BreakerSpec> {
+    fn spec(&self) -> anyhow::Result<Option<BreakerSpec>> {
         let trip = self.breaker_error_percent.is_some()
             || self.breaker_error_count.is_some()
             || self.breaker_slow_percent.is_some();
-        trip.then(|| BreakerSpec {
+        let options = self.slow_call_ms.is_some()
+            || self.breaker_window_ms.is_some()
+            || self.breaker_min_calls.is_some()
+            || self.breaker_open_ms.is_some()
+            || self.breaker_probes.is_some();
+        if options && !trip {
+            anyhow::bail!(
+                "a breaker needs a trip: give --breaker-error-percent, --breaker-error-count or \
+                 --breaker-slow-percent with the other --breaker-* options"
+            );
+        }
+        Ok(trip.then(|| BreakerSpec {
             error_ratio_percent: self.breaker_error_percent.unwrap_or(0),
             error_count: self.breaker_error_count.unwrap_or(0),
             slow_ratio_percent: self.breaker_slow_percent.unwrap_or(0),
@@ -167,7 +178,7 @@ impl BreakerArgs {
             min_calls: self.breaker_min_calls.unwrap_or(0),
             open_ms: self.breaker_open_ms.unwrap_or(0),
             probes: self.breaker_probes.unwrap_or(0),
-        })
+        }))
     }
 }
 
@@ -205,7 +216,7 @@ async fn limit(command: &LimitCommand, server: &str) -> anyhow::Result<Value> {
                 permits,
                 period_ms,
                 per_key: args.per_key.spec()?,
-                breaker: args.breaker.spec(),
+                breaker: args.breaker.spec()?,
                 adaptive: args.adaptive.spec(),
             };
             limits

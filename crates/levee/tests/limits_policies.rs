@@ -105,10 +105,16 @@ fn given_per_key_limits_then_keys_get_their_share_and_a_hot_key_is_limited_at_on
         let rule = LimitRule {
             per_key: Some(PerKeyLimit {
                 permits: 0,
-                exceptions: vec![KeyLimit {
-                    key: b"vip".to_vec(),
-                    permits: 400,
-                }],
+                exceptions: vec![
+                    KeyLimit {
+                        key: b"vip".to_vec(),
+                        permits: 400,
+                    },
+                    KeyLimit {
+                        key: b"abuser".to_vec(),
+                        permits: 4,
+                    },
+                ],
                 hot_key_app: "shop".to_owned(),
                 hot_key_permits: 20,
             }),
@@ -124,9 +130,10 @@ fn given_per_key_limits_then_keys_get_their_share_and_a_hot_key_is_limited_at_on
         let started = Instant::now();
         let vip = offer(&both, b"vip", 2, second).await;
         let elapsed_ms = u64::try_from(started.elapsed().as_millis()).unwrap();
-        // 400 a second over both clients (200 each, a burst of 20 each).
+        // 400 a second over both clients (200 each, a burst of 20 each; a lease request late
+        // by a period on this loaded VM may double one client's share for a period: 40 more).
         assert!(
-            vip <= 400 * elapsed_ms / 1_000 + 40 + 8,
+            vip <= 400 * elapsed_ms / 1_000 + 40 + 40 + 8,
             "vip {vip} in {elapsed_ms} ms"
         );
         assert!(vip >= 250, "vip {vip}: most of its limit");
@@ -136,22 +143,39 @@ fn given_per_key_limits_then_keys_get_their_share_and_a_hot_key_is_limited_at_on
         assert!(cold >= 1_000, "cold {cold}");
         assert!(first.stats().key_refused > 0);
 
-        // A key that turns hot is limited within a lease period or two: 20 a second.
+        // A key that turns hot is limited within a lease period or two: 20 a second; a hot key
+        // whose own limit is tighter keeps it (4 a second).
         let admin = Client::connect(&server.grpc()).await.unwrap();
-        admin
-            .set_hot_key("shop", b"cold", Duration::from_secs(60))
-            .await
-            .unwrap();
+        for key in [&b"cold"[..], b"abuser"] {
+            admin
+                .set_hot_key("shop", key, Duration::from_secs(60))
+                .await
+                .unwrap();
+        }
         tokio::time::sleep(Duration::from_millis(300)).await;
+        let started = Instant::now();
         let hot = offer(&both, b"cold", 2, second).await;
+        let abuser = offer(&both, b"abuser", 2, second).await;
+        let elapsed_ms = u64::try_from(started.elapsed().as_millis()).unwrap();
         assert!(
-            hot <= 20 + 2 + 2,
-            "hot {hot}: 20 a second and a burst per client"
+            hot <= 20 * elapsed_ms / 1_000 + 2 + 2,
+            "hot {hot} in {elapsed_ms} ms: 20 a second and a burst per client"
         );
         assert!(hot >= 5, "hot {hot}");
+        assert!(
+            abuser <= 4 * elapsed_ms / 1_000 + 2 + 2,
+            "abuser {abuser} in {elapsed_ms} ms: its own 4 a second"
+        );
         let described = describe(&mut limits, "search").await;
-        assert_eq!(described.hot_keys_limited, vec![b"cold".to_vec()]);
-        assert_eq!(described.clients, 2);
+        assert_eq!(
+            described.hot_keys_limited,
+            vec![b"abuser".to_vec(), b"cold".to_vec()]
+        );
+        assert!(
+            (1..=2).contains(&described.clients),
+            "{}",
+            described.clients
+        );
         // Cooled by hand: free again.
         admin.remove_hot_key("shop", b"cold").await.unwrap();
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -171,7 +195,7 @@ fn given_failing_calls_then_the_servers_breaker_opens_for_every_client_probes_an
                 error_ratio_percent: 50,
                 window_ms: 2_000,
                 min_calls: 10,
-                open_ms: 600,
+                open_ms: 3_000,
                 probes: 2,
                 ..BreakerSpec::default()
             }),
@@ -199,10 +223,17 @@ fn given_failing_calls_then_the_servers_breaker_opens_for_every_client_probes_an
             db.breaker() == BreakerStatus::Open && other.breaker() == BreakerStatus::Open
         })
         .await;
-        assert!(failed_at.elapsed() < Duration::from_millis(400));
-        // Leases granted before the trip run out within two lease periods; then nothing.
+        assert!(failed_at.elapsed() < Duration::from_secs(1));
+        // Leases granted before the trip run out within two lease periods; then nothing, though
+        // the client keeps asking (its demand would be granted were it closed).
         tokio::time::sleep(Duration::from_millis(250)).await;
-        assert!(!other.try_acquire(1), "no permit while open");
+        let asking = Instant::now();
+        let mut admitted = 0;
+        while asking.elapsed() < Duration::from_millis(300) {
+            admitted += u32::from(db.try_acquire(1));
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(admitted, 0, "no permit while open");
         let described = describe(&mut limits, "db").await;
         assert_eq!(described.breaker(), BreakerStatus::Open);
         assert_eq!(described.breaker_opened, 1);
@@ -212,7 +243,7 @@ fn given_failing_calls_then_the_servers_breaker_opens_for_every_client_probes_an
             metrics.contains("levee_limits_breaker_state{resource=\"db\"} 2"),
             "{metrics}"
         );
-        // Half-open after 600 ms: two probes in all; their success closes it.
+        // Half-open after 3 s: two probes in all; their success closes it.
         let mut probes = 0;
         let started = Instant::now();
         while probes < 2 && started.elapsed() < WAIT {

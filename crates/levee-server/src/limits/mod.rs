@@ -44,13 +44,21 @@ const LEASE_ANSWERS_QUEUED: usize = 16;
 const PERIOD_MS_MIN: u64 = 1_000;
 const PERIOD_MS_MAX: u64 = 86_400_000;
 
+/// What the leader keeps while it grants: each resource's state, for one term (a node that
+/// lost and won the lead again starts afresh: breakers closed, adaptive budgets full).
+#[derive(Debug, Default)]
+struct Granting {
+    term: u64,
+    resources: HashMap<String, ResourceState>,
+}
+
 /// The Limits service.
 #[derive(Clone)]
 pub struct LimitsService {
     machine: MetaStateMachine,
     writer: MetaWriter,
     manager: Manager,
-    resources: Arc<Mutex<HashMap<String, ResourceState>>>,
+    resources: Arc<Mutex<Granting>>,
     hub: Arc<HotKeyHub>,
     peers: peer_hot::PeerHotKeys,
     started: Instant,
@@ -109,11 +117,12 @@ impl LimitsService {
         u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
-    /// `UNAVAILABLE` naming the leader when this node does not lead the metadata group.
-    fn require_leader(&self) -> Result<(), Status> {
+    /// `UNAVAILABLE` naming the leader when this node does not lead the metadata group; its
+    /// term when it does.
+    fn require_leader(&self) -> Result<u64, Status> {
         let metrics = self.manager.raft().metrics().borrow().clone();
         if metrics.current_leader == Some(metrics.id) {
-            return Ok(());
+            return Ok(metrics.current_term);
         }
         let leader = metrics.current_leader.and_then(|leader| {
             metrics
@@ -148,28 +157,47 @@ impl LimitsService {
                 "client_id: 0 is not an id; choose a random non-zero id for the session".into(),
             ));
         }
-        self.require_leader()?;
+        let term = self.require_leader()?;
         let now = self.now_ns();
+        let mut granting = self
+            .resources
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if granting.term != term {
+            *granting = Granting {
+                term,
+                resources: HashMap::new(),
+            };
+        }
+        let resources = &mut granting.resources;
+        // Each resource follows its replicated rule (compared in place: a policy is copied
+        // only when it changed).
         let rules = self.machine.with_limits(|limits| {
             request
                 .demands
                 .iter()
                 .map(|demand| {
-                    limits.rules.get(&demand.resource).map(|budget| {
-                        let policy = limits.policies.get(&demand.resource);
-                        (*budget, policy.cloned().unwrap_or_default())
-                    })
+                    let Some(budget) = limits.rules.get(&demand.resource).copied() else {
+                        return Ok(None);
+                    };
+                    let policy = limits
+                        .policies
+                        .get(&demand.resource)
+                        .map_or(&[][..], Vec::as_slice);
+                    if let Some(state) = resources.get_mut(&demand.resource) {
+                        state.sync(budget, policy)?;
+                    } else {
+                        let state = ResourceState::new(budget, policy, now)?;
+                        resources.insert(demand.resource.clone(), state);
+                    }
+                    Ok(Some(budget))
                 })
-                .collect::<Vec<_>>()
-        });
-        let mut resources = self
-            .resources
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+                .collect::<Result<Vec<_>, Status>>()
+        })?;
         let mut grants = Vec::with_capacity(request.demands.len());
         for (demand, rule) in request.demands.iter().zip(rules) {
             check_resource(&demand.resource)?;
-            let Some((budget, policy)) = rule else {
+            let (Some(_), Some(state)) = (rule, resources.get_mut(&demand.resource)) else {
                 resources.remove(&demand.resource);
                 grants.push(LeaseGrant {
                     resource: demand.resource.clone(),
@@ -178,14 +206,6 @@ impl LimitsService {
                 });
                 continue;
             };
-            if !resources.contains_key(&demand.resource) {
-                let state = ResourceState::new(budget, &policy, now)?;
-                resources.insert(demand.resource.clone(), state);
-            }
-            let Some(state) = resources.get_mut(&demand.resource) else {
-                continue;
-            };
-            state.sync(budget, &policy)?;
             state.record(demand.stats.as_ref(), now)?;
             let grant = state.allocator.request_returning(
                 request.client_id,
@@ -435,10 +455,11 @@ impl Limits for LimitsService {
             .into());
         };
         let now = self.now_ns();
-        let mut resources = self
+        let mut granting = self
             .resources
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        let resources = &mut granting.resources;
         let now_window = now / lease_rule(permits, period_ms).window_ns;
         let rule = policy::with_policy(
             LimitRule {

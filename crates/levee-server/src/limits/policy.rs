@@ -27,6 +27,9 @@ pub const REPORTED_CALLS_MAX: u64 = 10_000_000;
 /// How often the adaptive budget is recomputed.
 pub const ADAPTIVE_INTERVAL_NS: u64 = 1_000_000_000;
 const HOUR_MS: u64 = 3_600_000;
+/// The shortest a breaker stays open: leases granted before it opened (two lease periods at
+/// most) run out before its probes are granted.
+const OPEN_MS_MIN: u64 = 500;
 const MS: u64 = 1_000_000;
 
 type Checked = Result<(), tonic::Status>;
@@ -168,9 +171,9 @@ pub fn breaker_rule(spec: &BreakerSpec) -> Result<BreakerRule, tonic::Status> {
     within(
         "breaker.open_ms",
         open_ms,
-        1,
+        OPEN_MS_MIN,
         HOUR_MS,
-        "give 1 ms to an hour",
+        "give 500 ms (the leases granted before it opened run out first) to an hour",
     )?;
     let probes = or(u64::from(spec.probes), 5);
     within("breaker.probes", probes, 1, 1_000, "give 1 to 1000")?;
@@ -210,8 +213,17 @@ pub struct ResourceState {
     interval: CallCounts,
     interval_start: Nanos,
     pub total: CallCounts,
-    /// The per-key limits of the current lease window: (window, limits).
-    keys: Option<(u64, KeyLimits)>,
+    /// The per-key limits last made.
+    keys: Option<MadeKeys>,
+}
+
+/// The per-key limits made for a lease window.
+#[derive(Debug)]
+struct MadeKeys {
+    window: u64,
+    limits: KeyLimits,
+    /// The hot keys among them.
+    hot: Vec<Vec<u8>>,
 }
 
 /// A grant's extras: the breaker's state, the slow-call limit, the per-key shares.
@@ -363,13 +375,16 @@ impl ResourceState {
         }
     }
 
-    /// The per-key limits of the current lease window (made once a window).
+    /// The per-key limits of the current lease window (made again when the window or the
+    /// number of clients changes).
     fn key_limits(&mut self, hot_keys: impl FnOnce(&str) -> Vec<Vec<u8>>, now: Nanos) -> KeyLimits {
         let window = now / self.allocator.rule().window_ns;
-        if let Some((made, limits)) = &self.keys
-            && *made == window
+        let clients = self.allocator.active_clients(now).max(1) as u64;
+        if let Some(made) = &self.keys
+            && made.window == window
+            && made.limits.clients == clients
         {
-            return limits.clone();
+            return made.limits.clone();
         }
         let Some(per_key) = &self.policy.per_key else {
             return KeyLimits::default();
@@ -379,12 +394,22 @@ impl ResourceState {
             .iter()
             .map(|exception| (exception.key.clone(), exception.permits))
             .collect();
+        let mut hot = Vec::new();
         if !per_key.hot_key_app.is_empty() {
             for key in hot_keys(&per_key.hot_key_app)
                 .into_iter()
                 .take(HOT_KEYS_MAX)
             {
-                keys.insert(key, per_key.hot_key_permits);
+                // A hot key's limit only ever tightens the one it had.
+                let before = keys.get(&key).copied().or(match per_key.permits {
+                    0 => None,
+                    permits => Some(permits),
+                });
+                let limit = before.map_or(per_key.hot_key_permits, |before| {
+                    before.min(per_key.hot_key_permits)
+                });
+                keys.insert(key.clone(), limit);
+                hot.push(key);
             }
         }
         let mut limits = KeyLimits {
@@ -395,31 +420,24 @@ impl ResourceState {
                 .into_iter()
                 .map(|(key, permits)| KeyLimit { key, permits })
                 .collect(),
-            clients: self.allocator.active_clients(now).max(1) as u64,
+            clients,
         };
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
         limits.encode_to_vec().hash(&mut hasher);
         limits.version = hasher.finish().max(1);
-        self.keys = Some((window, limits.clone()));
+        self.keys = Some(MadeKeys {
+            window,
+            limits: limits.clone(),
+            hot,
+        });
         limits
     }
 
     /// The hot keys limited now (as last made).
     pub fn hot_keys_limited(&self) -> Vec<Vec<u8>> {
-        let Some(per_key) = &self.policy.per_key else {
-            return Vec::new();
-        };
-        let exceptions: std::collections::BTreeSet<&[u8]> = per_key
-            .exceptions
-            .iter()
-            .map(|exception| exception.key.as_slice())
-            .collect();
         self.keys
-            .iter()
-            .flat_map(|(_, limits)| &limits.keys)
-            .filter(|limit| !exceptions.contains(limit.key.as_slice()))
-            .map(|limit| limit.key.clone())
-            .collect()
+            .as_ref()
+            .map_or_else(Vec::new, |made| made.hot.clone())
     }
 
     /// The policy part of a rule as replicated: empty for a plain budget.
