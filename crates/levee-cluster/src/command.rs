@@ -52,6 +52,12 @@ pub enum MetaCommand {
         /// The resource.
         resource: String,
     },
+    /// Fixes the cluster's number of shards (docs/CLUSTER.md, "Part 2"): applied once, by the
+    /// first node; a later one with another number is refused (the number never changes).
+    InitShards {
+        /// Shards, 1 to `levee_proto::shards::SHARDS_MAX`.
+        shards: u32,
+    },
     /// Cools a key by hand (a manual key is forgotten; a detected one cools on every node).
     RemoveHotKey {
         /// The app.
@@ -175,6 +181,7 @@ impl HotKeyMeta {
             }
             MetaCommand::Catalog(_)
             | MetaCommand::Import(_)
+            | MetaCommand::InitShards { .. }
             | MetaCommand::SetLimitRule { .. }
             | MetaCommand::DeleteLimitRule { .. } => return None,
         };

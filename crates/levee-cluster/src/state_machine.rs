@@ -29,6 +29,8 @@ struct MetaState {
     catalog: Catalog,
     hot_keys: HotKeyMeta,
     limits: LimitMeta,
+    /// The cluster's shards, once the first node fixed them.
+    shards: Option<u32>,
     /// Snapshots built so far by this process, to tell their ids apart.
     snapshots_built: u64,
 }
@@ -43,6 +45,9 @@ struct SnapshotState {
     /// Absent from snapshots of versions before limits.
     #[serde(default)]
     limits: LimitMeta,
+    /// Absent from snapshots of versions before shards.
+    #[serde(default)]
+    shards: Option<u32>,
 }
 
 /// A snapshot as its file holds it.
@@ -89,6 +94,22 @@ impl MetaState {
                 }
                 response
             }
+            MetaCommand::InitShards { shards } => match self.shards {
+                None => {
+                    self.shards = Some(*shards);
+                    MetaResponse {
+                        changed: true,
+                        ..MetaResponse::default()
+                    }
+                }
+                Some(fixed) if fixed == *shards => MetaResponse::default(),
+                Some(fixed) => MetaResponse {
+                    refused_at_bound: Some(format!(
+                        "the cluster has {fixed} shards, fixed when it was created; it keeps them"
+                    )),
+                    ..MetaResponse::default()
+                },
+            },
             MetaCommand::Import(records) => {
                 let mut imported = self.catalog.clone();
                 for record in records {
@@ -145,6 +166,7 @@ impl MetaState {
         self.catalog = catalog;
         self.hot_keys = state.hot_keys;
         self.limits = state.limits;
+        self.shards = state.shards;
         self.last_applied = meta.last_log_id;
         self.membership = meta.last_membership.clone();
         Ok(())
@@ -164,6 +186,7 @@ fn tell(observer: &dyn HotKeyObserver, command: &MetaCommand) {
         MetaCommand::RemoveHotKey { app, key, .. } => observer.cooled(app, key),
         MetaCommand::Catalog(_)
         | MetaCommand::Import(_)
+        | MetaCommand::InitShards { .. }
         | MetaCommand::SetLimitRule { .. }
         | MetaCommand::DeleteLimitRule { .. } => {}
     }
@@ -192,6 +215,11 @@ impl MetaStateMachine {
         observer.reset(&self.read().hot_keys);
         self.observer = Some(observer);
         self
+    }
+
+    /// The cluster's shards, once fixed (docs/CLUSTER.md, "Part 2").
+    pub fn shards(&self) -> Option<u32> {
+        self.read().shards
     }
 
     /// Reads the replicated limits rules as they stand.
@@ -251,6 +279,7 @@ impl RaftSnapshotBuilder<MetaConfig> for MetaStateMachine {
                 catalog: state.catalog.records(),
                 hot_keys: state.hot_keys.clone(),
                 limits: state.limits.clone(),
+                shards: state.shards,
             })
             .map_err(|error| write_error(&error))?;
             let last_index = state.last_applied.map_or(0, |log_id| log_id.index);

@@ -7,10 +7,11 @@
 //!   them back out of a `tonic::Status`.
 //! - [`json`]: the JSON forms the admin HTTP port answers and the CLI prints.
 //! - [`topic_partition`]: the partition a key is published to, which every client computes
-//!   identically.
+//!   identically; [`shards`]: the shard of a queue and the voters that hold it.
 
 pub mod json;
 pub mod limits_json;
+pub mod shards;
 mod wire_error;
 
 /// The type of message payloads on the wire: a decoded payload is a slice of the received

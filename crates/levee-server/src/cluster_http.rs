@@ -1,22 +1,23 @@
 //! `/v1/cluster` on the admin port: this node's view of the metadata group (docs/CLUSTER.md),
 //! as JSON: the leader it knows, the term, how far its log and state machine are, and every
 //! member with its role and addresses. On the leader, each follower's replication lag too.
+//! Then the cluster's shards and where each is placed (docs/CLUSTER.md, "Part 2").
 
 use axum::Router;
 use axum::extract::State;
 use axum::response::Json;
 use axum::routing::get;
-use levee_cluster::Raft;
+use levee_cluster::{MetaStateMachine, Raft};
 use serde_json::{Value, json};
 
-/// The router of `/v1/cluster` over this node's Raft instance.
-pub fn router(raft: Raft) -> Router {
+/// The router of `/v1/cluster` over this node's Raft instance and metadata.
+pub fn router(raft: Raft, machine: MetaStateMachine) -> Router {
     Router::new()
         .route("/v1/cluster", get(cluster))
-        .with_state(raft)
+        .with_state((raft, machine))
 }
 
-async fn cluster(State(raft): State<Raft>) -> Json<Value> {
+async fn cluster(State((raft, machine)): State<(Raft, MetaStateMachine)>) -> Json<Value> {
     let metrics = raft.metrics().borrow().clone();
     let membership = metrics.membership_config.membership();
     let last_log_index = metrics.last_log_index.unwrap_or(0);
@@ -54,5 +55,10 @@ async fn cluster(State(raft): State<Raft>) -> Json<Value> {
         "last_log_index": metrics.last_log_index,
         "last_applied_index": metrics.last_applied.map(|log_id| log_id.index),
         "nodes": nodes,
+        "shards": machine.shards(),
+        "shard_map": crate::cluster_service::shard_map(&machine, &metrics)
+            .iter()
+            .map(|placement| json!({"shard": placement.shard, "replicas": placement.replicas}))
+            .collect::<Vec<_>>(),
     }))
 }

@@ -8,14 +8,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use levee_cluster::manage::JoinRequest;
-use levee_cluster::{Manager, NodeId, NodeInfo, Refusal, RefusalKind};
+use levee_cluster::{Manager, MetaStateMachine, NodeId, NodeInfo, Refusal, RefusalKind};
 use levee_proto::WireError;
 use levee_proto::v1::admin_client::AdminClient;
 use levee_proto::v1::cluster_server::{Cluster, ClusterServer};
 use levee_proto::v1::{
     AddNodeRequest, AddNodeResponse, ErrorCode, GetClusterRequest, GetClusterResponse,
     GetServerInfoRequest, Member, MemberRole, RemoveNodeRequest, RemoveNodeResponse,
-    WatchMembersRequest, WatchMembersResponse,
+    ShardPlacement, WatchMembersRequest, WatchMembersResponse,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
@@ -38,6 +38,7 @@ pub type MemberHealth = watch::Receiver<BTreeMap<NodeId, bool>>;
 #[derive(Debug, Clone)]
 pub struct ClusterService {
     manager: Manager,
+    machine: MetaStateMachine,
     state: Arc<ServerState>,
     health: MemberHealth,
     closing: watch::Receiver<bool>,
@@ -47,13 +48,14 @@ impl ClusterService {
     /// The service over `manager`; `health` from [`probe_members`]; streams end when
     /// `closing` turns true.
     pub fn new(
-        manager: Manager,
+        (manager, machine): (Manager, MetaStateMachine),
         state: Arc<ServerState>,
         health: MemberHealth,
         closing: watch::Receiver<bool>,
     ) -> Self {
         Self {
             manager,
+            machine,
             state,
             health,
             closing,
@@ -62,6 +64,20 @@ impl ClusterService {
 }
 
 /// The members as `metrics` and `health` say, by node id.
+/// Each shard's replicas over the voters (empty while the cluster's shards are not fixed).
+pub fn shard_map(
+    machine: &MetaStateMachine,
+    metrics: &levee_cluster::network::RaftMetrics,
+) -> Vec<ShardPlacement> {
+    let voters: Vec<u64> = metrics.membership_config.membership().voter_ids().collect();
+    (0..machine.shards().unwrap_or(0))
+        .map(|shard| ShardPlacement {
+            shard,
+            replicas: levee_proto::shards::replicas(shard, &voters),
+        })
+        .collect()
+}
+
 fn members(
     metrics: &levee_cluster::network::RaftMetrics,
     health: &BTreeMap<NodeId, bool>,
@@ -144,6 +160,8 @@ impl Cluster for ClusterService {
             last_log_index: metrics.last_log_index.unwrap_or(0),
             applied_index: metrics.last_applied.map_or(0, |log_id| log_id.index),
             members: members(&metrics, &health),
+            shards: self.machine.shards().unwrap_or(0),
+            shard_map: shard_map(&self.machine, &metrics),
         }))
     }
 
@@ -260,7 +278,7 @@ impl Cluster for ClusterService {
 /// The Cluster service, its member probes and the count of leader changes, which stop (and
 /// its streams end) when `closing` turns true.
 pub fn serve(
-    manager: &Manager,
+    (manager, machine): (&Manager, &MetaStateMachine),
     state: &Arc<ServerState>,
     closing: &watch::Sender<bool>,
 ) -> (
@@ -275,7 +293,7 @@ pub fn serve(
         closing.subscribe(),
     ));
     let service = ClusterService::new(
-        manager.clone(),
+        (manager.clone(), machine.clone()),
         Arc::clone(state),
         health,
         closing.subscribe(),

@@ -97,6 +97,9 @@ pub struct Config {
     /// Acks a consumer's position log (`SubscribeMany`) takes before it is compacted, at the
     /// least (and twice its last snapshot): see docs/ARCHITECTURE.md, queues step 7.
     pub queue_position_log_compact_entries: u64,
+    /// The shards of a cluster this node creates (docs/CLUSTER.md, "Part 2"): written by the
+    /// first node, fixed for the cluster's life; a node joining a cluster takes its number.
+    pub shards: u32,
     /// This node's id in its cluster (1 for a lone server); kept in the data dir, which will
     /// not start as another node.
     pub node_id: u64,
@@ -137,6 +140,7 @@ impl Default for Config {
             queue_message_bytes_max: QUEUE_MESSAGE_BYTES_MAX_DEFAULT,
             queue_buffer_budget_mb: QUEUE_BUFFER_BUDGET_MB_DEFAULT,
             queue_position_log_compact_entries: QUEUE_POSITION_LOG_COMPACT_ENTRIES_DEFAULT,
+            shards: levee_proto::shards::SHARDS_DEFAULT,
             node_id: 1,
             peer_addr: None,
             peer_advertise_addr: None,
@@ -165,6 +169,7 @@ struct FileConfig {
     queue_message_bytes_max: Option<u32>,
     queue_buffer_budget_mb: Option<u64>,
     queue_position_log_compact_entries: Option<u64>,
+    shards: Option<u32>,
     node_id: Option<u64>,
     peer_addr: Option<String>,
     peer_advertise_addr: Option<String>,
@@ -235,6 +240,8 @@ pub struct Overrides {
     pub queue_buffer_budget_mb: Option<Override>,
     /// `--queue-position-log-compact-entries` / `LEVEE_QUEUE_POSITION_LOG_COMPACT_ENTRIES`.
     pub queue_position_log_compact_entries: Option<Override>,
+    /// `--shards` / `LEVEE_SHARDS`.
+    pub shards: Option<Override>,
     /// `--node-id` / `LEVEE_NODE_ID`.
     pub node_id: Option<Override>,
     /// `--peer-addr` / `LEVEE_PEER_ADDR`.
@@ -387,6 +394,9 @@ impl Config {
             text(file_config.queue_position_log_compact_entries),
             |raw| { parse_bounded(raw, 1, QUEUE_POSITION_LOG_COMPACT_ENTRIES_MAX) }
         );
+        layer!(shards, small(file_config.shards), |raw| {
+            parse_bounded(raw, 1, levee_proto::shards::SHARDS_MAX)
+        });
         layer!(node_id, text(file_config.node_id), |raw| {
             parse_bounded(raw, 1, NODE_ID_MAX)
         });

@@ -196,7 +196,7 @@ impl RunningServer {
             stop_sessions.subscribe(),
         ))];
         let (cluster_service, cluster_tasks) =
-            cluster_service::serve(&raft.manager, &state, &stop_sessions);
+            cluster_service::serve((&raft.manager, &raft.machine), &state, &stop_sessions);
         background.extend(cluster_tasks);
         let (health, health_service) = serving_health().await;
         let (queue_service, topic_service, consume_context) =
@@ -214,7 +214,10 @@ impl RunningServer {
         );
 
         let limits = raft.limits_service(&hub, &state.metrics, stop_sessions.subscribe());
-        background.push(limits.follow_peer_hot_keys(stop_sessions.subscribe()));
+        background.extend([
+            limits.follow_peer_hot_keys(stop_sessions.subscribe()),
+            tokio::spawn(init_shards(&raft, config.shards, stop_sessions.subscribe())),
+        ]);
         let incoming =
             accept_connections(grpc_listener, config.connections_max, state.metrics.clone());
         let grpc_server = tonic::transport::Server::builder()
@@ -235,8 +238,12 @@ impl RunningServer {
             .serve_with_incoming_shutdown(incoming, stopped(stop_grpc.subscribe()));
         let grpc_task = tokio::spawn(grpc_server);
 
-        let admin_router =
-            admin_router(&state, &raft.raft, (hotkey_admin, limits), consume_context);
+        let admin_router = admin_router(
+            &state,
+            (&raft.raft, &raft.machine),
+            (hotkey_admin, limits),
+            consume_context,
+        );
         let admin_server = axum::serve(admin_listener, admin_router)
             .with_graceful_shutdown(stopped(stop_admin.subscribe()));
         let admin_task = tokio::spawn(async move { admin_server.await });
@@ -547,12 +554,12 @@ async fn bind_peer(
 /// Every route of the admin HTTP port, with Levee's JSON errors.
 fn admin_router(
     state: &Arc<ServerState>,
-    raft: &Raft,
+    (raft, machine): (&Raft, &MetaStateMachine),
     (hotkey_admin, limits): (HotKeyAdmin, crate::limits::LimitsService),
     consume_context: Arc<ConsumeContext>,
 ) -> axum::Router {
     admin_http::router(Arc::clone(state))
-        .merge(crate::cluster_http::router(raft.clone()))
+        .merge(crate::cluster_http::router(raft.clone(), machine.clone()))
         .merge(hotkey::http::router(hotkey_admin))
         .merge(crate::limits::router(limits))
         .merge(crate::queue::http::router(consume_context))
@@ -743,6 +750,39 @@ async fn import_rules_file(
     std::fs::remove_file(&path)
         .and_then(|()| std::fs::File::open(data_dir)?.sync_all())
         .map_err(|error| format!("removing {} once imported: {error}", path.display()))
+}
+
+/// Fixes the cluster's shards to `shards` if no node did yet (the first node of a cluster),
+/// retrying every second while there is no quorum; on a node of a cluster whose shards differ
+/// from its own setting, says so once (the cluster's stand).
+fn init_shards(
+    raft: &MetadataGroup,
+    shards: u32,
+    mut stop: watch::Receiver<bool>,
+) -> impl std::future::Future<Output = ()> + use<> {
+    let (machine, writer) = (raft.machine.clone(), raft.writer.clone());
+    async move {
+        loop {
+            if let Some(fixed) = machine.shards() {
+                if fixed != shards {
+                    tracing::warn!(
+                        cluster_shards = fixed,
+                        setting = shards,
+                        "the cluster's shards were fixed when it was created; this node's `shards` \
+                     setting is ignored"
+                    );
+                }
+                return;
+            }
+            if let Err(error) = writer.write(MetaCommand::InitShards { shards }).await {
+                tracing::debug!(%error, "fixing the cluster's shards; retrying");
+            }
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                _ = stop.wait_for(|stop| *stop) => return,
+            }
+        }
+    }
 }
 
 /// Imports a catalog kept by an older version in the store's `\0meta` queue into the group,

@@ -97,6 +97,12 @@ pub fn view_json(view: &ClusterView) -> Value {
         "last_log_index": view.last_log_index,
         "applied_index": view.applied_index,
         "members": view.members.iter().map(member_json).collect::<Vec<_>>(),
+        "shards": (view.shards != 0).then_some(view.shards),
+        "shard_map": view
+            .shard_map
+            .iter()
+            .map(|placement| json!({"shard": placement.shard, "replicas": placement.replicas}))
+            .collect::<Vec<_>>(),
     })
 }
 

@@ -71,6 +71,10 @@ pub struct ServerArgs {
         value_name = "ACKS"
     )]
     queue_position_log_compact_entries: Option<String>,
+    /// The shards of a cluster this node creates, 1 to 1024; fixed when the cluster is created
+    /// (a joining node takes the cluster's) [default: 16]
+    #[arg(long, env = "LEVEE_SHARDS", value_name = "COUNT")]
+    shards: Option<String>,
     /// This node's id in its cluster, 1 to 1000000; the data dir keeps it and will not start as
     /// another node [default: 1]
     #[arg(long, env = "LEVEE_NODE_ID", value_name = "ID")]
@@ -135,6 +139,7 @@ impl ServerArgs {
                 "queue_position_log_compact_entries",
                 &self.queue_position_log_compact_entries,
             ),
+            shards: given("shards", &self.shards),
             node_id: given("node_id", &self.node_id),
             peer_addr: given("peer_addr", &self.peer_addr),
             peer_advertise_addr: given("peer_advertise_addr", &self.peer_advertise_addr),

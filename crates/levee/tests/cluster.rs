@@ -15,7 +15,14 @@ const CONVERGE_TIMEOUT: Duration = Duration::from_secs(20);
 fn three_nodes(directory: &std::path::Path) -> Vec<LeveeProcess> {
     let first = LeveeProcess::start_in(
         &directory.join("n1"),
-        &["--node-id", "1", "--peer-addr", "127.0.0.1:0"],
+        &[
+            "--node-id",
+            "1",
+            "--peer-addr",
+            "127.0.0.1:0",
+            "--shards",
+            "8",
+        ],
     );
     let seed = first
         .peer_addr
@@ -32,10 +39,43 @@ fn three_nodes(directory: &std::path::Path) -> Vec<LeveeProcess> {
                 "127.0.0.1:0",
                 "--join",
                 &seed,
+                // The cluster's shards were fixed by node 1: this is ignored.
+                "--shards",
+                "4",
             ],
         ));
     }
     nodes
+}
+
+/// The cluster's shards are its first node's (8), and every node places them alike: three
+/// replicas each over the three voters.
+fn shards_are_fixed_by_the_first_node(nodes: &[LeveeProcess]) {
+    wait_for("the shard map on every node", CONVERGE_TIMEOUT, || {
+        let views: Vec<serde_json::Value> = nodes.iter().map(status).collect();
+        views.iter().all(|view| {
+            view["shards"] == 8
+                && view["shard_map"] == views[0]["shard_map"]
+                && view["shard_map"].as_array().is_some_and(|map| {
+                    map.len() == 8
+                        && map
+                            .iter()
+                            .all(|placement| placement["replicas"].as_array().unwrap().len() == 3)
+                })
+        })
+    });
+    let view = status(&nodes[1]);
+    let first: Vec<u64> = view["shard_map"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|placement| placement["replicas"][0].as_u64().unwrap())
+        .collect();
+    // Each shard's preferred replica as the shared function places it.
+    let expected: Vec<u64> = (0..8)
+        .map(|shard| levee_proto::shards::replicas(shard, &[1, 2, 3])[0])
+        .collect();
+    assert_eq!(first, expected);
 }
 
 /// Runs `levee server` as node `node_id` on `data_dir` (ports picked freely, peers reach it at
@@ -565,6 +605,7 @@ fn given_three_nodes_when_a_node_is_removed_then_it_stops_and_can_be_added_back(
     );
     let leader_id = status(&nodes[0])["leader_id"].as_u64().unwrap();
 
+    shards_are_fixed_by_the_first_node(&nodes);
     reads_and_rates_agree(&runtime, &nodes);
     hot_key_settings_reach_every_node(&runtime, &nodes);
     hot_keys_reach_app_servers_through_any_node(&runtime, &nodes);

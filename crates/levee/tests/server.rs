@@ -540,3 +540,28 @@ fn given_a_data_dir_of_node_1_then_it_will_not_start_as_node_2() {
         "{stderr}"
     );
 }
+
+#[test]
+fn given_a_lone_server_then_it_fixes_the_default_shards_all_on_itself() {
+    let server = LeveeProcess::start(&[]);
+    let view = || {
+        let (code, stdout, stderr) = server.cli(&["cluster", "status"]);
+        assert_eq!(code, Some(0), "{stderr}");
+        serde_json::from_str::<serde_json::Value>(&stdout).unwrap()
+    };
+    support::wait_for("the shards fixed", Duration::from_secs(10), || {
+        view()["shards"] == 16
+    });
+    let map = view()["shard_map"].clone();
+    assert_eq!(map.as_array().unwrap().len(), 16);
+    assert!(
+        map.as_array()
+            .unwrap()
+            .iter()
+            .all(|placement| placement["replicas"] == serde_json::json!([1])),
+        "{map}"
+    );
+    let (status, body) = http_get(server.admin_addr, "/v1/cluster");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"shards\":16"), "{body}");
+}
