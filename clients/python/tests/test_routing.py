@@ -86,3 +86,18 @@ def test_given_many_keys_then_client_partition_equals_the_servers(server, unique
                 ]
 
     run(main())
+
+
+SHARDS = json.loads(
+    (pathlib.Path(__file__).resolve().parents[3] / "conformance" / "vectors"
+     / "shards.json").read_text()
+)
+
+
+def test_given_rust_vectors_then_shards_and_their_replicas_match() -> None:
+    names = SHARDS["names"]
+    for entry in SHARDS["shard_of"]:
+        assert [routing.shard_of(name, entry["shards"]) for name in names] == entry["shard_of"]
+    for entry in SHARDS["replicas"]:
+        placed = [routing.shard_replicas(shard, entry["voters"]) for shard in range(16)]
+        assert placed == entry["replicas_of_shards_0_to_15"]

@@ -43,7 +43,6 @@ pub use client::{Client, ClientOptions, HealthStatus};
 pub use consumer::{ConsumerOptions, ConsumerStats, GroupConsumer, Message, Outcome};
 pub use error::ClientError;
 pub use hotkey::{HotKeyChange, HotKeys, HotKeysOptions, HotKeysStats};
-pub use levee_proto::topic_partition;
 pub use levee_proto::v1::{
     AddNodeRequest, Delivery, DescribeGroupResponse as GroupDescription,
     DescribeTopicResponse as TopicDescription, ErrorCode, GetAppStatsResponse as AppStats,
@@ -57,6 +56,7 @@ pub use levee_proto::v1::{
     ResetGroupOffsetsResponse as OffsetsReset, reset_group_offsets_request::To as ResetTo,
 };
 pub use levee_proto::{Bytes, WireError};
+pub use levee_proto::{shards, topic_partition};
 pub use limit_keys::{KEYS_TRACKED_MAX, LimitCall};
 pub use limiter::{LimitedResource, Limiter, LimiterOptions, LimiterStats};
 pub use mailboxes::{MAILBOXES_PER_REQUEST_MAX, Mailboxes};

@@ -49,6 +49,78 @@ pub fn replicas(shard: u32, voters: &[u64]) -> Vec<u64> {
 mod tests {
     use super::*;
 
+    /// The names and voter sets of the shared vectors (conformance/vectors/shards.json).
+    fn vector_inputs() -> (Vec<String>, Vec<u32>, Vec<Vec<u64>>) {
+        let mut names: Vec<String> = ["", "orders", "payments", "user:1", "topic-α", "a"]
+            .iter()
+            .map(|name| (*name).to_owned())
+            .collect();
+        names.extend((0..20).map(|number| format!("queue-{number}")));
+        let counts = vec![1, 2, 3, 16, 64, 1_024];
+        let voters = vec![
+            vec![1],
+            vec![1, 2],
+            vec![1, 2, 3],
+            vec![3, 1, 2, 5, 4],
+            vec![7, 1_000_000, 42, 9, 13, 100],
+        ];
+        (names, counts, voters)
+    }
+
+    /// The shared vectors as JSON, one entry a line.
+    fn vectors_json() -> String {
+        let (names, counts, voters) = vector_inputs();
+        let quoted: Vec<String> = names
+            .iter()
+            .map(|name| serde_json::Value::String(name.clone()).to_string())
+            .collect();
+        let shard_lines: Vec<String> = counts
+            .iter()
+            .map(|count| {
+                let shards: Vec<String> = names
+                    .iter()
+                    .map(|name| shard_of(name, *count).to_string())
+                    .collect();
+                format!(
+                    "    {{\"shards\": {count}, \"shard_of\": [{}]}}",
+                    shards.join(", ")
+                )
+            })
+            .collect();
+        let replica_lines: Vec<String> = voters
+            .iter()
+            .map(|set| {
+                let placed: Vec<String> = (0..16)
+                    .map(|shard| format!("{:?}", replicas(shard, set)))
+                    .collect();
+                format!(
+                    "    {{\"voters\": {set:?}, \"replicas_of_shards_0_to_15\": [{}]}}",
+                    placed.join(", ")
+                )
+            })
+            .collect();
+        format!(
+            "{{\n  \"names\": [{}],\n  \"shard_of\": [\n{}\n  ],\n  \"replicas\": [\n{}\n  ]\n}}\n",
+            quoted.join(", "),
+            shard_lines.join(",\n"),
+            replica_lines.join(",\n")
+        )
+    }
+
+    #[test]
+    fn given_the_shared_vectors_then_this_code_computes_them() {
+        // To print them again: cargo test -p levee-proto print_shard_vectors -- --ignored
+        // --nocapture > conformance/vectors/shards.json (then drop cargo's lines).
+        let file = include_str!("../../../conformance/vectors/shards.json");
+        assert_eq!(file, vectors_json());
+    }
+
+    #[test]
+    #[ignore = "prints the vectors file"]
+    fn print_shard_vectors() {
+        print!("{}", vectors_json());
+    }
+
     #[test]
     fn given_names_then_shards_match_the_published_vectors() {
         // Pinned here and in docs/CLUSTER.md, so other clients can check their own.

@@ -13,7 +13,7 @@ Topic partitioning is `XXH3_64(key, seed 0) mod partitions` (proto/levee/v1/topi
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import xxhash
 
@@ -145,3 +145,26 @@ def topic_partition(key: bytes, partitions: int) -> int:
     if partitions <= 0:
         raise ValueError("a topic has at least one partition")
     return xxhash.xxh3_64_intdigest(key) % partitions
+
+
+SHARD_REPLICAS_MAX = 3
+
+
+def shard_of(routing_name: str, shards: int) -> int:
+    """The shard of a queue in a cluster of `shards` shards (docs/CLUSTER.md, "Part 2"):
+    XXH3_64 of the routing name's UTF-8 bytes, seed 0, mod shards. The routing name is the
+    queue's name (a plain queue, a mailbox) or the topic's name (a topic's partitions)."""
+    if shards <= 0:
+        raise ValueError("a cluster has at least one shard")
+    return xxhash.xxh3_64_intdigest(routing_name.encode("utf-8")) % shards
+
+
+def shard_replicas(shard: int, voters: Sequence[int]) -> List[int]:
+    """The voters (node ids) that hold `shard`, the preferred one first: the highest
+    XXH3_64(node id as 8 little-endian bytes, seed = shard), a tie to the lower id, at most 3."""
+    scored = sorted(
+        {node: xxhash.xxh3_64_intdigest(node.to_bytes(8, "little"), seed=shard)
+         for node in voters}.items(),
+        key=lambda item: (-item[1], item[0]),
+    )
+    return [node for node, _ in scored[:SHARD_REPLICAS_MAX]]

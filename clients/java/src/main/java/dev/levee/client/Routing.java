@@ -150,6 +150,44 @@ public final class Routing {
         return best;
     }
 
+    /** The most replicas of a shard. */
+    public static final int SHARD_REPLICAS_MAX = 3;
+
+    /**
+     * The shard of a queue in a cluster of {@code shards} shards (docs/CLUSTER.md, "Part 2"):
+     * XXH3_64 of the routing name's UTF-8 bytes, seed 0, mod shards. The routing name is the
+     * queue's name (a plain queue, a mailbox) or the topic's name (a topic's partitions).
+     */
+    public static int shardOf(String routingName, int shards) {
+        if (shards <= 0) {
+            throw new IllegalArgumentException("a cluster has at least one shard");
+        }
+        return (int) Long.remainderUnsigned(Xxh3.hash64(routingName.getBytes(StandardCharsets.UTF_8)), shards);
+    }
+
+    /**
+     * The voters (node ids) that hold {@code shard}, the preferred one first: the highest
+     * XXH3_64(node id as 8 little-endian bytes, seed = shard), a tie to the lower id, at most 3.
+     */
+    public static java.util.List<Long> shardReplicas(int shard, long[] voters) {
+        java.util.List<long[]> scored = new java.util.ArrayList<>();
+        java.util.Set<Long> seen = new java.util.HashSet<>();
+        for (long node : voters) {
+            if (seen.add(node)) {
+                scored.add(new long[] {Xxh3.hash64Seeded8(node, Integer.toUnsignedLong(shard)), node});
+            }
+        }
+        scored.sort((left, right) -> {
+            int byScore = Long.compareUnsigned(right[0], left[0]);
+            return byScore != 0 ? byScore : Long.compareUnsigned(left[1], right[1]);
+        });
+        java.util.List<Long> replicas = new java.util.ArrayList<>();
+        for (int i = 0; i < Math.min(SHARD_REPLICAS_MAX, scored.size()); i++) {
+            replicas.add(scored.get(i)[1]);
+        }
+        return replicas;
+    }
+
     /** The partition of a topic with {@code partitions} partitions that {@code key} goes to. */
     public static int topicPartition(byte[] key, int partitions) {
         if (partitions <= 0) {

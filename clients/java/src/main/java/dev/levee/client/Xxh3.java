@@ -86,6 +86,19 @@ public final class Xxh3 {
         return mul128Fold64(low ^ secret64(secretAt), high ^ secret64(secretAt + 8));
     }
 
+    /**
+     * XXH3-64 of {@code value} as 8 little-endian bytes with {@code seed} (the reference's
+     * 4-to-8-byte path, seeded): the score of a shard's replica, {@code seed} being the shard.
+     */
+    public static long hash64Seeded8(long value, long seed) {
+        long folded = seed ^ ((long) Integer.reverseBytes((int) seed) << 32);
+        long first = value & 0xffffffffL;
+        long last = value >>> 32;
+        long bitflip = (secret64(8) ^ secret64(16)) - folded;
+        long keyed = (last + (first << 32)) ^ bitflip;
+        return rrmxmx(keyed, 8);
+    }
+
     /** XXH3-64 of {@code input} with seed 0. */
     public static long hash64(byte[] input) {
         int length = input.length;

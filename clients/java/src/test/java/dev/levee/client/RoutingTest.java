@@ -75,4 +75,31 @@ class RoutingTest {
             }
         }
     }
+
+    @Test
+    void given_the_shard_vectors_when_placing_queues_should_match_the_rust_values() throws Exception {
+        JsonNode shards = new ObjectMapper().readTree(Files.readString(
+                Repository.root().resolve("conformance/vectors/shards.json")));
+        JsonNode names = shards.get("names");
+        for (JsonNode entry : shards.get("shard_of")) {
+            int count = entry.get("shards").asInt();
+            for (int n = 0; n < names.size(); n++) {
+                assertEquals(entry.get("shard_of").get(n).asInt(), Routing.shardOf(names.get(n).asText(), count),
+                        "name " + n + " over " + count);
+            }
+        }
+        for (JsonNode entry : shards.get("replicas")) {
+            long[] voters = new long[entry.get("voters").size()];
+            for (int v = 0; v < voters.length; v++) {
+                voters[v] = entry.get("voters").get(v).asLong();
+            }
+            for (int shard = 0; shard < 16; shard++) {
+                List<Long> expected = new ArrayList<>();
+                for (JsonNode node : entry.get("replicas_of_shards_0_to_15").get(shard)) {
+                    expected.add(node.asLong());
+                }
+                assertEquals(expected, Routing.shardReplicas(shard, voters), "shard " + shard);
+            }
+        }
+    }
 }
