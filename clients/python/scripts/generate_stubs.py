@@ -9,7 +9,7 @@ from __future__ import annotations
 import pathlib
 import sys
 
-PACKAGE_FILES = ("errors", "common", "admin", "hotkey", "queue", "topic", "limits")
+PACKAGE_FILES = ("errors", "common", "admin", "hotkey", "queue", "topic", "limits", "cluster")
 
 
 def generate(proto_root: pathlib.Path, source_root: pathlib.Path) -> pathlib.Path:

@@ -19,6 +19,7 @@ from .consumer import CommitResult, ConsumerOptions, ConsumerStats, GroupConsume
 from .errors import *  # noqa: F401,F403  (LeveeError, ErrorCode and one class per code)
 from .errors import ErrorCode, LeveeError
 from .hotkeys import HotKeyChange, HotKeys, HotKeysOptions, HotKeysStats
+from .limiter import Limiter, LimiterOptions, LimiterStats
 from .mailboxes import MailboxDelivery, Mailboxes
 from .producer import Producer, ProducerOptions, ProducerStats
 from .routing import topic_partition
@@ -40,6 +41,9 @@ __all__ = [
     "HotKeysOptions",
     "HotKeysStats",
     "LeveeError",
+    "Limiter",
+    "LimiterOptions",
+    "LimiterStats",
     "MailboxDelivery",
     "Mailboxes",
     "MemberStream",
