@@ -260,6 +260,8 @@ class Runner:
             report_interval_s=report_interval_ms / 1000,
             reconnect_backoff_min_s=0.05,
             reconnect_backoff_max_s=0.5,
+            # The scenarios' servers are lone servers, each its own cluster: the list as given.
+            follow_cluster=False,
         )
         hot_keys: levee.HotKeys = levee.HotKeys.start(options)
         self.hot_keys[session] = hot_keys

@@ -44,6 +44,7 @@ class LeveeServer:
         self.process: Optional[subprocess.Popen] = None
         self.grpc_addr = ""
         self.admin_addr = ""
+        self.peer_addr = ""
 
     def start(self, grpc_addr: str = "127.0.0.1:0") -> "LeveeServer":
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -80,6 +81,7 @@ class LeveeServer:
                     if event.get("message") == "levee server ready":
                         self.grpc_addr = event["grpc_addr"]
                         self.admin_addr = event["admin_addr"]
+                        self.peer_addr = event.get("peer_addr", "")
                         ready.set()
 
         threading.Thread(target=read_logs, args=(self.process.stderr,), daemon=True).start()

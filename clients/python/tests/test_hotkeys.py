@@ -228,3 +228,42 @@ def test_given_full_server_queue_then_batches_that_do_not_fit_are_counted_as_uns
             assert message.report.keys[0].count == 2
 
     run(main())
+
+
+def test_given_a_three_node_cluster_then_app_servers_seeded_with_one_node_follow_every_member() -> None:
+    """Two app servers, each given a different node as its only seed, hold sessions with all
+    three nodes, and a key detected hot by whichever node owns it reaches both."""
+    from levee.v1 import hotkey_pb2
+    from support import LeveeServer
+
+    first = LeveeServer(extra=["--node-id", "1", "--peer-addr", "127.0.0.1:0"]).start()
+    nodes = [first]
+    try:
+        for node_id in ("2", "3"):
+            nodes.append(LeveeServer(extra=[
+                "--node-id", node_id, "--peer-addr", "127.0.0.1:0", "--join", first.peer_addr,
+            ]).start())
+        reporter: HotKeys = HotKeys.start(options([nodes[0].grpc_addr], app="cluster-shop"))
+        watcher: HotKeys = HotKeys.start(options([nodes[2].grpc_addr], app="cluster-shop"))
+
+        async def main() -> None:
+            async with await levee.Client.connect(nodes[1].grpc_addr) as client:
+                await client.set_hot_key_rules("cluster-shop", [hotkey_pb2.HotKeyRule(
+                    match_kind=hotkey_pb2.MATCH_KIND_PREFIX, key=b"sku-", window_ms=1_000,
+                    threshold=50, hot_duration_ms=5_000)])
+            await eventually(lambda: reporter.stats().servers_connected == 3
+                             and watcher.stats().servers_connected == 3, timeout_s=20)
+            keys = [f"sku-{number}".encode() for number in range(8)]
+            for key in keys:
+                reporter.record(key, 60)
+            reporter.flush()
+            await eventually(lambda: all(watcher.is_hot_now(key) for key in keys), timeout_s=10)
+
+        try:
+            run(main())
+        finally:
+            reporter.close()
+            watcher.close()
+    finally:
+        for node in nodes:
+            node.cleanup()

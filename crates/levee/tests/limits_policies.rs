@@ -214,11 +214,29 @@ fn given_failing_calls_then_the_servers_breaker_opens_for_every_client_probes_an
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(db.breaker(), BreakerStatus::Closed);
-        // Failures pass half of the window's calls: it opens, for the other client too.
-        for _ in 0..30 {
-            drop(call(&db).await);
+        // Failures pass half of the window's calls (20 of 40): it opens, for the other client
+        // too (failing calls stop once it is open: its leases are empty then).
+        let mut failures = 0;
+        let failing = Instant::now();
+        let mut failed_at = Instant::now();
+        while failures < 30 && db.breaker() != BreakerStatus::Open {
+            assert!(
+                failing.elapsed() < WAIT,
+                "{failures} failures and still closed"
+            );
+            if let Some(call) = db.try_call() {
+                drop(call);
+                failures += 1;
+                failed_at = Instant::now();
+            } else {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
         }
-        let failed_at = Instant::now();
+        assert!(
+            failures >= 20,
+            "opened after {failures} failures of 40 calls"
+        );
+
         until("the breaker open on both clients", || {
             db.breaker() == BreakerStatus::Open && other.breaker() == BreakerStatus::Open
         })

@@ -9,6 +9,11 @@ app server and pushes hot and cool events on it; a session that breaks is reopen
 exponential backoff, and a server's first message on a new session is a snapshot of the app's
 hot keys, which replaces what this client held from that server.
 
+With `follow_cluster` (the default) the servers are seeds: the client follows the cluster's
+members (`Cluster.WatchMembers`), holds a session with every member and routes over them, a
+leaving member's keys moving alone to the others (as the Rust client; a server without the
+Cluster service keeps the servers as given).
+
 Bounds: the buffer holds at most `buffer_keys_max` distinct keys (further keys are dropped and
 counted), each server's queue of report batches at most `batches_queued_per_server_max` (a
 batch that does not fit, or that a broken session loses, is counted in `keys_unsent` and
@@ -45,7 +50,7 @@ import grpc.aio
 
 from . import routing, validation
 from .errors import ErrorCode, make_error
-from .v1 import hotkey_pb2, hotkey_pb2_grpc
+from .v1 import cluster_pb2, cluster_pb2_grpc, hotkey_pb2, hotkey_pb2_grpc
 from .validation import BytesLike, to_bytes
 
 log = logging.getLogger("levee.hotkeys")
@@ -59,6 +64,8 @@ REPORT_KEY_OVERHEAD_BYTES = 1 + 3 + 1 + 5 + 1 + 3
 """Protobuf bytes around each key of a report, at most (levee-proto's constant)."""
 REPORT_BATCH_OVERHEAD_BYTES = 1 + 5
 REPORT_BATCH_BYTES_MIN = (64 << 10) + REPORT_KEY_OVERHEAD_BYTES + REPORT_BATCH_OVERHEAD_BYTES
+SERVERS_MAX = 64
+"""Most servers a client holds links to over its life (seeds and members seen)."""
 REPORT_COUNT_MAX = 2**32 - 1
 """A report's count is a uint32: larger buffered counts saturate."""
 
@@ -80,6 +87,10 @@ class HotKeysOptions:
     reconnect_backoff_min_s: float = 0.1
     reconnect_backoff_max_s: float = 5.0
     connect_timeout_s: float = 5.0
+    follow_cluster: bool = True
+    """Treat `servers` as seeds: follow the cluster's members (the `Cluster.WatchMembers`
+    stream), hold a session with every member and route keys over the members, following every
+    change (as the Rust client). False: exactly `servers`, as given."""
 
     def validate(self) -> None:
         def invalid(message: str) -> Exception:
@@ -158,6 +169,12 @@ class _Flight:
         self.error: Optional[BaseException] = None
 
 
+def _unusable(address: str) -> bool:
+    """An API address a client cannot use: empty, or unspecified (0.0.0.0, [::])."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return not address or host in ("0.0.0.0", "::")
+
+
 def batch_length(sizes: Sequence[int], keys_max: int, bytes_max: int) -> int:
     """How many of the keys (given by their sizes) go in one message: at most keys_max, and as
     many as fit bytes_max with their framing (at least one, so a round always moves)."""
@@ -176,6 +193,11 @@ class HotKeys(Generic[V]):
     def __init__(self, options: HotKeysOptions) -> None:
         options.validate()
         self.options = options
+        # Every server seen (seeds, then members as they join; at most SERVERS_MAX): a link
+        # runs while its server is active, one task each.
+        self._servers: List[str] = list(options.servers)
+        self._active: List[bool] = [True] * len(self._servers)
+        self._link_tasks: Dict[int, "asyncio.Task[None]"] = {}
         self._seeds = [routing.server_seed(address) for address in options.servers]
         self._lock = threading.Lock()
         self._buffer: Dict[bytes, int] = {}
@@ -360,7 +382,8 @@ class HotKeys(Generic[V]):
         return stats
 
     def server_of(self, key: BytesLike) -> int:
-        """The server (index into `servers`) that `key` is reported to while all are connected."""
+        """The server (index into the servers seen: the seeds, then members as they joined) that
+        `key` is reported to while all are connected."""
         return routing.rendezvous(routing.key_hash(to_bytes(key)), self._seeds) or 0
 
     def flush(self, timeout_s: float = 5.0) -> None:
@@ -404,9 +427,15 @@ class HotKeys(Generic[V]):
     async def _main(self) -> None:
         self._stopped = asyncio.Event()
         self._ready.set()
-        tasks = [asyncio.ensure_future(self._link(index)) for index in range(len(self._seeds))]
-        tasks.append(asyncio.ensure_future(self._reporter()))
+        for index in range(len(self._servers)):
+            self._link_tasks[index] = asyncio.ensure_future(self._link(index))
+        tasks = [asyncio.ensure_future(self._reporter())]
+        if self.options.follow_cluster:
+            tasks.append(asyncio.ensure_future(self._membership()))
         await self._stopped.wait()
+        for task in tasks:
+            task.cancel()
+        tasks.extend(self._link_tasks.values())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -484,7 +513,7 @@ class HotKeys(Generic[V]):
             except Exception as error:
                 log.warning(
                     "hot-key session to %s failed (%s); reconnecting in %.0f ms",
-                    self.options.servers[server],
+                    self._servers[server],
                     error,
                     backoff * 1000,
                 )
@@ -494,7 +523,7 @@ class HotKeys(Generic[V]):
             backoff = min(backoff * 2, self.options.reconnect_backoff_max_s)
 
     async def _session(self, server: int) -> None:
-        address = self.options.servers[server]
+        address = self._servers[server]
         target = address.split("://", 1)[1] if "://" in address else address
         channel = grpc.aio.insecure_channel(
             target, options=[("grpc.max_send_message_length", 64 << 20)]
@@ -535,6 +564,90 @@ class HotKeys(Generic[V]):
                 self._stats.keys_reported -= keys
                 self._stats.batches_unsent += 1
             await channel.close()
+
+    # ---- following the cluster's members
+
+    async def _membership(self) -> None:
+        """Asks a seed (or a member learnt since) for the members and makes every update the
+        set of servers; a stream that ends is opened again elsewhere, with backoff."""
+        backoff = self.options.reconnect_backoff_min_s
+        turn = 0
+        while True:
+            candidates = sorted(
+                {address for index, address in enumerate(self._servers) if self._active[index]}
+                | set(self.options.servers)
+            )
+            address = candidates[turn % len(candidates)]
+            turn += 1
+            opened = time.monotonic()
+            try:
+                if not await self._watch_members(address):
+                    return
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("server %s does not list members; not following", address)
+                    return
+                log.debug("member stream from %s ended: %s", address, error)
+            except Exception as error:
+                log.debug("member stream from %s ended: %s", address, error)
+            if time.monotonic() - opened > self.options.reconnect_backoff_max_s:
+                backoff = self.options.reconnect_backoff_min_s
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.options.reconnect_backoff_max_s)
+
+    async def _watch_members(self, address: str) -> bool:
+        """One `WatchMembers` stream; False when the cluster cannot be followed."""
+        target = address.split("://", 1)[1] if "://" in address else address
+        channel = grpc.aio.insecure_channel(target)
+        try:
+            await asyncio.wait_for(channel.channel_ready(), self.options.connect_timeout_s)
+            updates = cluster_pb2_grpc.ClusterStub(channel).WatchMembers(
+                cluster_pb2.WatchMembersRequest()
+            )
+            async for update in updates:
+                members = [member.grpc_addr for member in update.members]
+                unusable = next((member for member in members if _unusable(member)), None)
+                if unusable is not None:
+                    log.warning(
+                        "member address %r is not one clients can reach; not following the "
+                        "cluster (bind --grpc-addr to a reachable address, or set "
+                        "follow_cluster False)", unusable,
+                    )
+                    return False
+                if members:
+                    self._follow_members(members)
+            return True
+        finally:
+            await channel.close()
+
+    def _follow_members(self, members: Sequence[str]) -> None:
+        """Makes `members` the servers: links of servers that left stop, new ones start."""
+        for index, address in enumerate(self._servers):
+            if self._active[index] and address not in members:
+                log.info("hot-key server %s left the cluster", address)
+                self._active[index] = False
+                task = self._link_tasks.pop(index, None)
+                if task is not None:
+                    task.cancel()
+        for member in members:
+            if member in self._servers:
+                index = self._servers.index(member)
+                if self._active[index]:
+                    continue
+                self._active[index] = True
+            elif len(self._servers) < SERVERS_MAX:
+                log.info("hot-key server %s joined the cluster", member)
+                self._servers.append(member)
+                self._active.append(True)
+                self._seeds.append(routing.server_seed(member))
+                self._queues.append(None)
+                index = len(self._servers) - 1
+            else:
+                log.warning("more than %d servers seen; not following %s", SERVERS_MAX, member)
+                continue
+            self._link_tasks[index] = asyncio.ensure_future(self._link(index))
 
     async def _write_reports(self, stream: Any, queue: "asyncio.Queue[Any]") -> None:
         while True:

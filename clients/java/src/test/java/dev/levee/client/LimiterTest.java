@@ -134,7 +134,8 @@ class LimiterTest {
             awaitLease(limiter, "java-db");
             int failed = 0;
             long deadline = System.nanoTime() + Duration.ofSeconds(5).toNanos();
-            while (failed < 10 && System.nanoTime() < deadline) {
+            // Five failures trip it (more may find the leases empty once it opens).
+            while (failed < 5 && System.nanoTime() < deadline) {
                 try (Limiter.Call call = limiter.tryCall("java-db")) {
                     if (call != null) {
                         failed++; // closed unreported: a failure
@@ -142,7 +143,7 @@ class LimiterTest {
                 }
                 Thread.sleep(5);
             }
-            assertEquals(10, failed);
+            assertEquals(5, failed);
             long open = System.nanoTime() + Duration.ofSeconds(2).toNanos();
             while (limiter.breaker("java-db") != BreakerStatus.BREAKER_STATUS_OPEN) {
                 assertTrue(System.nanoTime() < open, "the breaker did not open");
