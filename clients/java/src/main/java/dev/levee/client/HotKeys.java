@@ -11,6 +11,7 @@ import dev.levee.v1.ReportBatch;
 import io.grpc.ManagedChannel;
 import io.grpc.stub.ClientCallStreamObserver;
 import io.grpc.stub.ClientResponseObserver;
+import io.grpc.stub.StreamObserver;
 import java.nio.charset.StandardCharsets;
 import java.util.ArrayList;
 import java.util.HashSet;
@@ -60,8 +61,12 @@ public final class HotKeys<V> implements AutoCloseable {
     private static final long RETIRED = Long.MIN_VALUE / 2;
 
     private final HotKeysOptions options;
-    private final long[] seeds;
-    private final List<Link> links = new ArrayList<>();
+    /** Most servers a client holds links to over its life (seeds and members seen). */
+    static final int SERVERS_MAX = 64;
+
+    /** Every server seen (seeds, then members as they join); a link runs while active. */
+    private volatile long[] seeds;
+    private final List<Link> links = new java.util.concurrent.CopyOnWriteArrayList<>();
     private final ConcurrentHashMap<ByteKey, AtomicLong> buffer = new ConcurrentHashMap<>();
     private final AtomicInteger bufferKeys = new AtomicInteger();
     private final ConcurrentHashMap<ByteKey, LocalHot<V>> hot = new ConcurrentHashMap<>();
@@ -124,7 +129,120 @@ public final class HotKeys<V> implements AutoCloseable {
         }
         long interval = options.reportInterval.toNanos();
         hotKeys.background.scheduleAtFixedRate(hotKeys::reportRound, interval, interval, TimeUnit.NANOSECONDS);
+        if (options.followCluster) {
+            hotKeys.background.execute(() -> hotKeys.watchMembers(0, options.reconnectBackoffMin.toNanos()));
+        }
         return hotKeys;
+    }
+
+    // ---- following the cluster's members (on the background thread)
+
+    /**
+     * Opens a {@code WatchMembers} stream on a seed or a member learnt since (the
+     * {@code turn}-th), each update becoming the set of servers; a stream that ends is opened
+     * again elsewhere after {@code backoffNanos}, doubling.
+     */
+    private void watchMembers(int turn, long backoffNanos) {
+        if (closed) {
+            return;
+        }
+        java.util.TreeSet<String> candidates = new java.util.TreeSet<>(options.servers);
+        for (Link link : links) {
+            if (link.active) {
+                candidates.add(link.address);
+            }
+        }
+        String address = new ArrayList<>(candidates).get(turn % candidates.size());
+        ManagedChannel channel = Channels.open(address);
+        long opened = System.nanoTime();
+        dev.levee.v1.ClusterGrpc.newStub(channel).watchMembers(
+                dev.levee.v1.WatchMembersRequest.getDefaultInstance(), new StreamObserver<>() {
+                    private volatile boolean following = true;
+
+                    @Override
+                    public void onNext(dev.levee.v1.WatchMembersResponse update) {
+                        List<String> members = new ArrayList<>();
+                        for (dev.levee.v1.Member member : update.getMembersList()) {
+                            members.add(member.getGrpcAddr());
+                        }
+                        for (String member : members) {
+                            String host = member.contains(":") ? member.substring(0, member.lastIndexOf(':')) : member;
+                            if (member.isEmpty() || host.equals("0.0.0.0") || host.equals("[::]")) {
+                                LOG.warning("member address " + member + " is not one clients can reach; not following"
+                                        + " the cluster (bind --grpc-addr to a reachable address, or followCluster(false))");
+                                following = false;
+                                channel.shutdownNow();
+                                return;
+                            }
+                        }
+                        if (following && !members.isEmpty()) {
+                            background.execute(() -> followMembers(members));
+                        }
+                    }
+
+                    @Override
+                    public void onError(Throwable error) {
+                        channel.shutdownNow();
+                        if (!following || io.grpc.Status.fromThrowable(error).getCode() == io.grpc.Status.Code.UNIMPLEMENTED) {
+                            return; // a fixed set of servers, as given
+                        }
+                        again();
+                    }
+
+                    @Override
+                    public void onCompleted() {
+                        channel.shutdownNow();
+                        again();
+                    }
+
+                    private void again() {
+                        long next = System.nanoTime() - opened > options.reconnectBackoffMax.toNanos()
+                                ? options.reconnectBackoffMin.toNanos() : backoffNanos;
+                        try {
+                            background.schedule(() -> watchMembers(turn + 1,
+                                    Math.min(next * 2, options.reconnectBackoffMax.toNanos())), next, TimeUnit.NANOSECONDS);
+                        } catch (RuntimeException rejected) {
+                            // shutting down
+                        }
+                    }
+                });
+    }
+
+    /** Makes {@code members} the servers: links of servers that left stop, new ones start. */
+    private void followMembers(List<String> members) {
+        if (closed) {
+            return;
+        }
+        for (Link link : links) {
+            if (link.active && !members.contains(link.address)) {
+                LOG.info("hot-key server " + link.address + " left the cluster");
+                link.retire();
+            }
+        }
+        for (String member : members) {
+            Link known = null;
+            for (Link link : links) {
+                if (link.address.equals(member)) {
+                    known = link;
+                }
+            }
+            if (known != null) {
+                if (!known.active) {
+                    known.active = true;
+                    known.open();
+                }
+            } else if (links.size() < SERVERS_MAX) {
+                LOG.info("hot-key server " + member + " joined the cluster");
+                long[] grown = java.util.Arrays.copyOf(seeds, seeds.length + 1);
+                grown[seeds.length] = Routing.serverSeed(member);
+                Link link = new Link(links.size(), member);
+                links.add(link);
+                seeds = grown;
+                link.open();
+            } else {
+                LOG.warning("more than " + SERVERS_MAX + " servers seen; not following " + member);
+            }
+        }
     }
 
     // ---- the application's side: local, never blocking on the network, never throwing
@@ -501,6 +619,8 @@ public final class HotKeys<V> implements AutoCloseable {
         private final ManagedChannel channel;
         private final ArrayBlockingQueue<Batch> queue = new ArrayBlockingQueue<>(options.batchesQueuedPerServerMax);
         private volatile Session session;
+        /** False once the server left the cluster: no session, no reconnect, no reports. */
+        volatile boolean active = true;
         private long backoffNanos = options.reconnectBackoffMin.toNanos();
 
         Link(int index, String address) {
@@ -511,11 +631,20 @@ public final class HotKeys<V> implements AutoCloseable {
 
         boolean connected() {
             Session current = session;
-            return current != null && current.accepted;
+            return active && current != null && current.accepted;
+        }
+
+        /** The server left the cluster: its session ends and is not reopened. */
+        void retire() {
+            active = false;
+            Session current = session;
+            if (current != null) {
+                current.cancel();
+            }
         }
 
         void open() {
-            if (closed) {
+            if (closed || !active) {
                 return;
             }
             Session fresh = new Session(this);
@@ -553,7 +682,7 @@ public final class HotKeys<V> implements AutoCloseable {
                 keysReported.addAndGet(-batch.keys);
                 batchesUnsent.incrementAndGet();
             }
-            if (closed) {
+            if (closed || !active) {
                 return;
             }
             if (wasAccepted) {

@@ -24,6 +24,7 @@ public final class HotKeysOptions {
     int batchesQueuedPerServerMax = 64;
     Duration reconnectBackoffMin = Duration.ofMillis(100);
     Duration reconnectBackoffMax = Duration.ofSeconds(5);
+    boolean followCluster = true;
 
     /** Options for {@code app} (1 to 128 of [A-Za-z0-9._-]) over the servers' gRPC addresses. */
     public HotKeysOptions(String app, List<String> servers) {
@@ -64,6 +65,17 @@ public final class HotKeysOptions {
     /** Report batches waiting per server (default 64); a batch that does not fit is counted unsent. */
     public HotKeysOptions batchesQueuedPerServerMax(int value) {
         batchesQueuedPerServerMax = value;
+        return this;
+    }
+
+    /**
+     * Whether the servers are seeds of a cluster (default true): the client follows the
+     * cluster's members ({@code Cluster.WatchMembers}), holds a session with every member and
+     * routes keys over them, following every change, as the Rust client. False: exactly the
+     * servers given (independent lone servers).
+     */
+    public HotKeysOptions followCluster(boolean value) {
+        followCluster = value;
         return this;
     }
 

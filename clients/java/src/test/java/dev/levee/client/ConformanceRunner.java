@@ -518,7 +518,9 @@ final class ConformanceRunner {
                 for (Object index : indexes) {
                     addresses.add(servers.get(((Number) index).intValue()).grpcAddr);
                 }
+                // The scenarios' servers are lone servers, each its own cluster: the list as given.
                 HotKeys<Object> session = HotKeys.start(new HotKeysOptions(a.string("app"), addresses)
+                        .followCluster(false)
                         .reportInterval(Duration.ofMillis(a.number("report_interval_ms", 20)))
                         .reconnectBackoff(Duration.ofMillis(50), Duration.ofMillis(500)));
                 String name = a.string("session");

@@ -26,6 +26,7 @@ final class LeveeServer implements AutoCloseable {
     private final List<String> extra;
     private Process process;
     String grpcAddr = "";
+    String peerAddr = "";
 
     LeveeServer(List<String> extra) throws IOException {
         this.directory = Files.createTempDirectory("levee-java-");
@@ -88,6 +89,7 @@ final class LeveeServer implements AutoCloseable {
                     JsonNode info = new ObjectMapper().readTree(Files.readString(ready));
                     if (info != null && info.hasNonNull("grpc_addr")) {
                         grpcAddr = info.get("grpc_addr").asText();
+                        peerAddr = info.hasNonNull("peer_addr") ? info.get("peer_addr").asText() : "";
                         return;
                     }
                 } catch (IOException partial) {
