@@ -118,3 +118,29 @@ def test_given_failing_calls_then_the_rules_breaker_opens(server, unique) -> Non
         while limiter.breaker(resource) != BREAKER_OPEN:
             assert time.monotonic() < deadline, "the breaker did not open"
             time.sleep(0.01)
+
+
+def test_given_a_share_then_the_burst_passes_exactly_and_recovers_exactly() -> None:
+    """GCRA in whole nanoseconds: 400 a second among 4 clients is 100 a second here, a burst of
+    10; at any clock value the burst passes whole and a recovered key answers as a fresh one."""
+    from levee.limiter import _KeyShares
+
+    limits = limits_pb2.KeyLimits(version=1, period_ms=1000, clients=4,
+                                  keys=[limits_pb2.KeyLimit(key=b"k", permits=400)])
+    for now in (0, 123_456_789_012_345, 987_654_321_987_654_321):
+        shares = _KeyShares(limits)
+        assert sum(shares.try_acquire(b"k", 1, now) for _ in range(20)) == 10
+        # 10 ms a permit: a second later it has fully recovered.
+        assert sum(shares.try_acquire(b"k", 1, now + 1_000_000_000) for _ in range(20)) == 10
+    slow = limits_pb2.KeyLimits(version=1, period_ms=1000, clients=1,
+                                keys=[limits_pb2.KeyLimit(key=b"k", permits=3)])
+    shares = _KeyShares(slow)
+    admitted = sum(shares.try_acquire(b"k", 1, 10**17 + step * 334_000_000) for step in range(30))
+    assert admitted == 30, "one every 334 ms under 3 a second: every one passes"
+
+
+def test_given_negative_permits_then_nothing_is_taken_or_added() -> None:
+    limiter = Limiter(LimiterOptions(servers=["127.0.0.1:1"], fallback_permits=5))
+    assert not limiter.try_acquire("r", -5)
+    assert not limiter.try_acquire_key("r", b"k", -5)
+    assert sum(limiter.try_acquire("r") for _ in range(10)) == 5, "the fallback is intact"

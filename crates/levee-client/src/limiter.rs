@@ -593,7 +593,19 @@ async fn session(inner: &Arc<Inner>, seed: &str) -> Result<(), ClientError> {
         if requests.send(inner.request()).await.is_err() {
             return Ok(());
         }
-        let Some(answer) = answers.message().await? else {
+        // A leader whose host vanished without closing the connection answers nothing: give
+        // up on it after the connect timeout and a period, and fall back meanwhile.
+        let waited = inner.options.connect_timeout + inner.options.lease_interval;
+        let Ok(answer) = tokio::time::timeout(waited, answers.message()).await else {
+            return Err(ClientError::Server(levee_proto::WireError::new(
+                levee_proto::v1::ErrorCode::Unavailable,
+                format!(
+                    "no lease answer from {leader} within {} ms",
+                    waited.as_millis()
+                ),
+            )));
+        };
+        let Some(answer) = answer? else {
             return Ok(());
         };
         inner.apply(&answer, sent);

@@ -487,6 +487,8 @@ struct MetadataGroup {
     raft: Raft,
     machine: MetaStateMachine,
     writer: MetaWriter,
+    /// This start created the cluster (a first node's first start): it fixes the shards.
+    created: bool,
     manager: Manager,
     /// Set when the leader removed this node.
     left: watch::Receiver<Option<LeaveNotice>>,
@@ -632,7 +634,8 @@ async fn open_metadata(
                 ),
         )
     });
-    let joined = join_or_initialize(&raft, (config, dialer), cluster, me)
+    let mut created = false;
+    let joined = join_or_initialize(&raft, (config, dialer), (cluster, &mut created), me)
         .await
         .map_err(failed)?;
     raft.wait(Some(LEAD_WAIT_MAX))
@@ -666,6 +669,7 @@ async fn open_metadata(
         raft,
         machine: machine.clone(),
         writer: writer.clone(),
+        created,
         manager,
         left: left_notice,
         peer_task,
@@ -676,11 +680,12 @@ async fn open_metadata(
 }
 
 /// On a node's first start, joins the cluster `--join` names or, without it, initialises a
-/// group of one with this node as its only voter. The cluster's id when the node joined.
+/// group of one with this node as its only voter (setting `created`). The cluster's id when the
+/// node joined.
 async fn join_or_initialize(
     raft: &Raft,
     (config, dialer): (&Config, PeerDialer),
-    cluster: &crate::data_dir::ClusterIdentity,
+    (cluster, created): (&crate::data_dir::ClusterIdentity, &mut bool),
     me: NodeInfo,
 ) -> Result<Option<Joined>, String> {
     let node_id = cluster.node_id;
@@ -720,6 +725,7 @@ async fn join_or_initialize(
     raft.initialize(BTreeMap::from([(node_id, me)]))
         .await
         .map_err(|error| error.to_string())?;
+    *created = true;
     Ok(None)
 }
 
@@ -752,30 +758,38 @@ async fn import_rules_file(
         .map_err(|error| format!("removing {} once imported: {error}", path.display()))
 }
 
-/// Fixes the cluster's shards to `shards` if no node did yet (the first node of a cluster),
-/// retrying every second while there is no quorum; on a node of a cluster whose shards differ
-/// from its own setting, says so once (the cluster's stand).
+/// On the start that created the cluster, fixes its shards to `shards` (retrying every second
+/// until written); on a node of a cluster whose shards differ from its own setting, says so
+/// once (the cluster's stand). Only the creating node writes, so the number is always the
+/// first node's, and a cluster of an older version (never created by this one) is never
+/// written to by a node its other members could not follow.
 fn init_shards(
     raft: &MetadataGroup,
     shards: u32,
     mut stop: watch::Receiver<bool>,
 ) -> impl std::future::Future<Output = ()> + use<> {
-    let (machine, writer) = (raft.machine.clone(), raft.writer.clone());
+    let (machine, writer, created) = (raft.machine.clone(), raft.writer.clone(), raft.created);
     async move {
         loop {
-            if let Some(fixed) = machine.shards() {
-                if fixed != shards {
-                    tracing::warn!(
-                        cluster_shards = fixed,
-                        setting = shards,
-                        "the cluster's shards were fixed when it was created; this node's `shards` \
-                     setting is ignored"
-                    );
+            match machine.shards() {
+                Some(fixed) => {
+                    if fixed != shards {
+                        tracing::warn!(
+                            cluster_shards = fixed,
+                            setting = shards,
+                            "the cluster's shards were fixed when it was created; this node's \
+                             `shards` setting is ignored"
+                        );
+                    }
+                    return;
                 }
-                return;
-            }
-            if let Err(error) = writer.write(MetaCommand::InitShards { shards }).await {
-                tracing::debug!(%error, "fixing the cluster's shards; retrying");
+                None if created => {
+                    if let Err(error) = writer.write(MetaCommand::InitShards { shards }).await {
+                        tracing::debug!(%error, "fixing the cluster's shards; retrying");
+                    }
+                }
+                // Not replicated here yet, or a cluster created by an older version: wait.
+                None => {}
             }
             tokio::select! {
                 () = tokio::time::sleep(Duration::from_secs(1)) => {}

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import threading
 import time
+from itertools import islice
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -42,7 +43,9 @@ RESOURCES_MAX = 1_000
 KEYS_TRACKED_MAX = 100_000
 """Keys one resource's per-key table holds at once."""
 ACQUIRE_POLL_S = 0.005
-DAY_S = 86_400.0
+DAY_NS = 86_400 * 1_000_000_000
+EVICTION_SAMPLES = 32
+"""Keys looked at for a recovered one when a per-key table is full."""
 
 BREAKER_UNSPECIFIED = limits_pb2.BREAKER_STATUS_UNSPECIFIED
 BREAKER_CLOSED = limits_pb2.BREAKER_STATUS_CLOSED
@@ -106,30 +109,32 @@ class _Slot:
 
 class _KeyShares:
     """A key's share of a per-key limit: N per period among k clients is N per k periods for
-    this client, a burst of N / 10k (at least 1); GCRA per key, at most KEYS_TRACKED_MAX keys."""
+    this client, a burst of N / 10k (at least 1); GCRA per key in whole nanoseconds (as the
+    Rust engine), at most KEYS_TRACKED_MAX keys."""
 
     def __init__(self, limits: "limits_pb2.KeyLimits") -> None:
         self.version = limits.version
         self.clients = max(1, limits.clients)
-        self.period_s = max(1, limits.period_ms) / 1000.0
+        self.period_ns = max(1, limits.period_ms) * 1_000_000
         self.default = self._rule(limits.default_permits) if limits.default_permits else None
         self.limit_all = limits.default_permits > 0
         self.listed = {bytes(limit.key): self._rule(limit.permits) for limit in limits.keys}
-        self.tat: Dict[bytes, float] = {}
+        self.tat: Dict[bytes, int] = {}
 
-    def _rule(self, permits: int) -> Optional[Tuple[float, int]]:
-        """(seconds per permit, burst) of this client's share; None when it rounds to nothing."""
-        share_period_s = self.period_s * self.clients
+    def _rule(self, permits: int) -> Optional[Tuple[int, int]]:
+        """(nanoseconds per permit, burst) of this client's share; None when it rounds to
+        nothing."""
+        share_period_ns = self.period_ns * self.clients
         share = permits
-        if share_period_s > DAY_S:
-            share = int(permits * DAY_S / share_period_s)
-            share_period_s = DAY_S
+        if share_period_ns > DAY_NS:
+            share = permits * DAY_NS // share_period_ns
+            share_period_ns = DAY_NS
         if share <= 0:
             return None
         burst = min(max(1, permits // (self.clients * 10)), share)
-        return (share_period_s / share, burst)
+        return (-(-share_period_ns // share), burst)
 
-    def try_acquire(self, key: bytes, permits: int, now: float) -> bool:
+    def try_acquire(self, key: bytes, permits: int, now_ns: int) -> bool:
         if key in self.listed:
             rule = self.listed[key]
         elif self.limit_all:
@@ -139,17 +144,20 @@ class _KeyShares:
         if rule is None:
             return False
         interval, burst = rule
+        if permits > burst:
+            return False
         tat = self.tat.get(key)
         if tat is None and len(self.tat) >= KEYS_TRACKED_MAX:
-            # Drop keys that have fully recovered (they answer as fresh ones); else refuse.
-            for known in [known for known, at in self.tat.items() if at <= now][:64]:
+            # Drop recovered keys among a few (they answer as fresh ones); else refuse.
+            for known in [known for known, at in islice(self.tat.items(), EVICTION_SAMPLES)
+                          if at <= now_ns]:
                 del self.tat[known]
             if len(self.tat) >= KEYS_TRACKED_MAX:
                 return False
-        tat = max(tat or now, now)
-        # GCRA: admitted while the theoretical arrival time stays within the burst's tolerance.
-        new_tat = tat + interval * permits
-        if new_tat - now > interval * burst:
+        start = now_ns if tat is None or tat < now_ns else tat
+        # GCRA: admitted while the theoretical arrival time stays within the burst.
+        new_tat = start + interval * permits
+        if new_tat - now_ns > interval * burst:
             return False
         self.tat[key] = new_tat
         return True
@@ -235,19 +243,24 @@ class Limiter:
 
     def try_acquire(self, resource: str, permits: int = 1) -> bool:
         """Takes `permits` of `resource` if the lease (or the fallback) has them. Never blocks;
-        a resource first asked for here is leased from the next period on."""
+        a resource first asked for here is leased from the next period on. Negative permits are
+        refused (counted nowhere)."""
+        if permits < 0:
+            return False
         with self._lock:
             return self._decide(self._resource(resource), permits, time.monotonic())
 
     def try_acquire_key(self, resource: str, key: BytesLike, permits: int = 1) -> bool:
         """Takes `permits` of `key`: its share of the rule's per-key limits, then the lease. A
         key refused by its limit is counted refused and not as demand."""
+        if permits < 0:
+            return False
         key = to_bytes(key)
         with self._lock:
             now = time.monotonic()
             state = self._resource(resource)
             if state is not None and state.keys is not None:
-                if not state.keys.try_acquire(key, permits, now):
+                if not state.keys.try_acquire(key, permits, time.monotonic_ns()):
                     self._stats.refused += permits
                     self._stats.key_refused += permits
                     return False
@@ -256,6 +269,8 @@ class Limiter:
     def acquire(self, resource: str, permits: int = 1, timeout_s: float = 1.0) -> bool:
         """Takes `permits`, waiting up to `timeout_s` for a later lease (blocking); the demand
         is counted again for each lease period it waits."""
+        if permits < 0:
+            return False
         if self.try_acquire(resource, permits):
             return True
         deadline = time.monotonic() + timeout_s
@@ -385,7 +400,9 @@ class Limiter:
 
     async def _session(self, seed: str) -> None:
         leader = await self._leader(seed)
-        channel = grpc.aio.insecure_channel(leader)
+        channel = grpc.aio.insecure_channel(
+            leader, options=[("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
+        )
         try:
             stream = limits_pb2_grpc.LimitsStub(channel).Leases()
             with self._lock:
@@ -394,7 +411,9 @@ class Limiter:
             while True:
                 sent = time.monotonic()
                 await stream.write(self._request())
-                answer = await stream.read()
+                answer = await asyncio.wait_for(
+                    stream.read(), self.options.connect_timeout_s + interval
+                )
                 if answer is grpc.aio.EOF:
                     return
                 ends_in = self._apply(answer, sent)

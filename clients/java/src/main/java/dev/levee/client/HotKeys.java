@@ -66,6 +66,8 @@ public final class HotKeys<V> implements AutoCloseable {
 
     /** Every server seen (seeds, then members as they join); a link runs while active. */
     private volatile long[] seeds;
+    /** The channel of the current members stream (closed with the client). */
+    private volatile ManagedChannel membersChannel;
     private final List<Link> links = new java.util.concurrent.CopyOnWriteArrayList<>();
     private final ConcurrentHashMap<ByteKey, AtomicLong> buffer = new ConcurrentHashMap<>();
     private final AtomicInteger bufferKeys = new AtomicInteger();
@@ -153,7 +155,22 @@ public final class HotKeys<V> implements AutoCloseable {
             }
         }
         String address = new ArrayList<>(candidates).get(turn % candidates.size());
-        ManagedChannel channel = Channels.open(address);
+        ManagedChannel channel;
+        try {
+            channel = Channels.open(address);
+        } catch (RuntimeException unusable) {
+            LOG.warning("cannot open a members stream to " + address + " (" + unusable + "); not following the cluster");
+            return;
+        }
+        ManagedChannel previous = membersChannel;
+        membersChannel = channel;
+        if (previous != null) {
+            previous.shutdownNow();
+        }
+        if (closed) {
+            channel.shutdownNow();
+            return;
+        }
         long opened = System.nanoTime();
         dev.levee.v1.ClusterGrpc.newStub(channel).watchMembers(
                 dev.levee.v1.WatchMembersRequest.getDefaultInstance(), new StreamObserver<>() {
@@ -210,6 +227,14 @@ public final class HotKeys<V> implements AutoCloseable {
 
     /** Makes {@code members} the servers: links of servers that left stop, new ones start. */
     private void followMembers(List<String> members) {
+        try {
+            followMembersNow(members);
+        } catch (RuntimeException failed) {
+            LOG.log(Level.WARNING, "following the cluster's members " + members + " failed", failed);
+        }
+    }
+
+    private void followMembersNow(List<String> members) {
         if (closed) {
             return;
         }
@@ -233,9 +258,15 @@ public final class HotKeys<V> implements AutoCloseable {
                 }
             } else if (links.size() < SERVERS_MAX) {
                 LOG.info("hot-key server " + member + " joined the cluster");
+                Link link;
+                try {
+                    link = new Link(links.size(), member);
+                } catch (RuntimeException unusable) {
+                    LOG.warning("cannot follow hot-key server " + member + ": " + unusable);
+                    continue;
+                }
                 long[] grown = java.util.Arrays.copyOf(seeds, seeds.length + 1);
                 grown[seeds.length] = Routing.serverSeed(member);
-                Link link = new Link(links.size(), member);
                 links.add(link);
                 seeds = grown;
                 link.open();
@@ -482,6 +513,10 @@ public final class HotKeys<V> implements AutoCloseable {
         }
         flush();
         closed = true;
+        ManagedChannel members = membersChannel;
+        if (members != null) {
+            members.shutdownNow();
+        }
         background.shutdownNow();
         for (Link link : links) {
             link.shutdown();
@@ -622,6 +657,8 @@ public final class HotKeys<V> implements AutoCloseable {
         /** False once the server left the cluster: no session, no reconnect, no reports. */
         volatile boolean active = true;
         private long backoffNanos = options.reconnectBackoffMin.toNanos();
+        /** The scheduled reopening after a session ended, if any. */
+        private volatile java.util.concurrent.ScheduledFuture<?> reconnect;
 
         Link(int index, String address) {
             this.index = index;
@@ -637,6 +674,10 @@ public final class HotKeys<V> implements AutoCloseable {
         /** The server left the cluster: its session ends and is not reopened. */
         void retire() {
             active = false;
+            java.util.concurrent.ScheduledFuture<?> pending = reconnect;
+            if (pending != null) {
+                pending.cancel(false);
+            }
             Session current = session;
             if (current != null) {
                 current.cancel();
@@ -647,8 +688,16 @@ public final class HotKeys<V> implements AutoCloseable {
             if (closed || !active) {
                 return;
             }
+            java.util.concurrent.ScheduledFuture<?> pending = reconnect;
+            if (pending != null) {
+                pending.cancel(false);
+            }
+            Session previous = session;
             Session fresh = new Session(this);
             session = fresh;
+            if (previous != null) {
+                previous.cancel(); // at most one live session per link (a no-op once it ended)
+            }
             try {
                 HotKeysGrpc.newStub(channel).session(fresh);
                 fresh.send(HotKeyClientMessage.newBuilder().setHello(dev.levee.v1.Hello.newBuilder().setApp(options.app)
@@ -693,7 +742,7 @@ public final class HotKeys<V> implements AutoCloseable {
             backoffNanos = Math.min(backoffNanos * 2, options.reconnectBackoffMax.toNanos());
             channel.resetConnectBackoff();
             try {
-                background.schedule(this::open, delay, TimeUnit.NANOSECONDS);
+                reconnect = background.schedule(this::open, delay, TimeUnit.NANOSECONDS);
             } catch (RuntimeException rejected) {
                 // shutting down
             }

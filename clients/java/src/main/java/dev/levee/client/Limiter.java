@@ -113,21 +113,25 @@ public final class Limiter implements AutoCloseable {
             if (rule == null) {
                 return false;
             }
+            if (permits > rule[1]) {
+                return false;
+            }
             Long known = tat.get(key);
             if (known == null && tat.size() >= KEYS_TRACKED_MAX) {
-                // Recovered keys answer as fresh ones would: drop some; else refuse the new key.
-                int dropped = 0;
-                for (Iterator<Map.Entry<ByteKey, Long>> it = tat.entrySet().iterator(); it.hasNext() && dropped < 64;) {
-                    if (it.next().getValue() <= now) {
+                // Recovered keys answer as fresh ones would: drop those among a few; else
+                // refuse the new key.
+                int looked = 0;
+                for (Iterator<Map.Entry<ByteKey, Long>> it = tat.entrySet().iterator(); it.hasNext() && looked < 32;) {
+                    looked++;
+                    if (it.next().getValue() - now <= 0) {
                         it.remove();
-                        dropped++;
                     }
                 }
                 if (tat.size() >= KEYS_TRACKED_MAX) {
                     return false;
                 }
             }
-            long from = known == null ? now : Math.max(known, now);
+            long from = known == null || known - now < 0 ? now : known;
             long next = from + rule[0] * permits;
             if (next - now > rule[0] * rule[1]) {
                 return false;
@@ -228,6 +232,9 @@ public final class Limiter implements AutoCloseable {
 
     /** Takes {@code permits} of {@code resource} if the lease (or the fallback) has them. */
     public synchronized boolean tryAcquire(String resource, long permits) {
+        if (permits < 0) {
+            return false; // refused, counted nowhere
+        }
         return decide(resource(resource), permits, System.nanoTime());
     }
 
@@ -241,6 +248,9 @@ public final class Limiter implements AutoCloseable {
      * lease. A key refused by its limit is counted refused and not as demand.
      */
     public synchronized boolean tryAcquireKey(String resource, byte[] key, long permits) {
+        if (permits < 0) {
+            return false; // refused, counted nowhere
+        }
         long now = System.nanoTime();
         Resource state = resource(resource);
         if (state != null && state.keys != null && !state.keys.tryAcquire(new ByteKey(key), permits, now)) {
@@ -256,6 +266,9 @@ public final class Limiter implements AutoCloseable {
      * demand is counted again for each lease period it waits.
      */
     public boolean acquire(String resource, long permits, Duration timeout) throws InterruptedException {
+        if (permits < 0) {
+            return false;
+        }
         if (tryAcquire(resource, permits)) {
             return true;
         }

@@ -78,6 +78,16 @@ class LimiterTest {
     }
 
     @Test
+    void given_negative_permits_when_asked_should_refuse_and_count_nothing() throws Exception {
+        try (Limiter limiter = Limiter.start(LimiterOptions.of(List.of("127.0.0.1:1")).withFallbackPermits(5))) {
+            assertTrue(!limiter.tryAcquire("r", -5));
+            assertTrue(!limiter.tryAcquireKey("r", new byte[] {1}, -5));
+            assertTrue(!limiter.acquire("r", -5, Duration.ofMillis(10)));
+            assertEquals(0, limiter.stats().admitted() + limiter.stats().refused());
+        }
+    }
+
+    @Test
     void given_two_limiters_of_uneven_demand_when_they_run_should_share_the_budget_and_never_pass_it() throws Exception {
         setRule(LimitRule.newBuilder().setResource("java-pay").setPermits(1_000).setPeriodMs(1_000).build());
         try (Limiter greedy = Limiter.start(LimiterOptions.of(List.of(server.grpcAddr)));
