@@ -298,6 +298,13 @@ class Runner:
     async def op_await_cool(self, session: str, key: Any, within_ms: int) -> Dict[str, Any]:
         hot_keys, key_bytes = self.hot_keys[session], to_bytes(key)
         cooled = await self._until(lambda: not hot_keys.is_hot_now(key_bytes), within_ms)
+        if cooled:
+            # The hot set turns cool a moment before the change callbacks run: wait for this
+            # cool change too, as the app would see it (bounded).
+            wanted = from_bytes(key_bytes)
+            await self._until(lambda: any(
+                change["key"] == wanted and not change["hot"] for change in self.changes[session]
+            ), 1_000)
         return {"hot": not cooled}
 
     async def op_await_connected(self, session: str, servers: int, within_ms: int) -> Dict[str, Any]:

@@ -542,7 +542,20 @@ impl Runner {
             }
             "await_cool" => {
                 let key = key()?;
-                json!({"hot": !until(|| !session.is_hot_now(&key), within).await})
+                let cooled = until(|| !session.is_hot_now(&key), within).await;
+                if cooled {
+                    // The hot set turns cool a moment before the change callbacks run: wait
+                    // for this cool change too, as the app would see it (bounded).
+                    let changes = Arc::clone(&self.changes[text(args, "session")?]);
+                    let wanted = from_bytes(&key);
+                    let seen = || {
+                        lock(&changes)
+                            .iter()
+                            .any(|change| change["key"] == wanted && change["hot"] == false)
+                    };
+                    until(seen, Duration::from_secs(1)).await;
+                }
+                json!({ "hot": !cooled })
             }
             "await_connected" => {
                 let servers = number(args, "servers", 1);

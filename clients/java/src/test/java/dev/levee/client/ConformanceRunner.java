@@ -558,7 +558,16 @@ final class ConformanceRunner {
             case "await_cool": {
                 HotKeys<Object> session = hotKeys.get(a.string("session"));
                 byte[] key = a.bytes("key");
-                return result("hot", !until(() -> !session.isHotNow(key), a.number("within_ms")));
+                boolean cooled = until(() -> !session.isHotNow(key), a.number("within_ms"));
+                if (cooled) {
+                    // The hot set turns cool a moment before the change listeners run: wait
+                    // for this cool change too, as the app would see it (bounded).
+                    Object wanted = fromBytes(key);
+                    List<Map<String, Object>> observed = changes.get(a.string("session"));
+                    until(() -> observed.stream().anyMatch(change -> java.util.Objects.equals(wanted, change.get("key"))
+                            && Boolean.FALSE.equals(change.get("hot"))), 1_000);
+                }
+                return result("hot", !cooled);
             }
             case "await_connected": {
                 HotKeys<Object> session = hotKeys.get(a.string("session"));
