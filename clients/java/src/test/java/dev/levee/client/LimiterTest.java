@@ -98,7 +98,10 @@ class LimiterTest {
             long elapsedMs = Duration.ofNanos(System.nanoTime() - started).toMillis();
             assertTrue(greedyAdmitted + modestAdmitted <= elapsedMs + 200, greedyAdmitted + " + " + modestAdmitted);
             assertTrue(greedyAdmitted >= 800, "greedy " + greedyAdmitted);
-            assertTrue(modestAdmitted >= 500, "modest " + modestAdmitted);
+            // Under the budget, the modest client gets most of what it asks for (the first
+            // lease period of a resource has no lease yet).
+            Limiter.Stats stats = modest.stats();
+            assertTrue(stats.admitted() >= 0.6 * (stats.admitted() + stats.refused()), "modest " + stats);
             assertTrue(greedy.stats().connected() && greedy.stats().leasesReceived() >= 10);
         }
         try (Limiter unruled = Limiter.start(LimiterOptions.of(List.of(server.grpcAddr)))) {
@@ -131,7 +134,11 @@ class LimiterTest {
             assertTrue(admitted <= 100 * elapsedS + 10 + 10, "vip " + admitted);
             assertTrue(admitted >= 50, "vip " + admitted);
             assertTrue(first.stats().keyRefused() > 0);
-            assertTrue(offer(first, "java-search", "cold".getBytes(StandardCharsets.UTF_8), 2, 300) >= 300);
+            // A key without a limit of its own is never refused by a key limit (only, while the
+            // lease grows to its demand, by the lease).
+            long refused = first.stats().keyRefused();
+            assertTrue(offer(first, "java-search", "cold".getBytes(StandardCharsets.UTF_8), 2, 300) > 0);
+            assertEquals(refused, first.stats().keyRefused());
         }
     }
 
