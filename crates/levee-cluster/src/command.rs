@@ -57,6 +57,10 @@ pub enum MetaCommand {
     InitShards {
         /// Shards, 1 to `levee_proto::shards::SHARDS_MAX`.
         shards: u32,
+        /// Whether the cluster replicates its plain queues over the shards (docs/CLUSTER.md,
+        /// "Part 2", step 2). Logs written before it existed read as false.
+        #[serde(default)]
+        replicated: bool,
     },
     /// Cools a key by hand (a manual key is forgotten; a detected one cools on every node).
     RemoveHotKey {

@@ -32,11 +32,12 @@ pub mod join;
 pub mod log_store;
 pub mod manage;
 pub mod network;
+pub mod shard;
 pub mod state_machine;
 pub mod writer;
 
 pub use command::{HotKeyMeta, HotKeyObserver, LimitMeta, MetaCommand, MetaResponse, NodeInfo};
-pub use log_store::LogStore;
+pub use log_store::{LogCodec, LogStore};
 pub use manage::{LeaveNotice, Manager, Refusal, RefusalKind};
 pub use network::{PeerNetwork, PeerService, Raft};
 pub use state_machine::MetaStateMachine;

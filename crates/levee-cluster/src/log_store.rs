@@ -1,8 +1,11 @@
-//! [`LogStore`]: the metadata group's Raft log, vote, committed and purge points in a fjall
-//! keyspace (docs/CLUSTER.md, storage). Entries are JSON keyed by their index (big-endian, so
-//! the keyspace's order is the log's); the vote and the points are JSON in a second
-//! partition. Every append, vote, truncation and purge is persisted with `SyncAll` before it
-//! returns, so what openraft is told is durable is on disk.
+//! [`LogStore`]: a Raft group's log, vote, committed and purge points in a fjall keyspace
+//! (docs/CLUSTER.md, storage): the metadata group's in a keyspace of its own, every shard
+//! group's in two partitions of one shared keyspace (so one journal fsync can cover the
+//! appends of many shards). Entries are keyed by their index (big-endian, so the keyspace's
+//! order is the log's), encoded by the group's [`LogCodec`] (the metadata group's as JSON, a
+//! shard's in postcard, binary); the vote and the points are JSON in a second partition.
+//! Every append, vote, truncation and purge is persisted with `SyncAll` before it returns, so
+//! what openraft is told is durable is on disk.
 
 use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
@@ -10,11 +13,29 @@ use std::path::Path;
 
 use fjall::{Config, Keyspace, PartitionCreateOptions, PartitionHandle, PersistMode};
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
-use openraft::{Entry, LogId, OptionalSend, RaftLogReader, StorageIOError, Vote};
+use openraft::{Entry, LogId, OptionalSend, RaftLogReader, RaftTypeConfig, StorageIOError, Vote};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::{MetaConfig, NodeId, StorageError};
+
+/// How a group's log entries are written on disk.
+pub trait LogCodec: RaftTypeConfig<NodeId = NodeId, Entry = Entry<Self>> {
+    /// An entry's bytes.
+    fn encode_entry(entry: &Entry<Self>) -> Result<Vec<u8>, StorageError>;
+    /// An entry from its bytes.
+    fn decode_entry(bytes: &[u8]) -> Result<Entry<Self>, StorageError>;
+}
+
+impl LogCodec for MetaConfig {
+    fn encode_entry(entry: &Entry<Self>) -> Result<Vec<u8>, StorageError> {
+        to_json(entry)
+    }
+
+    fn decode_entry(bytes: &[u8]) -> Result<Entry<Self>, StorageError> {
+        from_json(bytes)
+    }
+}
 
 /// The vote's key in the meta partition.
 const VOTE_KEY: &str = "vote";
@@ -24,14 +45,25 @@ const PURGED_KEY: &str = "purged";
 const COMMITTED_KEY: &str = "committed";
 
 /// The Raft log on disk. Clones share the keyspace (a reader is a clone).
-#[derive(Clone)]
-pub struct LogStore {
+pub struct LogStore<C = MetaConfig> {
     keyspace: Keyspace,
     entries: PartitionHandle,
     meta: PartitionHandle,
+    codec: std::marker::PhantomData<fn() -> C>,
 }
 
-impl Debug for LogStore {
+impl<C> Clone for LogStore<C> {
+    fn clone(&self) -> Self {
+        Self {
+            keyspace: self.keyspace.clone(),
+            entries: self.entries.clone(),
+            meta: self.meta.clone(),
+            codec: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<C> Debug for LogStore<C> {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         formatter.write_str("LogStore")
     }
@@ -42,30 +74,46 @@ fn index_key(index: u64) -> [u8; 8] {
     index.to_be_bytes()
 }
 
-fn to_json<T: Serialize>(value: &T) -> Result<Vec<u8>, StorageError> {
+pub(crate) fn to_json<T: Serialize>(value: &T) -> Result<Vec<u8>, StorageError> {
     serde_json::to_vec(value).map_err(|error| StorageIOError::write(&error).into())
 }
 
-fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, StorageError> {
+pub(crate) fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, StorageError> {
     serde_json::from_slice(bytes).map_err(|error| StorageIOError::read(&error).into())
 }
 
-impl LogStore {
-    /// Opens (or creates) the log in `directory`.
+/// Opens (or creates) the fjall keyspace in `directory`.
+pub fn open_keyspace(directory: &Path) -> Result<Keyspace, StorageError> {
+    Config::new(directory)
+        .open()
+        .map_err(|error| StorageIOError::read_logs(&error).into())
+}
+
+impl LogStore<MetaConfig> {
+    /// Opens (or creates) the metadata group's log in `directory`.
     pub fn open(directory: &Path) -> Result<Self, StorageError> {
-        let keyspace = Config::new(directory)
-            .open()
-            .map_err(|error| StorageIOError::read_logs(&error))?;
-        let open = |name: &str| {
+        Self::open_in(open_keyspace(directory)?, "")
+    }
+}
+
+impl<C> LogStore<C> {
+    /// Opens (or creates) a log in `keyspace`, in the partitions `entries{suffix}` and
+    /// `meta{suffix}`.
+    pub fn open_in(keyspace: Keyspace, suffix: &str) -> Result<Self, StorageError> {
+        let open = |name: String| {
             keyspace
-                .open_partition(name, PartitionCreateOptions::default())
+                .open_partition(&name, PartitionCreateOptions::default())
                 .map_err(|error| StorageError::from(StorageIOError::read_logs(&error)))
         };
-        let (entries, meta) = (open("entries")?, open("meta")?);
+        let (entries, meta) = (
+            open(format!("entries{suffix}"))?,
+            open(format!("meta{suffix}"))?,
+        );
         Ok(Self {
             keyspace,
             entries,
             meta,
+            codec: std::marker::PhantomData,
         })
     }
 
@@ -75,7 +123,10 @@ impl LogStore {
             .map_err(|error| StorageIOError::write_logs(&error).into())
     }
 
-    fn read_meta<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, StorageError> {
+    pub(crate) fn read_meta<T: DeserializeOwned>(
+        &self,
+        key: &str,
+    ) -> Result<Option<T>, StorageError> {
         let value = self
             .meta
             .get(key)
@@ -83,7 +134,11 @@ impl LogStore {
         value.map(|bytes| from_json(&bytes)).transpose()
     }
 
-    fn write_meta<T: Serialize>(&self, key: &str, value: &T) -> Result<(), StorageError> {
+    pub(crate) fn write_meta<T: Serialize>(
+        &self,
+        key: &str,
+        value: &T,
+    ) -> Result<(), StorageError> {
         self.meta
             .insert(key, to_json(value)?)
             .map_err(|error| StorageIOError::write(&error))?;
@@ -110,33 +165,40 @@ impl LogStore {
     }
 }
 
-impl RaftLogReader<MetaConfig> for LogStore {
-    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
-        &mut self,
-        range: RB,
-    ) -> Result<Vec<Entry<MetaConfig>>, StorageError> {
+impl<C: LogCodec> LogStore<C> {
+    /// The entries whose index is in `range`, in order.
+    pub fn entries<RB: RangeBounds<u64>>(&self, range: &RB) -> Result<Vec<Entry<C>>, StorageError> {
         let bound = |bound: Bound<&u64>| bound.map(|index| index_key(*index));
         self.entries
             .range((bound(range.start_bound()), bound(range.end_bound())))
             .map(|pair| {
                 let (_, value) = pair.map_err(|error| StorageIOError::read_logs(&error))?;
-                from_json(&value)
+                C::decode_entry(&value)
             })
             .collect()
     }
 }
 
-impl RaftLogStorage<MetaConfig> for LogStore {
+impl<C: LogCodec> RaftLogReader<C> for LogStore<C> {
+    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
+        &mut self,
+        range: RB,
+    ) -> Result<Vec<Entry<C>>, StorageError> {
+        self.entries(&range)
+    }
+}
+
+impl<C: LogCodec> RaftLogStorage<C> for LogStore<C> {
     type LogReader = Self;
 
-    async fn get_log_state(&mut self) -> Result<LogState<MetaConfig>, StorageError> {
+    async fn get_log_state(&mut self) -> Result<LogState<C>, StorageError> {
         let last_purged_log_id: Option<LogId<NodeId>> = self.read_meta(PURGED_KEY)?;
         let last = self
             .entries
             .last_key_value()
             .map_err(|error| StorageIOError::read_logs(&error))?;
         let last_log_id = match last {
-            Some((_, value)) => Some(from_json::<Entry<MetaConfig>>(&value)?.log_id),
+            Some((_, value)) => Some(C::decode_entry(&value)?.log_id),
             None => last_purged_log_id,
         };
         Ok(LogState {
@@ -170,13 +232,9 @@ impl RaftLogStorage<MetaConfig> for LogStore {
             .flatten())
     }
 
-    async fn append<I>(
-        &mut self,
-        entries: I,
-        callback: LogFlushed<MetaConfig>,
-    ) -> Result<(), StorageError>
+    async fn append<I>(&mut self, entries: I, callback: LogFlushed<C>) -> Result<(), StorageError>
     where
-        I: IntoIterator<Item = Entry<MetaConfig>> + OptionalSend,
+        I: IntoIterator<Item = Entry<C>> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
         let mut batch = self.keyspace.batch();
@@ -184,7 +242,7 @@ impl RaftLogStorage<MetaConfig> for LogStore {
             batch.insert(
                 &self.entries,
                 index_key(entry.log_id.index),
-                to_json(&entry)?,
+                C::encode_entry(&entry)?,
             );
         }
         batch

@@ -29,8 +29,10 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 
 use crate::manage::Manager;
+use crate::shard::ShardSlot;
 use crate::writer::Forwarded;
 use crate::{MetaCommand, MetaConfig, NodeId, NodeInfo};
+use levee_proto::peer_v1::ShardMessage;
 
 /// The metadata group's Raft instance.
 pub type Raft = openraft::Raft<MetaConfig>;
@@ -41,7 +43,7 @@ pub type RaftMetrics = openraft::RaftMetrics<NodeId, NodeInfo>;
 pub const PEER_CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// The error of one call to a peer.
-type CallError<E> = RPCError<NodeId, NodeInfo, RaftError<NodeId, E>>;
+pub(crate) type CallError<E> = RPCError<NodeId, NodeInfo, RaftError<NodeId, E>>;
 
 /// How a node opens connections to its peers: from the IP address of its own peer listener
 /// (when it listens on one address, not all), so that a peer, a firewall or a fault-injecting
@@ -104,6 +106,16 @@ pub struct PeerConnection {
     client: Option<PeerClient<Channel>>,
 }
 
+/// A failed peer call as openraft's error: a peer that cannot be reached (openraft backs
+/// off), or a network failure.
+pub(crate) fn status_error<E: std::error::Error>(status: &Status) -> CallError<E> {
+    if status.code() == tonic::Code::Unavailable {
+        RPCError::Unreachable(Unreachable::new(status))
+    } else {
+        RPCError::Network(NetworkError::new(status))
+    }
+}
+
 /// Which call.
 #[derive(Debug, Clone, Copy)]
 enum Call {
@@ -150,13 +162,7 @@ impl PeerConnection {
         })
         .await
         .map_err(|elapsed| RPCError::Network(NetworkError::new(&elapsed)))?
-        .map_err(|status| {
-            if status.code() == tonic::Code::Unavailable {
-                RPCError::Unreachable(Unreachable::new(&status))
-            } else {
-                RPCError::Network(NetworkError::new(&status))
-            }
-        })?;
+        .map_err(|status| status_error(&status))?;
         let result: Result<Resp, RaftError<NodeId, E>> =
             serde_json::from_slice(&answer.into_inner().json)
                 .map_err(|error| RPCError::Network(NetworkError::new(&error)))?;
@@ -195,6 +201,7 @@ impl RaftNetwork<MetaConfig> for PeerConnection {
 pub struct PeerService {
     raft: Raft,
     manager: Manager,
+    shards: ShardSlot,
 }
 
 impl std::fmt::Debug for PeerService {
@@ -204,12 +211,15 @@ impl std::fmt::Debug for PeerService {
 }
 
 impl PeerService {
-    /// The service of `manager`'s Raft instance, for a tonic server on the peer port.
-    pub fn server(manager: Manager) -> PeerServer<Self> {
+    /// The service of `manager`'s Raft instance, for a tonic server on the peer port, and of
+    /// the shard groups once `shards` holds them.
+    pub fn server(manager: Manager, shards: ShardSlot) -> PeerServer<Self> {
         PeerServer::new(Self {
             raft: manager.raft().clone(),
             manager,
+            shards,
         })
+        .max_decoding_message_size(crate::shard::groups::PEER_MESSAGE_BYTES_MAX)
     }
 }
 
@@ -266,6 +276,19 @@ impl Peer for PeerService {
     async fn leave(&self, request: Request<PeerMessage>) -> Result<Response<PeerMessage>, Status> {
         let answer = self.manager.serve_leave(decode(request)?);
         encode(&answer)
+    }
+
+    async fn shard(
+        &self,
+        request: Request<ShardMessage>,
+    ) -> Result<Response<ShardMessage>, Status> {
+        let Some(groups) = self.shards.get() else {
+            return Err(Status::unavailable(
+                "this node runs no shard groups yet (starting, or its cluster does not \
+                 replicate queues)",
+            ));
+        };
+        groups.serve(request.into_inner()).await.map(Response::new)
     }
 
     async fn forward(

@@ -31,6 +31,8 @@ struct MetaState {
     limits: LimitMeta,
     /// The cluster's shards, once the first node fixed them.
     shards: Option<u32>,
+    /// Whether the cluster replicates its plain queues over its shards (fixed with them).
+    replicated_queues: bool,
     /// Snapshots built so far by this process, to tell their ids apart.
     snapshots_built: u64,
 }
@@ -48,6 +50,9 @@ struct SnapshotState {
     /// Absent from snapshots of versions before shards.
     #[serde(default)]
     shards: Option<u32>,
+    /// Absent from snapshots of versions before replicated queues.
+    #[serde(default)]
+    replicated_queues: bool,
 }
 
 /// A snapshot as its file holds it.
@@ -94,9 +99,10 @@ impl MetaState {
                 }
                 response
             }
-            MetaCommand::InitShards { shards } => match self.shards {
+            MetaCommand::InitShards { shards, replicated } => match self.shards {
                 None => {
                     self.shards = Some(*shards);
+                    self.replicated_queues = *replicated;
                     MetaResponse {
                         changed: true,
                         ..MetaResponse::default()
@@ -167,6 +173,7 @@ impl MetaState {
         self.hot_keys = state.hot_keys;
         self.limits = state.limits;
         self.shards = state.shards;
+        self.replicated_queues = state.replicated_queues;
         self.last_applied = meta.last_log_id;
         self.membership = meta.last_membership.clone();
         Ok(())
@@ -220,6 +227,11 @@ impl MetaStateMachine {
     /// The cluster's shards, once fixed (docs/CLUSTER.md, "Part 2").
     pub fn shards(&self) -> Option<u32> {
         self.read().shards
+    }
+
+    /// Whether the cluster replicates its plain queues over its shards (fixed with them).
+    pub fn replicated_queues(&self) -> bool {
+        self.read().replicated_queues
     }
 
     /// Reads the replicated limits rules as they stand.
@@ -280,6 +292,7 @@ impl RaftSnapshotBuilder<MetaConfig> for MetaStateMachine {
                 hot_keys: state.hot_keys.clone(),
                 limits: state.limits.clone(),
                 shards: state.shards,
+                replicated_queues: state.replicated_queues,
             })
             .map_err(|error| write_error(&error))?;
             let last_index = state.last_applied.map_or(0, |log_id| log_id.index);

@@ -55,11 +55,14 @@ async fn start(id: NodeId) -> Node {
     let (stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(PeerService::server(Manager::new(
-                raft.clone(),
-                tokio::sync::watch::channel("test".to_owned()).1,
-                tokio::sync::watch::channel(None).0,
-            )))
+            .add_service(PeerService::server(
+                Manager::new(
+                    raft.clone(),
+                    tokio::sync::watch::channel("test".to_owned()).1,
+                    tokio::sync::watch::channel(None).0,
+                ),
+                levee_cluster::shard::ShardSlot::default(),
+            ))
             .serve_with_incoming_shutdown(
                 tokio_stream::wrappers::TcpListenerStream::new(listener),
                 async {

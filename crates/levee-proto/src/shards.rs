@@ -21,8 +21,16 @@ pub const REPLICAS_MAX: usize = 3;
 /// # Panics
 /// If `shards` is 0 (a cluster has at least one shard).
 pub fn shard_of(routing_name: &str, shards: u32) -> u32 {
+    shard_of_bytes(routing_name.as_bytes(), shards)
+}
+
+/// [`shard_of`] for a name given as bytes (a queue's name need not be UTF-8).
+///
+/// # Panics
+/// If `shards` is 0 (a cluster has at least one shard).
+pub fn shard_of_bytes(routing_name: &[u8], shards: u32) -> u32 {
     assert!(shards > 0, "a cluster has at least one shard");
-    let shard = xxhash_rust::xxh3::xxh3_64(routing_name.as_bytes()) % u64::from(shards);
+    let shard = xxhash_rust::xxh3::xxh3_64(routing_name) % u64::from(shards);
     u32::try_from(shard).unwrap_or_default()
 }
 

@@ -1,23 +1,28 @@
 //! `/v1/cluster` on the admin port: this node's view of the metadata group (docs/CLUSTER.md),
 //! as JSON: the leader it knows, the term, how far its log and state machine are, and every
 //! member with its role and addresses. On the leader, each follower's replication lag too.
-//! Then the cluster's shards and where each is placed (docs/CLUSTER.md, "Part 2").
+//! Then the cluster's shards and where each is placed (docs/CLUSTER.md, "Part 2"), and, in a
+//! cluster that replicates its queues, the shard groups this node is a member of
+//! (`shard_groups`: each one's leader, voters, and this node's log and applied index).
 
 use axum::Router;
 use axum::extract::State;
 use axum::response::Json;
 use axum::routing::get;
+use levee_cluster::shard::ShardSlot;
 use levee_cluster::{MetaStateMachine, Raft};
 use serde_json::{Value, json};
 
 /// The router of `/v1/cluster` over this node's Raft instance and metadata.
-pub fn router(raft: Raft, machine: MetaStateMachine) -> Router {
+pub fn router(raft: Raft, machine: MetaStateMachine, shards: ShardSlot) -> Router {
     Router::new()
         .route("/v1/cluster", get(cluster))
-        .with_state((raft, machine))
+        .with_state((raft, machine, shards))
 }
 
-async fn cluster(State((raft, machine)): State<(Raft, MetaStateMachine)>) -> Json<Value> {
+async fn cluster(
+    State((raft, machine, shards)): State<(Raft, MetaStateMachine, ShardSlot)>,
+) -> Json<Value> {
     let metrics = raft.metrics().borrow().clone();
     let membership = metrics.membership_config.membership();
     let last_log_index = metrics.last_log_index.unwrap_or(0);
@@ -56,6 +61,8 @@ async fn cluster(State((raft, machine)): State<(Raft, MetaStateMachine)>) -> Jso
         "last_applied_index": metrics.last_applied.map(|log_id| log_id.index),
         "nodes": nodes,
         "shards": machine.shards(),
+        "replicated_queues": machine.replicated_queues(),
+        "shard_groups": shards.get().map(levee_cluster::shard::ShardGroups::status),
         "shard_map": crate::cluster_service::shard_map(&machine, &metrics)
             .iter()
             .map(|placement| json!({"shard": placement.shard, "replicas": placement.replicas}))

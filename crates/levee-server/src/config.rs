@@ -100,6 +100,10 @@ pub struct Config {
     /// The shards of a cluster this node creates (docs/CLUSTER.md, "Part 2"): written by the
     /// first node, fixed for the cluster's life; a node joining a cluster takes its number.
     pub shards: u32,
+    /// Whether a cluster this node creates replicates its plain queues over its shards
+    /// (docs/CLUSTER.md, "Part 2", step 2): fixed when the cluster is created, like `shards`;
+    /// a joining node takes the cluster's.
+    pub replicated_queues: bool,
     /// This node's id in its cluster (1 for a lone server); kept in the data dir, which will
     /// not start as another node.
     pub node_id: u64,
@@ -141,6 +145,7 @@ impl Default for Config {
             queue_buffer_budget_mb: QUEUE_BUFFER_BUDGET_MB_DEFAULT,
             queue_position_log_compact_entries: QUEUE_POSITION_LOG_COMPACT_ENTRIES_DEFAULT,
             shards: levee_proto::shards::SHARDS_DEFAULT,
+            replicated_queues: false,
             node_id: 1,
             peer_addr: None,
             peer_advertise_addr: None,
@@ -170,6 +175,7 @@ struct FileConfig {
     queue_buffer_budget_mb: Option<u64>,
     queue_position_log_compact_entries: Option<u64>,
     shards: Option<u32>,
+    replicated_queues: Option<bool>,
     node_id: Option<u64>,
     peer_addr: Option<String>,
     peer_advertise_addr: Option<String>,
@@ -242,6 +248,8 @@ pub struct Overrides {
     pub queue_position_log_compact_entries: Option<Override>,
     /// `--shards` / `LEVEE_SHARDS`.
     pub shards: Option<Override>,
+    /// `--replicated-queues` / `LEVEE_REPLICATED_QUEUES`.
+    pub replicated_queues: Option<Override>,
     /// `--node-id` / `LEVEE_NODE_ID`.
     pub node_id: Option<Override>,
     /// `--peer-addr` / `LEVEE_PEER_ADDR`.
@@ -397,6 +405,11 @@ impl Config {
         layer!(shards, small(file_config.shards), |raw| {
             parse_bounded(raw, 1, levee_proto::shards::SHARDS_MAX)
         });
+        layer!(
+            replicated_queues,
+            file_config.replicated_queues.map(|value| value.to_string()),
+            parse_bool
+        );
         layer!(node_id, text(file_config.node_id), |raw| {
             parse_bounded(raw, 1, NODE_ID_MAX)
         });
@@ -541,6 +554,14 @@ where
     raw.0
         .parse::<T>()
         .map_err(|expected| invalid(raw, expected))
+}
+
+fn parse_bool(raw: (String, Source, &'static str)) -> Result<bool, ConfigError> {
+    match raw.0.trim() {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        _ => Err(invalid(raw, "true or false".to_owned())),
+    }
 }
 
 fn parse_bounded<T>(

@@ -51,7 +51,7 @@ use levee_cluster::join::join;
 use levee_cluster::manage::{JoinRequest, Joined, check_same_cluster};
 use levee_cluster::{
     LeaveNotice, LogStore, Manager, MetaCommand, MetaStateMachine, MetaWriter, NodeInfo,
-    PeerNetwork, PeerService, Raft, network::PeerDialer,
+    PeerNetwork, PeerService, Raft, network::PeerDialer, shard::ShardSlot,
 };
 use std::collections::BTreeMap;
 
@@ -199,8 +199,15 @@ impl RunningServer {
             cluster_service::serve((&raft.manager, &raft.machine), &state, &stop_sessions);
         background.extend(cluster_tasks);
         let (health, health_service) = serving_health().await;
-        let (queue_service, topic_service, consume_context) =
-            queue_services(&store, topics, config, &state.metrics, &stop_sessions)?;
+        let (queue_service, topic_service, consume_context) = queue_services(
+            (&store, &raft),
+            topics,
+            config,
+            &state.metrics,
+            &stop_sessions,
+        )?;
+        let shards = (&store, &consume_context.waiters);
+        background.extend(raft.spawn_shards(config, shards, &stop_sessions));
         background.push(tokio::spawn(crate::queue::limits::follow_catalog(
             Arc::clone(&consume_context),
             raft.raft.metrics(),
@@ -214,10 +221,7 @@ impl RunningServer {
         );
 
         let limits = raft.limits_service(&hub, &state.metrics, stop_sessions.subscribe());
-        background.extend([
-            limits.follow_peer_hot_keys(stop_sessions.subscribe()),
-            tokio::spawn(init_shards(&raft, config.shards, stop_sessions.subscribe())),
-        ]);
+        background.push(limits.follow_peer_hot_keys(stop_sessions.subscribe()));
         let incoming =
             accept_connections(grpc_listener, config.connections_max, state.metrics.clone());
         let grpc_server = tonic::transport::Server::builder()
@@ -238,12 +242,7 @@ impl RunningServer {
             .serve_with_incoming_shutdown(incoming, stopped(stop_grpc.subscribe()));
         let grpc_task = tokio::spawn(grpc_server);
 
-        let admin_router = admin_router(
-            &state,
-            (&raft.raft, &raft.machine),
-            (hotkey_admin, limits),
-            consume_context,
-        );
+        let admin_router = admin_router(&state, &raft, (hotkey_admin, limits), consume_context);
         let admin_server = axum::serve(admin_listener, admin_router)
             .with_graceful_shutdown(stopped(stop_admin.subscribe()));
         let admin_task = tokio::spawn(async move { admin_server.await });
@@ -422,7 +421,7 @@ type QueueServices = (
 
 /// The Queues and Topics services over the store, and what consume streams share.
 fn queue_services(
-    store: &Arc<Store>,
+    (store, raft): (&Arc<Store>, &MetadataGroup),
     topics: Arc<Topics>,
     config: &Config,
     metrics: &crate::metrics::Metrics,
@@ -451,7 +450,11 @@ fn queue_services(
         positions,
         metrics.clone(),
         stop_sessions.subscribe(),
-    );
+    )
+    .with_replication(crate::queue::replicated::Replication::new(
+        raft.machine.clone(),
+        raft.shards.clone(),
+    ));
     let delayer = Arc::new(crate::queue::delay::Delayer::open(
         calls.clone(),
         Arc::clone(&waiters),
@@ -494,6 +497,12 @@ struct MetadataGroup {
     left: watch::Receiver<Option<LeaveNotice>>,
     peer_task: Option<JoinHandle<Result<(), tonic::transport::Error>>>,
     stop_peers: watch::Sender<bool>,
+    /// This node's shard groups, once opened (a cluster that replicates its queues).
+    shards: ShardSlot,
+    /// This node's addresses, as the cluster knows them.
+    me: NodeInfo,
+    /// How this node dials its peers.
+    dialer: PeerDialer,
 }
 
 impl MetadataGroup {
@@ -514,6 +523,38 @@ impl MetadataGroup {
             metrics.clone(),
             closing,
         )
+    }
+
+    /// Opens this node's shard groups once the cluster's shards are fixed, if the cluster
+    /// replicates its queues, and places their replicas until `stop`; also fixes the cluster's
+    /// shards when this start created it (`init_shards`).
+    fn spawn_shards(
+        &self,
+        config: &Config,
+        (store, waiters): (&Arc<Store>, &Arc<crate::queue::waiters::Waiters>),
+        stop: &watch::Sender<bool>,
+    ) -> [JoinHandle<()>; 2] {
+        let node_id = self.raft.metrics().borrow().id;
+        [
+            tokio::spawn(init_shards(
+                self,
+                (config.shards, config.replicated_queues),
+                stop.subscribe(),
+            )),
+            tokio::spawn(crate::queue::replicated::run_shards(
+                (self.raft.clone(), self.machine.clone(), self.shards.clone()),
+                (node_id, self.me.clone(), self.created),
+                (
+                    config
+                        .data_dir
+                        .join(crate::queue::replicated::SHARDS_DIR_NAME),
+                    Arc::clone(store),
+                    Arc::clone(waiters),
+                ),
+                self.dialer,
+                stop.subscribe(),
+            )),
+        ]
     }
 
     /// The operator's hot-key calls on `hub`, written through this group.
@@ -556,12 +597,16 @@ async fn bind_peer(
 /// Every route of the admin HTTP port, with Levee's JSON errors.
 fn admin_router(
     state: &Arc<ServerState>,
-    (raft, machine): (&Raft, &MetaStateMachine),
+    raft: &MetadataGroup,
     (hotkey_admin, limits): (HotKeyAdmin, crate::limits::LimitsService),
     consume_context: Arc<ConsumeContext>,
 ) -> axum::Router {
     admin_http::router(Arc::clone(state))
-        .merge(crate::cluster_http::router(raft.clone(), machine.clone()))
+        .merge(crate::cluster_http::router(
+            raft.raft.clone(),
+            raft.machine.clone(),
+            raft.shards.clone(),
+        ))
         .merge(hotkey::http::router(hotkey_admin))
         .merge(crate::limits::router(limits))
         .merge(crate::queue::http::router(consume_context))
@@ -622,10 +667,11 @@ async fn open_metadata(
     let (cluster_id, told_joiners) = watch::channel(cluster.cluster_id.clone());
     let (left, left_notice) = watch::channel(None);
     let manager = Manager::new(raft.clone(), told_joiners, left).with_dialer(dialer);
+    let shard_slot = ShardSlot::default();
     let peer_task = peer_listener.map(|listener| {
         tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(PeerService::server(manager.clone()))
+                .add_service(PeerService::server(manager.clone(), shard_slot.clone()))
                 .serve_with_incoming_shutdown(
                     tokio_stream::wrappers::TcpListenerStream::new(listener),
                     async move {
@@ -635,7 +681,7 @@ async fn open_metadata(
         )
     });
     let mut created = false;
-    let joined = join_or_initialize(&raft, (config, dialer), (cluster, &mut created), me)
+    let joined = join_or_initialize(&raft, (config, dialer), (cluster, &mut created), me.clone())
         .await
         .map_err(failed)?;
     raft.wait(Some(LEAD_WAIT_MAX))
@@ -674,6 +720,9 @@ async fn open_metadata(
         left: left_notice,
         peer_task,
         stop_peers,
+        shards: shard_slot,
+        me,
+        dialer,
     };
     let topics = Topics::new(group.machine.clone(), writer, group.manager.clone());
     Ok((group, Arc::new(topics)))
@@ -765,7 +814,7 @@ async fn import_rules_file(
 /// written to by a node its other members could not follow.
 fn init_shards(
     raft: &MetadataGroup,
-    shards: u32,
+    (shards, replicated): (u32, bool),
     mut stop: watch::Receiver<bool>,
 ) -> impl std::future::Future<Output = ()> + use<> {
     let (machine, writer, created) = (raft.machine.clone(), raft.writer.clone(), raft.created);
@@ -784,7 +833,10 @@ fn init_shards(
                     return;
                 }
                 None if created => {
-                    if let Err(error) = writer.write(MetaCommand::InitShards { shards }).await {
+                    if let Err(error) = writer
+                        .write(MetaCommand::InitShards { shards, replicated })
+                        .await
+                    {
                         tracing::debug!(%error, "fixing the cluster's shards; retrying");
                     }
                 }

@@ -75,6 +75,11 @@ pub struct ServerArgs {
     /// (a joining node takes the cluster's) [default: 16]
     #[arg(long, env = "LEVEE_SHARDS", value_name = "COUNT")]
     shards: Option<String>,
+    /// Whether a cluster this node creates replicates its plain queues over its shards, true or
+    /// false; fixed when the cluster is created (a joining node takes the cluster's)
+    /// [default: false]
+    #[arg(long, env = "LEVEE_REPLICATED_QUEUES", value_name = "BOOL")]
+    replicated_queues: Option<String>,
     /// This node's id in its cluster, 1 to 1000000; the data dir keeps it and will not start as
     /// another node [default: 1]
     #[arg(long, env = "LEVEE_NODE_ID", value_name = "ID")]
@@ -140,6 +145,7 @@ impl ServerArgs {
                 &self.queue_position_log_compact_entries,
             ),
             shards: given("shards", &self.shards),
+            replicated_queues: given("replicated_queues", &self.replicated_queues),
             node_id: given("node_id", &self.node_id),
             peer_addr: given("peer_addr", &self.peer_addr),
             peer_advertise_addr: given("peer_advertise_addr", &self.peer_advertise_addr),

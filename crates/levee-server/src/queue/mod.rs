@@ -38,6 +38,7 @@ pub mod http;
 pub mod limits;
 pub mod mailbox;
 pub mod producer;
+pub mod replicated;
 pub mod retention;
 pub mod service;
 pub mod stream;

@@ -32,9 +32,11 @@ use crate::queue::limits::producer_rate::{Admission, ProducerRates};
 use crate::queue::mailbox::many::{self, ManyContext, ManySession};
 use crate::queue::mailbox::position_log::PositionLogs;
 use crate::queue::producer::idempotent::{Producers, SequencedMessage};
+use crate::queue::replicated::Replication;
 use crate::queue::topic::catalog::{RetentionRule, Topics};
 use crate::queue::{StoreCalls, invalid, name_error, write_error};
 use crate::server::GRPC_MESSAGE_BYTES_MAX;
+use levee_cluster::shard::ShardGroups;
 
 /// Most messages in one append request.
 pub const APPEND_MESSAGES_MAX: usize = 10_000;
@@ -73,6 +75,8 @@ pub struct QueueService {
     positions: Arc<PositionLogs>,
     metrics: Metrics,
     closing: watch::Receiver<bool>,
+    /// Set in a cluster: whether plain queues are replicated, and through what.
+    replication: Option<Replication>,
 }
 
 impl QueueService {
@@ -99,7 +103,21 @@ impl QueueService {
             waiters,
             metrics,
             closing,
+            replication: None,
         }
+    }
+
+    /// The service writing plain queues through the cluster's shards when `replication` says
+    /// the cluster replicates them.
+    #[must_use]
+    pub fn with_replication(mut self, replication: Replication) -> Self {
+        self.replication = Some(replication);
+        self
+    }
+
+    /// The shard groups, when plain queues are replicated.
+    fn shard_groups(&self) -> Option<Result<&ShardGroups, WireError>> {
+        self.replication.as_ref().and_then(Replication::groups)
     }
 
     /// Runs `call` on the blocking pool once a slot is free.
@@ -275,7 +293,18 @@ impl Queues for QueueService {
         }
         let count = messages.len() as u64;
         let admission = self.admit_producer(&request.producer_name, count).await?;
-        let offsets = if producer.is_empty() {
+        let offsets = if let Some(groups) = self.shard_groups() {
+            let groups = groups?;
+            if !producer.is_empty() {
+                return Err(WireError::new(
+                    ErrorCode::FailedPrecondition,
+                    "producer_id: idempotent appends to replicated queues are not built yet \
+                     (docs/CLUSTER.md, \"Part 2\"); append without a producer id",
+                )
+                .into());
+            }
+            Replication::append(groups, messages).await?
+        } else if producer.is_empty() {
             let batch: Vec<(&[u8], &[u8])> = messages
                 .iter()
                 .map(|message| (&message.queue[..], &message.payload[..]))
@@ -456,6 +485,14 @@ impl Queues for QueueService {
     ) -> Result<Response<DeleteQueueResponse>, Status> {
         let queue = request.into_inner().queue;
         check_not_reserved(&queue)?;
+        if self.shard_groups().is_some() {
+            return Err(WireError::new(
+                ErrorCode::FailedPrecondition,
+                "deleting a replicated queue is not built yet (docs/CLUSTER.md, \"Part 2\"); \
+                 set a retention rule to trim it",
+            )
+            .into());
+        }
         let deleting = self.waiters.begin_delete(&queue).map_err(|refused| {
             let name = String::from_utf8_lossy(&queue);
             match refused {

@@ -1,0 +1,529 @@
+//! [`ShardGroups`]: a node's Raft instance of every shard of the cluster (docs/CLUSTER.md,
+//! "Part 2"), what a node does with them:
+//!
+//! - **Writes from any node**: [`ShardGroups::write`] proposes a command on the shard's leader
+//!   (here, or forwarded over the peer port), and answers once it is committed (on a majority
+//!   of the shard's replicas, fsynced) and applied. A shard without a quorum fails within
+//!   [`WRITE_WAIT_MAX`] with [`ShardWriteError::Unavailable`], naming the shard; it never
+//!   acknowledges what a majority does not hold.
+//! - **Placement**: [`ShardGroups::place`], run by every node for the shards it leads, makes
+//!   each shard's voters the replicas `levee_proto::shards::replicas` names over the
+//!   metadata group's voters: a new replica is added as a learner, fed the log, then made a
+//!   voter; a replica no longer named is removed.
+//! - **The peer side**: [`ShardGroups::serve`] answers the `Shard` peer call.
+//!
+//! A node runs an instance of every shard; those it is not a replica of stay uninitialised and
+//! idle (no timers of their own beyond openraft's).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use levee_proto::peer_v1::{ShardCall, ShardMessage};
+use levee_store::Store;
+use openraft::error::{ClientWriteError, RaftError};
+use openraft::{ServerState, SnapshotPolicy};
+use serde::{Deserialize, Serialize};
+use tonic::Status;
+
+use crate::log_store::{LogStore, open_keyspace};
+use crate::network::PeerDialer;
+use crate::shard::machine::{ShardObserver, ShardStateMachine};
+use crate::shard::network::{PeerChannels, ShardNetwork, send};
+use crate::shard::{ShardCommand, ShardConfig, ShardId, ShardRaft, ShardResponse, to_postcard};
+use crate::{NodeId, NodeInfo};
+
+/// Most entries one `AppendEntries` call carries to a shard's follower.
+pub const APPEND_ENTRIES_MAX: u64 = 16;
+/// Largest message on the peer port: [`APPEND_ENTRIES_MAX`] entries of a 16 MiB request each.
+pub const PEER_MESSAGE_BYTES_MAX: usize = 16 * (16 << 20);
+
+/// Longest a write waits for its shard to commit it (a leader elected, a quorum reached).
+pub const WRITE_WAIT_MAX: Duration = Duration::from_secs(2);
+/// Pause between tries while a shard has no leader.
+const LEADER_WAIT_STEP: Duration = Duration::from_millis(20);
+/// Longest a new replica may take to catch up before it is made a voter (placement retries).
+const CATCH_UP_MAX: Duration = Duration::from_secs(10);
+
+/// Why a write to a shard failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShardWriteError {
+    /// No leader or no quorum within the wait: retry later. The write may still be applied
+    /// if `maybe_stored` (it reached a leader that could not confirm it in time).
+    #[error("shard {shard} is unavailable: {reason}")]
+    Unavailable {
+        /// The shard.
+        shard: ShardId,
+        /// Why, in words.
+        reason: String,
+        /// Whether the write may still be applied.
+        maybe_stored: bool,
+    },
+    /// The node has no such shard.
+    #[error("shard {shard} does not exist: the cluster has {shards} shards")]
+    NoShard {
+        /// The shard asked for.
+        shard: ShardId,
+        /// The cluster's shards.
+        shards: u32,
+    },
+    /// The shard's Raft instance stopped (a storage failure): the node must be restarted.
+    #[error("shard {shard} stopped on this node: {reason}")]
+    Stopped {
+        /// The shard.
+        shard: ShardId,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A forwarded command's answer, once the leader applied it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ShardForwarded {
+    /// What applying it answered.
+    pub response: ShardResponse,
+    /// Where it sits in the shard's log.
+    pub log_index: u64,
+}
+
+/// Why a forwarded command was not taken.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum ForwardRefusal {
+    /// The receiver does not lead the shard (nothing was proposed: try the leader).
+    NotLeader,
+    /// Proposed, but not committed within the wait (it may still be).
+    NotCommitted(String),
+    /// The receiver's instance stopped.
+    Stopped(String),
+}
+
+/// One shard group as this node sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ShardStatus {
+    /// The shard.
+    pub shard: ShardId,
+    /// The leader this node knows.
+    pub leader: Option<NodeId>,
+    /// The shard's voters (its replicas).
+    pub voters: Vec<NodeId>,
+    /// This node's last log index of the shard.
+    pub last_log_index: Option<u64>,
+    /// This node's last applied index of the shard.
+    pub last_applied_index: Option<u64>,
+}
+
+/// What one try of a write did.
+enum Attempt {
+    Done(ShardResponse),
+    /// Not proposed anywhere: try again after a pause.
+    Again(String),
+}
+
+/// Where a node keeps its shard groups once it has opened them (the peer service answers
+/// shard calls from then on).
+pub type ShardSlot = Arc<std::sync::OnceLock<ShardGroups>>;
+
+/// A node's instances of every shard. Clones share them.
+#[derive(Clone)]
+pub struct ShardGroups {
+    node_id: NodeId,
+    rafts: Arc<Vec<ShardRaft>>,
+    channels: PeerChannels,
+}
+
+impl std::fmt::Debug for ShardGroups {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(formatter, "ShardGroups({} shards)", self.rafts.len())
+    }
+}
+
+/// The settings of every shard group: the metadata group's timings, no snapshots (the log is
+/// kept whole until shard snapshots are built).
+pub fn shard_raft_config(cluster_id: &str) -> Result<openraft::Config, String> {
+    openraft::Config {
+        cluster_name: format!("{cluster_id}-shards"),
+        heartbeat_interval: 50,
+        election_timeout_min: 150,
+        election_timeout_max: 300,
+        snapshot_policy: SnapshotPolicy::Never,
+        max_payload_entries: APPEND_ENTRIES_MAX,
+        ..openraft::Config::default()
+    }
+    .validate()
+    .map_err(|error| error.to_string())
+}
+
+impl ShardGroups {
+    /// Opens `shards` shard instances for node `node_id`: their logs in one keyspace in
+    /// `directory`, their state machines over `store`.
+    pub async fn open(
+        (node_id, shards): (NodeId, u32),
+        (directory, store): (&Path, &Arc<Store>),
+        config: openraft::Config,
+        dialer: PeerDialer,
+        observer: Arc<dyn ShardObserver>,
+    ) -> Result<Self, String> {
+        let keyspace = open_keyspace(directory).map_err(|error| error.to_string())?;
+        let channels = PeerChannels::new(dialer);
+        let config = Arc::new(config);
+        let mut rafts = Vec::with_capacity(shards as usize);
+        for shard in 0..shards {
+            let log = LogStore::<ShardConfig>::open_in(keyspace.clone(), &format!("-{shard}"))
+                .map_err(|error| format!("shard {shard}'s log: {error}"))?;
+            let machine = ShardStateMachine::open(shard, Arc::clone(store), log.clone())
+                .map_err(|error| format!("shard {shard}'s state: {error}"))?
+                .with_observer(Arc::clone(&observer));
+            let raft = ShardRaft::new(
+                node_id,
+                Arc::clone(&config),
+                ShardNetwork::new(shard, channels.clone()),
+                log,
+                machine,
+            )
+            .await
+            .map_err(|error| format!("shard {shard}: {error}"))?;
+            rafts.push(raft);
+        }
+        Ok(Self {
+            node_id,
+            rafts: Arc::new(rafts),
+            channels,
+        })
+    }
+
+    /// The cluster's shards.
+    pub fn shards(&self) -> u32 {
+        u32::try_from(self.rafts.len()).unwrap_or(u32::MAX)
+    }
+
+    /// Shard `shard`'s instance here.
+    pub fn raft(&self, shard: ShardId) -> Option<&ShardRaft> {
+        self.rafts.get(shard as usize)
+    }
+
+    /// Makes this node the only replica of every shard not initialised yet (the node that
+    /// created the cluster, or a lone server).
+    pub async fn initialize_alone(&self, me: &NodeInfo) -> Result<(), String> {
+        for (shard, raft) in self.rafts.iter().enumerate() {
+            if raft
+                .is_initialized()
+                .await
+                .map_err(|error| error.to_string())?
+            {
+                continue;
+            }
+            raft.initialize(BTreeMap::from([(self.node_id, me.clone())]))
+                .await
+                .map_err(|error| format!("shard {shard}: {error}"))?;
+        }
+        Ok(())
+    }
+
+    /// Every shard this node is a member of, as it sees it.
+    pub fn status(&self) -> Vec<ShardStatus> {
+        self.rafts
+            .iter()
+            .enumerate()
+            .filter_map(|(shard, raft)| {
+                let metrics = raft.metrics().borrow().clone();
+                let membership = metrics.membership_config.membership();
+                membership.get_node(&self.node_id)?;
+                Some(ShardStatus {
+                    shard: u32::try_from(shard).unwrap_or(u32::MAX),
+                    leader: metrics.current_leader,
+                    voters: membership.voter_ids().collect(),
+                    last_log_index: metrics.last_log_index,
+                    last_applied_index: metrics.last_applied.map(|log_id| log_id.index),
+                })
+            })
+            .collect()
+    }
+
+    /// Stops every instance.
+    pub async fn shutdown(&self) {
+        for raft in self.rafts.iter() {
+            if let Err(error) = raft.shutdown().await {
+                tracing::warn!(%error, "stopping a shard");
+            }
+        }
+    }
+
+    /// The leader of `shard` this node knows, with its addresses.
+    fn leader(raft: &ShardRaft) -> Option<(NodeId, Option<NodeInfo>)> {
+        let metrics = raft.metrics().borrow().clone();
+        let leader = metrics.current_leader?;
+        let node = metrics
+            .membership_config
+            .membership()
+            .get_node(&leader)
+            .cloned();
+        Some((leader, node))
+    }
+
+    /// Writes `command` to `shard` and answers what applying it did, once committed. A write
+    /// that reached a leader but was not confirmed in time fails with `maybe_stored` set.
+    pub async fn write(
+        &self,
+        shard: ShardId,
+        command: ShardCommand,
+    ) -> Result<ShardResponse, ShardWriteError> {
+        let raft = self.raft(shard).ok_or(ShardWriteError::NoShard {
+            shard,
+            shards: self.shards(),
+        })?;
+        let started = Instant::now();
+        let mut reason = String::from("no leader is known yet");
+        while let Some(left) = WRITE_WAIT_MAX.checked_sub(started.elapsed()) {
+            let attempt = match Self::leader(raft) {
+                Some((leader, _)) if leader == self.node_id => {
+                    self.propose(shard, raft, &command, left).await?
+                }
+                Some((leader, Some(node))) => {
+                    self.forward(shard, (leader, &node), &command, left).await?
+                }
+                Some((leader, None)) => {
+                    Attempt::Again(format!("leader {leader} is not in the shard's membership"))
+                }
+                None => Attempt::Again("no leader is known yet".to_owned()),
+            };
+            match attempt {
+                Attempt::Done(response) => return Ok(response),
+                Attempt::Again(why) => reason = why,
+            }
+            tokio::time::sleep(LEADER_WAIT_STEP).await;
+        }
+        Err(ShardWriteError::Unavailable {
+            shard,
+            reason: format!(
+                "no leader took the write within {} ms ({reason}); retry",
+                WRITE_WAIT_MAX.as_millis()
+            ),
+            maybe_stored: false,
+        })
+    }
+
+    /// Proposes `command` on this node, which leads `shard`.
+    async fn propose(
+        &self,
+        shard: ShardId,
+        raft: &ShardRaft,
+        command: &ShardCommand,
+        left: Duration,
+    ) -> Result<Attempt, ShardWriteError> {
+        let written = tokio::time::timeout(left, raft.client_write(command.clone()))
+            .await
+            .map_err(|_| ShardWriteError::Unavailable {
+                shard,
+                reason: "the leader could not reach a majority of the shard's replicas in time; \
+                         the write may still be applied if it does"
+                    .to_owned(),
+                maybe_stored: true,
+            })?;
+        match written {
+            Ok(written) => Ok(Attempt::Done(written.data)),
+            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => {
+                Ok(Attempt::Again("the lead moved".to_owned()))
+            }
+            Err(RaftError::APIError(other)) => Ok(Attempt::Again(other.to_string())),
+            Err(RaftError::Fatal(fatal)) => Err(ShardWriteError::Stopped {
+                shard,
+                reason: fatal.to_string(),
+            }),
+        }
+    }
+
+    /// Sends `command` to `shard`'s leader and waits until this node applied it too (so a
+    /// read through this node sees it), up to the time left.
+    async fn forward(
+        &self,
+        shard: ShardId,
+        (leader, node): (NodeId, &NodeInfo),
+        command: &ShardCommand,
+        left: Duration,
+    ) -> Result<Attempt, ShardWriteError> {
+        let maybe = |reason: String| ShardWriteError::Unavailable {
+            shard,
+            reason,
+            maybe_stored: true,
+        };
+        let body = to_postcard(command).map_err(|error| ShardWriteError::Stopped {
+            shard,
+            reason: format!("cannot encode the command: {error}"),
+        })?;
+        let answer = match send(
+            &self.channels,
+            &node.peer_addr,
+            (shard, ShardCall::Forward),
+            body,
+            left,
+        )
+        .await
+        {
+            Ok(answer) => answer,
+            // Not connected: the leader never saw it.
+            Err(status) if status.code() == tonic::Code::Unavailable => {
+                return Ok(Attempt::Again(format!(
+                    "leader {leader}: {}",
+                    status.message()
+                )));
+            }
+            Err(status) => {
+                return Err(maybe(format!(
+                    "forwarded to leader {leader}, no answer: {}",
+                    status.message()
+                )));
+            }
+        };
+        let answer: Result<ShardForwarded, ForwardRefusal> = serde_json::from_slice(&answer)
+            .map_err(|error| maybe(format!("leader {leader}'s answer is unreadable: {error}")))?;
+        match answer {
+            Ok(forwarded) => {
+                if let Some(raft) = self.raft(shard) {
+                    let applied = raft
+                        .wait(Some(left))
+                        .applied_index_at_least(Some(forwarded.log_index), "the write applied")
+                        .await;
+                    if let Err(error) = applied {
+                        tracing::debug!(%error, shard, "a forwarded write is committed, not yet applied here");
+                    }
+                }
+                Ok(Attempt::Done(forwarded.response))
+            }
+            Err(ForwardRefusal::NotLeader) => {
+                Ok(Attempt::Again(format!("node {leader} no longer leads")))
+            }
+            Err(ForwardRefusal::NotCommitted(reason)) => {
+                Err(maybe(format!("leader {leader}: {reason}")))
+            }
+            Err(ForwardRefusal::Stopped(reason)) => {
+                Ok(Attempt::Again(format!("leader {leader} stopped: {reason}")))
+            }
+        }
+    }
+
+    /// Answers one `Shard` peer call.
+    pub async fn serve(&self, message: ShardMessage) -> Result<ShardMessage, Status> {
+        let shard = message.shard;
+        let raft = self
+            .raft(shard)
+            .ok_or_else(|| Status::unavailable(format!("no shard {shard} on this node")))?;
+        let body = match ShardCall::try_from(message.call).unwrap_or(ShardCall::Unspecified) {
+            ShardCall::AppendEntries => json(&raft.append_entries(decode(&message.body)?).await),
+            ShardCall::Vote => json(&raft.vote(decode(&message.body)?).await),
+            ShardCall::InstallSnapshot => {
+                json(&raft.install_snapshot(decode(&message.body)?).await)
+            }
+            ShardCall::Forward => {
+                let command: ShardCommand = decode(&message.body)?;
+                json(&self.serve_forward(raft, command).await)
+            }
+            ShardCall::Unspecified => {
+                return Err(Status::invalid_argument("a shard call names no call"));
+            }
+        }?;
+        Ok(ShardMessage {
+            shard,
+            call: message.call,
+            body,
+        })
+    }
+
+    async fn serve_forward(
+        &self,
+        raft: &ShardRaft,
+        command: ShardCommand,
+    ) -> Result<ShardForwarded, ForwardRefusal> {
+        if raft.metrics().borrow().current_leader != Some(self.node_id) {
+            return Err(ForwardRefusal::NotLeader);
+        }
+        let written = tokio::time::timeout(WRITE_WAIT_MAX, raft.client_write(command))
+            .await
+            .map_err(|_| {
+                ForwardRefusal::NotCommitted(
+                    "not committed in time: no majority of the shard's replicas confirmed it"
+                        .to_owned(),
+                )
+            })?;
+        match written {
+            Ok(written) => Ok(ShardForwarded {
+                response: written.data,
+                log_index: written.log_id.index,
+            }),
+            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => {
+                Err(ForwardRefusal::NotLeader)
+            }
+            Err(RaftError::APIError(other)) => Err(ForwardRefusal::NotCommitted(other.to_string())),
+            Err(RaftError::Fatal(fatal)) => Err(ForwardRefusal::Stopped(fatal.to_string())),
+        }
+    }
+
+    /// For every shard this node leads, moves its voters towards the replicas `voters` (the
+    /// metadata group's voters and their addresses) name for it; one change per shard per
+    /// call. Returns how many shards changed.
+    pub async fn place(&self, voters: &BTreeMap<NodeId, NodeInfo>) -> usize {
+        let ids: Vec<NodeId> = voters.keys().copied().collect();
+        let mut changed = 0;
+        for (shard, raft) in self.rafts.iter().enumerate() {
+            let metrics = raft.metrics().borrow().clone();
+            if metrics.state != ServerState::Leader {
+                continue;
+            }
+            let shard = u32::try_from(shard).unwrap_or(u32::MAX);
+            let wanted: BTreeSet<NodeId> = levee_proto::shards::replicas(shard, &ids)
+                .into_iter()
+                .collect();
+            let membership = metrics.membership_config.membership().clone();
+            let current: BTreeSet<NodeId> = membership.voter_ids().collect();
+            if wanted.is_empty() || current == wanted {
+                continue;
+            }
+            let mut ready = true;
+            for node in wanted.difference(&current) {
+                if membership.get_node(node).is_some() {
+                    continue;
+                }
+                let Some(info) = voters.get(node) else {
+                    continue;
+                };
+                let added =
+                    tokio::time::timeout(CATCH_UP_MAX, raft.add_learner(*node, info.clone(), true))
+                        .await;
+                if !matches!(added, Ok(Ok(_))) {
+                    tracing::debug!(shard, node, "a new replica did not catch up yet; retrying");
+                    ready = false;
+                }
+            }
+            if !ready {
+                continue;
+            }
+            match tokio::time::timeout(CATCH_UP_MAX, raft.change_membership(wanted.clone(), false))
+                .await
+            {
+                Ok(Ok(_)) => {
+                    changed += 1;
+                    tracing::info!(shard, replicas = ?wanted, "placed the shard's replicas");
+                }
+                Ok(Err(error)) => tracing::debug!(%error, shard, "placing the shard's replicas"),
+                Err(_) => tracing::debug!(shard, "placing the shard's replicas timed out"),
+            }
+        }
+        changed
+    }
+}
+
+/// A postcard request body.
+fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Status> {
+    postcard::from_bytes(body).map_err(|error| {
+        Status::invalid_argument(format!(
+            "a shard request this node cannot read ({error}); do the cluster's nodes run one \
+             version?"
+        ))
+    })
+}
+
+/// A JSON answer body.
+fn json<T: Serialize>(answer: &T) -> Result<Vec<u8>, Status> {
+    serde_json::to_vec(answer)
+        .map_err(|error| Status::internal(format!("cannot encode a shard answer: {error}")))
+}

@@ -1,0 +1,160 @@
+//! Shard groups (docs/CLUSTER.md, "Part 2"): every plain queue of a cluster created with
+//! replicated queues belongs to one of its shards, and each shard is an openraft group of its
+//! own, up to three replicas placed by `levee_proto::shards::replicas`.
+//!
+//! - [`ShardCommand`] / [`ShardResponse`]: what a shard's log carries (appends to its queues)
+//!   and what applying an entry answered (the messages' offsets).
+//! - [`machine`]: [`ShardStateMachine`], which applies the log to the node's queue store, with
+//!   a crash-safe record of what it applied.
+//! - [`network`]: the shards' openraft calls over the peer port, one connection per peer for
+//!   every shard, bodies in postcard.
+//! - [`groups`]: [`ShardGroups`], a node's Raft instance of every shard, writes from any node
+//!   (proposed on the shard's leader, forwarded to it from the others), and the placement of
+//!   replicas as voters come and go.
+
+use std::io::Cursor;
+
+use levee_proto::Bytes;
+use openraft::Entry;
+use serde::{Deserialize, Serialize};
+
+use crate::log_store::LogCodec;
+use crate::{NodeInfo, StorageError};
+
+pub mod groups;
+pub mod machine;
+pub mod network;
+
+pub use groups::{ShardGroups, ShardSlot, ShardWriteError};
+pub use machine::{ShardObserver, ShardStateMachine};
+
+openraft::declare_raft_types!(
+    /// A shard group's types for openraft.
+    pub ShardConfig:
+        D = ShardCommand,
+        R = ShardResponse,
+        Node = NodeInfo,
+        SnapshotData = Cursor<Vec<u8>>,
+);
+
+/// A shard's Raft instance.
+pub type ShardRaft = openraft::Raft<ShardConfig>;
+
+/// A shard's number, 0 to the cluster's shards - 1.
+pub type ShardId = u32;
+
+/// One message for a queue.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueMessage {
+    /// The queue's name.
+    pub queue: Bytes,
+    /// The message.
+    pub payload: Bytes,
+}
+
+/// A change to a shard's queues.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ShardCommand {
+    /// Appends messages to queues of the shard; those of one queue keep their order.
+    Append {
+        /// The messages, in order.
+        messages: Vec<QueueMessage>,
+    },
+}
+
+/// What applying one entry did.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum ShardResponse {
+    /// A blank or membership entry: nothing to say.
+    #[default]
+    Done,
+    /// The messages of an append were stored at these offsets, in order.
+    Appended {
+        /// Each message's offset in its queue.
+        offsets: Vec<u64>,
+    },
+    /// The command was refused on every replica (a message the store cannot take), and
+    /// nothing of it was stored.
+    Refused {
+        /// Why, in words.
+        reason: String,
+    },
+}
+
+/// A postcard encoding (entries on disk, peer messages): binary, payloads copied whole.
+pub(crate) fn to_postcard<T: Serialize>(value: &T) -> Result<Vec<u8>, postcard::Error> {
+    postcard::to_allocvec(value)
+}
+
+impl LogCodec for ShardConfig {
+    fn encode_entry(entry: &Entry<Self>) -> Result<Vec<u8>, StorageError> {
+        to_postcard(entry).map_err(|error| openraft::StorageIOError::write_logs(&error).into())
+    }
+
+    fn decode_entry(bytes: &[u8]) -> Result<Entry<Self>, StorageError> {
+        postcard::from_bytes(bytes)
+            .map_err(|error| openraft::StorageIOError::read_logs(&error).into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use openraft::{CommittedLeaderId, EntryPayload, LogId, Membership};
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use super::*;
+
+    fn entry(index: u64, payload: EntryPayload<ShardConfig>) -> Entry<ShardConfig> {
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(3, 2), index),
+            payload,
+        }
+    }
+
+    #[test]
+    fn given_each_kind_of_entry_when_encoded_then_decoding_gives_it_back()
+    -> Result<(), StorageError> {
+        let append = ShardCommand::Append {
+            messages: vec![QueueMessage {
+                queue: Bytes::from_static(b"orders"),
+                payload: Bytes::from(vec![7_u8; 300]),
+            }],
+        };
+        let membership = Membership::new(
+            vec![BTreeSet::from([1, 2])],
+            BTreeMap::from([(1, NodeInfo::default()), (2, NodeInfo::default())]),
+        );
+        for entry in [
+            entry(1, EntryPayload::Blank),
+            entry(2, EntryPayload::Normal(append)),
+            entry(3, EntryPayload::Membership(membership)),
+        ] {
+            let bytes = ShardConfig::encode_entry(&entry)?;
+            let decoded = ShardConfig::decode_entry(&bytes)?;
+            assert_eq!(decoded.log_id, entry.log_id);
+            assert_eq!(
+                format!("{:?}", decoded.payload),
+                format!("{:?}", entry.payload)
+            );
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn given_a_payload_when_encoded_then_its_bytes_are_written_whole_not_one_number_each()
+    -> Result<(), StorageError> {
+        let append = ShardCommand::Append {
+            messages: vec![QueueMessage {
+                queue: Bytes::from_static(b"q"),
+                payload: Bytes::from(vec![200_u8; 1000]),
+            }],
+        };
+        let bytes = ShardConfig::encode_entry(&entry(9, EntryPayload::Normal(append)))?;
+        assert!(
+            bytes.len() < 1030,
+            "{} bytes for a 1000-byte payload",
+            bytes.len()
+        );
+        Ok(())
+    }
+}

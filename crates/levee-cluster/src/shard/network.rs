@@ -1,0 +1,170 @@
+//! The shard groups' transport (docs/CLUSTER.md, "Part 2"): openraft's calls of every shard
+//! over the one `Shard` call of the peer service, requests in postcard (they carry queue
+//! data), answers in JSON. [`ShardNetwork`] shares one channel per peer address among all of
+//! a node's shards (tonic multiplexes the calls over one HTTP/2 connection).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use levee_proto::peer_v1::peer_client::PeerClient;
+use levee_proto::peer_v1::{ShardCall, ShardMessage};
+use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tonic::transport::Channel;
+
+use crate::network::{CallError, PeerDialer, status_error};
+use crate::shard::{ShardConfig, ShardId, to_postcard};
+use crate::{NodeId, NodeInfo};
+
+/// Channels to peers by peer address, shared by every shard of a node.
+#[derive(Debug, Clone, Default)]
+pub struct PeerChannels {
+    dialer: PeerDialer,
+    channels: Arc<Mutex<HashMap<String, Channel>>>,
+}
+
+impl PeerChannels {
+    /// Channels dialed with `dialer`.
+    pub fn new(dialer: PeerDialer) -> Self {
+        Self {
+            dialer,
+            channels: Arc::default(),
+        }
+    }
+
+    /// The client of the peer at `address`, its channel made on first use (connecting
+    /// lazily; tonic reconnects it).
+    pub fn client(&self, address: &str) -> Result<PeerClient<Channel>, String> {
+        let mut channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
+        let channel = if let Some(channel) = channels.get(address) {
+            channel.clone()
+        } else {
+            let channel = self.dialer.channel(address)?;
+            channels.insert(address.to_owned(), channel.clone());
+            channel
+        };
+        Ok(PeerClient::new(channel)
+            .max_decoding_message_size(crate::shard::groups::PEER_MESSAGE_BYTES_MAX)
+            .max_encoding_message_size(crate::shard::groups::PEER_MESSAGE_BYTES_MAX))
+    }
+}
+
+/// openraft's network of one shard.
+#[derive(Debug, Clone)]
+pub struct ShardNetwork {
+    shard: ShardId,
+    channels: PeerChannels,
+}
+
+impl ShardNetwork {
+    /// Shard `shard`'s network over `channels`.
+    pub fn new(shard: ShardId, channels: PeerChannels) -> Self {
+        Self { shard, channels }
+    }
+}
+
+impl RaftNetworkFactory<ShardConfig> for ShardNetwork {
+    type Network = ShardConnection;
+
+    async fn new_client(&mut self, target: NodeId, node: &NodeInfo) -> Self::Network {
+        ShardConnection {
+            target,
+            shard: self.shard,
+            address: node.peer_addr.clone(),
+            channels: self.channels.clone(),
+        }
+    }
+}
+
+/// One peer of one shard, as openraft calls it.
+#[derive(Debug)]
+pub struct ShardConnection {
+    target: NodeId,
+    shard: ShardId,
+    address: String,
+    channels: PeerChannels,
+}
+
+/// Sends one shard call to the peer at `address` and returns the answer's body; `None` as the
+/// time limit waits as long as the call takes.
+pub(crate) async fn send(
+    channels: &PeerChannels,
+    address: &str,
+    (shard, call): (ShardId, ShardCall),
+    body: Vec<u8>,
+    limit: std::time::Duration,
+) -> Result<Vec<u8>, tonic::Status> {
+    let mut client = channels
+        .client(address)
+        .map_err(tonic::Status::unavailable)?;
+    let message = ShardMessage {
+        shard,
+        call: call.into(),
+        body,
+    };
+    let answer = tokio::time::timeout(limit, client.shard(message))
+        .await
+        .map_err(|_| tonic::Status::deadline_exceeded(format!("no answer within {limit:?}")))??;
+    Ok(answer.into_inner().body)
+}
+
+impl ShardConnection {
+    async fn call<Req, Resp, E>(
+        &mut self,
+        call: ShardCall,
+        request: &Req,
+        option: &RPCOption,
+    ) -> Result<Resp, CallError<E>>
+    where
+        Req: Serialize,
+        Resp: DeserializeOwned,
+        E: std::error::Error + DeserializeOwned,
+    {
+        let body =
+            to_postcard(request).map_err(|error| RPCError::Network(NetworkError::new(&error)))?;
+        let answer = send(
+            &self.channels,
+            &self.address,
+            (self.shard, call),
+            body,
+            option.hard_ttl(),
+        )
+        .await
+        .map_err(|status| status_error(&status))?;
+        let result: Result<Resp, RaftError<NodeId, E>> = serde_json::from_slice(&answer)
+            .map_err(|error| RPCError::Network(NetworkError::new(&error)))?;
+        result.map_err(|error| RPCError::RemoteError(RemoteError::new(self.target, error)))
+    }
+}
+
+impl RaftNetwork<ShardConfig> for ShardConnection {
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<ShardConfig>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<NodeId>, CallError<openraft::error::Infallible>> {
+        self.call(ShardCall::AppendEntries, &rpc, &option).await
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<ShardConfig>,
+        option: RPCOption,
+    ) -> Result<InstallSnapshotResponse<NodeId>, CallError<InstallSnapshotError>> {
+        self.call(ShardCall::InstallSnapshot, &rpc, &option).await
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<NodeId>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<NodeId>, CallError<openraft::error::Infallible>> {
+        self.call(ShardCall::Vote, &rpc, &option).await
+    }
+}

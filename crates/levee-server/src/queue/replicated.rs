@@ -1,0 +1,218 @@
+//! Plain queues replicated over the cluster's shards (docs/CLUSTER.md, "Part 2", step 2), in
+//! a cluster created with `replicated_queues`: an append is split by shard
+//! (`levee_proto::shards::shard_of_bytes` of each queue's name), each part written through its
+//! shard's Raft group (proposed on the shard's leader, forwarded there from any other node)
+//! and answered once a majority of the shard's replicas hold it fsynced and it is applied.
+//! Every replica applies the log to its own store, so reads, queue info and subscriptions are
+//! served by any node from committed data; each node's subscriptions are woken as its replica
+//! applies ([`WakeWaiters`]).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use levee_cluster::shard::groups::shard_raft_config;
+use levee_cluster::shard::{
+    QueueMessage, ShardCommand, ShardGroups, ShardId, ShardObserver, ShardResponse, ShardSlot,
+    ShardWriteError,
+};
+use levee_cluster::{MetaStateMachine, NodeId, NodeInfo, Raft};
+use levee_proto::WireError;
+use levee_proto::v1::{AppendMessage, ErrorCode};
+use levee_store::Store;
+use tokio::sync::watch;
+
+use crate::queue::waiters::{Appended, Waiters};
+
+/// How often a node moves the replicas of the shards it leads towards their placement.
+const PLACE_INTERVAL: Duration = Duration::from_millis(500);
+/// The shard logs' directory in the data dir.
+pub const SHARDS_DIR_NAME: &str = "shards";
+
+/// Whether, and through what, this node's plain queues are replicated.
+#[derive(Debug, Clone)]
+pub struct Replication {
+    machine: MetaStateMachine,
+    slot: ShardSlot,
+}
+
+/// Wakes a node's subscriptions as its replica of a shard applies appends.
+#[derive(Debug)]
+pub struct WakeWaiters(pub Arc<Waiters>);
+
+impl ShardObserver for WakeWaiters {
+    fn appended(&self, _shard: ShardId, appended: &[(&[u8], u64, &[u8])]) {
+        let appended: Vec<Appended<'_>> = appended
+            .iter()
+            .map(|&(queue, offset, payload)| Appended {
+                queue,
+                offset,
+                payload,
+            })
+            .collect();
+        self.0.wake_appended(&appended);
+    }
+}
+
+/// A shard write's failure as the API says it.
+pub fn shard_error(error: &ShardWriteError) -> WireError {
+    match error {
+        ShardWriteError::Unavailable {
+            maybe_stored: true, ..
+        } => WireError::new(
+            ErrorCode::Unavailable,
+            format!("{error}; the messages may be stored: read the queue before resending"),
+        ),
+        ShardWriteError::Unavailable { .. } => WireError::new(
+            ErrorCode::Unavailable,
+            format!("{error}; nothing was stored"),
+        ),
+        ShardWriteError::NoShard { .. } => WireError::new(ErrorCode::Internal, error.to_string()),
+        ShardWriteError::Stopped { .. } => {
+            WireError::new(ErrorCode::StorageFailed, error.to_string())
+        }
+    }
+}
+
+impl Replication {
+    /// Replication as `machine` says the cluster was created, through the groups `slot` holds
+    /// once opened.
+    pub fn new(machine: MetaStateMachine, slot: ShardSlot) -> Self {
+        Self { machine, slot }
+    }
+
+    /// The shard groups, when the cluster replicates its queues (`None` when it does not;
+    /// UNAVAILABLE while they open).
+    pub fn groups(&self) -> Option<Result<&ShardGroups, WireError>> {
+        if !self.machine.replicated_queues() {
+            return None;
+        }
+        Some(self.slot.get().ok_or_else(|| {
+            WireError::new(
+                ErrorCode::Unavailable,
+                "this node is still opening its shards; retry in a moment",
+            )
+        }))
+    }
+
+    /// Appends `messages` through their shards; their offsets in request order.
+    pub async fn append(
+        groups: &ShardGroups,
+        messages: Vec<AppendMessage>,
+    ) -> Result<Vec<u64>, WireError> {
+        let shards = groups.shards();
+        // Each shard's messages and their places in the request.
+        let mut parts: BTreeMap<ShardId, (Vec<usize>, Vec<QueueMessage>)> = BTreeMap::new();
+        for (index, message) in messages.into_iter().enumerate() {
+            let shard = levee_proto::shards::shard_of_bytes(&message.queue, shards);
+            let part = parts.entry(shard).or_default();
+            part.0.push(index);
+            part.1.push(QueueMessage {
+                queue: message.queue,
+                payload: message.payload,
+            });
+        }
+        let count = parts.values().map(|part| part.0.len()).sum();
+        let writes = parts
+            .into_iter()
+            .map(|(shard, (places, messages))| async move {
+                let response = groups
+                    .write(shard, ShardCommand::Append { messages })
+                    .await
+                    .map_err(|error| shard_error(&error))?;
+                match response {
+                    ShardResponse::Appended { offsets } if offsets.len() == places.len() => {
+                        Ok((places, offsets))
+                    }
+                    ShardResponse::Refused { reason } => Err(WireError::new(
+                        ErrorCode::InvalidArgument,
+                        format!("{reason}; fix the request"),
+                    )),
+                    other => Err(WireError::new(
+                        ErrorCode::Internal,
+                        format!("shard {shard} answered an append with {other:?}"),
+                    )),
+                }
+            });
+        let mut offsets = vec![0; count];
+        for written in futures_util::future::join_all(writes).await {
+            let (places, written) = written?;
+            for (place, offset) in places.into_iter().zip(written) {
+                offsets[place] = offset;
+            }
+        }
+        Ok(offsets)
+    }
+}
+
+/// Once the cluster's shards are fixed, and if it replicates its queues: opens this node's
+/// shard groups (making itself every shard's only replica when it created the cluster or is
+/// its only voter), hands them to `slot`, then, every [`PLACE_INTERVAL`] until `stop`, places
+/// the replicas of the shards it leads over the metadata group's voters.
+pub async fn run_shards(
+    (raft, machine, slot): (Raft, MetaStateMachine, ShardSlot),
+    (node_id, me, created): (NodeId, NodeInfo, bool),
+    (directory, store, waiters): (std::path::PathBuf, Arc<Store>, Arc<Waiters>),
+    dialer: levee_cluster::network::PeerDialer,
+    mut stop: watch::Receiver<bool>,
+) {
+    let shards = loop {
+        if let Some(shards) = machine.shards() {
+            break shards;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            _ = stop.wait_for(|stop| *stop) => return,
+        }
+    };
+    if !machine.replicated_queues() {
+        return;
+    }
+    let config = match shard_raft_config(&format!("node-{node_id}")) {
+        Ok(config) => config,
+        Err(error) => {
+            tracing::error!(%error, "the shards' settings");
+            return;
+        }
+    };
+    let observer = Arc::new(WakeWaiters(waiters));
+    let groups = match ShardGroups::open(
+        (node_id, shards),
+        (&directory, &store),
+        config,
+        dialer,
+        observer,
+    )
+    .await
+    {
+        Ok(groups) => groups,
+        Err(error) => {
+            tracing::error!(%error, "cannot open this node's shards; replicated queues are unavailable here");
+            return;
+        }
+    };
+    let voters = |raft: &Raft| -> BTreeMap<NodeId, NodeInfo> {
+        let metrics = raft.metrics().borrow().clone();
+        let membership = metrics.membership_config.membership();
+        membership
+            .voter_ids()
+            .filter_map(|id| membership.get_node(&id).map(|node| (id, node.clone())))
+            .collect()
+    };
+    let alone = voters(&raft).keys().eq([node_id].iter());
+    if (created || alone)
+        && let Err(error) = groups.initialize_alone(&me).await
+    {
+        tracing::error!(%error, "cannot initialise this node's shards");
+    }
+    let _ = slot.set(groups.clone());
+    tracing::info!(shards, "replicated queues: this node's shards are open");
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(PLACE_INTERVAL) => {}
+            _ = stop.wait_for(|stop| *stop) => break,
+        }
+        groups.place(&voters(&raft)).await;
+    }
+    groups.shutdown().await;
+}

@@ -1,0 +1,279 @@
+//! Replicated plain queues (docs/CLUSTER.md, "Part 2", step 2) with three `levee server`
+//! processes over loopback: a cluster created with `--replicated-queues true` places every
+//! shard on its three nodes; an append through any node is stored at the same offset on every
+//! node; kill -9 the node that leads a shard while appends run through another node: after a
+//! new leader is elected appends go on, and once the killed node is back every node holds
+//! exactly the acknowledged messages, each once, at the offset it was acknowledged at, with
+//! dense offsets.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use levee_client::Client;
+use levee_proto::v1::ErrorCode;
+use support::{LeveeProcess, http_get, runtime, wait_for};
+
+/// How long a cluster may take to form, place its shards, or elect a new leader.
+const CONVERGE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Shards of the test's cluster.
+const SHARDS: u32 = 4;
+
+fn start(
+    directory: &std::path::Path,
+    node_id: &str,
+    peer: &str,
+    join: Option<&str>,
+) -> LeveeProcess {
+    let mut flags = vec![
+        "--node-id",
+        node_id,
+        "--peer-addr",
+        peer,
+        "--shards",
+        "4",
+        "--replicated-queues",
+        "true",
+    ];
+    if let Some(seed) = join {
+        flags.extend(["--join", seed]);
+    }
+    LeveeProcess::start_in(&directory.join(format!("n{node_id}")), &flags)
+}
+
+fn status(node: &LeveeProcess) -> serde_json::Value {
+    let (code, body) = http_get(node.admin_addr, "/v1/cluster");
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// Each shard's leader and voters as `node` sees them.
+fn shard_groups(node: &LeveeProcess) -> BTreeMap<u64, (Option<u64>, Vec<u64>)> {
+    let view = status(node);
+    view["shard_groups"]
+        .as_array()
+        .map(|groups| {
+            groups
+                .iter()
+                .map(|group| {
+                    let voters = group["voters"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|voter| voter.as_u64().unwrap())
+                        .collect();
+                    (
+                        group["shard"].as_u64().unwrap(),
+                        (group["leader"].as_u64(), voters),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Waits until every node is a voter of every shard and sees one leader for each.
+fn wait_placed(nodes: &[&LeveeProcess], voters: &[u64]) -> BTreeMap<u64, u64> {
+    let mut leaders = BTreeMap::new();
+    wait_for("every shard placed on the nodes", CONVERGE_TIMEOUT, || {
+        let views: Vec<_> = nodes.iter().map(|node| shard_groups(node)).collect();
+        leaders.clear();
+        (0..u64::from(SHARDS)).all(|shard| {
+            views.iter().all(|view| {
+                view.get(&shard).is_some_and(|(leader, members)| {
+                    members == voters
+                        && leader.is_some()
+                        && *leaders.entry(shard).or_insert(leader.unwrap()) == leader.unwrap()
+                })
+            })
+        })
+    });
+    leaders
+}
+
+/// Every message of `queue` on `node`, from offset 0 (the offsets must be dense).
+async fn read_all(client: &Client, queue: &[u8]) -> Vec<Vec<u8>> {
+    let mut messages = Vec::new();
+    loop {
+        let read = match client.read(queue, messages.len() as u64, 10_000, 0).await {
+            Ok(read) => read,
+            Err(error) if error.code() == Some(ErrorCode::NotFound) => return messages,
+            Err(error) => panic!("reading {}: {error}", String::from_utf8_lossy(queue)),
+        };
+        if read.payloads.is_empty() {
+            return messages;
+        }
+        assert_eq!(
+            read.first_offset,
+            messages.len() as u64,
+            "offsets are dense"
+        );
+        messages.extend(read.payloads.into_iter().map(|payload| payload.to_vec()));
+    }
+}
+
+#[test]
+#[allow(clippy::too_many_lines, reason = "one scenario, step by step")]
+fn given_a_replicated_cluster_when_a_shard_leader_is_killed_under_appends_then_nothing_acknowledged_is_lost_or_doubled()
+ {
+    let directory = tempfile::tempdir().unwrap();
+    let runtime = runtime();
+    let first = start(directory.path(), "1", "127.0.0.1:0", None);
+    let seed = first.peer_addr.unwrap().to_string();
+    let mut nodes = [
+        Some(first),
+        Some(start(directory.path(), "2", "127.0.0.1:0", Some(&seed))),
+        Some(start(directory.path(), "3", "127.0.0.1:0", Some(&seed))),
+    ];
+    let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
+    assert_eq!(status(all[1])["replicated_queues"], true);
+    let leaders = wait_placed(&all, &[1, 2, 3]);
+
+    // Queues of every shard, appended through each node in turn.
+    let queues: Vec<Vec<u8>> = (0..16)
+        .map(|n| format!("orders-{n}").into_bytes())
+        .collect();
+    let clients: Vec<Client> = all
+        .iter()
+        .map(|node| runtime.block_on(Client::connect(&node.grpc())).unwrap())
+        .collect();
+    // What each append was acknowledged with: queue -> offset -> payload.
+    let mut acknowledged: BTreeMap<Vec<u8>, BTreeMap<u64, Vec<u8>>> = BTreeMap::new();
+    for (round, client) in clients.iter().enumerate() {
+        let batch: Vec<(Vec<u8>, Vec<u8>)> = queues
+            .iter()
+            .map(|queue| (queue.clone(), format!("first-{round}").into_bytes()))
+            .collect();
+        let borrowed: Vec<(&[u8], &[u8])> = batch.iter().map(|(q, p)| (&q[..], &p[..])).collect();
+        let offsets = runtime.block_on(client.append_batch(&borrowed)).unwrap();
+        for ((queue, payload), offset) in batch.into_iter().zip(offsets) {
+            assert_eq!(offset, round as u64, "appends of each round land in order");
+            acknowledged
+                .entry(queue)
+                .or_default()
+                .insert(offset, payload);
+        }
+    }
+    // Read back through every node: the same messages at the same offsets (a node answers
+    // a forwarded write once it applied it; the others may lag a heartbeat).
+    for client in &clients {
+        for queue in &queues {
+            wait_for("the appends on every node", CONVERGE_TIMEOUT, || {
+                runtime.block_on(read_all(client, queue)).len() == 3
+            });
+        }
+    }
+
+    // Kill the leader of shard 0 while a writer appends through another node.
+    let victim = leaders[&0];
+    let writer_index = usize::from(victim == 1);
+    let writer = clients[writer_index].clone();
+    let queues_for_writer = queues.clone();
+    let appends = runtime.spawn(async move {
+        let mut outcomes = Vec::new();
+        let started = Instant::now();
+        let mut sequence = 0_u64;
+        while started.elapsed() < Duration::from_secs(6) {
+            let queue = &queues_for_writer[(sequence % 16) as usize];
+            let payload = format!("load-{sequence}").into_bytes();
+            let answer = writer.append(queue, &payload).await;
+            outcomes.push((
+                queue.clone(),
+                payload,
+                answer.map_err(|error| error.to_string()),
+            ));
+            sequence += 1;
+        }
+        outcomes
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    let killed = nodes[usize::try_from(victim).unwrap() - 1].take().unwrap();
+    let killed_peer = killed.peer_addr.unwrap().to_string();
+    killed.signal("KILL");
+    drop(killed);
+    let outcomes = runtime.block_on(appends).unwrap();
+    let failed = outcomes.iter().filter(|outcome| outcome.2.is_err()).count();
+    let succeeded_after_kill = outcomes
+        .iter()
+        .rev()
+        .take_while(|outcome| outcome.2.is_ok())
+        .count();
+    assert!(
+        succeeded_after_kill > 10,
+        "appends go on once a new leader is elected ({failed} failed of {})",
+        outcomes.len()
+    );
+    // Failed appends: those said not stored must not be, those said maybe stored may be.
+    let (mut not_stored, mut maybe_stored) = (Vec::new(), std::collections::BTreeSet::new());
+    for (queue, payload, answer) in outcomes {
+        match answer {
+            Ok(offset) => {
+                let previous = acknowledged
+                    .entry(queue)
+                    .or_default()
+                    .insert(offset, payload);
+                assert!(previous.is_none(), "an offset acknowledged twice");
+            }
+            Err(error) if error.contains("nothing was stored") => not_stored.push(payload),
+            Err(error) if error.contains("may be stored") => {
+                maybe_stored.insert(payload);
+            }
+            Err(error) => panic!("an append failed without saying whether it is stored: {error}"),
+        }
+    }
+
+    // The killed node comes back from its data dir and catches up.
+    let restarted = LeveeProcess::start_in(
+        &directory.path().join(format!("n{victim}")),
+        &[
+            "--node-id",
+            &victim.to_string(),
+            "--peer-addr",
+            &killed_peer,
+        ],
+    );
+    nodes[usize::try_from(victim).unwrap() - 1] = Some(restarted);
+    let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
+    wait_placed(&all, &[1, 2, 3]);
+    let clients: Vec<Client> = all
+        .iter()
+        .map(|node| runtime.block_on(Client::connect(&node.grpc())).unwrap())
+        .collect();
+    for client in &clients {
+        for queue in &queues {
+            let expected = &acknowledged[queue];
+            let highest = *expected.keys().next_back().unwrap();
+            wait_for(
+                "every acknowledged append on every node",
+                CONVERGE_TIMEOUT,
+                || runtime.block_on(read_all(client, queue)).len() as u64 > highest,
+            );
+            let stored = runtime.block_on(read_all(client, queue));
+            for (offset, payload) in expected {
+                assert_eq!(
+                    &stored[usize::try_from(*offset).unwrap()],
+                    payload,
+                    "queue {} offset {offset}",
+                    String::from_utf8_lossy(queue)
+                );
+            }
+            // Nothing stored twice (the writer's payloads are unique), and nothing stored that
+            // was not acknowledged unless its failure said it may be.
+            let mut payloads_seen = std::collections::BTreeSet::new();
+            for (offset, payload) in stored.iter().enumerate() {
+                if payload.starts_with(b"load-") {
+                    assert!(
+                        payloads_seen.insert(payload.clone()),
+                        "stored twice: {payload:?}"
+                    );
+                }
+                assert!(
+                    expected.contains_key(&(offset as u64)) || maybe_stored.contains(payload),
+                    "{payload:?} stored at {offset}, never acknowledged nor said maybe stored"
+                );
+                assert!(!not_stored.contains(payload), "{payload:?} said not stored");
+            }
+        }
+    }
+}
