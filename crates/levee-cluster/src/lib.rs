@@ -34,6 +34,7 @@ pub mod manage;
 pub mod network;
 pub mod shard;
 pub mod state_machine;
+pub mod syncer;
 pub mod writer;
 
 pub use command::{HotKeyMeta, HotKeyObserver, LimitMeta, MetaCommand, MetaResponse, NodeInfo};

@@ -17,6 +17,7 @@ use openraft::{Entry, LogId, OptionalSend, RaftLogReader, RaftTypeConfig, Storag
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::syncer::JournalSyncer;
 use crate::{MetaConfig, NodeId, StorageError};
 
 /// How a group's log entries are written on disk.
@@ -49,6 +50,9 @@ pub struct LogStore<C = MetaConfig> {
     keyspace: Keyspace,
     entries: PartitionHandle,
     meta: PartitionHandle,
+    /// The keyspace's group commit, when shared with other logs; without it every append
+    /// fsyncs on its own.
+    syncer: Option<JournalSyncer>,
     codec: std::marker::PhantomData<fn() -> C>,
 }
 
@@ -58,6 +62,7 @@ impl<C> Clone for LogStore<C> {
             keyspace: self.keyspace.clone(),
             entries: self.entries.clone(),
             meta: self.meta.clone(),
+            syncer: self.syncer.clone(),
             codec: std::marker::PhantomData,
         }
     }
@@ -113,8 +118,35 @@ impl<C> LogStore<C> {
             keyspace,
             entries,
             meta,
+            syncer: None,
             codec: std::marker::PhantomData,
         })
+    }
+
+    /// The log fsyncing appends through `syncer` (the keyspace's group commit): an append
+    /// returns once written, and openraft is told it is durable after the fsync that covers it.
+    #[must_use]
+    pub fn with_syncer(mut self, syncer: JournalSyncer) -> Self {
+        self.syncer = Some(syncer);
+        self
+    }
+
+    /// Writes `value` under `key` in the meta partition and waits for it to be fsynced
+    /// through the group commit (alone when there is none).
+    pub(crate) fn write_meta_grouped<T: Serialize>(
+        &self,
+        key: &str,
+        value: &T,
+    ) -> Result<(), StorageError> {
+        let Some(syncer) = &self.syncer else {
+            return self.write_meta(key, value);
+        };
+        self.meta
+            .insert(key, to_json(value)?)
+            .map_err(|error| StorageIOError::write(&error))?;
+        syncer
+            .sync()
+            .map_err(|error| StorageIOError::write(&std::io::Error::other(error)).into())
     }
 
     fn persist(&self) -> Result<(), StorageError> {
@@ -179,6 +211,26 @@ impl<C: LogCodec> LogStore<C> {
     }
 }
 
+impl<C: LogCodec> LogStore<C> {
+    /// Writes `entries` in one batch, without waiting for the fsync.
+    pub(crate) fn write_entries(
+        &self,
+        entries: impl IntoIterator<Item = Entry<C>>,
+    ) -> Result<(), StorageError> {
+        let mut batch = self.keyspace.batch();
+        for entry in entries {
+            batch.insert(
+                &self.entries,
+                index_key(entry.log_id.index),
+                C::encode_entry(&entry)?,
+            );
+        }
+        batch
+            .commit()
+            .map_err(|error| StorageIOError::write_logs(&error).into())
+    }
+}
+
 impl<C: LogCodec> RaftLogReader<C> for LogStore<C> {
     async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
         &mut self,
@@ -237,17 +289,13 @@ impl<C: LogCodec> RaftLogStorage<C> for LogStore<C> {
         I: IntoIterator<Item = Entry<C>> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        let mut batch = self.keyspace.batch();
-        for entry in entries {
-            batch.insert(
-                &self.entries,
-                index_key(entry.log_id.index),
-                C::encode_entry(&entry)?,
-            );
+        self.write_entries(entries)?;
+        if let Some(syncer) = &self.syncer {
+            syncer.after_sync(Box::new(move |result| {
+                callback.log_io_completed(result.map_err(std::io::Error::other));
+            }));
+            return Ok(());
         }
-        batch
-            .commit()
-            .map_err(|error| StorageIOError::write_logs(&error))?;
         // One fsync for the whole batch: the group commit of the log.
         let persisted = self
             .keyspace

@@ -63,9 +63,15 @@ async fn cluster(
         "shards": machine.shards(),
         "replicated_queues": machine.replicated_queues(),
         "shard_groups": shards.get().map(levee_cluster::shard::ShardGroups::status),
-        "shard_map": crate::cluster_service::shard_map(&machine, &metrics)
+        "shard_map": crate::cluster_service::shard_map(&machine, &metrics, &shards)
             .iter()
-            .map(|placement| json!({"shard": placement.shard, "replicas": placement.replicas}))
+            .map(|placement| {
+                json!({
+                    "shard": placement.shard,
+                    "replicas": placement.replicas,
+                    "leader_id": (placement.leader_id != 0).then_some(placement.leader_id),
+                })
+            })
             .collect::<Vec<_>>(),
     }))
 }

@@ -23,6 +23,7 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use crate::state::ServerState;
+use levee_cluster::shard::ShardSlot;
 
 /// How often every member's API is probed.
 pub const PROBE_INTERVAL: Duration = Duration::from_millis(250);
@@ -39,6 +40,7 @@ pub type MemberHealth = watch::Receiver<BTreeMap<NodeId, bool>>;
 pub struct ClusterService {
     manager: Manager,
     machine: MetaStateMachine,
+    shards: ShardSlot,
     state: Arc<ServerState>,
     health: MemberHealth,
     closing: watch::Receiver<bool>,
@@ -48,7 +50,7 @@ impl ClusterService {
     /// The service over `manager`; `health` from [`probe_members`]; streams end when
     /// `closing` turns true.
     pub fn new(
-        (manager, machine): (Manager, MetaStateMachine),
+        (manager, machine, shards): (Manager, MetaStateMachine, ShardSlot),
         state: Arc<ServerState>,
         health: MemberHealth,
         closing: watch::Receiver<bool>,
@@ -56,6 +58,7 @@ impl ClusterService {
         Self {
             manager,
             machine,
+            shards,
             state,
             health,
             closing,
@@ -68,12 +71,24 @@ impl ClusterService {
 pub fn shard_map(
     machine: &MetaStateMachine,
     metrics: &levee_cluster::network::RaftMetrics,
+    shards: &ShardSlot,
 ) -> Vec<ShardPlacement> {
     let voters: Vec<u64> = metrics.membership_config.membership().voter_ids().collect();
+    let leaders: BTreeMap<u32, u64> = shards
+        .get()
+        .map(|groups| {
+            groups
+                .status()
+                .into_iter()
+                .filter_map(|group| Some((group.shard, group.leader?)))
+                .collect()
+        })
+        .unwrap_or_default();
     (0..machine.shards().unwrap_or(0))
         .map(|shard| ShardPlacement {
             shard,
             replicas: levee_proto::shards::replicas(shard, &voters),
+            leader_id: leaders.get(&shard).copied().unwrap_or(0),
         })
         .collect()
 }
@@ -161,7 +176,8 @@ impl Cluster for ClusterService {
             applied_index: metrics.last_applied.map_or(0, |log_id| log_id.index),
             members: members(&metrics, &health),
             shards: self.machine.shards().unwrap_or(0),
-            shard_map: shard_map(&self.machine, &metrics),
+            shard_map: shard_map(&self.machine, &metrics, &self.shards),
+            replicated_queues: self.machine.replicated_queues(),
         }))
     }
 
@@ -278,7 +294,7 @@ impl Cluster for ClusterService {
 /// The Cluster service, its member probes and the count of leader changes, which stop (and
 /// its streams end) when `closing` turns true.
 pub fn serve(
-    (manager, machine): (&Manager, &MetaStateMachine),
+    (manager, machine, shards): (&Manager, &MetaStateMachine, &ShardSlot),
     state: &Arc<ServerState>,
     closing: &watch::Sender<bool>,
 ) -> (
@@ -293,7 +309,7 @@ pub fn serve(
         closing.subscribe(),
     ));
     let service = ClusterService::new(
-        (manager.clone(), machine.clone()),
+        (manager.clone(), machine.clone(), shards.clone()),
         Arc::clone(state),
         health,
         closing.subscribe(),

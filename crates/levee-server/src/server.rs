@@ -195,8 +195,9 @@ impl RunningServer {
             Arc::clone(&hub),
             stop_sessions.subscribe(),
         ))];
+        let cluster = (&raft.manager, &raft.machine, &raft.shards);
         let (cluster_service, cluster_tasks) =
-            cluster_service::serve((&raft.manager, &raft.machine), &state, &stop_sessions);
+            cluster_service::serve(cluster, &state, &stop_sessions);
         background.extend(cluster_tasks);
         let (health, health_service) = serving_health().await;
         let (queue_service, topic_service, consume_context) = queue_services(

@@ -187,6 +187,43 @@ fn given_a_replicated_cluster_when_a_shard_leader_is_killed_under_appends_then_n
         }
         outcomes
     });
+    // And an idempotent producer, through the same node, resending what fails.
+    let producer = runtime
+        .block_on(async {
+            levee_client::Producer::new(
+                clients[writer_index].clone(),
+                levee_client::ProducerOptions {
+                    idempotent: true,
+                    retries_max: 12,
+                    ..levee_client::ProducerOptions::default()
+                },
+            )
+        })
+        .unwrap();
+    let idempotent = runtime.spawn(async move {
+        let mut sends = Vec::new();
+        let started = Instant::now();
+        let mut sequence = 0_u64;
+        while started.elapsed() < Duration::from_secs(6) {
+            let queue = format!("events-{}", sequence % 8).into_bytes();
+            let payload = format!("event-{sequence}").into_bytes();
+            // Eight in flight at once, so resends overlap.
+            let producer = producer.clone();
+            sends.push(tokio::spawn(async move {
+                let answer = producer.send(&queue, &payload).await;
+                (queue, payload, answer.map_err(|error| error.to_string()))
+            }));
+            if sends.len() % 8 == 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            sequence += 1;
+        }
+        let mut outcomes = Vec::new();
+        for send in sends {
+            outcomes.push(send.await.unwrap());
+        }
+        outcomes
+    });
     std::thread::sleep(Duration::from_millis(1500));
     let killed = nodes[usize::try_from(victim).unwrap() - 1].take().unwrap();
     let killed_peer = killed.peer_addr.unwrap().to_string();
@@ -221,6 +258,14 @@ fn given_a_replicated_cluster_when_a_shard_leader_is_killed_under_appends_then_n
             }
             Err(error) => panic!("an append failed without saying whether it is stored: {error}"),
         }
+    }
+
+    // Every idempotent send was acknowledged (its resends rode out the failover).
+    let mut events: BTreeMap<Vec<u8>, BTreeMap<u64, Vec<u8>>> = BTreeMap::new();
+    for (queue, payload, answer) in runtime.block_on(idempotent).unwrap() {
+        let offset = answer.unwrap_or_else(|error| panic!("an idempotent send failed: {error}"));
+        let previous = events.entry(queue).or_default().insert(offset, payload);
+        assert!(previous.is_none(), "an offset acknowledged twice");
     }
 
     // The killed node comes back from its data dir and catches up.
@@ -274,6 +319,29 @@ fn given_a_replicated_cluster_when_a_shard_leader_is_killed_under_appends_then_n
                 );
                 assert!(!not_stored.contains(payload), "{payload:?} said not stored");
             }
+        }
+        // The idempotent producer's messages: exactly what was acknowledged, each once, at
+        // its offset, and nothing else.
+        for (queue, expected) in &events {
+            wait_for(
+                "the producer's messages on every node",
+                CONVERGE_TIMEOUT,
+                || runtime.block_on(read_all(client, queue)).len() >= expected.len(),
+            );
+            let stored = runtime.block_on(read_all(client, queue));
+            let acknowledged: Vec<&Vec<u8>> = expected.values().collect();
+            let stored: Vec<&Vec<u8>> = stored.iter().collect();
+            assert_eq!(
+                stored,
+                acknowledged,
+                "queue {}",
+                String::from_utf8_lossy(queue)
+            );
+            assert_eq!(
+                expected.keys().copied().collect::<Vec<_>>(),
+                (0..expected.len() as u64).collect::<Vec<_>>(),
+                "dense offsets"
+            );
         }
     }
 }

@@ -32,6 +32,7 @@ use crate::network::PeerDialer;
 use crate::shard::machine::{ShardObserver, ShardStateMachine};
 use crate::shard::network::{PeerChannels, ShardNetwork, send};
 use crate::shard::{ShardCommand, ShardConfig, ShardId, ShardRaft, ShardResponse, to_postcard};
+use crate::syncer::JournalSyncer;
 use crate::{NodeId, NodeInfo};
 
 /// Most entries one `AppendEntries` call carries to a shard's follower.
@@ -130,6 +131,7 @@ pub struct ShardGroups {
     node_id: NodeId,
     rafts: Arc<Vec<ShardRaft>>,
     channels: PeerChannels,
+    syncer: JournalSyncer,
 }
 
 impl std::fmt::Debug for ShardGroups {
@@ -165,12 +167,15 @@ impl ShardGroups {
         observer: Arc<dyn ShardObserver>,
     ) -> Result<Self, String> {
         let keyspace = open_keyspace(directory).map_err(|error| error.to_string())?;
+        let syncer = JournalSyncer::start(keyspace.clone())
+            .map_err(|error| format!("the shard logs' sync thread: {error}"))?;
         let channels = PeerChannels::new(dialer);
         let config = Arc::new(config);
         let mut rafts = Vec::with_capacity(shards as usize);
         for shard in 0..shards {
             let log = LogStore::<ShardConfig>::open_in(keyspace.clone(), &format!("-{shard}"))
-                .map_err(|error| format!("shard {shard}'s log: {error}"))?;
+                .map_err(|error| format!("shard {shard}'s log: {error}"))?
+                .with_syncer(syncer.clone());
             let machine = ShardStateMachine::open(shard, Arc::clone(store), log.clone())
                 .map_err(|error| format!("shard {shard}'s state: {error}"))?
                 .with_observer(Arc::clone(&observer));
@@ -189,6 +194,7 @@ impl ShardGroups {
             node_id,
             rafts: Arc::new(rafts),
             channels,
+            syncer,
         })
     }
 
@@ -247,6 +253,7 @@ impl ShardGroups {
                 tracing::warn!(%error, "stopping a shard");
             }
         }
+        self.syncer.stop();
     }
 
     /// The leader of `shard` this node knows, with its addresses.
@@ -322,8 +329,16 @@ impl ShardGroups {
             })?;
         match written {
             Ok(written) => Ok(Attempt::Done(written.data)),
+            // The lead moved while the entry waited: it may still be committed by the next
+            // leader (openraft answers this both before and after appending the entry).
             Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => {
-                Ok(Attempt::Again("the lead moved".to_owned()))
+                Err(ShardWriteError::Unavailable {
+                    shard,
+                    reason: "the shard's lead moved while the write waited; the next leader \
+                             may still apply it"
+                        .to_owned(),
+                    maybe_stored: true,
+                })
             }
             Err(RaftError::APIError(other)) => Ok(Attempt::Again(other.to_string())),
             Err(RaftError::Fatal(fatal)) => Err(ShardWriteError::Stopped {
@@ -450,8 +465,13 @@ impl ShardGroups {
                 response: written.data,
                 log_index: written.log_id.index,
             }),
+            // The lead moved while the entry waited: the next leader may still commit it.
             Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => {
-                Err(ForwardRefusal::NotLeader)
+                Err(ForwardRefusal::NotCommitted(
+                    "the shard's lead moved while the write waited; the next leader may still \
+                     apply it"
+                        .to_owned(),
+                ))
             }
             Err(RaftError::APIError(other)) => Err(ForwardRefusal::NotCommitted(other.to_string())),
             Err(RaftError::Fatal(fatal)) => Err(ForwardRefusal::Stopped(fatal.to_string())),

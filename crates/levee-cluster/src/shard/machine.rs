@@ -1,12 +1,16 @@
 //! [`ShardStateMachine`]: a shard's queues, applied from its log to the node's queue store.
 //!
-//! Applying writes the messages to the store without waiting for the store's fsync: the Raft
-//! log already holds them durably. What makes a restart exact is the **apply record**, kept
-//! in the shard's log partition and fsynced before a batch of entries touches the store: the
-//! batch's log range, the membership after it, and where each of its queues stood before it
-//! (the queue's next offset) and how many messages it adds. Before writing the record of a
-//! batch, the previous batch's store appends are waited durable, so at a restart every batch
-//! before the recorded one is whole in the store, and the recorded one is partly there: for
+//! The Raft log already holds the messages durably; the store's copy is what readers and
+//! subscriptions are served from. Under `queue_sync = always` a batch is applied once the
+//! store has fsynced it (reads there see fsynced messages only, and an answered append must be
+//! readable); under `interval` the store fsyncs on its interval. What makes a restart exact is
+//! the **apply record**, kept in the shard's log partition and fsynced (in the shard logs'
+//! group commit) before a batch of entries touches the store: the batch's log range, the
+//! membership after it, and where each of its queues stood before it (the queue's next
+//! offset) and how many messages it adds. Before writing the record of a batch, the previous
+//! batch's store appends are durable (under `interval`, waited for then), so at a restart
+//! every batch before the recorded one is whole in the store, and the recorded one is partly
+//! there: for
 //! each of its queues, the messages past the recorded start are counted (a queue's messages
 //! are recovered as a prefix), and only those missing are appended again, from the log. No
 //! message is stored twice, none is lost, and every replica holds the same offsets.
@@ -18,7 +22,8 @@ use std::collections::HashMap;
 use std::io::Cursor;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use levee_store::{CommitTicket, Store};
+use levee_proto::Bytes;
+use levee_store::{CommitTicket, Store, SyncPolicy};
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{
     Entry, EntryPayload, LogId, OptionalSend, RaftSnapshotBuilder, SnapshotMeta, StorageIOError,
@@ -27,13 +32,12 @@ use openraft::{
 use serde::{Deserialize, Serialize};
 
 use crate::log_store::LogStore;
-use crate::shard::{QueueMessage, ShardCommand, ShardConfig, ShardId, ShardResponse};
+use crate::shard::plan::{Plan, ShardProducers, next_offset};
+use crate::shard::{ShardCommand, ShardConfig, ShardId, ShardResponse};
 use crate::{NodeId, NodeInfo, StorageError};
 
 /// The apply record's key in the shard's log meta partition.
 const APPLYING_KEY: &str = "applying";
-/// Longest queue name the store takes.
-const QUEUE_NAME_BYTES_MAX: usize = 255;
 
 /// Told of every message a shard stores, once it is readable (on every replica).
 pub trait ShardObserver: Send + Sync {
@@ -66,8 +70,9 @@ struct Applying {
 struct Applied {
     last: Option<LogId<NodeId>>,
     membership: StoredMembership<NodeId, NodeInfo>,
-    /// The store round that makes the last batch durable.
+    /// The store round that makes the last batch durable (under `interval`).
     ticket: Option<CommitTicket>,
+    producers: ShardProducers,
 }
 
 /// A shard's state machine over the node's queue store. Clones share it.
@@ -90,31 +95,35 @@ fn io_error(error: &(impl std::error::Error + 'static)) -> StorageError {
     StorageIOError::write_state_machine(error).into()
 }
 
-/// Why the store would refuse a message, if it would (checked the same way on every replica,
-/// before anything of the entry is written).
-fn refusal(store: &Store, message: &QueueMessage) -> Option<String> {
-    let max = store.options().message_bytes_max;
-    if message.queue.is_empty() || message.queue.len() > QUEUE_NAME_BYTES_MAX {
-        return Some(format!(
-            "a queue name is 1 to {QUEUE_NAME_BYTES_MAX} bytes, got {}",
-            message.queue.len()
-        ));
-    }
-    (message.payload.len() > max).then(|| {
-        format!(
-            "a message of {} bytes is over message_bytes_max ({max})",
-            message.payload.len()
-        )
-    })
+/// Plans `entries` (see [`Plan`]): each one's answer, and the membership after them.
+fn plan_entries(
+    plan: &mut Plan<'_>,
+    producers: &mut ShardProducers,
+    entries: &[Entry<ShardConfig>],
+    mut membership: StoredMembership<NodeId, NodeInfo>,
+) -> (Vec<ShardResponse>, StoredMembership<NodeId, NodeInfo>) {
+    let responses = entries
+        .iter()
+        .map(|entry| match &entry.payload {
+            EntryPayload::Blank => ShardResponse::Done,
+            EntryPayload::Membership(changed) => {
+                membership = StoredMembership::new(Some(entry.log_id), changed.clone());
+                ShardResponse::Done
+            }
+            EntryPayload::Normal(ShardCommand::Append { producer, messages }) => {
+                plan.append(producers, producer.as_deref(), messages)
+            }
+        })
+        .collect();
+    (responses, membership)
 }
 
-/// A queue's next offset in the store (0 for one that does not exist).
-fn next_offset(store: &Store, queue: &[u8]) -> u64 {
-    store
-        .queue_info(queue)
-        .ok()
-        .flatten()
-        .map_or(0, |info| info.next_offset)
+/// The planned messages as the store takes them.
+fn store_batch(batch: &[(Bytes, Bytes, u64)]) -> Vec<(&[u8], &[u8])> {
+    batch
+        .iter()
+        .map(|(queue, payload, _)| (&queue[..], &payload[..]))
+        .collect()
 }
 
 impl ShardStateMachine {
@@ -154,55 +163,54 @@ impl ShardStateMachine {
         self.applied.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Appends what the recorded batch has not stored yet.
+    /// Plans the recorded batch again from the state before it (the record's starts) and
+    /// appends what of it the store does not hold.
     fn recover(&self, applying: &Applying) -> Result<(), StorageError> {
-        let mut missing: HashMap<&[u8], (u64, u64)> = applying
+        let starts: HashMap<&[u8], (u64, u64)> = applying
             .queues
             .iter()
-            .map(|queue| {
-                let present = next_offset(&self.store, &queue.queue)
-                    .saturating_sub(queue.start)
-                    .min(queue.count);
-                (&queue.queue[..], (present, 0))
-            })
+            .map(|queue| (&queue.queue[..], (queue.start, queue.count)))
             .collect();
+        let start_of = |queue: &[u8]| {
+            starts
+                .get(queue)
+                .map_or_else(|| next_offset(&self.store, queue), |(start, _)| *start)
+        };
+        let producer_limit = |queue: &[u8]| starts.get(queue).map(|(start, _)| *start);
         let entries = self.log.entries(&(applying.from..=applying.last.index))?;
-        let mut batch: Vec<(&[u8], &[u8])> = Vec::new();
-        for entry in &entries {
-            let EntryPayload::Normal(ShardCommand::Append { messages }) = &entry.payload else {
-                continue;
-            };
-            if messages
-                .iter()
-                .any(|message| refusal(&self.store, message).is_some())
-            {
-                continue;
-            }
-            for message in messages {
-                if let Some((present, seen)) = missing.get_mut(&message.queue[..]) {
-                    if *seen >= *present {
-                        batch.push((&message.queue, &message.payload));
-                    }
-                    *seen += 1;
-                }
-            }
-        }
+        let mut producers = ShardProducers::default();
+        let mut plan = Plan::new((&self.store, self.shard), &start_of, &producer_limit);
+        plan_entries(
+            &mut plan,
+            &mut producers,
+            &entries,
+            StoredMembership::default(),
+        );
+        // The messages of each queue past those the store holds (a queue's messages are
+        // recovered as a prefix).
+        let missing: Vec<(Bytes, Bytes, u64)> = plan
+            .batch
+            .iter()
+            .filter(|(queue, _, offset)| *offset >= next_offset(&self.store, queue))
+            .cloned()
+            .collect();
         let (_, ticket) = self
             .store
-            .append_batch_deferred(&batch)
+            .append_batch_deferred(&store_batch(&missing))
             .map_err(|error| io_error(&error))?;
         self.store
             .wait_durable(ticket)
             .map_err(|error| io_error(&error))?;
         tracing::info!(
             shard = self.shard,
-            restored = batch.len(),
+            restored = missing.len(),
             last = applying.last.index,
             "finished the shard's last applied batch"
         );
         let mut applied = self.lock();
         applied.last = Some(applying.last);
         applied.membership = applying.membership.clone();
+        applied.producers = producers;
         Ok(())
     }
 
@@ -214,38 +222,18 @@ impl ShardStateMachine {
         let Some(last_entry) = entries.last() else {
             return Ok(Vec::new());
         };
-        let mut applied = self.lock();
-        let mut membership = applied.membership.clone();
-        let mut responses = Vec::with_capacity(entries.len());
-        let mut batch: Vec<(&[u8], &[u8])> = Vec::new();
-        // Each accepted append's first message in `batch` and its length.
-        let mut spans = Vec::with_capacity(entries.len());
-        for entry in entries {
-            match &entry.payload {
-                EntryPayload::Blank => responses.push(ShardResponse::Done),
-                EntryPayload::Membership(changed) => {
-                    membership = StoredMembership::new(Some(entry.log_id), changed.clone());
-                    responses.push(ShardResponse::Done);
-                }
-                EntryPayload::Normal(ShardCommand::Append { messages }) => {
-                    if let Some(reason) = messages
-                        .iter()
-                        .find_map(|message| refusal(&self.store, message))
-                    {
-                        responses.push(ShardResponse::Refused { reason });
-                        continue;
-                    }
-                    spans.push((responses.len(), batch.len(), messages.len()));
-                    responses.push(ShardResponse::Done);
-                    batch.extend(
-                        messages
-                            .iter()
-                            .map(|message| (&message.queue[..], &message.payload[..])),
-                    );
-                }
-            }
-        }
-        if batch.is_empty() {
+        let mut guard = self.lock();
+        let applied = &mut *guard;
+        let start_of = |queue: &[u8]| next_offset(&self.store, queue);
+        let producer_limit = |_: &[u8]| None;
+        let mut plan = Plan::new((&self.store, self.shard), &start_of, &producer_limit);
+        let (responses, membership) = plan_entries(
+            &mut plan,
+            &mut applied.producers,
+            entries,
+            applied.membership.clone(),
+        );
+        if plan.batch.is_empty() {
             applied.last = Some(last_entry.log_id);
             applied.membership = membership;
             return Ok(responses);
@@ -256,19 +244,16 @@ impl ShardStateMachine {
                 .wait_durable(ticket)
                 .map_err(|error| io_error(&error))?;
         }
-        let mut counts: HashMap<&[u8], u64> = HashMap::new();
-        for (queue, _) in &batch {
-            *counts.entry(queue).or_default() += 1;
-        }
-        let queues: Vec<QueueStart> = counts
+        let queues: Vec<QueueStart> = plan
+            .queues
             .iter()
-            .map(|(queue, count)| QueueStart {
+            .map(|(queue, (start, next))| QueueStart {
                 queue: queue.to_vec(),
-                start: next_offset(&self.store, queue),
-                count: *count,
+                start: *start,
+                count: next - start,
             })
             .collect();
-        self.log.write_meta(
+        self.log.write_meta_grouped(
             APPLYING_KEY,
             &Applying {
                 from: entries[0].log_id.index,
@@ -279,22 +264,36 @@ impl ShardStateMachine {
         )?;
         let (offsets, ticket) = self
             .store
-            .append_batch_deferred(&batch)
+            .append_batch_deferred(&store_batch(&plan.batch))
             .map_err(|error| io_error(&error))?;
-        applied.ticket = Some(ticket);
+        if let Some(((queue, _, planned), stored)) = plan
+            .batch
+            .iter()
+            .zip(&offsets)
+            .find(|((_, _, planned), stored)| planned != *stored)
+        {
+            return Err(io_error(&std::io::Error::other(format!(
+                "queue '{}': the store gave offset {stored} where the shard's log planned                  {planned}; this replica's queues differ from the log (was the queue written                  outside the shard?)",
+                String::from_utf8_lossy(queue)
+            ))));
+        }
+        if self.store.options().sync == SyncPolicy::Always {
+            // Readable (a read under `always` sees fsynced messages only) before answered.
+            self.store
+                .wait_durable(ticket)
+                .map_err(|error| io_error(&error))?;
+        } else {
+            applied.ticket = Some(ticket);
+        }
         applied.last = Some(last_entry.log_id);
         applied.membership = membership;
-        drop(applied);
-        for (response, first, length) in spans {
-            responses[response] = ShardResponse::Appended {
-                offsets: offsets[first..first + length].to_vec(),
-            };
-        }
+        drop(guard);
         if let Some(observer) = &self.observer {
-            let appended: Vec<(&[u8], u64, &[u8])> = batch
+            let appended: Vec<(&[u8], u64, &[u8])> = plan
+                .batch
                 .iter()
-                .zip(&offsets)
-                .map(|(&(queue, payload), &offset)| (queue, offset, payload))
+                .filter(|(queue, _, _)| !levee_broker::names::is_reserved(queue))
+                .map(|(queue, payload, offset)| (&queue[..], *offset, &payload[..]))
                 .collect();
             observer.appended(self.shard, &appended);
         }
@@ -359,5 +358,278 @@ impl RaftStateMachine<ShardConfig> for ShardStateMachine {
         &mut self,
     ) -> Result<Option<Snapshot<ShardConfig>>, StorageError> {
         Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use levee_store::StoreOptions;
+    use openraft::{CommittedLeaderId, EntryPayload, LogId};
+
+    use super::*;
+    use crate::log_store::open_keyspace;
+    use crate::shard::{QueueMessage, RefusedCode};
+
+    fn append(index: u64, messages: &[(&str, &str)]) -> Entry<ShardConfig> {
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+            payload: EntryPayload::Normal(ShardCommand::Append {
+                producer: None,
+                messages: messages
+                    .iter()
+                    .map(|(queue, payload)| QueueMessage {
+                        queue: Bytes::copy_from_slice(queue.as_bytes()),
+                        payload: Bytes::copy_from_slice(payload.as_bytes()),
+                        sequence: 0,
+                    })
+                    .collect(),
+            }),
+        }
+    }
+
+    fn open(directory: &std::path::Path) -> (Arc<Store>, ShardStateMachine) {
+        let (store, _) =
+            Store::open(directory.join("store"), StoreOptions::default()).expect("a store");
+        let store = Arc::new(store);
+        let log = LogStore::<ShardConfig>::open_in(
+            open_keyspace(&directory.join("log")).expect("a keyspace"),
+            "-0",
+        )
+        .expect("a log");
+        let machine = ShardStateMachine::open(0, Arc::clone(&store), log).expect("a machine");
+        (store, machine)
+    }
+
+    fn messages(store: &Store, queue: &str) -> Vec<String> {
+        let batch = store
+            .read(queue.as_bytes(), 0, 100, 1 << 20)
+            .expect("a read");
+        let (data, ends) = batch.into_parts();
+        let mut start = 0;
+        ends.into_iter()
+            .map(|end| {
+                let message = String::from_utf8(data[start..end].to_vec()).unwrap();
+                start = end;
+                message
+            })
+            .collect()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_entries_when_applied_then_each_append_answers_its_offsets_in_order()
+    -> Result<(), StorageError> {
+        let directory = tempfile::tempdir().expect("a directory");
+        let (store, mut machine) = open(directory.path());
+        let responses = machine
+            .apply(vec![
+                append(1, &[("a", "a0"), ("b", "b0"), ("a", "a1")]),
+                append(2, &[("a", "a2")]),
+            ])
+            .await?;
+        assert_eq!(
+            responses,
+            [
+                ShardResponse::Appended {
+                    offsets: vec![0, 0, 1]
+                },
+                ShardResponse::Appended { offsets: vec![2] },
+            ]
+        );
+        assert_eq!(messages(&store, "a"), ["a0", "a1", "a2"]);
+        assert_eq!(machine.applied_state().await?.0.map(|id| id.index), Some(2));
+        let refused = machine
+            .apply(vec![append(3, &[("a", "ok"), ("", "no queue")])])
+            .await?;
+        assert!(
+            matches!(&refused[0], ShardResponse::Refused { reason, .. } if reason.contains("1 to 255")),
+            "{refused:?}"
+        );
+        assert_eq!(
+            messages(&store, "a").len(),
+            3,
+            "a refused entry stores nothing"
+        );
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_a_batch_cut_short_by_a_crash_when_reopened_then_only_the_missing_messages_are_appended()
+    -> Result<(), StorageError> {
+        let directory = tempfile::tempdir().expect("a directory");
+        {
+            let (store, mut machine) = open(directory.path());
+            machine
+                .apply(vec![append(1, &[("q1", "x"), ("q1", "y"), ("q2", "z")])])
+                .await?;
+            // Entries 2 and 3 are in the log, their batch's record written, and only the
+            // first of their messages reached the store before the crash.
+            let batch = [
+                append(2, &[("q1", "a"), ("q2", "c"), ("q1", "b")]),
+                append(3, &[("q1", "d")]),
+            ];
+            machine.log.write_entries(batch.iter().cloned())?;
+            machine.log.write_meta(
+                APPLYING_KEY,
+                &Applying {
+                    from: 2,
+                    last: batch[1].log_id,
+                    membership: StoredMembership::default(),
+                    queues: vec![
+                        QueueStart {
+                            queue: b"q1".to_vec(),
+                            start: 2,
+                            count: 3,
+                        },
+                        QueueStart {
+                            queue: b"q2".to_vec(),
+                            start: 1,
+                            count: 1,
+                        },
+                    ],
+                },
+            )?;
+            store.append(b"q1", b"a").expect("an append");
+            store.sync().expect("a sync");
+        }
+        let (store, mut reopened) = open(directory.path());
+        assert_eq!(messages(&store, "q1"), ["x", "y", "a", "b", "d"]);
+        assert_eq!(messages(&store, "q2"), ["z", "c"]);
+        assert_eq!(
+            reopened.applied_state().await?.0.map(|id| id.index),
+            Some(3)
+        );
+        // Reopened again: nothing more to do.
+        drop((store, reopened));
+        let (store, _) = open(directory.path());
+        assert_eq!(messages(&store, "q1"), ["x", "y", "a", "b", "d"]);
+        Ok(())
+    }
+
+    fn idempotent(
+        index: u64,
+        producer: &str,
+        queue: &str,
+        sequences: std::ops::Range<u64>,
+    ) -> Entry<ShardConfig> {
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+            payload: EntryPayload::Normal(ShardCommand::Append {
+                producer: Some(producer.to_owned()),
+                messages: sequences
+                    .map(|sequence| QueueMessage {
+                        queue: Bytes::copy_from_slice(queue.as_bytes()),
+                        payload: Bytes::from(format!("{producer}-{sequence}")),
+                        sequence,
+                    })
+                    .collect(),
+            }),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_an_idempotent_producer_when_it_resends_then_the_original_offsets_answer_and_nothing_is_stored_twice()
+    -> Result<(), StorageError> {
+        let directory = tempfile::tempdir().expect("a directory");
+        {
+            let (store, mut machine) = open(directory.path());
+            let answers = machine
+                .apply(vec![
+                    append(1, &[("q", "other")]),
+                    idempotent(2, "p", "q", 0..3),
+                    // A resend in the same batch.
+                    idempotent(3, "p", "q", 0..3),
+                ])
+                .await?;
+            assert_eq!(
+                answers[1],
+                ShardResponse::Appended {
+                    offsets: vec![1, 2, 3]
+                }
+            );
+            assert_eq!(answers[2], answers[1]);
+            let later = machine
+                .apply(vec![
+                    idempotent(4, "p", "q", 1..3),
+                    idempotent(5, "p", "q", 5..6),
+                    idempotent(6, "p", "q", 3..4),
+                ])
+                .await?;
+            assert_eq!(
+                later[0],
+                ShardResponse::Appended {
+                    offsets: vec![2, 3]
+                }
+            );
+            assert!(
+                matches!(
+                    &later[1],
+                    ShardResponse::Refused {
+                        code: RefusedCode::SequenceGap,
+                        ..
+                    }
+                ),
+                "{later:?}"
+            );
+            assert_eq!(later[2], ShardResponse::Appended { offsets: vec![4] });
+            assert_eq!(messages(&store, "q"), ["other", "p-0", "p-1", "p-2", "p-3"]);
+        }
+        // After a restart the producer's runs come back from its queue.
+        let (store, mut machine) = open(directory.path());
+        let resent = machine.apply(vec![idempotent(7, "p", "q", 0..3)]).await?;
+        assert_eq!(
+            resent[0],
+            ShardResponse::Appended {
+                offsets: vec![1, 2, 3]
+            }
+        );
+        assert_eq!(messages(&store, "q").len(), 5);
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_a_crash_before_a_producer_record_was_stored_when_reopened_then_a_resend_is_still_recognised()
+    -> Result<(), StorageError> {
+        let directory = tempfile::tempdir().expect("a directory");
+        {
+            let (store, machine) = open(directory.path());
+            // Entry 1 planned: q gets p-0 and p-1 at 0 and 1, the producer's record at 0 of
+            // its queue; only the data reached the store.
+            let entry = idempotent(1, "p", "q", 0..2);
+            machine.log.write_entries([entry.clone()])?;
+            machine.log.write_meta(
+                APPLYING_KEY,
+                &Applying {
+                    from: 1,
+                    last: entry.log_id,
+                    membership: StoredMembership::default(),
+                    queues: vec![
+                        QueueStart {
+                            queue: b"q".to_vec(),
+                            start: 0,
+                            count: 2,
+                        },
+                        QueueStart {
+                            queue: crate::shard::plan::producer_queue(0, "p").to_vec(),
+                            start: 0,
+                            count: 1,
+                        },
+                    ],
+                },
+            )?;
+            store
+                .append_batch(&[(b"q", b"p-0"), (b"q", b"p-1")])
+                .expect("appends");
+        }
+        let (store, mut machine) = open(directory.path());
+        assert_eq!(messages(&store, "q"), ["p-0", "p-1"]);
+        let resent = machine.apply(vec![idempotent(2, "p", "q", 0..2)]).await?;
+        assert_eq!(
+            resent[0],
+            ShardResponse::Appended {
+                offsets: vec![0, 1]
+            }
+        );
+        assert_eq!(messages(&store, "q"), ["p-0", "p-1"]);
+        Ok(())
     }
 }

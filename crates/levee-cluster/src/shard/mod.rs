@@ -24,6 +24,7 @@ use crate::{NodeInfo, StorageError};
 pub mod groups;
 pub mod machine;
 pub mod network;
+pub mod plan;
 
 pub use groups::{ShardGroups, ShardSlot, ShardWriteError};
 pub use machine::{ShardObserver, ShardStateMachine};
@@ -50,6 +51,8 @@ pub struct QueueMessage {
     pub queue: Bytes,
     /// The message.
     pub payload: Bytes,
+    /// Its idempotent producer's sequence on the queue (0 without a producer).
+    pub sequence: u64,
 }
 
 /// A change to a shard's queues.
@@ -57,6 +60,9 @@ pub struct QueueMessage {
 pub enum ShardCommand {
     /// Appends messages to queues of the shard; those of one queue keep their order.
     Append {
+        /// The idempotent producer's id, if the request named one: resent runs are answered
+        /// with their original offsets and not stored again.
+        producer: Option<String>,
         /// The messages, in order.
         messages: Vec<QueueMessage>,
     },
@@ -73,12 +79,25 @@ pub enum ShardResponse {
         /// Each message's offset in its queue.
         offsets: Vec<u64>,
     },
-    /// The command was refused on every replica (a message the store cannot take), and
-    /// nothing of it was stored.
+    /// The command was refused on every replica (a message the store cannot take, or
+    /// sequences an idempotent producer may not send), and nothing of it was stored.
     Refused {
+        /// What kind of refusal.
+        code: RefusedCode,
         /// Why, in words.
         reason: String,
     },
+}
+
+/// What kind of refusal a [`ShardResponse::Refused`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RefusedCode {
+    /// A message the store cannot take, or sequences not consecutive within a request.
+    Invalid,
+    /// An idempotent producer's sequence skips ahead.
+    SequenceGap,
+    /// An idempotent producer's resend older than every remembered run.
+    SequenceTooOld,
 }
 
 /// A postcard encoding (entries on disk, peer messages): binary, payloads copied whole.
@@ -115,9 +134,11 @@ mod tests {
     fn given_each_kind_of_entry_when_encoded_then_decoding_gives_it_back()
     -> Result<(), StorageError> {
         let append = ShardCommand::Append {
+            producer: Some("p".to_owned()),
             messages: vec![QueueMessage {
                 queue: Bytes::from_static(b"orders"),
                 payload: Bytes::from(vec![7_u8; 300]),
+                sequence: 4,
             }],
         };
         let membership = Membership::new(
@@ -144,9 +165,11 @@ mod tests {
     fn given_a_payload_when_encoded_then_its_bytes_are_written_whole_not_one_number_each()
     -> Result<(), StorageError> {
         let append = ShardCommand::Append {
+            producer: None,
             messages: vec![QueueMessage {
                 queue: Bytes::from_static(b"q"),
                 payload: Bytes::from(vec![200_u8; 1000]),
+                sequence: 0,
             }],
         };
         let bytes = ShardConfig::encode_entry(&entry(9, EntryPayload::Normal(append)))?;

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use levee_cluster::shard::groups::shard_raft_config;
 use levee_cluster::shard::{
-    QueueMessage, ShardCommand, ShardGroups, ShardId, ShardObserver, ShardResponse, ShardSlot,
-    ShardWriteError,
+    QueueMessage, RefusedCode, ShardCommand, ShardGroups, ShardId, ShardObserver, ShardResponse,
+    ShardSlot, ShardWriteError,
 };
 use levee_cluster::{MetaStateMachine, NodeId, NodeInfo, Raft};
 use levee_proto::WireError;
@@ -95,9 +95,11 @@ impl Replication {
         }))
     }
 
-    /// Appends `messages` through their shards; their offsets in request order.
+    /// Appends `messages` through their shards (as idempotent `producer`'s, if given); their
+    /// offsets in request order.
     pub async fn append(
         groups: &ShardGroups,
+        producer: Option<&str>,
         messages: Vec<AppendMessage>,
     ) -> Result<Vec<u64>, WireError> {
         let shards = groups.shards();
@@ -110,24 +112,26 @@ impl Replication {
             part.1.push(QueueMessage {
                 queue: message.queue,
                 payload: message.payload,
+                sequence: message.sequence,
             });
         }
         let count = parts.values().map(|part| part.0.len()).sum();
         let writes = parts
             .into_iter()
             .map(|(shard, (places, messages))| async move {
+                let command = ShardCommand::Append {
+                    producer: producer.map(str::to_owned),
+                    messages,
+                };
                 let response = groups
-                    .write(shard, ShardCommand::Append { messages })
+                    .write(shard, command)
                     .await
                     .map_err(|error| shard_error(&error))?;
                 match response {
                     ShardResponse::Appended { offsets } if offsets.len() == places.len() => {
                         Ok((places, offsets))
                     }
-                    ShardResponse::Refused { reason } => Err(WireError::new(
-                        ErrorCode::InvalidArgument,
-                        format!("{reason}; fix the request"),
-                    )),
+                    ShardResponse::Refused { code, reason } => Err(refused(code, &reason)),
                     other => Err(WireError::new(
                         ErrorCode::Internal,
                         format!("shard {shard} answered an append with {other:?}"),
@@ -142,6 +146,18 @@ impl Replication {
             }
         }
         Ok(offsets)
+    }
+}
+
+/// A shard's refusal as the API says it.
+fn refused(code: RefusedCode, reason: &str) -> WireError {
+    match code {
+        RefusedCode::Invalid => WireError::new(
+            ErrorCode::InvalidArgument,
+            format!("{reason}; fix the request"),
+        ),
+        RefusedCode::SequenceGap => WireError::new(ErrorCode::SequenceGap, reason),
+        RefusedCode::SequenceTooOld => WireError::new(ErrorCode::SequenceTooOld, reason),
     }
 }
 

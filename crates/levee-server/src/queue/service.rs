@@ -31,7 +31,7 @@ use crate::metrics::Metrics;
 use crate::queue::limits::producer_rate::{Admission, ProducerRates};
 use crate::queue::mailbox::many::{self, ManyContext, ManySession};
 use crate::queue::mailbox::position_log::PositionLogs;
-use crate::queue::producer::idempotent::{Producers, SequencedMessage};
+use crate::queue::producer::idempotent::{Producers, SequencedMessage, check_producer_id};
 use crate::queue::replicated::Replication;
 use crate::queue::topic::catalog::{RetentionRule, Topics};
 use crate::queue::{StoreCalls, invalid, name_error, write_error};
@@ -295,15 +295,13 @@ impl Queues for QueueService {
         let admission = self.admit_producer(&request.producer_name, count).await?;
         let offsets = if let Some(groups) = self.shard_groups() {
             let groups = groups?;
-            if !producer.is_empty() {
-                return Err(WireError::new(
-                    ErrorCode::FailedPrecondition,
-                    "producer_id: idempotent appends to replicated queues are not built yet \
-                     (docs/CLUSTER.md, \"Part 2\"); append without a producer id",
-                )
-                .into());
-            }
-            Replication::append(groups, messages).await?
+            let producer = if producer.is_empty() {
+                None
+            } else {
+                check_producer_id(&producer)?;
+                Some(producer.as_str())
+            };
+            Replication::append(groups, producer, messages).await?
         } else if producer.is_empty() {
             let batch: Vec<(&[u8], &[u8])> = messages
                 .iter()

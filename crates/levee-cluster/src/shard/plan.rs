@@ -1,0 +1,274 @@
+//! Planning a batch of a shard's entries: what each entry appends to which queue at which
+//! offset, and what it answers, decided from the entries and the queues' state before the
+//! batch alone, so that every replica (and a restart finishing a batch) plans the same.
+//!
+//! Idempotent producers (`ShardCommand::Append` with a producer id): each request's runs are
+//! judged by the broker engine's [`ProducerRuns`] (new, a resend answered with the original
+//! offsets, or refused), and the new runs are recorded in the producer's own queue of the
+//! shard (`\0producer\0`, the shard as 4 big-endian bytes, the id) in the same batch as the
+//! messages, so the record is recovered exactly with them. A producer's runs are loaded from
+//! that queue the first time the shard sees it after a start.
+
+use std::collections::HashMap;
+
+use levee_broker::names::PRODUCER_PREFIX;
+use levee_broker::producer::{
+    PRODUCERS_MAX, ProducerRuns, Run, SequenceError, Verdict, encode_runs, request_runs,
+};
+use levee_proto::Bytes;
+use levee_store::Store;
+
+use crate::shard::{QueueMessage, RefusedCode, ShardId, ShardResponse};
+
+/// Longest queue name the store takes.
+const QUEUE_NAME_BYTES_MAX: usize = 255;
+/// Most producer runs records read at once while loading a producer.
+const LOAD_BATCH_MESSAGES: usize = 1_000;
+
+/// The producer queue of `producer` in `shard`.
+pub fn producer_queue(shard: ShardId, producer: &str) -> Bytes {
+    let mut name = Vec::with_capacity(PRODUCER_PREFIX.len() + 4 + producer.len());
+    name.extend_from_slice(PRODUCER_PREFIX);
+    name.extend_from_slice(&shard.to_be_bytes());
+    name.extend_from_slice(producer.as_bytes());
+    Bytes::from(name)
+}
+
+/// Why the store would refuse a message, if it would (checked the same way on every replica,
+/// before anything of the entry is planned).
+pub fn refusal(store: &Store, message: &QueueMessage) -> Option<String> {
+    let max = store.options().message_bytes_max;
+    if message.queue.is_empty() || message.queue.len() > QUEUE_NAME_BYTES_MAX {
+        return Some(format!(
+            "a queue name is 1 to {QUEUE_NAME_BYTES_MAX} bytes, got {}",
+            message.queue.len()
+        ));
+    }
+    (message.payload.len() > max).then(|| {
+        format!(
+            "a message of {} bytes is over message_bytes_max ({max})",
+            message.payload.len()
+        )
+    })
+}
+
+/// A queue's next offset in the store (0 for one that does not exist).
+pub fn next_offset(store: &Store, queue: &[u8]) -> u64 {
+    store
+        .queue_info(queue)
+        .ok()
+        .flatten()
+        .map_or(0, |info| info.next_offset)
+}
+
+/// The idempotent producers a shard remembers (at most [`PRODUCERS_MAX`]; the least
+/// recently used is forgotten first and loaded again from its queue when next seen).
+#[derive(Debug, Default)]
+pub struct ShardProducers {
+    runs: HashMap<String, (ProducerRuns, u64)>,
+    tick: u64,
+}
+
+impl ShardProducers {
+    /// `producer`'s runs, loaded from its queue (the records below `limit`, if given) when not
+    /// remembered.
+    fn runs(
+        &mut self,
+        (store, shard): (&Store, ShardId),
+        producer: &str,
+        limit: Option<u64>,
+    ) -> &mut ProducerRuns {
+        self.tick += 1;
+        let tick = self.tick;
+        if !self.runs.contains_key(producer) {
+            if self.runs.len() >= PRODUCERS_MAX
+                && let Some(oldest) = self
+                    .runs
+                    .iter()
+                    .min_by_key(|(_, (_, used))| *used)
+                    .map(|(name, _)| name.clone())
+            {
+                self.runs.remove(&oldest);
+            }
+            let loaded = load(store, &producer_queue(shard, producer), limit);
+            self.runs.insert(producer.to_owned(), (loaded, tick));
+        }
+        let (runs, used) = self
+            .runs
+            .get_mut(producer)
+            .unwrap_or_else(|| unreachable!("inserted above"));
+        *used = tick;
+        runs
+    }
+}
+
+/// A producer's runs from its queue's records below `limit`.
+fn load(store: &Store, queue: &[u8], limit: Option<u64>) -> ProducerRuns {
+    let mut runs = ProducerRuns::default();
+    let Ok(Some(info)) = store.queue_info(queue) else {
+        return runs;
+    };
+    let end = limit.map_or(info.next_offset, |limit| limit.min(info.next_offset));
+    let mut offset = info.first_offset;
+    while offset < end {
+        let Ok(batch) = store.read(queue, offset, LOAD_BATCH_MESSAGES, 1 << 20) else {
+            break;
+        };
+        if batch.is_empty() {
+            break;
+        }
+        let first = batch.first_offset;
+        for (index, record) in batch.iter().enumerate() {
+            if first + index as u64 >= end {
+                break;
+            }
+            runs.load_record(record);
+        }
+        offset = batch.next_offset();
+    }
+    runs
+}
+
+/// The refusal of a request's sequences.
+fn sequence_refusal(error: &SequenceError) -> ShardResponse {
+    let code = match error {
+        SequenceError::FirstGap { .. } | SequenceError::Gap { .. } => RefusedCode::SequenceGap,
+        SequenceError::TooOld { .. } => RefusedCode::SequenceTooOld,
+        _ => RefusedCode::Invalid,
+    };
+    ShardResponse::Refused {
+        code,
+        reason: error.to_string(),
+    }
+}
+
+/// A batch being planned.
+pub struct Plan<'a> {
+    store: &'a Store,
+    shard: ShardId,
+    /// A queue's offset before the batch.
+    start_of: &'a dyn Fn(&[u8]) -> u64,
+    /// Loading producers: the offset of its queue below which records count (a restart
+    /// finishing a batch counts only those before it).
+    producer_limit: &'a dyn Fn(&[u8]) -> Option<u64>,
+    /// The messages to append, in order, with the offset each must get.
+    pub batch: Vec<(Bytes, Bytes, u64)>,
+    /// Each queue the batch touches: its offset before the batch and its next one.
+    pub queues: HashMap<Bytes, (u64, u64)>,
+}
+
+impl std::fmt::Debug for Plan<'_> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(formatter, "Plan({} messages)", self.batch.len())
+    }
+}
+
+impl<'a> Plan<'a> {
+    /// An empty plan for `shard` over `store`, the queues' state before it given by
+    /// `start_of` and `producer_limit`.
+    pub fn new(
+        (store, shard): (&'a Store, ShardId),
+        start_of: &'a dyn Fn(&[u8]) -> u64,
+        producer_limit: &'a dyn Fn(&[u8]) -> Option<u64>,
+    ) -> Self {
+        Self {
+            store,
+            shard,
+            start_of,
+            producer_limit,
+            batch: Vec::new(),
+            queues: HashMap::new(),
+        }
+    }
+
+    /// Adds one message; its offset.
+    fn push(&mut self, queue: &Bytes, payload: Bytes) -> u64 {
+        let start_of = self.start_of;
+        let (_, next) = self.queues.entry(queue.clone()).or_insert_with(|| {
+            let start = start_of(queue);
+            (start, start)
+        });
+        let offset = *next;
+        *next += 1;
+        self.batch.push((queue.clone(), payload, offset));
+        offset
+    }
+
+    /// Plans one append; what it answers.
+    pub fn append(
+        &mut self,
+        producers: &mut ShardProducers,
+        producer: Option<&str>,
+        messages: &[QueueMessage],
+    ) -> ShardResponse {
+        if let Some(reason) = messages
+            .iter()
+            .find_map(|message| refusal(self.store, message))
+        {
+            return ShardResponse::Refused {
+                code: RefusedCode::Invalid,
+                reason,
+            };
+        }
+        let Some(producer) = producer else {
+            let offsets = messages
+                .iter()
+                .map(|message| self.push(&message.queue, message.payload.clone()))
+                .collect();
+            return ShardResponse::Appended { offsets };
+        };
+        let request = match request_runs(
+            messages
+                .iter()
+                .map(|message| (&message.queue[..], message.sequence)),
+        ) {
+            Ok(request) => request,
+            Err(error) => return sequence_refusal(&error),
+        };
+        let queue = producer_queue(self.shard, producer);
+        let limit = (self.producer_limit)(&queue);
+        let runs = producers.runs((self.store, self.shard), producer, limit);
+        let verdicts = match request
+            .iter()
+            .map(|run| runs.judge(run.queue, run.first, run.last))
+            .collect::<Result<Vec<_>, _>>()
+        {
+            Ok(verdicts) => verdicts,
+            Err(error) => return sequence_refusal(&error),
+        };
+        let mut offsets = vec![0; messages.len()];
+        let mut new_runs = Vec::new();
+        for (run, verdict) in request.iter().zip(verdicts) {
+            match verdict {
+                Verdict::New => {
+                    for &index in &run.indexes {
+                        offsets[index] =
+                            self.push(&messages[index].queue, messages[index].payload.clone());
+                    }
+                    let first = run.indexes[0];
+                    new_runs.push((
+                        run.queue,
+                        Run {
+                            first_sequence: messages[first].sequence,
+                            count: run.indexes.len() as u64,
+                            first_offset: offsets[first],
+                            ticket: None,
+                        },
+                    ));
+                }
+                Verdict::Resend { first_offset, .. } => {
+                    for (position, &index) in run.indexes.iter().enumerate() {
+                        offsets[index] = first_offset + position as u64;
+                    }
+                }
+            }
+        }
+        if !new_runs.is_empty() {
+            self.push(&queue, Bytes::from(encode_runs(&new_runs)));
+            for (queue, run) in new_runs {
+                runs.record(queue, run);
+            }
+        }
+        ShardResponse::Appended { offsets }
+    }
+}
