@@ -79,8 +79,8 @@ impl Client {
         Self::connect_with(address, &ClientOptions::default()).await
     }
 
-    /// Connects to `address` with `options`.
-    pub async fn connect_with(address: &str, options: &ClientOptions) -> Result<Self, ClientError> {
+    /// The endpoint of `address` (`HOST:PORT` or a URI) with `options`.
+    fn endpoint(address: &str, options: &ClientOptions) -> Result<Endpoint, ClientError> {
         let uri = if address.contains("://") {
             address.to_owned()
         } else {
@@ -90,10 +90,34 @@ impl Client {
             address: address.to_owned(),
             reason: error.to_string(),
         })?;
-        let channel = endpoint
+        Ok(endpoint
             .connect_timeout(options.connect_timeout)
             .timeout(options.request_timeout)
-            .tcp_nodelay(true)
+            .tcp_nodelay(true))
+    }
+
+    /// A client of `address` that connects on first use (and reconnects after a failure).
+    pub(crate) fn connect_lazy(
+        address: &str,
+        options: &ClientOptions,
+    ) -> Result<Self, ClientError> {
+        Ok(Self {
+            channel: Self::endpoint(address, options)?.connect_lazy(),
+            producer_name: None,
+        })
+    }
+
+    /// This connection, naming its appends as `other` does.
+    pub(crate) fn with_producer_name_of(self, other: &Client) -> Self {
+        Self {
+            channel: self.channel,
+            producer_name: other.producer_name.clone(),
+        }
+    }
+
+    /// Connects to `address` with `options`.
+    pub async fn connect_with(address: &str, options: &ClientOptions) -> Result<Self, ClientError> {
+        let channel = Self::endpoint(address, options)?
             .connect()
             .await
             .map_err(|source| ClientError::Connect {

@@ -36,6 +36,7 @@ mod limit_keys;
 mod limiter;
 mod mailboxes;
 mod producer;
+pub mod routing;
 mod subscription;
 
 pub use breaker::{Breaker, BreakerRule, BreakerState, CallGuard, Trip};

@@ -25,6 +25,7 @@ use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
 
 use crate::client::Client;
 use crate::error::ClientError;
+use crate::routing::{REFRESH_INTERVAL, ShardRoutes};
 
 /// How a [`Producer`] batches.
 #[derive(Debug, Clone)]
@@ -49,6 +50,10 @@ pub struct ProducerOptions {
     /// With `idempotent`: resends of one batch before its callers get the error (default 5,
     /// 10 ms apart, doubling).
     pub retries_max: u32,
+    /// In a cluster that replicates its queues: send each batch's messages straight to their
+    /// shards' leaders (learned from `GetCluster` every second and after a failure), saving the
+    /// hop a node takes forwarding them (default true). Elsewhere it changes nothing.
+    pub route_to_shard_leaders: bool,
 }
 
 impl Default for ProducerOptions {
@@ -62,6 +67,7 @@ impl Default for ProducerOptions {
             requests_in_flight_max: 8,
             idempotent: false,
             retries_max: 5,
+            route_to_shard_leaders: true,
         }
     }
 }
@@ -149,7 +155,26 @@ fn fresh_producer_id() -> String {
     format!("producer-{hash:016x}")
 }
 
+/// Routes for `client`'s cluster, refreshed every [`REFRESH_INTERVAL`] while they are used.
+fn follow_routes(client: &Client) -> Arc<ShardRoutes> {
+    let routes = Arc::new(ShardRoutes::new(client.clone()));
+    let weak = Arc::downgrade(&routes);
+    tokio::spawn(async move {
+        while let Some(routes) = weak.upgrade() {
+            if let Err(error) = routes.refresh().await {
+                tracing::debug!(%error, "refreshing the shard routes");
+            }
+            drop(routes);
+            tokio::time::sleep(REFRESH_INTERVAL).await;
+        }
+    });
+    routes
+}
+
 async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Receiver<Pending>) {
+    let routes = options
+        .route_to_shard_leaders
+        .then(|| follow_routes(&client));
     let in_flight = Arc::new(Semaphore::new(options.requests_in_flight_max));
     // Signalled when a request completes, so a batch waiting for an idle line re-checks.
     let completed = Arc::new(Notify::new());
@@ -206,11 +231,18 @@ async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Recei
             return;
         };
         let client = client.clone();
+        let routes = routes.clone();
         let producer_id = producer_id.clone();
         let retries_max = options.retries_max;
         let completed = Arc::clone(&completed);
         tokio::spawn(async move {
-            send_batch(&client, batch, producer_id.as_deref(), retries_max).await;
+            let sending = Sending {
+                client,
+                routes,
+                producer_id,
+                retries_max,
+            };
+            sending.batch(batch).await;
             drop(permit);
             completed.notify_one();
         });
@@ -232,51 +264,101 @@ fn is_retryable(error: &ClientError) -> bool {
     }
 }
 
-async fn send_batch(
-    client: &Client,
-    batch: Vec<Pending>,
-    producer_id: Option<&str>,
+/// What sending a batch needs: where to, and how.
+#[derive(Clone)]
+struct Sending {
+    client: Client,
+    routes: Option<Arc<ShardRoutes>>,
+    producer_id: Option<String>,
     retries_max: u32,
-) {
-    let (messages, answers): (Vec<AppendMessage>, Vec<_>) = batch
-        .into_iter()
-        .map(|pending| (pending.message, pending.answer))
-        .unzip();
-    let result = match producer_id {
-        None => client.append_messages(messages, String::new()).await,
-        Some(producer_id) => {
-            let mut backoff = Duration::from_millis(10);
-            let mut attempt = 0;
-            loop {
-                // A resend carries the same messages (payloads shared, not copied).
-                let result = client
-                    .append_messages(messages.clone(), producer_id.to_owned())
+}
+
+impl Sending {
+    /// Sends `batch`: split by the node each message's shard is led by, when routing.
+    async fn batch(&self, batch: Vec<Pending>) {
+        let Some(routes) = &self.routes else {
+            return self.group(batch).await;
+        };
+        let mut groups: std::collections::HashMap<u64, Vec<Pending>> =
+            std::collections::HashMap::new();
+        for pending in batch {
+            let (node, _) = routes.route(&pending.message.queue);
+            groups.entry(node).or_default().push(pending);
+        }
+        let mut sends = tokio::task::JoinSet::new();
+        for (_, group) in groups {
+            let sending = self.clone();
+            sends.spawn(async move { sending.group(group).await });
+        }
+        while sends.join_next().await.is_some() {}
+    }
+
+    /// The client a group goes to: its first message's shard leader's (the node forwards any
+    /// message it does not lead), or the seed.
+    fn target(&self, messages: &[AppendMessage]) -> Client {
+        match (&self.routes, messages.first()) {
+            (Some(routes), Some(first)) => routes.route(&first.queue).1,
+            _ => self.client.clone(),
+        }
+    }
+
+    /// Sends one group (resending it when idempotent) and answers its callers.
+    async fn group(&self, batch: Vec<Pending>) {
+        let (messages, answers): (Vec<AppendMessage>, Vec<_>) = batch
+            .into_iter()
+            .map(|pending| (pending.message, pending.answer))
+            .unzip();
+        let result = match self.producer_id.as_deref() {
+            None => {
+                let result = self
+                    .target(&messages)
+                    .append_messages(messages, String::new())
                     .await;
-                match result {
-                    Err(error) if attempt < retries_max && is_retryable(&error) => {
-                        attempt += 1;
-                        tokio::time::sleep(backoff).await;
-                        backoff *= 2;
+                if result.is_err()
+                    && let Some(routes) = &self.routes
+                {
+                    routes.refresh_after_failure().await;
+                }
+                result
+            }
+            Some(producer_id) => {
+                let mut backoff = Duration::from_millis(10);
+                let mut attempt = 0;
+                loop {
+                    // A resend carries the same messages (payloads shared, not copied).
+                    let result = self
+                        .target(&messages)
+                        .append_messages(messages.clone(), producer_id.to_owned())
+                        .await;
+                    match result {
+                        Err(error) if attempt < self.retries_max && is_retryable(&error) => {
+                            attempt += 1;
+                            if let Some(routes) = &self.routes {
+                                routes.refresh_after_failure().await;
+                            }
+                            tokio::time::sleep(backoff).await;
+                            backoff *= 2;
+                        }
+                        other => break other,
                     }
-                    other => break other,
                 }
             }
-        }
-    };
-    match result {
-        Ok(offsets) => {
-            for (answer, offset) in answers.into_iter().zip(offsets) {
-                let _ = answer.send(Ok(offset));
+        };
+        match result {
+            Ok(offsets) => {
+                for (answer, offset) in answers.into_iter().zip(offsets) {
+                    let _ = answer.send(Ok(offset));
+                }
             }
-        }
-        Err(error) => {
-            // Every message of the batch fails with the same code and message.
-            let failed = match error {
-                ClientError::Server(wire) => wire,
-                other => WireError::new(ErrorCode::Unavailable, other.to_string()),
-            };
-            for answer in answers {
-                let _ = answer.send(Err(ClientError::Server(failed.clone())));
+            Err(error) => {
+                // Every message of the group fails with the same code and message.
+                let failed = match error {
+                    ClientError::Server(wire) => wire,
+                    other => WireError::new(ErrorCode::Unavailable, other.to_string()),
+                };
+                for answer in answers {
+                    let _ = answer.send(Err(ClientError::Server(failed.clone())));
+                }
             }
         }
     }

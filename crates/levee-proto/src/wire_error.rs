@@ -105,6 +105,16 @@ impl WireError {
                     "{message}: the request's deadline passed on the server; retry with a longer deadline"
                 ),
             ),
+            // The connection broke (the server died or went away mid-call): tonic says
+            // UNKNOWN; the request may or may not have been served, and another server (or
+            // this one, back) may take a retry.
+            tonic::Code::Unknown if message.contains("transport error") => Self::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "{message}: the connection to the server broke; the request may or may not \
+                     have been served"
+                ),
+            ),
             _ => Self::from_status(status),
         }
     }
@@ -307,5 +317,19 @@ mod tests {
     fn given_status_without_levee_metadata_then_code_comes_from_grpc_code() {
         let status = tonic::Status::unavailable("connection refused");
         assert_eq!(WireError::from_status(&status).code, ErrorCode::Unavailable);
+    }
+
+    #[test]
+    fn given_a_broken_connection_when_read_as_a_wire_error_then_it_is_unavailable_and_says_so() {
+        let broken = WireError::from_transport(&tonic::Status::unknown("transport error"));
+        assert_eq!(broken.code, ErrorCode::Unavailable);
+        assert!(
+            broken.message.contains("may or may not"),
+            "{}",
+            broken.message
+        );
+        // Any other UNKNOWN keeps the usual mapping.
+        let other = WireError::from_transport(&tonic::Status::unknown("something else"));
+        assert_eq!(other.code, ErrorCode::Internal);
     }
 }

@@ -74,13 +74,13 @@ pub fn shard_map(
     shards: &ShardSlot,
 ) -> Vec<ShardPlacement> {
     let voters: Vec<u64> = metrics.membership_config.membership().voter_ids().collect();
-    let leaders: BTreeMap<u32, u64> = shards
+    let groups: BTreeMap<u32, levee_cluster::shard::groups::ShardStatus> = shards
         .get()
         .map(|groups| {
             groups
                 .status()
                 .into_iter()
-                .filter_map(|group| Some((group.shard, group.leader?)))
+                .map(|group| (group.shard, group))
                 .collect()
         })
         .unwrap_or_default();
@@ -88,7 +88,14 @@ pub fn shard_map(
         .map(|shard| ShardPlacement {
             shard,
             replicas: levee_proto::shards::replicas(shard, &voters),
-            leader_id: leaders.get(&shard).copied().unwrap_or(0),
+            leader_id: groups
+                .get(&shard)
+                .and_then(|group| group.leader)
+                .unwrap_or(0),
+            voters: groups
+                .get(&shard)
+                .map(|group| group.voters.clone())
+                .unwrap_or_default(),
         })
         .collect()
 }

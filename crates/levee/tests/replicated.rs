@@ -236,9 +236,13 @@ fn given_a_replicated_cluster_when_a_shard_leader_is_killed_under_appends_then_n
         .rev()
         .take_while(|outcome| outcome.2.is_ok())
         .count();
+    let reasons: std::collections::BTreeSet<&str> = outcomes
+        .iter()
+        .filter_map(|outcome| outcome.2.as_ref().err().map(String::as_str))
+        .collect();
     assert!(
         succeeded_after_kill > 10,
-        "appends go on once a new leader is elected ({failed} failed of {})",
+        "appends go on once a new leader is elected ({failed} failed of {}: {reasons:#?})",
         outcomes.len()
     );
     // Failed appends: those said not stored must not be, those said maybe stored may be.

@@ -44,6 +44,12 @@ pub const PEER_MESSAGE_BYTES_MAX: usize = 16 * (16 << 20);
 pub const WRITE_WAIT_MAX: Duration = Duration::from_secs(2);
 /// Pause between tries while a shard has no leader.
 const LEADER_WAIT_STEP: Duration = Duration::from_millis(20);
+/// Least time between two elections a node calls to lead a shard it is preferred for.
+const CLAIM_INTERVAL: Duration = Duration::from_secs(5);
+/// A node calls such elections only within this time of first following another leader of
+/// the shard (after it joined, was placed on the shard, or restarted): the leaders spread
+/// when nodes arrive, and a failover among the others is not undone again and again.
+const CLAIM_WINDOW: Duration = Duration::from_secs(30);
 /// Longest a new replica may take to catch up before it is made a voter (placement retries).
 const CATCH_UP_MAX: Duration = Duration::from_secs(10);
 
@@ -125,6 +131,10 @@ enum Attempt {
 /// shard calls from then on).
 pub type ShardSlot = Arc<std::sync::OnceLock<ShardGroups>>;
 
+/// When a node first followed another leader of a shard it prefers to lead, and when it last
+/// called an election of it.
+type Claim = (Instant, Option<Instant>);
+
 /// A node's instances of every shard. Clones share them.
 #[derive(Clone)]
 pub struct ShardGroups {
@@ -132,6 +142,9 @@ pub struct ShardGroups {
     rafts: Arc<Vec<ShardRaft>>,
     channels: PeerChannels,
     syncer: JournalSyncer,
+    /// Per shard this node prefers to lead: when it first found itself a voter following
+    /// another leader, and when it last called an election.
+    claimed: Arc<std::sync::Mutex<std::collections::HashMap<ShardId, Claim>>>,
 }
 
 impl std::fmt::Debug for ShardGroups {
@@ -195,6 +208,7 @@ impl ShardGroups {
             rafts: Arc::new(rafts),
             channels,
             syncer,
+            claimed: Arc::default(),
         })
     }
 
@@ -461,10 +475,18 @@ impl ShardGroups {
                 )
             })?;
         match written {
-            Ok(written) => Ok(ShardForwarded {
-                response: written.data,
-                log_index: written.log_id.index,
-            }),
+            Ok(written) => {
+                // The sender answers once it applied the write too: tell the followers the
+                // commit now rather than at the next heartbeat (up to 50 ms later on a quiet
+                // shard).
+                if let Err(error) = raft.trigger().heartbeat().await {
+                    tracing::debug!(%error, "pushing the commit to the followers");
+                }
+                Ok(ShardForwarded {
+                    response: written.data,
+                    log_index: written.log_id.index,
+                })
+            }
             // The lead moved while the entry waited: the next leader may still commit it.
             Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => {
                 Err(ForwardRefusal::NotCommitted(
@@ -478,6 +500,53 @@ impl ShardGroups {
         }
     }
 
+    /// Spreads the shards' leaders over the nodes: a node that is a shard's preferred replica
+    /// (the first `levee_proto::shards::replicas` names), a voter of it, and not its leader
+    /// while another node leads, calls an election, at most once per [`CLAIM_INTERVAL`] per
+    /// shard and only within [`CLAIM_WINDOW`] of first following another leader. Its log is as long as the leader's when the shard is quiet and then it wins;
+    /// otherwise the election fails and the leader stays. Writes waiting on the old leader at
+    /// that moment fail as maybe stored (idempotent producers resend them safely).
+    fn claim_lead(
+        &self,
+        shard: ShardId,
+        raft: &ShardRaft,
+        metrics: &openraft::RaftMetrics<NodeId, NodeInfo>,
+        preferred: Option<NodeId>,
+    ) {
+        let leader = metrics.current_leader;
+        let voter = metrics
+            .membership_config
+            .membership()
+            .voter_ids()
+            .any(|voter| voter == self.node_id);
+        if preferred != Some(self.node_id)
+            || !voter
+            || leader.is_none()
+            || leader == Some(self.node_id)
+            || metrics.state != ServerState::Follower
+        {
+            return;
+        }
+        let mut claimed = self
+            .claimed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now = Instant::now();
+        let (since, last) = claimed.entry(shard).or_insert((now, None));
+        if now.duration_since(*since) > CLAIM_WINDOW
+            || last.is_some_and(|at| now.duration_since(at) < CLAIM_INTERVAL)
+        {
+            return;
+        }
+        *last = Some(now);
+        let raft = raft.clone();
+        tokio::spawn(async move {
+            if let Err(error) = raft.trigger().elect().await {
+                tracing::debug!(%error, shard, "claiming the shard's lead");
+            }
+        });
+    }
+
     /// For every shard this node leads, moves its voters towards the replicas `voters` (the
     /// metadata group's voters and their addresses) name for it; one change per shard per
     /// call. Returns how many shards changed.
@@ -486,13 +555,13 @@ impl ShardGroups {
         let mut changed = 0;
         for (shard, raft) in self.rafts.iter().enumerate() {
             let metrics = raft.metrics().borrow().clone();
+            let shard = u32::try_from(shard).unwrap_or(u32::MAX);
+            let replicas = levee_proto::shards::replicas(shard, &ids);
             if metrics.state != ServerState::Leader {
+                self.claim_lead(shard, raft, &metrics, replicas.first().copied());
                 continue;
             }
-            let shard = u32::try_from(shard).unwrap_or(u32::MAX);
-            let wanted: BTreeSet<NodeId> = levee_proto::shards::replicas(shard, &ids)
-                .into_iter()
-                .collect();
+            let wanted: BTreeSet<NodeId> = replicas.into_iter().collect();
             let membership = metrics.membership_config.membership().clone();
             let current: BTreeSet<NodeId> = membership.voter_ids().collect();
             if wanted.is_empty() || current == wanted {
