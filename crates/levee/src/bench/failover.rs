@@ -54,12 +54,14 @@ pub struct FailoverBenchArgs {
 }
 
 /// One node: where it lives and how to start it again.
-struct Node {
+pub(super) struct Node {
     id: u64,
     data_dir: PathBuf,
     flags: Vec<String>,
-    grpc_addr: String,
-    process: Option<ServerProcess>,
+    /// The node's gRPC address.
+    pub(super) grpc_addr: String,
+    /// The node's process, while running.
+    pub(super) process: Option<ServerProcess>,
 }
 
 /// One write: its key and value, when it was sent, and when acknowledged (if it was).
@@ -99,7 +101,7 @@ pub fn run(args: &FailoverBenchArgs) -> anyhow::Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
-    let mut nodes = start_cluster(directory.path(), args.nodes)?;
+    let mut nodes = start_cluster(directory.path(), args.nodes, &[])?;
     let report = runtime.block_on(bench(args, &mut nodes));
     for node in &mut nodes {
         drop(node.process.take());
@@ -134,8 +136,13 @@ pub fn run(args: &FailoverBenchArgs) -> anyhow::Result<()> {
 }
 
 /// Starts node 1, then the others joining it, each on fixed free loopback ports (a node
-/// restarts on the same addresses, which the cluster knows it by).
-fn start_cluster(directory: &Path, count: u64) -> anyhow::Result<Vec<Node>> {
+/// restarts on the same addresses, which the cluster knows it by), every one with `extra`
+/// flags too.
+pub(super) fn start_cluster(
+    directory: &Path,
+    count: u64,
+    extra: &[String],
+) -> anyhow::Result<Vec<Node>> {
     let mut nodes: Vec<Node> = Vec::new();
     let mut seed: Option<String> = None;
     for id in 1..=count {
@@ -151,6 +158,7 @@ fn start_cluster(directory: &Path, count: u64) -> anyhow::Result<Vec<Node>> {
             "--peer-addr".to_owned(),
             peer_addr.clone(),
         ];
+        flags.extend_from_slice(extra);
         let data_dir = directory.join(format!("n{id}"));
         let mut first_start = flags.clone();
         if let Some(seed) = &seed {

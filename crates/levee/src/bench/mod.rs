@@ -15,6 +15,7 @@ pub mod hotkey;
 pub mod limits;
 pub mod limits_adaptive;
 pub mod queue;
+pub mod queue_cluster;
 #[cfg(feature = "baseline")]
 pub mod redis_baseline;
 pub mod server_process;

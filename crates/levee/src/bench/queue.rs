@@ -102,6 +102,14 @@ pub struct QueueBenchArgs {
     /// A running server's gRPC address; without it the tool starts one with --sync
     #[arg(long, value_name = "HOST:PORT")]
     server: Option<String>,
+    /// Servers to start: 1, or 3 or 5 forming a cluster that replicates its queues
+    /// (docs/CLUSTER.md, "Part 2"); with 3 or 5 the tool runs the shape against a lone server
+    /// first and reports its figures beside the cluster's
+    #[arg(long, default_value_t = 1)]
+    pub nodes: u64,
+    /// With --nodes 3 or 5: the cluster's shards
+    #[arg(long, default_value_t = levee_proto::shards::SHARDS_DEFAULT)]
+    pub shards: u32,
     /// Run the same shape against Redis Streams too (needs redis-server installed, e.g. from
     /// apt, and the `baseline` feature): one stream per queue or partition, XADD,
     /// XREADGROUP and XACK, AOF fsync `always` or `everysec` to match --sync. In the mailbox
@@ -168,6 +176,13 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
         .worker_threads(client_threads(args))
         .enable_all()
         .build()?;
+    if args.nodes != 1 {
+        if args.server.is_some() || args.against.is_some() {
+            bail!("--nodes starts its own servers: drop --server and --against");
+        }
+        let report = super::queue_cluster::run(args, &runtime, &sync)?;
+        return print_report(args, &report);
+    }
     let (address, started_server) =
         ServerProcess::given_or_started(args.server.as_ref(), &["--queue-sync", &sync])?;
     let mut report = runtime.block_on(bench(args, &address))?;
@@ -198,12 +213,17 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
         });
         report["baseline"] = baseline;
     }
+    print_report(args, &report)
+}
+
+/// Prints the report: one JSON line with `--json`, else indented.
+fn print_report(args: &QueueBenchArgs, report: &Value) -> anyhow::Result<()> {
     if args.json {
         println!("{report}");
     } else {
         println!(
             "{}",
-            serde_json::to_string_pretty(&report).context("printing the report")?
+            serde_json::to_string_pretty(report).context("printing the report")?
         );
     }
     Ok(())
@@ -405,7 +425,7 @@ fn record_since(
     Ok(())
 }
 
-async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<Value> {
+pub(super) async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<Value> {
     let client = Client::connect(address).await?;
     let epoch = Instant::now();
     let consumed = Arc::new(AtomicU64::new(0));
