@@ -27,6 +27,9 @@ use crate::client::Client;
 use crate::error::ClientError;
 use crate::routing::{REFRESH_INTERVAL, ShardRoutes};
 
+/// The longest pause between two resends of an idempotent batch.
+const RESEND_PAUSE_MAX: Duration = Duration::from_millis(100);
+
 /// How a [`Producer`] batches.
 #[derive(Debug, Clone)]
 pub struct ProducerOptions {
@@ -47,8 +50,9 @@ pub struct ProducerOptions {
     pub requests_in_flight_max: usize,
     /// Resend failed batches without ever storing a message twice (default false).
     pub idempotent: bool,
-    /// With `idempotent`: resends of one batch before its callers get the error (default 5,
-    /// 10 ms apart, doubling).
+    /// With `idempotent`: resends of one batch before its callers get the error (default 10,
+    /// 10 ms apart, doubling up to 100 ms: about 0.75 s in all, enough to ride out a shard
+    /// leader's failover in a cluster).
     pub retries_max: u32,
     /// In a cluster that replicates its queues: send each batch's messages straight to their
     /// shards' leaders (learned from `GetCluster` every second and after a failure), saving the
@@ -66,7 +70,7 @@ impl Default for ProducerOptions {
             queued_messages_max: 100_000,
             requests_in_flight_max: 8,
             idempotent: false,
-            retries_max: 5,
+            retries_max: 10,
             route_to_shard_leaders: true,
         }
     }
@@ -337,7 +341,7 @@ impl Sending {
                                 routes.refresh_after_failure().await;
                             }
                             tokio::time::sleep(backoff).await;
-                            backoff *= 2;
+                            backoff = (backoff * 2).min(RESEND_PAUSE_MAX);
                         }
                         other => break other,
                     }

@@ -194,7 +194,7 @@ fn given_a_replicated_cluster_when_a_shard_leader_is_killed_under_appends_then_n
                 clients[writer_index].clone(),
                 levee_client::ProducerOptions {
                     idempotent: true,
-                    retries_max: 12,
+                    retries_max: 50,
                     ..levee_client::ProducerOptions::default()
                 },
             )

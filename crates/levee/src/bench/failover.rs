@@ -36,28 +36,39 @@ const WRITES_BETWEEN_KILLS: usize = 20;
 
 #[derive(Debug, clap::Args)]
 pub struct FailoverBenchArgs {
+    /// What is written while leaders are killed: `metadata` (producer rate limits, through
+    /// the metadata group) or `queue` (appends of an idempotent producer to replicated
+    /// queues: kills the leader of a shard each time; docs/CLUSTER.md, "Part 2")
+    #[arg(long, default_value = "metadata")]
+    pub(super) shape: String,
     /// Nodes in the cluster (3 or 5: all voters)
     #[arg(long, default_value_t = 3)]
-    nodes: u64,
+    pub(super) nodes: u64,
     /// Leader kills; each killed node is restarted before the next kill
     #[arg(long, default_value_t = 20)]
-    kills: u32,
+    pub(super) kills: u32,
+    /// Queue shape: the cluster's shards
+    #[arg(long, default_value_t = 4)]
+    pub(super) shards: u32,
     /// Pause between two metadata writes, in milliseconds (the writes are sequential)
     #[arg(long, default_value_t = 5)]
     write_interval_ms: u64,
-    /// Producer names the writes cycle over
+    /// Producer names (metadata shape) or queues (queue shape) the writes cycle over
     #[arg(long, default_value_t = 16)]
-    keys: u64,
+    pub(super) keys: u64,
     /// Print one JSON object on standard output (the summary goes to standard error)
     #[arg(long)]
-    json: bool,
+    pub(super) json: bool,
 }
 
 /// One node: where it lives and how to start it again.
 pub(super) struct Node {
-    id: u64,
-    data_dir: PathBuf,
-    flags: Vec<String>,
+    /// The node's id.
+    pub(super) id: u64,
+    /// Its data dir.
+    pub(super) data_dir: PathBuf,
+    /// Its flags, without `--join` (a restart needs none).
+    pub(super) flags: Vec<String>,
     /// The node's gRPC address.
     pub(super) grpc_addr: String,
     /// The node's process, while running.
@@ -95,6 +106,11 @@ fn free_port() -> anyhow::Result<u16> {
 pub fn run(args: &FailoverBenchArgs) -> anyhow::Result<()> {
     if !(args.nodes == 3 || args.nodes == 5) || args.kills == 0 || args.keys == 0 {
         bail!("need --nodes 3 or 5, --kills >= 1 and --keys >= 1");
+    }
+    match args.shape.as_str() {
+        "metadata" => {}
+        "queue" => return super::failover_queue::run(args),
+        other => bail!("--shape takes metadata or queue, got '{other}'"),
     }
     let directory = tempfile::tempdir().context("creating a temporary directory")?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -179,7 +195,7 @@ pub(super) fn start_cluster(
     Ok(nodes)
 }
 
-fn start_node(data_dir: &Path, flags: &[String]) -> anyhow::Result<ServerProcess> {
+pub(super) fn start_node(data_dir: &Path, flags: &[String]) -> anyhow::Result<ServerProcess> {
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     ServerProcess::start_in(data_dir, &flags)
 }

@@ -11,6 +11,7 @@
 
 pub mod delay;
 pub mod failover;
+pub mod failover_queue;
 pub mod hotkey;
 pub mod limits;
 pub mod limits_adaptive;

@@ -1,0 +1,369 @@
+//! `levee bench failover --shape queue`: a cluster that replicates its queues (docs/CLUSTER.md,
+//! "Part 2"), an idempotent producer appending to `--keys` queues one message after another
+//! (each message's payload its number), and the leader of a shard killed with SIGKILL again and
+//! again (the shard of queue `failover-k` at the k-th kill), each killed node restarted and the
+//! shards placed again before the next kill. Failover time: from the kill to the first append
+//! to the killed shard acknowledged after it. At the end, once every node holds every queue
+//! alike, every node's queues are read whole: `acknowledged_lost` counts acknowledged appends
+//! not found at their acknowledged offset on some node, `duplicates` the messages stored more
+//! than once.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use hdrhistogram::Histogram;
+use levee_client::{Client, ClientOptions, Producer, ProducerOptions};
+use levee_proto::v1::ErrorCode;
+use serde_json::{Value, json};
+use tokio::sync::watch;
+
+use super::failover::{FailoverBenchArgs, Node, start_cluster, start_node};
+
+/// The failover target (issue 36): p99 at most this.
+const FAILOVER_P99_TARGET_MS: f64 = 2_000.0;
+/// Longest a failover, a placement or the nodes converging may take before the run gives up.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Appends acknowledged after a restart before the next kill.
+const APPENDS_BETWEEN_KILLS: usize = 20;
+/// Appends the run keeps a record of, at most (it stops appending beyond).
+const APPENDS_MAX: usize = 1_000_000;
+
+/// One append: its queue, number, when sent, and when acknowledged at which offset.
+#[derive(Debug, Clone)]
+struct Append {
+    queue: String,
+    number: u64,
+    invoked: Instant,
+    acked: Option<(Instant, u64)>,
+}
+
+type Appends = Arc<Mutex<Vec<Append>>>;
+
+fn lock(appends: &Appends) -> std::sync::MutexGuard<'_, Vec<Append>> {
+    appends.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Runs the queue shape of `levee bench failover`.
+pub(super) fn run(args: &FailoverBenchArgs) -> anyhow::Result<()> {
+    if !(1..=levee_proto::shards::SHARDS_MAX).contains(&args.shards) {
+        bail!("--shards must be 1 to {}", levee_proto::shards::SHARDS_MAX);
+    }
+    let directory = tempfile::tempdir().context("creating a temporary directory")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let extra = [
+        "--replicated-queues",
+        "true",
+        "--shards",
+        &args.shards.to_string(),
+    ]
+    .map(str::to_owned);
+    let mut nodes = start_cluster(directory.path(), args.nodes, &extra)?;
+    let report = runtime.block_on(bench(args, &mut nodes));
+    for node in &mut nodes {
+        drop(node.process.take());
+    }
+    let report = report?;
+    let failover = &report["failover_ms"];
+    eprintln!(
+        "levee: {} shard leader kills, failover p50 {} ms, p99 {} ms, max {} ms (target p99 <= \
+         {} ms: {}); {} appends acknowledged, {} lost, {} duplicates",
+        args.kills,
+        failover["p50"],
+        failover["p99"],
+        failover["max"],
+        FAILOVER_P99_TARGET_MS,
+        if report["target_met"] == true {
+            "met"
+        } else {
+            "NOT met"
+        },
+        report["appends_acknowledged"],
+        report["acknowledged_lost"],
+        report["duplicates"]
+    );
+    if args.json {
+        println!("{report}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    }
+    if report["acknowledged_lost"] != 0 || report["duplicates"] != 0 {
+        bail!("acknowledged appends were lost or messages stored twice");
+    }
+    Ok(())
+}
+
+async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<Value> {
+    let options = ClientOptions {
+        connect_timeout: Duration::from_secs(1),
+        request_timeout: Duration::from_secs(5),
+    };
+    let mut clients = Vec::new();
+    for node in nodes.iter() {
+        clients.push(Client::connect_with(&node.grpc_addr, &options).await?);
+    }
+    let replicas = nodes.len().min(levee_proto::shards::REPLICAS_MAX);
+    let alive = vec![true; nodes.len()];
+    wait_placed(&clients, &alive, (args.shards, replicas)).await?;
+    let producer = Producer::new(
+        clients[0].clone(),
+        ProducerOptions {
+            idempotent: true,
+            // About 5 s of resends (100 ms apart at most) before a send fails.
+            retries_max: 55,
+            ..ProducerOptions::default()
+        },
+    )?;
+    let appends: Appends = Arc::default();
+    let (stop, stopped) = watch::channel(false);
+    let writing = tokio::spawn(append_continuously(
+        producer,
+        Arc::clone(&appends),
+        stopped,
+        args.keys,
+    ));
+    let started = Instant::now();
+    let mut failovers = Histogram::<u64>::new(3)?;
+    let mut leaders_killed = Vec::new();
+    for kill in 0..args.kills {
+        let queue = format!("failover-{}", u64::from(kill) % args.keys);
+        let shard = levee_proto::shards::shard_of(&queue, args.shards);
+        let (index, failover) =
+            kill_leader(&clients, nodes, &appends, (shard, args.shards)).await?;
+        failovers.record(failover.as_micros().try_into().unwrap_or(u64::MAX))?;
+        leaders_killed.push(nodes[index].id);
+        let (data_dir, flags) = (nodes[index].data_dir.clone(), nodes[index].flags.clone());
+        let process = tokio::task::spawn_blocking(move || start_node(&data_dir, &flags))
+            .await?
+            .with_context(|| format!("restarting node {}", nodes[index].id))?;
+        nodes[index].process = Some(process);
+        wait_placed(&clients, &alive, (args.shards, replicas)).await?;
+        let before = acked_count(&appends);
+        let deadline = Instant::now() + SETTLE_TIMEOUT;
+        while acked_count(&appends) < before + APPENDS_BETWEEN_KILLS {
+            if Instant::now() >= deadline {
+                bail!("appends did not resume within {SETTLE_TIMEOUT:?} of a restart");
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    let _ = stop.send(true);
+    writing.await.context("the appending task")?;
+    let duration_s = started.elapsed().as_secs_f64();
+    let appends = lock(&appends).clone();
+    let (lost, duplicates) = check(&clients, &appends, args.keys).await?;
+    let mut latency = Histogram::<u64>::new(3)?;
+    for append in &appends {
+        if let Some((acked, _)) = append.acked {
+            latency.record(
+                (acked - append.invoked)
+                    .as_micros()
+                    .try_into()
+                    .unwrap_or(u64::MAX),
+            )?;
+        }
+    }
+    let failover_ms = super::percentiles_ms(&failovers);
+    let target_met = failover_ms["p99"].as_f64().unwrap_or(f64::MAX) <= FAILOVER_P99_TARGET_MS;
+    let acknowledged = appends
+        .iter()
+        .filter(|append| append.acked.is_some())
+        .count();
+    Ok(json!({
+        "shape": "queue",
+        "nodes": args.nodes,
+        "shards": args.shards,
+        "kills": args.kills,
+        "leaders_killed": leaders_killed,
+        "failover_ms": failover_ms,
+        "target_p99_ms": FAILOVER_P99_TARGET_MS,
+        "target_met": target_met,
+        "appends_attempted": appends.len(),
+        "appends_acknowledged": acknowledged,
+        "appends_failed": appends.len() - acknowledged,
+        "acknowledged_lost": lost,
+        "duplicates": duplicates,
+        "append_latency_ms": super::percentiles_ms(&latency),
+        "duration_s": duration_s,
+    }))
+}
+
+fn acked_count(appends: &Appends) -> usize {
+    lock(appends)
+        .iter()
+        .filter(|append| append.acked.is_some())
+        .count()
+}
+
+/// Appends message after message (each awaited, resent by the producer as needed) until told
+/// to stop.
+async fn append_continuously(
+    producer: Producer,
+    appends: Appends,
+    stop: watch::Receiver<bool>,
+    keys: u64,
+) {
+    for number in 0_u64.. {
+        if *stop.borrow() || lock(&appends).len() >= APPENDS_MAX {
+            return;
+        }
+        let queue = format!("failover-{}", number % keys);
+        let invoked = Instant::now();
+        let sent = producer
+            .send(queue.as_bytes(), number.to_string().as_bytes())
+            .await;
+        let acked = sent.ok().map(|offset| (Instant::now(), offset));
+        lock(&appends).push(Append {
+            queue,
+            number,
+            invoked,
+            acked,
+        });
+    }
+}
+
+/// Kills the leader of `shard` and waits for the first append to one of its queues
+/// acknowledged after the kill; the killed node's index and the failover time.
+async fn kill_leader(
+    clients: &[Client],
+    nodes: &mut [Node],
+    appends: &Appends,
+    (shard, shards): (u32, u32),
+) -> anyhow::Result<(usize, Duration)> {
+    let leader = clients[0]
+        .cluster()
+        .await?
+        .shard_map
+        .get(shard as usize)
+        .map(|placement| placement.leader_id)
+        .filter(|leader| *leader != 0)
+        .with_context(|| format!("shard {shard} has no leader"))?;
+    let index = nodes
+        .iter()
+        .position(|node| node.id == leader)
+        .with_context(|| format!("no node is shard {shard}'s leader {leader}"))?;
+    let process = nodes[index]
+        .process
+        .take()
+        .context("the leader is not running")?;
+    let killed_at = Instant::now();
+    tokio::task::spawn_blocking(move || process.kill()).await?;
+    let deadline = killed_at + SETTLE_TIMEOUT;
+    loop {
+        let acked = lock(appends)
+            .iter()
+            .rev()
+            .take_while(|append| append.invoked >= killed_at || append.acked.is_some())
+            .filter(|append| levee_proto::shards::shard_of(&append.queue, shards) == shard)
+            .filter_map(|append| append.acked.map(|(at, _)| at))
+            .filter(|at| *at > killed_at)
+            .min();
+        if let Some(acked) = acked {
+            return Ok((index, acked - killed_at));
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "no append to shard {shard} succeeded within {SETTLE_TIMEOUT:?} of killing its leader"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Waits until every shard has `replicas` voters and a leader, as a node that is up sees it.
+async fn wait_placed(
+    clients: &[Client],
+    alive: &[bool],
+    (shards, replicas): (u32, usize),
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + SETTLE_TIMEOUT;
+    loop {
+        for (client, _) in clients.iter().zip(alive).filter(|(_, alive)| **alive) {
+            if let Ok(cluster) = client.cluster().await
+                && cluster.shard_map.len() == shards as usize
+                && cluster
+                    .shard_map
+                    .iter()
+                    .all(|shard| shard.leader_id != 0 && shard.voters.len() == replicas)
+            {
+                return Ok(());
+            }
+        }
+        if Instant::now() >= deadline {
+            bail!("the shards were not placed within {SETTLE_TIMEOUT:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Every message of `queue` on `client`'s node, from offset 0.
+async fn read_all(client: &Client, queue: &str) -> anyhow::Result<Vec<Vec<u8>>> {
+    let mut messages = Vec::new();
+    loop {
+        let read = match client
+            .read(queue.as_bytes(), messages.len() as u64, 10_000, 0)
+            .await
+        {
+            Ok(read) => read,
+            Err(error) if error.code() == Some(ErrorCode::NotFound) => return Ok(messages),
+            Err(error) => return Err(error.into()),
+        };
+        if read.payloads.is_empty() {
+            return Ok(messages);
+        }
+        messages.extend(read.payloads.into_iter().map(|payload| payload.to_vec()));
+    }
+}
+
+/// Once every node holds each queue alike, counts the acknowledged appends not at their
+/// offset on some node, and the messages stored more than once.
+async fn check(
+    clients: &[Client],
+    appends: &[Append],
+    keys: u64,
+) -> anyhow::Result<(usize, usize)> {
+    let mut stored: BTreeMap<String, Vec<Vec<Vec<u8>>>> = BTreeMap::new();
+    for key in 0..keys {
+        let queue = format!("failover-{key}");
+        let deadline = Instant::now() + SETTLE_TIMEOUT;
+        let copies = loop {
+            let mut copies = Vec::new();
+            for client in clients {
+                copies.push(read_all(client, &queue).await?);
+            }
+            if copies.iter().all(|copy| *copy == copies[0]) {
+                break copies;
+            }
+            if Instant::now() >= deadline {
+                bail!("the nodes' copies of {queue} still differ after {SETTLE_TIMEOUT:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        stored.insert(queue, copies);
+    }
+    let lost = appends
+        .iter()
+        .filter_map(|append| append.acked.map(|(_, offset)| (append, offset)))
+        .filter(|(append, offset)| {
+            stored[&append.queue].iter().any(|copy| {
+                usize::try_from(*offset)
+                    .ok()
+                    .and_then(|offset| copy.get(offset))
+                    != Some(&append.number.to_string().into_bytes())
+            })
+        })
+        .count();
+    let mut duplicates = 0;
+    for copies in stored.values() {
+        let mut seen = std::collections::HashSet::new();
+        duplicates += copies[0]
+            .iter()
+            .filter(|message| !seen.insert(*message))
+            .count();
+    }
+    Ok((lost, duplicates))
+}
