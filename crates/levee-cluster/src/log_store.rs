@@ -12,16 +12,20 @@ use std::ops::{Bound, RangeBounds};
 use std::path::Path;
 
 use fjall::{Config, Keyspace, PartitionCreateOptions, PartitionHandle, PersistMode};
+use openraft::entry::RaftPayload;
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
-use openraft::{Entry, LogId, OptionalSend, RaftLogReader, RaftTypeConfig, StorageIOError, Vote};
+use openraft::{
+    Entry, LogId, OptionalSend, RaftLogReader, RaftTypeConfig, StorageIOError, StoredMembership,
+    Vote,
+};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::syncer::JournalSyncer;
-use crate::{MetaConfig, NodeId, StorageError};
+use crate::{MetaConfig, NodeId, NodeInfo, StorageError};
 
 /// How a group's log entries are written on disk.
-pub trait LogCodec: RaftTypeConfig<NodeId = NodeId, Entry = Entry<Self>> {
+pub trait LogCodec: RaftTypeConfig<NodeId = NodeId, Node = NodeInfo, Entry = Entry<Self>> {
     /// An entry's bytes.
     fn encode_entry(entry: &Entry<Self>) -> Result<Vec<u8>, StorageError>;
     /// An entry from its bytes.
@@ -44,6 +48,10 @@ const VOTE_KEY: &str = "vote";
 const PURGED_KEY: &str = "purged";
 /// The last committed log id's key.
 const COMMITTED_KEY: &str = "committed";
+/// The key of the last membership entries written to the log.
+const MEMBERSHIPS_KEY: &str = "memberships";
+/// Membership entries the log keeps track of (openraft has at most one uncommitted).
+const MEMBERSHIPS_KEPT: usize = 2;
 
 /// The Raft log on disk. Clones share the keyspace (a reader is a clone).
 pub struct LogStore<C = MetaConfig> {
@@ -211,19 +219,54 @@ impl<C: LogCodec> LogStore<C> {
     }
 }
 
+/// A membership as the log holds it.
+type Logged = StoredMembership<NodeId, NodeInfo>;
+
 impl<C: LogCodec> LogStore<C> {
+    /// The last [`MEMBERSHIPS_KEPT`] membership entries written to the log, oldest first.
+    pub(crate) fn memberships(&self) -> Result<Vec<Logged>, StorageError> {
+        Ok(self.read_meta(MEMBERSHIPS_KEY)?.unwrap_or_default())
+    }
+
+    /// The last membership entry of the log at or before `index`, if the log keeps it.
+    pub(crate) fn membership_at(&self, index: u64) -> Result<Option<Logged>, StorageError> {
+        Ok(self
+            .memberships()?
+            .into_iter()
+            .rev()
+            .find(|kept| kept.log_id().is_some_and(|id| id.index <= index)))
+    }
+
     /// Writes `entries` in one batch, without waiting for the fsync.
     pub(crate) fn write_entries(
         &self,
         entries: impl IntoIterator<Item = Entry<C>>,
     ) -> Result<(), StorageError> {
         let mut batch = self.keyspace.batch();
+        let mut memberships: Option<Vec<Logged>> = None;
         for entry in entries {
+            if let Some(membership) = entry.get_membership() {
+                let list = match &mut memberships {
+                    Some(list) => list,
+                    None => memberships.insert(self.memberships()?),
+                };
+                list.retain(|kept| kept.log_id().map(|id| id.index) < Some(entry.log_id.index));
+                list.push(StoredMembership::new(
+                    Some(entry.log_id),
+                    membership.clone(),
+                ));
+                if list.len() > MEMBERSHIPS_KEPT {
+                    list.remove(0);
+                }
+            }
             batch.insert(
                 &self.entries,
                 index_key(entry.log_id.index),
                 C::encode_entry(&entry)?,
             );
+        }
+        if let Some(list) = memberships {
+            batch.insert(&self.meta, MEMBERSHIPS_KEY, to_json(&list)?);
         }
         batch
             .commit()
@@ -264,7 +307,22 @@ impl<C: LogCodec> RaftLogStorage<C> for LogStore<C> {
     }
 
     async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError> {
-        self.write_meta(VOTE_KEY, vote)
+        let Some(syncer) = &self.syncer else {
+            return self.write_meta(VOTE_KEY, vote);
+        };
+        // Through the group commit, awaited without holding a runtime thread: after a node
+        // dies every shard it led votes at once, and as many fsyncs in a row on the runtime's
+        // threads would hold up the heartbeats of every other shard.
+        self.meta
+            .insert(VOTE_KEY, to_json(vote)?)
+            .map_err(|error| StorageIOError::write_vote(&error))?;
+        let (answer, done) = tokio::sync::oneshot::channel();
+        syncer.after_sync(Box::new(move |result| {
+            let _ = answer.send(result);
+        }));
+        done.await
+            .unwrap_or_else(|_| Err("the log syncer stopped".to_owned()))
+            .map_err(|error| StorageIOError::write_vote(&std::io::Error::other(error)).into())
     }
 
     async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>, StorageError> {
@@ -324,6 +382,13 @@ impl<C: LogCodec> RaftLogStorage<C> for LogStore<C> {
     }
 
     async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError> {
+        let mut memberships = self.memberships()?;
+        let kept = memberships.len();
+        memberships
+            .retain(|membership| membership.log_id().map(|id| id.index) < Some(log_id.index));
+        if memberships.len() != kept {
+            self.write_meta(MEMBERSHIPS_KEY, &memberships)?;
+        }
         self.remove((Bound::Included(log_id.index), Bound::Unbounded))
     }
 

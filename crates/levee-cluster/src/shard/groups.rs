@@ -547,9 +547,11 @@ impl ShardGroups {
         });
     }
 
-    /// For every shard this node leads, moves its voters towards the replicas `voters` (the
-    /// metadata group's voters and their addresses) name for it; one change per shard per
-    /// call. Returns how many shards changed.
+    /// For every shard this node leads, adds to its voters the replicas `voters` (the
+    /// metadata group's voters and their addresses) name for it that it lacks (a learner fed
+    /// the log first); one change per shard per call, never while a change is under way.
+    /// Replicas are never removed here (moving them off a removed node is not built yet).
+    /// Returns how many shards changed.
     pub async fn place(&self, voters: &BTreeMap<NodeId, NodeInfo>) -> usize {
         let ids: Vec<NodeId> = voters.keys().copied().collect();
         let mut changed = 0;
@@ -564,11 +566,16 @@ impl ShardGroups {
             let wanted: BTreeSet<NodeId> = replicas.into_iter().collect();
             let membership = metrics.membership_config.membership().clone();
             let current: BTreeSet<NodeId> = membership.voter_ids().collect();
-            if wanted.is_empty() || current == wanted {
+            // Replicas are only added: a node's view of the metadata voters may be behind
+            // (a restarted node replaying its log), and shrinking a shard on such a view once
+            // left it in a joint membership that needed a dead node's vote.
+            let missing: BTreeSet<NodeId> = wanted.difference(&current).copied().collect();
+            if missing.is_empty() || membership.get_joint_config().len() > 1 {
                 continue;
             }
+            let grown: BTreeSet<NodeId> = current.union(&missing).copied().collect();
             let mut ready = true;
-            for node in wanted.difference(&current) {
+            for node in &missing {
                 if membership.get_node(node).is_some() {
                     continue;
                 }
@@ -586,12 +593,12 @@ impl ShardGroups {
             if !ready {
                 continue;
             }
-            match tokio::time::timeout(CATCH_UP_MAX, raft.change_membership(wanted.clone(), false))
+            match tokio::time::timeout(CATCH_UP_MAX, raft.change_membership(grown.clone(), false))
                 .await
             {
                 Ok(Ok(_)) => {
                     changed += 1;
-                    tracing::info!(shard, replicas = ?wanted, "placed the shard's replicas");
+                    tracing::info!(shard, replicas = ?grown, "placed the shard's replicas");
                 }
                 Ok(Err(error)) => tracing::debug!(%error, shard, "placing the shard's replicas"),
                 Err(_) => tracing::debug!(shard, "placing the shard's replicas timed out"),

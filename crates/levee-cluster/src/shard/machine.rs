@@ -144,6 +144,16 @@ impl ShardStateMachine {
         if let Some(applying) = machine.log.read_meta::<Applying>(APPLYING_KEY)? {
             machine.recover(&applying)?;
         }
+        // The membership in force at the last applied entry, as the log itself records it
+        // (openraft takes it from here and reads only the memberships after that entry).
+        let mut applied = machine.lock();
+        if let Some(last) = applied.last
+            && let Some(logged) = machine.log.membership_at(last.index)?
+            && logged.log_id() > applied.membership.log_id()
+        {
+            applied.membership = logged;
+        }
+        drop(applied);
         Ok(machine)
     }
 
@@ -630,6 +640,43 @@ mod tests {
             }
         );
         assert_eq!(messages(&store, "q"), ["p-0", "p-1"]);
+        Ok(())
+    }
+
+    fn membership(index: u64, configs: Vec<Vec<u64>>) -> Entry<ShardConfig> {
+        let nodes: std::collections::BTreeMap<u64, NodeInfo> = configs
+            .iter()
+            .flatten()
+            .map(|node| (*node, NodeInfo::default()))
+            .collect();
+        let configs = configs
+            .into_iter()
+            .map(|config| config.into_iter().collect())
+            .collect();
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+            payload: EntryPayload::Membership(openraft::Membership::new(configs, nodes)),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_membership_changes_then_appends_when_reopened_then_the_last_membership_is_reported()
+    -> Result<(), StorageError> {
+        let directory = tempfile::tempdir().expect("a directory");
+        {
+            let (_store, mut machine) = open(directory.path());
+            machine
+                .apply(vec![membership(1, vec![vec![1], vec![1, 2, 3]])])
+                .await?;
+            machine
+                .apply(vec![membership(2, vec![vec![1, 2, 3]])])
+                .await?;
+            machine.apply(vec![append(3, &[("q", "a")])]).await?;
+        }
+        let (_store, mut machine) = open(directory.path());
+        let (last, stored) = machine.applied_state().await?;
+        assert_eq!(last.map(|id| id.index), Some(3));
+        assert_eq!(stored.log_id().map(|id| id.index), Some(2), "{stored:?}");
         Ok(())
     }
 }

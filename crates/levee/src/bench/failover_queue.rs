@@ -266,8 +266,25 @@ async fn kill_leader(
             return Ok((index, acked - killed_at));
         }
         if Instant::now() >= deadline {
+            let mut views = Vec::new();
+            for (client, node) in clients.iter().zip(nodes.iter()) {
+                if node.process.is_some()
+                    && let Ok(cluster) = client.cluster().await
+                    && let Some(placement) = cluster.shard_map.get(shard as usize)
+                {
+                    views.push(format!(
+                        "node {} sees leader {} voters {:?}",
+                        node.id, placement.leader_id, placement.voters
+                    ));
+                }
+            }
+            let last = lock(appends)
+                .last()
+                .map(|append| format!("{} {:?} ago", append.queue, append.invoked.elapsed()));
             bail!(
-                "no append to shard {shard} succeeded within {SETTLE_TIMEOUT:?} of killing its leader"
+                "no append to shard {shard} succeeded within {SETTLE_TIMEOUT:?} of killing its \
+                 leader {leader} ({}; the last append recorded: {last:?})",
+                views.join(", ")
             );
         }
         tokio::time::sleep(Duration::from_millis(5)).await;

@@ -55,7 +55,10 @@ impl ServerProcess {
             .arg("server")
             .arg("--data-dir")
             .arg(data_dir)
-            .args(["--log-format", "json", "--log-level", "info"])
+            .args(["--log-format", "json", "--log-level"])
+            .arg(
+                std::env::var("LEVEE_BENCH_SERVER_LOG_LEVEL").unwrap_or_else(|_| "info".to_owned()),
+            )
             .args(flags)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -94,8 +97,23 @@ impl ServerProcess {
             }
             if event["message"] == "levee server ready" {
                 let grpc_addr = event["grpc_addr"].as_str().unwrap_or_default().to_owned();
-                // Keep draining the server's logs so that it never blocks on a full pipe.
-                std::thread::spawn(move || while lines.recv().is_ok() {});
+                // Keep draining the server's logs so that it never blocks on a full pipe; kept
+                // in LEVEE_BENCH_SERVER_LOGS/server-<pid>.log when that names a directory.
+                let kept = std::env::var_os("LEVEE_BENCH_SERVER_LOGS").and_then(|directory| {
+                    let path =
+                        std::path::Path::new(&directory).join(format!("server-{}.log", child.id()));
+                    std::fs::File::create(path).ok()
+                });
+                std::thread::spawn(move || {
+                    let mut kept = kept.map(std::io::BufWriter::new);
+                    while let Ok(line) = lines.recv() {
+                        if let Some(file) = &mut kept {
+                            let _ = std::io::Write::write_all(file, line.as_bytes());
+                            let _ = std::io::Write::write_all(file, b"\n");
+                            let _ = std::io::Write::flush(file);
+                        }
+                    }
+                });
                 return Ok(Self {
                     child,
                     grpc_addr,
