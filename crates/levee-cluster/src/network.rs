@@ -39,6 +39,9 @@ pub type Raft = openraft::Raft<MetaConfig>;
 /// What the Raft instance says of itself.
 pub type RaftMetrics = openraft::RaftMetrics<NodeId, NodeInfo>;
 
+/// Longest a shard call waits for this node's shard groups to open.
+const SHARDS_OPEN_WAIT_MAX: Duration = Duration::from_secs(2);
+
 /// How long a connection to a peer may take to open.
 pub const PEER_CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 
@@ -282,11 +285,20 @@ impl Peer for PeerService {
         &self,
         request: Request<ShardMessage>,
     ) -> Result<Response<ShardMessage>, Status> {
-        let Some(groups) = self.shards.get() else {
-            return Err(Status::unavailable(
-                "this node runs no shard groups yet (starting, or its cluster does not \
-                 replicate queues)",
-            ));
+        // A node placed on a shard just as it joins may be asked before its groups are open:
+        // wait for them a moment rather than send the leader's replication into backoff.
+        let started = std::time::Instant::now();
+        let groups = loop {
+            if let Some(groups) = self.shards.get() {
+                break groups;
+            }
+            if started.elapsed() >= SHARDS_OPEN_WAIT_MAX {
+                return Err(Status::unavailable(
+                    "this node runs no shard groups yet (starting, or its cluster does not \
+                     replicate queues)",
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         };
         groups.serve(request.into_inner()).await.map(Response::new)
     }
