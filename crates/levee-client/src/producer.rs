@@ -280,7 +280,7 @@ struct Sending {
 impl Sending {
     /// Sends `batch`: split by the node each message's shard is led by, when routing.
     async fn batch(&self, batch: Vec<Pending>) {
-        let Some(routes) = &self.routes else {
+        let Some(routes) = self.routes.as_ref().filter(|routes| routes.routing()) else {
             return self.group(batch).await;
         };
         let mut groups: std::collections::HashMap<u64, Vec<Pending>> =

@@ -130,6 +130,16 @@ impl ShardRoutes {
         }
     }
 
+    /// Whether messages are routed by shard (the cluster replicates its queues and its shard
+    /// map is known); when not, every message goes to one node and a batch is not split.
+    pub fn routing(&self) -> bool {
+        self.table
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .shards
+            != 0
+    }
+
     /// The node `queue`'s appends go to and its client: the shard's leader when known, else
     /// (node 0) the node that answered the last refresh, the seed first.
     pub fn route(&self, queue: &[u8]) -> (u64, Client) {

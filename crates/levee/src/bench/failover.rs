@@ -23,7 +23,7 @@ use tokio::sync::watch;
 use super::server_process::ServerProcess;
 
 /// The failover target (issue 35): p99 at most this.
-const FAILOVER_P99_TARGET_MS: f64 = 2_000.0;
+pub(super) const FAILOVER_P99_TARGET_MS: f64 = 2_000.0;
 /// Longest one failover, or the cluster settling after a restart, may take before the run
 /// gives up.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -123,10 +123,31 @@ pub fn run(args: &FailoverBenchArgs) -> anyhow::Result<()> {
         drop(node.process.take());
     }
     let report = report?;
+    print_report(
+        args,
+        &report,
+        &format!(
+            "{} writes acknowledged, {} lost",
+            report["writes_acknowledged"], report["writes_lost"]
+        ),
+    )?;
+    if report["writes_lost"] != 0 {
+        bail!("acknowledged writes were lost");
+    }
+    Ok(())
+}
+
+/// Prints `report`: a summary of its failovers and `outcome` on standard error, the report
+/// itself on standard output (one JSON line with `--json`).
+pub(super) fn print_report(
+    args: &FailoverBenchArgs,
+    report: &Value,
+    outcome: &str,
+) -> anyhow::Result<()> {
     let failover = &report["failover_ms"];
     eprintln!(
         "levee: {} kills, failover p50 {} ms, p99 {} ms, max {} ms (target p99 <= {} ms: {}); \
-         {} writes acknowledged, {} lost",
+         {outcome}",
         args.kills,
         failover["p50"],
         failover["p99"],
@@ -137,18 +158,45 @@ pub fn run(args: &FailoverBenchArgs) -> anyhow::Result<()> {
         } else {
             "NOT met"
         },
-        report["writes_acknowledged"],
-        report["writes_lost"]
     );
     if args.json {
         println!("{report}");
     } else {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    }
-    if report["writes_lost"] != 0 {
-        bail!("acknowledged writes were lost");
+        println!("{}", serde_json::to_string_pretty(report)?);
     }
     Ok(())
+}
+
+/// Starts a cluster of `count` nodes that replicates its queues over `shards` shards, every
+/// node with `extra` flags too.
+pub(super) fn start_replicated_cluster(
+    directory: &Path,
+    (count, shards): (u64, u32),
+    extra: &[&str],
+) -> anyhow::Result<Vec<Node>> {
+    let mut flags = vec![
+        "--replicated-queues".to_owned(),
+        "true".to_owned(),
+        "--shards".to_owned(),
+        shards.to_string(),
+    ];
+    flags.extend(extra.iter().map(|flag| (*flag).to_owned()));
+    start_cluster(directory, count, &flags)
+}
+
+/// Whether every one of `shards` shards has a leader and `replicas` voters, as `cluster`
+/// says.
+pub(super) fn shards_placed(
+    cluster: &levee_proto::v1::GetClusterResponse,
+    shards: u32,
+    replicas: usize,
+) -> bool {
+    cluster.replicated_queues
+        && cluster.shard_map.len() == shards as usize
+        && cluster
+            .shard_map
+            .iter()
+            .all(|shard| shard.leader_id != 0 && shard.voters.len() == replicas)
 }
 
 /// Starts node 1, then the others joining it, each on fixed free loopback ports (a node

@@ -19,10 +19,11 @@ use levee_proto::v1::ErrorCode;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
-use super::failover::{FailoverBenchArgs, Node, start_cluster, start_node};
+use super::failover::{
+    FAILOVER_P99_TARGET_MS, FailoverBenchArgs, Node, print_report, shards_placed, start_node,
+    start_replicated_cluster,
+};
 
-/// The failover target (issue 36): p99 at most this.
-const FAILOVER_P99_TARGET_MS: f64 = 2_000.0;
 /// Longest a failover, a placement or the nodes converging may take before the run gives up.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Appends acknowledged after a restart before the next kill.
@@ -55,42 +56,20 @@ pub(super) fn run(args: &FailoverBenchArgs) -> anyhow::Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
-    let extra = [
-        "--replicated-queues",
-        "true",
-        "--shards",
-        &args.shards.to_string(),
-    ]
-    .map(str::to_owned);
-    let mut nodes = start_cluster(directory.path(), args.nodes, &extra)?;
+    let mut nodes = start_replicated_cluster(directory.path(), (args.nodes, args.shards), &[])?;
     let report = runtime.block_on(bench(args, &mut nodes));
     for node in &mut nodes {
         drop(node.process.take());
     }
     let report = report?;
-    let failover = &report["failover_ms"];
-    eprintln!(
-        "levee: {} shard leader kills, failover p50 {} ms, p99 {} ms, max {} ms (target p99 <= \
-         {} ms: {}); {} appends acknowledged, {} lost, {} duplicates",
-        args.kills,
-        failover["p50"],
-        failover["p99"],
-        failover["max"],
-        FAILOVER_P99_TARGET_MS,
-        if report["target_met"] == true {
-            "met"
-        } else {
-            "NOT met"
-        },
-        report["appends_acknowledged"],
-        report["acknowledged_lost"],
-        report["duplicates"]
-    );
-    if args.json {
-        println!("{report}");
-    } else {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    }
+    print_report(
+        args,
+        &report,
+        &format!(
+            "{} appends acknowledged, {} lost, {} duplicates",
+            report["appends_acknowledged"], report["acknowledged_lost"], report["duplicates"]
+        ),
+    )?;
     if report["acknowledged_lost"] != 0 || report["duplicates"] != 0 {
         bail!("acknowledged appends were lost or messages stored twice");
     }
@@ -256,11 +235,11 @@ async fn kill_leader(
     loop {
         let acked = lock(appends)
             .iter()
-            .rev()
-            .take_while(|append| append.invoked >= killed_at || append.acked.is_some())
-            .filter(|append| levee_proto::shards::shard_of(&append.queue, shards) == shard)
-            .filter_map(|append| append.acked.map(|(at, _)| at))
-            .filter(|at| *at > killed_at)
+            .filter_map(|append| append.acked.map(|(at, _)| (append, at)))
+            .filter(|(append, at)| {
+                *at > killed_at && levee_proto::shards::shard_of(&append.queue, shards) == shard
+            })
+            .map(|(_, at)| at)
             .min();
         if let Some(acked) = acked {
             return Ok((index, acked - killed_at));
@@ -301,11 +280,7 @@ async fn wait_placed(
     loop {
         for (client, _) in clients.iter().zip(alive).filter(|(_, alive)| **alive) {
             if let Ok(cluster) = client.cluster().await
-                && cluster.shard_map.len() == shards as usize
-                && cluster
-                    .shard_map
-                    .iter()
-                    .all(|shard| shard.leader_id != 0 && shard.voters.len() == replicas)
+                && shards_placed(&cluster, shards, replicas)
             {
                 return Ok(());
             }

@@ -14,7 +14,7 @@ use anyhow::{Context, bail};
 use levee_client::Client;
 use serde_json::{Value, json};
 
-use super::failover::start_cluster;
+use super::failover::{shards_placed, start_replicated_cluster};
 use super::queue::{QueueBenchArgs, bench};
 use super::server_process::ServerProcess;
 
@@ -56,16 +56,11 @@ pub(super) fn run(
         args.nodes, args.shards
     );
     let directory = tempfile::tempdir().context("creating a temporary directory")?;
-    let extra = [
-        "--queue-sync",
-        sync,
-        "--replicated-queues",
-        "true",
-        "--shards",
-        &args.shards.to_string(),
-    ]
-    .map(str::to_owned);
-    let mut nodes = start_cluster(directory.path(), args.nodes, &extra)?;
+    let mut nodes = start_replicated_cluster(
+        directory.path(),
+        (args.nodes, args.shards),
+        &["--queue-sync", sync],
+    )?;
     let address = nodes[0].grpc_addr.clone();
     let replicas = usize::try_from(args.nodes)?.min(levee_proto::shards::REPLICAS_MAX);
     let report = runtime.block_on(async {
@@ -106,12 +101,7 @@ async fn wait_placed(address: &str, shards: u32, replicas: usize) -> anyhow::Res
     let started = Instant::now();
     loop {
         let cluster = client.cluster().await?;
-        let placed = cluster.replicated_queues
-            && cluster.shard_map.len() == shards as usize
-            && cluster
-                .shard_map
-                .iter()
-                .all(|shard| shard.leader_id != 0 && shard.voters.len() == replicas);
+        let placed = shards_placed(&cluster, shards, replicas);
         let spread = placed
             && cluster
                 .shard_map
