@@ -96,6 +96,7 @@ pub fn shard_map(
                 .get(&shard)
                 .map(|group| group.voters.clone())
                 .unwrap_or_default(),
+            changing: groups.get(&shard).is_some_and(|group| group.changing),
         })
         .collect()
 }

@@ -48,7 +48,7 @@ fn status(node: &LeveeProcess) -> serde_json::Value {
     serde_json::from_str(&body).unwrap()
 }
 
-/// Each shard's leader and voters as `node` sees them.
+/// Each shard's leader and voters as `node` sees them (no voters while they change).
 fn shard_groups(node: &LeveeProcess) -> BTreeMap<u64, (Option<u64>, Vec<u64>)> {
     let view = status(node);
     view["shard_groups"]
@@ -57,10 +57,13 @@ fn shard_groups(node: &LeveeProcess) -> BTreeMap<u64, (Option<u64>, Vec<u64>)> {
             groups
                 .iter()
                 .map(|group| {
+                    // A shard whose voters are changing is not placed yet: no voters.
+                    let changing = group["changing"].as_bool().unwrap();
                     let voters = group["voters"]
                         .as_array()
                         .unwrap()
                         .iter()
+                        .filter(|_| !changing)
                         .map(|voter| voter.as_u64().unwrap())
                         .collect();
                     (

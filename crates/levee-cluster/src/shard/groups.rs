@@ -118,6 +118,12 @@ pub struct ShardStatus {
     pub last_log_index: Option<u64>,
     /// This node's last applied index of the shard.
     pub last_applied_index: Option<u64>,
+    /// The voters are changing (a joint membership: the old and the new set both vote).
+    pub changing: bool,
+    /// This node's term of the shard.
+    pub term: u64,
+    /// This node's role in the shard (leader, follower, candidate, learner).
+    pub role: String,
 }
 
 /// What one try of a write did.
@@ -255,6 +261,9 @@ impl ShardGroups {
                     voters: membership.voter_ids().collect(),
                     last_log_index: metrics.last_log_index,
                     last_applied_index: metrics.last_applied.map(|log_id| log_id.index),
+                    changing: membership.get_joint_config().len() > 1,
+                    term: metrics.current_term,
+                    role: format!("{:?}", metrics.state).to_lowercase(),
                 })
             })
             .collect()
@@ -549,7 +558,8 @@ impl ShardGroups {
 
     /// For every shard this node leads, adds to its voters the replicas `voters` (the
     /// metadata group's voters and their addresses) name for it that it lacks (a learner fed
-    /// the log first); one change per shard per call, never while a change is under way.
+    /// the log first); one change per shard per call. A change a former leader left half done
+    /// (a joint membership) is finished first.
     /// Replicas are never removed here (moving them off a removed node is not built yet).
     /// Returns how many shards changed.
     pub async fn place(&self, voters: &BTreeMap<NodeId, NodeInfo>) -> usize {
@@ -563,14 +573,23 @@ impl ShardGroups {
                 self.claim_lead(shard, raft, &metrics, replicas.first().copied());
                 continue;
             }
-            let wanted: BTreeSet<NodeId> = replicas.into_iter().collect();
             let membership = metrics.membership_config.membership().clone();
+            if let Some(goal) = Self::unfinished_change(&membership) {
+                // A leader that died between the two steps of a change leaves the joint
+                // membership in the log; its successor ends it, or a node of the old set
+                // going down would stall the shard.
+                if self.change_voters(shard, raft, goal).await {
+                    changed += 1;
+                }
+                continue;
+            }
+            let wanted: BTreeSet<NodeId> = replicas.into_iter().collect();
             let current: BTreeSet<NodeId> = membership.voter_ids().collect();
             // Replicas are only added: a node's view of the metadata voters may be behind
             // (a restarted node replaying its log), and shrinking a shard on such a view once
             // left it in a joint membership that needed a dead node's vote.
             let missing: BTreeSet<NodeId> = wanted.difference(&current).copied().collect();
-            if missing.is_empty() || membership.get_joint_config().len() > 1 {
+            if missing.is_empty() {
                 continue;
             }
             let grown: BTreeSet<NodeId> = current.union(&missing).copied().collect();
@@ -590,21 +609,45 @@ impl ShardGroups {
                     ready = false;
                 }
             }
-            if !ready {
-                continue;
-            }
-            match tokio::time::timeout(CATCH_UP_MAX, raft.change_membership(grown.clone(), false))
-                .await
-            {
-                Ok(Ok(_)) => {
-                    changed += 1;
-                    tracing::info!(shard, replicas = ?grown, "placed the shard's replicas");
-                }
-                Ok(Err(error)) => tracing::debug!(%error, shard, "placing the shard's replicas"),
-                Err(_) => tracing::debug!(shard, "placing the shard's replicas timed out"),
+            if ready && self.change_voters(shard, raft, grown).await {
+                changed += 1;
             }
         }
         changed
+    }
+
+    /// The voters a joint membership is changing to, when `membership` is one.
+    fn unfinished_change(
+        membership: &openraft::Membership<NodeId, NodeInfo>,
+    ) -> Option<BTreeSet<NodeId>> {
+        let configs = membership.get_joint_config();
+        (configs.len() > 1).then(|| configs.last().cloned().unwrap_or_default())
+    }
+
+    /// Makes `voters` the voters of `shard`, which this node leads (openraft goes through the
+    /// joint membership and on to the new one); whether it did.
+    async fn change_voters(
+        &self,
+        shard: ShardId,
+        raft: &ShardRaft,
+        voters: BTreeSet<NodeId>,
+    ) -> bool {
+        match tokio::time::timeout(CATCH_UP_MAX, raft.change_membership(voters.clone(), false))
+            .await
+        {
+            Ok(Ok(_)) => {
+                tracing::info!(shard, replicas = ?voters, "placed the shard's replicas");
+                true
+            }
+            Ok(Err(error)) => {
+                tracing::debug!(%error, shard, "placing the shard's replicas");
+                false
+            }
+            Err(_) => {
+                tracing::debug!(shard, "placing the shard's replicas timed out");
+                false
+            }
+        }
     }
 }
 
@@ -622,4 +665,28 @@ fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Status> {
 fn json<T: Serialize>(answer: &T) -> Result<Vec<u8>, Status> {
     serde_json::to_vec(answer)
         .map_err(|error| Status::internal(format!("cannot encode a shard answer: {error}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node() -> NodeInfo {
+        NodeInfo::default()
+    }
+
+    #[test]
+    fn given_a_joint_membership_when_asked_then_the_change_left_to_finish_is_the_new_set() {
+        let nodes: BTreeMap<NodeId, NodeInfo> = (1..=3).map(|id| (id, node())).collect();
+        let joint = openraft::Membership::new(
+            vec![BTreeSet::from([1]), BTreeSet::from([1, 2, 3])],
+            nodes.clone(),
+        );
+        assert_eq!(
+            ShardGroups::unfinished_change(&joint),
+            Some(BTreeSet::from([1, 2, 3]))
+        );
+        let uniform = openraft::Membership::new(vec![BTreeSet::from([1, 2, 3])], nodes);
+        assert_eq!(ShardGroups::unfinished_change(&uniform), None);
+    }
 }

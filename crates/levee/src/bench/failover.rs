@@ -184,8 +184,8 @@ pub(super) fn start_replicated_cluster(
     start_cluster(directory, count, &flags)
 }
 
-/// Whether every one of `shards` shards has a leader and `replicas` voters, as `cluster`
-/// says.
+/// Whether every one of `shards` shards has a leader and `replicas` voters, no change of them
+/// under way, as `cluster` says.
 pub(super) fn shards_placed(
     cluster: &levee_proto::v1::GetClusterResponse,
     shards: u32,
@@ -196,7 +196,7 @@ pub(super) fn shards_placed(
         && cluster
             .shard_map
             .iter()
-            .all(|shard| shard.leader_id != 0 && shard.voters.len() == replicas)
+            .all(|shard| shard.leader_id != 0 && shard.voters.len() == replicas && !shard.changing)
 }
 
 /// Starts node 1, then the others joining it, each on fixed free loopback ports (a node

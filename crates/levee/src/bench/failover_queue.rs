@@ -252,8 +252,15 @@ async fn kill_leader(
                     && let Some(placement) = cluster.shard_map.get(shard as usize)
                 {
                     views.push(format!(
-                        "node {} sees leader {} voters {:?}",
-                        node.id, placement.leader_id, placement.voters
+                        "node {} sees leader {} voters {:?}{}",
+                        node.id,
+                        placement.leader_id,
+                        placement.voters,
+                        if placement.changing {
+                            " (changing)"
+                        } else {
+                            ""
+                        }
                     ));
                 }
             }
@@ -270,7 +277,8 @@ async fn kill_leader(
     }
 }
 
-/// Waits until every shard has `replicas` voters and a leader, as a node that is up sees it.
+/// Waits until every shard has `replicas` voters, a leader and no change under way, as every
+/// node that is up sees it.
 async fn wait_placed(
     clients: &[Client],
     alive: &[bool],
@@ -278,12 +286,15 @@ async fn wait_placed(
 ) -> anyhow::Result<()> {
     let deadline = Instant::now() + SETTLE_TIMEOUT;
     loop {
+        let mut placed = true;
         for (client, _) in clients.iter().zip(alive).filter(|(_, alive)| **alive) {
-            if let Ok(cluster) = client.cluster().await
-                && shards_placed(&cluster, shards, replicas)
-            {
-                return Ok(());
-            }
+            placed &= client
+                .cluster()
+                .await
+                .is_ok_and(|cluster| shards_placed(&cluster, shards, replicas));
+        }
+        if placed {
+            return Ok(());
         }
         if Instant::now() >= deadline {
             bail!("the shards were not placed within {SETTLE_TIMEOUT:?}");
