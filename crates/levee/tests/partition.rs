@@ -3,7 +3,8 @@
 //! proxy (`--peer-advertise-addr`), and every node dials its peers from its own loopback
 //! address (127.0.0.1N for node N), so a proxy knows which node each connection comes from.
 //! Partitioning drops the connections that cross the cut and refuses new ones: real packets
-//! stop, nothing inside the nodes is told.
+//! stop, nothing inside the nodes is told. The shard groups of a cluster that replicates its
+//! queues talk over the same peer port, so the same cut isolates a shard's leader.
 
 mod support;
 
@@ -200,6 +201,15 @@ fn create_topic(
 /// Starts three nodes behind the proxies: node 1 alone, then 2 and 3 joining through node 1's
 /// proxy.
 fn three_nodes(directory: &std::path::Path, proxies: &Proxies) -> Vec<LeveeProcess> {
+    three_nodes_with(directory, proxies, &[])
+}
+
+/// [`three_nodes`], node 1 (which creates the cluster) with `creation` flags too.
+fn three_nodes_with(
+    directory: &std::path::Path,
+    proxies: &Proxies,
+    creation: &[&str],
+) -> Vec<LeveeProcess> {
     let mut nodes: Vec<LeveeProcess> = Vec::new();
     for node in 1..=3_u64 {
         // A fixed port, known before the node starts: it joins through the proxies, which
@@ -223,6 +233,8 @@ fn three_nodes(directory: &std::path::Path, proxies: &Proxies) -> Vec<LeveeProce
         ];
         if node > 1 {
             flags.extend(["--join", &seed]);
+        } else {
+            flags.extend(creation);
         }
         nodes.push(LeveeProcess::start_in(
             &directory.join(format!("n{node}")),
@@ -286,4 +298,139 @@ fn given_a_partitioned_leader_then_it_cannot_commit_and_the_majority_elects_anot
         topics(&runtime, leader) == Ok(vec!["before".to_owned(), "majority".to_owned()])
     });
     assert_ne!(leader_seen_by(leader), Some(leader_id));
+}
+
+/// Each shard's (leader, voters) as `node` sees them, from `/v1/cluster`; a shard whose voters
+/// are changing has none listed.
+fn shard_views(node: &LeveeProcess) -> std::collections::BTreeMap<u64, (Option<u64>, Vec<u64>)> {
+    let (status, body) = http_get(node.admin_addr, "/v1/cluster");
+    assert_eq!(status, 200, "{body}");
+    let view: serde_json::Value = serde_json::from_str(&body).unwrap();
+    view["shard_groups"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|group| {
+            let changing = group["changing"].as_bool().unwrap();
+            let voters = group["voters"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|_| !changing)
+                .map(|voter| voter.as_u64().unwrap())
+                .collect();
+            (
+                group["shard"].as_u64().unwrap(),
+                (group["leader"].as_u64(), voters),
+            )
+        })
+        .collect()
+}
+
+/// Every message of `queue` on `node`, from offset 0.
+fn read_all(runtime: &tokio::runtime::Runtime, node: &LeveeProcess, queue: &[u8]) -> Vec<Vec<u8>> {
+    runtime.block_on(async {
+        let client = Client::connect(&node.grpc()).await.unwrap();
+        match client.read(queue, 0, 10_000, 0).await {
+            Ok(read) => read
+                .payloads
+                .into_iter()
+                .map(|payload| payload.to_vec())
+                .collect(),
+            Err(error) if error.code() == Some(ErrorCode::NotFound) => Vec::new(),
+            Err(error) => panic!("reading {}: {error}", String::from_utf8_lossy(queue)),
+        }
+    })
+}
+
+fn append(
+    runtime: &tokio::runtime::Runtime,
+    node: &LeveeProcess,
+    queue: &[u8],
+    payload: &[u8],
+) -> Result<u64, String> {
+    runtime.block_on(async {
+        let client = Client::connect(&node.grpc()).await.unwrap();
+        client
+            .append(queue, payload)
+            .await
+            .map_err(|error| format!("{:?}: {error}", error.code()))
+    })
+}
+
+#[test]
+fn given_a_partitioned_shard_leader_then_it_acknowledges_nothing_and_the_majority_takes_the_shard()
+{
+    let directory = tempfile::tempdir().unwrap();
+    let runtime = runtime();
+    let proxies = Proxies::new(3);
+    let nodes = three_nodes_with(
+        directory.path(),
+        &proxies,
+        &["--replicated-queues", "true", "--shards", "2"],
+    );
+    let queue = b"payments";
+    let shard = u64::from(levee_proto::shards::shard_of_bytes(queue, 2));
+    wait_for("the shard placed on all three", CONVERGE_TIMEOUT, || {
+        let views: Vec<_> = nodes.iter().map(shard_views).collect();
+        views.iter().all(|view| {
+            view.get(&shard).is_some_and(|(leader, voters)| {
+                *voters == [1, 2, 3] && leader.is_some() && *leader == views[0][&shard].0
+            })
+        })
+    });
+    let leader_id = shard_views(&nodes[0])[&shard].0.unwrap();
+    let leader = &nodes[usize::try_from(leader_id).unwrap() - 1];
+    let majority: Vec<&LeveeProcess> = (1..=3)
+        .filter(|id| *id != leader_id)
+        .map(|id| &nodes[usize::try_from(id).unwrap() - 1])
+        .collect();
+    assert_eq!(append(&runtime, leader, queue, b"before"), Ok(0));
+
+    proxies.partition(&[leader_id]);
+
+    // The isolated leader cannot reach a majority: the append fails fast, retryable, naming
+    // the shard, and is not acknowledged.
+    let started = Instant::now();
+    let isolated = append(&runtime, leader, queue, b"isolated");
+    let error = isolated.expect_err("an isolated shard leader acknowledged an append");
+    assert!(
+        error.starts_with("Some(Unavailable)") && error.contains(&format!("shard {shard}")),
+        "{error}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+
+    // The majority elects a leader of the shard among itself and appends go on there.
+    wait_for(
+        "a shard leader on the majority side",
+        CONVERGE_TIMEOUT,
+        || {
+            let seen = shard_views(majority[0])[&shard].0;
+            seen.is_some() && seen != Some(leader_id) && seen == shard_views(majority[1])[&shard].0
+        },
+    );
+    let mut offset = None;
+    wait_for("an append on the majority side", CONVERGE_TIMEOUT, || {
+        offset = append(&runtime, majority[0], queue, b"majority").ok();
+        offset.is_some()
+    });
+    assert_eq!(offset, Some(1), "the isolated append took no offset");
+
+    // Healed, the old leader follows: every node holds exactly what was acknowledged, and the
+    // append the isolated leader could not commit is nowhere (no split brain).
+    proxies.heal();
+    let expected = vec![b"before".to_vec(), b"majority".to_vec()];
+    for node in &nodes {
+        wait_for(
+            "every node holds the acknowledged appends",
+            CONVERGE_TIMEOUT,
+            || read_all(&runtime, node, queue) == expected,
+        );
+    }
+    assert_ne!(shard_views(leader)[&shard].0, Some(leader_id));
+    assert_eq!(append(&runtime, leader, queue, b"after"), Ok(2));
 }
