@@ -8,7 +8,10 @@
 //! With `idempotent`, the producer takes a fresh producer id and numbers each queue's messages;
 //! a batch whose request failed in a way that may not have reached the disk (unavailable, a
 //! timeout, a sequence gap left by a batch still in flight) is resent with the same numbers up
-//! to `retries_max` times, and the server stores nothing twice. Without it nothing is resent,
+//! to `retries_max` times, and the server stores nothing twice. While a batch is being resent
+//! the producer sends no new batch: the server answers a resend with its original offsets only
+//! while it is among the last 8 requests that touched its queues (`RUNS_KEPT`), so newer
+//! batches must not pile up behind it. Without it nothing is resent,
 //! since a resend could duplicate. The producer keeps one counter per queue it has sent to.
 //!
 //! A producer built on a named client ([`Client::with_producer_name`]) sends that name with
@@ -183,6 +186,9 @@ async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Recei
     // Signalled when a request completes, so a batch waiting for an idle line re-checks.
     let completed = Arc::new(Notify::new());
     let producer_id = options.idempotent.then(fresh_producer_id);
+    // How many groups are being resent now.
+    let (resends, mut resending) = tokio::sync::watch::channel(0_usize);
+    let resends = Arc::new(resends);
     let mut sequences: std::collections::HashMap<levee_proto::Bytes, u64> =
         std::collections::HashMap::new();
     // A message that would have taken its batch past batch_bytes_max starts the next one.
@@ -230,6 +236,11 @@ async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Recei
                 *next += 1;
             }
         }
+        // No new batch while one is being resent (it must stay among the server's remembered
+        // requests of its queues).
+        if resending.wait_for(|count| *count == 0).await.is_err() {
+            return;
+        }
         // Waits while requests_in_flight_max requests are out: back-pressure on the queue.
         let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
             return;
@@ -239,12 +250,14 @@ async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Recei
         let producer_id = producer_id.clone();
         let retries_max = options.retries_max;
         let completed = Arc::clone(&completed);
+        let resends = Arc::clone(&resends);
         tokio::spawn(async move {
             let sending = Sending {
                 client,
                 routes,
                 producer_id,
                 retries_max,
+                resends,
             };
             sending.batch(batch).await;
             drop(permit);
@@ -275,6 +288,24 @@ struct Sending {
     routes: Option<Arc<ShardRoutes>>,
     producer_id: Option<String>,
     retries_max: u32,
+    /// Counts the groups being resent (the producer sends no new batch meanwhile).
+    resends: Arc<tokio::sync::watch::Sender<usize>>,
+}
+
+/// Counts one group as being resent while it lives.
+struct Resending(Arc<tokio::sync::watch::Sender<usize>>);
+
+impl Resending {
+    fn start(resends: &Arc<tokio::sync::watch::Sender<usize>>) -> Self {
+        resends.send_modify(|count| *count += 1);
+        Self(Arc::clone(resends))
+    }
+}
+
+impl Drop for Resending {
+    fn drop(&mut self) {
+        self.0.send_modify(|count| *count -= 1);
+    }
 }
 
 impl Sending {
@@ -328,6 +359,7 @@ impl Sending {
             Some(producer_id) => {
                 let mut backoff = Duration::from_millis(10);
                 let mut attempt = 0;
+                let mut resending = None;
                 loop {
                     // A resend carries the same messages (payloads shared, not copied).
                     let result = self
@@ -337,6 +369,7 @@ impl Sending {
                     match result {
                         Err(error) if attempt < self.retries_max && is_retryable(&error) => {
                             attempt += 1;
+                            resending.get_or_insert_with(|| Resending::start(&self.resends));
                             if let Some(routes) = &self.routes {
                                 routes.refresh_after_failure().await;
                             }

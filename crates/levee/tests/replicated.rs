@@ -4,7 +4,9 @@
 //! node; kill -9 the node that leads a shard while appends run through another node: after a
 //! new leader is elected appends go on, and once the killed node is back every node holds
 //! exactly the acknowledged messages, each once, at the offset it was acknowledged at, with
-//! dense offsets.
+//! dense offsets. Kill -9 a follower under appends (none fails), restart it (it catches up),
+//! then kill -9 every node at once and restart them all: every acknowledged append is there,
+//! and offsets go on.
 
 mod support;
 
@@ -350,5 +352,173 @@ fn given_a_replicated_cluster_when_a_shard_leader_is_killed_under_appends_then_n
                 "dense offsets"
             );
         }
+    }
+}
+
+/// Restarts node `id` from its data dir on its peer address `peer`.
+fn restart(directory: &std::path::Path, id: u64, peer: &str) -> LeveeProcess {
+    LeveeProcess::start_in(
+        &directory.join(format!("n{id}")),
+        &["--node-id", &id.to_string(), "--peer-addr", peer],
+    )
+}
+
+/// Every queue of `acknowledged` on `client`'s node holds exactly its acknowledged messages at
+/// their offsets (the writes never failed, so nothing else), once it caught up.
+fn assert_holds(
+    runtime: &tokio::runtime::Runtime,
+    client: &Client,
+    acknowledged: &BTreeMap<Vec<u8>, BTreeMap<u64, Vec<u8>>>,
+) {
+    for (queue, expected) in acknowledged {
+        wait_for(
+            "the acknowledged appends on the node",
+            CONVERGE_TIMEOUT,
+            || runtime.block_on(read_all(client, queue)).len() >= expected.len(),
+        );
+        let stored = runtime.block_on(read_all(client, queue));
+        let expected: Vec<&Vec<u8>> = expected.values().collect();
+        assert_eq!(
+            stored.iter().collect::<Vec<_>>(),
+            expected,
+            "queue {}",
+            String::from_utf8_lossy(queue)
+        );
+    }
+}
+
+#[test]
+#[allow(clippy::too_many_lines, reason = "one scenario, step by step")]
+fn given_a_replicated_cluster_when_a_follower_and_then_every_node_restart_then_appends_go_on_and_nothing_acknowledged_is_lost()
+ {
+    let directory = tempfile::tempdir().unwrap();
+    let runtime = runtime();
+    let first = start(directory.path(), "1", "127.0.0.1:0", None);
+    let seed = first.peer_addr.unwrap().to_string();
+    let mut nodes = vec![
+        Some(first),
+        Some(start(directory.path(), "2", "127.0.0.1:0", Some(&seed))),
+        Some(start(directory.path(), "3", "127.0.0.1:0", Some(&seed))),
+    ];
+    let peers: Vec<String> = nodes
+        .iter()
+        .map(|node| node.as_ref().unwrap().peer_addr.unwrap().to_string())
+        .collect();
+    let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
+    // Queues of one shard, appended through its leader while one of its followers dies: the
+    // leader and the other follower are a majority, so no append may fail. The shard's
+    // preferred replica claims its lead soon after the cluster forms; wait for that first, so
+    // the lead stays put.
+    let shard = 0;
+    let preferred = levee_proto::shards::replicas(shard, &[1, 2, 3])[0];
+    let mut leaders = BTreeMap::new();
+    wait_for(
+        "the shard led by its preferred replica",
+        CONVERGE_TIMEOUT,
+        || {
+            leaders = wait_placed(&all, &[1, 2, 3]);
+            leaders[&u64::from(shard)] == preferred
+        },
+    );
+    let queues: Vec<Vec<u8>> = (0..64)
+        .map(|n| format!("ledger-{n}").into_bytes())
+        .filter(|queue| levee_proto::shards::shard_of_bytes(queue, SHARDS) == shard)
+        .take(4)
+        .collect();
+    assert_eq!(queues.len(), 4);
+    let leader = leaders[&u64::from(shard)];
+    let follower = if leader == 3 { 2 } else { 3 };
+    let writer = runtime
+        .block_on(Client::connect(
+            &all[usize::try_from(leader).unwrap() - 1].grpc(),
+        ))
+        .unwrap();
+    let writing = {
+        let (writer, queues) = (writer.clone(), queues.clone());
+        runtime.spawn(async move {
+            let mut acknowledged: BTreeMap<Vec<u8>, BTreeMap<u64, Vec<u8>>> = BTreeMap::new();
+            let started = Instant::now();
+            let mut sequence = 0_u64;
+            while started.elapsed() < Duration::from_secs(4) {
+                let queue = &queues[(sequence % 4) as usize];
+                let payload = format!("entry-{sequence}").into_bytes();
+                let offset = writer
+                    .append(queue, &payload)
+                    .await
+                    .unwrap_or_else(|error| panic!("an append failed with a majority up: {error}"));
+                let previous = acknowledged
+                    .entry(queue.clone())
+                    .or_default()
+                    .insert(offset, payload);
+                assert!(previous.is_none(), "an offset acknowledged twice");
+                sequence += 1;
+            }
+            acknowledged
+        })
+    };
+    std::thread::sleep(Duration::from_secs(1));
+    let killed = nodes[usize::try_from(follower).unwrap() - 1]
+        .take()
+        .unwrap();
+    killed.signal("KILL");
+    drop(killed);
+    let mut acknowledged = runtime.block_on(writing).unwrap();
+    for expected in acknowledged.values() {
+        assert_eq!(
+            expected.keys().copied().collect::<Vec<_>>(),
+            (0..expected.len() as u64).collect::<Vec<_>>(),
+            "dense offsets"
+        );
+    }
+
+    // The follower comes back and catches up from the others.
+    nodes[usize::try_from(follower).unwrap() - 1] = Some(restart(
+        directory.path(),
+        follower,
+        &peers[usize::try_from(follower).unwrap() - 1],
+    ));
+    let restarted = runtime
+        .block_on(Client::connect(
+            &nodes[usize::try_from(follower).unwrap() - 1]
+                .as_ref()
+                .unwrap()
+                .grpc(),
+        ))
+        .unwrap();
+    assert_holds(&runtime, &restarted, &acknowledged);
+
+    // The whole cluster dies at once (kill -9) and comes back from its disks: what was
+    // acknowledged is there on every node, and appends go on after it.
+    for node in &mut nodes {
+        let node = node.take().unwrap();
+        node.signal("KILL");
+        drop(node);
+    }
+    for id in 1..=3_u64 {
+        nodes[usize::try_from(id).unwrap() - 1] = Some(restart(
+            directory.path(),
+            id,
+            &peers[usize::try_from(id).unwrap() - 1],
+        ));
+    }
+    let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
+    wait_placed(&all, &[1, 2, 3]);
+    let clients: Vec<Client> = all
+        .iter()
+        .map(|node| runtime.block_on(Client::connect(&node.grpc())).unwrap())
+        .collect();
+    for client in &clients {
+        assert_holds(&runtime, client, &acknowledged);
+    }
+    for (queue, expected) in &mut acknowledged {
+        let payload = b"after the restart".to_vec();
+        let offset = runtime
+            .block_on(clients[0].append(queue, &payload))
+            .unwrap();
+        assert_eq!(offset, expected.len() as u64, "offsets go on, never reused");
+        expected.insert(offset, payload);
+    }
+    for client in &clients {
+        assert_holds(&runtime, client, &acknowledged);
     }
 }
