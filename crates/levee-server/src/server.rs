@@ -200,14 +200,14 @@ impl RunningServer {
             cluster_service::serve(cluster, &state, &stop_sessions);
         background.extend(cluster_tasks);
         let (health, health_service) = serving_health().await;
-        let (queue_service, topic_service, consume_context) = queue_services(
+        let (queue_service, topic_service, consume_context, apply_here) = queue_services(
             (&store, &raft),
             topics,
             config,
             &state.metrics,
             &stop_sessions,
         )?;
-        let shards = (&store, &consume_context.waiters);
+        let shards = (&store, apply_here);
         background.extend(raft.spawn_shards(config, shards, &stop_sessions));
         background.push(tokio::spawn(crate::queue::limits::follow_catalog(
             Arc::clone(&consume_context),
@@ -418,6 +418,7 @@ type QueueServices = (
     QueuesServer<QueueService>,
     TopicsServer<TopicService>,
     Arc<ConsumeContext>,
+    Arc<crate::queue::replicated::ApplyHere>,
 );
 
 /// The Queues and Topics services over the store, and what consume streams share.
@@ -448,7 +449,7 @@ fn queue_services(
         Arc::clone(&waiters),
         Arc::clone(&topics),
         Arc::clone(&producer_rates),
-        positions,
+        Arc::clone(&positions),
         metrics.clone(),
         stop_sessions.subscribe(),
     )
@@ -482,7 +483,11 @@ fn queue_services(
     let queue_service = QueuesServer::new(queues)
         .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
         .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
-    Ok((queue_service, topic_service, consume_context))
+    let apply_here = Arc::new(crate::queue::replicated::ApplyHere {
+        waiters: Arc::clone(&consume_context.waiters),
+        positions,
+    });
+    Ok((queue_service, topic_service, consume_context, apply_here))
 }
 
 /// This node's Raft instance of the metadata group, and its peer server (if it has a peer
@@ -532,7 +537,7 @@ impl MetadataGroup {
     fn spawn_shards(
         &self,
         config: &Config,
-        (store, waiters): (&Arc<Store>, &Arc<crate::queue::waiters::Waiters>),
+        (store, apply_here): (&Arc<Store>, Arc<crate::queue::replicated::ApplyHere>),
         stop: &watch::Sender<bool>,
     ) -> [JoinHandle<()>; 2] {
         let node_id = self.raft.metrics().borrow().id;
@@ -550,7 +555,7 @@ impl MetadataGroup {
                         .data_dir
                         .join(crate::queue::replicated::SHARDS_DIR_NAME),
                     Arc::clone(store),
-                    Arc::clone(waiters),
+                    apply_here,
                 ),
                 self.dialer,
                 stop.subscribe(),

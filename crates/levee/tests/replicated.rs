@@ -522,3 +522,100 @@ fn given_a_replicated_cluster_when_a_follower_and_then_every_node_restart_then_a
         assert_holds(&runtime, client, &acknowledged);
     }
 }
+
+#[test]
+fn given_a_replicated_cluster_when_a_consumer_moves_to_another_node_then_it_resumes_where_it_acked()
+{
+    let directory = tempfile::tempdir().unwrap();
+    let runtime = runtime();
+    let first = start(directory.path(), "1", "127.0.0.1:0", None);
+    let seed = first.peer_addr.unwrap().to_string();
+    let mut nodes = [
+        Some(first),
+        Some(start(directory.path(), "2", "127.0.0.1:0", Some(&seed))),
+        Some(start(directory.path(), "3", "127.0.0.1:0", Some(&seed))),
+    ];
+    let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
+    wait_placed(&all, &[1, 2, 3]);
+    let clients: Vec<Client> = all
+        .iter()
+        .map(|node| runtime.block_on(Client::connect(&node.grpc())).unwrap())
+        .collect();
+    // Queues over every shard, ten messages each.
+    let queues: Vec<Vec<u8>> = (0..8).map(|n| format!("inbox-{n}").into_bytes()).collect();
+    for number in 0..10 {
+        let payload = format!("m{number}").into_bytes();
+        let batch: Vec<(&[u8], &[u8])> = queues
+            .iter()
+            .map(|queue| (&queue[..], &payload[..]))
+            .collect();
+        runtime.block_on(clients[0].append_batch(&batch)).unwrap();
+    }
+    let borrowed: Vec<&[u8]> = queues.iter().map(Vec::as_slice).collect();
+
+    // Through node 2: a many-queue consumer acks offsets 0 to 5 of every queue, a single-queue
+    // one offsets 0 to 3 of the first.
+    runtime.block_on(async {
+        let mut mailboxes = clients[1].subscribe_many("app", 1_000).await.unwrap();
+        let added = mailboxes.add(&borrowed).await.unwrap();
+        assert_eq!(added, 0..8);
+        let mut delivered = 0;
+        while delivered < 80 {
+            let delivery = mailboxes.next().await.unwrap().unwrap();
+            if delivery.offset == 5 {
+                mailboxes.ack(delivery.mailbox, 5);
+            }
+            delivered += 1;
+        }
+        mailboxes.flush_acks().await.unwrap();
+        let mut single = clients[1]
+            .subscribe(&queues[0], "single", 100)
+            .await
+            .unwrap();
+        assert_eq!(single.start_offset(), 0);
+        for _ in 0..4 {
+            single.next().await.unwrap().unwrap();
+        }
+        single.ack(3).await.unwrap();
+    });
+
+    // Node 2 dies; on node 3 the consumers start after what they acked, nothing acked comes
+    // again (node 3 may first wait out a failover of the shards node 2 led).
+    let killed = nodes[1].take().unwrap();
+    killed.signal("KILL");
+    drop(killed);
+    runtime.block_on(async {
+        let started = Instant::now();
+        let mut mailboxes = loop {
+            let mut mailboxes = clients[2].subscribe_many("app", 1_000).await.unwrap();
+            match mailboxes.add(&borrowed).await {
+                Ok(added) => {
+                    assert_eq!(added, 0..8);
+                    break mailboxes;
+                }
+                Err(error) if started.elapsed() < CONVERGE_TIMEOUT => {
+                    assert_eq!(error.code(), Some(ErrorCode::Unavailable), "{error}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(error) => panic!("the consumer could not move: {error}"),
+            }
+        };
+        let mut next_by_mailbox = BTreeMap::new();
+        for _ in 0..32 {
+            let delivery = mailboxes.next().await.unwrap().unwrap();
+            let expected = next_by_mailbox.entry(delivery.mailbox).or_insert(6_u64);
+            assert_eq!(
+                delivery.offset, *expected,
+                "mailbox {} resumed after its ack",
+                delivery.mailbox
+            );
+            *expected += 1;
+        }
+        assert_eq!(next_by_mailbox.len(), 8);
+        let single = clients[2]
+            .subscribe(&queues[0], "single", 100)
+            .await
+            .unwrap();
+        assert_eq!(single.start_offset(), 4);
+    });
+}

@@ -195,9 +195,12 @@ impl ShardGroups {
             let log = LogStore::<ShardConfig>::open_in(keyspace.clone(), &format!("-{shard}"))
                 .map_err(|error| format!("shard {shard}'s log: {error}"))?
                 .with_syncer(syncer.clone());
-            let machine = ShardStateMachine::open(shard, Arc::clone(store), log.clone())
-                .map_err(|error| format!("shard {shard}'s state: {error}"))?
-                .with_observer(Arc::clone(&observer));
+            let machine = ShardStateMachine::open(
+                shard,
+                (Arc::clone(store), log.clone()),
+                Some(Arc::clone(&observer)),
+            )
+            .map_err(|error| format!("shard {shard}'s state: {error}"))?;
             let raft = ShardRaft::new(
                 node_id,
                 Arc::clone(&config),
@@ -331,6 +334,12 @@ impl ShardGroups {
             ),
             maybe_stored: false,
         })
+    }
+
+    /// Waits until this node has applied everything `shard` committed before now (a write
+    /// that changes nothing: proposed on the leader, or forwarded to it and awaited here).
+    pub async fn barrier(&self, shard: ShardId) -> Result<(), ShardWriteError> {
+        self.write(shard, ShardCommand::Barrier).await.map(|_| ())
     }
 
     /// Proposes `command` on this node, which leads `shard`.

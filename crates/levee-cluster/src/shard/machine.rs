@@ -33,16 +33,31 @@ use serde::{Deserialize, Serialize};
 
 use crate::log_store::LogStore;
 use crate::shard::plan::{Plan, ShardProducers, next_offset};
-use crate::shard::{ShardCommand, ShardConfig, ShardId, ShardResponse};
+use crate::shard::{ConsumerPosition, ShardCommand, ShardConfig, ShardId, ShardResponse};
 use crate::{NodeId, NodeInfo, StorageError};
 
 /// The apply record's key in the shard's log meta partition.
 const APPLYING_KEY: &str = "applying";
 
-/// Told of every message a shard stores, once it is readable (on every replica).
+/// Told of every message a shard stores, once it is readable (on every replica), and keeper of
+/// the consumers' positions the shard's log carries.
 pub trait ShardObserver: Send + Sync {
     /// `appended` holds each stored message's queue, offset and payload.
     fn appended(&self, shard: ShardId, appended: &[(&[u8], u64, &[u8])]);
+
+    /// Records `consumer`'s `positions` in the node's store (the largest position of a queue
+    /// wins); what makes them durable. Called on the applying thread.
+    ///
+    /// # Errors
+    /// A store failure, in words: the shard's instance stops.
+    fn positions(
+        &self,
+        _shard: ShardId,
+        _consumer: &str,
+        _positions: &[ConsumerPosition],
+    ) -> Result<Option<levee_store::CommitTicket>, String> {
+        Ok(None)
+    }
 }
 
 /// One queue's part of a batch: where it stood before, and how many messages the batch adds.
@@ -95,17 +110,28 @@ fn io_error(error: &(impl std::error::Error + 'static)) -> StorageError {
     StorageIOError::write_state_machine(error).into()
 }
 
-/// Plans `entries` (see [`Plan`]): each one's answer, and the membership after them.
-fn plan_entries(
+/// Consumers' positions of a run of entries, in log order.
+type PlannedPositions<'a> = Vec<(&'a str, &'a [ConsumerPosition])>;
+
+/// Plans `entries` (see [`Plan`]): each one's answer, the membership after them, and the
+/// consumers' positions they carry.
+fn plan_entries<'a>(
     plan: &mut Plan<'_>,
     producers: &mut ShardProducers,
-    entries: &[Entry<ShardConfig>],
+    entries: &'a [Entry<ShardConfig>],
     mut membership: StoredMembership<NodeId, NodeInfo>,
-) -> (Vec<ShardResponse>, StoredMembership<NodeId, NodeInfo>) {
+) -> (
+    Vec<ShardResponse>,
+    StoredMembership<NodeId, NodeInfo>,
+    PlannedPositions<'a>,
+) {
+    let mut positions = Vec::new();
     let responses = entries
         .iter()
         .map(|entry| match &entry.payload {
-            EntryPayload::Blank => ShardResponse::Done,
+            EntryPayload::Blank | EntryPayload::Normal(ShardCommand::Barrier) => {
+                ShardResponse::Done
+            }
             EntryPayload::Membership(changed) => {
                 membership = StoredMembership::new(Some(entry.log_id), changed.clone());
                 ShardResponse::Done
@@ -113,9 +139,16 @@ fn plan_entries(
             EntryPayload::Normal(ShardCommand::Append { producer, messages }) => {
                 plan.append(producers, producer.as_deref(), messages)
             }
+            EntryPayload::Normal(ShardCommand::Positions {
+                consumer,
+                positions: entry_positions,
+            }) => {
+                positions.push((consumer.as_str(), entry_positions.as_slice()));
+                ShardResponse::Done
+            }
         })
         .collect();
-    (responses, membership)
+    (responses, membership, positions)
 }
 
 /// The planned messages as the store takes them.
@@ -127,19 +160,20 @@ fn store_batch(batch: &[(Bytes, Bytes, u64)]) -> Vec<(&[u8], &[u8])> {
 }
 
 impl ShardStateMachine {
-    /// Shard `shard`'s state machine over `store`, its apply record in `log`. Finishes the
-    /// batch a crash interrupted, if any (see the module's text).
+    /// Shard `shard`'s state machine over `store`, its apply record in `log`, telling
+    /// `observer` of what it applies. Finishes the batch a crash interrupted, if any (see the
+    /// module's text).
     pub fn open(
         shard: ShardId,
-        store: Arc<Store>,
-        log: LogStore<ShardConfig>,
+        (store, log): (Arc<Store>, LogStore<ShardConfig>),
+        observer: Option<Arc<dyn ShardObserver>>,
     ) -> Result<Self, StorageError> {
         let machine = Self {
             shard,
             store,
             log,
             applied: Arc::new(Mutex::new(Applied::default())),
-            observer: None,
+            observer,
         };
         if let Some(applying) = machine.log.read_meta::<Applying>(APPLYING_KEY)? {
             machine.recover(&applying)?;
@@ -155,13 +189,6 @@ impl ShardStateMachine {
         }
         drop(applied);
         Ok(machine)
-    }
-
-    /// Tells `observer` of every message applied from now on.
-    #[must_use]
-    pub fn with_observer(mut self, observer: Arc<dyn ShardObserver>) -> Self {
-        self.observer = Some(observer);
-        self
     }
 
     /// The last applied log id.
@@ -190,7 +217,7 @@ impl ShardStateMachine {
         let entries = self.log.entries(&(applying.from..=applying.last.index))?;
         let mut producers = ShardProducers::default();
         let mut plan = Plan::new((&self.store, self.shard), &start_of, &producer_limit);
-        plan_entries(
+        let (_, _, positions) = plan_entries(
             &mut plan,
             &mut producers,
             &entries,
@@ -211,6 +238,8 @@ impl ShardStateMachine {
         self.store
             .wait_durable(ticket)
             .map_err(|error| io_error(&error))?;
+        // The batch's positions may not have reached the store before the crash.
+        self.record_positions(&positions, true)?;
         tracing::info!(
             shard = self.shard,
             restored = missing.len(),
@@ -221,6 +250,31 @@ impl ShardStateMachine {
         applied.last = Some(applying.last);
         applied.membership = applying.membership.clone();
         applied.producers = producers;
+        Ok(())
+    }
+
+    /// Hands the consumers' `positions` to the observer, waiting until they are durable when
+    /// `durable`.
+    fn record_positions(
+        &self,
+        positions: &PlannedPositions<'_>,
+        durable: bool,
+    ) -> Result<(), StorageError> {
+        let Some(observer) = &self.observer else {
+            return Ok(());
+        };
+        let mut last = None;
+        for (consumer, positions) in positions {
+            let ticket = observer
+                .positions(self.shard, consumer, positions)
+                .map_err(|error| io_error(&std::io::Error::other(error)))?;
+            last = ticket.or(last);
+        }
+        if durable && let Some(ticket) = last {
+            self.store
+                .wait_durable(ticket)
+                .map_err(|error| io_error(&error))?;
+        }
         Ok(())
     }
 
@@ -237,13 +291,16 @@ impl ShardStateMachine {
         let start_of = |queue: &[u8]| next_offset(&self.store, queue);
         let producer_limit = |_: &[u8]| None;
         let mut plan = Plan::new((&self.store, self.shard), &start_of, &producer_limit);
-        let (responses, membership) = plan_entries(
+        let (responses, membership, positions) = plan_entries(
             &mut plan,
             &mut applied.producers,
             entries,
             applied.membership.clone(),
         );
+        let always = self.store.options().sync == SyncPolicy::Always;
         if plan.batch.is_empty() {
+            // Positions only: applied again after a crash (the largest wins), nothing to record.
+            self.record_positions(&positions, always)?;
             applied.last = Some(last_entry.log_id);
             applied.membership = membership;
             return Ok(responses);
@@ -287,7 +344,7 @@ impl ShardStateMachine {
                 String::from_utf8_lossy(queue)
             ))));
         }
-        if self.store.options().sync == SyncPolicy::Always {
+        if always {
             // Readable (a read under `always` sees fsynced messages only) before answered.
             self.store
                 .wait_durable(ticket)
@@ -295,6 +352,9 @@ impl ShardStateMachine {
         } else {
             applied.ticket = Some(ticket);
         }
+        // After the messages they may point past, recorded again by the recovery of this
+        // batch if a crash comes first.
+        self.record_positions(&positions, always)?;
         applied.last = Some(last_entry.log_id);
         applied.membership = membership;
         drop(guard);
@@ -406,7 +466,8 @@ mod tests {
             "-0",
         )
         .expect("a log");
-        let machine = ShardStateMachine::open(0, Arc::clone(&store), log).expect("a machine");
+        let machine =
+            ShardStateMachine::open(0, (Arc::clone(&store), log), None).expect("a machine");
         (store, machine)
     }
 
@@ -512,6 +573,98 @@ mod tests {
         drop((store, reopened));
         let (store, _) = open(directory.path());
         assert_eq!(messages(&store, "q1"), ["x", "y", "a", "b", "d"]);
+        Ok(())
+    }
+
+    /// Records the positions it is handed.
+    #[derive(Default)]
+    struct Positions(Mutex<Vec<(String, Vec<ConsumerPosition>)>>);
+
+    impl ShardObserver for Positions {
+        fn appended(&self, _: ShardId, _: &[(&[u8], u64, &[u8])]) {}
+
+        fn positions(
+            &self,
+            _: ShardId,
+            consumer: &str,
+            positions: &[ConsumerPosition],
+        ) -> Result<Option<levee_store::CommitTicket>, String> {
+            self.0
+                .lock()
+                .unwrap()
+                .push((consumer.to_owned(), positions.to_vec()));
+            Ok(None)
+        }
+    }
+
+    fn positions(index: u64, consumer: &str, queue: &str, next: u64) -> Entry<ShardConfig> {
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+            payload: EntryPayload::Normal(ShardCommand::Positions {
+                consumer: consumer.to_owned(),
+                positions: vec![ConsumerPosition {
+                    queue: Bytes::copy_from_slice(queue.as_bytes()),
+                    epoch: 0,
+                    next,
+                }],
+            }),
+        }
+    }
+
+    #[tokio::test]
+    async fn given_positions_in_the_log_when_applied_or_recovered_then_the_observer_records_them()
+    -> Result<(), StorageError> {
+        let directory = tempfile::tempdir().expect("a directory");
+        let observer = Arc::new(Positions::default());
+        {
+            let (store, mut machine) = open(directory.path());
+            machine.observer = Some(observer.clone());
+            let answers = machine
+                .apply(vec![
+                    append(1, &[("q1", "x")]),
+                    positions(2, "app", "q1", 1),
+                    positions(3, "app", "q1", 1),
+                ])
+                .await?;
+            assert_eq!(answers[1], ShardResponse::Done);
+            assert_eq!(observer.0.lock().unwrap().len(), 2);
+            // A batch whose record was written, cut short before its messages and positions
+            // reached the store.
+            let batch = [append(4, &[("q1", "y")]), positions(5, "app", "q1", 2)];
+            machine.log.write_entries(batch.iter().cloned())?;
+            machine.log.write_meta(
+                APPLYING_KEY,
+                &Applying {
+                    from: 4,
+                    last: batch[1].log_id,
+                    membership: StoredMembership::default(),
+                    queues: vec![QueueStart {
+                        queue: b"q1".to_vec(),
+                        start: 1,
+                        count: 1,
+                    }],
+                },
+            )?;
+            drop(store);
+        }
+        observer.0.lock().unwrap().clear();
+        // Reopened: the recovered batch's message is stored and its positions handed over.
+        let (store, _) =
+            Store::open(directory.path().join("store"), StoreOptions::default()).expect("a store");
+        let store = Arc::new(store);
+        let log = LogStore::<ShardConfig>::open_in(
+            open_keyspace(&directory.path().join("log")).expect("a keyspace"),
+            "-0",
+        )
+        .expect("a log");
+        let told: Arc<dyn ShardObserver> = observer.clone();
+        let reopened = ShardStateMachine::open(0, (Arc::clone(&store), log), Some(told))?;
+        assert_eq!(messages(&store, "q1"), ["x", "y"]);
+        assert_eq!(reopened.last_applied().map(|id| id.index), Some(5));
+        let recorded = observer.0.lock().unwrap().clone();
+        assert_eq!(recorded.len(), 1, "{recorded:?}");
+        assert_eq!(recorded[0].0, "app");
+        assert_eq!(recorded[0].1[0].next, 2);
         Ok(())
     }
 

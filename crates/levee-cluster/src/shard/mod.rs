@@ -55,6 +55,18 @@ pub struct QueueMessage {
     pub sequence: u64,
 }
 
+/// A consumer's position on one queue: the next offset to deliver, under the queue's delete
+/// epoch (the largest position wins, so positions may be applied in any order, and twice).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConsumerPosition {
+    /// The queue's name.
+    pub queue: Bytes,
+    /// The queue's delete epoch the position belongs to.
+    pub epoch: u64,
+    /// The next offset to deliver to the consumer.
+    pub next: u64,
+}
+
 /// A change to a shard's queues.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ShardCommand {
@@ -66,6 +78,17 @@ pub enum ShardCommand {
         /// The messages, in order.
         messages: Vec<QueueMessage>,
     },
+    /// A consumer's acked positions on queues of the shard (every replica records them, so a
+    /// consumer that moves to another node resumes where it acked).
+    Positions {
+        /// The consumer's name.
+        consumer: String,
+        /// Its positions.
+        positions: Vec<ConsumerPosition>,
+    },
+    /// Changes nothing: a node that wrote it has applied everything the shard committed
+    /// before it (a read barrier).
+    Barrier,
 }
 
 /// What applying one entry did.

@@ -5,7 +5,13 @@
 //! and answered once a majority of the shard's replicas hold it fsynced and it is applied.
 //! Every replica applies the log to its own store, so reads, queue info and subscriptions are
 //! served by any node from committed data; each node's subscriptions are woken as its replica
-//! applies ([`WakeWaiters`]).
+//! applies ([`ApplyHere`]).
+//!
+//! Consumers' acked positions (`Subscribe` and `SubscribeMany` acks) go through the shards of
+//! their queues too ([`Replication::record_positions`]): every replica records them in its
+//! position logs, so a consumer that moves to another node resumes where it acked. A stream
+//! reads its positions after a barrier on their shards ([`Replication::barrier`]): the node
+//! has then applied every ack committed before.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -13,8 +19,8 @@ use std::time::Duration;
 
 use levee_cluster::shard::groups::shard_raft_config;
 use levee_cluster::shard::{
-    QueueMessage, RefusedCode, ShardCommand, ShardGroups, ShardId, ShardObserver, ShardResponse,
-    ShardSlot, ShardWriteError,
+    ConsumerPosition, QueueMessage, RefusedCode, ShardCommand, ShardGroups, ShardId, ShardObserver,
+    ShardResponse, ShardSlot, ShardWriteError,
 };
 use levee_cluster::{MetaStateMachine, NodeId, NodeInfo, Raft};
 use levee_proto::WireError;
@@ -22,6 +28,7 @@ use levee_proto::v1::{AppendMessage, ErrorCode};
 use levee_store::Store;
 use tokio::sync::watch;
 
+use crate::queue::mailbox::position_log::PositionLogs;
 use crate::queue::waiters::{Appended, Waiters};
 
 /// How often a node moves the replicas of the shards it leads towards their placement.
@@ -36,11 +43,42 @@ pub struct Replication {
     slot: ShardSlot,
 }
 
-/// Wakes a node's subscriptions as its replica of a shard applies appends.
+/// What a node's replica of a shard does beyond its store: wakes the node's subscriptions as
+/// it applies appends, and records consumers' positions in the node's position logs.
 #[derive(Debug)]
-pub struct WakeWaiters(pub Arc<Waiters>);
+pub struct ApplyHere {
+    /// The node's subscriptions, by queue.
+    pub waiters: Arc<Waiters>,
+    /// The node's consumers' position logs.
+    pub positions: Arc<PositionLogs>,
+}
 
-impl ShardObserver for WakeWaiters {
+impl ShardObserver for ApplyHere {
+    fn positions(
+        &self,
+        _shard: ShardId,
+        consumer: &str,
+        positions: &[ConsumerPosition],
+    ) -> Result<Option<levee_store::CommitTicket>, String> {
+        let log = self.positions.open(consumer);
+        let (ticket, compact) = log
+            .append(
+                positions
+                    .iter()
+                    .map(|position| (&position.queue[..], position.epoch, position.next)),
+            )
+            .map_err(|error| error.to_string())?;
+        if compact && let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            // Off the applying thread: the shard goes on meanwhile.
+            runtime.spawn_blocking(move || {
+                if let Err(error) = log.compact() {
+                    tracing::warn!(%error, consumer = log.consumer(), "compacting a position log failed; retried once it has grown as much again");
+                }
+            });
+        }
+        Ok(ticket)
+    }
+
     fn appended(&self, _shard: ShardId, appended: &[(&[u8], u64, &[u8])]) {
         let appended: Vec<Appended<'_>> = appended
             .iter()
@@ -50,7 +88,7 @@ impl ShardObserver for WakeWaiters {
                 payload,
             })
             .collect();
-        self.0.wake_appended(&appended);
+        self.waiters.wake_appended(&appended);
     }
 }
 
@@ -74,11 +112,74 @@ pub fn shard_error(error: &ShardWriteError) -> WireError {
     }
 }
 
+/// A failed write of acks or of a barrier as the API says it.
+fn consumer_error(error: &ShardWriteError, what: &str) -> WireError {
+    let mut wire = shard_error(error);
+    wire.message = format!(
+        "{what}: {error}; acks not confirmed are delivered again to the consumer's next \
+         subscription"
+    );
+    wire
+}
+
 impl Replication {
     /// Replication as `machine` says the cluster was created, through the groups `slot` holds
     /// once opened.
     pub fn new(machine: MetaStateMachine, slot: ShardSlot) -> Self {
         Self { machine, slot }
+    }
+
+    /// The shard groups when the cluster replicates its queues (`None` when it does not),
+    /// UNAVAILABLE while they open.
+    pub fn groups_if_replicated(
+        replication: Option<&Self>,
+    ) -> Result<Option<ShardGroups>, WireError> {
+        match replication.and_then(Self::groups) {
+            Some(Ok(groups)) => Ok(Some(groups.clone())),
+            Some(Err(error)) => Err(error),
+            None => Ok(None),
+        }
+    }
+
+    /// Records `consumer`'s `positions` through their queues' shards; returns once a majority
+    /// of every shard's replicas hold them and this node applied them.
+    pub async fn record_positions(
+        groups: &ShardGroups,
+        consumer: &str,
+        positions: Vec<ConsumerPosition>,
+    ) -> Result<(), WireError> {
+        let mut parts: BTreeMap<ShardId, Vec<ConsumerPosition>> = BTreeMap::new();
+        for position in positions {
+            let shard = levee_proto::shards::shard_of_bytes(&position.queue, groups.shards());
+            parts.entry(shard).or_default().push(position);
+        }
+        let writes = parts.into_iter().map(|(shard, positions)| {
+            groups.write(
+                shard,
+                ShardCommand::Positions {
+                    consumer: consumer.to_owned(),
+                    positions,
+                },
+            )
+        });
+        for written in futures_util::future::join_all(writes).await {
+            written.map_err(|error| consumer_error(&error, "recording acks"))?;
+        }
+        Ok(())
+    }
+
+    /// Returns once this node applied everything the shards of `queues` committed before the
+    /// call (so positions read next include every ack confirmed anywhere before).
+    pub async fn barrier(groups: &ShardGroups, queues: &[Box<[u8]>]) -> Result<(), WireError> {
+        let shards: std::collections::BTreeSet<ShardId> = queues
+            .iter()
+            .map(|queue| levee_proto::shards::shard_of_bytes(queue, groups.shards()))
+            .collect();
+        let barriers = shards.into_iter().map(|shard| groups.barrier(shard));
+        for done in futures_util::future::join_all(barriers).await {
+            done.map_err(|error| consumer_error(&error, "reading the consumer's positions"))?;
+        }
+        Ok(())
     }
 
     /// The shard groups, when the cluster replicates its queues (`None` when it does not;
@@ -168,7 +269,7 @@ fn refused(code: RefusedCode, reason: &str) -> WireError {
 pub async fn run_shards(
     (raft, machine, slot): (Raft, MetaStateMachine, ShardSlot),
     (node_id, me, created): (NodeId, NodeInfo, bool),
-    (directory, store, waiters): (std::path::PathBuf, Arc<Store>, Arc<Waiters>),
+    (directory, store, observer): (std::path::PathBuf, Arc<Store>, Arc<ApplyHere>),
     dialer: levee_cluster::network::PeerDialer,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -191,7 +292,6 @@ pub async fn run_shards(
             return;
         }
     };
-    let observer = Arc::new(WakeWaiters(waiters));
     let groups = match ShardGroups::open(
         (node_id, shards),
         (&directory, &store),

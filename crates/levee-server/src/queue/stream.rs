@@ -156,6 +156,7 @@ mod tests {
                 1_000,
                 Counter::default(),
             )),
+            replication: None,
             start: SubscribeStart {
                 queue: b"inbox".to_vec(),
                 consumer: "app".to_owned(),

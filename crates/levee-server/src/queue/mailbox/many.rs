@@ -24,7 +24,7 @@ use levee_proto::v1::{
 };
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::{Semaphore, oneshot, watch};
 
 use crate::queue::StoreCalls;
 use crate::queue::credit::{ROUND_BYTES_MAX, ROUND_MESSAGES_MAX, StreamCredit};
@@ -120,6 +120,8 @@ pub struct ManyContext {
     pub waiters: Arc<Waiters>,
     /// Consumers' position logs.
     pub positions: Arc<PositionLogs>,
+    /// The cluster's shards, through which acks go when it replicates its queues.
+    pub replication: Option<crate::queue::replicated::Replication>,
     /// Messages pushed to subscriptions.
     pub delivered: Counter,
     /// Of those, messages handed over by their append (not read back from the store).
@@ -145,6 +147,9 @@ pub struct ManySession {
     todo: VecDeque<u32>,
     credit: StreamCredit,
     ack_waits: Arc<Semaphore>,
+    /// In a cluster that replicates its queues: done when the last ack batch was answered
+    /// (batches are answered in order though written at once).
+    last_ack: Option<oneshot::Receiver<()>>,
 }
 
 /// What the session waited for.
@@ -174,6 +179,7 @@ impl ManySession {
             todo: VecDeque::new(),
             credit: StreamCredit::initial(start.credit),
             ack_waits: Arc::new(Semaphore::new(ACK_WAITS_MAX)),
+            last_ack: None,
         }
     }
 
@@ -411,6 +417,10 @@ impl ManySession {
         }
         let reserved = Reservation::take(&self.context.mailboxes, count)?;
         let mut queues: Vec<Box<[u8]>> = queues.into_iter().map(Vec::into_boxed_slice).collect();
+        if let Some(groups) = self.replicated()? {
+            // Every ack confirmed anywhere before is applied here before positions are read.
+            crate::queue::replicated::Replication::barrier(&groups, &queues).await?;
+        }
         // A queue being deleted is added once its delete has returned (its position then
         // forgotten): the add waits for it, up to ADD_DELETE_WAIT_MAX in all.
         let waiting_since = tokio::time::Instant::now();
@@ -560,6 +570,21 @@ impl ManySession {
                 Some((&mailbox.queue[..], mailbox.epoch(), mailbox.acked))
             })
             .collect();
+        if let Some(groups) = self.replicated()? {
+            let positions = entries
+                .iter()
+                .map(
+                    |&(queue, epoch, next)| levee_cluster::shard::ConsumerPosition {
+                        queue: levee_proto::Bytes::copy_from_slice(queue),
+                        epoch,
+                        next,
+                    },
+                )
+                .collect();
+            return self
+                .ack_replicated(groups, positions, sequence, refused)
+                .await;
+        }
         let (ticket, compact) = self.log.append(entries.into_iter())?;
         if compact {
             let (calls, log) = (self.context.calls.clone(), Arc::clone(&self.log));
@@ -596,6 +621,61 @@ impl ManySession {
             let _ = outgoing.send_result(answer).await;
             drop(permit);
         });
+        Ok(())
+    }
+}
+
+impl ManySession {
+    /// The shard groups when the cluster replicates its queues.
+    fn replicated(&self) -> Result<Option<levee_cluster::shard::ShardGroups>, WireError> {
+        crate::queue::replicated::Replication::groups_if_replicated(
+            self.context.replication.as_ref(),
+        )
+    }
+
+    /// Writes an ack batch's positions through their shards and answers the batch once they
+    /// are committed, after the batches before it; an invalid ack's error after the acks
+    /// before it are written.
+    async fn ack_replicated(
+        &mut self,
+        groups: levee_cluster::shard::ShardGroups,
+        positions: Vec<levee_cluster::shard::ConsumerPosition>,
+        sequence: u64,
+        refused: Option<WireError>,
+    ) -> Result<(), WireError> {
+        let permit = Arc::clone(&self.ack_waits)
+            .acquire_owned()
+            .await
+            .map_err(|_| WireError::new(ErrorCode::Unavailable, "the stream is closing"))?;
+        let (done, answered) = oneshot::channel();
+        let previous = self.last_ack.replace(answered);
+        let consumer = self.log.consumer().to_owned();
+        let outgoing = self.outgoing.clone();
+        let write = tokio::spawn(async move {
+            let written = if positions.is_empty() {
+                Ok(())
+            } else {
+                crate::queue::replicated::Replication::record_positions(
+                    &groups, &consumer, positions,
+                )
+                .await
+            };
+            if let Some(previous) = previous {
+                let _ = previous.await;
+            }
+            let answer = written.map(|()| SubscribeManyResponse {
+                acked_sequence: sequence,
+                ..SubscribeManyResponse::default()
+            });
+            let _ = outgoing.send_result(answer).await;
+            let _ = done.send(());
+            drop(permit);
+        });
+        if let Some(error) = refused {
+            // The acks before the invalid one are written first.
+            let _ = write.await;
+            return Err(error);
+        }
         Ok(())
     }
 }

@@ -81,6 +81,8 @@ pub struct Session {
     pub notify: Arc<Notify>,
     /// Consumers' position logs (`SubscribeMany` acks), read with the position queue.
     pub positions: Arc<crate::queue::mailbox::position_log::PositionLogs>,
+    /// The cluster's shards, through which acks go when it replicates its queues.
+    pub replication: Option<crate::queue::replicated::Replication>,
     /// The client's start message (already checked).
     pub start: SubscribeStart,
     /// The client's further messages.
@@ -103,18 +105,27 @@ impl Session {
 
     async fn serve(&mut self) -> Result<(), WireError> {
         let (queue, consumer) = (self.start.queue.clone(), self.start.consumer.clone());
-        let next = {
+        let replicated =
+            crate::queue::replicated::Replication::groups_if_replicated(self.replication.as_ref())?;
+        let queues = [queue.clone().into_boxed_slice()];
+        if let Some(groups) = &replicated {
+            // Every ack confirmed anywhere before is applied here before the position is read.
+            crate::queue::replicated::Replication::barrier(groups, &queues).await?;
+        }
+        let position = {
             // The larger of this queue's position queue and the consumer's position log, so a
             // consumer may move a queue between single and many-queue streams.
             let log = self.positions.open(&consumer);
-            let queues = [queue.clone().into_boxed_slice()];
             self.calls
-                .run(move |_| Ok(log.positions(&queues)?[0].next))
+                .run(move |_| Ok(log.positions(&queues)?[0]))
                 .await?
         };
+        let next = position.next;
         let mut progress = Progress {
             next,
             acked: next,
+            epoch: position.epoch,
+            replicated,
             credit: StreamCredit::initial(self.start.credit),
             writer_noted: false,
         };
@@ -218,7 +229,24 @@ impl Session {
                         progress.next,
                     ));
                 }
-                if ack.offset >= progress.acked {
+                if ack.offset >= progress.acked
+                    && let Some(groups) = &progress.replicated
+                {
+                    // Through the queue's shard, into the consumer's position log on every
+                    // replica.
+                    let position = levee_cluster::shard::ConsumerPosition {
+                        queue: levee_proto::Bytes::copy_from_slice(&self.start.queue),
+                        epoch: progress.epoch,
+                        next: ack.offset + 1,
+                    };
+                    crate::queue::replicated::Replication::record_positions(
+                        groups,
+                        &self.start.consumer,
+                        vec![position],
+                    )
+                    .await?;
+                    progress.acked = ack.offset + 1;
+                } else if ack.offset >= progress.acked {
                     progress.acked = ack.offset + 1;
                     let queue = &self.start.queue;
                     if !progress.writer_noted {
@@ -260,6 +288,10 @@ struct Progress {
     credit: StreamCredit,
     /// Whether the consumer was noted as a writer of positions (before its first ack).
     writer_noted: bool,
+    /// The queue's delete epoch the position belongs to.
+    epoch: u64,
+    /// The shard groups acks go through, when the cluster replicates its queues.
+    replicated: Option<levee_cluster::shard::ShardGroups>,
 }
 
 /// What one delivery attempt did.
