@@ -2,7 +2,12 @@
 //! "Part 2"), an idempotent producer appending to `--keys` queues one message after another
 //! (each message's payload its number), and the leader of a shard killed with SIGKILL again and
 //! again (the shard of queue `failover-k` at the k-th kill), each killed node restarted and the
-//! shards placed again before the next kill. Failover time: from the kill to the first append
+//! shards placed again before the next kill. Meanwhile a consumer reads every queue on one
+//! many-queue stream, acking what it takes and confirming its acks after each batch; when its
+//! node dies it opens the stream again through the next node. `acked_redelivered` counts the
+//! deliveries of messages whose ack had been confirmed (a failover must never hand them out
+//! again); `uncommitted_seen` the deliveries that are not, at the end, the stored message at
+//! their offset. Failover time: from the kill to the first append
 //! to the killed shard acknowledged after it. At the end, once every node holds every queue
 //! alike, every node's queues are read whole: `acknowledged_lost` counts acknowledged appends
 //! not found at their acknowledged offset on some node, `duplicates` the messages stored more
@@ -66,12 +71,23 @@ pub(super) fn run(args: &FailoverBenchArgs) -> anyhow::Result<()> {
         args,
         &report,
         &format!(
-            "{} appends acknowledged, {} lost, {} duplicates",
-            report["appends_acknowledged"], report["acknowledged_lost"], report["duplicates"]
+            "{} appends acknowledged, {} lost, {} duplicates; {} consumed, {} acked redelivered, \
+             {} uncommitted seen",
+            report["appends_acknowledged"],
+            report["acknowledged_lost"],
+            report["duplicates"],
+            report["consumed"],
+            report["acked_redelivered"],
+            report["uncommitted_seen"]
         ),
     )?;
     if report["acknowledged_lost"] != 0 || report["duplicates"] != 0 {
         bail!("acknowledged appends were lost or messages stored twice");
+    }
+    if report["acked_redelivered"] != 0 || report["uncommitted_seen"] != 0 {
+        bail!(
+            "the consumer was handed a message again after its ack was confirmed, or one never stored"
+        );
     }
     Ok(())
 }
@@ -99,6 +115,13 @@ async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<V
     )?;
     let appends: Appends = Arc::default();
     let (stop, stopped) = watch::channel(false);
+    let consumed: Arc<Mutex<Consumed>> = Arc::default();
+    let consuming = tokio::spawn(consume_continuously(
+        clients.clone(),
+        args.keys,
+        stopped.clone(),
+        Arc::clone(&consumed),
+    ));
     let writing = tokio::spawn(append_continuously(
         producer,
         Arc::clone(&appends),
@@ -121,36 +144,31 @@ async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<V
             .with_context(|| format!("restarting node {}", nodes[index].id))?;
         nodes[index].process = Some(process);
         wait_placed(&clients, &alive, (args.shards, replicas)).await?;
-        let before = acked_count(&appends);
-        let deadline = Instant::now() + SETTLE_TIMEOUT;
-        while acked_count(&appends) < before + APPENDS_BETWEEN_KILLS {
-            if Instant::now() >= deadline {
-                bail!("appends did not resume within {SETTLE_TIMEOUT:?} of a restart");
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        wait_appends_resume(&appends).await?;
     }
     let _ = stop.send(true);
     writing.await.context("the appending task")?;
+    consuming.await.context("the consuming task")?;
     let duration_s = started.elapsed().as_secs_f64();
     let appends = lock(&appends).clone();
-    let (lost, duplicates) = check(&clients, &appends, args.keys).await?;
-    let mut latency = Histogram::<u64>::new(3)?;
-    for append in &appends {
-        if let Some((acked, _)) = append.acked {
-            latency.record(
-                (acked - append.invoked)
-                    .as_micros()
-                    .try_into()
-                    .unwrap_or(u64::MAX),
-            )?;
-        }
-    }
+    let (lost, duplicates, stored) = check(&clients, &appends, args.keys).await?;
+    let consumed = std::mem::take(&mut *lock_consumed(&consumed));
     let failover_ms = super::percentiles_ms(&failovers);
     let target_met = failover_ms["p99"].as_f64().unwrap_or(f64::MAX) <= FAILOVER_P99_TARGET_MS;
     let acknowledged = appends
         .iter()
         .filter(|append| append.acked.is_some())
+        .count();
+    // Deliveries that are not, at the end, the stored message at their offset.
+    let uncommitted_seen = consumed
+        .seen
+        .iter()
+        .filter(|(queue, offset, payload)| {
+            usize::try_from(*offset)
+                .ok()
+                .and_then(|offset| stored.get(queue)?.get(offset))
+                != Some(payload)
+        })
         .count();
     Ok(json!({
         "shape": "queue",
@@ -166,9 +184,43 @@ async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<V
         "appends_failed": appends.len() - acknowledged,
         "acknowledged_lost": lost,
         "duplicates": duplicates,
-        "append_latency_ms": super::percentiles_ms(&latency),
+        "consumed": consumed.delivered,
+        "consumer_reopened": consumed.reopened,
+        "acked_redelivered": consumed.acked_redelivered,
+        "unconfirmed_redelivered": consumed.unconfirmed_redelivered,
+        "uncommitted_seen": uncommitted_seen,
+        "append_latency_ms": append_latency_ms(&appends)?,
         "duration_s": duration_s,
     }))
+}
+
+/// Percentiles of the acknowledged appends' latency.
+fn append_latency_ms(appends: &[Append]) -> anyhow::Result<Value> {
+    let mut latency = Histogram::<u64>::new(3)?;
+    for append in appends {
+        if let Some((acked, _)) = append.acked {
+            latency.record(
+                (acked - append.invoked)
+                    .as_micros()
+                    .try_into()
+                    .unwrap_or(u64::MAX),
+            )?;
+        }
+    }
+    Ok(super::percentiles_ms(&latency))
+}
+
+/// Waits for [`APPENDS_BETWEEN_KILLS`] more acknowledged appends.
+async fn wait_appends_resume(appends: &Appends) -> anyhow::Result<()> {
+    let before = acked_count(appends);
+    let deadline = Instant::now() + SETTLE_TIMEOUT;
+    while acked_count(appends) < before + APPENDS_BETWEEN_KILLS {
+        if Instant::now() >= deadline {
+            bail!("appends did not resume within {SETTLE_TIMEOUT:?} of a restart");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    Ok(())
 }
 
 fn acked_count(appends: &Appends) -> usize {
@@ -328,7 +380,7 @@ async fn check(
     clients: &[Client],
     appends: &[Append],
     keys: u64,
-) -> anyhow::Result<(usize, usize)> {
+) -> anyhow::Result<(usize, usize, BTreeMap<String, Vec<Vec<u8>>>)> {
     let mut stored: BTreeMap<String, Vec<Vec<Vec<u8>>>> = BTreeMap::new();
     for key in 0..keys {
         let queue = format!("failover-{key}");
@@ -368,5 +420,97 @@ async fn check(
             .filter(|message| !seen.insert(*message))
             .count();
     }
-    Ok((lost, duplicates))
+    let first_copies = stored
+        .into_iter()
+        .map(|(queue, mut copies)| (queue, copies.swap_remove(0)))
+        .collect();
+    Ok((lost, duplicates, first_copies))
+}
+
+/// What the consumer saw.
+#[derive(Debug, Default)]
+struct Consumed {
+    delivered: u64,
+    /// Streams opened again after the first.
+    reopened: u64,
+    /// Deliveries below the confirmed position of their queue.
+    acked_redelivered: u64,
+    /// Deliveries acked but not confirmed before the stream broke (delivered again, at least
+    /// once: allowed).
+    unconfirmed_redelivered: u64,
+    /// Every delivery (queue, offset, payload), up to [`APPENDS_MAX`].
+    seen: Vec<(String, u64, Vec<u8>)>,
+}
+
+/// The consumer of the queue shape: one many-queue stream over every queue, acking each batch
+/// and confirming the acks before the next; opened again through the next node when it breaks.
+async fn consume_continuously(
+    clients: Vec<Client>,
+    keys: u64,
+    mut stop: watch::Receiver<bool>,
+    consumed: Arc<Mutex<Consumed>>,
+) {
+    let queues: Vec<Vec<u8>> = (0..keys)
+        .map(|key| format!("failover-{key}").into_bytes())
+        .collect();
+    let borrowed: Vec<&[u8]> = queues.iter().map(Vec::as_slice).collect();
+    // Per mailbox: the position its confirmed acks reached, and what was acked since.
+    let mut confirmed = vec![0_u64; queues.len()];
+    let mut acked = vec![0_u64; queues.len()];
+    for node in 0_usize.. {
+        if *stop.borrow() {
+            return;
+        }
+        let client = &clients[node % clients.len()];
+        let opened = async {
+            let mut stream = client.subscribe_many("failover-consumer", 1_000).await?;
+            stream.add(&borrowed).await?;
+            Ok::<_, levee_client::ClientError>(stream)
+        };
+        let Ok(mut stream) = opened.await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        if node > 0 {
+            lock_consumed(&consumed).reopened += 1;
+        }
+        loop {
+            let batch = tokio::select! {
+                batch = stream.next_batch(256) => batch,
+                _ = stop.changed() => return,
+            };
+            let Ok(batch) = batch else { break };
+            if batch.is_empty() {
+                break;
+            }
+            {
+                let mut consumed = lock_consumed(&consumed);
+                for delivery in &batch {
+                    let mailbox = delivery.mailbox as usize;
+                    consumed.delivered += 1;
+                    if delivery.offset < confirmed[mailbox] {
+                        consumed.acked_redelivered += 1;
+                    } else if delivery.offset < acked[mailbox] {
+                        consumed.unconfirmed_redelivered += 1;
+                    }
+                    if consumed.seen.len() < APPENDS_MAX {
+                        let queue = format!("failover-{mailbox}");
+                        consumed
+                            .seen
+                            .push((queue, delivery.offset, delivery.payload.to_vec()));
+                    }
+                    acked[mailbox] = acked[mailbox].max(delivery.offset + 1);
+                    stream.ack(delivery.mailbox, delivery.offset);
+                }
+            }
+            if stream.flush_acks().await.is_err() {
+                break;
+            }
+            confirmed.clone_from(&acked);
+        }
+    }
+}
+
+fn lock_consumed(consumed: &Mutex<Consumed>) -> std::sync::MutexGuard<'_, Consumed> {
+    consumed.lock().unwrap_or_else(PoisonError::into_inner)
 }
