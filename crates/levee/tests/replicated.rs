@@ -619,3 +619,103 @@ fn given_a_replicated_cluster_when_a_consumer_moves_to_another_node_then_it_resu
         assert_eq!(single.start_offset(), 4);
     });
 }
+
+/// Waits until every shard is led and held by the replicas `levee_proto::shards::replicas`
+/// names over `ids`, no change under way, as each of those replicas among `nodes` sees it.
+fn wait_replicas(nodes: &[(u64, &LeveeProcess)], ids: &[u64]) {
+    let deadline = Instant::now() + CONVERGE_TIMEOUT;
+    loop {
+        let views: BTreeMap<u64, _> = nodes
+            .iter()
+            .map(|(id, node)| (*id, shard_groups(node)))
+            .collect();
+        let placed = (0..SHARDS).all(|shard| {
+            let mut expected = levee_proto::shards::replicas(shard, ids);
+            expected.sort_unstable();
+            expected.iter().all(|id| {
+                views.get(id).is_none_or(|view| {
+                    view.get(&u64::from(shard))
+                        .is_some_and(|(leader, voters)| leader.is_some() && *voters == expected)
+                })
+            })
+        });
+        if placed {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the shards' replicas are not where the placement over {ids:?} names them: {views:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn given_a_replicated_cluster_when_a_node_joins_and_another_is_removed_then_the_replicas_move_and_appends_go_on()
+ {
+    let directory = tempfile::tempdir().unwrap();
+    let runtime = runtime();
+    let first = start(directory.path(), "1", "127.0.0.1:0", None);
+    let seed = first.peer_addr.unwrap().to_string();
+    let mut third = start(directory.path(), "3", "127.0.0.1:0", Some(&seed));
+    let second = start(directory.path(), "2", "127.0.0.1:0", Some(&seed));
+    wait_placed(&[&first, &second, &third], &[1, 2, 3]);
+    let client = runtime.block_on(Client::connect(&first.grpc())).unwrap();
+
+    // An idempotent producer appends through node 1 the whole time.
+    let producer = runtime
+        .block_on(async {
+            levee_client::Producer::new(
+                client.clone(),
+                levee_client::ProducerOptions {
+                    idempotent: true,
+                    retries_max: 100,
+                    ..levee_client::ProducerOptions::default()
+                },
+            )
+        })
+        .unwrap();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let appending = runtime.spawn(async move {
+        let mut acknowledged: BTreeMap<Vec<u8>, BTreeMap<u64, Vec<u8>>> = BTreeMap::new();
+        let mut sequence = 0_u64;
+        while !*stopped.borrow() {
+            let queue = format!("moving-{}", sequence % 8).into_bytes();
+            let payload = format!("m{sequence}").into_bytes();
+            let offset = producer
+                .send(&queue, &payload)
+                .await
+                .unwrap_or_else(|error| panic!("an append failed while replicas moved: {error}"));
+            let previous = acknowledged
+                .entry(queue)
+                .or_default()
+                .insert(offset, payload);
+            assert!(previous.is_none(), "an offset acknowledged twice");
+            sequence += 1;
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        acknowledged
+    });
+
+    // Node 4 joins: it takes the replicas the placement names it for.
+    let fourth = start(directory.path(), "4", "127.0.0.1:0", Some(&seed));
+    wait_replicas(
+        &[(1, &first), (2, &second), (3, &third), (4, &fourth)],
+        &[1, 2, 3, 4],
+    );
+
+    // Node 3 is removed: its replicas move to the others.
+    runtime.block_on(client.remove_node(3)).unwrap();
+    let exit = third.wait_exit(CONVERGE_TIMEOUT);
+    assert!(!exit.success(), "a removed node stops with an error");
+    assert!(third.logged("was removed from cluster"));
+    wait_replicas(&[(1, &first), (2, &second), (4, &fourth)], &[1, 2, 4]);
+
+    let _ = stop.send(true);
+    let acknowledged = runtime.block_on(appending).unwrap();
+    assert!(acknowledged.values().map(BTreeMap::len).sum::<usize>() > 50);
+    for node in [&first, &second, &fourth] {
+        let client = runtime.block_on(Client::connect(&node.grpc())).unwrap();
+        assert_holds(&runtime, &client, &acknowledged);
+    }
+}

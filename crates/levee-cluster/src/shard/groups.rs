@@ -8,7 +8,7 @@
 //!   acknowledges what a majority does not hold.
 //! - **Placement**: [`ShardGroups::place`], run by every node for the shards it leads, makes
 //!   each shard's voters the replicas `levee_proto::shards::replicas` names over the
-//!   metadata group's voters: a new replica is added as a learner, fed the log, then made a
+//!   metadata group's members: a new replica is added as a learner, fed the log, then made a
 //!   voter; a replica no longer named is removed.
 //! - **The peer side**: [`ShardGroups::serve`] answers the `Shard` peer call.
 //!
@@ -565,14 +565,16 @@ impl ShardGroups {
         });
     }
 
-    /// For every shard this node leads, adds to its voters the replicas `voters` (the
-    /// metadata group's voters and their addresses) name for it that it lacks (a learner fed
-    /// the log first); one change per shard per call. A change a former leader left half done
-    /// (a joint membership) is finished first.
-    /// Replicas are never removed here (moving them off a removed node is not built yet).
+    /// For every shard this node leads, moves its voters towards the replicas `members` (the
+    /// metadata group's members, voters and learners, and their addresses) name for it, one
+    /// change per shard per call: first a change a former leader left half done (a joint membership) is finished;
+    /// then the named replicas it lacks are added (each a learner fed the log first, then all
+    /// made voters at once); then, once it has every named replica and only when `shrink`
+    /// (this node's view of the metadata members is current), the replicas no longer named are
+    /// removed, so a removed node's replicas move to the others and a new node takes its share.
     /// Returns how many shards changed.
-    pub async fn place(&self, voters: &BTreeMap<NodeId, NodeInfo>) -> usize {
-        let ids: Vec<NodeId> = voters.keys().copied().collect();
+    pub async fn place(&self, members: &BTreeMap<NodeId, NodeInfo>, shrink: bool) -> usize {
+        let ids: Vec<NodeId> = members.keys().copied().collect();
         let mut changed = 0;
         for (shard, raft) in self.rafts.iter().enumerate() {
             let metrics = raft.metrics().borrow().clone();
@@ -594,11 +596,16 @@ impl ShardGroups {
             }
             let wanted: BTreeSet<NodeId> = replicas.into_iter().collect();
             let current: BTreeSet<NodeId> = membership.voter_ids().collect();
-            // Replicas are only added: a node's view of the metadata voters may be behind
-            // (a restarted node replaying its log), and shrinking a shard on such a view once
-            // left it in a joint membership that needed a dead node's vote.
             let missing: BTreeSet<NodeId> = wanted.difference(&current).copied().collect();
             if missing.is_empty() {
+                // Grown first, shrunk after: a majority of the named replicas holds the log
+                // before a replica leaves. A node whose view of the metadata voters may be
+                // behind (restarted, replaying its log) does not shrink a shard on it.
+                if shrink && current != wanted && !wanted.is_empty() {
+                    if self.change_voters(shard, raft, wanted).await {
+                        changed += 1;
+                    }
+                }
                 continue;
             }
             let grown: BTreeSet<NodeId> = current.union(&missing).copied().collect();
@@ -607,7 +614,7 @@ impl ShardGroups {
                 if membership.get_node(node).is_some() {
                     continue;
                 }
-                let Some(info) = voters.get(node) else {
+                let Some(info) = members.get(node) else {
                     continue;
                 };
                 let added =

@@ -315,6 +315,17 @@ pub async fn run_shards(
             .filter_map(|id| membership.get_node(&id).map(|node| (id, node.clone())))
             .collect()
     };
+    // Replicas go on every member, voter or learner of the metadata group: a node that joins
+    // takes its share of the shards whatever its metadata role.
+    let members = |raft: &Raft| -> BTreeMap<NodeId, NodeInfo> {
+        let metrics = raft.metrics().borrow().clone();
+        metrics
+            .membership_config
+            .membership()
+            .nodes()
+            .map(|(id, node)| (*id, node.clone()))
+            .collect()
+    };
     let alone = voters(&raft).keys().eq([node_id].iter());
     if (created || alone)
         && let Err(error) = groups.initialize_alone(&me).await
@@ -328,7 +339,14 @@ pub async fn run_shards(
             () = tokio::time::sleep(PLACE_INTERVAL) => {}
             _ = stop.wait_for(|stop| *stop) => break,
         }
-        groups.place(&voters(&raft)).await;
+        // The metadata view is current enough to remove replicas on once this node knows the
+        // metadata leader and applied its whole log.
+        let current = {
+            let metrics = raft.metrics().borrow().clone();
+            metrics.current_leader.is_some()
+                && metrics.last_applied.map(|log_id| log_id.index) >= metrics.last_log_index
+        };
+        groups.place(&members(&raft), current).await;
     }
     groups.shutdown().await;
 }
