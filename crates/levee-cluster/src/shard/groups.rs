@@ -601,10 +601,12 @@ impl ShardGroups {
                 // Grown first, shrunk after: a majority of the named replicas holds the log
                 // before a replica leaves. A node whose view of the metadata voters may be
                 // behind (restarted, replaying its log) does not shrink a shard on it.
-                if shrink && current != wanted && !wanted.is_empty() {
-                    if self.change_voters(shard, raft, wanted).await {
-                        changed += 1;
-                    }
+                if shrink
+                    && current != wanted
+                    && !wanted.is_empty()
+                    && self.change_voters(shard, raft, wanted).await
+                {
+                    changed += 1;
                 }
                 continue;
             }
