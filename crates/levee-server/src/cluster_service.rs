@@ -67,18 +67,13 @@ impl ClusterService {
 }
 
 /// The members as `metrics` and `health` say, by node id.
-/// Each shard's replicas over the members (empty while the cluster's shards are not fixed).
+/// Each shard's replicas over the voters (empty while the cluster's shards are not fixed).
 pub fn shard_map(
     machine: &MetaStateMachine,
     metrics: &levee_cluster::network::RaftMetrics,
     shards: &ShardSlot,
 ) -> Vec<ShardPlacement> {
-    let members: Vec<u64> = metrics
-        .membership_config
-        .membership()
-        .nodes()
-        .map(|(id, _)| *id)
-        .collect();
+    let voters: Vec<u64> = metrics.membership_config.membership().voter_ids().collect();
     let groups: BTreeMap<u32, levee_cluster::shard::groups::ShardStatus> = shards
         .get()
         .map(|groups| {
@@ -92,7 +87,7 @@ pub fn shard_map(
     (0..machine.shards().unwrap_or(0))
         .map(|shard| ShardPlacement {
             shard,
-            replicas: levee_proto::shards::replicas(shard, &members),
+            replicas: levee_proto::shards::replicas(shard, &voters),
             leader_id: groups
                 .get(&shard)
                 .and_then(|group| group.leader)

@@ -97,6 +97,23 @@ fn wait_placed(nodes: &[&LeveeProcess], voters: &[u64]) -> BTreeMap<u64, u64> {
     leaders
 }
 
+/// [`wait_placed`], then until every shard is led by its preferred replica (it claims the
+/// lead soon after the cluster forms; a plain append then would fail as "may be stored").
+fn wait_settled(nodes: &[&LeveeProcess]) -> BTreeMap<u64, u64> {
+    let mut leaders = BTreeMap::new();
+    wait_for(
+        "every shard led by its preferred replica",
+        CONVERGE_TIMEOUT,
+        || {
+            leaders = wait_placed(nodes, &[1, 2, 3]);
+            (0..SHARDS).all(|shard| {
+                leaders[&u64::from(shard)] == levee_proto::shards::replicas(shard, &[1, 2, 3])[0]
+            })
+        },
+    );
+    leaders
+}
+
 /// Every message of `queue` on `node`, from offset 0 (the offsets must be dense).
 async fn read_all(client: &Client, queue: &[u8]) -> Vec<Vec<u8>> {
     let mut messages = Vec::new();
@@ -104,6 +121,11 @@ async fn read_all(client: &Client, queue: &[u8]) -> Vec<Vec<u8>> {
         let read = match client.read(queue, messages.len() as u64, 10_000, 0).await {
             Ok(read) => read,
             Err(error) if error.code() == Some(ErrorCode::NotFound) => return messages,
+            // A node that restarted a moment ago is still opening its shards.
+            Err(error) if error.code() == Some(ErrorCode::Unavailable) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
             Err(error) => panic!("reading {}: {error}", String::from_utf8_lossy(queue)),
         };
         if read.payloads.is_empty() {
@@ -133,7 +155,7 @@ fn given_a_replicated_cluster_when_a_shard_leader_is_killed_under_appends_then_n
     ];
     let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
     assert_eq!(status(all[1])["replicated_queues"], true);
-    let leaders = wait_placed(&all, &[1, 2, 3]);
+    let leaders = wait_settled(&all);
 
     // Queues of every shard, appended through each node in turn.
     let queues: Vec<Vec<u8>> = (0..16)
@@ -410,16 +432,7 @@ fn given_a_replicated_cluster_when_a_follower_and_then_every_node_restart_then_a
     // preferred replica claims its lead soon after the cluster forms; wait for that first, so
     // the lead stays put.
     let shard = 0;
-    let preferred = levee_proto::shards::replicas(shard, &[1, 2, 3])[0];
-    let mut leaders = BTreeMap::new();
-    wait_for(
-        "the shard led by its preferred replica",
-        CONVERGE_TIMEOUT,
-        || {
-            leaders = wait_placed(&all, &[1, 2, 3]);
-            leaders[&u64::from(shard)] == preferred
-        },
-    );
+    let leaders = wait_settled(&all);
     let queues: Vec<Vec<u8>> = (0..64)
         .map(|n| format!("ledger-{n}").into_bytes())
         .filter(|queue| levee_proto::shards::shard_of_bytes(queue, SHARDS) == shard)
@@ -536,7 +549,7 @@ fn given_a_replicated_cluster_when_a_consumer_moves_to_another_node_then_it_resu
         Some(start(directory.path(), "3", "127.0.0.1:0", Some(&seed))),
     ];
     let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
-    wait_placed(&all, &[1, 2, 3]);
+    wait_settled(&all);
     let clients: Vec<Client> = all
         .iter()
         .map(|node| runtime.block_on(Client::connect(&node.grpc())).unwrap())
@@ -651,7 +664,7 @@ fn wait_replicas(nodes: &[(u64, &LeveeProcess)], ids: &[u64]) {
 }
 
 #[test]
-fn given_a_replicated_cluster_when_a_node_joins_and_another_is_removed_then_the_replicas_move_and_appends_go_on()
+fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_replicas_move_and_appends_go_on()
  {
     let directory = tempfile::tempdir().unwrap();
     let runtime = runtime();
@@ -697,19 +710,35 @@ fn given_a_replicated_cluster_when_a_node_joins_and_another_is_removed_then_the_
         acknowledged
     });
 
-    // Node 4 joins: it takes the replicas the placement names it for.
-    let fourth = start(directory.path(), "4", "127.0.0.1:0", Some(&seed));
-    wait_replicas(
-        &[(1, &first), (2, &second), (3, &third), (4, &fourth)],
-        &[1, 2, 3, 4],
-    );
-
-    // Node 3 is removed: its replicas move to the others.
+    // Node 3 is removed: its replicas leave every shard, which goes on with nodes 1 and 2.
     runtime.block_on(client.remove_node(3)).unwrap();
     let exit = third.wait_exit(CONVERGE_TIMEOUT);
     assert!(!exit.success(), "a removed node stops with an error");
     assert!(third.logged("was removed from cluster"));
+    wait_replicas(&[(1, &first), (2, &second)], &[1, 2]);
+
+    // Node 4 joins (a voter: the cluster has two): it takes a replica of every shard.
+    let fourth = start(directory.path(), "4", "127.0.0.1:0", Some(&seed));
     wait_replicas(&[(1, &first), (2, &second), (4, &fourth)], &[1, 2, 4]);
+
+    // Node 5 joins as a learner (three voters already): it holds no replica, and says so
+    // rather than answer from its empty store.
+    let fifth = start(directory.path(), "5", "127.0.0.1:0", Some(&seed));
+    let fifth_client = runtime.block_on(Client::connect(&fifth.grpc())).unwrap();
+    let mut refusal = None;
+    wait_for(
+        "node 5 refusing to serve a queue it holds no replica of",
+        CONVERGE_TIMEOUT,
+        || {
+            refusal = runtime
+                .block_on(fifth_client.read(b"moving-0", 0, 10, 0))
+                .err()
+                .filter(|error| error.code() == Some(ErrorCode::FailedPrecondition));
+            refusal.is_some()
+        },
+    );
+    let refusal = refusal.unwrap().to_string();
+    assert!(refusal.contains("holds no replica of shard"), "{refusal}");
 
     let _ = stop.send(true);
     let acknowledged = runtime.block_on(appending).unwrap();

@@ -8,8 +8,8 @@
 //!   acknowledges what a majority does not hold.
 //! - **Placement**: [`ShardGroups::place`], run by every node for the shards it leads, makes
 //!   each shard's voters the replicas `levee_proto::shards::replicas` names over the
-//!   metadata group's members: a new replica is added as a learner, fed the log, then made a
-//!   voter; a replica no longer named is removed.
+//!   metadata group's voters: a new replica is added as a learner, fed the log, then made a
+//!   voter; a replica on a node removed from the cluster is removed.
 //! - **The peer side**: [`ShardGroups::serve`] answers the `Shard` peer call.
 //!
 //! A node runs an instance of every shard; those it is not a replica of stay uninitialised and
@@ -247,6 +247,32 @@ impl ShardGroups {
                 .map_err(|error| format!("shard {shard}: {error}"))?;
         }
         Ok(())
+    }
+
+    /// Whether this node is a voter of `shard`, so its store holds the shard's queues.
+    pub fn replicates(&self, shard: ShardId) -> bool {
+        self.raft(shard).is_some_and(|raft| {
+            raft.metrics()
+                .borrow()
+                .membership_config
+                .membership()
+                .voter_ids()
+                .any(|voter| voter == self.node_id)
+        })
+    }
+
+    /// The voters of `shard` as this node knows them.
+    pub fn voters_of(&self, shard: ShardId) -> Vec<NodeId> {
+        self.raft(shard)
+            .map(|raft| {
+                raft.metrics()
+                    .borrow()
+                    .membership_config
+                    .membership()
+                    .voter_ids()
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Every shard this node is a member of, as it sees it.
@@ -565,16 +591,23 @@ impl ShardGroups {
         });
     }
 
-    /// For every shard this node leads, moves its voters towards the replicas `members` (the
-    /// metadata group's members, voters and learners, and their addresses) name for it, one
-    /// change per shard per call: first a change a former leader left half done (a joint membership) is finished;
+    /// For every shard this node leads, moves its voters towards the replicas `voters` (the
+    /// metadata group's voters and their addresses) name for it, one change per shard per
+    /// call: first a change a former leader left half done (a joint membership) is finished;
     /// then the named replicas it lacks are added (each a learner fed the log first, then all
     /// made voters at once); then, once it has every named replica and only when `shrink`
-    /// (this node's view of the metadata members is current), the replicas no longer named are
-    /// removed, so a removed node's replicas move to the others and a new node takes its share.
-    /// Returns how many shards changed.
-    pub async fn place(&self, members: &BTreeMap<NodeId, NodeInfo>, shrink: bool) -> usize {
-        let ids: Vec<NodeId> = members.keys().copied().collect();
+    /// (this node's view of the metadata group is current), its replicas on nodes that are no
+    /// longer `members` of the metadata group (removed from the cluster) are removed, so their
+    /// replicas move to the others. A replica on a live member is never removed: every node of
+    /// a cluster of up to three voters then holds every shard, and serves reads of every queue
+    /// from its own store. Returns how many shards changed.
+    pub async fn place(
+        &self,
+        voters: &BTreeMap<NodeId, NodeInfo>,
+        members: &BTreeSet<NodeId>,
+        shrink: bool,
+    ) -> usize {
+        let ids: Vec<NodeId> = voters.keys().copied().collect();
         let mut changed = 0;
         for (shard, raft) in self.rafts.iter().enumerate() {
             let metrics = raft.metrics().borrow().clone();
@@ -599,12 +632,17 @@ impl ShardGroups {
             let missing: BTreeSet<NodeId> = wanted.difference(&current).copied().collect();
             if missing.is_empty() {
                 // Grown first, shrunk after: a majority of the named replicas holds the log
-                // before a replica leaves. A node whose view of the metadata voters may be
+                // before a replica leaves. A node whose view of the metadata group may be
                 // behind (restarted, replaying its log) does not shrink a shard on it.
+                let kept: BTreeSet<NodeId> = current
+                    .iter()
+                    .copied()
+                    .filter(|node| members.contains(node))
+                    .collect();
                 if shrink
-                    && current != wanted
-                    && !wanted.is_empty()
-                    && self.change_voters(shard, raft, wanted).await
+                    && kept != current
+                    && !kept.is_empty()
+                    && self.change_voters(shard, raft, kept).await
                 {
                     changed += 1;
                 }
@@ -616,7 +654,7 @@ impl ShardGroups {
                 if membership.get_node(node).is_some() {
                     continue;
                 }
-                let Some(info) = members.get(node) else {
+                let Some(info) = voters.get(node) else {
                     continue;
                 };
                 let added =

@@ -154,7 +154,8 @@ impl Replication {
             parts.entry(shard).or_default().push(position);
         }
         let writes = parts.into_iter().map(|(shard, positions)| {
-            groups.write(
+            Self::write_again_while_moving(
+                groups,
                 shard,
                 ShardCommand::Positions {
                     consumer: consumer.to_owned(),
@@ -168,14 +169,63 @@ impl Replication {
         Ok(())
     }
 
+    /// Writes a command that may be applied twice (positions: the largest wins; a barrier),
+    /// writing it again when the shard's lead moved while it waited, within about
+    /// [`levee_cluster::shard::groups::WRITE_WAIT_MAX`].
+    async fn write_again_while_moving(
+        groups: &ShardGroups,
+        shard: ShardId,
+        command: ShardCommand,
+    ) -> Result<(), ShardWriteError> {
+        let started = std::time::Instant::now();
+        loop {
+            match groups.write(shard, command.clone()).await {
+                Err(ShardWriteError::Unavailable {
+                    maybe_stored: true, ..
+                }) if started.elapsed() < levee_cluster::shard::groups::WRITE_WAIT_MAX => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                other => return other.map(|_| ()),
+            }
+        }
+    }
+
+    /// Refuses to serve `queues` from this node's store when it holds no replica of one of
+    /// their shards (a node beyond the shards' three replicas: a metadata learner, or a fourth
+    /// or fifth voter): its store does not have their messages or positions.
+    pub fn check_replicated_here(
+        groups: &ShardGroups,
+        queues: &[impl AsRef<[u8]>],
+    ) -> Result<(), WireError> {
+        for queue in queues {
+            let shard = levee_proto::shards::shard_of_bytes(queue.as_ref(), groups.shards());
+            if !groups.replicates(shard) {
+                return Err(WireError::new(
+                    ErrorCode::FailedPrecondition,
+                    format!(
+                        "this node holds no replica of shard {shard} (queue '{}'); read or \
+                         subscribe through one of its replicas, nodes {:?} (GetCluster's \
+                         shard_map)",
+                        String::from_utf8_lossy(queue.as_ref()),
+                        groups.voters_of(shard)
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Returns once this node applied everything the shards of `queues` committed before the
     /// call (so positions read next include every ack confirmed anywhere before).
     pub async fn barrier(groups: &ShardGroups, queues: &[Box<[u8]>]) -> Result<(), WireError> {
+        Self::check_replicated_here(groups, queues)?;
         let shards: std::collections::BTreeSet<ShardId> = queues
             .iter()
             .map(|queue| levee_proto::shards::shard_of_bytes(queue, groups.shards()))
             .collect();
-        let barriers = shards.into_iter().map(|shard| groups.barrier(shard));
+        let barriers = shards
+            .into_iter()
+            .map(|shard| Self::write_again_while_moving(groups, shard, ShardCommand::Barrier));
         for done in futures_util::future::join_all(barriers).await {
             done.map_err(|error| consumer_error(&error, "reading the consumer's positions"))?;
         }
@@ -315,15 +365,15 @@ pub async fn run_shards(
             .filter_map(|id| membership.get_node(&id).map(|node| (id, node.clone())))
             .collect()
     };
-    // Replicas go on every member, voter or learner of the metadata group: a node that joins
-    // takes its share of the shards whatever its metadata role.
-    let members = |raft: &Raft| -> BTreeMap<NodeId, NodeInfo> {
+    // Every member, voter or learner of the metadata group: a replica on a node that is none
+    // (removed from the cluster) is moved to the others.
+    let members = |raft: &Raft| -> std::collections::BTreeSet<NodeId> {
         let metrics = raft.metrics().borrow().clone();
         metrics
             .membership_config
             .membership()
             .nodes()
-            .map(|(id, node)| (*id, node.clone()))
+            .map(|(id, _)| *id)
             .collect()
     };
     let alone = voters(&raft).keys().eq([node_id].iter());
@@ -346,7 +396,7 @@ pub async fn run_shards(
             metrics.current_leader.is_some()
                 && metrics.last_applied.map(|log_id| log_id.index) >= metrics.last_log_index
         };
-        groups.place(&members(&raft), current).await;
+        groups.place(&voters(&raft), &members(&raft), current).await;
     }
     groups.shutdown().await;
 }

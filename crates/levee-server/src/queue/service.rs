@@ -107,6 +107,16 @@ impl QueueService {
         }
     }
 
+    /// Refuses a read of `queue` on a node that holds no replica of its shard (a cluster that
+    /// replicates its queues only).
+    fn check_replicated_here(&self, queue: &[u8]) -> Result<(), WireError> {
+        match self.shard_groups() {
+            Some(Ok(groups)) => Replication::check_replicated_here(groups, &[queue]),
+            Some(Err(opening)) => Err(opening),
+            None => Ok(()),
+        }
+    }
+
     /// The service writing plain queues through the cluster's shards when `replication` says
     /// the cluster replicates them.
     #[must_use]
@@ -362,6 +372,7 @@ impl Queues for QueueService {
     async fn read(&self, request: Request<ReadRequest>) -> Result<Response<ReadResponse>, Status> {
         let request = request.into_inner();
         check_not_reserved(&request.queue)?;
+        self.check_replicated_here(&request.queue)?;
         let max_messages = match request.max_messages {
             0 => READ_MESSAGES_DEFAULT,
             count if count <= READ_MESSAGES_MAX => count,
@@ -423,6 +434,7 @@ impl Queues for QueueService {
     ) -> Result<Response<GetQueueInfoResponse>, Status> {
         let queue = request.into_inner().queue;
         check_not_reserved(&queue)?;
+        self.check_replicated_here(&queue)?;
         let info = self
             .calls
             .store

@@ -357,6 +357,7 @@ async fn wait_placed(
 
 /// Every message of `queue` on `client`'s node, from offset 0.
 async fn read_all(client: &Client, queue: &str) -> anyhow::Result<Vec<Vec<u8>>> {
+    let opened_by = Instant::now() + SETTLE_TIMEOUT;
     let mut messages = Vec::new();
     loop {
         let read = match client
@@ -365,6 +366,13 @@ async fn read_all(client: &Client, queue: &str) -> anyhow::Result<Vec<Vec<u8>>> 
         {
             Ok(read) => read,
             Err(error) if error.code() == Some(ErrorCode::NotFound) => return Ok(messages),
+            // A node that restarted a moment ago is still opening its shards.
+            Err(error)
+                if error.code() == Some(ErrorCode::Unavailable) && Instant::now() < opened_by =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
             Err(error) => return Err(error.into()),
         };
         if read.payloads.is_empty() {
