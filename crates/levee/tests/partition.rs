@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use levee_client::{Client, ErrorCode};
-use support::{LeveeProcess, http_get, runtime, wait_for};
+use support::{LeveeProcess, http_get, runtime, shard_groups, wait_for};
 
 /// How long the cluster may take to elect, replicate or catch up.
 const CONVERGE_TIMEOUT: Duration = Duration::from_secs(20);
@@ -300,33 +300,6 @@ fn given_a_partitioned_leader_then_it_cannot_commit_and_the_majority_elects_anot
     assert_ne!(leader_seen_by(leader), Some(leader_id));
 }
 
-/// Each shard's (leader, voters) as `node` sees them, from `/v1/cluster`; a shard whose voters
-/// are changing has none listed.
-fn shard_views(node: &LeveeProcess) -> std::collections::BTreeMap<u64, (Option<u64>, Vec<u64>)> {
-    let (status, body) = http_get(node.admin_addr, "/v1/cluster");
-    assert_eq!(status, 200, "{body}");
-    let view: serde_json::Value = serde_json::from_str(&body).unwrap();
-    view["shard_groups"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|group| {
-            let changing = group["changing"].as_bool().unwrap();
-            let voters = group["voters"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .filter(|_| !changing)
-                .map(|voter| voter.as_u64().unwrap())
-                .collect();
-            (
-                group["shard"].as_u64().unwrap(),
-                (group["leader"].as_u64(), voters),
-            )
-        })
-        .collect()
-}
-
 /// Every message of `queue` on `node`, from offset 0.
 fn read_all(runtime: &tokio::runtime::Runtime, node: &LeveeProcess, queue: &[u8]) -> Vec<Vec<u8>> {
     runtime.block_on(async {
@@ -372,14 +345,14 @@ fn given_a_partitioned_shard_leader_then_it_acknowledges_nothing_and_the_majorit
     let queue = b"payments";
     let shard = u64::from(levee_proto::shards::shard_of_bytes(queue, 2));
     wait_for("the shard placed on all three", CONVERGE_TIMEOUT, || {
-        let views: Vec<_> = nodes.iter().map(shard_views).collect();
+        let views: Vec<_> = nodes.iter().map(shard_groups).collect();
         views.iter().all(|view| {
             view.get(&shard).is_some_and(|(leader, voters)| {
                 *voters == [1, 2, 3] && leader.is_some() && *leader == views[0][&shard].0
             })
         })
     });
-    let leader_id = shard_views(&nodes[0])[&shard].0.unwrap();
+    let leader_id = shard_groups(&nodes[0])[&shard].0.unwrap();
     let leader = &nodes[usize::try_from(leader_id).unwrap() - 1];
     let majority: Vec<&LeveeProcess> = (1..=3)
         .filter(|id| *id != leader_id)
@@ -409,8 +382,8 @@ fn given_a_partitioned_shard_leader_then_it_acknowledges_nothing_and_the_majorit
         "a shard leader on the majority side",
         CONVERGE_TIMEOUT,
         || {
-            let seen = shard_views(majority[0])[&shard].0;
-            seen.is_some() && seen != Some(leader_id) && seen == shard_views(majority[1])[&shard].0
+            let seen = shard_groups(majority[0])[&shard].0;
+            seen.is_some() && seen != Some(leader_id) && seen == shard_groups(majority[1])[&shard].0
         },
     );
     let mut offset = None;
@@ -431,6 +404,6 @@ fn given_a_partitioned_shard_leader_then_it_acknowledges_nothing_and_the_majorit
             || read_all(&runtime, node, queue) == expected,
         );
     }
-    assert_ne!(shard_views(leader)[&shard].0, Some(leader_id));
+    assert_ne!(shard_groups(leader)[&shard].0, Some(leader_id));
     assert_eq!(append(&runtime, leader, queue, b"after"), Ok(2));
 }

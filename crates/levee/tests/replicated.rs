@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use levee_client::Client;
 use levee_proto::v1::ErrorCode;
-use support::{LeveeProcess, http_get, runtime, wait_for};
+use support::{LeveeProcess, http_get, runtime, shard_groups, wait_for};
 
 /// How long a cluster may take to form, place its shards, or elect a new leader.
 const CONVERGE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -50,32 +50,15 @@ fn status(node: &LeveeProcess) -> serde_json::Value {
     serde_json::from_str(&body).unwrap()
 }
 
-/// Each shard's leader and voters as `node` sees them (no voters while they change).
-fn shard_groups(node: &LeveeProcess) -> BTreeMap<u64, (Option<u64>, Vec<u64>)> {
-    let view = status(node);
-    view["shard_groups"]
-        .as_array()
-        .map(|groups| {
-            groups
-                .iter()
-                .map(|group| {
-                    // A shard whose voters are changing is not placed yet: no voters.
-                    let changing = group["changing"].as_bool().unwrap();
-                    let voters = group["voters"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .filter(|_| !changing)
-                        .map(|voter| voter.as_u64().unwrap())
-                        .collect();
-                    (
-                        group["shard"].as_u64().unwrap(),
-                        (group["leader"].as_u64(), voters),
-                    )
-                })
-                .collect()
-        })
-        .unwrap_or_default()
+/// Nodes 1, 2 and 3 of a new cluster that replicates its queues (2 and 3 joining node 1).
+fn three_nodes(directory: &std::path::Path) -> [Option<LeveeProcess>; 3] {
+    let first = start(directory, "1", "127.0.0.1:0", None);
+    let seed = first.peer_addr.unwrap().to_string();
+    [
+        Some(first),
+        Some(start(directory, "2", "127.0.0.1:0", Some(&seed))),
+        Some(start(directory, "3", "127.0.0.1:0", Some(&seed))),
+    ]
 }
 
 /// Waits until every node is a voter of every shard and sees one leader for each.
@@ -146,13 +129,7 @@ fn given_a_replicated_cluster_when_a_shard_leader_is_killed_under_appends_then_n
  {
     let directory = tempfile::tempdir().unwrap();
     let runtime = runtime();
-    let first = start(directory.path(), "1", "127.0.0.1:0", None);
-    let seed = first.peer_addr.unwrap().to_string();
-    let mut nodes = [
-        Some(first),
-        Some(start(directory.path(), "2", "127.0.0.1:0", Some(&seed))),
-        Some(start(directory.path(), "3", "127.0.0.1:0", Some(&seed))),
-    ];
+    let mut nodes = three_nodes(directory.path());
     let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
     assert_eq!(status(all[1])["replicated_queues"], true);
     let leaders = wait_settled(&all);
@@ -353,21 +330,8 @@ fn given_a_replicated_cluster_when_a_shard_leader_is_killed_under_appends_then_n
         }
         // The idempotent producer's messages: exactly what was acknowledged, each once, at
         // its offset, and nothing else.
-        for (queue, expected) in &events {
-            wait_for(
-                "the producer's messages on every node",
-                CONVERGE_TIMEOUT,
-                || runtime.block_on(read_all(client, queue)).len() >= expected.len(),
-            );
-            let stored = runtime.block_on(read_all(client, queue));
-            let acknowledged: Vec<&Vec<u8>> = expected.values().collect();
-            let stored: Vec<&Vec<u8>> = stored.iter().collect();
-            assert_eq!(
-                stored,
-                acknowledged,
-                "queue {}",
-                String::from_utf8_lossy(queue)
-            );
+        assert_holds(&runtime, client, &events);
+        for expected in events.values() {
             assert_eq!(
                 expected.keys().copied().collect::<Vec<_>>(),
                 (0..expected.len() as u64).collect::<Vec<_>>(),
@@ -415,13 +379,7 @@ fn given_a_replicated_cluster_when_a_follower_and_then_every_node_restart_then_a
  {
     let directory = tempfile::tempdir().unwrap();
     let runtime = runtime();
-    let first = start(directory.path(), "1", "127.0.0.1:0", None);
-    let seed = first.peer_addr.unwrap().to_string();
-    let mut nodes = vec![
-        Some(first),
-        Some(start(directory.path(), "2", "127.0.0.1:0", Some(&seed))),
-        Some(start(directory.path(), "3", "127.0.0.1:0", Some(&seed))),
-    ];
+    let mut nodes = three_nodes(directory.path());
     let peers: Vec<String> = nodes
         .iter()
         .map(|node| node.as_ref().unwrap().peer_addr.unwrap().to_string())
@@ -541,13 +499,7 @@ fn given_a_replicated_cluster_when_a_consumer_moves_to_another_node_then_it_resu
 {
     let directory = tempfile::tempdir().unwrap();
     let runtime = runtime();
-    let first = start(directory.path(), "1", "127.0.0.1:0", None);
-    let seed = first.peer_addr.unwrap().to_string();
-    let mut nodes = [
-        Some(first),
-        Some(start(directory.path(), "2", "127.0.0.1:0", Some(&seed))),
-        Some(start(directory.path(), "3", "127.0.0.1:0", Some(&seed))),
-    ];
+    let mut nodes = three_nodes(directory.path());
     let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
     wait_settled(&all);
     let clients: Vec<Client> = all
@@ -739,6 +691,14 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
     );
     let refusal = refusal.unwrap().to_string();
     assert!(refusal.contains("holds no replica of shard"), "{refusal}");
+    let refusal = runtime
+        .block_on(fifth_client.append(b"moving-0", b"through a learner"))
+        .expect_err("a node without a replica or a known leader stores nothing");
+    assert_eq!(
+        refusal.code(),
+        Some(ErrorCode::FailedPrecondition),
+        "{refusal}"
+    );
 
     let _ = stop.send(true);
     let acknowledged = runtime.block_on(appending).unwrap();

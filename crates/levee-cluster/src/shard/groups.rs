@@ -261,6 +261,12 @@ impl ShardGroups {
         })
     }
 
+    /// The leader of `shard` this node knows, if any.
+    pub fn leader_of(&self, shard: ShardId) -> Option<NodeId> {
+        self.raft(shard)
+            .and_then(|raft| raft.metrics().borrow().current_leader)
+    }
+
     /// The voters of `shard` as this node knows them.
     pub fn voters_of(&self, shard: ShardId) -> Vec<NodeId> {
         self.raft(shard)

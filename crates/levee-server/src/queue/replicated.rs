@@ -112,6 +112,16 @@ pub fn shard_error(error: &ShardWriteError) -> WireError {
     }
 }
 
+/// Where `shard`'s replicas are, as far as this node knows, for an error message.
+fn replicas_hint(groups: &ShardGroups, shard: ShardId) -> String {
+    let voters = groups.voters_of(shard);
+    if voters.is_empty() {
+        "the nodes GetCluster's shard_map names".to_owned()
+    } else {
+        format!("nodes {voters:?}, as GetCluster's shard_map says")
+    }
+}
+
 /// A failed write of acks or of a barrier as the API says it.
 fn consumer_error(error: &ShardWriteError, what: &str) -> WireError {
     let mut wire = shard_error(error);
@@ -204,10 +214,9 @@ impl Replication {
                     ErrorCode::FailedPrecondition,
                     format!(
                         "this node holds no replica of shard {shard} (queue '{}'); read or \
-                         subscribe through one of its replicas, nodes {:?} (GetCluster's \
-                         shard_map)",
+                         subscribe through one of its replicas ({})",
                         String::from_utf8_lossy(queue.as_ref()),
-                        groups.voters_of(shard)
+                        replicas_hint(groups, shard)
                     ),
                 ));
             }
@@ -265,6 +274,22 @@ impl Replication {
                 payload: message.payload,
                 sequence: message.sequence,
             });
+        }
+        // A node that neither replicates a shard nor knows its leader (a learner node, never a
+        // replica) cannot forward: say where to go rather than wait out the write.
+        if let Some(shard) = parts
+            .keys()
+            .copied()
+            .find(|shard| !groups.replicates(*shard) && groups.leader_of(*shard).is_none())
+        {
+            return Err(WireError::new(
+                ErrorCode::FailedPrecondition,
+                format!(
+                    "this node holds no replica of shard {shard} and knows no leader of it; \
+                     append through one of its replicas ({}); nothing was stored",
+                    replicas_hint(groups, shard)
+                ),
+            ));
         }
         let count = parts.values().map(|part| part.0.len()).sum();
         let writes = parts

@@ -307,3 +307,32 @@ pub fn wait_for(what: &str, timeout: Duration, mut condition: impl FnMut() -> bo
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// Each shard group `node` replicates, from its `/v1/cluster`: the shard, the leader it knows
+/// and the voters (none listed while they are changing).
+pub fn shard_groups(
+    node: &LeveeProcess,
+) -> std::collections::BTreeMap<u64, (Option<u64>, Vec<u64>)> {
+    let (code, body) = http_get(node.admin_addr, "/v1/cluster");
+    assert_eq!(code, 200, "{body}");
+    let view: serde_json::Value = serde_json::from_str(&body).unwrap();
+    view["shard_groups"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|group| {
+            let changing = group["changing"].as_bool().unwrap();
+            let voters = group["voters"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|_| !changing)
+                .map(|voter| voter.as_u64().unwrap())
+                .collect();
+            (
+                group["shard"].as_u64().unwrap(),
+                (group["leader"].as_u64(), voters),
+            )
+        })
+        .collect()
+}
