@@ -321,7 +321,7 @@ impl Client {
         Ok(response.into_inner())
     }
 
-    fn queues_client(&self) -> QueuesClient<Channel> {
+    pub(crate) fn queues_client(&self) -> QueuesClient<Channel> {
         QueuesClient::new(self.channel.clone())
             .max_decoding_message_size(QUEUE_MESSAGE_BYTES_MAX)
             .max_encoding_message_size(QUEUE_MESSAGE_BYTES_MAX)
@@ -525,6 +525,23 @@ impl Client {
         credit_messages: u32,
     ) -> Result<crate::Mailboxes, ClientError> {
         crate::Mailboxes::open(self.queues_client(), consumer, credit_messages).await
+    }
+
+    /// [`Client::subscribe_many`] that moves by itself: when its node goes away (the stream
+    /// fails with `UNAVAILABLE` or a broken connection) it opens the stream again through
+    /// another member of the cluster (asked of this node, or of the members it knew), adds
+    /// every queue again under the same mailbox numbers (removed ones removed again) and goes
+    /// on, for up to 30 s per move. Delivery resumes after the consumer's last confirmed ack:
+    /// messages taken or acked but not confirmed are delivered again (at least once); in a
+    /// cluster that replicates its queues, no message whose ack was confirmed is delivered
+    /// again (docs/CLUSTER.md, "Consumers' positions").
+    pub async fn subscribe_many_following(
+        &self,
+        consumer: &str,
+        credit_messages: u32,
+    ) -> Result<crate::Mailboxes, ClientError> {
+        let mailboxes = self.subscribe_many(consumer, credit_messages).await?;
+        Ok(mailboxes.following(self.clone(), consumer).await)
     }
 
     pub(crate) fn topics_client(&self) -> TopicsClient<Channel> {

@@ -2,6 +2,7 @@
 //! acks.
 
 use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
 
 use levee_proto::WireError;
 use levee_proto::v1::queues_client::QueuesClient;
@@ -14,6 +15,7 @@ use tokio::sync::mpsc;
 use tonic::Streaming;
 use tonic::transport::Channel;
 
+use crate::client::{Client, ClientOptions};
 use crate::error::ClientError;
 
 /// Requests queued for the server on one stream.
@@ -50,9 +52,94 @@ pub struct Mailboxes {
     acks: HashMap<u32, u64>,
     ack_sequence: u64,
     acked_sequence: u64,
+    /// How the stream opens again elsewhere, when it follows the cluster.
+    following: Option<Following>,
+}
+
+/// What a stream that follows the cluster keeps to open itself again through another node.
+#[derive(Debug)]
+struct Following {
+    /// The node the stream was opened through, asked for the members first.
+    seed: Client,
+    consumer: String,
+    /// Every queue added, in mailbox order.
+    queues: Vec<Vec<u8>>,
+    /// Mailbox numbers removed.
+    removed: Vec<u32>,
+    /// The members last learned, by API address.
+    members: Vec<Client>,
+    /// The member to try first at the next move.
+    next_member: usize,
+}
+
+/// Longest a following stream tries to open itself again before it gives up.
+const REOPEN_WITHIN: Duration = Duration::from_secs(30);
+/// Pause between two rounds over the members while none takes the stream.
+const REOPEN_PAUSE: Duration = Duration::from_millis(100);
+
+/// Whether `error` means the stream's node went away (not a refusal of what was asked).
+fn node_went_away(error: &ClientError) -> bool {
+    matches!(error.code(), Some(ErrorCode::Unavailable) | None)
 }
 
 impl Mailboxes {
+    /// This stream, opened through `seed` for `consumer`, following the cluster (whose
+    /// members it learns now, so it can move when the seed is gone).
+    pub(crate) async fn following(mut self, seed: Client, consumer: &str) -> Self {
+        let mut following = Following {
+            seed,
+            consumer: consumer.to_owned(),
+            queues: Vec::new(),
+            removed: Vec::new(),
+            members: Vec::new(),
+            next_member: 0,
+        };
+        learn_members(&mut following).await;
+        self.following = Some(following);
+        self
+    }
+
+    /// Opens the stream again through another member (see
+    /// [`Client::subscribe_many_following`]); `cause` is returned when no member took it in
+    /// time.
+    async fn reopen(&mut self, cause: ClientError) -> Result<(), ClientError> {
+        let Some(mut following) = self.following.take() else {
+            return Err(cause);
+        };
+        let started = tokio::time::Instant::now();
+        loop {
+            learn_members(&mut following).await;
+            let count = following.members.len();
+            for step in 0..count {
+                let member = following.members[(following.next_member + step) % count].clone();
+                let Ok(mut fresh) = Self::open(
+                    member.queues_client(),
+                    &following.consumer,
+                    self.credit_messages,
+                )
+                .await
+                else {
+                    continue;
+                };
+                let queues: Vec<&[u8]> = following.queues.iter().map(Vec::as_slice).collect();
+                if fresh.add_once(&queues).await.is_err()
+                    || fresh.remove_once(&following.removed).await.is_err()
+                {
+                    continue;
+                }
+                following.next_member = (following.next_member + step + 1) % count;
+                fresh.following = Some(following);
+                *self = fresh;
+                return Ok(());
+            }
+            if started.elapsed() >= REOPEN_WITHIN {
+                self.following = Some(following);
+                return Err(cause);
+            }
+            tokio::time::sleep(REOPEN_PAUSE).await;
+        }
+    }
+
     pub(crate) async fn open(
         mut client: QueuesClient<Channel>,
         consumer: &str,
@@ -86,6 +173,7 @@ impl Mailboxes {
             acks: HashMap::new(),
             ack_sequence: 0,
             acked_sequence: 0,
+            following: None,
         })
     }
 
@@ -95,6 +183,29 @@ impl Mailboxes {
     /// deleted is added once its delete has returned (from the start of the queue created
     /// again); if that takes over 5 s the server ends the stream (`UNAVAILABLE`).
     pub async fn add(&mut self, queues: &[&[u8]]) -> Result<std::ops::Range<u32>, ClientError> {
+        let first = self.added;
+        if let Some(following) = &mut self.following {
+            following
+                .queues
+                .extend(queues.iter().map(|queue| queue.to_vec()));
+        }
+        match self.add_once(queues).await {
+            Err(error) if self.following.is_some() && node_went_away(&error) => {
+                // Opened again elsewhere with every queue added, these included.
+                self.reopen(error).await?;
+                Ok(first..self.added)
+            }
+            Err(error) => {
+                if let Some(following) = &mut self.following {
+                    following.queues.truncate(first as usize);
+                }
+                Err(error)
+            }
+            added => added,
+        }
+    }
+
+    async fn add_once(&mut self, queues: &[&[u8]]) -> Result<std::ops::Range<u32>, ClientError> {
         let first = self.added;
         for chunk in queues.chunks(MAILBOXES_PER_REQUEST_MAX) {
             let add = AddMailboxes {
@@ -115,6 +226,22 @@ impl Mailboxes {
     /// are sent first, so they still count; messages of theirs already received are still
     /// returned by [`Mailboxes::next`] (acks of those are ignored).
     pub async fn remove(&mut self, mailboxes: &[u32]) -> Result<(), ClientError> {
+        if let Some(following) = &mut self.following {
+            following.removed.extend_from_slice(mailboxes);
+        }
+        match self.remove_once(mailboxes).await {
+            // Opened again elsewhere with these removed.
+            Err(error) if self.following.is_some() && node_went_away(&error) => {
+                self.reopen(error).await
+            }
+            removed => removed,
+        }
+    }
+
+    async fn remove_once(&mut self, mailboxes: &[u32]) -> Result<(), ClientError> {
+        if mailboxes.is_empty() {
+            return Ok(());
+        }
         self.send_acks().await?;
         for chunk in mailboxes.chunks(MAILBOXES_PER_REQUEST_MAX) {
             let remove = RemoveMailboxes {
@@ -135,6 +262,17 @@ impl Mailboxes {
     /// is appended); empty when the server ended the stream cleanly. As [`Mailboxes::next`]
     /// for a batch: one call per response instead of one per message.
     pub async fn next_batch(&mut self, max: usize) -> Result<Vec<MailboxDelivery>, ClientError> {
+        loop {
+            match self.next_batch_once(max).await {
+                Err(error) if self.following.is_some() && node_went_away(&error) => {
+                    self.reopen(error).await?;
+                }
+                taken => return taken,
+            }
+        }
+    }
+
+    async fn next_batch_once(&mut self, max: usize) -> Result<Vec<MailboxDelivery>, ClientError> {
         while self.received.is_empty() {
             // About to wait: give back all the credit taken and send the acks.
             self.grant_credit().await?;
@@ -169,6 +307,22 @@ impl Mailboxes {
     /// Sends the recorded acks and returns once they (and every ack sent before) are durable.
     /// Messages that arrive meanwhile wait for [`Mailboxes::next`].
     pub async fn flush_acks(&mut self) -> Result<(), ClientError> {
+        match self.flush_acks_once().await {
+            Err(error) if self.following.is_some() && node_went_away(&error) => {
+                // The acks not confirmed are lost with the stream: say so, once open again.
+                self.reopen(error).await?;
+                Err(WireError::new(
+                    ErrorCode::Unavailable,
+                    "the stream's node went away before the acks were confirmed; the stream is \
+                     open again through another node and delivers the unconfirmed messages again",
+                )
+                .into())
+            }
+            flushed => flushed,
+        }
+    }
+
+    async fn flush_acks_once(&mut self) -> Result<(), ClientError> {
         self.send_acks().await?;
         while self.acked_sequence < self.ack_sequence {
             if !self.receive().await? {
@@ -239,4 +393,32 @@ impl Mailboxes {
 
 fn closed() -> WireError {
     WireError::new(ErrorCode::Unavailable, "the subscription is closed")
+}
+
+/// Learns the cluster's members: from the seed node, else from any member known; keeps the
+/// last list known when none answers.
+async fn learn_members(following: &mut Following) {
+    let asked = std::iter::once(following.seed.clone()).chain(following.members.iter().cloned());
+    for client in asked.collect::<Vec<_>>() {
+        let Ok(cluster) = client.cluster().await else {
+            continue;
+        };
+        let options = ClientOptions {
+            connect_timeout: Duration::from_secs(1),
+            ..ClientOptions::default()
+        };
+        let members: Vec<Client> = cluster
+            .members
+            .iter()
+            .filter(|member| !member.grpc_addr.is_empty())
+            .filter_map(|member| Client::connect_lazy(&member.grpc_addr, &options).ok())
+            .collect();
+        if !members.is_empty() {
+            following.members = members;
+            return;
+        }
+    }
+    if following.members.is_empty() {
+        following.members.push(following.seed.clone());
+    }
 }

@@ -108,15 +108,27 @@ impl WireError {
             // The connection broke (the server died or went away mid-call): tonic says
             // UNKNOWN; the request may or may not have been served, and another server (or
             // this one, back) may take a retry.
-            tonic::Code::Unknown if message.contains("transport error") => Self::new(
-                ErrorCode::Unavailable,
-                format!(
-                    "{message}: the connection to the server broke; the request may or may not \
-                     have been served"
-                ),
-            ),
+            tonic::Code::Unknown if message.contains("transport error") => Self::broken(message),
+            // A stream whose connection broke mid-body: tonic says UNKNOWN or INTERNAL with
+            // h2's words.
+            tonic::Code::Unknown | tonic::Code::Internal
+                if message.contains("h2 protocol error") =>
+            {
+                Self::broken(message)
+            }
             _ => Self::from_status(status),
         }
+    }
+
+    /// A call whose connection broke: UNAVAILABLE, saying the request may have been served.
+    fn broken(message: &str) -> Self {
+        Self::new(
+            ErrorCode::Unavailable,
+            format!(
+                "{message}: the connection to the server broke; the request may or may not \
+                 have been served"
+            ),
+        )
     }
 }
 
@@ -328,8 +340,17 @@ mod tests {
             "{}",
             broken.message
         );
-        // Any other UNKNOWN keeps the usual mapping.
+        // A stream cut mid-body.
+        for cut in [
+            tonic::Status::unknown("h2 protocol error: error reading a body from connection"),
+            tonic::Status::internal("h2 protocol error: error reading a body from connection"),
+        ] {
+            assert_eq!(WireError::from_transport(&cut).code, ErrorCode::Unavailable);
+        }
+        // Any other UNKNOWN or INTERNAL keeps the usual mapping.
         let other = WireError::from_transport(&tonic::Status::unknown("something else"));
+        assert_eq!(other.code, ErrorCode::Internal);
+        let other = WireError::from_transport(&tonic::Status::internal("a server bug"));
         assert_eq!(other.code, ErrorCode::Internal);
     }
 }

@@ -495,6 +495,7 @@ fn given_a_replicated_cluster_when_a_follower_and_then_every_node_restart_then_a
 }
 
 #[test]
+#[allow(clippy::too_many_lines, reason = "one scenario, step by step")]
 fn given_a_replicated_cluster_when_a_consumer_moves_to_another_node_then_it_resumes_where_it_acked()
 {
     let directory = tempfile::tempdir().unwrap();
@@ -543,6 +544,22 @@ fn given_a_replicated_cluster_when_a_consumer_moves_to_another_node_then_it_resu
         }
         single.ack(3).await.unwrap();
     });
+    // And a stream that follows the cluster by itself, acking offsets 0 to 4 of every queue.
+    let mut following = runtime.block_on(async {
+        let mut following = clients[1]
+            .subscribe_many_following("follower", 1_000)
+            .await
+            .unwrap();
+        assert_eq!(following.add(&borrowed).await.unwrap(), 0..8);
+        for _ in 0..80 {
+            let delivery = following.next().await.unwrap().unwrap();
+            if delivery.offset == 4 {
+                following.ack(delivery.mailbox, 4);
+            }
+        }
+        following.flush_acks().await.unwrap();
+        following
+    });
 
     // Node 2 dies; on node 3 the consumers start after what they acked, nothing acked comes
     // again (node 3 may first wait out a failover of the shards node 2 led).
@@ -582,6 +599,15 @@ fn given_a_replicated_cluster_when_a_consumer_moves_to_another_node_then_it_resu
             .await
             .unwrap();
         assert_eq!(single.start_offset(), 4);
+        // The following stream moved by itself and resumes after its acks.
+        let mut next_by_mailbox = BTreeMap::new();
+        for _ in 0..40 {
+            let delivery = following.next().await.unwrap().unwrap();
+            let expected = next_by_mailbox.entry(delivery.mailbox).or_insert(5_u64);
+            assert_eq!(delivery.offset, *expected, "mailbox {}", delivery.mailbox);
+            *expected += 1;
+        }
+        assert_eq!(next_by_mailbox.len(), 8);
     });
 }
 
