@@ -517,6 +517,22 @@ impl Client {
         crate::Subscription::open(self.queues_client(), queue, consumer, credit_messages).await
     }
 
+    /// [`Client::subscribe`] that moves by itself, as [`Client::subscribe_many_following`]
+    /// says: when its node goes away it opens itself again through another member and goes on
+    /// from the consumer's last confirmed ack ([`crate::Subscription::start_offset`] then says
+    /// where); an ack cut short says so once the subscription is open again.
+    pub async fn subscribe_following(
+        &self,
+        queue: &[u8],
+        consumer: &str,
+        credit_messages: u32,
+    ) -> Result<crate::Subscription, ClientError> {
+        let subscription = self.subscribe(queue, consumer, credit_messages).await?;
+        Ok(subscription
+            .following(self.clone(), (queue, consumer, credit_messages))
+            .await)
+    }
+
     /// Opens `consumer`'s stream over many queues (mailboxes), with `credit_messages` (1 to
     /// 100000) in flight over all of them; add queues with [`crate::Mailboxes::add`].
     pub async fn subscribe_many(

@@ -31,6 +31,7 @@ mod client;
 mod consumer;
 mod error;
 mod failures;
+mod following;
 pub mod hotkey;
 mod limit_keys;
 mod limiter;

@@ -2,7 +2,6 @@
 //! acks.
 
 use std::collections::{HashMap, VecDeque};
-use std::time::Duration;
 
 use levee_proto::WireError;
 use levee_proto::v1::queues_client::QueuesClient;
@@ -15,8 +14,9 @@ use tokio::sync::mpsc;
 use tonic::Streaming;
 use tonic::transport::Channel;
 
-use crate::client::{Client, ClientOptions};
+use crate::client::Client;
 use crate::error::ClientError;
+use crate::following::{Members, REOPEN_PAUSE, REOPEN_WITHIN, node_went_away};
 
 /// Requests queued for the server on one stream.
 const REQUESTS_QUEUED_MAX: usize = 64;
@@ -59,43 +59,24 @@ pub struct Mailboxes {
 /// What a stream that follows the cluster keeps to open itself again through another node.
 #[derive(Debug)]
 struct Following {
-    /// The node the stream was opened through, asked for the members first.
-    seed: Client,
+    members: Members,
     consumer: String,
     /// Every queue added, in mailbox order.
     queues: Vec<Vec<u8>>,
     /// Mailbox numbers removed.
     removed: Vec<u32>,
-    /// The members last learned, by API address.
-    members: Vec<Client>,
-    /// The member to try first at the next move.
-    next_member: usize,
-}
-
-/// Longest a following stream tries to open itself again before it gives up.
-const REOPEN_WITHIN: Duration = Duration::from_secs(30);
-/// Pause between two rounds over the members while none takes the stream.
-const REOPEN_PAUSE: Duration = Duration::from_millis(100);
-
-/// Whether `error` means the stream's node went away (not a refusal of what was asked).
-fn node_went_away(error: &ClientError) -> bool {
-    matches!(error.code(), Some(ErrorCode::Unavailable) | None)
 }
 
 impl Mailboxes {
     /// This stream, opened through `seed` for `consumer`, following the cluster (whose
     /// members it learns now, so it can move when the seed is gone).
     pub(crate) async fn following(mut self, seed: Client, consumer: &str) -> Self {
-        let mut following = Following {
-            seed,
+        self.following = Some(Following {
+            members: Members::learned_from(seed).await,
             consumer: consumer.to_owned(),
             queues: Vec::new(),
             removed: Vec::new(),
-            members: Vec::new(),
-            next_member: 0,
-        };
-        learn_members(&mut following).await;
-        self.following = Some(following);
+        });
         self
     }
 
@@ -108,10 +89,8 @@ impl Mailboxes {
         };
         let started = tokio::time::Instant::now();
         loop {
-            learn_members(&mut following).await;
-            let count = following.members.len();
-            for step in 0..count {
-                let member = following.members[(following.next_member + step) % count].clone();
+            following.members.learn().await;
+            for (step, member) in following.members.in_turn().into_iter().enumerate() {
                 let Ok(mut fresh) = Self::open(
                     member.queues_client(),
                     &following.consumer,
@@ -127,7 +106,7 @@ impl Mailboxes {
                 {
                     continue;
                 }
-                following.next_member = (following.next_member + step + 1) % count;
+                following.members.took(step);
                 fresh.following = Some(following);
                 *self = fresh;
                 return Ok(());
@@ -393,32 +372,4 @@ impl Mailboxes {
 
 fn closed() -> WireError {
     WireError::new(ErrorCode::Unavailable, "the subscription is closed")
-}
-
-/// Learns the cluster's members: from the seed node, else from any member known; keeps the
-/// last list known when none answers.
-async fn learn_members(following: &mut Following) {
-    let asked = std::iter::once(following.seed.clone()).chain(following.members.iter().cloned());
-    for client in asked.collect::<Vec<_>>() {
-        let Ok(cluster) = client.cluster().await else {
-            continue;
-        };
-        let options = ClientOptions {
-            connect_timeout: Duration::from_secs(1),
-            ..ClientOptions::default()
-        };
-        let members: Vec<Client> = cluster
-            .members
-            .iter()
-            .filter(|member| !member.grpc_addr.is_empty())
-            .filter_map(|member| Client::connect_lazy(&member.grpc_addr, &options).ok())
-            .collect();
-        if !members.is_empty() {
-            following.members = members;
-            return;
-        }
-    }
-    if following.members.is_empty() {
-        following.members.push(following.seed.clone());
-    }
 }

@@ -12,7 +12,9 @@ use tokio::sync::mpsc;
 use tonic::Streaming;
 use tonic::transport::Channel;
 
+use crate::client::Client;
 use crate::error::ClientError;
+use crate::following::{Members, REOPEN_PAUSE, REOPEN_WITHIN, node_went_away};
 
 /// Requests queued for the server on one subscription.
 const REQUESTS_QUEUED_MAX: usize = 64;
@@ -28,6 +30,17 @@ pub struct Subscription {
     start_offset: u64,
     received: VecDeque<Delivery>,
     unacked: VecDeque<(u64, u32)>,
+    /// How the subscription opens again elsewhere, when it follows the cluster.
+    following: Option<Following>,
+}
+
+/// What a subscription that follows the cluster keeps to open itself again elsewhere.
+#[derive(Debug)]
+struct Following {
+    members: Members,
+    queue: Vec<u8>,
+    consumer: String,
+    credit_messages: u32,
 }
 
 impl Subscription {
@@ -69,6 +82,7 @@ impl Subscription {
             start_offset,
             received: first.deliveries.into(),
             unacked: VecDeque::new(),
+            following: None,
         })
     }
 
@@ -77,9 +91,69 @@ impl Subscription {
         self.start_offset
     }
 
+    /// This subscription, opened through `seed`, following the cluster (whose members it
+    /// learns now, so it can move when the seed is gone).
+    pub(crate) async fn following(
+        mut self,
+        seed: Client,
+        (queue, consumer, credit_messages): (&[u8], &str, u32),
+    ) -> Self {
+        self.following = Some(Following {
+            members: Members::learned_from(seed).await,
+            queue: queue.to_vec(),
+            consumer: consumer.to_owned(),
+            credit_messages,
+        });
+        self
+    }
+
+    /// Opens the subscription again through another member (see
+    /// [`Client::subscribe_following`]); `cause` when no member took it in time.
+    async fn reopen(&mut self, cause: ClientError) -> Result<(), ClientError> {
+        let Some(mut following) = self.following.take() else {
+            return Err(cause);
+        };
+        let started = tokio::time::Instant::now();
+        loop {
+            following.members.learn().await;
+            for (step, member) in following.members.in_turn().into_iter().enumerate() {
+                let opened = Self::open(
+                    member.queues_client(),
+                    &following.queue,
+                    &following.consumer,
+                    following.credit_messages,
+                )
+                .await;
+                if let Ok(mut fresh) = opened {
+                    following.members.took(step);
+                    fresh.following = Some(following);
+                    *self = fresh;
+                    return Ok(());
+                }
+            }
+            if started.elapsed() >= REOPEN_WITHIN {
+                self.following = Some(following);
+                return Err(cause);
+            }
+            tokio::time::sleep(REOPEN_PAUSE).await;
+        }
+    }
+
     /// The next message, waiting until one is appended; `None` when the server ended the
-    /// subscription cleanly.
+    /// subscription cleanly. A following subscription whose node went away opens itself again
+    /// elsewhere and goes on from the consumer's last confirmed ack.
     pub async fn next(&mut self) -> Result<Option<Delivery>, ClientError> {
+        loop {
+            match self.next_once().await {
+                Err(error) if self.following.is_some() && node_went_away(&error) => {
+                    self.reopen(error).await?;
+                }
+                next => return next,
+            }
+        }
+    }
+
+    async fn next_once(&mut self) -> Result<Option<Delivery>, ClientError> {
         loop {
             if let Some(delivery) = self.received.pop_front() {
                 let bytes = u32::try_from(delivery.payload.len()).unwrap_or(u32::MAX);
@@ -111,6 +185,29 @@ impl Subscription {
     /// back; returns once the server has made the ack durable. Messages that arrive meanwhile
     /// wait for [`Subscription::next`].
     pub async fn ack(&mut self, offset: u64) -> Result<(), ClientError> {
+        match self.ack_once(offset).await {
+            Err(error) if self.following.is_some() && node_went_away(&error) => {
+                self.reopen(error).await?;
+                if offset < self.start_offset {
+                    // Confirmed after all: the stream opened again after it.
+                    return Ok(());
+                }
+                Err(WireError::new(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "the subscription's node went away before the ack of offset {offset} was \
+                         confirmed; the subscription is open again through another node from \
+                         offset {} and delivers the unconfirmed messages again",
+                        self.start_offset
+                    ),
+                )
+                .into())
+            }
+            acked => acked,
+        }
+    }
+
+    async fn ack_once(&mut self, offset: u64) -> Result<(), ClientError> {
         let (mut messages, mut bytes) = (0_u32, 0_u32);
         while let Some(&(delivered, size)) = self.unacked.front() {
             if delivered > offset {

@@ -560,6 +560,18 @@ fn given_a_replicated_cluster_when_a_consumer_moves_to_another_node_then_it_resu
         following.flush_acks().await.unwrap();
         following
     });
+    // And a single-queue subscription that follows the cluster, acking offsets 0 to 5.
+    let mut single_following = runtime.block_on(async {
+        let mut single = clients[1]
+            .subscribe_following(&queues[1], "single-follower", 100)
+            .await
+            .unwrap();
+        for _ in 0..6 {
+            single.next().await.unwrap().unwrap();
+        }
+        single.ack(5).await.unwrap();
+        single
+    });
 
     // Node 2 dies; on node 3 the consumers start after what they acked, nothing acked comes
     // again (node 3 may first wait out a failover of the shards node 2 led).
@@ -608,6 +620,14 @@ fn given_a_replicated_cluster_when_a_consumer_moves_to_another_node_then_it_resu
             *expected += 1;
         }
         assert_eq!(next_by_mailbox.len(), 8);
+        // The single one first hands out what it had received (offsets 6 to 9), then moves and
+        // delivers again from its confirmed ack: 6 to 9 once more (taken, never acked).
+        let mut offsets = Vec::new();
+        for _ in 0..8 {
+            offsets.push(single_following.next().await.unwrap().unwrap().offset);
+        }
+        assert_eq!(offsets, [6, 7, 8, 9, 6, 7, 8, 9]);
+        assert_eq!(single_following.start_offset(), 6, "it moved");
     });
 }
 

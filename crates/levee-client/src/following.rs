@@ -1,0 +1,89 @@
+//! What a stream that follows the cluster keeps to open itself again through another node when
+//! its node goes away ([`crate::Client::subscribe_many_following`],
+//! [`crate::Client::subscribe_following`]): the cluster's members, learned from the node the
+//! stream was opened through or from the members known, tried in turn.
+
+use std::time::Duration;
+
+use levee_proto::v1::ErrorCode;
+
+use crate::client::{Client, ClientOptions};
+use crate::error::ClientError;
+
+/// Longest a following stream tries to open itself again before it gives up.
+pub(crate) const REOPEN_WITHIN: Duration = Duration::from_secs(30);
+/// Pause between two rounds over the members while none takes the stream.
+pub(crate) const REOPEN_PAUSE: Duration = Duration::from_millis(100);
+
+/// Whether `error` means the stream's node went away (not a refusal of what was asked).
+pub(crate) fn node_went_away(error: &ClientError) -> bool {
+    matches!(error.code(), Some(ErrorCode::Unavailable) | None)
+}
+
+/// The members a following stream may move to.
+#[derive(Debug)]
+pub(crate) struct Members {
+    /// The node the stream was opened through, asked for the members first.
+    seed: Client,
+    /// The members last learned.
+    known: Vec<Client>,
+    /// The member to try first at the next move.
+    next: usize,
+}
+
+impl Members {
+    /// The members as `seed` says now.
+    pub(crate) async fn learned_from(seed: Client) -> Self {
+        let mut members = Self {
+            seed,
+            known: Vec::new(),
+            next: 0,
+        };
+        members.learn().await;
+        members
+    }
+
+    /// Learns the members again: from the seed, else from any member known; keeps the last
+    /// list known when none answers.
+    pub(crate) async fn learn(&mut self) {
+        let asked: Vec<Client> = std::iter::once(self.seed.clone())
+            .chain(self.known.iter().cloned())
+            .collect();
+        let options = ClientOptions {
+            connect_timeout: Duration::from_secs(1),
+            ..ClientOptions::default()
+        };
+        for client in asked {
+            let Ok(cluster) = client.cluster().await else {
+                continue;
+            };
+            let members: Vec<Client> = cluster
+                .members
+                .iter()
+                .filter(|member| !member.grpc_addr.is_empty())
+                .filter_map(|member| Client::connect_lazy(&member.grpc_addr, &options).ok())
+                .collect();
+            if !members.is_empty() {
+                self.known = members;
+                return;
+            }
+        }
+        if self.known.is_empty() {
+            self.known.push(self.seed.clone());
+        }
+    }
+
+    /// The members in the order to try them now.
+    pub(crate) fn in_turn(&self) -> Vec<Client> {
+        let count = self.known.len();
+        (0..count)
+            .map(|step| self.known[(self.next + step) % count].clone())
+            .collect()
+    }
+
+    /// Notes that the `step`-th member of [`Members::in_turn`] took the stream: the next move
+    /// starts after it.
+    pub(crate) fn took(&mut self, step: usize) {
+        self.next = (self.next + step + 1) % self.known.len().max(1);
+    }
+}
