@@ -11,9 +11,9 @@ use crate::client::{Client, ClientOptions};
 use crate::error::ClientError;
 
 /// Longest a following stream tries to open itself again before it gives up.
-pub(crate) const REOPEN_WITHIN: Duration = Duration::from_secs(30);
+const REOPEN_WITHIN: Duration = Duration::from_secs(30);
 /// Pause between two rounds over the members while none takes the stream.
-pub(crate) const REOPEN_PAUSE: Duration = Duration::from_millis(100);
+const REOPEN_PAUSE: Duration = Duration::from_millis(100);
 
 /// Whether `error` means the stream's node went away (not a refusal of what was asked).
 pub(crate) fn node_went_away(error: &ClientError) -> bool {
@@ -73,17 +73,29 @@ impl Members {
         }
     }
 
-    /// The members in the order to try them now.
-    pub(crate) fn in_turn(&self) -> Vec<Client> {
-        let count = self.known.len();
-        (0..count)
-            .map(|step| self.known[(self.next + step) % count].clone())
-            .collect()
-    }
-
-    /// Notes that the `step`-th member of [`Members::in_turn`] took the stream: the next move
-    /// starts after it.
-    pub(crate) fn took(&mut self, step: usize) {
-        self.next = (self.next + step + 1) % self.known.len().max(1);
+    /// Tries `open` on each member in turn (the one after the last that took the stream
+    /// first), learning the members again before each round, until one opens the stream or
+    /// [`REOPEN_WITHIN`] has passed (`None`).
+    pub(crate) async fn reopen<T, Open, Opening>(&mut self, mut open: Open) -> Option<T>
+    where
+        Open: FnMut(Client) -> Opening,
+        Opening: std::future::Future<Output = Option<T>>,
+    {
+        let started = tokio::time::Instant::now();
+        loop {
+            self.learn().await;
+            let count = self.known.len();
+            for step in 0..count {
+                let member = self.known[(self.next + step) % count].clone();
+                if let Some(opened) = open(member).await {
+                    self.next = (self.next + step + 1) % count;
+                    return Some(opened);
+                }
+            }
+            if started.elapsed() >= REOPEN_WITHIN {
+                return None;
+            }
+            tokio::time::sleep(REOPEN_PAUSE).await;
+        }
     }
 }

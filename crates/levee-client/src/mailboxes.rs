@@ -16,7 +16,7 @@ use tonic::transport::Channel;
 
 use crate::client::Client;
 use crate::error::ClientError;
-use crate::following::{Members, REOPEN_PAUSE, REOPEN_WITHIN, node_went_away};
+use crate::following::{Members, node_went_away};
 
 /// Requests queued for the server on one stream.
 const REQUESTS_QUEUED_MAX: usize = 64;
@@ -87,36 +87,32 @@ impl Mailboxes {
         let Some(mut following) = self.following.take() else {
             return Err(cause);
         };
-        let started = tokio::time::Instant::now();
-        loop {
-            following.members.learn().await;
-            for (step, member) in following.members.in_turn().into_iter().enumerate() {
-                let Ok(mut fresh) = Self::open(
-                    member.queues_client(),
-                    &following.consumer,
-                    self.credit_messages,
-                )
-                .await
-                else {
-                    continue;
-                };
-                let queues: Vec<&[u8]> = following.queues.iter().map(Vec::as_slice).collect();
-                if fresh.add_once(&queues).await.is_err()
-                    || fresh.remove_once(&following.removed).await.is_err()
-                {
-                    continue;
-                }
-                following.members.took(step);
-                fresh.following = Some(following);
-                *self = fresh;
-                return Ok(());
-            }
-            if started.elapsed() >= REOPEN_WITHIN {
-                self.following = Some(following);
-                return Err(cause);
-            }
-            tokio::time::sleep(REOPEN_PAUSE).await;
-        }
+        let credit_messages = self.credit_messages;
+        let Following {
+            members,
+            consumer,
+            queues,
+            removed,
+        } = &mut following;
+        let (consumer, queues, removed) = (&*consumer, &*queues, &*removed);
+        let reopened = members
+            .reopen(|member| async move {
+                let mut fresh = Self::open(member.queues_client(), consumer, credit_messages)
+                    .await
+                    .ok()?;
+                let queues: Vec<&[u8]> = queues.iter().map(Vec::as_slice).collect();
+                fresh.add_once(&queues).await.ok()?;
+                fresh.remove_once(removed).await.ok()?;
+                Some(fresh)
+            })
+            .await;
+        let Some(mut fresh) = reopened else {
+            self.following = Some(following);
+            return Err(cause);
+        };
+        fresh.following = Some(following);
+        *self = fresh;
+        Ok(())
     }
 
     pub(crate) async fn open(

@@ -14,7 +14,7 @@ use tonic::transport::Channel;
 
 use crate::client::Client;
 use crate::error::ClientError;
-use crate::following::{Members, REOPEN_PAUSE, REOPEN_WITHIN, node_went_away};
+use crate::following::{Members, node_went_away};
 
 /// Requests queued for the server on one subscription.
 const REQUESTS_QUEUED_MAX: usize = 64;
@@ -113,30 +113,27 @@ impl Subscription {
         let Some(mut following) = self.following.take() else {
             return Err(cause);
         };
-        let started = tokio::time::Instant::now();
-        loop {
-            following.members.learn().await;
-            for (step, member) in following.members.in_turn().into_iter().enumerate() {
-                let opened = Self::open(
-                    member.queues_client(),
-                    &following.queue,
-                    &following.consumer,
-                    following.credit_messages,
-                )
-                .await;
-                if let Ok(mut fresh) = opened {
-                    following.members.took(step);
-                    fresh.following = Some(following);
-                    *self = fresh;
-                    return Ok(());
-                }
-            }
-            if started.elapsed() >= REOPEN_WITHIN {
-                self.following = Some(following);
-                return Err(cause);
-            }
-            tokio::time::sleep(REOPEN_PAUSE).await;
-        }
+        let Following {
+            members,
+            queue,
+            consumer,
+            credit_messages,
+        } = &mut following;
+        let (queue, consumer, credit_messages) = (&*queue, &*consumer, *credit_messages);
+        let reopened = members
+            .reopen(|member| async move {
+                Self::open(member.queues_client(), queue, consumer, credit_messages)
+                    .await
+                    .ok()
+            })
+            .await;
+        let Some(mut fresh) = reopened else {
+            self.following = Some(following);
+            return Err(cause);
+        };
+        fresh.following = Some(following);
+        *self = fresh;
+        Ok(())
     }
 
     /// The next message, waiting until one is appended; `None` when the server ended the
