@@ -430,10 +430,25 @@ async fn restart(
     wait_settled(clients, &alive).await?;
     let acked_before = acked_count(shared);
     lock(shared).alive[index] = true;
+    wait_acked(
+        || acked_count(shared),
+        acked_before + WRITES_BETWEEN_KILLS,
+        "writes",
+    )
+    .await
+}
+
+/// Waits up to [`SETTLE_TIMEOUT`] until `acked()` reaches `target` (`what` resumed after a
+/// restart).
+pub(super) async fn wait_acked(
+    acked: impl Fn() -> usize,
+    target: usize,
+    what: &str,
+) -> anyhow::Result<()> {
     let deadline = Instant::now() + SETTLE_TIMEOUT;
-    while acked_count(shared) < acked_before + WRITES_BETWEEN_KILLS {
+    while acked() < target {
         if Instant::now() >= deadline {
-            bail!("writes did not resume within {SETTLE_TIMEOUT:?} of a restart");
+            bail!("{what} did not resume within {SETTLE_TIMEOUT:?} of a restart");
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }

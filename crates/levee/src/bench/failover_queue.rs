@@ -212,15 +212,8 @@ fn append_latency_ms(appends: &[Append]) -> anyhow::Result<Value> {
 
 /// Waits for [`APPENDS_BETWEEN_KILLS`] more acknowledged appends.
 async fn wait_appends_resume(appends: &Appends) -> anyhow::Result<()> {
-    let before = acked_count(appends);
-    let deadline = Instant::now() + SETTLE_TIMEOUT;
-    while acked_count(appends) < before + APPENDS_BETWEEN_KILLS {
-        if Instant::now() >= deadline {
-            bail!("appends did not resume within {SETTLE_TIMEOUT:?} of a restart");
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    Ok(())
+    let target = acked_count(appends) + APPENDS_BETWEEN_KILLS;
+    super::failover::wait_acked(|| acked_count(appends), target, "appends").await
 }
 
 fn acked_count(appends: &Appends) -> usize {
