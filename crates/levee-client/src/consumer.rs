@@ -385,7 +385,7 @@ impl GroupConsumer {
             {
                 final_commit(
                     &mut partitions,
-                    (&requests, outbox),
+                    (requests, outbox),
                     &mut responses,
                     commits_awaiting,
                     stats,
@@ -766,10 +766,12 @@ impl Outbox {
 
 /// On stop: sends what the outbox holds, commits what finished and waits (at most 5 s in all)
 /// for the answers to every commit batch still unanswered, so the last commit is durable
-/// before the member leaves.
+/// before the member leaves; then closes the stream and waits (within the same 5 s) for the
+/// server to end it, which it does once the member has left: a `DescribeGroup` after `run`
+/// returns no longer lists it.
 async fn final_commit(
     partitions: &mut HashMap<Lane, PartitionState>,
-    (requests, mut outbox): (&mpsc::Sender<ConsumeRequest>, Outbox),
+    (requests, mut outbox): (mpsc::Sender<ConsumeRequest>, Outbox),
     responses: &mut tonic::Streaming<levee_proto::v1::ConsumeResponse>,
     mut awaiting: usize,
     stats: &mut ConsumerStats,
@@ -796,6 +798,10 @@ async fn final_commit(
             count_commits(&response.commit_results, stats);
         }
     }
+    // The request stream's end is the leave; deliveries still on their way are not handled
+    // (they were not committed, so the group delivers them again).
+    drop(requests);
+    while let Ok(Ok(Some(_))) = tokio::time::timeout_at(deadline, responses.message()).await {}
 }
 
 fn is_permanent(error: &ClientError) -> bool {
