@@ -176,11 +176,37 @@ struct Member {
     reader: tokio::task::JoinHandle<()>,
 }
 
+/// Shards of the three-node clusters the scenarios also run against.
+const CLUSTER_SHARDS: u32 = 4;
+
+/// Ops a scenario run against a three-node cluster may not use: stopping or restarting its
+/// only server (the cluster's other nodes would go on), and deleting a queue (a replicated
+/// delete is not built yet: docs/CLUSTER.md, "Part 2").
+const NOT_ON_A_CLUSTER: [&str; 4] = [
+    "stop_server",
+    "start_server",
+    "restart_server",
+    "delete_queue",
+];
+
+/// Whether `scenario` also runs against a three-node cluster: one server, and no op of
+/// [`NOT_ON_A_CLUSTER`].
+fn runs_on_a_cluster(scenario: &Value) -> bool {
+    scenario["servers"].as_u64().unwrap_or(1) == 1
+        && scenario["steps"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .all(|step| !NOT_ON_A_CLUSTER.contains(&step["op"].as_str().unwrap_or_default()))
+}
+
 /// One scenario's servers, clients and named streams.
 struct Runner {
     directory: tempfile::TempDir,
     server_args: Vec<String>,
     servers: Vec<Option<LeveeProcess>>,
+    /// Against a cluster: the nodes other than the one the scenario talks to.
+    other_nodes: Vec<LeveeProcess>,
     addresses: Vec<String>,
     clients: HashMap<usize, Client>,
     variables: HashMap<String, Value>,
@@ -241,6 +267,7 @@ impl Runner {
             directory: tempfile::tempdir().unwrap(),
             server_args,
             servers: Vec::new(),
+            other_nodes: Vec::new(),
             addresses: Vec::new(),
             clients: HashMap::new(),
             variables: HashMap::new(),
@@ -261,12 +288,33 @@ impl Runner {
         LeveeProcess::start_at(address, &self.data_dir(server), &args)
     }
 
-    async fn run(&mut self, scenario: &Value) -> Result<(), String> {
+    /// Starts the scenario's lone servers (none if a cluster was started).
+    fn start_servers(&mut self, scenario: &Value) {
+        if !self.servers.is_empty() {
+            return;
+        }
         for server in 0..usize::try_from(scenario["servers"].as_u64().unwrap_or(1)).unwrap() {
             let process = self.start_server(server, "127.0.0.1:0");
             self.addresses.push(process.grpc());
             self.servers.push(Some(process));
         }
+    }
+
+    /// A three-node cluster replicating its queues, every shard placed and led by its
+    /// preferred replica, the scenario's server 0 being node `entry` + 1 (so some of its
+    /// shards are led by the others, and its appends are forwarded).
+    fn start_cluster(&mut self, entry: usize) {
+        let mut nodes = support::three_replicated_nodes(self.directory.path(), CLUSTER_SHARDS);
+        let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
+        support::wait_settled(&all, CLUSTER_SHARDS);
+        let process = nodes[entry].take().unwrap();
+        self.addresses.push(process.grpc());
+        self.servers.push(Some(process));
+        self.other_nodes.extend(nodes.into_iter().flatten());
+    }
+
+    async fn run(&mut self, scenario: &Value) -> Result<(), String> {
+        self.start_servers(scenario);
         let steps = scenario["steps"].as_array().cloned().unwrap_or_default();
         for (number, step) in steps.iter().enumerate() {
             self.step(number + 1, step).await?;
@@ -1237,11 +1285,19 @@ fn error_message(error: &ClientError) -> String {
     }
 }
 
-fn run_scenario(path: &Path) -> Result<(), String> {
+/// Runs the scenario at `path` against lone servers, or against a three-node cluster talking
+/// to node `entry` + 1 (if it [`runs_on_a_cluster`]; `Ok(false)` if not).
+fn run_scenario(path: &Path, cluster_entry: Option<usize>) -> Result<bool, String> {
     let scenario: Value =
         serde_json::from_slice(&std::fs::read(path).unwrap()).map_err(|error| error.to_string())?;
-    let runtime = support::runtime();
     let mut runner = Runner::new(&scenario);
+    if let Some(entry) = cluster_entry {
+        if !runs_on_a_cluster(&scenario) {
+            return Ok(false);
+        }
+        runner.start_cluster(entry);
+    }
+    let runtime = support::runtime();
     let outcome = runtime.block_on(runner.run(&scenario));
     for session in runner.hot_keys.values() {
         session.close();
@@ -1250,11 +1306,10 @@ fn run_scenario(path: &Path) -> Result<(), String> {
         member.reader.abort();
     }
     drop(runtime);
-    outcome
+    outcome.map(|()| true)
 }
 
-#[test]
-fn given_every_conformance_scenario_then_the_rust_client_passes_it() {
+fn scenario_paths() -> Vec<PathBuf> {
     let mut paths: Vec<PathBuf> = std::fs::read_dir(scenarios_directory())
         .unwrap()
         .map(|entry| entry.unwrap().path())
@@ -1264,12 +1319,18 @@ fn given_every_conformance_scenario_then_the_rust_client_passes_it() {
         })
         .collect();
     paths.sort();
+    paths
+}
+
+#[test]
+fn given_every_conformance_scenario_then_the_rust_client_passes_it() {
+    let paths = scenario_paths();
     assert!(paths.len() >= 14, "{paths:?}");
     let failures: Vec<String> = paths
         .iter()
         .filter_map(|path| {
             let name = path.file_stem().unwrap().to_string_lossy().into_owned();
-            run_scenario(path)
+            run_scenario(path, None)
                 .err()
                 .map(|error| format!("{name}: {error}"))
         })
@@ -1279,6 +1340,36 @@ fn given_every_conformance_scenario_then_the_rust_client_passes_it() {
         "{} of {} scenarios failed:\n{}",
         failures.len(),
         paths.len(),
+        failures.join("\n")
+    );
+}
+
+/// The scenarios again, each against a new three-node cluster that replicates its queues,
+/// talking to one node (node 1, 2 and 3 in turn): appends go to shards some of which other
+/// nodes lead, topics' catalog is the cluster's, streams are served by the node. Scenarios
+/// that stop their server or delete a queue are left out ([`NOT_ON_A_CLUSTER`]).
+#[test]
+fn given_a_three_node_cluster_then_the_rust_client_passes_every_scenario_it_can_run() {
+    let paths = scenario_paths();
+    let mut ran = Vec::new();
+    let mut failures = Vec::new();
+    for path in &paths {
+        let name = path.file_stem().unwrap().to_string_lossy().into_owned();
+        match run_scenario(path, Some(ran.len() % 3)) {
+            Ok(true) => ran.push(name),
+            Ok(false) => {}
+            Err(error) => {
+                ran.push(name.clone());
+                failures.push(format!("{name}: {error}"));
+            }
+        }
+    }
+    assert!(ran.len() >= 10, "only {ran:?} ran on a cluster");
+    assert!(
+        failures.is_empty(),
+        "{} of {} scenarios failed against a cluster:\n{}",
+        failures.len(),
+        ran.len(),
         failures.join("\n")
     );
 }

@@ -28,20 +28,7 @@ fn start(
     peer: &str,
     join: Option<&str>,
 ) -> LeveeProcess {
-    let mut flags = vec![
-        "--node-id",
-        node_id,
-        "--peer-addr",
-        peer,
-        "--shards",
-        "4",
-        "--replicated-queues",
-        "true",
-    ];
-    if let Some(seed) = join {
-        flags.extend(["--join", seed]);
-    }
-    LeveeProcess::start_in(&directory.join(format!("n{node_id}")), &flags)
+    support::start_replicated(directory, node_id, (peer, join), SHARDS)
 }
 
 fn status(node: &LeveeProcess) -> serde_json::Value {
@@ -50,51 +37,16 @@ fn status(node: &LeveeProcess) -> serde_json::Value {
     serde_json::from_str(&body).unwrap()
 }
 
-/// Nodes 1, 2 and 3 of a new cluster that replicates its queues (2 and 3 joining node 1).
 fn three_nodes(directory: &std::path::Path) -> [Option<LeveeProcess>; 3] {
-    let first = start(directory, "1", "127.0.0.1:0", None);
-    let seed = first.peer_addr.unwrap().to_string();
-    [
-        Some(first),
-        Some(start(directory, "2", "127.0.0.1:0", Some(&seed))),
-        Some(start(directory, "3", "127.0.0.1:0", Some(&seed))),
-    ]
+    support::three_replicated_nodes(directory, SHARDS)
 }
 
-/// Waits until every node is a voter of every shard and sees one leader for each.
 fn wait_placed(nodes: &[&LeveeProcess], voters: &[u64]) -> BTreeMap<u64, u64> {
-    let mut leaders = BTreeMap::new();
-    wait_for("every shard placed on the nodes", CONVERGE_TIMEOUT, || {
-        let views: Vec<_> = nodes.iter().map(|node| shard_groups(node)).collect();
-        leaders.clear();
-        (0..u64::from(SHARDS)).all(|shard| {
-            views.iter().all(|view| {
-                view.get(&shard).is_some_and(|(leader, members)| {
-                    members == voters
-                        && leader.is_some()
-                        && *leaders.entry(shard).or_insert(leader.unwrap()) == leader.unwrap()
-                })
-            })
-        })
-    });
-    leaders
+    support::wait_placed(nodes, voters, SHARDS)
 }
 
-/// [`wait_placed`], then until every shard is led by its preferred replica (it claims the
-/// lead soon after the cluster forms; a plain append then would fail as "may be stored").
 fn wait_settled(nodes: &[&LeveeProcess]) -> BTreeMap<u64, u64> {
-    let mut leaders = BTreeMap::new();
-    wait_for(
-        "every shard led by its preferred replica",
-        CONVERGE_TIMEOUT,
-        || {
-            leaders = wait_placed(nodes, &[1, 2, 3]);
-            (0..SHARDS).all(|shard| {
-                leaders[&u64::from(shard)] == levee_proto::shards::replicas(shard, &[1, 2, 3])[0]
-            })
-        },
-    );
-    leaders
+    support::wait_settled(nodes, SHARDS)
 }
 
 /// Every message of `queue` on `node`, from offset 0 (the offsets must be dense).

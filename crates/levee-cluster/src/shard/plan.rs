@@ -16,7 +16,7 @@ use levee_broker::producer::{
     PRODUCERS_MAX, ProducerRuns, Run, SequenceError, Verdict, encode_runs, request_runs,
 };
 use levee_proto::Bytes;
-use levee_store::Store;
+use levee_store::{InputError, Store};
 
 use crate::shard::{QueueMessage, RefusedCode, ShardId, ShardResponse};
 
@@ -35,20 +35,19 @@ pub fn producer_queue(shard: ShardId, producer: &str) -> Bytes {
 }
 
 /// Why the store would refuse a message, if it would (checked the same way on every replica,
-/// before anything of the entry is planned).
+/// before anything of the entry is planned), in the store's own words, so a lone server and a
+/// cluster refuse alike.
 pub fn refusal(store: &Store, message: &QueueMessage) -> Option<String> {
     let max = store.options().message_bytes_max;
     if message.queue.is_empty() || message.queue.len() > QUEUE_NAME_BYTES_MAX {
-        return Some(format!(
-            "a queue name is 1 to {QUEUE_NAME_BYTES_MAX} bytes, got {}",
-            message.queue.len()
-        ));
+        return Some(InputError::QueueName(message.queue.len()).to_string());
     }
     (message.payload.len() > max).then(|| {
-        format!(
-            "a message of {} bytes is over message_bytes_max ({max})",
-            message.payload.len()
-        )
+        InputError::MessageTooLarge {
+            length: message.payload.len(),
+            max,
+        }
+        .to_string()
     })
 }
 

@@ -336,3 +336,98 @@ pub fn shard_groups(
         })
         .collect()
 }
+
+/// How long a replicated cluster may take to form, place its shards, or elect a leader.
+pub const CLUSTER_CONVERGE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Node `node_id` of a cluster that replicates its queues over `shards` shards, its peer port
+/// at `peer`, joining `join` (else creating the cluster), its data in `directory/n<id>`.
+pub fn start_replicated(
+    directory: &Path,
+    node_id: &str,
+    (peer, join): (&str, Option<&str>),
+    shards: u32,
+) -> LeveeProcess {
+    let shards = shards.to_string();
+    let mut flags = vec![
+        "--node-id",
+        node_id,
+        "--peer-addr",
+        peer,
+        "--shards",
+        &shards,
+        "--replicated-queues",
+        "true",
+    ];
+    if let Some(seed) = join {
+        flags.extend(["--join", seed]);
+    }
+    LeveeProcess::start_in(&directory.join(format!("n{node_id}")), &flags)
+}
+
+/// Nodes 1, 2 and 3 of a new cluster that replicates its queues (2 and 3 joining node 1).
+pub fn three_replicated_nodes(directory: &Path, shards: u32) -> [Option<LeveeProcess>; 3] {
+    let first = start_replicated(directory, "1", ("127.0.0.1:0", None), shards);
+    let seed = first.peer_addr.unwrap().to_string();
+    [
+        Some(first),
+        Some(start_replicated(
+            directory,
+            "2",
+            ("127.0.0.1:0", Some(&seed)),
+            shards,
+        )),
+        Some(start_replicated(
+            directory,
+            "3",
+            ("127.0.0.1:0", Some(&seed)),
+            shards,
+        )),
+    ]
+}
+
+/// Waits until every node is a voter of every shard and sees one leader for each; each
+/// shard's leader.
+pub fn wait_placed(
+    nodes: &[&LeveeProcess],
+    voters: &[u64],
+    shards: u32,
+) -> std::collections::BTreeMap<u64, u64> {
+    let mut leaders = std::collections::BTreeMap::new();
+    wait_for(
+        "every shard placed on the nodes",
+        CLUSTER_CONVERGE_TIMEOUT,
+        || {
+            let views: Vec<_> = nodes.iter().map(|node| shard_groups(node)).collect();
+            leaders.clear();
+            (0..u64::from(shards)).all(|shard| {
+                views.iter().all(|view| {
+                    view.get(&shard).is_some_and(|(leader, members)| {
+                        members == voters
+                            && leader.is_some()
+                            && *leaders.entry(shard).or_insert(leader.unwrap()) == leader.unwrap()
+                    })
+                })
+            })
+        },
+    );
+    leaders
+}
+
+/// [`wait_placed`] on nodes 1, 2 and 3, then until every shard is led by its preferred
+/// replica (it claims the lead soon after the cluster forms; a plain append then would fail
+/// as "may be stored").
+pub fn wait_settled(nodes: &[&LeveeProcess], shards: u32) -> std::collections::BTreeMap<u64, u64> {
+    let mut leaders = std::collections::BTreeMap::new();
+    wait_for(
+        "every shard led by its preferred replica",
+        CLUSTER_CONVERGE_TIMEOUT,
+        || {
+            leaders = wait_placed(nodes, &[1, 2, 3], shards);
+            (0..shards).all(|shard| {
+                leaders[&u64::from(shard)] == levee_proto::shards::replicas(shard, &[1, 2, 3])[0]
+            })
+        },
+    );
+    leaders
+}

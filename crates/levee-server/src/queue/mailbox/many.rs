@@ -651,6 +651,8 @@ impl ManySession {
         let previous = self.last_ack.replace(answered);
         let consumer = self.log.consumer().to_owned();
         let outgoing = self.outgoing.clone();
+        // A batch with an invalid ack is not answered: the stream ends with its error.
+        let answering = refused.is_none();
         let write = tokio::spawn(async move {
             let written = if positions.is_empty() {
                 Ok(())
@@ -667,7 +669,9 @@ impl ManySession {
                 acked_sequence: sequence,
                 ..SubscribeManyResponse::default()
             });
-            let _ = outgoing.send_result(answer).await;
+            if answering || answer.is_err() {
+                let _ = outgoing.send_result(answer).await;
+            }
             let _ = done.send(());
             drop(permit);
         });
