@@ -112,3 +112,22 @@ class LeveeServer:
         self.stop(kill=True)
         if self._temporary:
             shutil.rmtree(self._temporary, ignore_errors=True)
+
+
+def start_replicated_cluster(nodes: int = 3, shards: int = 4) -> List[LeveeServer]:
+    """Nodes 1..`nodes` of a new cluster that replicates its plain queues over `shards` shards
+    (node 1 creates it, the others join it), as crates/levee/tests/replicated.rs starts one.
+    On a failure every node started is stopped."""
+    flags = ["--peer-addr", "127.0.0.1:0", "--shards", str(shards), "--replicated-queues", "true"]
+    started: List[LeveeServer] = []
+    try:
+        started.append(LeveeServer(extra=["--node-id", "1", *flags]).start())
+        for node_id in range(2, nodes + 1):
+            started.append(LeveeServer(extra=[
+                "--node-id", str(node_id), *flags, "--join", started[0].peer_addr,
+            ]).start())
+    except BaseException:
+        for server in started:
+            server.cleanup()
+        raise
+    return started

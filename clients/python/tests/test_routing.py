@@ -98,6 +98,8 @@ def test_given_rust_vectors_then_shards_and_their_replicas_match() -> None:
     names = SHARDS["names"]
     for entry in SHARDS["shard_of"]:
         assert [routing.shard_of(name, entry["shards"]) for name in names] == entry["shard_of"]
+        as_bytes = [routing.shard_of_bytes(name.encode(), entry["shards"]) for name in names]
+        assert as_bytes == entry["shard_of"]
     for entry in SHARDS["replicas"]:
         placed = [routing.shard_replicas(shard, entry["voters"]) for shard in range(16)]
         assert placed == entry["replicas_of_shards_0_to_15"]

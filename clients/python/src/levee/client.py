@@ -26,7 +26,8 @@ import grpc.aio
 
 from . import validation
 from .errors import ErrorCode, LeveeError, from_rpc_error, make_error
-from .v1 import admin_pb2, admin_pb2_grpc, hotkey_pb2, hotkey_pb2_grpc
+from .v1 import admin_pb2, admin_pb2_grpc, cluster_pb2, cluster_pb2_grpc, hotkey_pb2
+from .v1 import hotkey_pb2_grpc
 from .v1 import queue_pb2, queue_pb2_grpc, topic_pb2, topic_pb2_grpc
 from .validation import BytesLike, to_bytes
 
@@ -146,6 +147,7 @@ class Client:
         self.options = options
         self._producer_name = producer_name
         self._admin = admin_pb2_grpc.AdminStub(channel)
+        self._cluster = cluster_pb2_grpc.ClusterStub(channel)
         self._hot_keys = hotkey_pb2_grpc.HotKeysStub(channel)
         self._queues = queue_pb2_grpc.QueuesStub(channel)
         self._topics = topic_pb2_grpc.TopicsStub(channel)
@@ -167,6 +169,18 @@ class Client:
             ) from None
         return cls(channel, address, options)
 
+    @classmethod
+    def connect_lazy(
+        cls, address: str, options: Optional[ClientOptions] = None, producer_name: str = ""
+    ) -> "Client":
+        """A client of `address` that connects on its first call, without waiting: a call while
+        the server cannot be reached fails with UNAVAILABLE. Must be made inside a running
+        event loop."""
+        options = options or ClientOptions()
+        target = address.split("://", 1)[1] if "://" in address else address
+        channel = grpc.aio.insecure_channel(target, options=_channel_options())
+        return cls(channel, address, options, producer_name)
+
     def with_producer_name(self, producer_name: str) -> "Client":
         """This connection, naming its appends and publishes `producer_name` (1 to 64 bytes) so
         that an operator's rate limit for the name paces them."""
@@ -177,8 +191,10 @@ class Client:
     def producer_name(self) -> str:
         return self._producer_name
 
-    async def close(self) -> None:
-        await self._channel.close()
+    async def close(self, grace_s: Optional[float] = None) -> None:
+        """Closes the connection: calls in progress are cancelled, or given up to `grace_s`
+        to finish."""
+        await self._channel.close(grace_s)
 
     async def __aenter__(self) -> "Client":
         return self
@@ -206,6 +222,18 @@ class Client:
             )
         )
         return response.payload
+
+    # ---- cluster
+
+    async def cluster(self, timeout_s: Optional[float] = None) -> cluster_pb2.GetClusterResponse:
+        """This node's view of its cluster (`Cluster.GetCluster`): members, shards, the shard
+        map with each shard's leader, whether it replicates its queues."""
+        return await call(
+            self._cluster.GetCluster(
+                cluster_pb2.GetClusterRequest(),
+                timeout=self._timeout if timeout_s is None else timeout_s,
+            )
+        )
 
     # ---- hot keys (admin side; app servers use HotKeys)
 

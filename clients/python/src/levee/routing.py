@@ -154,9 +154,14 @@ def shard_of(routing_name: str, shards: int) -> int:
     """The shard of a queue in a cluster of `shards` shards (docs/CLUSTER.md, "Part 2"):
     XXH3_64 of the routing name's UTF-8 bytes, seed 0, mod shards. The routing name is the
     queue's name (a plain queue, a mailbox) or the topic's name (a topic's partitions)."""
+    return shard_of_bytes(routing_name.encode("utf-8"), shards)
+
+
+def shard_of_bytes(routing_name: bytes, shards: int) -> int:
+    """`shard_of` for a name given as bytes (queue names are bytes on the wire)."""
     if shards <= 0:
         raise ValueError("a cluster has at least one shard")
-    return xxhash.xxh3_64_intdigest(routing_name.encode("utf-8")) % shards
+    return xxhash.xxh3_64_intdigest(routing_name) % shards
 
 
 def shard_replicas(shard: int, voters: Sequence[int]) -> List[int]:
