@@ -25,6 +25,10 @@ pub const POSITION_PREFIX: &[u8] = b"\0position\0";
 pub const POSITION_LOG_PREFIX: &[u8] = b"\0poslog\0";
 /// Prefix of every idempotent producer's queue of runs: `\0producer\0{producer id}`.
 pub const PRODUCER_PREFIX: &[u8] = b"\0producer\0";
+/// Prefix of every shard's delete counter of a replicated cluster: `\0sdel\0{shard as 4
+/// big-endian bytes}`, one empty message per queue deleted through the shard, so its next
+/// offset is the shard's delete epoch (the same on every replica).
+pub const SHARD_DELETES_PREFIX: &[u8] = b"\0sdel\0";
 /// Prefix of every group's queue of retries ready for delivery, one per partition:
 /// `\0r\0{group}\0{topic}\0{partition}` (short, so that it fits with the longest names).
 pub const RETRY_PREFIX: &[u8] = b"\0r\0";

@@ -32,8 +32,10 @@ use openraft::{
 use serde::{Deserialize, Serialize};
 
 use crate::log_store::LogStore;
-use crate::shard::plan::{Plan, ShardProducers, next_offset};
-use crate::shard::{ConsumerPosition, ShardCommand, ShardConfig, ShardId, ShardResponse};
+use crate::shard::plan::{Plan, ShardProducers, deletes_queue, next_offset};
+use crate::shard::{
+    ConsumerPosition, RefusedCode, ShardCommand, ShardConfig, ShardId, ShardResponse,
+};
 use crate::{NodeId, NodeInfo, StorageError};
 
 /// The apply record's key in the shard's log meta partition.
@@ -58,6 +60,20 @@ pub trait ShardObserver: Send + Sync {
     ) -> Result<Option<levee_store::CommitTicket>, String> {
         Ok(None)
     }
+
+    /// `queue` is about to be deleted (applying a `ShardCommand::Delete`, or finishing one a
+    /// crash cut short): makes every consumer forget its position on it in delete `epoch`
+    /// (the shard's delete epoch after this delete), durably, before it returns. Called on the
+    /// applying thread; may be called twice for one delete.
+    ///
+    /// # Errors
+    /// A store failure, in words: the shard's instance stops.
+    fn deleting(&self, _shard: ShardId, _queue: &[u8], _epoch: u64) -> Result<(), String> {
+        Ok(())
+    }
+
+    /// `queue` was deleted: wakes whoever waits on it.
+    fn deleted(&self, _shard: ShardId, _queue: &[u8]) {}
 }
 
 /// One queue's part of a batch: where it stood before, and how many messages the batch adds.
@@ -79,6 +95,10 @@ struct Applying {
     membership: StoredMembership<NodeId, NodeInfo>,
     /// The batch's queues.
     queues: Vec<QueueStart>,
+    /// The queue the batch deletes, when it is one `ShardCommand::Delete` (its `queues` then
+    /// hold the shard's delete counter only).
+    #[serde(default)]
+    deleted: Option<Vec<u8>>,
 }
 
 #[derive(Debug, Default)]
@@ -129,7 +149,10 @@ fn plan_entries<'a>(
     let responses = entries
         .iter()
         .map(|entry| match &entry.payload {
-            EntryPayload::Blank | EntryPayload::Normal(ShardCommand::Barrier) => {
+            // A delete is applied on its own (`ShardStateMachine::apply_delete`): planned, it
+            // appends nothing.
+            EntryPayload::Blank
+            | EntryPayload::Normal(ShardCommand::Barrier | ShardCommand::Delete { .. }) => {
                 ShardResponse::Done
             }
             EntryPayload::Membership(changed) => {
@@ -149,6 +172,16 @@ fn plan_entries<'a>(
         })
         .collect();
     (responses, membership, positions)
+}
+
+/// Why a delete of `queue` is refused, if it is (the same on every replica).
+fn delete_refusal(queue: &[u8]) -> Option<String> {
+    if queue.is_empty() || queue.len() > 255 {
+        return Some(levee_store::InputError::QueueName(queue.len()).to_string());
+    }
+    levee_broker::names::is_reserved(queue).then(|| {
+        "queue names starting with a zero byte are the server's own; choose another name".to_owned()
+    })
 }
 
 /// The planned messages as the store takes them.
@@ -240,6 +273,12 @@ impl ShardStateMachine {
             .map_err(|error| io_error(&error))?;
         // The batch's positions may not have reached the store before the crash.
         self.record_positions(&positions, true)?;
+        if let Some(queue) = &applying.deleted {
+            let epoch = starts
+                .get(&deletes_queue(self.shard)[..])
+                .map_or(0, |(start, _)| *start);
+            self.finish_delete(queue, epoch)?;
+        }
         tracing::info!(
             shard = self.shard,
             restored = missing.len(),
@@ -278,8 +317,115 @@ impl ShardStateMachine {
         Ok(())
     }
 
-    /// Applies `entries` (blocking: store and log writes).
+    /// Applies `entries` (blocking: store and log writes): each delete on its own, the runs
+    /// of entries between them as one batch each.
     fn apply_blocking(
+        &self,
+        entries: &[Entry<ShardConfig>],
+    ) -> Result<Vec<ShardResponse>, StorageError> {
+        let mut responses = Vec::with_capacity(entries.len());
+        let mut rest = entries;
+        while !rest.is_empty() {
+            let deleting = |entry: &Entry<ShardConfig>| {
+                matches!(
+                    entry.payload,
+                    EntryPayload::Normal(ShardCommand::Delete { .. })
+                )
+            };
+            let run = rest.iter().position(deleting).unwrap_or(rest.len());
+            if run == 0 {
+                responses.push(self.apply_delete(&rest[0])?);
+                rest = &rest[1..];
+            } else {
+                responses.extend(self.apply_batch(&rest[..run])?);
+                rest = &rest[run..];
+            }
+        }
+        Ok(responses)
+    }
+
+    /// Applies one `ShardCommand::Delete` entry: the previous batch made durable, an apply
+    /// record naming the delete and the shard's delete counter's place, then
+    /// [`ShardStateMachine::finish_delete`].
+    fn apply_delete(&self, entry: &Entry<ShardConfig>) -> Result<ShardResponse, StorageError> {
+        let EntryPayload::Normal(ShardCommand::Delete { queue }) = &entry.payload else {
+            unreachable!("called with deletes only");
+        };
+        let mut guard = self.lock();
+        let applied = &mut *guard;
+        let response = if let Some(reason) = delete_refusal(queue) {
+            ShardResponse::Refused {
+                code: RefusedCode::Invalid,
+                reason,
+            }
+        } else {
+            if let Some(ticket) = applied.ticket.take() {
+                self.store
+                    .wait_durable(ticket)
+                    .map_err(|error| io_error(&error))?;
+            }
+            let counter = deletes_queue(self.shard);
+            let epoch = next_offset(&self.store, &counter);
+            let existed = self
+                .store
+                .queue_info(queue)
+                .map_err(|error| io_error(&error))?
+                .is_some();
+            self.log.write_meta_grouped(
+                APPLYING_KEY,
+                &Applying {
+                    from: entry.log_id.index,
+                    last: entry.log_id,
+                    membership: applied.membership.clone(),
+                    queues: vec![QueueStart {
+                        queue: counter.to_vec(),
+                        start: epoch,
+                        count: 1,
+                    }],
+                    deleted: Some(queue.to_vec()),
+                },
+            )?;
+            self.finish_delete(queue, epoch)?;
+            ShardResponse::Deleted { existed }
+        };
+        applied.last = Some(entry.log_id);
+        drop(guard);
+        if matches!(response, ShardResponse::Deleted { .. })
+            && let Some(observer) = &self.observer
+        {
+            observer.deleted(self.shard, queue);
+        }
+        Ok(response)
+    }
+
+    /// Does a recorded delete of `queue`, the shard's delete counter at `epoch` before it, or
+    /// what of it a crash left undone: counts it (once), has the consumers forget their
+    /// positions on the queue in the new epoch, then deletes the queue (each step durable
+    /// before the next; doing them again changes nothing).
+    fn finish_delete(&self, queue: &[u8], epoch: u64) -> Result<(), StorageError> {
+        let counter = deletes_queue(self.shard);
+        if next_offset(&self.store, &counter) == epoch {
+            let (_, ticket) = self
+                .store
+                .append_deferred(&counter, &[])
+                .map_err(|error| io_error(&error))?;
+            self.store
+                .wait_durable(ticket)
+                .map_err(|error| io_error(&error))?;
+        }
+        if let Some(observer) = &self.observer {
+            observer
+                .deleting(self.shard, queue, epoch + 1)
+                .map_err(|error| io_error(&std::io::Error::other(error)))?;
+        }
+        self.store
+            .delete_queue(queue)
+            .map_err(|error| io_error(&error))?;
+        Ok(())
+    }
+
+    /// Applies a run of entries without deletes as one batch.
+    fn apply_batch(
         &self,
         entries: &[Entry<ShardConfig>],
     ) -> Result<Vec<ShardResponse>, StorageError> {
@@ -327,6 +473,7 @@ impl ShardStateMachine {
                 last: last_entry.log_id,
                 membership: membership.clone(),
                 queues,
+                deleted: None,
             },
         )?;
         let (offsets, ticket) = self
@@ -545,6 +692,7 @@ mod tests {
                     from: 2,
                     last: batch[1].log_id,
                     membership: StoredMembership::default(),
+                    deleted: None,
                     queues: vec![
                         QueueStart {
                             queue: b"q1".to_vec(),
@@ -638,6 +786,7 @@ mod tests {
                     from: 4,
                     last: batch[1].log_id,
                     membership: StoredMembership::default(),
+                    deleted: None,
                     queues: vec![QueueStart {
                         queue: b"q1".to_vec(),
                         start: 1,
@@ -665,6 +814,116 @@ mod tests {
         assert_eq!(recorded.len(), 1, "{recorded:?}");
         assert_eq!(recorded[0].0, "app");
         assert_eq!(recorded[0].1[0].next, 2);
+        Ok(())
+    }
+
+    fn delete(index: u64, queue: &str) -> Entry<ShardConfig> {
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+            payload: EntryPayload::Normal(ShardCommand::Delete {
+                queue: Bytes::copy_from_slice(queue.as_bytes()),
+            }),
+        }
+    }
+
+    /// Records the deletes it is told of: (queue, epoch) before, queue after.
+    #[derive(Default)]
+    struct Deletes(Mutex<(Vec<(String, u64)>, Vec<String>)>);
+
+    impl ShardObserver for Deletes {
+        fn appended(&self, _: ShardId, _: &[(&[u8], u64, &[u8])]) {}
+
+        fn deleting(&self, _: ShardId, queue: &[u8], epoch: u64) -> Result<(), String> {
+            let name = String::from_utf8_lossy(queue).into_owned();
+            self.0.lock().unwrap().0.push((name, epoch));
+            Ok(())
+        }
+
+        fn deleted(&self, _: ShardId, queue: &[u8]) {
+            let name = String::from_utf8_lossy(queue).into_owned();
+            self.0.lock().unwrap().1.push(name);
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_a_delete_between_appends_when_applied_then_the_queue_starts_again_at_offset_0_in_a_new_epoch()
+    -> Result<(), StorageError> {
+        let directory = tempfile::tempdir().expect("a directory");
+        let (store, mut machine) = open(directory.path());
+        let observer = Arc::new(Deletes::default());
+        machine.observer = Some(observer.clone());
+        let answers = machine
+            .apply(vec![
+                append(1, &[("q", "a0"), ("q", "a1"), ("other", "o0")]),
+                delete(2, "q"),
+                append(3, &[("q", "b0")]),
+                delete(4, "never"),
+                delete(5, ""),
+            ])
+            .await?;
+        assert_eq!(
+            answers[0],
+            ShardResponse::Appended {
+                offsets: vec![0, 1, 0]
+            }
+        );
+        assert_eq!(answers[1], ShardResponse::Deleted { existed: true });
+        assert_eq!(answers[2], ShardResponse::Appended { offsets: vec![0] });
+        assert_eq!(answers[3], ShardResponse::Deleted { existed: false });
+        assert!(
+            matches!(&answers[4], ShardResponse::Refused { code: RefusedCode::Invalid, reason } if reason.contains("1 to 255")),
+            "{answers:?}"
+        );
+        assert_eq!(messages(&store, "q"), ["b0"]);
+        assert_eq!(messages(&store, "other"), ["o0"]);
+        assert_eq!(crate::shard::plan::delete_epoch(&store, 0), 2);
+        let told = observer.0.lock().unwrap().clone();
+        assert_eq!(told.0, [("q".to_owned(), 1), ("never".to_owned(), 2)]);
+        assert_eq!(told.1, ["q", "never"]);
+        assert_eq!(machine.applied_state().await?.0.map(|id| id.index), Some(5));
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_a_delete_cut_short_by_a_crash_when_reopened_then_it_is_finished_and_counted_once()
+    -> Result<(), StorageError> {
+        let directory = tempfile::tempdir().expect("a directory");
+        for counted in [false, true] {
+            let (store, machine) = open(directory.path());
+            let base = if counted { 10 } else { 0 };
+            machine
+                .log
+                .write_entries([append(base + 1, &[("q", "a0")])].into_iter())?;
+            store.append(b"q", b"a0").expect("an append");
+            let epoch = crate::shard::plan::delete_epoch(&store, 0);
+            // The delete's record written; its count reached the store or not, the delete
+            // itself did not.
+            let entry = delete(base + 2, "q");
+            machine.log.write_entries([entry.clone()].into_iter())?;
+            machine.log.write_meta(
+                APPLYING_KEY,
+                &Applying {
+                    from: base + 2,
+                    last: entry.log_id,
+                    membership: StoredMembership::default(),
+                    queues: vec![QueueStart {
+                        queue: deletes_queue(0).to_vec(),
+                        start: epoch,
+                        count: 1,
+                    }],
+                    deleted: Some(b"q".to_vec()),
+                },
+            )?;
+            if counted {
+                store.append(&deletes_queue(0), b"").expect("an append");
+            }
+            store.sync().expect("a sync");
+            drop((store, machine));
+            let (store, reopened) = open(directory.path());
+            assert!(store.queue_info(b"q").unwrap().is_none(), "deleted");
+            assert_eq!(crate::shard::plan::delete_epoch(&store, 0), epoch + 1);
+            assert_eq!(reopened.last_applied().map(|id| id.index), Some(base + 2));
+        }
         Ok(())
     }
 
@@ -765,6 +1024,7 @@ mod tests {
                     from: 1,
                     last: entry.log_id,
                     membership: StoredMembership::default(),
+                    deleted: None,
                     queues: vec![
                         QueueStart {
                             queue: b"q".to_vec(),

@@ -89,6 +89,13 @@ pub enum ShardCommand {
     /// Changes nothing: a node that wrote it has applied everything the shard committed
     /// before it (a read barrier).
     Barrier,
+    /// Deletes a queue of the shard with all its messages, and makes every consumer forget
+    /// its position on it (a queue created again under the name starts at offset 0 and is
+    /// delivered from its start).
+    Delete {
+        /// The queue's name.
+        queue: Bytes,
+    },
 }
 
 /// What applying one entry did.
@@ -109,6 +116,11 @@ pub enum ShardResponse {
         code: RefusedCode,
         /// Why, in words.
         reason: String,
+    },
+    /// The queue was deleted; whether it existed.
+    Deleted {
+        /// Whether the queue existed.
+        existed: bool,
     },
 }
 

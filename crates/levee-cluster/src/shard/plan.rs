@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 
-use levee_broker::names::PRODUCER_PREFIX;
+use levee_broker::names::{PRODUCER_PREFIX, SHARD_DELETES_PREFIX};
 use levee_broker::producer::{
     PRODUCERS_MAX, ProducerRuns, Run, SequenceError, Verdict, encode_runs, request_runs,
 };
@@ -32,6 +32,22 @@ pub fn producer_queue(shard: ShardId, producer: &str) -> Bytes {
     name.extend_from_slice(&shard.to_be_bytes());
     name.extend_from_slice(producer.as_bytes());
     Bytes::from(name)
+}
+
+/// The queue counting the deletes of `shard`'s queues (see
+/// [`levee_broker::names::SHARD_DELETES_PREFIX`]).
+pub fn deletes_queue(shard: ShardId) -> Bytes {
+    let mut name = Vec::with_capacity(SHARD_DELETES_PREFIX.len() + 4);
+    name.extend_from_slice(SHARD_DELETES_PREFIX);
+    name.extend_from_slice(&shard.to_be_bytes());
+    Bytes::from(name)
+}
+
+/// `shard`'s delete epoch in `store`: how many of its queues' deletes were applied here. A
+/// consumer's position on a queue of the shard is stamped with it, so a position taken before
+/// a delete loses to the delete's forget on every replica alike.
+pub fn delete_epoch(store: &Store, shard: ShardId) -> u64 {
+    next_offset(store, &deletes_queue(shard))
 }
 
 /// Why the store would refuse a message, if it would (checked the same way on every replica,
