@@ -213,6 +213,9 @@ class ProducerRoutingClusterTest {
             }
             Map<Integer, Long> leaders = waitSettled(clients);
             assertTrue(leaders.containsValue(1L), "node 1 leads a shard once settled: " + leaders);
+            assertTrue(java.util.stream.IntStream.range(0, 16)
+                    .anyMatch(index -> leaders.get(Routing.shardOf("failover-" + index, SHARDS)) == 1L),
+                    "some queue appended to is in a shard node 1 leads");
             // queue -> offset -> payload, for every acknowledged append.
             Map<String, Map<Long, String>> acked = new ConcurrentHashMap<>();
             AtomicLong acknowledged = new AtomicLong();
