@@ -16,6 +16,8 @@ import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.ScheduledThreadPoolExecutor;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicLong;
+import java.util.logging.Level;
+import java.util.logging.Logger;
 
 /**
  * Where a replicated cluster's plain-queue appends go (docs/CLUSTER.md, "Part 2"), as the Rust
@@ -33,6 +35,7 @@ import java.util.concurrent.atomic.AtomicLong;
  * the Cluster service) gives a view that routes nothing: every message goes to the seed.
  */
 final class ShardRoutes implements AutoCloseable {
+    private static final Logger LOG = Logger.getLogger(ShardRoutes.class.getName());
     /** How often the view is asked for again while the producer runs. */
     static final Duration REFRESH_INTERVAL = Duration.ofSeconds(1);
     /** Deadline of one GetCluster call (a dead member is given up on soon). */
@@ -129,7 +132,7 @@ final class ShardRoutes implements AutoCloseable {
             thread.setDaemon(true);
             return thread;
         });
-        refresher.scheduleWithFixedDelay(this::refresh, 0, REFRESH_INTERVAL.toNanos(), TimeUnit.NANOSECONDS);
+        refresher.scheduleWithFixedDelay(this::refreshQuietly, 0, REFRESH_INTERVAL.toNanos(), TimeUnit.NANOSECONDS);
     }
 
     View view() {
@@ -161,7 +164,7 @@ final class ShardRoutes implements AutoCloseable {
                     pending = null;
                 }
                 try {
-                    refresh();
+                    refreshQuietly();
                 } finally {
                     soon.complete(null);
                 }
@@ -171,6 +174,18 @@ final class ShardRoutes implements AutoCloseable {
             soon.complete(null);
         }
         return soon;
+    }
+
+    /**
+     * A periodic refresh: a failure of one (a bug, an answer it cannot take) must not end the
+     * schedule, which a task that throws would; the view it had stays.
+     */
+    private void refreshQuietly() {
+        try {
+            refresh();
+        } catch (RuntimeException error) {
+            LOG.log(Level.WARNING, "refreshing a producer's shard routes failed; the routes known stay in use", error);
+        }
     }
 
     /** Asks the seed, then each other member known, for the cluster; takes the first answer. */

@@ -201,6 +201,57 @@ class ProducerRoutingClusterTest {
     }
 
     @Test
+    @Timeout(value = 60, unit = TimeUnit.SECONDS)
+    void given_a_cluster_that_does_not_replicate_its_queues_when_producing_should_append_through_the_client_only()
+            throws Exception {
+        List<LeveeServer> nodes = new ArrayList<>();
+        List<LeveeClient> clients = new ArrayList<>();
+        try {
+            for (int id = 1; id <= 3; id++) {
+                List<String> flags = new ArrayList<>(List.of("--node-id", Integer.toString(id), "--peer-addr",
+                        "127.0.0.1:0", "--shards", Integer.toString(SHARDS)));
+                if (id > 1) {
+                    flags.addAll(List.of("--join", nodes.get(0).peerAddr));
+                }
+                LeveeServer node = new LeveeServer(flags);
+                nodes.add(node);
+                node.start();
+                clients.add(LeveeClient.connect(node.grpcAddr));
+            }
+            LeveeClient second = clients.get(1);
+            await("node 2 knowing three members and the shards", CONVERGE_MS, () -> {
+                GetClusterResponse cluster = second.clusterStatus();
+                return cluster.getMembersCount() == 3 && cluster.getShards() == SHARDS;
+            });
+            assertTrue(!second.clusterStatus().getReplicatedQueues(), "the cluster does not replicate its queues");
+            try (Producer producer = new Producer(second, ProducerOptions.defaults().idempotent(true))) {
+                producer.routes().refresh();
+                assertTrue(!producer.routes().view().routing(), "nothing is routed by shard");
+                List<CompletableFuture<Long>> sent = new ArrayList<>();
+                for (int number = 0; number < 200; number++) {
+                    sent.add(producer.send(("own-" + (number % 8)).getBytes(StandardCharsets.UTF_8),
+                            ("m" + number).getBytes(StandardCharsets.UTF_8)));
+                }
+                for (CompletableFuture<Long> answer : sent) {
+                    answer.get(ANSWER_S, TimeUnit.SECONDS);
+                }
+                assertEquals(producer.stats().batchesSent(), producer.routes().appendsThrough(0),
+                        "every append went through the producer's client");
+            }
+            // Each node's queues are its own: node 2 holds them all, the others none.
+            for (int index = 0; index < 3; index++) {
+                long held = 0;
+                for (int queue = 0; queue < 8; queue++) {
+                    held += readWhole(clients.get(index), ("own-" + queue).getBytes(StandardCharsets.UTF_8)).size();
+                }
+                assertEquals(index == 1 ? 200 : 0, held, "messages held by node " + (index + 1));
+            }
+        } finally {
+            closeAll(clients, nodes);
+        }
+    }
+
+    @Test
     @Timeout(value = 120, unit = TimeUnit.SECONDS)
     void given_a_routing_idempotent_producer_when_the_seed_node_leading_a_shard_is_killed_should_go_on_without_loss_or_duplicates()
             throws Exception {
