@@ -102,6 +102,15 @@ public final class LeveeClient implements AutoCloseable {
     }
 
     /**
+     * A client of {@code address} whose channel connects on first use and reconnects by itself
+     * (a producer's route to a cluster member: a member that is down fails its calls with
+     * UNAVAILABLE instead of failing here). It owns its channel.
+     */
+    static LeveeClient lazy(String address, ClientOptions options, String producerName) {
+        return new LeveeClient(Channels.open(address), true, address, options.copy(), producerName);
+    }
+
+    /**
      * This connection, naming its appends and publishes {@code producerName} (1 to 64 bytes) so
      * that an operator's rate limit for the name paces them.
      */

@@ -15,6 +15,7 @@ import java.util.EnumSet;
 import java.util.HashMap;
 import java.util.HashSet;
 import java.util.HexFormat;
+import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.Set;
@@ -41,9 +42,29 @@ import java.util.concurrent.atomic.AtomicLong;
  * <p>With idempotent, the producer takes a fresh producer id and numbers each queue's messages;
  * a batch whose request failed in a way that may not have reached the disk (UNAVAILABLE,
  * DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, or a SEQUENCE_GAP left by a batch still in flight) is
- * resent with the same numbers, and the server stores nothing twice. A batch sharing a queue
- * with a batch in flight waits for it (the server takes a producer's sequences on a queue only
- * in order). Failed batches are never silent: each caller's future fails, and stats count them.
+ * resent with the same numbers, up to retriesMax times (retryBackoff apart, doubling), and the
+ * server stores nothing twice. A batch sharing a queue with a batch in flight waits for it (the
+ * server takes a producer's sequences on a queue only in order). That rule also keeps every
+ * resend answerable: the server answers a resend with its original offsets only while it is
+ * among the last 8 requests of the producer that touched its queues (SEQUENCE_TOO_OLD beyond),
+ * and since no batch touching a queue is sent while an earlier one touching it is unanswered
+ * (being resent included), a resent batch is always the newest request on each of its queues.
+ * (The Rust producer, whose batches on one queue may be in flight together, gets the same by
+ * sending no new batch while one is being resent.) Failed batches are never silent: each
+ * caller's future fails, and stats count them.
+ *
+ * <p>With routeToShardLeaders (the default), in a cluster that replicates its queues
+ * (docs/CLUSTER.md, "Part 2"), the producer learns the cluster's shards, each shard's leader
+ * and every member's address from GetCluster, every second and soon after a failed send,
+ * asking its client's node first and, when that node is down, every other member it knows. It
+ * splits each batch by the leader of each message's shard ({@link Routing#shardOf(byte[],
+ * int)}) and sends each part as one request straight to that leader, over one channel per
+ * member (closed when the member leaves, and on close); each caller still gets its own
+ * message's offset. A message whose shard has no leader known goes through the producer's
+ * client (or the member that answered the last refresh, when that node did not): any node
+ * forwards it. A resend goes to the leader known when it is sent, after a refresh. A part that
+ * fails names the node it went to. Against a lone server, or a cluster that does not replicate
+ * its queues, nothing changes: every batch is one request through the producer's client.
  */
 public final class Producer implements AutoCloseable {
     private static final Set<ErrorCode> RETRYABLE = EnumSet.of(ErrorCode.ERROR_CODE_UNAVAILABLE,
@@ -59,6 +80,8 @@ public final class Producer implements AutoCloseable {
     private final AtomicInteger inFlight = new AtomicInteger();
     private final Thread sender;
     private final ScheduledThreadPoolExecutor retries;
+    /** With routeToShardLeaders: the shard leaders and a route to each member (else null). */
+    private final ShardRoutes routes;
     private volatile boolean closing;
     private volatile String producerId;
     /** Idempotent: each queue's next sequence (bounded by sequenceQueuesMax). Sender thread only. */
@@ -78,6 +101,20 @@ public final class Producer implements AutoCloseable {
 
     private record Pending(ByteKey queue, byte[] payload, CompletableFuture<Long> answer) {}
 
+    /** A batch in flight: its number and how many of its parts are not answered yet. */
+    private static final class Flight {
+        final long number;
+        final AtomicInteger partsLeft;
+
+        Flight(long number, int parts) {
+            this.number = number;
+            this.partsLeft = new AtomicInteger(parts);
+        }
+    }
+
+    /** One request of a batch: the whole batch, or its messages led by one node. */
+    private record Part(Flight flight, List<Pending> messages, AppendRequest request) {}
+
     /** A producer appending through {@code client}. */
     public Producer(LeveeClient client, ProducerOptions options) {
         options.validate();
@@ -86,6 +123,7 @@ public final class Producer implements AutoCloseable {
         this.room = new Semaphore(options.queuedMessagesMax);
         this.slots = new Semaphore(options.requestsInFlightMax);
         this.producerId = options.idempotent ? freshProducerId() : "";
+        this.routes = options.routeToShardLeaders ? new ShardRoutes(client) : null;
         this.retries = new ScheduledThreadPoolExecutor(1, runnable -> {
             Thread thread = new Thread(runnable, "levee-producer-retries");
             thread.setDaemon(true);
@@ -105,6 +143,11 @@ public final class Producer implements AutoCloseable {
     /** The idempotent producer id now ("" when not idempotent). */
     public String producerId() {
         return producerId;
+    }
+
+    /** The routes, when routing to shard leaders (else null); for tests. */
+    ShardRoutes routes() {
+        return routes;
     }
 
     public ProducerStats stats() {
@@ -186,6 +229,8 @@ public final class Producer implements AutoCloseable {
     private void dispatch(List<Pending> batch) throws InterruptedException {
         if (options.idempotent) {
             // A batch sharing a queue with one in flight would meet a SEQUENCE_GAP: wait for it.
+            // This also keeps every resend within the server's window: a batch being resent is
+            // its producer's newest request on each of its queues (class docs).
             Set<Long> earlier = new HashSet<>();
             for (Pending pending : batch) {
                 Long number = queueBatches.get(pending.queue());
@@ -208,20 +253,47 @@ public final class Producer implements AutoCloseable {
         inFlight.incrementAndGet();
         long number = ++batchNumber;
         batches.put(number, new CompletableFuture<>());
-        AppendRequest.Builder request = AppendRequest.newBuilder().setProducerName(client.producerName());
+        List<AppendMessage> messages = new ArrayList<>(batch.size());
         if (options.idempotent) {
-            numberBatch(batch, request, number);
-            request.setProducerId(producerId);
+            numberBatch(batch, messages, number);
         } else {
             for (Pending pending : batch) {
-                request.addMessages(AppendMessage.newBuilder().setQueue(ByteString.copyFrom(pending.queue().bytes))
-                        .setPayload(ByteString.copyFrom(pending.payload())));
+                messages.add(AppendMessage.newBuilder().setQueue(ByteString.copyFrom(pending.queue().bytes))
+                        .setPayload(ByteString.copyFrom(pending.payload())).build());
             }
         }
-        send(batch, request.build(), number, 0, options.retryBackoff.toNanos());
+        String id = options.idempotent ? producerId : "";
+        ShardRoutes.View view = routes == null ? null : routes.view();
+        if (view == null || !view.routing()) {
+            Flight flight = new Flight(number, 1);
+            send(new Part(flight, batch, request(messages, id)), 0, options.retryBackoff.toNanos());
+            return;
+        }
+        // One request per shard leader, each keeping its messages' order (a queue's messages all
+        // go to one leader, so each queue's order is kept).
+        Map<Long, List<Integer>> byLeader = new LinkedHashMap<>();
+        for (int index = 0; index < batch.size(); index++) {
+            long leader = view.route(batch.get(index).queue().bytes).nodeId;
+            byLeader.computeIfAbsent(leader, ignored -> new ArrayList<>()).add(index);
+        }
+        Flight flight = new Flight(number, byLeader.size());
+        for (List<Integer> indexes : byLeader.values()) {
+            List<Pending> pendings = new ArrayList<>(indexes.size());
+            List<AppendMessage> partMessages = new ArrayList<>(indexes.size());
+            for (int index : indexes) {
+                pendings.add(batch.get(index));
+                partMessages.add(messages.get(index));
+            }
+            send(new Part(flight, pendings, request(partMessages, id)), 0, options.retryBackoff.toNanos());
+        }
     }
 
-    private void numberBatch(List<Pending> batch, AppendRequest.Builder request, long number) {
+    private AppendRequest request(List<AppendMessage> messages, String id) {
+        return AppendRequest.newBuilder().setProducerName(client.producerName()).setProducerId(id)
+                .addAllMessages(messages).build();
+    }
+
+    private void numberBatch(List<Pending> batch, List<AppendMessage> messages, long number) {
         Set<ByteKey> fresh = new HashSet<>();
         for (Pending pending : batch) {
             if (!sequences.containsKey(pending.queue())) {
@@ -237,22 +309,44 @@ public final class Producer implements AutoCloseable {
             long sequence = sequences.getOrDefault(pending.queue(), 0L);
             sequences.put(pending.queue(), sequence + 1);
             queueBatches.put(pending.queue(), number);
-            request.addMessages(AppendMessage.newBuilder().setQueue(ByteString.copyFrom(pending.queue().bytes))
-                    .setPayload(ByteString.copyFrom(pending.payload())).setSequence(sequence));
+            messages.add(AppendMessage.newBuilder().setQueue(ByteString.copyFrom(pending.queue().bytes))
+                    .setPayload(ByteString.copyFrom(pending.payload())).setSequence(sequence).build());
         }
     }
 
-    private void send(List<Pending> batch, AppendRequest request, long number, int attempt, long backoffNanos) {
-        QueuesGrpc.QueuesFutureStub stub = client.deadline(QueuesGrpc.newFutureStub(client.channel()));
+    /**
+     * Where a part goes now: without routes, or in a cluster that does not replicate its
+     * queues, the producer's client; else its first message's shard leader as known now (the
+     * node forwards any other message of the part it does not lead), or, with no leader known,
+     * the seed (the member that answered the last refresh when the seed did not).
+     */
+    private ShardRoutes.Route target(Part part) {
+        if (routes == null) {
+            return null;
+        }
+        ShardRoutes.View view = routes.view();
+        return view.routing() ? view.route(part.messages().get(0).queue().bytes) : routes.seed();
+    }
+
+    private void send(Part part, int attempt, long backoffNanos) {
+        ShardRoutes.Route route = target(part);
+        LeveeClient through = route == null ? client : route.client;
+        QueuesGrpc.QueuesFutureStub stub = through.deadline(QueuesGrpc.newFutureStub(through.channel()));
+        List<Pending> batch = part.messages();
+        AppendRequest request = part.request();
+        long number = part.flight().number;
         Futures.addCallback(stub.append(request), new FutureCallback<AppendResponse>() {
             @Override
             public void onSuccess(AppendResponse response) {
+                if (route != null) {
+                    route.appends.incrementAndGet();
+                }
                 batchesSent.incrementAndGet();
                 messagesSent.addAndGet(batch.size());
                 for (int i = 0; i < batch.size(); i++) {
                     batch.get(i).answer().complete(response.getOffsets(i));
                 }
-                finished(batch, number);
+                finished(part);
             }
 
             @Override
@@ -264,33 +358,49 @@ public final class Producer implements AutoCloseable {
                     // An earlier batch is still on its way: once it is answered the gap is filled.
                     retryCount.incrementAndGet();
                     CompletableFuture.allOf(earlier.toArray(new CompletableFuture[0]))
-                            .whenComplete((ignored, failed) -> send(batch, request, number, attempt, backoffNanos));
+                            .whenComplete((ignored, failed) -> send(part, attempt, backoffNanos));
                     return;
                 }
+                // The shard's leader may have moved (or its node died): learn where it is now.
+                CompletableFuture<Void> refreshed = routes == null ? CompletableFuture.completedFuture(null)
+                        : routes.refreshSoon();
                 if (!idempotent || !RETRYABLE.contains(error.code()) || attempt >= options.retriesMax) {
                     batchesFailed.incrementAndGet();
                     messagesFailed.addAndGet(batch.size());
+                    // A routed request names the node it went to last (the client's own address
+                    // names the seed).
+                    LeveeException failed = route == null || route.nodeId == 0 ? error
+                            : LeveeException.of(error.code(), error.description() + " (the append went to node "
+                                    + route.nodeId + " at " + route.address
+                                    + (attempt > 0 ? ", after " + attempt + " resends" : "") + ")");
                     for (Pending pending : batch) {
-                        pending.answer().completeExceptionally(error.copy());
+                        pending.answer().completeExceptionally(failed.copy());
                     }
-                    finished(batch, number);
+                    finished(part);
                     return;
                 }
                 retryCount.incrementAndGet();
-                retries.schedule(() -> send(batch, request, number, attempt + 1, backoffNanos * 2), backoffNanos,
-                        TimeUnit.NANOSECONDS);
+                // Resent after the pause and once the routes are refreshed, to the leader then known.
+                retries.schedule(() -> refreshed.whenCompleteAsync(
+                        (ignored, failed) -> send(part, attempt + 1, backoffNanos * 2), retries),
+                        backoffNanos, TimeUnit.NANOSECONDS);
             }
         }, MoreExecutors.directExecutor());
     }
 
-    private void finished(List<Pending> batch, long number) {
-        CompletableFuture<Void> done = batches.remove(number);
-        for (Pending pending : batch) {
+    /** A part answered: its queues are free; the batch is done once every part is. */
+    private void finished(Part part) {
+        long number = part.flight().number;
+        for (Pending pending : part.messages()) {
             queueBatches.remove(pending.queue(), number);
         }
+        room.release(part.messages().size());
+        if (part.flight().partsLeft.decrementAndGet() > 0) {
+            return;
+        }
+        CompletableFuture<Void> done = batches.remove(number);
         inFlight.decrementAndGet();
         slots.release();
-        room.release(batch.size());
         if (done != null) {
             done.complete(null);
         }
@@ -340,5 +450,8 @@ public final class Producer implements AutoCloseable {
         }
         flush();
         retries.shutdownNow();
+        if (routes != null) {
+            routes.close();
+        }
     }
 }

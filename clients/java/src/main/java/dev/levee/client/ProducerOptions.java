@@ -2,7 +2,7 @@ package dev.levee.client;
 
 import java.time.Duration;
 
-/** How a {@link Producer} batches and retries. Fluent setters; checked when it is made. */
+/** How a {@link Producer} batches, retries and routes. Fluent setters; checked when it is made. */
 public final class ProducerOptions {
     Duration linger = Duration.ofMillis(1);
     boolean sendWhenIdle = true;
@@ -14,6 +14,7 @@ public final class ProducerOptions {
     int retriesMax = 5;
     Duration retryBackoff = Duration.ofMillis(10);
     int sequenceQueuesMax = 100_000;
+    boolean routeToShardLeaders = true;
 
     public static ProducerOptions defaults() {
         return new ProducerOptions();
@@ -49,7 +50,10 @@ public final class ProducerOptions {
         return this;
     }
 
-    /** Append requests in flight at once (default 8). */
+    /**
+     * Batches in flight at once (default 8); a batch split over shard leaders is one request
+     * per leader.
+     */
     public ProducerOptions requestsInFlightMax(int value) {
         requestsInFlightMax = value;
         return this;
@@ -61,7 +65,11 @@ public final class ProducerOptions {
         return this;
     }
 
-    /** Resends of a batch after a retryable failure (idempotent only; default 5). */
+    /**
+     * Resends of a batch after a retryable failure (idempotent only; default 5). In a cluster,
+     * riding out a shard leader's failover (one to two seconds) takes about 8 at the default
+     * backoff.
+     */
     public ProducerOptions retriesMax(int value) {
         retriesMax = value;
         return this;
@@ -76,6 +84,17 @@ public final class ProducerOptions {
     /** Queues with a sequence counter; past it the producer takes a new id (default 100000). */
     public ProducerOptions sequenceQueuesMax(int value) {
         sequenceQueuesMax = value;
+        return this;
+    }
+
+    /**
+     * In a cluster that replicates its queues: send each batch's messages straight to their
+     * shards' leaders, one request per leader, saving the hop a node takes forwarding them
+     * (default true). The leaders are learnt from GetCluster every second and soon after a
+     * failed send. Elsewhere it changes nothing: every batch goes to the producer's client.
+     */
+    public ProducerOptions routeToShardLeaders(boolean value) {
+        routeToShardLeaders = value;
         return this;
     }
 

@@ -5,8 +5,8 @@ package dev.levee.client;
  *
  * @param messagesSent messages whose batch was stored (durable)
  * @param messagesFailed messages whose batch failed: their callers got the error
- * @param batchesSent batches stored
- * @param batchesFailed batches failed
+ * @param batchesSent append requests stored (a batch split over shard leaders is one per leader)
+ * @param batchesFailed append requests failed
  * @param retries resends
  */
 public record ProducerStats(long messagesSent, long messagesFailed, long batchesSent, long batchesFailed, long retries) {}

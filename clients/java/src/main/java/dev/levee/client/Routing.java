@@ -159,10 +159,15 @@ public final class Routing {
      * queue's name (a plain queue, a mailbox) or the topic's name (a topic's partitions).
      */
     public static int shardOf(String routingName, int shards) {
+        return shardOf(routingName.getBytes(StandardCharsets.UTF_8), shards);
+    }
+
+    /** {@link #shardOf(String, int)} of a name given as its bytes (a queue's name as appended). */
+    public static int shardOf(byte[] routingName, int shards) {
         if (shards <= 0) {
             throw new IllegalArgumentException("a cluster has at least one shard");
         }
-        return (int) Long.remainderUnsigned(Xxh3.hash64(routingName.getBytes(StandardCharsets.UTF_8)), shards);
+        return (int) Long.remainderUnsigned(Xxh3.hash64(routingName), shards);
     }
 
     /**

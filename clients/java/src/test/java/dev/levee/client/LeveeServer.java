@@ -115,6 +115,13 @@ final class LeveeServer implements AutoCloseable {
         }
     }
 
+    /** Kills the process at once (SIGKILL, as kill -9) and waits for it to end. */
+    void kill() throws InterruptedException {
+        if (process != null && process.isAlive()) {
+            process.destroyForcibly().waitFor(15, TimeUnit.SECONDS);
+        }
+    }
+
     void restart() throws Exception {
         String address = grpcAddr;
         stop();

@@ -86,6 +86,9 @@ class RoutingTest {
             for (int n = 0; n < names.size(); n++) {
                 assertEquals(entry.get("shard_of").get(n).asInt(), Routing.shardOf(names.get(n).asText(), count),
                         "name " + n + " over " + count);
+                assertEquals(entry.get("shard_of").get(n).asInt(), Routing.shardOf(
+                        names.get(n).asText().getBytes(java.nio.charset.StandardCharsets.UTF_8), count),
+                        "name " + n + " as bytes over " + count);
             }
         }
         for (JsonNode entry : shards.get("replicas")) {
