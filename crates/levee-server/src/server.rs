@@ -421,6 +421,22 @@ type QueueServices = (
     Arc<crate::queue::replicated::ApplyHere>,
 );
 
+/// In a cluster that replicates its queues, a queue's least position epoch is its shard's
+/// delete epoch (0 otherwise).
+fn shard_delete_epochs(
+    store: &Arc<Store>,
+    machine: &MetaStateMachine,
+) -> crate::queue::mailbox::position_log::EpochFloor {
+    let (store, machine) = (Arc::clone(store), machine.clone());
+    crate::queue::mailbox::position_log::EpochFloor::new(move |queue| match machine.shards() {
+        Some(shards) if machine.replicated_queues() => levee_cluster::shard::plan::delete_epoch(
+            &store,
+            levee_proto::shards::shard_of_bytes(queue, shards),
+        ),
+        _ => 0,
+    })
+}
+
 /// The Queues and Topics services over the store, and what consume streams share.
 fn queue_services(
     (store, raft): (&Arc<Store>, &MetadataGroup),
@@ -442,7 +458,8 @@ fn queue_services(
             config.queue_position_log_compact_entries,
             metrics.queue_position_log_compactions.clone(),
         )
-        .count_forgets(metrics.queue_position_forgets.clone()),
+        .count_forgets(metrics.queue_position_forgets.clone())
+        .with_epoch_floor(shard_delete_epochs(store, &raft.machine)),
     );
     let queues = QueueService::new(
         calls.clone(),
@@ -483,10 +500,10 @@ fn queue_services(
     let queue_service = QueuesServer::new(queues)
         .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
         .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
-    let apply_here = Arc::new(crate::queue::replicated::ApplyHere {
-        waiters: Arc::clone(&consume_context.waiters),
+    let apply_here = Arc::new(crate::queue::replicated::ApplyHere::new(
+        Arc::clone(&consume_context.waiters),
         positions,
-    });
+    ));
     Ok((queue_service, topic_service, consume_context, apply_here))
 }
 

@@ -706,3 +706,102 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
         assert_holds(&runtime, &client, &acknowledged);
     }
 }
+
+/// Whether `client`'s node has no queue `queue` (deleted there), else its next offset.
+async fn next_offset_on(client: &Client, queue: &[u8]) -> Option<u64> {
+    match client.queue_info(queue).await {
+        Ok(info) => Some(info.next_offset),
+        Err(error) if error.code() == Some(ErrorCode::NotFound) => None,
+        Err(error) => panic!("queue info: {error}"),
+    }
+}
+
+#[test]
+fn given_a_replicated_cluster_when_a_queue_is_deleted_through_any_node_then_every_node_deletes_it_and_forgets_its_positions()
+ {
+    let runtime = runtime();
+    let directory = tempfile::tempdir().unwrap();
+    let mut nodes = three_nodes(directory.path());
+    let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
+    wait_settled(&all);
+    let clients: Vec<Client> = all
+        .iter()
+        .map(|node| runtime.block_on(Client::connect(&node.grpc())).unwrap())
+        .collect();
+    let queue: &[u8] = b"orders-to-delete";
+    runtime.block_on(async {
+        for payload in [&b"a0"[..], b"a1", b"a2"] {
+            clients[0].append(queue, payload).await.unwrap();
+        }
+        // A consumer acks offsets 0 and 1 through node 2 (its position replicated).
+        let mut single = clients[1].subscribe(queue, "app", 10).await.unwrap();
+        for _ in 0..2 {
+            single.next().await.unwrap().unwrap();
+        }
+        single.ack(1).await.unwrap();
+        drop(single);
+        // Another consumer reads the queue on a many-queue stream through node 3.
+        let mut mailboxes = clients[2].subscribe_many("reader", 10).await.unwrap();
+        mailboxes.add(&[queue]).await.unwrap();
+        mailboxes.next().await.unwrap().unwrap();
+        // A subscription on the node taking the delete refuses it there, as on a lone server.
+        let held = clients[0].subscribe(queue, "holder", 10).await.unwrap();
+        let refused = clients[0]
+            .delete_queue(queue)
+            .await
+            .expect_err("held on this node");
+        assert_eq!(
+            refused.code(),
+            Some(ErrorCode::FailedPrecondition),
+            "{refused}"
+        );
+        drop(held);
+        // Deleted through node 1 (the subscription there closes first).
+        let existed = loop {
+            match clients[0].delete_queue(queue).await {
+                Ok(existed) => break existed,
+                Err(error) if error.code() == Some(ErrorCode::FailedPrecondition) => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(error) => panic!("delete: {error}"),
+            }
+        };
+        assert!(existed);
+        // The stream on node 3 ends, naming the queue.
+        let ended = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match mailboxes.next().await {
+                    Ok(Some(_)) => {}
+                    Ok(None) => panic!("the stream ended without saying why"),
+                    Err(error) => return error,
+                }
+            }
+        })
+        .await
+        .expect("the stream of a deleted queue ends");
+        assert_eq!(ended.code(), Some(ErrorCode::FailedPrecondition), "{ended}");
+        assert!(ended.to_string().contains("was deleted"), "{ended}");
+        // Gone on every node.
+        for client in &clients {
+            let deadline = Instant::now() + CONVERGE_TIMEOUT;
+            while next_offset_on(client, queue).await.is_some() {
+                assert!(Instant::now() < deadline, "the queue is gone on every node");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        assert!(
+            !clients[1].delete_queue(queue).await.unwrap(),
+            "deleted already"
+        );
+        // Created again: offsets start at 0, and the consumer's position was forgotten on
+        // every node.
+        assert_eq!(clients[1].append(queue, b"b0").await.unwrap(), 0);
+        for client in &clients {
+            let mut again = client.subscribe(queue, "app", 10).await.unwrap();
+            assert_eq!(again.start_offset(), 0);
+            let first = again.next().await.unwrap().unwrap();
+            assert_eq!((first.offset, &first.payload[..]), (0, &b"b0"[..]));
+        }
+    });
+    drop(nodes.iter_mut().map(Option::take).collect::<Vec<_>>());
+}

@@ -826,9 +826,12 @@ mod tests {
         }
     }
 
-    /// Records the deletes it is told of: (queue, epoch) before, queue after.
+    /// What a [`Deletes`] was told: (queue, epoch) before each delete, the queue after.
+    type Told = (Vec<(String, u64)>, Vec<String>);
+
+    /// Records the deletes it is told of.
     #[derive(Default)]
-    struct Deletes(Mutex<(Vec<(String, u64)>, Vec<String>)>);
+    struct Deletes(Mutex<Told>);
 
     impl ShardObserver for Deletes {
         fn appended(&self, _: ShardId, _: &[(&[u8], u64, &[u8])]) {}

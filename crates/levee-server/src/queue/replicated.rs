@@ -48,22 +48,73 @@ pub struct Replication {
 #[derive(Debug)]
 pub struct ApplyHere {
     /// The node's subscriptions, by queue.
-    pub waiters: Arc<Waiters>,
+    waiters: Arc<Waiters>,
     /// The node's consumers' position logs.
-    pub positions: Arc<PositionLogs>,
+    positions: Arc<PositionLogs>,
+    /// The last [`RECENT_DELETES_MAX`] queues deleted through each shard since this process
+    /// started, with their delete epoch: a position of one taken before its delete (an ack
+    /// written on another node before it applied the delete) is dropped, even after a
+    /// compaction of the consumer's log dropped the delete's forget.
+    recent_deletes: std::sync::Mutex<BTreeMap<ShardId, RecentDeletes>>,
+}
+
+/// A shard's recent deletes: each queue's latest delete epoch, and the queues oldest first.
+#[derive(Debug, Default)]
+struct RecentDeletes {
+    epochs: std::collections::HashMap<Box<[u8]>, u64>,
+    order: std::collections::VecDeque<Box<[u8]>>,
+}
+
+/// Deletes per shard [`ApplyHere`] remembers.
+const RECENT_DELETES_MAX: usize = 1_024;
+
+impl ApplyHere {
+    /// What this node's replicas do beyond their store, on `waiters` and `positions`.
+    pub fn new(waiters: Arc<Waiters>, positions: Arc<PositionLogs>) -> Self {
+        Self {
+            waiters,
+            positions,
+            recent_deletes: std::sync::Mutex::default(),
+        }
+    }
+
+    /// `positions` less those taken before a delete of their queue this process applied.
+    fn after_deletes<'a>(
+        &self,
+        shard: ShardId,
+        positions: &'a [ConsumerPosition],
+    ) -> Vec<&'a ConsumerPosition> {
+        let recent = crate::queue::lock(&self.recent_deletes);
+        let Some(recent) = recent.get(&shard) else {
+            return positions.iter().collect();
+        };
+        positions
+            .iter()
+            .filter(|position| {
+                recent
+                    .epochs
+                    .get(&position.queue[..])
+                    .is_none_or(|deleted| *deleted <= position.epoch)
+            })
+            .collect()
+    }
 }
 
 impl ShardObserver for ApplyHere {
     fn positions(
         &self,
-        _shard: ShardId,
+        shard: ShardId,
         consumer: &str,
         positions: &[ConsumerPosition],
     ) -> Result<Option<levee_store::CommitTicket>, String> {
         let log = self.positions.open(consumer);
+        let current = self.after_deletes(shard, positions);
+        if current.is_empty() {
+            return Ok(None);
+        }
         let (ticket, compact) = log
             .append(
-                positions
+                current
                     .iter()
                     .map(|position| (&position.queue[..], position.epoch, position.next)),
             )
@@ -77,6 +128,30 @@ impl ShardObserver for ApplyHere {
             });
         }
         Ok(ticket)
+    }
+
+    fn deleting(&self, shard: ShardId, queue: &[u8], epoch: u64) -> Result<(), String> {
+        {
+            let mut recent = crate::queue::lock(&self.recent_deletes);
+            let recent = recent.entry(shard).or_default();
+            if recent.epochs.insert(queue.into(), epoch).is_none() {
+                recent.order.push_back(queue.into());
+                if recent.order.len() > RECENT_DELETES_MAX
+                    && let Some(oldest) = recent.order.pop_front()
+                {
+                    recent.epochs.remove(&oldest);
+                }
+            }
+        }
+        self.positions
+            .forget_replicated(queue, epoch)
+            .map_err(|error| error.to_string())
+    }
+
+    fn deleted(&self, _shard: ShardId, queue: &[u8]) {
+        self.positions.delete_done();
+        // Streams of it on this node end (their positions were forgotten).
+        self.waiters.note_deleted(queue);
     }
 
     fn appended(&self, _shard: ShardId, appended: &[(&[u8], u64, &[u8])]) {
@@ -253,6 +328,47 @@ impl Replication {
                 "this node is still opening its shards; retry in a moment",
             )
         }))
+    }
+
+    /// Deletes `queue` through its shard (see `ShardCommand::Delete`); whether it existed.
+    /// Deleting again is harmless, so a delete whose answer was lost may simply be sent again.
+    pub async fn delete(groups: &ShardGroups, queue: &[u8]) -> Result<bool, WireError> {
+        let shard = levee_proto::shards::shard_of_bytes(queue, groups.shards());
+        if !groups.replicates(shard) && groups.leader_of(shard).is_none() {
+            return Err(WireError::new(
+                ErrorCode::FailedPrecondition,
+                format!(
+                    "this node holds no replica of shard {shard} and knows no leader of it; \
+                     delete through one of its replicas ({})",
+                    replicas_hint(groups, shard)
+                ),
+            ));
+        }
+        let command = ShardCommand::Delete {
+            queue: levee_proto::Bytes::copy_from_slice(queue),
+        };
+        match groups.write(shard, command).await {
+            Ok(ShardResponse::Deleted { existed }) => Ok(existed),
+            Ok(ShardResponse::Refused { code, reason }) => Err(refused(code, &reason)),
+            Ok(other) => Err(WireError::new(
+                ErrorCode::Internal,
+                format!("shard {shard} answered a delete with {other:?}"),
+            )),
+            Err(error) => {
+                let mut wire = shard_error(&error);
+                if let ShardWriteError::Unavailable { maybe_stored, .. } = error {
+                    wire.message = format!(
+                        "{error}; {}",
+                        if maybe_stored {
+                            "the delete may have been done: deleting again is safe"
+                        } else {
+                            "nothing was deleted"
+                        }
+                    );
+                }
+                Err(wire)
+            }
+        }
     }
 
     /// Appends `messages` through their shards (as idempotent `producer`'s, if given); their

@@ -236,6 +236,7 @@ impl Queues for QueueService {
         let session = Session {
             calls: self.calls.clone(),
             notify: self.waiters.register(&start.queue)?,
+            waiters: Arc::clone(&self.waiters),
             positions: Arc::clone(&self.positions),
             replication: self.replication.clone(),
             start,
@@ -497,14 +498,6 @@ impl Queues for QueueService {
     ) -> Result<Response<DeleteQueueResponse>, Status> {
         let queue = request.into_inner().queue;
         check_not_reserved(&queue)?;
-        if self.shard_groups().is_some() {
-            return Err(WireError::new(
-                ErrorCode::FailedPrecondition,
-                "deleting a replicated queue is not built yet (docs/CLUSTER.md, \"Part 2\"); \
-                 set a retention rule to trim it",
-            )
-            .into());
-        }
         let deleting = self.waiters.begin_delete(&queue).map_err(|refused| {
             let name = String::from_utf8_lossy(&queue);
             match refused {
@@ -522,6 +515,14 @@ impl Queues for QueueService {
                 ),
             }
         })?;
+        if let Some(groups) = self.shard_groups() {
+            // Through the queue's shard: every replica deletes it and forgets the consumers'
+            // positions on it, in log order. Held until then: no subscription of the queue
+            // on this node meanwhile.
+            let existed = Replication::delete(groups?, &queue).await;
+            drop(deleting);
+            return Ok(Response::new(DeleteQueueResponse { existed: existed? }));
+        }
         let positions = Arc::clone(&self.positions);
         let existed = self
             .blocking(move |store| {

@@ -144,13 +144,14 @@ mod tests {
             store.append(b"inbox", payload).unwrap();
         }
         let calls = StoreCalls::new(Arc::clone(&store), SyncPolicy::Always).unwrap();
-        let waiters = Waiters::default();
+        let waiters = Arc::new(Waiters::default());
         let (_closing, closing) = tokio::sync::watch::channel(false);
         let (client, incoming) = in_memory();
         let (outgoing, mut responses) = channel();
         let session = Session {
             calls,
             notify: waiters.register(b"inbox").unwrap(),
+            waiters: Arc::clone(&waiters),
             positions: Arc::new(PositionLogs::new(
                 Arc::clone(&store),
                 1_000,

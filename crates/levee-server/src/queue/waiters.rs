@@ -24,7 +24,15 @@ const DELETE_WAIT_PAUSE_MAX: std::time::Duration = std::time::Duration::from_mil
 #[derive(Debug)]
 pub struct Waiters {
     queues: Mutex<WaiterMap>,
+    /// Deletes applied from shards' logs so far ([`Waiters::note_deleted`]).
+    deletes: std::sync::atomic::AtomicU64,
+    /// The last [`RECENT_DELETES_MAX`] of them: each one's number and queue.
+    recent_deletes: Mutex<std::collections::VecDeque<(u64, Box<[u8]>)>>,
 }
+
+/// Replicated deletes remembered for the streams that have not looked at them yet; a stream
+/// that falls further behind ends (see [`Waiters::deleted_since`]).
+pub const RECENT_DELETES_MAX: usize = 1_024;
 
 #[derive(Debug)]
 struct WaiterMap {
@@ -58,6 +66,8 @@ impl Default for Waiters {
                 prune_at: SUBSCRIPTIONS_MAX,
                 deleting: std::collections::HashSet::default(),
             }),
+            deletes: std::sync::atomic::AtomicU64::new(0),
+            recent_deletes: Mutex::new(std::collections::VecDeque::new()),
         }
     }
 }
@@ -321,6 +331,67 @@ impl Waiters {
     /// Unregisters mailboxes of `inbox`, each a (queue, mailbox number).
     pub fn remove_mailboxes(&self, inbox: &Arc<Inbox>, mailboxes: &[(&[u8], u32)]) {
         remove_locked(&mut lock(&self.queues), &Arc::downgrade(inbox), mailboxes);
+    }
+
+    /// How many deletes applied from shards' logs this node has seen (a stream notes it
+    /// before reading its positions, and looks at [`Waiters::deleted_since`] when it moves).
+    pub fn deletes_seen(&self) -> u64 {
+        self.deletes.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// `queue` was deleted by a shard's log (a replicated delete, taken by any node, so no
+    /// subscription of it here could refuse it): streams of it here learn it through
+    /// [`Waiters::deleted_since`] and are woken to look.
+    pub fn note_deleted(&self, queue: &[u8]) {
+        {
+            let mut recent = lock(&self.recent_deletes);
+            let number = self.deletes_seen() + 1;
+            recent.push_back((number, queue.into()));
+            if recent.len() > RECENT_DELETES_MAX {
+                recent.pop_front();
+            }
+            self.deletes
+                .store(number, std::sync::atomic::Ordering::Release);
+        }
+        self.wake(queue);
+    }
+
+    /// The queues deleted by shards' logs after the first `seen` deletes (see
+    /// [`Waiters::deletes_seen`]), and how many deletes that makes; `None` when some of them
+    /// are no longer remembered.
+    pub fn deleted_since(&self, seen: u64) -> Option<(Vec<Box<[u8]>>, u64)> {
+        let recent = lock(&self.recent_deletes);
+        let now = self.deletes_seen();
+        if now == seen {
+            return Some((Vec::new(), now));
+        }
+        let oldest = recent.front().map_or(now + 1, |(number, _)| *number);
+        if oldest > seen + 1 {
+            return None;
+        }
+        let queues = recent
+            .iter()
+            .filter(|(number, _)| *number > seen)
+            .map(|(_, queue)| queue.clone())
+            .collect();
+        Some((queues, now))
+    }
+
+    /// The mailbox numbers of `inbox` registered on `queue`.
+    pub fn mailboxes_of(&self, inbox: &Arc<Inbox>, queue: &[u8]) -> Vec<u32> {
+        let weak = Arc::downgrade(inbox);
+        lock(&self.queues)
+            .entries
+            .get(queue)
+            .map(|watchers| {
+                watchers
+                    .inboxes
+                    .iter()
+                    .filter(|(other, _)| Weak::ptr_eq(other, &weak))
+                    .map(|(_, number)| *number)
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Wakes the subscriptions of `queue`, if any.

@@ -150,6 +150,9 @@ pub struct ManySession {
     /// In a cluster that replicates its queues: done when the last ack batch was answered
     /// (batches are answered in order though written at once).
     last_ack: Option<oneshot::Receiver<()>>,
+    /// Replicated deletes this stream has looked at (see `Waiters::deleted_since`): one of a
+    /// queue it holds ends it.
+    deletes_seen: u64,
 }
 
 /// What the session waited for.
@@ -168,7 +171,9 @@ impl ManySession {
         outgoing: Outgoing<SubscribeManyResponse>,
     ) -> Self {
         let log = context.positions.open(&start.consumer);
+        let deletes_seen = context.waiters.deletes_seen();
         Self {
+            deletes_seen,
             context,
             log,
             inbox: Arc::new(Inbox::default()),
@@ -291,6 +296,9 @@ impl ManySession {
     /// store's index and page cache); a mailbox not caught up goes to the back of the list.
     /// Returns false if the client is gone.
     async fn deliver(&mut self, hints: Hints) -> Result<bool, WireError> {
+        if self.context.waiters.deletes_seen() != self.deletes_seen {
+            self.check_not_deleted()?;
+        }
         let mut deliveries = Vec::with_capacity(hints.entries.len());
         let mut bytes = 0_u32;
         self.deliver_hinted(hints, &mut deliveries, &mut bytes);
@@ -415,6 +423,9 @@ impl ManySession {
                 "this stream has used up its mailbox numbers; open another stream",
             ));
         }
+        // Deletes so far are of queues held before (checked now), not of those added next,
+        // whose positions are read after them.
+        self.check_not_deleted()?;
         let reserved = Reservation::take(&self.context.mailboxes, count)?;
         let mut queues: Vec<Box<[u8]>> = queues.into_iter().map(Vec::into_boxed_slice).collect();
         if let Some(groups) = self.replicated()? {
@@ -491,6 +502,16 @@ impl ManySession {
                 Ok((queues, positions))
             })
             .await
+    }
+
+    /// Ends the stream if a replicated delete applied since the last look deleted one of its
+    /// mailboxes' queues (their positions were forgotten, their messages are gone).
+    fn check_not_deleted(&mut self) -> Result<(), WireError> {
+        let (waiters, inbox) = (&self.context.waiters, &self.inbox);
+        self.deletes_seen = super::check_not_deleted(waiters, self.deletes_seen, |queue| {
+            !waiters.mailboxes_of(inbox, queue).is_empty()
+        })?;
+        Ok(())
     }
 
     /// Drops mailboxes (unknown numbers are ignored) and their wake-ups.

@@ -26,3 +26,41 @@ pub(crate) fn ack_past_delivered(what: &str, offset: u64, next: u64) -> WireErro
         ),
     )
 }
+
+/// Looks at the replicated deletes applied since the first `seen`: fails the stream if one of
+/// them deleted a queue it reads (`reads`), or if too many came to tell; otherwise the new
+/// count of deletes seen.
+pub(crate) fn check_not_deleted(
+    waiters: &crate::queue::waiters::Waiters,
+    seen: u64,
+    reads: impl Fn(&[u8]) -> bool,
+) -> Result<u64, WireError> {
+    let Some((deleted, now)) = waiters.deleted_since(seen) else {
+        return Err(WireError::new(
+            ErrorCode::Unavailable,
+            format!(
+                "more than {} queues were deleted in the cluster since this stream last looked; \
+                 it cannot tell whether one of its own was: open the stream again",
+                crate::queue::waiters::RECENT_DELETES_MAX
+            ),
+        ));
+    };
+    match deleted.iter().find(|queue| reads(queue)) {
+        Some(queue) => Err(deleted_under_stream(queue)),
+        None => Ok(now),
+    }
+}
+
+/// The error ending a stream whose queue was deleted (through any node of a cluster that
+/// replicates its queues) while the stream read it.
+pub(crate) fn deleted_under_stream(queue: &[u8]) -> WireError {
+    WireError::new(
+        ErrorCode::FailedPrecondition,
+        format!(
+            "queue '{}' was deleted while this stream read it: its messages and the consumer's \
+             position on it are gone; open the stream again to read a queue created again \
+             under the name, from offset 0",
+            String::from_utf8_lossy(queue)
+        ),
+    )
+}

@@ -79,6 +79,8 @@ pub struct Session {
     pub calls: crate::queue::StoreCalls,
     /// Wakes this session when its queue grows.
     pub notify: Arc<Notify>,
+    /// Who waits on which queue: says when a queue was deleted through its shard's log.
+    pub waiters: Arc<crate::queue::waiters::Waiters>,
     /// Consumers' position logs (`SubscribeMany` acks), read with the position queue.
     pub positions: Arc<crate::queue::mailbox::position_log::PositionLogs>,
     /// The cluster's shards, through which acks go when it replicates its queues.
@@ -108,6 +110,9 @@ impl Session {
         let replicated =
             crate::queue::replicated::Replication::groups_if_replicated(self.replication.as_ref())?;
         let queues = [queue.clone().into_boxed_slice()];
+        // Before the positions are read: a replicated delete applied from now on ends the
+        // stream (its position may predate the delete's forget).
+        let deletes_seen = self.waiters.deletes_seen();
         if let Some(groups) = &replicated {
             // Every ack confirmed anywhere before is applied here before the position is read.
             crate::queue::replicated::Replication::barrier(groups, &queues).await?;
@@ -128,6 +133,7 @@ impl Session {
             replicated,
             credit: StreamCredit::initial(self.start.credit),
             writer_noted: false,
+            deletes_seen,
         };
         let start = SubscribeResponse {
             start_offset: Some(next),
@@ -171,6 +177,13 @@ impl Session {
 
     /// Sends what the credit allows from the next offset.
     async fn deliver(&mut self, progress: &mut Progress) -> Result<Delivered, WireError> {
+        if progress.replicated.is_some() && self.waiters.deletes_seen() != progress.deletes_seen {
+            let queue = &self.start.queue;
+            progress.deletes_seen =
+                super::check_not_deleted(&self.waiters, progress.deletes_seen, |deleted| {
+                    deleted == &queue[..]
+                })?;
+        }
         if !progress.credit.is_open() {
             return Ok(Delivered::Nothing);
         }
@@ -292,6 +305,8 @@ struct Progress {
     epoch: u64,
     /// The shard groups acks go through, when the cluster replicates its queues.
     replicated: Option<levee_cluster::shard::ShardGroups>,
+    /// Replicated deletes this stream has looked at (see `Waiters::deleted_since`).
+    deletes_seen: u64,
 }
 
 /// What one delivery attempt did.

@@ -87,6 +87,31 @@ struct Writing {
     due_at: u64,
 }
 
+/// The least delete epoch of a queue's positions, beyond the server's own (see
+/// [`PositionLogs::with_epoch_floor`]).
+#[derive(Clone)]
+pub struct EpochFloor(Arc<FloorOf>);
+
+/// A queue's floor.
+type FloorOf = dyn Fn(&[u8]) -> u64 + Send + Sync;
+
+impl EpochFloor {
+    /// The floor `floor` computes for each queue.
+    pub fn new(floor: impl Fn(&[u8]) -> u64 + Send + Sync + 'static) -> Self {
+        Self(Arc::new(floor))
+    }
+
+    fn of(&self, queue: &[u8]) -> u64 {
+        (self.0)(queue)
+    }
+}
+
+impl std::fmt::Debug for EpochFloor {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("EpochFloor")
+    }
+}
+
 /// What the log holds, as far as it has been read.
 #[derive(Debug, Default)]
 struct Book {
@@ -125,6 +150,8 @@ pub struct ConsumerLog {
     snapshot_entries: AtomicU64,
     /// The server's delete epoch (the book's floor epoch is read from it).
     epoch: Arc<AtomicU64>,
+    /// A queue's least epoch beyond that (replicated queues: their shard's delete epoch).
+    floor: Option<EpochFloor>,
     /// The consumers a delete writes forgets to; this one joins before its first write.
     writers: Arc<Mutex<std::collections::HashSet<String>>>,
     /// Whether this consumer is in `writers` already.
@@ -196,8 +223,10 @@ impl ConsumerLog {
                 let Position {
                     epoch,
                     next: logged,
-                } = book.positions.get(queue).unwrap_or(Position {
-                    epoch: book.floor_epoch,
+                } = book.positions.get(queue).unwrap_or_else(|| Position {
+                    epoch: book
+                        .floor_epoch
+                        .max(self.floor.as_ref().map_or(0, |floor| floor.of(queue))),
                     next: 0,
                 });
                 let legacy = crate::queue::mailbox::subscription::load_position(
@@ -554,6 +583,8 @@ pub struct PositionLogs {
     writers: Arc<Mutex<std::collections::HashSet<String>>>,
     /// The delete epoch ([`epoch_queue`]'s next offset), written with every ack record.
     epoch: Arc<AtomicU64>,
+    /// A queue's least epoch beyond that (see [`PositionLogs::with_epoch_floor`]).
+    floor: Option<EpochFloor>,
     /// Deletes completed since the start (see [`PositionLogs::deletes`]).
     deletes: AtomicU64,
     /// Positions forgotten: forgets written, position queues deleted.
@@ -595,6 +626,7 @@ impl PositionLogs {
             logs: Mutex::new((HashMap::new(), 64)),
             writers: Arc::new(Mutex::new(consumers)),
             epoch: Arc::new(AtomicU64::new(epoch)),
+            floor: None,
             deletes: AtomicU64::new(0),
             forgets: Counter::default(),
         }
@@ -607,6 +639,18 @@ impl PositionLogs {
     pub fn with_unloaded_records_max(self, records: u64) -> Self {
         Self {
             unloaded_records_max: records,
+            ..self
+        }
+    }
+
+    /// Positions on a queue without one take the larger of the server's delete epoch and
+    /// `floor(queue)`: in a cluster that replicates its queues, the queue's shard's delete
+    /// epoch, the same on every replica, so that positions from any node compare alike with
+    /// a replicated delete's forget ([`PositionLogs::forget_replicated`]).
+    #[must_use]
+    pub fn with_epoch_floor(self, floor: EpochFloor) -> Self {
+        Self {
+            floor: Some(floor),
             ..self
         }
     }
@@ -641,6 +685,26 @@ impl PositionLogs {
         // Acks from now on are of this epoch or later, so they outrank the forget.
         let epoch = offset + 1;
         self.epoch.fetch_max(epoch, Ordering::AcqRel);
+        self.forget_in(queue, epoch)
+    }
+
+    /// [`PositionLogs::forget`] for a replicated delete (applied from a shard's log, on every
+    /// replica): the forget is written in `epoch`, the queue's shard's delete epoch after the
+    /// delete, which every replica gives it alike; positions taken on any node before the
+    /// delete carry an older one and lose to it. Count the delete done with
+    /// [`PositionLogs::delete_done`] once the queue is deleted.
+    pub fn forget_replicated(&self, queue: &[u8], epoch: u64) -> Result<(), WireError> {
+        self.forget_in(queue, epoch)
+    }
+
+    /// Counts a replicated delete as completed (see [`PositionLogs::deletes`]).
+    pub fn delete_done(&self) {
+        self.deletes.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Writes a forget of `queue` in `epoch` to every consumer's log, deletes every
+    /// consumer's position queue of it, and waits until all of it is durable.
+    fn forget_in(&self, queue: &[u8], epoch: u64) -> Result<(), WireError> {
         let consumers: Vec<String> = lock(&self.writers).iter().cloned().collect();
         let mut tickets = Vec::new();
         for consumer in &consumers {
@@ -710,6 +774,7 @@ impl PositionLogs {
             compacting: AtomicBool::new(false),
             snapshot_entries: AtomicU64::new(0),
             epoch: Arc::clone(&self.epoch),
+            floor: self.floor.clone(),
             writers: Arc::clone(&self.writers),
             noted: AtomicBool::new(false),
         });
