@@ -32,7 +32,8 @@ struct Table {
     /// A client per member, by node id (connecting on first use).
     nodes: HashMap<u64, (String, Client)>,
     refreshed: Option<Instant>,
-    /// The member that answered the last refresh, when not the seed.
+    /// The member that answered the last refresh, when not the seed (a cluster that
+    /// replicates its queues only).
     fallback: Option<Client>,
 }
 
@@ -85,11 +86,14 @@ impl ShardRoutes {
     fn learn(&self, cluster: &GetClusterResponse, answering: Option<Client>) {
         let mut table = self.table.write().unwrap_or_else(PoisonError::into_inner);
         table.refreshed = Some(Instant::now());
-        table.fallback = answering;
         if !cluster.replicated_queues || cluster.shards == 0 {
+            // Each node's queues are its own: everything goes to the seed, even while it is
+            // down (another node would store the messages in queues of its own).
             table.shards = 0;
+            table.fallback = None;
             return;
         }
+        table.fallback = answering;
         table.shards = cluster.shards;
         table.leaders = vec![0; cluster.shards as usize];
         for placement in &cluster.shard_map {
