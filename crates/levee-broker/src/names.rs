@@ -184,6 +184,18 @@ pub fn is_reserved(queue: &[u8]) -> bool {
     queue.first() == Some(&RESERVED_PREFIX)
 }
 
+/// The name a queue is placed by in a cluster's shards (docs/CLUSTER.md, "Part 2"): a topic
+/// partition's topic (so a topic's partitions, and later its groups' state, share one shard),
+/// else the queue's own name.
+pub fn routing_name(queue: &[u8]) -> &[u8] {
+    if let Some(rest) = queue.strip_prefix(PARTITION_PREFIX)
+        && let Some(end) = rest.iter().rposition(|byte| *byte == 0)
+    {
+        return &rest[..end];
+    }
+    queue
+}
+
 /// The largest name that is reserved or sorts before every user's name: a zero byte, then
 /// 0xff to the longest name. Every reserved name sorts at or before it and every user's name
 /// after it, so a listing of users' queues starts after it.
@@ -323,6 +335,20 @@ pub fn producer_queue(producer: &str) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn given_a_partition_or_a_plain_queue_then_its_routing_name_is_the_topic_or_the_queue() {
+        assert_eq!(
+            routing_name(&partition_queue("orders.eu", 17)),
+            b"orders.eu"
+        );
+        assert_eq!(routing_name(&partition_queue("t", 0)), b"t");
+        assert_eq!(routing_name(b"user-42"), b"user-42");
+        assert_eq!(
+            routing_name(b"\0topic\0no-partition"),
+            b"\0topic\0no-partition"
+        );
+    }
 
     #[test]
     fn given_longest_names_then_every_reserved_name_fits_the_store() {

@@ -431,7 +431,7 @@ fn shard_delete_epochs(
     crate::queue::mailbox::position_log::EpochFloor::new(move |queue| match machine.shards() {
         Some(shards) if machine.replicated_queues() => levee_cluster::shard::plan::delete_epoch(
             &store,
-            levee_proto::shards::shard_of_bytes(queue, shards),
+            crate::queue::replicated::shard_of_queue(queue, shards),
         ),
         _ => 0,
     })

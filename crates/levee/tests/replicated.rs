@@ -805,3 +805,171 @@ fn given_a_replicated_cluster_when_a_queue_is_deleted_through_any_node_then_ever
     });
     drop(nodes.iter_mut().map(Option::take).collect::<Vec<_>>());
 }
+
+/// Publishes `keys` (payload = key) to `topic` through `client` as idempotent producer `id`,
+/// numbering each partition's messages from `sequences`; resends while the topic's shard
+/// moves (the shard judges resends, so nothing is stored twice). Each message's partition
+/// and offset.
+async fn publish_idempotent(
+    client: &Client,
+    topic: &str,
+    keys: &[String],
+    (id, sequences): (&str, &mut BTreeMap<u32, u64>),
+) -> Vec<(u32, u64)> {
+    let messages: Vec<levee_proto::v1::PublishMessage> = keys
+        .iter()
+        .map(|key| {
+            let partition = levee_proto::topic_partition(key.as_bytes(), 4);
+            let sequence = sequences.entry(partition).or_default();
+            *sequence += 1;
+            levee_proto::v1::PublishMessage {
+                key: key.clone().into_bytes().into(),
+                payload: key.clone().into_bytes().into(),
+                sequence: *sequence - 1,
+                ..Default::default()
+            }
+        })
+        .collect();
+    let request = levee_proto::v1::PublishRequest {
+        topic: topic.to_owned(),
+        messages,
+        producer_id: id.to_owned(),
+        ..Default::default()
+    };
+    let started = Instant::now();
+    loop {
+        match client.publish_request(request.clone()).await {
+            Ok(stored) => return stored,
+            Err(error)
+                if error.code() == Some(ErrorCode::Unavailable)
+                    && started.elapsed() < CONVERGE_TIMEOUT =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(error) => panic!("publish: {error}"),
+        }
+    }
+}
+
+/// What a group's members handled: each partition's (offset, payload)s.
+type Handled = std::sync::Arc<std::sync::Mutex<BTreeMap<u32, Vec<(u64, Vec<u8>)>>>>;
+
+/// A member of group "billing" on `topic` through `client`, recording what it handles in
+/// `handled`, until `stopped`.
+fn spawn_member(
+    client: &Client,
+    topic: &str,
+    handled: &Handled,
+    stopped: tokio::sync::oneshot::Receiver<()>,
+) -> tokio::task::JoinHandle<Result<levee_client::ConsumerStats, levee_client::ClientError>> {
+    let member = levee_client::GroupConsumer::new(
+        client.clone(),
+        topic,
+        "billing",
+        levee_client::ConsumerOptions::default(),
+    )
+    .unwrap();
+    let handled = std::sync::Arc::clone(handled);
+    tokio::spawn(async move {
+        member
+            .run(
+                move |message: levee_client::Message| {
+                    let handled = std::sync::Arc::clone(&handled);
+                    async move {
+                        handled
+                            .lock()
+                            .unwrap()
+                            .entry(message.partition)
+                            .or_default()
+                            .push((message.offset, message.payload.to_vec()));
+                    }
+                },
+                async move {
+                    let _ = stopped.await;
+                },
+            )
+            .await
+    })
+}
+
+#[test]
+fn given_a_replicated_cluster_when_a_topic_is_published_through_any_node_then_every_node_holds_it_and_a_leader_kill_loses_nothing()
+ {
+    let runtime = runtime();
+    let directory = tempfile::tempdir().unwrap();
+    let mut nodes = three_nodes(directory.path());
+    let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
+    let leaders = wait_settled(&all);
+    let topic = "payments";
+    let leader = leaders[&u64::from(levee_proto::shards::shard_of_bytes(
+        topic.as_bytes(),
+        SHARDS,
+    ))];
+    let clients: Vec<Client> = all
+        .iter()
+        .map(|node| runtime.block_on(Client::connect(&node.grpc())).unwrap())
+        .collect();
+    // Published through a node that does not lead the topic's shard, consumed through the
+    // other one.
+    let others: Vec<&Client> = (0..3)
+        .filter(|index| *index as u64 + 1 != leader)
+        .map(|index| &clients[index])
+        .collect();
+    let keys: Vec<String> = (0..60).map(|n| format!("user-{n}")).collect();
+    let mut sequences = BTreeMap::new();
+    let handled = Handled::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let stored = runtime.block_on(async {
+        assert!(!clients[0].create_topic(topic, 4).await.unwrap());
+        let mut stored =
+            publish_idempotent(others[0], topic, &keys[..30], ("p", &mut sequences)).await;
+        // A group member on the other node is woken by the messages its node applies.
+        let running = spawn_member(others[1], topic, &handled, stopped);
+        // The shard's leader is killed; publishing goes on through the new one.
+        nodes[usize::try_from(leader - 1).unwrap()].take();
+        stored
+            .extend(publish_idempotent(others[0], topic, &keys[30..], ("p", &mut sequences)).await);
+        let deadline = Instant::now() + CONVERGE_TIMEOUT;
+        while handled
+            .lock()
+            .unwrap()
+            .values()
+            .map(Vec::len)
+            .sum::<usize>()
+            < keys.len()
+        {
+            assert!(
+                Instant::now() < deadline,
+                "every message handled on the other node"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = stop.send(());
+        running.await.unwrap().unwrap();
+        stored
+    });
+    // Every acknowledged message once, at its acknowledged partition and offset, dense.
+    let mut expected: BTreeMap<u32, Vec<(u64, Vec<u8>)>> = BTreeMap::new();
+    for (key, (partition, offset)) in keys.iter().zip(&stored) {
+        let messages = expected.entry(*partition).or_default();
+        messages.push((*offset, key.clone().into_bytes()));
+    }
+    for messages in expected.values_mut() {
+        messages.sort();
+        let offsets: Vec<u64> = messages.iter().map(|(offset, _)| *offset).collect();
+        assert_eq!(offsets, (0..offsets.len() as u64).collect::<Vec<_>>());
+    }
+    let mut handled = handled.lock().unwrap().clone();
+    for messages in handled.values_mut() {
+        messages.sort();
+    }
+    assert_eq!(handled, expected);
+    for client in others {
+        let described = runtime.block_on(client.describe_topic(topic)).unwrap();
+        let next: Vec<u64> = described.partitions.iter().map(|p| p.next_offset).collect();
+        let counts: Vec<u64> = (0..4)
+            .map(|partition| expected.get(&partition).map_or(0, |m| m.len() as u64))
+            .collect();
+        assert_eq!(next, counts);
+    }
+}

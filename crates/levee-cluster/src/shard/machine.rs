@@ -44,7 +44,8 @@ const APPLYING_KEY: &str = "applying";
 /// Told of every message a shard stores, once it is readable (on every replica), and keeper of
 /// the consumers' positions the shard's log carries.
 pub trait ShardObserver: Send + Sync {
-    /// `appended` holds each stored message's queue, offset and payload.
+    /// `appended` holds each stored message's queue (plain queues and topic partitions; not
+    /// the shard's own records), offset and payload.
     fn appended(&self, shard: ShardId, appended: &[(&[u8], u64, &[u8])]);
 
     /// Records `consumer`'s `positions` in the node's store (the largest position of a queue
@@ -509,7 +510,10 @@ impl ShardStateMachine {
             let appended: Vec<(&[u8], u64, &[u8])> = plan
                 .batch
                 .iter()
-                .filter(|(queue, _, _)| !levee_broker::names::is_reserved(queue))
+                .filter(|(queue, _, _)| {
+                    !queue.starts_with(levee_broker::names::PRODUCER_PREFIX)
+                        && !queue.starts_with(levee_broker::names::SHARD_DELETES_PREFIX)
+                })
                 .map(|(queue, payload, offset)| (&queue[..], *offset, &payload[..]))
                 .collect();
             observer.appended(self.shard, &appended);

@@ -155,16 +155,36 @@ impl ShardObserver for ApplyHere {
     }
 
     fn appended(&self, _shard: ShardId, appended: &[(&[u8], u64, &[u8])]) {
-        let appended: Vec<Appended<'_>> = appended
+        let (partitions, plain): (Vec<_>, Vec<_>) = appended
             .iter()
+            .partition(|(queue, _, _)| levee_broker::names::is_reserved(queue));
+        let plain: Vec<Appended<'_>> = plain
+            .into_iter()
             .map(|&(queue, offset, payload)| Appended {
                 queue,
                 offset,
                 payload,
             })
             .collect();
-        self.waiters.wake_appended(&appended);
+        self.waiters.wake_appended(&plain);
+        // A topic's consumers wait on the topic: woken once per topic.
+        let mut topics: Vec<&[u8]> = partitions
+            .iter()
+            .map(|(queue, _, _)| levee_broker::names::routing_name(queue))
+            .collect();
+        topics.sort_unstable();
+        topics.dedup();
+        for topic in topics {
+            self.waiters
+                .wake(&crate::queue::topic::consume::topic_wake_key_bytes(topic));
+        }
     }
+}
+
+/// The shard of `queue` among `shards`: by its name, or a topic partition's by its topic's
+/// (`levee_broker::names::routing_name`).
+pub fn shard_of_queue(queue: &[u8], shards: u32) -> ShardId {
+    levee_proto::shards::shard_of_bytes(levee_broker::names::routing_name(queue), shards)
 }
 
 /// A shard write's failure as the API says it.
@@ -235,7 +255,7 @@ impl Replication {
     ) -> Result<(), WireError> {
         let mut parts: BTreeMap<ShardId, Vec<ConsumerPosition>> = BTreeMap::new();
         for position in positions {
-            let shard = levee_proto::shards::shard_of_bytes(&position.queue, groups.shards());
+            let shard = shard_of_queue(&position.queue, groups.shards());
             parts.entry(shard).or_default().push(position);
         }
         let writes = parts.into_iter().map(|(shard, positions)| {
@@ -283,7 +303,7 @@ impl Replication {
         queues: &[impl AsRef<[u8]>],
     ) -> Result<(), WireError> {
         for queue in queues {
-            let shard = levee_proto::shards::shard_of_bytes(queue.as_ref(), groups.shards());
+            let shard = shard_of_queue(queue.as_ref(), groups.shards());
             if !groups.replicates(shard) {
                 return Err(WireError::new(
                     ErrorCode::FailedPrecondition,
@@ -305,7 +325,7 @@ impl Replication {
         Self::check_replicated_here(groups, queues)?;
         let shards: std::collections::BTreeSet<ShardId> = queues
             .iter()
-            .map(|queue| levee_proto::shards::shard_of_bytes(queue, groups.shards()))
+            .map(|queue| shard_of_queue(queue, groups.shards()))
             .collect();
         let barriers = shards
             .into_iter()
@@ -333,7 +353,7 @@ impl Replication {
     /// Deletes `queue` through its shard (see `ShardCommand::Delete`); whether it existed.
     /// Deleting again is harmless, so a delete whose answer was lost may simply be sent again.
     pub async fn delete(groups: &ShardGroups, queue: &[u8]) -> Result<bool, WireError> {
-        let shard = levee_proto::shards::shard_of_bytes(queue, groups.shards());
+        let shard = shard_of_queue(queue, groups.shards());
         if !groups.replicates(shard) && groups.leader_of(shard).is_none() {
             return Err(WireError::new(
                 ErrorCode::FailedPrecondition,
@@ -382,7 +402,7 @@ impl Replication {
         // Each shard's messages and their places in the request.
         let mut parts: BTreeMap<ShardId, (Vec<usize>, Vec<QueueMessage>)> = BTreeMap::new();
         for (index, message) in messages.into_iter().enumerate() {
-            let shard = levee_proto::shards::shard_of_bytes(&message.queue, shards);
+            let shard = shard_of_queue(&message.queue, shards);
             let part = parts.entry(shard).or_default();
             part.0.push(index);
             part.1.push(QueueMessage {

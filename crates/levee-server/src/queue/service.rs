@@ -125,6 +125,12 @@ impl QueueService {
         self
     }
 
+    /// The shard groups when the cluster replicates its queues (`None` when it does not),
+    /// UNAVAILABLE while they open.
+    pub(crate) fn replicated(&self) -> Result<Option<ShardGroups>, WireError> {
+        Replication::groups_if_replicated(self.replication.as_ref())
+    }
+
     /// The shard groups, when plain queues are replicated.
     fn shard_groups(&self) -> Option<Result<&ShardGroups, WireError>> {
         self.replication.as_ref().and_then(Replication::groups)

@@ -56,8 +56,13 @@ pub fn now_ms() -> u64 {
 
 /// The wake-up key of a topic in [`Waiters`]: publishing to the topic wakes its consumers.
 pub fn topic_wake_key(topic: &str) -> Vec<u8> {
+    topic_wake_key_bytes(topic.as_bytes())
+}
+
+/// [`topic_wake_key`] of a topic's name as bytes.
+pub fn topic_wake_key_bytes(topic: &[u8]) -> Vec<u8> {
     let mut key = b"\0wake\0".to_vec();
-    key.extend_from_slice(topic.as_bytes());
+    key.extend_from_slice(topic);
     key
 }
 

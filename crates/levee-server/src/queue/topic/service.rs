@@ -7,12 +7,12 @@ use std::sync::Arc;
 use levee_proto::v1::consume_request::Kind as ConsumeKind;
 use levee_proto::v1::topics_server::Topics as TopicsApi;
 use levee_proto::v1::{
-    ConsumeRequest, ConsumeResponse, CreateTopicRequest, CreateTopicResponse, DescribeGroupRequest,
-    DescribeGroupResponse, DescribeProducerRequest, DescribeProducerResponse, DescribeTopicRequest,
-    DescribeTopicResponse, ErrorCode, GroupMember, GroupPartition, ListTopicsRequest,
-    ListTopicsResponse, PartitionInfo, PublishMessage, PublishRequest, PublishResponse,
-    SetGroupRateRequest, SetGroupRateResponse, SetProducerRateRequest, SetProducerRateResponse,
-    TopicSummary,
+    AppendMessage, ConsumeRequest, ConsumeResponse, CreateTopicRequest, CreateTopicResponse,
+    DescribeGroupRequest, DescribeGroupResponse, DescribeProducerRequest, DescribeProducerResponse,
+    DescribeTopicRequest, DescribeTopicResponse, ErrorCode, GroupMember, GroupPartition,
+    ListTopicsRequest, ListTopicsResponse, PartitionInfo, PublishMessage, PublishRequest,
+    PublishResponse, SetGroupRateRequest, SetGroupRateResponse, SetProducerRateRequest,
+    SetProducerRateResponse, TopicSummary,
 };
 use levee_proto::v1::{
     DescribeRetryPolicyRequest, DescribeRetryPolicyResponse, ListDeadLettersRequest,
@@ -31,7 +31,7 @@ use levee_broker::retry::{DELAY_MS_MAX, RetryPolicy};
 use crate::metrics::GroupLabels;
 use crate::queue::credit::{STREAM_START_TIMEOUT, SUBSCRIPTIONS_MAX};
 use crate::queue::grpc_stream::{self, GrpcResponses};
-use crate::queue::producer::idempotent::SequencedMessage;
+use crate::queue::producer::idempotent::{SequencedMessage, check_producer_id};
 use crate::queue::service::{APPEND_MESSAGES_MAX, QueueService};
 use crate::queue::stream;
 use crate::queue::topic::catalog::Topic;
@@ -211,6 +211,23 @@ impl TopicService {
     }
 }
 
+/// The partition `message` goes to: the one it names, else its key's.
+fn partition_of(topic: &Topic, message: &PublishMessage) -> Result<u32, WireError> {
+    match message.partition_plus_one {
+        0 => Ok(topic_partition(&message.key, topic.partitions())),
+        explicit if explicit <= topic.partitions() => Ok(explicit - 1),
+        explicit => Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            format!(
+                "partition {} does not exist; topic '{}' has {} partitions",
+                explicit - 1,
+                topic.name,
+                topic.partitions()
+            ),
+        )),
+    }
+}
+
 /// When a message asks to be delivered (ms since the Unix epoch), `None` for at once; a time
 /// too far ahead is refused.
 fn delivery_time(message: &PublishMessage, now_ms: u64) -> Result<Option<u64>, WireError> {
@@ -240,6 +257,64 @@ fn delivery_time(message: &PublishMessage, now_ms: u64) -> Result<Option<u64>, W
 }
 
 impl TopicService {
+    /// In a cluster that replicates its queues, refuses to serve `topic`'s partitions from
+    /// this node when it holds no replica of the topic's shard (see
+    /// `Replication::check_replicated_here`). An unknown topic passes (refused later, by name).
+    fn check_topic_here(&self, topic: &str) -> Result<(), WireError> {
+        if let Some(groups) = self.queues.replicated()?
+            && let Ok(found) = self.context.topics.require(topic)
+        {
+            crate::queue::replicated::Replication::check_replicated_here(
+                &groups,
+                &found.queues[..1],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The shard groups a publish goes through when the cluster replicates its queues
+    /// (`None` when it does not); refuses `delayed` messages there (not built yet).
+    fn replicated_publish(
+        &self,
+        delayed: bool,
+    ) -> Result<Option<levee_cluster::shard::ShardGroups>, WireError> {
+        let replicated = self.queues.replicated()?;
+        if replicated.is_some() && delayed {
+            return Err(WireError::new(
+                ErrorCode::FailedPrecondition,
+                "delayed publishing (delay_ms, deliver_at_ms) in a cluster that replicates its \
+                 queues is not built yet (docs/CLUSTER.md, \"Part 2\"); publish without a delay",
+            ));
+        }
+        Ok(replicated)
+    }
+
+    /// Publishes through the topic's shard: the partitions' messages are replicated like a
+    /// plain queue's, an idempotent producer's judged in the shard's log. The offsets.
+    async fn publish_replicated(
+        groups: &levee_cluster::shard::ShardGroups,
+        topic: &Topic,
+        (partitions, messages): (&[u32], Vec<(levee_proto::Bytes, u64)>),
+        producer_id: &str,
+    ) -> Result<Vec<u64>, WireError> {
+        let producer = if producer_id.is_empty() {
+            None
+        } else {
+            check_producer_id(producer_id)?;
+            Some(producer_id)
+        };
+        let messages = partitions
+            .iter()
+            .zip(messages)
+            .map(|(&partition, (payload, sequence))| AppendMessage {
+                queue: levee_proto::Bytes::copy_from_slice(&topic.queues[partition as usize]),
+                payload,
+                sequence,
+            })
+            .collect();
+        crate::queue::replicated::Replication::append(groups, producer, messages).await
+    }
+
     /// Publishes a request with delayed messages: those due later wait in the delayer, the
     /// others are appended at once. Returns the offsets (0 for the delayed ones) once durable.
     async fn publish_delayed(
@@ -315,6 +390,7 @@ impl TopicsApi for TopicService {
     ) -> Result<Response<DescribeTopicResponse>, Status> {
         let name = request.into_inner().topic;
         let topic = self.context.topics.require_current(&name).await?;
+        self.check_topic_here(&name)?;
         let store = &self.context.calls.store;
         let partitions = (0_u32..)
             .zip(&topic.queues)
@@ -388,23 +464,9 @@ impl TopicsApi for TopicService {
         if !due.is_empty() {
             due.resize(count, 0);
         }
+        let replicated = self.replicated_publish(!due.is_empty())?;
         for message in request.messages {
-            let partition = match message.partition_plus_one {
-                0 => topic_partition(&message.key, topic.partitions()),
-                explicit if explicit <= topic.partitions() => explicit - 1,
-                explicit => {
-                    return Err(WireError::new(
-                        ErrorCode::InvalidArgument,
-                        format!(
-                            "partition {} does not exist; topic '{}' has {} partitions",
-                            explicit - 1,
-                            topic.name,
-                            topic.partitions()
-                        ),
-                    )
-                    .into());
-                }
-            };
+            let partition = partition_of(&topic, &message)?;
             partitions.push(partition);
             messages.push((message.payload, message.sequence));
         }
@@ -413,7 +475,15 @@ impl TopicsApi for TopicService {
             .admit_producer(&request.producer_name, count as u64)
             .await?;
         let queue_of = |partition: u32| &topic.queues[partition as usize];
-        let offsets = if !due.is_empty() {
+        let offsets = if let Some(groups) = &replicated {
+            Self::publish_replicated(
+                groups,
+                &topic,
+                (&partitions, messages),
+                &request.producer_id,
+            )
+            .await?
+        } else if !due.is_empty() {
             self.publish_delayed(&topic, &partitions, &messages, &due, now)
                 .await?
         } else if request.producer_id.is_empty() {
@@ -473,6 +543,7 @@ impl TopicsApi for TopicService {
                 format!("{SUBSCRIPTIONS_MAX} consume streams are open on this server; retry later"),
             )
         })?;
+        self.check_topic_here(&start.topic)?;
         let (outgoing, responses) = stream::channel();
         let session =
             ConsumeSession::join(Arc::clone(&self.context), start, incoming, outgoing).await?;
