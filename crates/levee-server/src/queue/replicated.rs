@@ -561,3 +561,54 @@ pub async fn run_shards(
     }
     groups.shutdown().await;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use levee_store::StoreOptions;
+    use prometheus_client::metrics::counter::Counter;
+
+    fn position(queue: &[u8], epoch: u64, next: u64) -> ConsumerPosition {
+        ConsumerPosition {
+            queue: levee_proto::Bytes::copy_from_slice(queue),
+            epoch,
+            next,
+        }
+    }
+
+    #[test]
+    fn given_a_replicated_delete_then_acks_taken_before_it_are_dropped_and_later_ones_kept() {
+        let directory = tempfile::tempdir().unwrap();
+        let store = Arc::new(
+            Store::open(directory.path(), StoreOptions::default())
+                .unwrap()
+                .0,
+        );
+        let positions = Arc::new(PositionLogs::new(
+            Arc::clone(&store),
+            1_000,
+            Counter::default(),
+        ));
+        let here = ApplyHere::new(Arc::new(Waiters::default()), Arc::clone(&positions));
+        let queues = [b"q".to_vec().into_boxed_slice()];
+        let read = || positions.open("app").positions(&queues).unwrap()[0];
+        here.positions(0, "app", &[position(b"q", 0, 5)]).unwrap();
+        assert_eq!(read().next, 5);
+        // The shard's first delete: epoch 1.
+        here.deleting(0, b"q", 1).unwrap();
+        here.deleted(0, b"q");
+        assert_eq!((read().epoch, read().next), (1, 0), "forgotten");
+        // An ack written on another node before it applied the delete, applied after it.
+        here.positions(0, "app", &[position(b"q", 0, 7)]).unwrap();
+        assert_eq!(read().next, 0, "an ack of the deleted queue is dropped");
+        // An ack of the queue created again, in the new epoch.
+        here.positions(0, "app", &[position(b"q", 1, 2)]).unwrap();
+        assert_eq!(read().next, 2);
+        // Deletes of other queues (in its shard or another) do not touch it.
+        here.deleting(0, b"other", 2).unwrap();
+        here.deleting(1, b"elsewhere", 4).unwrap();
+        here.positions(0, "app", &[position(b"q", 1, 3)]).unwrap();
+        assert_eq!(read().next, 3);
+        assert_eq!(positions.deletes(), 1);
+    }
+}
