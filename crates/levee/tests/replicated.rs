@@ -707,6 +707,22 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
     }
 }
 
+/// Nodes 1, 2 and 3 of a new cluster, settled ([`wait_settled`]): the nodes, each shard's
+/// leader, and a client of each node.
+fn settled_three(
+    runtime: &tokio::runtime::Runtime,
+    directory: &std::path::Path,
+) -> ([Option<LeveeProcess>; 3], BTreeMap<u64, u64>, Vec<Client>) {
+    let nodes = three_nodes(directory);
+    let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
+    let leaders = wait_settled(&all);
+    let clients = all
+        .iter()
+        .map(|node| runtime.block_on(Client::connect(&node.grpc())).unwrap())
+        .collect();
+    (nodes, leaders, clients)
+}
+
 /// Whether `client`'s node has no queue `queue` (deleted there), else its next offset.
 async fn next_offset_on(client: &Client, queue: &[u8]) -> Option<u64> {
     match client.queue_info(queue).await {
@@ -721,13 +737,7 @@ fn given_a_replicated_cluster_when_a_queue_is_deleted_through_any_node_then_ever
  {
     let runtime = runtime();
     let directory = tempfile::tempdir().unwrap();
-    let mut nodes = three_nodes(directory.path());
-    let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
-    wait_settled(&all);
-    let clients: Vec<Client> = all
-        .iter()
-        .map(|node| runtime.block_on(Client::connect(&node.grpc())).unwrap())
-        .collect();
+    let (mut nodes, _, clients) = settled_three(&runtime, directory.path());
     let queue: &[u8] = b"orders-to-delete";
     runtime.block_on(async {
         for payload in [&b"a0"[..], b"a1", b"a2"] {
@@ -897,18 +907,12 @@ fn given_a_replicated_cluster_when_a_topic_is_published_through_any_node_then_ev
  {
     let runtime = runtime();
     let directory = tempfile::tempdir().unwrap();
-    let mut nodes = three_nodes(directory.path());
-    let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
-    let leaders = wait_settled(&all);
+    let (mut nodes, leaders, clients) = settled_three(&runtime, directory.path());
     let topic = "payments";
     let leader = leaders[&u64::from(levee_proto::shards::shard_of_bytes(
         topic.as_bytes(),
         SHARDS,
     ))];
-    let clients: Vec<Client> = all
-        .iter()
-        .map(|node| runtime.block_on(Client::connect(&node.grpc())).unwrap())
-        .collect();
     // Published through a node that does not lead the topic's shard, consumed through the
     // other one.
     let others: Vec<&Client> = (0..3)
