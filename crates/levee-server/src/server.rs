@@ -473,6 +473,7 @@ fn queue_services(
     .with_replication(crate::queue::replicated::Replication::new(
         raft.machine.clone(),
         raft.shards.clone(),
+        raft.raft.metrics(),
     ));
     let delayer = Arc::new(crate::queue::delay::Delayer::open(
         calls.clone(),

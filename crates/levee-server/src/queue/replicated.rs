@@ -24,6 +24,7 @@ use levee_cluster::shard::{
 };
 use levee_cluster::{MetaStateMachine, NodeId, NodeInfo, Raft};
 use levee_proto::WireError;
+use levee_proto::v1::queues_client::QueuesClient;
 use levee_proto::v1::{AppendMessage, ErrorCode};
 use levee_store::Store;
 use tokio::sync::watch;
@@ -41,7 +42,18 @@ pub const SHARDS_DIR_NAME: &str = "shards";
 pub struct Replication {
     machine: MetaStateMachine,
     slot: ShardSlot,
+    /// The metadata group: its voters place the shards, its members' addresses are where reads
+    /// of shards this node holds no replica of go.
+    meta: watch::Receiver<levee_cluster::network::RaftMetrics>,
+    /// A channel per member address reads were forwarded to (at most [`FORWARD_CHANNELS_MAX`]).
+    channels: Arc<std::sync::Mutex<BTreeMap<String, tonic::transport::Channel>>>,
 }
+
+/// Request metadata marking a read forwarded by a node without a replica: it is never
+/// forwarded again.
+pub const FORWARDED_HEADER: &str = "levee-forwarded";
+/// Channels [`Replication`] keeps for forwarded reads; past it they are opened again.
+const FORWARD_CHANNELS_MAX: usize = 64;
 
 /// What a node's replica of a shard does beyond its store: wakes the node's subscriptions as
 /// it applies appends, and records consumers' positions in the node's position logs.
@@ -230,8 +242,77 @@ fn consumer_error(error: &ShardWriteError, what: &str) -> WireError {
 impl Replication {
     /// Replication as `machine` says the cluster was created, through the groups `slot` holds
     /// once opened.
-    pub fn new(machine: MetaStateMachine, slot: ShardSlot) -> Self {
-        Self { machine, slot }
+    pub fn new(
+        machine: MetaStateMachine,
+        slot: ShardSlot,
+        meta: watch::Receiver<levee_cluster::network::RaftMetrics>,
+    ) -> Self {
+        Self {
+            machine,
+            slot,
+            meta,
+            channels: Arc::default(),
+        }
+    }
+
+    /// Where a read of `queue` goes when this node holds no replica of its shard: the shard's
+    /// preferred replica (its usual leader) as the metadata group's voters place it, and a
+    /// client of its gRPC port. `None` when this node holds a replica (or the cluster does not
+    /// replicate its queues), or when the request was forwarded already (`forwarded`: then
+    /// the refusal naming the replicas).
+    pub fn read_elsewhere(
+        &self,
+        queue: &[u8],
+        forwarded: bool,
+    ) -> Result<Option<(NodeId, QueuesClient<tonic::transport::Channel>)>, WireError> {
+        let Some(groups) = self.groups() else {
+            return Ok(None);
+        };
+        let groups = groups?;
+        let shard = shard_of_queue(queue, groups.shards());
+        if groups.replicates(shard) {
+            return Ok(None);
+        }
+        if forwarded {
+            Self::check_replicated_here(groups, &[queue])?;
+        }
+        let metrics = self.meta.borrow().clone();
+        let membership = metrics.membership_config.membership();
+        let voters: Vec<NodeId> = membership.voter_ids().collect();
+        let target = levee_proto::shards::replicas(shard, &voters)
+            .into_iter()
+            .find_map(|node| Some((node, membership.get_node(&node)?.grpc_addr.clone())))
+            .filter(|(_, address)| !address.is_empty());
+        let Some((node, address)) = target else {
+            // No replica known: say so, as before.
+            Self::check_replicated_here(groups, &[queue])?;
+            return Ok(None);
+        };
+        let channel = {
+            let mut channels = crate::queue::lock(&self.channels);
+            if let Some(channel) = channels.get(&address) {
+                channel.clone()
+            } else {
+                let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+                    .map_err(|error| {
+                        WireError::new(
+                            ErrorCode::Unavailable,
+                            format!("node {node}'s address '{address}': {error}"),
+                        )
+                    })?
+                    .connect_timeout(Duration::from_secs(2))
+                    .connect_lazy();
+                if channels.len() >= FORWARD_CHANNELS_MAX {
+                    channels.clear();
+                }
+                channels.insert(address, channel.clone());
+                channel
+            }
+        };
+        Ok(Some((
+            node,
+            QueuesClient::new(channel).max_decoding_message_size(usize::MAX),
+        )))
     }
 
     /// The shard groups when the cluster replicates its queues (`None` when it does not),

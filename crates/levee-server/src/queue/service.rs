@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use levee_proto::WireError;
+use levee_proto::v1::queues_client::QueuesClient;
 use levee_proto::v1::queues_server::Queues;
 use levee_proto::v1::subscribe_many_request::Kind as SubscribeManyKind;
 use levee_proto::v1::subscribe_request::Kind as SubscribeKind;
@@ -107,13 +108,19 @@ impl QueueService {
         }
     }
 
-    /// Refuses a read of `queue` on a node that holds no replica of its shard (a cluster that
-    /// replicates its queues only).
-    fn check_replicated_here(&self, queue: &[u8]) -> Result<(), WireError> {
-        match self.shard_groups() {
-            Some(Ok(groups)) => Replication::check_replicated_here(groups, &[queue]),
-            Some(Err(opening)) => Err(opening),
-            None => Ok(()),
+    /// Where a read of `queue` goes when this node holds no replica of its shard (see
+    /// [`Replication::read_elsewhere`]); `None`: served here.
+    fn read_elsewhere(
+        &self,
+        queue: &[u8],
+        metadata: &tonic::metadata::MetadataMap,
+    ) -> Result<Option<(u64, QueuesClient<tonic::transport::Channel>)>, WireError> {
+        match &self.replication {
+            Some(replication) => replication.read_elsewhere(
+                queue,
+                metadata.contains_key(crate::queue::replicated::FORWARDED_HEADER),
+            ),
+            None => Ok(None),
         }
     }
 
@@ -377,9 +384,15 @@ impl Queues for QueueService {
     }
 
     async fn read(&self, request: Request<ReadRequest>) -> Result<Response<ReadResponse>, Status> {
+        check_not_reserved(&request.get_ref().queue)?;
+        let elsewhere = self.read_elsewhere(&request.get_ref().queue, request.metadata())?;
         let request = request.into_inner();
-        check_not_reserved(&request.queue)?;
-        self.check_replicated_here(&request.queue)?;
+        if let Some((node, mut replica)) = elsewhere {
+            return replica
+                .read(forwarded(request))
+                .await
+                .map_err(|status| forward_failed(node, status));
+        }
         let max_messages = match request.max_messages {
             0 => READ_MESSAGES_DEFAULT,
             count if count <= READ_MESSAGES_MAX => count,
@@ -439,9 +452,15 @@ impl Queues for QueueService {
         &self,
         request: Request<GetQueueInfoRequest>,
     ) -> Result<Response<GetQueueInfoResponse>, Status> {
+        check_not_reserved(&request.get_ref().queue)?;
+        let elsewhere = self.read_elsewhere(&request.get_ref().queue, request.metadata())?;
         let queue = request.into_inner().queue;
-        check_not_reserved(&queue)?;
-        self.check_replicated_here(&queue)?;
+        if let Some((node, mut replica)) = elsewhere {
+            return replica
+                .get_queue_info(forwarded(GetQueueInfoRequest { queue }))
+                .await
+                .map_err(|status| forward_failed(node, status));
+        }
         let info = self
             .calls
             .store
@@ -580,4 +599,37 @@ impl Queues for QueueService {
             .await?;
         Ok(Response::new(SetRetentionResponse { messages_removed }))
     }
+}
+
+/// `message` as a request forwarded to a replica (never forwarded again).
+fn forwarded<T>(message: T) -> Request<T> {
+    let mut request = Request::new(message);
+    request.metadata_mut().insert(
+        crate::queue::replicated::FORWARDED_HEADER,
+        tonic::metadata::MetadataValue::from_static("1"),
+    );
+    request
+}
+
+/// A forwarded read's failure: the replica's answer as it gave it, a connection that failed
+/// as UNAVAILABLE naming the node.
+fn forward_failed(node: u64, status: Status) -> Status {
+    if status.code() == tonic::Code::Unavailable || status.code() == tonic::Code::Unknown {
+        // A status the replica made carries Levee's error code; one the transport made not.
+        let reached = status
+            .metadata()
+            .contains_key(levee_proto::ERROR_CODE_METADATA_KEY);
+        if !reached {
+            return WireError::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "this node holds no replica of the queue's shard and could not reach node \
+                     {node}, which does: {}; retry, or read through another replica",
+                    status.message()
+                ),
+            )
+            .into();
+        }
+    }
+    status
 }
