@@ -675,6 +675,30 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
     // reads to a replica rather than answer from its empty store.
     let fifth = start(directory.path(), "5", "127.0.0.1:0", Some(&seed));
     let fifth_client = runtime.block_on(Client::connect(&fifth.grpc())).unwrap();
+    assert_forwards(&runtime, &client, &fifth_client);
+    let refusal = runtime
+        .block_on(fifth_client.append(b"moving-0", b"through a learner"))
+        .expect_err("a node without a replica or a known leader stores nothing");
+    assert_eq!(
+        refusal.code(),
+        Some(ErrorCode::FailedPrecondition),
+        "{refusal}"
+    );
+
+    let _ = stop.send(true);
+    let acknowledged = runtime.block_on(appending).unwrap();
+    assert!(acknowledged.values().map(BTreeMap::len).sum::<usize>() > 50);
+    for node in [&first, &second, &fourth] {
+        let client = runtime.block_on(Client::connect(&node.grpc())).unwrap();
+        assert_holds(&runtime, &client, &acknowledged);
+    }
+}
+
+/// A node that holds no replica (`through`) forwards reads, queue info, a subscription, a
+/// group member's stream and a topic's description to a replica: the same answers as `replica`
+/// gives.
+fn assert_forwards(runtime: &tokio::runtime::Runtime, replica: &Client, through: &Client) {
+    let (client, fifth_client) = (replica, through);
     let mut forwarded = None;
     wait_for("node 5 forwarding a read", CONVERGE_TIMEOUT, || {
         forwarded = runtime
@@ -697,22 +721,52 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
         .block_on(fifth_client.queue_info(b"never-appended"))
         .expect_err("the replica's answer, forwarded");
     assert_eq!(missing.code(), Some(ErrorCode::NotFound), "{missing}");
-    let refusal = runtime
-        .block_on(fifth_client.append(b"moving-0", b"through a learner"))
-        .expect_err("a node without a replica or a known leader stores nothing");
-    assert_eq!(
-        refusal.code(),
-        Some(ErrorCode::FailedPrecondition),
-        "{refusal}"
-    );
-
-    let _ = stop.send(true);
-    let acknowledged = runtime.block_on(appending).unwrap();
-    assert!(acknowledged.values().map(BTreeMap::len).sum::<usize>() > 50);
-    for node in [&first, &second, &fourth] {
-        let client = runtime.block_on(Client::connect(&node.grpc())).unwrap();
-        assert_holds(&runtime, &client, &acknowledged);
-    }
+    // A subscription through it goes on through the replica.
+    runtime.block_on(async {
+        let mut subscription = fifth_client
+            .subscribe(b"moving-0", "via-learner", 10)
+            .await
+            .unwrap();
+        assert_eq!(subscription.start_offset(), 0);
+        for expected in direct.payloads.iter().take(3) {
+            let delivery = subscription.next().await.unwrap().unwrap();
+            assert_eq!(&delivery.payload, expected);
+        }
+        subscription.ack(2).await.unwrap();
+        // So do a group member's stream and a topic's description.
+        client.create_topic("audit", 2).await.unwrap();
+        let keys: Vec<(Vec<u8>, Vec<u8>)> = (0..10)
+            .map(|n| (format!("k{n}").into_bytes(), format!("e{n}").into_bytes()))
+            .collect();
+        let borrowed: Vec<(&[u8], &[u8])> = keys
+            .iter()
+            .map(|(key, payload)| (&key[..], &payload[..]))
+            .collect();
+        client.publish("audit", &borrowed).await.unwrap();
+        let handled = Handled::default();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let member = spawn_member(fifth_client, "audit", &handled, stopped);
+        let deadline = Instant::now() + CONVERGE_TIMEOUT;
+        while handled
+            .lock()
+            .unwrap()
+            .values()
+            .map(Vec::len)
+            .sum::<usize>()
+            < keys.len()
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the member through node 5 handles them"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = stop.send(());
+        member.await.unwrap().unwrap();
+        let described = fifth_client.describe_topic("audit").await.unwrap();
+        let published: u64 = described.partitions.iter().map(|p| p.next_offset).sum();
+        assert_eq!(published, keys.len() as u64);
+    });
 }
 
 /// Nodes 1, 2 and 3 of a new cluster, settled ([`wait_settled`]): the nodes, each shard's

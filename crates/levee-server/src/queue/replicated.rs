@@ -24,7 +24,6 @@ use levee_cluster::shard::{
 };
 use levee_cluster::{MetaStateMachine, NodeId, NodeInfo, Raft};
 use levee_proto::WireError;
-use levee_proto::v1::queues_client::QueuesClient;
 use levee_proto::v1::{AppendMessage, ErrorCode};
 use levee_store::Store;
 use tokio::sync::watch;
@@ -52,6 +51,83 @@ pub struct Replication {
 /// Request metadata marking a read forwarded by a node without a replica: it is never
 /// forwarded again.
 pub const FORWARDED_HEADER: &str = "levee-forwarded";
+/// Messages of a forwarded stream waiting to go on to the replica.
+const FORWARD_QUEUED_MAX: usize = 64;
+
+/// The client's messages of a stream forwarded to a replica: `first` (its start), then the
+/// rest of `incoming`, through a bounded channel (the client waits while the replica does).
+/// `held` (the stream's permit) is kept until the client's side ends.
+pub fn forward_requests<T: Send + 'static>(
+    first: T,
+    mut incoming: crate::queue::stream::Incoming<T>,
+    held: impl Send + 'static,
+) -> tokio_stream::wrappers::ReceiverStream<T> {
+    let (sender, receiver) = tokio::sync::mpsc::channel(FORWARD_QUEUED_MAX);
+    tokio::spawn(async move {
+        let _held = held;
+        if sender.send(first).await.is_err() {
+            return;
+        }
+        // The client's end (or a broken request stream) ends the forwarded one.
+        while let Ok(Some(message)) = incoming.message().await {
+            if sender.send(message).await.is_err() {
+                return;
+            }
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(receiver)
+}
+
+/// The replica's answers to a forwarded stream, as this node's.
+pub fn forward_responses<T: Send + 'static>(
+    node: NodeId,
+    responses: tonic::Streaming<T>,
+) -> crate::queue::grpc_stream::GrpcResponses<T> {
+    use tokio_stream::StreamExt;
+    Box::pin(responses.map(move |answer| answer.map_err(|status| forward_failed(node, status))))
+}
+
+/// `message` as a request forwarded to a replica (never forwarded again).
+pub fn forwarded<T>(message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.metadata_mut().insert(
+        FORWARDED_HEADER,
+        tonic::metadata::MetadataValue::from_static("1"),
+    );
+    request
+}
+
+/// Whether `metadata` marks a request forwarded by another node.
+pub fn was_forwarded(metadata: &tonic::metadata::MetadataMap) -> bool {
+    metadata.contains_key(FORWARDED_HEADER)
+}
+
+/// A forwarded call's failure: the replica's answer as it gave it, a connection that failed
+/// as UNAVAILABLE naming the node.
+pub fn forward_failed(node: NodeId, status: tonic::Status) -> tonic::Status {
+    // A status the replica made carries Levee's error code; one the transport made does not.
+    let reached = status
+        .metadata()
+        .contains_key(levee_proto::ERROR_CODE_METADATA_KEY);
+    if !reached
+        && matches!(
+            status.code(),
+            tonic::Code::Unavailable | tonic::Code::Unknown
+        )
+    {
+        return WireError::new(
+            ErrorCode::Unavailable,
+            format!(
+                "this node holds no replica of the shard and could not reach node {node}, which \
+                 does: {}; retry, or call a replica",
+                status.message()
+            ),
+        )
+        .into();
+    }
+    status
+}
+
 /// Channels [`Replication`] keeps for forwarded reads; past it they are opened again.
 const FORWARD_CHANNELS_MAX: usize = 64;
 
@@ -264,7 +340,7 @@ impl Replication {
         &self,
         queue: &[u8],
         forwarded: bool,
-    ) -> Result<Option<(NodeId, QueuesClient<tonic::transport::Channel>)>, WireError> {
+    ) -> Result<Option<(NodeId, tonic::transport::Channel)>, WireError> {
         let Some(groups) = self.groups() else {
             return Ok(None);
         };
@@ -309,10 +385,7 @@ impl Replication {
                 channel
             }
         };
-        Ok(Some((
-            node,
-            QueuesClient::new(channel).max_decoding_message_size(usize::MAX),
-        )))
+        Ok(Some((node, channel)))
     }
 
     /// The shard groups when the cluster replicates its queues (`None` when it does not),

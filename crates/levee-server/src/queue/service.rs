@@ -33,7 +33,9 @@ use crate::queue::limits::producer_rate::{Admission, ProducerRates};
 use crate::queue::mailbox::many::{self, ManyContext, ManySession};
 use crate::queue::mailbox::position_log::PositionLogs;
 use crate::queue::producer::idempotent::{Producers, SequencedMessage, check_producer_id};
-use crate::queue::replicated::Replication;
+use crate::queue::replicated::{
+    Replication, forward_failed, forward_requests, forward_responses, forwarded, was_forwarded,
+};
 use crate::queue::topic::catalog::{RetentionRule, Topics};
 use crate::queue::{StoreCalls, invalid, name_error, write_error};
 use crate::server::GRPC_MESSAGE_BYTES_MAX;
@@ -110,16 +112,15 @@ impl QueueService {
 
     /// Where a read of `queue` goes when this node holds no replica of its shard (see
     /// [`Replication::read_elsewhere`]); `None`: served here.
-    fn read_elsewhere(
+    pub(crate) fn read_elsewhere(
         &self,
         queue: &[u8],
         metadata: &tonic::metadata::MetadataMap,
-    ) -> Result<Option<(u64, QueuesClient<tonic::transport::Channel>)>, WireError> {
+    ) -> Result<Option<(u64, tonic::transport::Channel)>, WireError> {
         match &self.replication {
-            Some(replication) => replication.read_elsewhere(
-                queue,
-                metadata.contains_key(crate::queue::replicated::FORWARDED_HEADER),
-            ),
+            Some(replication) => {
+                replication.read_elsewhere(queue, crate::queue::replicated::was_forwarded(metadata))
+            }
             None => Ok(None),
         }
     }
@@ -232,6 +233,7 @@ impl Queues for QueueService {
         &self,
         request: Request<Streaming<SubscribeRequest>>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
+        let forwarded_here = was_forwarded(request.metadata());
         let mut incoming = grpc_stream::incoming(request.into_inner());
         let start = incoming
             .start(
@@ -245,6 +247,22 @@ impl Queues for QueueService {
             .await?;
         check_start(&start)?;
         let permit = self.subscription_permit()?;
+        if let Some((node, channel)) = match &self.replication {
+            Some(replication) => replication.read_elsewhere(&start.queue, forwarded_here)?,
+            None => None,
+        } {
+            // This node holds no replica of the queue's shard: the stream goes on through one.
+            let first = SubscribeRequest {
+                kind: Some(SubscribeKind::Start(start)),
+            };
+            let responses = QueuesClient::new(channel)
+                .max_decoding_message_size(usize::MAX)
+                .subscribe(forwarded(forward_requests(first, incoming, permit)))
+                .await
+                .map_err(|status| forward_failed(node, status))?
+                .into_inner();
+            return Ok(Response::new(forward_responses(node, responses)));
+        }
         let (outgoing, responses) = stream::channel();
         let session = Session {
             calls: self.calls.clone(),
@@ -387,8 +405,9 @@ impl Queues for QueueService {
         check_not_reserved(&request.get_ref().queue)?;
         let elsewhere = self.read_elsewhere(&request.get_ref().queue, request.metadata())?;
         let request = request.into_inner();
-        if let Some((node, mut replica)) = elsewhere {
-            return replica
+        if let Some((node, channel)) = elsewhere {
+            return QueuesClient::new(channel)
+                .max_decoding_message_size(usize::MAX)
                 .read(forwarded(request))
                 .await
                 .map_err(|status| forward_failed(node, status));
@@ -455,8 +474,8 @@ impl Queues for QueueService {
         check_not_reserved(&request.get_ref().queue)?;
         let elsewhere = self.read_elsewhere(&request.get_ref().queue, request.metadata())?;
         let queue = request.into_inner().queue;
-        if let Some((node, mut replica)) = elsewhere {
-            return replica
+        if let Some((node, channel)) = elsewhere {
+            return QueuesClient::new(channel)
                 .get_queue_info(forwarded(GetQueueInfoRequest { queue }))
                 .await
                 .map_err(|status| forward_failed(node, status));
@@ -599,37 +618,4 @@ impl Queues for QueueService {
             .await?;
         Ok(Response::new(SetRetentionResponse { messages_removed }))
     }
-}
-
-/// `message` as a request forwarded to a replica (never forwarded again).
-fn forwarded<T>(message: T) -> Request<T> {
-    let mut request = Request::new(message);
-    request.metadata_mut().insert(
-        crate::queue::replicated::FORWARDED_HEADER,
-        tonic::metadata::MetadataValue::from_static("1"),
-    );
-    request
-}
-
-/// A forwarded read's failure: the replica's answer as it gave it, a connection that failed
-/// as UNAVAILABLE naming the node.
-fn forward_failed(node: u64, status: Status) -> Status {
-    if status.code() == tonic::Code::Unavailable || status.code() == tonic::Code::Unknown {
-        // A status the replica made carries Levee's error code; one the transport made not.
-        let reached = status
-            .metadata()
-            .contains_key(levee_proto::ERROR_CODE_METADATA_KEY);
-        if !reached {
-            return WireError::new(
-                ErrorCode::Unavailable,
-                format!(
-                    "this node holds no replica of the queue's shard and could not reach node \
-                     {node}, which does: {}; retry, or read through another replica",
-                    status.message()
-                ),
-            )
-            .into();
-        }
-    }
-    status
 }

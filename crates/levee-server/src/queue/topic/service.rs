@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use levee_proto::v1::consume_request::Kind as ConsumeKind;
+use levee_proto::v1::topics_client::TopicsClient;
 use levee_proto::v1::topics_server::Topics as TopicsApi;
 use levee_proto::v1::{
     AppendMessage, ConsumeRequest, ConsumeResponse, CreateTopicRequest, CreateTopicResponse,
@@ -32,6 +33,7 @@ use crate::metrics::GroupLabels;
 use crate::queue::credit::{STREAM_START_TIMEOUT, SUBSCRIPTIONS_MAX};
 use crate::queue::grpc_stream::{self, GrpcResponses};
 use crate::queue::producer::idempotent::{SequencedMessage, check_producer_id};
+use crate::queue::replicated::{forward_failed, forward_requests, forward_responses, forwarded};
 use crate::queue::service::{APPEND_MESSAGES_MAX, QueueService};
 use crate::queue::stream;
 use crate::queue::topic::catalog::Topic;
@@ -257,19 +259,18 @@ fn delivery_time(message: &PublishMessage, now_ms: u64) -> Result<Option<u64>, W
 }
 
 impl TopicService {
-    /// In a cluster that replicates its queues, refuses to serve `topic`'s partitions from
-    /// this node when it holds no replica of the topic's shard (see
-    /// `Replication::check_replicated_here`). An unknown topic passes (refused later, by name).
-    fn check_topic_here(&self, topic: &str) -> Result<(), WireError> {
-        if let Some(groups) = self.queues.replicated()?
-            && let Ok(found) = self.context.topics.require(topic)
-        {
-            crate::queue::replicated::Replication::check_replicated_here(
-                &groups,
-                &found.queues[..1],
-            )?;
+    /// Where a stream or read of `topic` goes when this node holds no replica of the topic's
+    /// shard (see `Replication::read_elsewhere`); `None`: served here. An unknown topic is
+    /// served here (refused by name).
+    fn topic_elsewhere(
+        &self,
+        topic: &str,
+        metadata: &tonic::metadata::MetadataMap,
+    ) -> Result<Option<(u64, tonic::transport::Channel)>, WireError> {
+        match self.context.topics.require(topic) {
+            Ok(found) => self.queues.read_elsewhere(&found.queues[0], metadata),
+            Err(_) => Ok(None),
         }
-        Ok(())
     }
 
     /// The shard groups a publish goes through when the cluster replicates its queues
@@ -388,9 +389,15 @@ impl TopicsApi for TopicService {
         &self,
         request: Request<DescribeTopicRequest>,
     ) -> Result<Response<DescribeTopicResponse>, Status> {
+        let elsewhere = self.topic_elsewhere(&request.get_ref().topic, request.metadata())?;
         let name = request.into_inner().topic;
+        if let Some((node, channel)) = elsewhere {
+            return TopicsClient::new(channel)
+                .describe_topic(forwarded(DescribeTopicRequest { topic: name }))
+                .await
+                .map_err(|status| forward_failed(node, status));
+        }
         let topic = self.context.topics.require_current(&name).await?;
-        self.check_topic_here(&name)?;
         let store = &self.context.calls.store;
         let partitions = (0_u32..)
             .zip(&topic.queues)
@@ -526,6 +533,7 @@ impl TopicsApi for TopicService {
         &self,
         request: Request<Streaming<ConsumeRequest>>,
     ) -> Result<Response<Self::ConsumeStream>, Status> {
+        let metadata = request.metadata().clone();
         let mut incoming = grpc_stream::incoming(request.into_inner());
         let start = incoming
             .start(
@@ -543,7 +551,20 @@ impl TopicsApi for TopicService {
                 format!("{SUBSCRIPTIONS_MAX} consume streams are open on this server; retry later"),
             )
         })?;
-        self.check_topic_here(&start.topic)?;
+        if let Some((node, channel)) = self.topic_elsewhere(&start.topic, &metadata)? {
+            // This node holds no replica of the topic's shard: the member's stream goes on
+            // through the shard's preferred replica (where every such node sends its members).
+            let first = ConsumeRequest {
+                kind: Some(ConsumeKind::Start(start)),
+            };
+            let responses = TopicsClient::new(channel)
+                .max_decoding_message_size(usize::MAX)
+                .consume(forwarded(forward_requests(first, incoming, permit)))
+                .await
+                .map_err(|status| forward_failed(node, status))?
+                .into_inner();
+            return Ok(Response::new(forward_responses(node, responses)));
+        }
         let (outgoing, responses) = stream::channel();
         let session =
             ConsumeSession::join(Arc::clone(&self.context), start, incoming, outgoing).await?;
