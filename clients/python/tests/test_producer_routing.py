@@ -166,9 +166,9 @@ def test_given_the_seed_node_leading_a_shard_is_killed_under_appends_then_nothin
         assert {routing.shard_of_bytes(q, SHARDS) for q in queues} == set(range(SHARDS))
         options = levee.ClientOptions(request_timeout_s=5.0)
         client = await levee.Client.connect(cluster[0].grpc_addr, options)
-        # Resends 20 ms apart, doubling: up to about 5 s, longer than a failover.
-        producer = levee.Producer(client, levee.ProducerOptions(
-            idempotent=True, retries_max=8, retry_backoff_s=0.02))
+        # The default resends (10, from 10 ms doubling up to 100 ms: about 0.75 s) ride out
+        # the failover.
+        producer = levee.Producer(client, levee.ProducerOptions(idempotent=True))
         loop = asyncio.get_running_loop()
         started = loop.time()
         killed_at = None
