@@ -137,3 +137,48 @@ def test_given_following_streams_when_their_node_is_killed_then_they_move_and_re
         await seed.close()
 
     run(main())
+
+
+def test_given_a_lone_server_restarted_then_following_streams_open_again_through_it(fresh_server) -> None:  # type: ignore[no-untyped-def]
+    """A lone server is a cluster of one: its streams move back to it once it is back on its
+    address (killed, restarted on its data dir), from the acks it made durable."""
+
+    async def main() -> None:
+        client = await levee.Client.connect(fresh_server.grpc_addr)
+        await client.append_messages([(b"lone", b"m%d" % number) for number in range(4)])
+        single = await client.subscribe_following(b"lone", "single", 10)
+        many = await client.subscribe_many_following("many", 10)
+        assert await many.add([b"lone"]) == range(0, 1)
+        for _ in range(2):
+            assert (await asyncio.wait_for(single.next(), RESUME_TIMEOUT_S)) is not None
+            assert (await asyncio.wait_for(many.next(), RESUME_TIMEOUT_S)) is not None
+        await single.ack(1)
+        many.ack(0, 1)
+        await many.flush_acks()
+
+        address = fresh_server.grpc_addr
+        fresh_server.stop(kill=True)
+        fresh_server.start(address)
+
+        # Both hand out what they had received, then move and resume after their acks.
+        single_offsets = [
+            getattr(await asyncio.wait_for(single.next(), RESUME_TIMEOUT_S), "offset", None)
+            for _ in range(4)
+        ]
+        assert single_offsets == [2, 3, 2, 3]
+        assert single.start_offset == 2
+        many_offsets = [
+            getattr(await asyncio.wait_for(many.next(), RESUME_TIMEOUT_S), "offset", None)
+            for _ in range(4)
+        ]
+        assert many_offsets == [2, 3, 2, 3]
+        many.ack(0, 3)
+        await asyncio.wait_for(many.flush_acks(), RESUME_TIMEOUT_S)
+        await single.close()
+        await many.close()
+        again = await client.subscribe(b"lone", "many")
+        assert again.start_offset == 4
+        await again.close()
+        await client.close()
+
+    run(main())

@@ -14,7 +14,7 @@ client closed unless the stream runs through it. `close` closes them all. A move
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable, Dict, List, Optional, TypeVar
+from typing import Awaitable, Callable, Dict, List, Optional, Set, TypeVar
 
 from .client import Client, ClientOptions
 from .errors import ErrorCode, LeveeError
@@ -61,6 +61,8 @@ class Members:
         self._current: Client = seed
         # The member to try first at the next move.
         self._next = 0
+        # Clients of departed members being closed (at most the members ever replaced).
+        self._closing: "Set[asyncio.Task[None]]" = set()
 
     @classmethod
     async def learned_from(cls, seed: Client) -> "Members":
@@ -101,8 +103,9 @@ class Members:
         """Closes the clients of members no longer known, but the one the stream runs on."""
         kept = {client.address for client in self._known} | {self._current.address}
         for address in [address for address in self._clients if address not in kept]:
-            departed = self._clients.pop(address)
-            asyncio.ensure_future(departed.close())
+            closing = asyncio.ensure_future(self._clients.pop(address).close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
 
     async def reopen(self, open_through: Callable[[Client], Awaitable[Optional[T]]]) -> Optional[T]:
         """Tries `open_through` on each member in turn (the one after the last that took the
@@ -141,3 +144,4 @@ class Members:
         self._known = []
         for client in clients:
             await client.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)

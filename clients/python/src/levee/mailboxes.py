@@ -120,7 +120,7 @@ class Mailboxes(PushStream):
         await super()._follow(seed)
 
     async def _reopen_through(self, member: "Client") -> bool:
-        await self._detach()
+        await self._detach(moving=True)
         stream = await self._open_stream(member, self._consumer, self._credit_messages)
         self._start()
         self._attach(stream)

@@ -52,11 +52,17 @@ class PushStream:
         self._clean_end = False  # ended by the server without an error, or closed here
         self._reader = asyncio.ensure_future(self._read(stream))
 
-    async def _detach(self) -> None:
-        """Ends the stream read now and waits for its reader."""
+    async def _detach(self, moving: bool = False) -> None:
+        """Ends the stream read now and waits for its reader. `moving`: it ends because the
+        stream moves, which callers must not take for a clean end."""
         self._stream.cancel()
         self._reader.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)
+        if moving:
+            self._clean_end = False
+            self._ended = make_error(
+                ErrorCode.UNAVAILABLE, "the stream is moving to another node of the cluster"
+            )
 
     def _take(self, response: Any) -> None:
         raise NotImplementedError
@@ -110,10 +116,14 @@ class PushStream:
         self._members = await Members.learned_from(seed)
 
     def _follows(self, error: LeveeError) -> bool:
-        """Whether `error` ends this stream in a way it moves after."""
+        """Whether `error` ends this stream in a way it moves after: its node went away, or
+        any error while a move is under way (a stream tried during the move and refused,
+        seen by another caller: the move goes on to the next member)."""
         from .following import node_went_away
 
-        return self._members is not None and not self._closed and node_went_away(error)
+        if self._members is None or self._closed:
+            return False
+        return node_went_away(error) or (self._move is not None and not self._move.done())
 
     async def _reopen_through(self, member: "Client") -> bool:
         """Opens the stream again through `member` with everything it had asked for (its
@@ -147,15 +157,14 @@ class PushStream:
 
         members = self._members
         assert members is not None, "only a following stream moves"
-        await self._detach()
+        await self._detach(moving=True)
 
         async def through(member: "Client") -> Optional[bool]:
             return True if await self._reopen_through(member) else None
 
         moved = await members.reopen(through)
         if moved is None or self._closed:
-            await self._detach()
-            self._clean_end = False
+            await self._detach(moving=True)
             self._ended = make_error(
                 cause.code,
                 f"{cause.message}; the stream's node went away and no member of the cluster "

@@ -111,7 +111,7 @@ class Subscription(PushStream):
         return stream, first
 
     async def _reopen_through(self, member: "Client") -> bool:
-        await self._detach()
+        await self._detach(moving=True)
         stream, first = await self._open_stream(member, *self._opened)
         self._start(first)
         self._attach(stream)
