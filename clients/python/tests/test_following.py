@@ -182,3 +182,41 @@ def test_given_a_lone_server_restarted_then_following_streams_open_again_through
         await client.close()
 
     run(main())
+
+
+def test_given_an_ack_cut_short_by_a_move_then_it_says_so_and_later_acks_reach_only_what_was_delivered(fresh_server) -> None:  # type: ignore[no-untyped-def]
+    """As the Rust `Subscription::ack`: an ack the move cut short raises UNAVAILABLE when the
+    subscription opened again at or before it, returns when after it. An ack after the move of
+    a message taken before it is not refused (it is cut to what the new stream delivered, in
+    case the new stream has not delivered it yet: here it usually has)."""
+
+    async def main() -> None:
+        client = await levee.Client.connect(fresh_server.grpc_addr)
+        await client.append_messages([(b"cut", b"m%d" % number) for number in range(6)])
+        single = await client.subscribe_following(b"cut", "cutter", 2)
+        for expected in range(2):
+            delivery = await asyncio.wait_for(single.next(), RESUME_TIMEOUT_S)
+            assert delivery is not None and delivery.offset == expected
+        await single.ack(1)
+        for expected in range(2, 4):
+            delivery = await asyncio.wait_for(single.next(), RESUME_TIMEOUT_S)
+            assert delivery is not None and delivery.offset == expected
+
+        address = fresh_server.grpc_addr
+        fresh_server.stop(kill=True)
+        fresh_server.start(address)
+
+        with pytest.raises(levee.UnavailableError, match="before the ack of offset 3"):
+            await asyncio.wait_for(single.ack(3), RESUME_TIMEOUT_S)
+        assert single.start_offset == 2, "open again after the confirmed ack"
+        await asyncio.wait_for(single.ack(1), RESUME_TIMEOUT_S)  # confirmed before the move
+        await asyncio.wait_for(single.ack(3), RESUME_TIMEOUT_S)  # taken before: cut, not refused
+        delivery = await asyncio.wait_for(single.next(), RESUME_TIMEOUT_S)
+        assert delivery is not None and delivery.offset in (2, 3)
+        await single.close()
+        again = await client.subscribe(b"cut", "cutter")
+        assert 2 <= again.start_offset <= 4
+        await again.close()
+        await client.close()
+
+    run(main())
