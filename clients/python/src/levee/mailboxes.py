@@ -192,8 +192,6 @@ class Mailboxes(PushStream):
             await self._moved(error, moves_seen, 0)  # opened again elsewhere, these removed
 
     async def _remove_once(self, numbers: List[int]) -> None:
-        if not numbers:
-            return
         await self._send_acks()
         for start in range(0, len(numbers), MAILBOXES_PER_REQUEST_MAX):
             await self._write(
