@@ -1,7 +1,12 @@
 """Runs one conformance scenario (conformance/scenarios/*.json) against real servers with this
 client. The format is described in conformance/README.md; each `op_*` method below is one
 entry of its vocabulary and returns the result object that the step's `expect` is matched
-against."""
+against.
+
+A scenario also runs against a new three-node cluster that replicates its queues
+(`run_scenario(path, cluster_entry)`), talking to one of its nodes, when it can: one server,
+and no op of `NOT_ON_A_CLUSTER` (exactly the Rust runner's rule, crates/levee/tests/conformance.rs).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,9 @@ import levee
 from levee.errors import ERROR_CLASSES, make_error
 from levee.v1 import hotkey_pb2, topic_pb2
 
-from support import LeveeServer
+from cluster_support import SHARDS as CLUSTER_SHARDS
+from cluster_support import wait_settled
+from support import LeveeServer, start_replicated_cluster
 
 REPOSITORY = pathlib.Path(__file__).resolve().parents[3]
 SCENARIOS = REPOSITORY / "conformance" / "scenarios"
@@ -32,6 +39,10 @@ SOURCES = {
     hotkey_pb2.HOT_KEY_SOURCE_MANUAL: "MANUAL",
 }
 POLL_S = 0.01
+NOT_ON_A_CLUSTER = ("stop_server", "start_server", "restart_server")
+"""Ops a scenario run against a three-node cluster may not use: stopping or restarting its only
+server (the cluster's other nodes would go on)."""
+CLUSTER_NODES = 3
 
 
 class ScenarioFailure(AssertionError):
@@ -40,6 +51,14 @@ class ScenarioFailure(AssertionError):
 
 def load(path: pathlib.Path) -> Dict[str, Any]:
     return json.loads(path.read_text())
+
+
+def runs_on_a_cluster(scenario: Dict[str, Any]) -> bool:
+    """Whether `scenario` also runs against a three-node cluster: one server, and no op of
+    `NOT_ON_A_CLUSTER`."""
+    return int(scenario.get("servers", 1)) == 1 and all(
+        step["op"] not in NOT_ON_A_CLUSTER for step in scenario["steps"]
+    )
 
 
 def to_bytes(value: Any) -> bytes:
@@ -109,9 +128,13 @@ def lookup(result: Any, path: str) -> Any:
 class Runner:
     """One scenario's servers, clients and named streams."""
 
-    def __init__(self, scenario: Dict[str, Any]) -> None:
+    def __init__(self, scenario: Dict[str, Any], cluster_entry: Optional[int] = None) -> None:
         self.scenario = scenario
+        # Against a cluster: the index (0 to 2) of the node the scenario talks to as its server.
+        self.cluster_entry = cluster_entry
         self.servers: List[LeveeServer] = []
+        # Against a cluster: the nodes other than the one the scenario talks to.
+        self.other_nodes: List[LeveeServer] = []
         self.clients: Dict[int, levee.Client] = {}
         self.variables: Dict[str, Any] = {}
         self.hot_keys: Dict[str, levee.HotKeys] = {}
@@ -121,9 +144,12 @@ class Runner:
         self.many: Dict[str, levee.Mailboxes] = {}
 
     async def run(self) -> None:
-        for _ in range(int(self.scenario.get("servers", 1))):
-            self.servers.append(LeveeServer(extra=self.scenario.get("server_args")).start())
         try:
+            if self.cluster_entry is None:
+                for _ in range(int(self.scenario.get("servers", 1))):
+                    self.servers.append(LeveeServer(extra=self.scenario.get("server_args")).start())
+            else:
+                await self.start_cluster(self.cluster_entry)
             for number, step in enumerate(self.scenario["steps"], 1):
                 await self.step(number, step)
         finally:
@@ -140,8 +166,18 @@ class Runner:
             await mailboxes.close()
         for client in self.clients.values():
             await client.close()
-        for server in self.servers:
+        for server in self.servers + self.other_nodes:
             server.cleanup()
+
+    async def start_cluster(self, entry: int) -> None:
+        """A three-node cluster replicating its queues over `CLUSTER_SHARDS` shards, every
+        shard placed on the three nodes and led by its preferred replica, nothing changing;
+        the scenario's server 0 is node `entry` + 1 (so some of its shards are led by the
+        others, and its appends are forwarded)."""
+        nodes = start_replicated_cluster(CLUSTER_NODES, CLUSTER_SHARDS)
+        self.servers.append(nodes[entry])
+        self.other_nodes.extend(node for index, node in enumerate(nodes) if index != entry)
+        await wait_settled(nodes)
 
     def resolve(self, value: Any) -> Any:
         if isinstance(value, dict):
@@ -584,5 +620,12 @@ class Runner:
             await asyncio.sleep(POLL_S)
 
 
-def run_scenario(path: pathlib.Path) -> None:
-    asyncio.run(Runner(load(path)).run())
+def run_scenario(path: pathlib.Path, cluster_entry: Optional[int] = None) -> bool:
+    """Runs the scenario at `path` against its own lone servers, or with `cluster_entry`
+    against a new three-node cluster through node `cluster_entry` + 1; whether it ran (a
+    scenario that cannot run on a cluster does not)."""
+    scenario = load(path)
+    if cluster_entry is not None and not runs_on_a_cluster(scenario):
+        return False
+    asyncio.run(Runner(scenario, cluster_entry).run())
+    return True

@@ -87,3 +87,10 @@ def test_given_library_size_limit_then_error_is_invalid_argument() -> None:
     error = from_rpc_error(FakeRpcError(
         grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (5 vs. 4)"))
     assert error.code == ErrorCode.INVALID_ARGUMENT and "size limit" in error.message
+
+
+def test_given_grpc_core_failing_a_stream_write_then_error_is_unavailable_as_a_broken_connection() -> None:
+    error = from_rpc_error(FakeRpcError(grpc.StatusCode.INTERNAL, "Internal error from Core"))
+    assert error.code == ErrorCode.UNAVAILABLE and "connection to the server broke" in error.message
+    other = from_rpc_error(FakeRpcError(grpc.StatusCode.INTERNAL, "something else"))
+    assert other.code == ErrorCode.INTERNAL

@@ -88,6 +88,43 @@ def test_given_bad_options_then_producer_refuses_them(server) -> None:  # type: 
         async with await levee.Client.connect(server.grpc_addr) as client:
             with pytest.raises(levee.InvalidArgumentError, match="batch_messages_max"):
                 levee.Producer(client, levee.ProducerOptions(batch_messages_max=10_001))
+            with pytest.raises(levee.InvalidArgumentError, match="retry_backoff_max_s"):
+                levee.Producer(client, levee.ProducerOptions(
+                    retry_backoff_s=0.2, retry_backoff_max_s=0.1))
+
+    run(main())
+
+
+class DownClient:
+    """A client whose every append fails with UNAVAILABLE (a node going away), noting when."""
+
+    def __init__(self) -> None:
+        self.options = levee.ClientOptions()
+        self.producer_name = ""
+        self.sent_at: list = []
+
+    async def cluster(self, timeout_s: float) -> None:
+        raise levee.errors.make_error(levee.ErrorCode.UNIMPLEMENTED, "no Cluster service")
+
+    async def append_request(self, request) -> list:  # type: ignore[no-untyped-def]
+        self.sent_at.append(asyncio.get_running_loop().time())
+        raise levee.errors.make_error(levee.ErrorCode.UNAVAILABLE, "connection refused")
+
+
+def test_given_defaults_then_an_idempotent_batch_is_resent_ten_times_over_about_three_quarters_of_a_second() -> None:
+    """As the Rust producer: 10 resends, 10 ms apart doubling up to 100 ms (10, 20, 40, 80,
+    then 100 six times: 0.75 s), long enough to ride out a shard leader's failover."""
+    async def main() -> None:
+        client = DownClient()
+        producer = levee.Producer(client, levee.ProducerOptions(idempotent=True))  # type: ignore[arg-type]
+        with pytest.raises(levee.UnavailableError):
+            await producer.send(b"q", b"x")
+        await producer.close()
+        assert producer.stats().retries == 10 and len(client.sent_at) == 11
+        pauses = [later - earlier for earlier, later in zip(client.sent_at, client.sent_at[1:])]
+        assert all(pause >= 0.009 for pause in pauses), pauses
+        assert pauses[-1] < 0.3, f"the pauses stop doubling at 100 ms: {pauses}"
+        assert 0.74 <= client.sent_at[-1] - client.sent_at[0] < 2.0, pauses
 
     run(main())
 

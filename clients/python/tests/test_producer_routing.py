@@ -17,12 +17,9 @@ from levee import routing
 from levee.v1 import cluster_pb2, queue_pb2
 
 from conftest import run
+from cluster_support import NODES, SHARDS, wait_settled
 from support import LeveeServer, start_replicated_cluster
 
-SHARDS = 4
-NODES = [1, 2, 3]
-# How long the cluster may take to place its shards, or to elect a shard's new leader.
-SETTLE_TIMEOUT_S = 30.0
 # How long a follower may take to hold what its shard's leader acknowledged.
 CATCH_UP_TIMEOUT_S = 15.0
 
@@ -33,39 +30,6 @@ def cluster() -> Iterator[List[LeveeServer]]:
     yield nodes
     for node in nodes:
         node.cleanup()
-
-
-async def wait_settled(nodes: List[LeveeServer]) -> Dict[int, int]:
-    """Waits until every node sees every shard on all three nodes, no change under way, and
-    led by its preferred replica (which claims the lead soon after the cluster forms); returns
-    each shard's leader."""
-    clients = [await levee.Client.connect(node.grpc_addr) for node in nodes]
-    try:
-        deadline = time.monotonic() + SETTLE_TIMEOUT_S
-        while True:
-            views = [await client.cluster(1.0) for client in clients]
-            leaders = {shard: routing.shard_replicas(shard, NODES)[0] for shard in range(SHARDS)}
-            if all(settled(view, leaders) for view in views):
-                return leaders
-            assert time.monotonic() < deadline, f"the shards did not settle: {views[0]}"
-            await asyncio.sleep(0.1)
-    finally:
-        for client in clients:
-            await client.close()
-
-
-def settled(view: cluster_pb2.GetClusterResponse, leaders: Dict[int, int]) -> bool:
-    return (
-        view.replicated_queues
-        and view.shards == SHARDS
-        and len(view.shard_map) == SHARDS
-        and all(
-            sorted(placement.voters) == NODES
-            and not placement.changing
-            and placement.leader_id == leaders[placement.shard]
-            for placement in view.shard_map
-        )
-    )
 
 
 async def read_whole(client: levee.Client, queue: bytes) -> List[bytes]:
@@ -166,9 +130,9 @@ def test_given_the_seed_node_leading_a_shard_is_killed_under_appends_then_nothin
         assert {routing.shard_of_bytes(q, SHARDS) for q in queues} == set(range(SHARDS))
         options = levee.ClientOptions(request_timeout_s=5.0)
         client = await levee.Client.connect(cluster[0].grpc_addr, options)
-        # Resends 20 ms apart, doubling: up to about 5 s, longer than a failover.
-        producer = levee.Producer(client, levee.ProducerOptions(
-            idempotent=True, retries_max=8, retry_backoff_s=0.02))
+        # The default resends (10, from 10 ms doubling up to 100 ms: about 0.75 s) ride out
+        # the failover.
+        producer = levee.Producer(client, levee.ProducerOptions(idempotent=True))
         loop = asyncio.get_running_loop()
         started = loop.time()
         killed_at = None

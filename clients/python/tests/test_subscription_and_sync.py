@@ -55,6 +55,15 @@ def test_given_sync_client_then_calls_block_and_return_plain_values(server, uniq
             assert delivery is not None and (delivery.mailbox, delivery.offset) == (0, 1)
             mailboxes.ack(0, delivery.offset)
             mailboxes.flush_acks()
+        with client.subscribe_following(queue, "scripts") as mailbox:  # a lone server: one member
+            assert mailbox.start_offset == 2
+            following = mailbox.next(timeout_s=5)
+            assert following is not None and following.offset == 2
+            mailbox.ack(following.offset)
+        with client.subscribe_many_following("scripts") as mailboxes:
+            assert mailboxes.add([queue]) == range(0, 1)
+            delivery = mailboxes.next(timeout_s=5)
+            assert delivery is not None and (delivery.mailbox, delivery.offset) == (0, 3)
         client.create_topic(topic, 2)
         client.publish(topic, [(b"k%d" % n, b"v") for n in range(10)])
         handled = []

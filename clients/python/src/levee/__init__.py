@@ -7,7 +7,9 @@
   routing over several servers identical to the Rust client's.
 - `Producer`: batches appends from many callers; optionally idempotent.
 - `Subscription`: one consumer's mailbox on one queue (`async for`), with credits and acks;
-  `Mailboxes`: one stream over many queues (up to a million), one credit, batched acks.
+  `Mailboxes`: one stream over many queues (up to a million), one credit, batched acks;
+  `Client.subscribe_following` / `subscribe_many_following` open ones that move to another
+  member of the cluster by themselves when their node goes away.
 - `GroupConsumer`: a consumer-group member: bounded parallelism, commits strictly in order.
   `MemberStream` is its raw Consume stream.
 - `LeveeError` and its subclasses carry the wire `ErrorCode`.

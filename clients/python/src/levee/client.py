@@ -409,11 +409,47 @@ class Client:
 
         return await Subscription.open(self, to_bytes(queue), consumer, credit_messages)
 
+    async def subscribe_following(
+        self, queue: BytesLike, consumer: str, credit_messages: int = 100
+    ) -> "Subscription":
+        """`subscribe` that moves by itself, as `subscribe_many_following` says: when its node
+        goes away it opens itself again through another member and goes on from the
+        consumer's last confirmed ack (`Subscription.start_offset` then says where); an ack
+        cut short says so once the subscription is open again."""
+        subscription = await self.subscribe(queue, consumer, credit_messages)
+        try:
+            await subscription._follow(self)
+        except BaseException:
+            await subscription.close()
+            raise
+        return subscription
+
     async def subscribe_many(self, consumer: str, credit_messages: int = 1000) -> "Mailboxes":
         """Opens `consumer`'s stream over many queues (added with `Mailboxes.add`)."""
         from .mailboxes import Mailboxes
 
         return await Mailboxes.open(self, consumer, credit_messages)
+
+    async def subscribe_many_following(
+        self, consumer: str, credit_messages: int = 1000
+    ) -> "Mailboxes":
+        """`subscribe_many` that moves by itself: when its node goes away (the stream fails
+        with UNAVAILABLE or a broken connection) it opens the stream again through another
+        member of the cluster (asked of this node, or of the members it knew), adds every
+        queue again under the same mailbox numbers (removed ones removed again) and goes on,
+        for up to 30 s per move. Delivery resumes after the consumer's last confirmed ack:
+        messages taken or acked but not confirmed are delivered again (at least once); in a
+        cluster that replicates its queues, no message whose ack was confirmed is delivered
+        again (docs/CLUSTER.md, "Consumers' positions"). Other errors (FAILED_PRECONDITION,
+        ...) end the stream as on `subscribe_many`. The members' connections it opens are
+        closed with the stream."""
+        mailboxes = await self.subscribe_many(consumer, credit_messages)
+        try:
+            await mailboxes._follow(self)
+        except BaseException:
+            await mailboxes.close()
+            raise
+        return mailboxes
 
     # ---- topics
 

@@ -16,6 +16,8 @@ import grpc
 
 ERROR_CODE_METADATA_KEY = "levee-error-code"
 ERROR_REASON_METADATA_KEY = "levee-error-reason"
+GRPC_CORE_INTERNAL_DETAILS = "Internal error from Core"
+"""The details grpc.aio gives the status it sets on a call whose send failed in its core."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -185,6 +187,12 @@ def from_rpc_error(error: grpc.RpcError) -> LeveeError:
             ErrorCode.INVALID_ARGUMENT,
             f"{details}: the message is over the size limit for this call; send less per "
             "message (the limits are in the proto comments)",
+        )
+    if status == grpc.StatusCode.INTERNAL and details == GRPC_CORE_INTERNAL_DETAILS:
+        # grpc.aio's own status for a stream whose write failed in its core (the connection
+        # broke under it): as a broken connection, UNAVAILABLE.
+        return make_error(
+            ErrorCode.UNAVAILABLE, f"the connection to the server broke (gRPC: {details})"
         )
     code = _CODE_FROM_GRPC.get(status, ErrorCode.INTERNAL)
     return make_error(code, details or str(status))

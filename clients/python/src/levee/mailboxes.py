@@ -11,6 +11,16 @@ wait), and `flush_acks()` sends them and returns once they are durable. Messages
 delivered again to the next subscription of the same consumer, on this kind of stream or a
 single-queue `Subscription` (they share the consumer's positions). What the reader holds is
 bounded by the credit; the acks waiting by the mailboxes on the stream.
+
+Opened with `Client.subscribe_many_following`, the stream follows the cluster: when its node
+goes away (UNAVAILABLE, or a broken connection) it opens itself again through another member
+(`following.Members`), adds every queue again under the same mailbox numbers (removed ones
+removed again) and goes on, for up to 30 s per move. Delivery resumes after the consumer's last
+confirmed ack: messages taken, or acked but not confirmed, are delivered again (at least once);
+a `flush_acks` cut short raises UNAVAILABLE once the stream is open again. After a move, an ack
+of a message taken before it is cut to what the new stream has delivered of its mailbox (the
+server refuses an ack beyond that), so the rest comes again. What it keeps to move is bounded
+by the mailboxes on the stream.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import grpc
 import grpc.aio
 
 from . import validation
-from .errors import LeveeError, from_rpc_error, make_error
+from .errors import ErrorCode, LeveeError, from_rpc_error, make_error
 from .stream import PushStream
 from .v1 import common_pb2, queue_pb2
 from .validation import BytesLike, to_bytes
@@ -50,8 +60,18 @@ class MailboxDelivery:
 class Mailboxes(PushStream):
     """A consumer's stream over many queues; `async for delivery in mailboxes`."""
 
-    def __init__(self, stream: Any, credit_messages: int) -> None:
+    def __init__(self, stream: Any, credit_messages: int, consumer: str = "") -> None:
+        self._consumer = consumer
         self._credit_messages = credit_messages
+        # Following the cluster: every queue added, in mailbox order, and the mailboxes
+        # removed (to set a new stream up the same); None otherwise.
+        self._queues: Optional[List[bytes]] = None
+        self._removed: List[int] = []
+        self._start()
+        super().__init__(stream)
+
+    def _start(self) -> None:
+        """The state of a new stream."""
         self._received: Deque[MailboxDelivery] = deque()
         self._added = 0
         self._confirmed = 0
@@ -60,12 +80,20 @@ class Mailboxes(PushStream):
         self._acks: Dict[int, int] = {}
         self._ack_sequence = 0
         self._acked_sequence = 0
-        super().__init__(stream)
+        # Following: the offset after the last one received on this stream, by mailbox (what
+        # an ack may reach after a move).
+        self._received_until: Dict[int, int] = {}
 
     @classmethod
     async def open(cls, client: "Client", consumer: str, credit_messages: int) -> "Mailboxes":
         validation.check_consumer(consumer)
         validation.check_credit(credit_messages)
+        stream = await cls._open_stream(client, consumer, credit_messages)
+        return cls(stream, credit_messages, consumer)
+
+    @staticmethod
+    async def _open_stream(client: "Client", consumer: str, credit_messages: int) -> Any:
+        """A new SubscribeMany stream through `client`, started."""
         stream = client.queues_stub.SubscribeMany()
         try:
             await stream.write(
@@ -77,13 +105,36 @@ class Mailboxes(PushStream):
                 )
             )
         except grpc.RpcError as error:
+            stream.cancel()
             raise from_rpc_error(error) from None
-        return cls(stream, credit_messages)
+        except grpc.aio.UsageError as error:
+            stream.cancel()
+            raise make_error(ErrorCode.UNAVAILABLE, f"the client is closed ({error})") from None
+        except BaseException:
+            stream.cancel()
+            raise
+        return stream
+
+    async def _follow(self, seed: "Client") -> None:
+        self._queues = []
+        await super()._follow(seed)
+
+    async def _reopen_through(self, member: "Client") -> bool:
+        await self._detach(moving=True)
+        stream = await self._open_stream(member, self._consumer, self._credit_messages)
+        self._start()
+        self._attach(stream)
+        await self._add_once(self._queues or [])
+        await self._remove_once(self._removed)
+        return True
 
     def _take(self, response: Any) -> None:
         self._received.extend(
             MailboxDelivery(d.mailbox, d.offset, d.payload) for d in response.deliveries
         )
+        if self._queues is not None:
+            for delivery in response.deliveries:
+                self._received_until[delivery.mailbox] = delivery.offset + 1
         self._confirmed = max(self._confirmed, response.mailboxes_added)
         self._acked_sequence = max(self._acked_sequence, response.acked_sequence)
 
@@ -99,6 +150,22 @@ class Mailboxes(PushStream):
                 position = index % MAILBOXES_PER_REQUEST_MAX
                 raise make_error(error.code, f"queues[{position}]: {error.message}") from None
         first = self._added
+        if self._queues is not None:
+            self._queues.extend(names)
+        moves_seen = self._moves
+        try:
+            return await self._add_once(names)
+        except LeveeError as error:
+            if self._follows(error):
+                # Opened again elsewhere with every queue added, these included.
+                await self._moved(error, moves_seen, 0)
+                return range(first, self._added)
+            if self._queues is not None:
+                del self._queues[first:]
+            raise
+
+    async def _add_once(self, names: List[bytes]) -> range:
+        first = self._added
         for start in range(0, len(names), MAILBOXES_PER_REQUEST_MAX):
             chunk = names[start : start + MAILBOXES_PER_REQUEST_MAX]
             await self._write(
@@ -113,8 +180,19 @@ class Mailboxes(PushStream):
     async def remove(self, mailboxes: Sequence[int]) -> None:
         """Stops delivery from `mailboxes` (numbers are not reused). Acks recorded before are
         sent first; messages of theirs already received are still returned by `next()`."""
-        await self._send_acks()
         numbers = list(mailboxes)
+        if self._queues is not None:
+            self._removed.extend(numbers)
+        moves_seen = self._moves
+        try:
+            await self._remove_once(numbers)
+        except LeveeError as error:
+            if not self._follows(error):
+                raise
+            await self._moved(error, moves_seen, 0)  # opened again elsewhere, these removed
+
+    async def _remove_once(self, numbers: List[int]) -> None:
+        await self._send_acks()
         for start in range(0, len(numbers), MAILBOXES_PER_REQUEST_MAX):
             await self._write(
                 queue_pb2.SubscribeManyRequest(
@@ -126,7 +204,20 @@ class Mailboxes(PushStream):
 
     async def next(self) -> Optional[MailboxDelivery]:
         """The next message of any mailbox, waiting until one is appended; None once the
-        stream ended cleanly."""
+        stream ended cleanly. A following stream whose node went away opens itself again
+        elsewhere and goes on from the consumer's last confirmed acks."""
+        moves_made = 0
+        while True:
+            moves_seen = self._moves
+            try:
+                return await self._next_once()
+            except LeveeError as error:
+                if not self._follows(error):
+                    raise
+                await self._moved(error, moves_seen, moves_made)
+                moves_made += 1
+
+    async def _next_once(self) -> Optional[MailboxDelivery]:
         while not self._received:
             # About to wait: give back all the credit taken and send the acks.
             await self._grant_credit()
@@ -162,7 +253,24 @@ class Mailboxes(PushStream):
         self._acks[mailbox] = max(offset, self._acks.get(mailbox, offset))
 
     async def flush_acks(self) -> None:
-        """Sends the recorded acks and returns once they (and every ack before) are durable."""
+        """Sends the recorded acks and returns once they (and every ack before) are durable.
+        On a following stream whose node went away meanwhile, raises UNAVAILABLE once the
+        stream is open again: the acks not confirmed are lost with the old stream, and their
+        messages are delivered again."""
+        moves_seen = self._moves
+        try:
+            await self._flush_acks_once()
+        except LeveeError as error:
+            if not self._follows(error):
+                raise
+            await self._moved(error, moves_seen, 0)
+            raise make_error(
+                ErrorCode.UNAVAILABLE,
+                "the stream's node went away before the acks were confirmed; the stream is "
+                "open again through another node and delivers the unconfirmed messages again",
+            ) from None
+
+    async def _flush_acks_once(self) -> None:
         await self._send_acks()
         while self._acked_sequence < self._ack_sequence:
             self._raise_if_ended()
@@ -180,11 +288,21 @@ class Mailboxes(PushStream):
     async def _send_acks(self) -> None:
         if not self._acks:
             return
+        acked = self._acks.items()
+        if self._moves:
+            # A message taken before a move may not be delivered by this stream yet: each ack
+            # reaches what this stream delivered of its mailbox (the rest comes again).
+            acked = {
+                mailbox: min(offset, self._received_until[mailbox] - 1)
+                for mailbox, offset in acked
+                if mailbox in self._received_until
+            }.items()
         acks: List[queue_pb2.MailboxAck] = [
-            queue_pb2.MailboxAck(mailbox=mailbox, offset=offset)
-            for mailbox, offset in self._acks.items()
+            queue_pb2.MailboxAck(mailbox=mailbox, offset=offset) for mailbox, offset in acked
         ]
-        self._acks.clear()
+        self._acks = {}
+        if not acks:
+            return
         for start in range(0, len(acks), MAILBOXES_PER_REQUEST_MAX):
             self._ack_sequence += 1
             await self._write(

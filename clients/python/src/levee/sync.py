@@ -80,9 +80,29 @@ class Client:
             self._runner, self._runner.run(self._client.subscribe(queue, consumer, credit_messages))
         )
 
+    def subscribe_following(
+        self, queue: BytesLike, consumer: str, credit_messages: int = 100
+    ) -> "Subscription":
+        """`subscribe` that moves to another member when its node goes away (see
+        `levee.Client.subscribe_following`)."""
+        return Subscription(
+            self._runner,
+            self._runner.run(self._client.subscribe_following(queue, consumer, credit_messages)),
+        )
+
     def subscribe_many(self, consumer: str, credit_messages: int = 1000) -> "SyncMailboxes":
         return SyncMailboxes(
             self._runner, self._runner.run(self._client.subscribe_many(consumer, credit_messages))
+        )
+
+    def subscribe_many_following(
+        self, consumer: str, credit_messages: int = 1000
+    ) -> "SyncMailboxes":
+        """`subscribe_many` that moves to another member when its node goes away (see
+        `levee.Client.subscribe_many_following`)."""
+        return SyncMailboxes(
+            self._runner,
+            self._runner.run(self._client.subscribe_many_following(consumer, credit_messages)),
         )
 
     def producer(self, options: Optional[ProducerOptions] = None) -> "Producer":
@@ -123,7 +143,11 @@ class Subscription:
     def __init__(self, runner: _LoopThread, subscription: AsyncSubscription) -> None:
         self._runner = runner
         self._subscription = subscription
-        self.start_offset = subscription.start_offset
+
+    @property
+    def start_offset(self) -> int:
+        """Where delivery started (again, after a following subscription moved)."""
+        return self._subscription.start_offset
 
     def next(self, timeout_s: Optional[float] = None) -> Optional[Delivery]:
         """The next message; None once the stream ended. Raises TimeoutError after timeout_s
