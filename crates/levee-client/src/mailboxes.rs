@@ -65,6 +65,9 @@ struct Following {
     queues: Vec<Vec<u8>>,
     /// Mailbox numbers removed.
     removed: Vec<u32>,
+    /// Once the stream moved: the highest offset each mailbox delivered on the current stream
+    /// (an ack of a message taken before the move is kept within it).
+    delivered: Option<HashMap<u32, u64>>,
 }
 
 impl Mailboxes {
@@ -76,6 +79,7 @@ impl Mailboxes {
             consumer: consumer.to_owned(),
             queues: Vec::new(),
             removed: Vec::new(),
+            delivered: None,
         });
         self
     }
@@ -93,6 +97,7 @@ impl Mailboxes {
             consumer,
             queues,
             removed,
+            ..
         } = &mut following;
         let (consumer, queues, removed) = (&*consumer, &*queues, &*removed);
         let reopened = members
@@ -110,6 +115,10 @@ impl Mailboxes {
             self.following = Some(following);
             return Err(cause);
         };
+        // What the new stream delivered while its queues were added again counts too.
+        let mut delivered = HashMap::new();
+        note_delivered(&mut delivered, fresh.received.iter());
+        following.delivered = Some(delivered);
         fresh.following = Some(following);
         *self = fresh;
         Ok(())
@@ -274,7 +283,23 @@ impl Mailboxes {
 
     /// Records that every message of `mailbox` up to and including `offset` is done (it must
     /// have been delivered). Sent by [`Mailboxes::next`] or [`Mailboxes::flush_acks`].
+    ///
+    /// After a following stream moved, an ack of a message taken before the move is kept
+    /// within what the new stream delivered of its mailbox (dropped if nothing yet): the
+    /// server ends a stream acked past what it delivered, and the messages not acked are
+    /// delivered again.
     pub fn ack(&mut self, mailbox: u32, offset: u64) {
+        let offset = match self
+            .following
+            .as_ref()
+            .and_then(|following| following.delivered.as_ref())
+        {
+            Some(delivered) => match delivered.get(&mailbox) {
+                Some(&last) => offset.min(last),
+                None => return,
+            },
+            None => offset,
+        };
         let acked = self.acks.entry(mailbox).or_insert(offset);
         *acked = (*acked).max(offset);
     }
@@ -359,10 +384,28 @@ impl Mailboxes {
         let Some(response) = self.responses.message().await? else {
             return Ok(false);
         };
+        if let Some(delivered) = self
+            .following
+            .as_mut()
+            .and_then(|following| following.delivered.as_mut())
+        {
+            note_delivered(delivered, response.deliveries.iter());
+        }
         self.received.extend(response.deliveries);
         self.confirmed = self.confirmed.max(response.mailboxes_added);
         self.acked_sequence = self.acked_sequence.max(response.acked_sequence);
         Ok(true)
+    }
+}
+
+/// Raises each mailbox's highest delivered offset in `delivered` to `deliveries`'.
+fn note_delivered<'a>(
+    delivered: &mut HashMap<u32, u64>,
+    deliveries: impl Iterator<Item = &'a MailboxDelivery>,
+) {
+    for delivery in deliveries {
+        let last = delivered.entry(delivery.mailbox).or_insert(delivery.offset);
+        *last = (*last).max(delivery.offset);
     }
 }
 

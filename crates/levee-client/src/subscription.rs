@@ -41,6 +41,8 @@ struct Following {
     queue: Vec<u8>,
     consumer: String,
     credit_messages: u32,
+    /// Whether the subscription moved at least once (messages taken before may be acked).
+    moved: bool,
 }
 
 impl Subscription {
@@ -103,6 +105,7 @@ impl Subscription {
             queue: queue.to_vec(),
             consumer: consumer.to_owned(),
             credit_messages,
+            moved: false,
         });
         self
     }
@@ -118,6 +121,7 @@ impl Subscription {
             queue,
             consumer,
             credit_messages,
+            ..
         } = &mut following;
         let (queue, consumer, credit_messages) = (&*queue, &*consumer, *credit_messages);
         let reopened = members
@@ -131,6 +135,7 @@ impl Subscription {
             self.following = Some(following);
             return Err(cause);
         };
+        following.moved = true;
         fresh.following = Some(following);
         *self = fresh;
         Ok(())
@@ -182,6 +187,30 @@ impl Subscription {
     /// back; returns once the server has made the ack durable. Messages that arrive meanwhile
     /// wait for [`Subscription::next`].
     pub async fn ack(&mut self, offset: u64) -> Result<(), ClientError> {
+        if let Some(following) = &self.following
+            && following.moved
+            && self
+                .unacked
+                .back()
+                .is_none_or(|&(delivered, _)| delivered < offset)
+        {
+            // A message the stream took before it moved, not delivered again yet: confirmed
+            // already if the new stream starts after it, else its ack cannot be recorded (the
+            // server would end the stream for an ack past what it delivered).
+            if offset < self.start_offset {
+                return Ok(());
+            }
+            return Err(WireError::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "offset {offset} was delivered before the subscription moved to another node \
+                     and its ack was not confirmed; the subscription delivers it again from \
+                     offset {}",
+                    self.start_offset
+                ),
+            )
+            .into());
+        }
         match self.ack_once(offset).await {
             Err(error) if self.following.is_some() && node_went_away(&error) => {
                 self.reopen(error).await?;
