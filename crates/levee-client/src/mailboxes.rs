@@ -64,7 +64,7 @@ struct Following {
     /// Every queue added, in mailbox order.
     queues: Vec<Vec<u8>>,
     /// Mailbox numbers removed.
-    removed: Vec<u32>,
+    removed: std::collections::BTreeSet<u32>,
     /// Once the stream moved: the highest offset each mailbox delivered on the current stream
     /// (an ack of a message taken before the move is kept within it).
     delivered: Option<HashMap<u32, u64>>,
@@ -78,7 +78,7 @@ impl Mailboxes {
             members: Members::learned_from(seed).await,
             consumer: consumer.to_owned(),
             queues: Vec::new(),
-            removed: Vec::new(),
+            removed: std::collections::BTreeSet::new(),
             delivered: None,
         });
         self
@@ -107,7 +107,8 @@ impl Mailboxes {
                     .ok()?;
                 let queues: Vec<&[u8]> = queues.iter().map(Vec::as_slice).collect();
                 fresh.add_once(&queues).await.ok()?;
-                fresh.remove_once(removed).await.ok()?;
+                let removed: Vec<u32> = removed.iter().copied().collect();
+                fresh.remove_once(&removed).await.ok()?;
                 Some(fresh)
             })
             .await;
@@ -115,6 +116,13 @@ impl Mailboxes {
             self.following = Some(following);
             return Err(cause);
         };
+        // Removed mailboxes' messages the new stream sent before their removal reached it are
+        // not handed out (their credit goes back).
+        let mut early: Vec<MailboxDelivery> = fresh.received.drain(..).collect();
+        let (messages, bytes) = drop_removed(&following.removed, &mut early);
+        fresh.received.extend(early);
+        fresh.taken_messages += messages;
+        fresh.taken_bytes = fresh.taken_bytes.saturating_add(bytes);
         // What the new stream delivered while its queues were added again counts too.
         let mut delivered = HashMap::new();
         note_delivered(&mut delivered, fresh.received.iter());
@@ -211,7 +219,7 @@ impl Mailboxes {
     /// returned by [`Mailboxes::next`] (acks of those are ignored).
     pub async fn remove(&mut self, mailboxes: &[u32]) -> Result<(), ClientError> {
         if let Some(following) = &mut self.following {
-            following.removed.extend_from_slice(mailboxes);
+            following.removed.extend(mailboxes.iter().copied());
         }
         match self.remove_once(mailboxes).await {
             // Opened again elsewhere with these removed.
@@ -384,18 +392,45 @@ impl Mailboxes {
         let Some(response) = self.responses.message().await? else {
             return Ok(false);
         };
-        if let Some(delivered) = self
-            .following
-            .as_mut()
-            .and_then(|following| following.delivered.as_mut())
+        let mut deliveries = response.deliveries;
+        if let Some(Following {
+            removed,
+            delivered: Some(delivered),
+            ..
+        }) = &mut self.following
         {
-            note_delivered(delivered, response.deliveries.iter());
+            // Moved: removed mailboxes' messages still on their way are not handed out.
+            let (messages, bytes) = drop_removed(removed, &mut deliveries);
+            self.taken_messages += messages;
+            self.taken_bytes = self.taken_bytes.saturating_add(bytes);
+            note_delivered(delivered, deliveries.iter());
         }
-        self.received.extend(response.deliveries);
+        self.received.extend(deliveries);
         self.confirmed = self.confirmed.max(response.mailboxes_added);
         self.acked_sequence = self.acked_sequence.max(response.acked_sequence);
         Ok(true)
     }
+}
+
+/// Drops the messages of `removed` mailboxes from `deliveries`; how many, and their bytes
+/// (counted as taken, so their credit goes back).
+fn drop_removed(
+    removed: &std::collections::BTreeSet<u32>,
+    deliveries: &mut Vec<MailboxDelivery>,
+) -> (u32, u32) {
+    let (mut messages, mut bytes) = (0_u32, 0_u32);
+    if !removed.is_empty() {
+        deliveries.retain(|delivery| {
+            let keep = !removed.contains(&delivery.mailbox);
+            if !keep {
+                messages += 1;
+                bytes =
+                    bytes.saturating_add(u32::try_from(delivery.payload.len()).unwrap_or(u32::MAX));
+            }
+            keep
+        });
+    }
+    (messages, bytes)
 }
 
 /// Raises each mailbox's highest delivered offset in `delivered` to `deliveries`'.
