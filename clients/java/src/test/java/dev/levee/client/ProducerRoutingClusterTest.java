@@ -272,8 +272,8 @@ class ProducerRoutingClusterTest {
             AtomicLong acknowledged = new AtomicLong();
             List<String> failures = java.util.Collections.synchronizedList(new ArrayList<>());
             AtomicBoolean stop = new AtomicBoolean();
-            // Resends ride out the failover: 10 ms doubling, 10 times (about 10 s in all).
-            ProducerOptions options = ProducerOptions.defaults().idempotent(true).retriesMax(10).batchMessagesMax(32)
+            // The default resends ride out the failover: 10 of them, 10 ms doubling up to 100 ms.
+            ProducerOptions options = ProducerOptions.defaults().idempotent(true).batchMessagesMax(32)
                     .linger(Duration.ofMillis(2));
             try (Producer producer = new Producer(clients.get(0), options)) {
                 await("the producer learning the shard leaders", 5_000, () -> producer.routes().view().routing());
