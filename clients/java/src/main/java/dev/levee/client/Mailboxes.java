@@ -34,11 +34,18 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
     public static final int MAILBOXES_PER_REQUEST_MAX = 10_000;
     /** Mailboxes with an ack waiting before {@link #next} sends them without being asked. */
     public static final int ACKS_BUFFERED_MAX = 1_024;
+    /** Longest a move waits for a member's connection when the stream has no queue to add. */
+    private static final long READY_WAIT_NANOS = Duration.ofSeconds(1).toNanos();
 
     private final LeveeClient client;
+    private final String consumer;
     private final int creditMessages;
     private final ArrayDeque<MailboxDelivery> received = new ArrayDeque<>();
     private final Map<Integer, Long> acks = new LinkedHashMap<>();
+    /** Of a following stream: every queue added, in mailbox order, to add them again after a move. */
+    private final List<byte[]> queuesAdded = new ArrayList<>();
+    /** Of a following stream: the mailbox numbers removed, to remove them again after a move. */
+    private final List<Integer> mailboxesRemoved = new ArrayList<>();
     private int added;
     private long confirmed;
     private long takenMessages;
@@ -46,19 +53,61 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
     private long ackSequence;
     private long ackedSequence;
 
-    private Mailboxes(LeveeClient client, int creditMessages) {
+    private Mailboxes(LeveeClient client, String consumer, int creditMessages) {
         this.client = client;
+        this.consumer = consumer;
         this.creditMessages = creditMessages;
     }
 
     static Mailboxes open(LeveeClient client, String consumer, int creditMessages) {
         Validation.checkConsumer(consumer);
         Validation.checkCredit(creditMessages);
-        Mailboxes mailboxes = new Mailboxes(client, creditMessages);
-        QueuesGrpc.newStub(client.channel()).subscribeMany(mailboxes);
-        mailboxes.write(SubscribeManyRequest.newBuilder().setStart(SubscribeManyStart.newBuilder().setConsumer(consumer)
-                .setCredit(Credit.newBuilder().setMessages(creditMessages))).build());
+        Mailboxes mailboxes = new Mailboxes(client, consumer, creditMessages);
+        mailboxes.begin(client);
         return mailboxes;
+    }
+
+    /** {@link #open}, following the cluster: see {@link LeveeClient#subscribeManyFollowing}. */
+    static Mailboxes openFollowing(LeveeClient client, String consumer, int creditMessages) {
+        Mailboxes mailboxes = open(client, consumer, creditMessages);
+        mailboxes.following = Following.learnedFrom(client);
+        return mailboxes;
+    }
+
+    /** Starts a call through {@code through}. */
+    private void begin(LeveeClient through) {
+        start(observer -> QueuesGrpc.newStub(through.channel()).subscribeMany(observer));
+        write(SubscribeManyRequest.newBuilder().setStart(SubscribeManyStart.newBuilder().setConsumer(consumer)
+                .setCredit(Credit.newBuilder().setMessages(creditMessages))).build());
+    }
+
+    @Override
+    protected void reopenThrough(LeveeClient member, long waitNanos) {
+        if (queuesAdded.isEmpty()) {
+            // Nothing to wait an answer for: a member that is down must not take the stream.
+            Channels.awaitReady(member.channel(), member.address(), Duration.ofNanos(Math.min(waitNanos, READY_WAIT_NANOS)));
+        }
+        begin(member);
+        try {
+            addOnce(queuesAdded, waitNanos);
+            removeOnce(mailboxesRemoved);
+        } catch (LeveeException failed) {
+            abandon("the stream could not add its queues again: " + failed.description());
+            throw failed;
+        }
+    }
+
+    @Override
+    protected void reset() {
+        // Acks recorded and not sent go with the old call: their messages come again.
+        received.clear();
+        acks.clear();
+        added = 0;
+        confirmed = 0;
+        takenMessages = 0;
+        takenBytes = 0;
+        ackSequence = 0;
+        ackedSequence = 0;
     }
 
     @Override
@@ -76,7 +125,8 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
 
     /**
      * Adds {@code queues} (each at most once per stream) and returns once the server registered
-     * them: their mailbox numbers, in order.
+     * them: their mailbox numbers, in order. A following stream whose node went away opens
+     * itself again elsewhere with every queue added, these included.
      */
     public synchronized List<Integer> add(List<byte[]> queues) {
         for (int index = 0; index < queues.size(); index++) {
@@ -87,6 +137,29 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
             }
         }
         int first = added;
+        if (following != null) {
+            queues.forEach(queue -> queuesAdded.add(queue.clone()));
+        }
+        long calls = calls();
+        try {
+            addOnce(queues, timeoutNanos());
+        } catch (LeveeException error) {
+            if (!movesAfter(error)) {
+                if (following != null) {
+                    queuesAdded.subList(first, queuesAdded.size()).clear();
+                }
+                throw error;
+            }
+            move(error, calls);
+        }
+        List<Integer> numbers = new ArrayList<>(added - first);
+        for (int number = first; number < added; number++) {
+            numbers.add(number);
+        }
+        return numbers;
+    }
+
+    private void addOnce(List<byte[]> queues, long waitNanos) {
         for (int start = 0; start < queues.size(); start += MAILBOXES_PER_REQUEST_MAX) {
             AddMailboxes.Builder add = AddMailboxes.newBuilder();
             for (byte[] queue : queues.subList(start, Math.min(queues.size(), start + MAILBOXES_PER_REQUEST_MAX))) {
@@ -95,16 +168,29 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
             write(SubscribeManyRequest.newBuilder().setAdd(add).build());
             added += add.getQueuesCount();
         }
-        awaitAnswer(() -> confirmed >= added, timeoutNanos(), "the add of mailboxes was");
-        List<Integer> numbers = new ArrayList<>(added - first);
-        for (int number = first; number < added; number++) {
-            numbers.add(number);
-        }
-        return numbers;
+        awaitAnswer(() -> confirmed >= added, waitNanos, "the add of mailboxes was");
     }
 
-    /** Stops delivery from {@code mailboxes}; acks recorded before are sent first. */
+    /**
+     * Stops delivery from {@code mailboxes}; acks recorded before are sent first. A following
+     * stream whose node went away opens itself again elsewhere with these removed.
+     */
     public synchronized void remove(List<Integer> mailboxes) {
+        if (following != null) {
+            mailboxesRemoved.addAll(mailboxes);
+        }
+        long calls = calls();
+        try {
+            removeOnce(mailboxes);
+        } catch (LeveeException error) {
+            move(error, calls);
+        }
+    }
+
+    private void removeOnce(List<Integer> mailboxes) {
+        if (mailboxes.isEmpty()) {
+            return;
+        }
         sendAcks();
         for (int start = 0; start < mailboxes.size(); start += MAILBOXES_PER_REQUEST_MAX) {
             write(SubscribeManyRequest.newBuilder().setRemove(RemoveMailboxes.newBuilder()
@@ -115,10 +201,26 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
 
     /**
      * The next message of any mailbox, waiting at most {@code timeout}; null on timeout or once
-     * the stream ended cleanly.
+     * the stream ended cleanly. A following stream whose node went away opens itself again
+     * elsewhere (which may take up to 30 s beyond the timeout) and goes on from the consumer's
+     * last confirmed acks: messages taken or acked but not confirmed are delivered again.
      */
     public synchronized MailboxDelivery next(Duration timeout) {
         long deadline = System.nanoTime() + timeout.toNanos();
+        for (int moves = 0; ; moves++) {
+            long calls = calls();
+            try {
+                return nextOnce(deadline);
+            } catch (LeveeException error) {
+                if (moves >= MOVES_PER_CALL_MAX) {
+                    throw error;
+                }
+                move(error, calls);
+            }
+        }
+    }
+
+    private MailboxDelivery nextOnce(long deadline) {
         MailboxDelivery delivery;
         while (true) {
             lock.lock();
@@ -166,10 +268,23 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
         acks.merge(mailbox, offset, Math::max);
     }
 
-    /** Sends the recorded acks and returns once they (and every ack before) are durable. */
+    /**
+     * Sends the recorded acks and returns once they (and every ack before) are durable. On a
+     * following stream whose node went away before they were confirmed, it throws UNAVAILABLE
+     * once the stream is open again through another node (the unconfirmed messages are
+     * delivered again).
+     */
     public synchronized void flushAcks() {
-        sendAcks();
-        awaitAnswer(() -> ackedSequence >= ackSequence, timeoutNanos(), "the acks were");
+        long calls = calls();
+        try {
+            sendAcks();
+            awaitAnswer(() -> ackedSequence >= ackSequence, timeoutNanos(), "the acks were");
+        } catch (LeveeException error) {
+            move(error, calls);
+            throw LeveeException.of(ErrorCode.ERROR_CODE_UNAVAILABLE, "the stream's node went away before the acks "
+                    + "were confirmed; the stream is open again through another node and delivers the unconfirmed "
+                    + "messages again");
+        }
     }
 
     private void grantCredit() {
