@@ -1,7 +1,10 @@
 package dev.levee.client;
 
 import static org.junit.jupiter.api.Assertions.assertEquals;
+import static org.junit.jupiter.api.Assertions.assertThrows;
+import static org.junit.jupiter.api.Assertions.assertTrue;
 
+import dev.levee.v1.ErrorCode;
 import java.nio.charset.StandardCharsets;
 import java.time.Duration;
 import java.util.ArrayList;
@@ -20,8 +23,9 @@ import org.junit.jupiter.api.Timeout;
  * {@link LeveeClient#subscribeFollowing}) against three processes of a cluster that replicates
  * its queues, as crates/levee/tests/replicated.rs tests the Rust ones: a consumer acks through
  * node 2 on a many-queue stream (offsets 0 to 5 of eight queues over every shard) and on a
- * single-queue one (0 to 3); node 2 is killed (kill -9); both streams open themselves again
- * through another node and resume right after their acks, nothing acked delivered again.
+ * single-queue one (0 to 3); node 2 is killed (kill -9); an ack on each cut short by the kill
+ * says so; both streams open themselves again through another node and resume right after
+ * their confirmed acks, nothing acked delivered again.
  */
 class FollowingClusterTest {
     private static final int SHARDS = 4;
@@ -130,6 +134,17 @@ class FollowingClusterTest {
             single.ack(SINGLE_ACKED);
 
             nodes.get(1).kill();
+            // Acks cut short by the kill say so once their stream is open again elsewhere, and
+            // count for nothing: the streams resume after the acks confirmed before.
+            many.ack(mailboxes.get(0), MANY_ACKED + 2);
+            LeveeException flush = assertThrows(LeveeException.class, many::flushAcks);
+            assertEquals(ErrorCode.ERROR_CODE_UNAVAILABLE, flush.code());
+            assertTrue(flush.description().contains("went away before the acks were confirmed"), flush.description());
+            Subscription cutShort = single;
+            LeveeException ack = assertThrows(LeveeException.class, () -> cutShort.ack(SINGLE_ACKED + 2));
+            assertEquals(ErrorCode.ERROR_CODE_UNAVAILABLE, ack.code());
+            assertTrue(ack.description().contains("open again through another node from offset " + (SINGLE_ACKED + 1)),
+                    ack.description());
             // One more message in each queue: only a stream that moved can deliver it.
             List<QueueMessage> after = new ArrayList<>();
             for (String queue : queues) {
@@ -175,6 +190,40 @@ class FollowingClusterTest {
             }
             for (LeveeServer node : nodes) {
                 node.close();
+            }
+        }
+    }
+
+    @Test
+    @Timeout(value = 60, unit = TimeUnit.SECONDS)
+    void given_following_streams_when_the_server_refuses_an_ack_should_end_them_as_plain_streams() throws Exception {
+        try (LeveeServer server = new LeveeServer(List.of()).start();
+                LeveeClient client = LeveeClient.connect(server.grpcAddr)) {
+            client.append(bytes("refused"), bytes("only"));
+            Mailboxes many = client.subscribeManyFollowing("app-server", 10);
+            Subscription single = client.subscribeFollowing(bytes("refused"), "app-server-single", 10);
+            try {
+                int mailbox = many.add(List.of(bytes("refused"))).get(0);
+                assertEquals(0, many.next(Duration.ofSeconds(5)).offset());
+                many.ack(mailbox, 5);
+                LeveeException flush = assertThrows(LeveeException.class, many::flushAcks);
+                assertEquals(ErrorCode.ERROR_CODE_OFFSET_OUT_OF_RANGE, flush.code(), flush.toString());
+                LeveeException next = assertThrows(LeveeException.class, () -> many.next(Duration.ofSeconds(1)));
+                assertEquals(ErrorCode.ERROR_CODE_OFFSET_OUT_OF_RANGE, next.code(), "the stream ended, not moved");
+
+                assertEquals(0, single.next(Duration.ofSeconds(5)).offset());
+                LeveeException ack = assertThrows(LeveeException.class, () -> single.ack(5));
+                assertEquals(ErrorCode.ERROR_CODE_OFFSET_OUT_OF_RANGE, ack.code(), ack.toString());
+                Subscription closed = client.subscribeFollowing(bytes("refused"), "app-server-closed", 10);
+                closed.close();
+                Delivery buffered = closed.next(Duration.ofMillis(100)); // received before the close
+                if (buffered != null) {
+                    assertEquals(0, buffered.offset());
+                }
+                assertEquals(null, closed.next(Duration.ofMillis(100)), "a stream closed here is not opened again");
+            } finally {
+                many.close();
+                single.close();
             }
         }
     }
