@@ -15,8 +15,10 @@ import java.time.Duration;
 import java.util.ArrayDeque;
 import java.util.ArrayList;
 import java.util.LinkedHashMap;
+import java.util.LinkedHashSet;
 import java.util.List;
 import java.util.Map;
+import java.util.Set;
 
 /**
  * One consumer's stream over many queues at once (an app server holding the mailboxes of its
@@ -34,6 +36,11 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
     public static final int MAILBOXES_PER_REQUEST_MAX = 10_000;
     /** Mailboxes with an ack waiting before {@link #next} sends them without being asked. */
     public static final int ACKS_BUFFERED_MAX = 1_024;
+    /**
+     * Most mailboxes (removed ones included) a following stream remembers to add again after a
+     * move: the server's bound on mailboxes over all streams.
+     */
+    public static final int FOLLOWED_MAILBOXES_MAX = 4_000_000;
     /** Longest a move waits for a member's connection when the stream has no queue to add. */
     private static final long READY_WAIT_NANOS = Duration.ofSeconds(1).toNanos();
 
@@ -44,8 +51,19 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
     private final Map<Integer, Long> acks = new LinkedHashMap<>();
     /** Of a following stream: every queue added, in mailbox order, to add them again after a move. */
     private final List<byte[]> queuesAdded = new ArrayList<>();
-    /** Of a following stream: the mailbox numbers removed, to remove them again after a move. */
-    private final List<Integer> mailboxesRemoved = new ArrayList<>();
+    /**
+     * Of a following stream: the mailbox numbers removed (each once, each a number added), to
+     * remove them again after a move.
+     */
+    private final Set<Integer> mailboxesRemoved = new LinkedHashSet<>();
+    /**
+     * The mailboxes removed before the current call started (under {@link #lock}): after a
+     * move, their deliveries sent before the remove again reached the server are dropped.
+     */
+    private Set<Integer> removedBeforeMove = Set.of();
+    /** Deliveries dropped and their payload bytes (under {@link #lock}), whose credit goes back. */
+    private long droppedMessages;
+    private long droppedBytes;
     private int added;
     private long confirmed;
     private long takenMessages;
@@ -90,7 +108,7 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
         begin(member);
         try {
             addOnce(queuesAdded, waitNanos);
-            removeOnce(mailboxesRemoved);
+            removeOnce(new ArrayList<>(mailboxesRemoved));
         } catch (LeveeException failed) {
             abandon("the stream could not add its queues again: " + failed.description());
             throw failed;
@@ -100,6 +118,9 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
     @Override
     protected void reset() {
         // Acks recorded and not sent go with the old call: their messages come again.
+        removedBeforeMove = Set.copyOf(mailboxesRemoved);
+        droppedMessages = 0;
+        droppedBytes = 0;
         received.clear();
         acks.clear();
         added = 0;
@@ -113,6 +134,12 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
     @Override
     protected void take(SubscribeManyResponse response) {
         for (dev.levee.v1.MailboxDelivery delivery : response.getDeliveriesList()) {
+            if (removedBeforeMove.contains(delivery.getMailbox())) {
+                // Sent between the add and the remove of a move: the application removed it.
+                droppedMessages++;
+                droppedBytes += delivery.getPayload().size();
+                continue;
+            }
             received.add(new MailboxDelivery(delivery.getMailbox(), delivery.getOffset(), delivery.getPayload().toByteArray()));
         }
         confirmed = Math.max(confirmed, response.getMailboxesAdded());
@@ -138,6 +165,11 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
         }
         int first = added;
         if (following != null) {
+            if (queuesAdded.size() + queues.size() > FOLLOWED_MAILBOXES_MAX) {
+                throw LeveeException.of(ErrorCode.ERROR_CODE_RESOURCE_EXHAUSTED, "a following stream remembers at most "
+                        + FOLLOWED_MAILBOXES_MAX + " mailboxes (removed ones included) to add again after a move; it has "
+                        + queuesAdded.size() + " and this add has " + queues.size() + "; open another stream");
+            }
             queues.forEach(queue -> queuesAdded.add(queue.clone()));
         }
         long calls = calls();
@@ -177,7 +209,11 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
      */
     public synchronized void remove(List<Integer> mailboxes) {
         if (following != null) {
-            mailboxesRemoved.addAll(mailboxes);
+            for (int mailbox : mailboxes) {
+                if (mailbox >= 0 && mailbox < queuesAdded.size()) {
+                    mailboxesRemoved.add(mailbox);
+                }
+            }
         }
         long calls = calls();
         try {
@@ -188,9 +224,6 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
     }
 
     private void removeOnce(List<Integer> mailboxes) {
-        if (mailboxes.isEmpty()) {
-            return;
-        }
         sendAcks();
         for (int start = 0; start < mailboxes.size(); start += MAILBOXES_PER_REQUEST_MAX) {
             write(SubscribeManyRequest.newBuilder().setRemove(RemoveMailboxes.newBuilder()
@@ -226,6 +259,11 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
             lock.lock();
             try {
                 delivery = received.poll();
+                // Deliveries dropped give their credit back as if taken.
+                takenMessages += droppedMessages;
+                takenBytes += droppedBytes;
+                droppedMessages = 0;
+                droppedBytes = 0;
             } finally {
                 lock.unlock();
             }
