@@ -331,9 +331,38 @@ public final class LeveeClient implements AutoCloseable {
         return Subscription.open(this, queue, consumer, creditMessages);
     }
 
+    /**
+     * {@link #subscribe} that moves by itself, as {@link #subscribeManyFollowing} says: when its
+     * node goes away it opens itself again through another member and goes on from the
+     * consumer's last confirmed ack ({@link Subscription#startOffset} then says where); an ack
+     * cut short returns if the reopened subscription starts after it, and throws UNAVAILABLE
+     * otherwise, once the subscription is open again.
+     */
+    public Subscription subscribeFollowing(byte[] queue, String consumer, int creditMessages) {
+        return Subscription.openFollowing(this, queue, consumer, creditMessages);
+    }
+
     /** Opens {@code consumer}'s stream over many queues (added with {@link Mailboxes#add}). */
     public Mailboxes subscribeMany(String consumer, int creditMessages) {
         return Mailboxes.open(this, consumer, creditMessages);
+    }
+
+    /**
+     * {@link #subscribeMany} that moves by itself: when its node goes away (the stream fails
+     * with UNAVAILABLE, which a broken connection reads as) it learns the cluster's members
+     * (GetCluster through this client's node, else through the members it knew), opens the
+     * stream again through the next member, adds every queue again under the same mailbox
+     * numbers (removed ones removed again) and goes on, for up to 30 s per move (then the call
+     * throws UNAVAILABLE saying so). Delivery resumes after the consumer's last confirmed acks:
+     * messages taken, or acked but not confirmed, are delivered again (at least once), and a
+     * {@link Mailboxes#flushAcks} cut short throws UNAVAILABLE once the stream is open again; in
+     * a cluster that replicates its queues, no message whose ack was confirmed is delivered
+     * again (docs/CLUSTER.md, "Consumers' positions"). Other errors end the stream as on
+     * {@link #subscribeMany}. The stream keeps a channel to each member it moves through,
+     * closed with it.
+     */
+    public Mailboxes subscribeManyFollowing(String consumer, int creditMessages) {
+        return Mailboxes.openFollowing(this, consumer, creditMessages);
     }
 
     // ---- topics and groups

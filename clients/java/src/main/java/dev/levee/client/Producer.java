@@ -42,10 +42,11 @@ import java.util.concurrent.atomic.AtomicLong;
  * <p>With idempotent, the producer takes a fresh producer id and numbers each queue's messages;
  * a batch whose request failed in a way that may not have reached the disk (UNAVAILABLE,
  * DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, or a SEQUENCE_GAP left by a batch still in flight) is
- * resent with the same numbers, up to retriesMax times (retryBackoff apart, doubling), and the
- * server stores nothing twice. A batch sharing a queue with a batch in flight waits for it (the
- * server takes a producer's sequences on a queue only in order). That rule also keeps every
- * resend answerable: the server answers a resend with its original offsets only while it is
+ * resent with the same numbers, up to retriesMax times (default 10, retryBackoff apart doubling
+ * up to retryBackoffMax: 10 ms to 100 ms by default, as the Rust producer's, enough to ride out
+ * a shard leader's failover in a cluster), and the server stores nothing twice. A batch sharing
+ * a queue with a batch in flight waits for it (the server takes a producer's sequences on a
+ * queue only in order). That rule also keeps every resend answerable: the server answers a resend with its original offsets only while it is
  * among the last 8 requests of the producer that touched its queues (SEQUENCE_TOO_OLD beyond),
  * and since no batch touching a queue is sent while an earlier one touching it is unanswered
  * (being resent included), a resent batch is always the newest request on each of its queues.
@@ -382,10 +383,19 @@ public final class Producer implements AutoCloseable {
                 retryCount.incrementAndGet();
                 // Resent after the pause and once the routes are refreshed, to the leader then known.
                 retries.schedule(() -> refreshed.whenCompleteAsync(
-                        (ignored, failed) -> send(part, attempt + 1, backoffNanos * 2), retries),
+                        (ignored, failed) -> send(part, attempt + 1, nextBackoff(backoffNanos, options.retryBackoffMax.toNanos())), retries),
                         backoffNanos, TimeUnit.NANOSECONDS);
             }
         }, MoreExecutors.directExecutor());
+    }
+
+    /**
+     * The pause after {@code backoffNanos}: doubled up to {@code capNanos} (retryBackoffMax),
+     * never shorter than it was (a first pause above the cap stays).
+     */
+    static long nextBackoff(long backoffNanos, long capNanos) {
+        long doubled = backoffNanos > Long.MAX_VALUE / 2 ? Long.MAX_VALUE : backoffNanos * 2;
+        return Math.max(backoffNanos, Math.min(doubled, capNanos));
     }
 
     /** A part answered: its queues are free; the batch is done once every part is. */

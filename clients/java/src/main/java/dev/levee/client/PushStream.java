@@ -6,57 +6,173 @@ import io.grpc.stub.ClientResponseObserver;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.locks.Condition;
 import java.util.concurrent.locks.ReentrantLock;
+import java.util.function.Consumer;
 
 /**
  * What the mailbox streams ({@link Subscription}, {@link Mailboxes}) share: the server's
  * responses taken as they come on gRPC's thread (what is held is bounded by the credit the
  * caller granted), a condition for waiters, serialised writes, and the stream's end (the
  * server's error, or a clean end). A wait that times out loses nothing.
+ *
+ * <p>A stream is one gRPC call at a time: a stream that follows the cluster ({@link Following})
+ * starts a new call through another node when its node goes away ({@link #move}), and what
+ * arrives from an earlier call is ignored.
  */
-abstract class PushStream<RequestT, ResponseT> implements ClientResponseObserver<RequestT, ResponseT> {
+abstract class PushStream<RequestT, ResponseT> {
+    /** Most moves one call of a following stream makes before it gives up. */
+    static final int MOVES_PER_CALL_MAX = 8;
+
     protected final ReentrantLock lock = new ReentrantLock();
     protected final Condition changed = lock.newCondition();
     private final Object writeLock = new Object();
-    private ClientCallStreamObserver<RequestT> requests;
-    /** Set once the stream is over. */
+    /** Held while the stream moves to another node. */
+    private final Object moveLock = new Object();
+    /** The call now (under {@link #lock}). */
+    private Call current;
+    /** Calls started so far (under {@link #lock}): tells a move that another caller moved it. */
+    private long calls;
+    /** Set once the current call is over. */
     protected LeveeException ended;
     /** Ended by the server without an error, or closed here. */
     protected boolean cleanEnd;
+    /** Closed by the application: never opened again. */
     private volatile boolean closedHere;
+    /** How the stream opens again elsewhere, when it follows the cluster; else null. */
+    protected Following following;
+
+    /** One gRPC call of the stream: passes on what arrives while it is the current one. */
+    private final class Call implements ClientResponseObserver<RequestT, ResponseT> {
+        private ClientCallStreamObserver<RequestT> requests;
+        private volatile boolean abandoned;
+
+        @Override
+        public void beforeStart(ClientCallStreamObserver<RequestT> requestStream) {
+            this.requests = requestStream;
+        }
+
+        @Override
+        public void onNext(ResponseT response) {
+            lock.lock();
+            try {
+                if (current == this) {
+                    take(response);
+                    changed.signalAll();
+                }
+            } finally {
+                lock.unlock();
+            }
+        }
+
+        @Override
+        public void onError(Throwable error) {
+            end(this, abandoned || closedHere ? null : WireErrors.from(error));
+        }
+
+        @Override
+        public void onCompleted() {
+            end(this, null);
+        }
+
+        void cancel(String why) {
+            abandoned = true;
+            synchronized (writeLock) {
+                if (requests != null) {
+                    requests.cancel(why, null);
+                }
+            }
+        }
+    }
 
     /** Takes one response, under {@link #lock}. */
     protected abstract void take(ResponseT response);
 
-    @Override
-    public void beforeStart(ClientCallStreamObserver<RequestT> requestStream) {
-        this.requests = requestStream;
-    }
+    /** Forgets what the previous call held, under {@link #lock}, as a new call starts. */
+    protected abstract void reset();
 
-    @Override
-    public void onNext(ResponseT response) {
+    /**
+     * Opens the stream again through {@code member} as it was (see {@link Following}),
+     * waiting at most {@code waitNanos}; throws when that member does not take it.
+     */
+    protected abstract void reopenThrough(LeveeClient member, long waitNanos);
+
+    /**
+     * Starts a new call with {@code opener} (which calls the gRPC stub with the observer it is
+     * given), ending the previous one; the stream's state is {@link #reset}.
+     */
+    protected void start(Consumer<ClientResponseObserver<RequestT, ResponseT>> opener) {
+        Call call = new Call();
+        Call previous;
         lock.lock();
         try {
-            take(response);
-            changed.signalAll();
+            if (closedHere) {
+                throw LeveeException.of(ErrorCode.ERROR_CODE_UNAVAILABLE, "the stream is closed");
+            }
+            previous = current;
+            current = call;
+            calls++;
+            ended = null;
+            cleanEnd = false;
+            reset();
+        } finally {
+            lock.unlock();
+        }
+        if (previous != null) {
+            previous.cancel("the stream moved to another node");
+        }
+        opener.accept(call);
+    }
+
+    /** Ends the current call here (a try that failed): it is abandoned, not closed. */
+    protected void abandon(String why) {
+        Call call;
+        lock.lock();
+        try {
+            call = current;
+        } finally {
+            lock.unlock();
+        }
+        if (call != null) {
+            call.cancel(why);
+            end(call, LeveeException.of(ErrorCode.ERROR_CODE_UNAVAILABLE, why));
+        }
+    }
+
+    /** Calls started so far: pass it to {@link #move} after a failure. */
+    protected long calls() {
+        lock.lock();
+        try {
+            return calls;
         } finally {
             lock.unlock();
         }
     }
 
-    @Override
-    public void onError(Throwable error) {
-        end(closedHere ? null : WireErrors.from(error));
+    /** Whether the stream opens itself again elsewhere after {@code error}. */
+    protected boolean movesAfter(LeveeException error) {
+        return following != null && !closedHere && Following.nodeWentAway(error);
     }
 
-    @Override
-    public void onCompleted() {
-        end(null);
+    /**
+     * After {@code cause} ended call number {@code seenCalls}: opens the stream again through
+     * another member (unless another caller did already), or throws {@code cause} when it does
+     * not follow the cluster, or no member took it in time.
+     */
+    protected void move(LeveeException cause, long seenCalls) {
+        if (!movesAfter(cause)) {
+            throw cause;
+        }
+        synchronized (moveLock) {
+            if (calls() != seenCalls) {
+                return;
+            }
+            following.reopen(this::reopenThrough, cause);
+        }
     }
 
-    private void end(LeveeException error) {
+    private void end(Call call, LeveeException error) {
         lock.lock();
         try {
-            if (ended == null) {
+            if (current == call && ended == null) {
                 cleanEnd = error == null;
                 ended = error != null ? error
                         : LeveeException.of(ErrorCode.ERROR_CODE_UNAVAILABLE, "the stream is closed");
@@ -111,17 +227,19 @@ abstract class PushStream<RequestT, ResponseT> implements ClientResponseObserver
         }
     }
 
-    /** Sends one request; throws the stream's end if it is over. */
+    /** Sends one request on the current call; throws the call's end if it is over. */
     protected void write(RequestT request) {
+        Call call;
         lock.lock();
         try {
             raiseIfEnded();
+            call = current;
         } finally {
             lock.unlock();
         }
         synchronized (writeLock) {
             try {
-                requests.onNext(request);
+                call.requests.onNext(request);
             } catch (RuntimeException error) {
                 throw WireErrors.from(error);
             }
@@ -130,21 +248,41 @@ abstract class PushStream<RequestT, ResponseT> implements ClientResponseObserver
 
     /** Closes the sending side: the server ends the stream once it has seen everything. */
     protected void finishWriting() {
+        Call call;
+        lock.lock();
+        try {
+            call = current;
+        } finally {
+            lock.unlock();
+        }
         synchronized (writeLock) {
             try {
-                requests.onCompleted();
+                call.requests.onCompleted();
             } catch (RuntimeException ignored) {
                 // already ended
             }
         }
     }
 
-    /** Ends the stream now; messages not acked are delivered again to the next subscription. */
+    /**
+     * Ends the stream now (a following stream is not opened again, and its channels to other
+     * members are closed); messages not acked are delivered again to the next subscription.
+     */
     public void close() {
         closedHere = true;
-        synchronized (writeLock) {
-            requests.cancel("closed by the client", null);
+        Call call;
+        lock.lock();
+        try {
+            call = current;
+        } finally {
+            lock.unlock();
         }
-        end(null);
+        if (call != null) {
+            call.cancel("closed by the client");
+            end(call, null);
+        }
+        if (following != null) {
+            following.close();
+        }
     }
 }

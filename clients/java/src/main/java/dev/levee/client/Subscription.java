@@ -22,44 +22,75 @@ import java.util.ArrayDeque;
  */
 public final class Subscription extends PushStream<SubscribeRequest, SubscribeResponse> implements AutoCloseable {
     private final LeveeClient client;
+    private final byte[] queue;
+    private final String consumer;
+    private final int creditMessages;
     private final ArrayDeque<Delivery> received = new ArrayDeque<>();
     /** Handed to the caller and not yet acked: offset and payload bytes, for the credit. */
     private final ArrayDeque<long[]> unacked = new ArrayDeque<>();
     private long ackedOffset;
     private long startOffset = -1;
 
-    private Subscription(LeveeClient client) {
+    private Subscription(LeveeClient client, byte[] queue, String consumer, int creditMessages) {
         this.client = client;
+        this.queue = queue.clone();
+        this.consumer = consumer;
+        this.creditMessages = creditMessages;
     }
 
     static Subscription open(LeveeClient client, byte[] queue, String consumer, int creditMessages) {
         Validation.checkSubscribeQueue(queue);
         Validation.checkConsumer(consumer);
         Validation.checkCredit(creditMessages);
-        Subscription subscription = new Subscription(client);
-        QueuesGrpc.newStub(client.channel()).subscribe(subscription);
-        subscription.write(SubscribeRequest.newBuilder().setStart(SubscribeStart.newBuilder()
+        Subscription subscription = new Subscription(client, queue, consumer, creditMessages);
+        subscription.begin(client, client.options().requestTimeout().toNanos());
+        return subscription;
+    }
+
+    /** {@link #open}, following the cluster: see {@link LeveeClient#subscribeFollowing}. */
+    static Subscription openFollowing(LeveeClient client, byte[] queue, String consumer, int creditMessages) {
+        Subscription subscription = open(client, queue, consumer, creditMessages);
+        subscription.following = Following.learnedFrom(client);
+        return subscription;
+    }
+
+    /** Starts a call through {@code through} and waits (at most {@code waitNanos}) for its start. */
+    private void begin(LeveeClient through, long waitNanos) {
+        start(observer -> QueuesGrpc.newStub(through.channel()).subscribe(observer));
+        write(SubscribeRequest.newBuilder().setStart(SubscribeStart.newBuilder()
                 .setQueue(ByteString.copyFrom(queue)).setConsumer(consumer)
                 .setCredit(Credit.newBuilder().setMessages(creditMessages))).build());
-        long deadline = System.nanoTime() + client.options().requestTimeout().toNanos();
-        subscription.lock.lock();
+        long deadline = System.nanoTime() + waitNanos;
+        lock.lock();
         try {
-            while (subscription.startOffset < 0) {
-                if (subscription.ended != null) {
-                    throw subscription.cleanEnd
+            while (startOffset < 0) {
+                if (ended != null) {
+                    throw cleanEnd
                             ? LeveeException.of(ErrorCode.ERROR_CODE_UNAVAILABLE, "the server closed the subscription")
-                            : subscription.ended.copy();
+                            : ended.copy();
                 }
-                if (!subscription.await(deadline)) {
-                    subscription.close();
+                if (!await(deadline)) {
+                    abandon("the server did not start the subscription in time");
                     throw LeveeException.of(ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED,
                             "the server did not start the subscription in time");
                 }
             }
         } finally {
-            subscription.lock.unlock();
+            lock.unlock();
         }
-        return subscription;
+    }
+
+    @Override
+    protected void reopenThrough(LeveeClient member, long waitNanos) {
+        begin(member, waitNanos);
+    }
+
+    @Override
+    protected void reset() {
+        received.clear();
+        unacked.clear();
+        ackedOffset = 0;
+        startOffset = -1;
     }
 
     @Override
@@ -73,18 +104,42 @@ public final class Subscription extends PushStream<SubscribeRequest, SubscribeRe
         ackedOffset = Math.max(ackedOffset, response.getAckedOffset());
     }
 
-    /** Where delivery started: the offset after the consumer's last ack. */
+    /**
+     * Where delivery started: the offset after the consumer's last ack (after a following
+     * subscription moved: where the reopened one started).
+     */
     public long startOffset() {
-        return startOffset;
+        lock.lock();
+        try {
+            return startOffset;
+        } finally {
+            lock.unlock();
+        }
     }
 
     /**
      * The next message, waiting at most {@code timeout} for one to be appended; null on timeout
      * or once the stream has ended cleanly. Throws the server's error when it ended the stream
-     * with one.
+     * with one. A following subscription whose node went away opens itself again elsewhere
+     * (which may take up to 30 s beyond the timeout) and goes on from the consumer's last
+     * confirmed ack.
      */
     public Delivery next(Duration timeout) {
         long deadline = System.nanoTime() + timeout.toNanos();
+        for (int moves = 0; ; moves++) {
+            long calls = calls();
+            try {
+                return nextOnce(deadline);
+            } catch (LeveeException error) {
+                if (moves >= MOVES_PER_CALL_MAX) {
+                    throw error;
+                }
+                move(error, calls);
+            }
+        }
+    }
+
+    private Delivery nextOnce(long deadline) {
         lock.lock();
         try {
             while (true) {
@@ -110,9 +165,29 @@ public final class Subscription extends PushStream<SubscribeRequest, SubscribeRe
 
     /**
      * Marks every delivered message up to and including {@code offset} done and grants their
-     * credit back; returns once the server made the ack durable.
+     * credit back; returns once the server made the ack durable. On a following subscription
+     * whose node went away before the ack was confirmed, it returns once the subscription is
+     * open again through another node if that one starts after {@code offset} (the ack was
+     * confirmed after all), and throws UNAVAILABLE otherwise (the unconfirmed messages are
+     * delivered again).
      */
     public void ack(long offset) {
+        long calls = calls();
+        try {
+            ackOnce(offset);
+        } catch (LeveeException error) {
+            move(error, calls);
+            long restarted = startOffset();
+            if (offset < restarted) {
+                return;
+            }
+            throw LeveeException.of(ErrorCode.ERROR_CODE_UNAVAILABLE, "the subscription's node went away before the "
+                    + "ack of offset " + offset + " was confirmed; the subscription is open again through another "
+                    + "node from offset " + restarted + " and delivers the unconfirmed messages again");
+        }
+    }
+
+    private void ackOnce(long offset) {
         long messages = 0;
         long payloadBytes = 0;
         lock.lock();
@@ -124,8 +199,14 @@ public final class Subscription extends PushStream<SubscribeRequest, SubscribeRe
         } finally {
             lock.unlock();
         }
+        long calls = calls();
         write(SubscribeRequest.newBuilder().setAck(Ack.newBuilder().setOffset(offset)).build());
-        awaitAnswer(() -> ackedOffset > offset, client.options().requestTimeout().toNanos(), "the ack of " + offset + " was");
+        awaitAnswer(() -> ackedOffset > offset || calls() != calls, client.options().requestTimeout().toNanos(),
+                "the ack of " + offset + " was");
+        if (calls() != calls) {
+            // Another caller moved the subscription meanwhile: this ack went with the old call.
+            throw LeveeException.of(ErrorCode.ERROR_CODE_UNAVAILABLE, "the subscription moved to another node");
+        }
         // The credit goes once the ack is answered: a refused ack ends the stream, and a write
         // after that would hide the server's error behind the transport's.
         if (messages > 0) {

@@ -84,20 +84,94 @@ final class ConformanceRunner {
         this.scenario = scenario;
     }
 
-    @SuppressWarnings("unchecked")
-    static void run(Path path) throws Exception {
-        new ConformanceRunner(JSON.readValue(Files.readString(path), Map.class)).run();
-    }
+    /** Shards of the three-node clusters the scenarios also run against. */
+    static final int CLUSTER_SHARDS = 4;
+    /**
+     * Ops a scenario run against a three-node cluster may not use: stopping or restarting its
+     * only server (the cluster's other nodes would go on). The Rust runner's rule.
+     */
+    static final Set<String> NOT_ON_A_CLUSTER = Set.of("stop_server", "start_server", "restart_server");
+
+    /** The cluster's nodes other than the one the scenario talks to (null against lone servers). */
+    private List<LeveeServer> otherNodes;
 
     @SuppressWarnings("unchecked")
-    private void run() throws Exception {
+    static Map<String, Object> read(Path path) throws Exception {
+        return JSON.readValue(Files.readString(path), Map.class);
+    }
+
+    static void run(Path path) throws Exception {
+        new ConformanceRunner(read(path)).run(-1);
+    }
+
+    /**
+     * Whether {@code scenario} also runs against a three-node cluster: one server, and no op
+     * of {@link #NOT_ON_A_CLUSTER}.
+     */
+    @SuppressWarnings("unchecked")
+    static boolean runsOnACluster(Map<String, Object> scenario) {
+        if (((Number) scenario.getOrDefault("servers", 1)).intValue() != 1) {
+            return false;
+        }
+        for (Object step : (List<Object>) scenario.getOrDefault("steps", List.of())) {
+            if (NOT_ON_A_CLUSTER.contains(((Map<String, Object>) step).get("op"))) {
+                return false;
+            }
+        }
+        return true;
+    }
+
+    /**
+     * Runs the scenario at {@code path} against a new three-node cluster that replicates its
+     * queues ({@link #CLUSTER_SHARDS} shards, each placed on the three nodes and led by its
+     * preferred replica before the first step), talking to node {@code entry} + 1 as its only
+     * server. The scenario must {@link #runsOnACluster}.
+     */
+    static void runOnACluster(Path path, int entry) throws Exception {
+        Map<String, Object> scenario = read(path);
+        if (!runsOnACluster(scenario)) {
+            throw new IllegalArgumentException(path + " does not run on a cluster");
+        }
+        new ConformanceRunner(scenario).run(entry);
+    }
+
+    /** Starts the cluster, the scenario's server 0 being node {@code entry} + 1. */
+    private void startCluster(int entry) throws Exception {
+        List<LeveeServer> nodes = new ArrayList<>();
+        otherNodes = new ArrayList<>();
+        try {
+            ReplicatedCluster.threeNodes(nodes, CLUSTER_SHARDS);
+        } finally {
+            // Closed with the scenario, started or not.
+            otherNodes.addAll(nodes);
+        }
+        List<LeveeClient> probes = new ArrayList<>();
+        try {
+            for (LeveeServer node : nodes) {
+                probes.add(LeveeClient.connect(node.grpcAddr));
+            }
+            ReplicatedCluster.waitSettled(probes, CLUSTER_SHARDS);
+        } finally {
+            probes.forEach(LeveeClient::close);
+        }
+        otherNodes.remove(nodes.get(entry));
+        servers.add(nodes.get(entry));
+    }
+
+    /** Runs the steps against lone servers ({@code clusterEntry} -1) or a cluster's node. */
+    @SuppressWarnings("unchecked")
+    private void run(int clusterEntry) throws Exception {
         int count = ((Number) scenario.getOrDefault("servers", 1)).intValue();
         List<String> extra = (List<String>) scenario.getOrDefault("server_args", List.of());
         try {
-            for (int index = 0; index < count; index++) {
-                LeveeServer server = new LeveeServer(extra == null ? List.of() : extra);
-                servers.add(server);
-                server.start();
+            if (clusterEntry >= 0) {
+                startCluster(clusterEntry);
+            } else {
+                for (int index = 0; index < count; index++) {
+                    LeveeServer server = new LeveeServer(extra == null ? List.of() : extra);
+                    servers.add(server);
+                    server.start();
+                }
             }
             int number = 0;
             for (Object step : (List<Object>) scenario.get("steps")) {
@@ -114,7 +188,11 @@ final class ConformanceRunner {
         subscriptions.values().forEach(Subscription::close);
         many.values().forEach(Mailboxes::close);
         clients.values().forEach(LeveeClient::close);
-        for (LeveeServer server : servers) {
+        List<LeveeServer> processes = new ArrayList<>(servers);
+        if (otherNodes != null) {
+            processes.addAll(otherNodes);
+        }
+        for (LeveeServer server : processes) {
             try {
                 server.close();
             } catch (Exception ignored) {

@@ -6,7 +6,6 @@ import static org.junit.jupiter.api.Assertions.assertTrue;
 import dev.levee.v1.ErrorCode;
 import dev.levee.v1.GetClusterResponse;
 import dev.levee.v1.ReadResponse;
-import dev.levee.v1.ShardPlacement;
 import java.nio.charset.StandardCharsets;
 import java.time.Duration;
 import java.util.ArrayList;
@@ -14,7 +13,6 @@ import java.util.HashMap;
 import java.util.HashSet;
 import java.util.List;
 import java.util.Map;
-import java.util.Set;
 import java.util.TreeMap;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.ConcurrentHashMap;
@@ -36,67 +34,23 @@ import org.junit.jupiter.api.Timeout;
 class ProducerRoutingClusterTest {
     /** Shards of the test's cluster: node 1 is the preferred replica of shard 1. */
     private static final int SHARDS = 4;
-    private static final long[] VOTERS = {1, 2, 3};
     /** How long the cluster may take to form and place its shards, or elect a new leader. */
-    private static final long CONVERGE_MS = 30_000;
+    private static final long CONVERGE_MS = ReplicatedCluster.CONVERGE_MS;
     /** How long one append may take to be answered (retries included). */
     private static final long ANSWER_S = 30;
 
     private static void await(String what, long millis, BooleanSupplier condition) throws InterruptedException {
-        long deadline = System.nanoTime() + TimeUnit.MILLISECONDS.toNanos(millis);
-        while (!condition.getAsBoolean()) {
-            assertTrue(System.nanoTime() < deadline, "timed out waiting for " + what);
-            Thread.sleep(50);
-        }
+        ReplicatedCluster.await(what, millis, condition);
     }
 
     /** Nodes 1, 2 and 3 of a new cluster that replicates its queues (2 and 3 joining node 1). */
     private static List<LeveeServer> threeNodes(List<LeveeServer> nodes) throws Exception {
-        for (int id = 1; id <= 3; id++) {
-            List<String> flags = new ArrayList<>(List.of("--node-id", Integer.toString(id), "--peer-addr",
-                    "127.0.0.1:0", "--shards", Integer.toString(SHARDS), "--replicated-queues", "true"));
-            if (id > 1) {
-                flags.addAll(List.of("--join", nodes.get(0).peerAddr));
-            }
-            LeveeServer node = new LeveeServer(flags);
-            nodes.add(node);
-            node.start();
-        }
-        return nodes;
+        return ReplicatedCluster.threeNodes(nodes, SHARDS);
     }
 
-    /**
-     * Waits until every node answers GetCluster with every shard on the three nodes, none
-     * changing, led by its preferred replica, all nodes agreeing; returns each shard's leader.
-     */
+    /** {@link ReplicatedCluster#waitSettled}: each shard's leader. */
     private static Map<Integer, Long> waitSettled(List<LeveeClient> clients) throws InterruptedException {
-        Map<Integer, Long> leaders = new TreeMap<>();
-        await("every shard placed on the three nodes and led by its preferred replica", CONVERGE_MS, () -> {
-            leaders.clear();
-            for (LeveeClient client : clients) {
-                GetClusterResponse cluster;
-                try {
-                    cluster = client.clusterStatus();
-                } catch (LeveeException notYet) {
-                    return false;
-                }
-                if (!cluster.getReplicatedQueues() || cluster.getShards() != SHARDS
-                        || cluster.getShardMapCount() != SHARDS) {
-                    return false;
-                }
-                for (ShardPlacement placement : cluster.getShardMapList()) {
-                    Set<Long> voters = new HashSet<>(placement.getVotersList());
-                    long preferred = Routing.shardReplicas(placement.getShard(), VOTERS).get(0);
-                    if (placement.getChanging() || !voters.equals(Set.of(1L, 2L, 3L))
-                            || placement.getLeaderId() != preferred) {
-                        return false;
-                    }
-                    leaders.put(placement.getShard(), placement.getLeaderId());
-                }
-            }
-            return true;
-        });
-        return leaders;
+        return ReplicatedCluster.waitSettled(clients, SHARDS);
     }
 
     /** Every message of {@code queue} on a node, from offset 0; the offsets must be dense. */
@@ -272,8 +226,8 @@ class ProducerRoutingClusterTest {
             AtomicLong acknowledged = new AtomicLong();
             List<String> failures = java.util.Collections.synchronizedList(new ArrayList<>());
             AtomicBoolean stop = new AtomicBoolean();
-            // Resends ride out the failover: 10 ms doubling, 10 times (about 10 s in all).
-            ProducerOptions options = ProducerOptions.defaults().idempotent(true).retriesMax(10).batchMessagesMax(32)
+            // The default resends ride out the failover: 10 of them, 10 ms doubling up to 100 ms.
+            ProducerOptions options = ProducerOptions.defaults().idempotent(true).batchMessagesMax(32)
                     .linger(Duration.ofMillis(2));
             try (Producer producer = new Producer(clients.get(0), options)) {
                 await("the producer learning the shard leaders", 5_000, () -> producer.routes().view().routing());
