@@ -685,14 +685,6 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
     let fifth = start(directory.path(), "5", "127.0.0.1:0", Some(&seed));
     let fifth_client = runtime.block_on(Client::connect(&fifth.grpc())).unwrap();
     assert_forwards(&runtime, &client, &fifth_client);
-    let refusal = runtime
-        .block_on(fifth_client.append(b"moving-0", b"through a learner"))
-        .expect_err("a node without a replica or a known leader stores nothing");
-    assert_eq!(
-        refusal.code(),
-        Some(ErrorCode::FailedPrecondition),
-        "{refusal}"
-    );
 
     let _ = stop.send(true);
     let acknowledged = runtime.block_on(appending).unwrap();
@@ -730,6 +722,17 @@ fn assert_forwards(runtime: &tokio::runtime::Runtime, replica: &Client, through:
         .block_on(fifth_client.queue_info(b"never-appended"))
         .expect_err("the replica's answer, forwarded");
     assert_eq!(missing.code(), Some(ErrorCode::NotFound), "{missing}");
+    // Appends through it, forwarded, are stored on the replicas at the offsets answered.
+    let batch: Vec<(&[u8], &[u8])> = (0..4)
+        .map(|n| (&b"via-learner"[..], [&b"a"[..], b"b", b"c", b"d"][n]))
+        .collect();
+    let offsets = runtime.block_on(fifth_client.append_batch(&batch)).unwrap();
+    assert_eq!(offsets, [0, 1, 2, 3]);
+    let stored = runtime
+        .block_on(client.read(b"via-learner", 0, 10, 0))
+        .unwrap();
+    assert_eq!(stored.payloads.len(), 4);
+    assert_eq!(&stored.payloads[3][..], b"d");
     // A subscription through it goes on through the replica.
     runtime.block_on(async {
         let mut subscription = fifth_client
@@ -751,7 +754,8 @@ fn assert_forwards(runtime: &tokio::runtime::Runtime, replica: &Client, through:
             .iter()
             .map(|(key, payload)| (&key[..], &payload[..]))
             .collect();
-        client.publish("audit", &borrowed).await.unwrap();
+        // Published through node 5 (forwarded to a replica).
+        fifth_client.publish("audit", &borrowed).await.unwrap();
         let handled = Handled::default();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let member = spawn_member(fifth_client, "audit", &handled, stopped);

@@ -545,6 +545,88 @@ impl Replication {
         }
     }
 
+    /// [`Replication::append`] from any node: the messages of shards this node neither
+    /// replicates nor knows a leader of (a node beyond the shards' replicas) are forwarded,
+    /// one request per node, to each shard's preferred replica over its client port (which
+    /// forwards them to the leader); the rest are written here. Not when the request was
+    /// forwarded already (`forwarded`): then such messages are refused, naming the replicas.
+    pub async fn append_anywhere(
+        &self,
+        groups: &ShardGroups,
+        (producer, was_forwarded): (Option<&str>, bool),
+        messages: Vec<AppendMessage>,
+    ) -> Result<Vec<u64>, WireError> {
+        let shards = groups.shards();
+        let unreachable = |queue: &[u8]| {
+            let shard = shard_of_queue(queue, shards);
+            !groups.replicates(shard) && groups.leader_of(shard).is_none()
+        };
+        if was_forwarded || !messages.iter().any(|message| unreachable(&message.queue)) {
+            return Self::append(groups, producer, messages).await;
+        }
+        let count = messages.len();
+        let (mut here, mut here_places) = (Vec::new(), Vec::new());
+        let mut away: BTreeMap<
+            NodeId,
+            (tonic::transport::Channel, Vec<usize>, Vec<AppendMessage>),
+        > = BTreeMap::new();
+        for (place, message) in messages.into_iter().enumerate() {
+            let target = if unreachable(&message.queue) {
+                self.read_elsewhere(&message.queue, false)?
+            } else {
+                None
+            };
+            if let Some((node, channel)) = target {
+                let part = away
+                    .entry(node)
+                    .or_insert_with(|| (channel, Vec::new(), Vec::new()));
+                part.1.push(place);
+                part.2.push(message);
+            } else {
+                here_places.push(place);
+                here.push(message);
+            }
+        }
+        let producer_id = producer.unwrap_or_default().to_owned();
+        let forwards = away.into_iter().map(|(node, (channel, places, messages))| {
+            let producer_id = producer_id.clone();
+            async move {
+                let request = levee_proto::v1::AppendRequest {
+                    messages,
+                    producer_id,
+                    ..Default::default()
+                };
+                let answer = levee_proto::v1::queues_client::QueuesClient::new(channel)
+                    .append(forwarded(request))
+                    .await
+                    .map_err(|status| WireError::from_status(&forward_failed(node, status)))?;
+                Ok::<_, WireError>((places, answer.into_inner().offsets))
+            }
+        });
+        let (written_here, forwarded_answers) = futures_util::future::join(
+            async {
+                if here.is_empty() {
+                    Ok(Vec::new())
+                } else {
+                    Self::append(groups, producer, here).await
+                }
+            },
+            futures_util::future::join_all(forwards),
+        )
+        .await;
+        let mut offsets = vec![0; count];
+        for (place, offset) in here_places.into_iter().zip(written_here?) {
+            offsets[place] = offset;
+        }
+        for answer in forwarded_answers {
+            let (places, written) = answer?;
+            for (place, offset) in places.into_iter().zip(written) {
+                offsets[place] = offset;
+            }
+        }
+        Ok(offsets)
+    }
+
     /// Appends `messages` through their shards (as idempotent `producer`'s, if given); their
     /// offsets in request order.
     pub async fn append(

@@ -323,6 +323,7 @@ impl Queues for QueueService {
         &self,
         request: Request<AppendRequest>,
     ) -> Result<Response<AppendResponse>, Status> {
+        let forwarded_here = was_forwarded(request.metadata());
         let request = request.into_inner();
         let (messages, producer) = (request.messages, request.producer_id);
         if messages.is_empty() || messages.len() > APPEND_MESSAGES_MAX {
@@ -345,7 +346,12 @@ impl Queues for QueueService {
                 check_producer_id(&producer)?;
                 Some(producer.as_str())
             };
-            Replication::append(groups, producer, messages).await?
+            let replication = self.replication.as_ref().ok_or_else(|| {
+                WireError::new(ErrorCode::Internal, "shard groups without replication")
+            })?;
+            replication
+                .append_anywhere(groups, (producer, forwarded_here), messages)
+                .await?
         } else if producer.is_empty() {
             let batch: Vec<(&[u8], &[u8])> = messages
                 .iter()

@@ -259,18 +259,16 @@ fn delivery_time(message: &PublishMessage, now_ms: u64) -> Result<Option<u64>, W
 }
 
 impl TopicService {
-    /// Where a stream or read of `topic` goes when this node holds no replica of the topic's
-    /// shard (see `Replication::read_elsewhere`); `None`: served here. An unknown topic is
-    /// served here (refused by name).
+    /// Where a call or stream of `topic` goes when this node holds no replica of the topic's
+    /// shard (see `Replication::read_elsewhere`; the shard is the topic name's, whether this
+    /// node's catalog knows the topic yet or not); `None`: served here.
     fn topic_elsewhere(
         &self,
         topic: &str,
         metadata: &tonic::metadata::MetadataMap,
     ) -> Result<Option<(u64, tonic::transport::Channel)>, WireError> {
-        match self.context.topics.require(topic) {
-            Ok(found) => self.queues.read_elsewhere(&found.queues[0], metadata),
-            Err(_) => Ok(None),
-        }
+        self.queues
+            .read_elsewhere(&levee_broker::names::partition_queue(topic, 0), metadata)
     }
 
     /// The shard groups a publish goes through when the cluster replicates its queues
@@ -438,7 +436,15 @@ impl TopicsApi for TopicService {
         &self,
         request: Request<PublishRequest>,
     ) -> Result<Response<PublishResponse>, Status> {
+        let elsewhere = self.topic_elsewhere(&request.get_ref().topic, request.metadata())?;
         let request = request.into_inner();
+        if let Some((node, channel)) = elsewhere {
+            // This node holds no replica of the topic's shard: published through one.
+            return TopicsClient::new(channel)
+                .publish(forwarded(request))
+                .await
+                .map_err(|status| forward_failed(node, status));
+        }
         let topic = self.context.topics.require_current(&request.topic).await?;
         let count = request.messages.len();
         if count == 0 || count > APPEND_MESSAGES_MAX {
