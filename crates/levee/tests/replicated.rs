@@ -759,21 +759,12 @@ fn assert_forwards(runtime: &tokio::runtime::Runtime, replica: &Client, through:
         let handled = Handled::default();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let member = spawn_member(fifth_client, "audit", &handled, stopped);
-        let deadline = Instant::now() + CONVERGE_TIMEOUT;
-        while handled
-            .lock()
-            .unwrap()
-            .values()
-            .map(Vec::len)
-            .sum::<usize>()
-            < keys.len()
-        {
-            assert!(
-                Instant::now() < deadline,
-                "the member through node 5 handles them"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_handled(
+            &handled,
+            keys.len(),
+            "the member through node 5 handles them",
+        )
+        .await;
         let _ = stop.send(());
         member.await.unwrap().unwrap();
         let described = fifth_client.describe_topic("audit").await.unwrap();
@@ -939,6 +930,23 @@ async fn publish_idempotent(
 /// What a group's members handled: each partition's (offset, payload)s.
 type Handled = std::sync::Arc<std::sync::Mutex<BTreeMap<u32, Vec<(u64, Vec<u8>)>>>>;
 
+/// Waits until the members recording in `handled` handled `count` messages (`what` names
+/// the wait if it times out).
+async fn wait_handled(handled: &Handled, count: usize, what: &str) {
+    let deadline = Instant::now() + CONVERGE_TIMEOUT;
+    while handled
+        .lock()
+        .unwrap()
+        .values()
+        .map(Vec::len)
+        .sum::<usize>()
+        < count
+    {
+        assert!(Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A member of group "billing" on `topic` through `client`, recording what it handles in
 /// `handled`, until `stopped`.
 fn spawn_member(
@@ -1008,21 +1016,12 @@ fn given_a_replicated_cluster_when_a_topic_is_published_through_any_node_then_ev
         nodes[usize::try_from(leader - 1).unwrap()].take();
         stored
             .extend(publish_idempotent(others[0], topic, &keys[30..], ("p", &mut sequences)).await);
-        let deadline = Instant::now() + CONVERGE_TIMEOUT;
-        while handled
-            .lock()
-            .unwrap()
-            .values()
-            .map(Vec::len)
-            .sum::<usize>()
-            < keys.len()
-        {
-            assert!(
-                Instant::now() < deadline,
-                "every message handled on the other node"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_handled(
+            &handled,
+            keys.len(),
+            "every message handled on the other node",
+        )
+        .await;
         let _ = stop.send(());
         running.await.unwrap().unwrap();
         stored
