@@ -745,6 +745,16 @@ fn assert_forwards(runtime: &tokio::runtime::Runtime, replica: &Client, through:
             assert_eq!(&delivery.payload, expected);
         }
         subscription.ack(2).await.unwrap();
+        // And a many-queue stream (node 5 holds no shard at all: it goes to a voter).
+        let mut many = fifth_client
+            .subscribe_many("many-via-learner", 10)
+            .await
+            .unwrap();
+        assert_eq!(many.add(&[&b"moving-0"[..]]).await.unwrap(), 0..1);
+        let first = many.next().await.unwrap().unwrap();
+        assert_eq!((first.offset, &first.payload), (0, &direct.payloads[0]));
+        many.ack(0, 0);
+        many.flush_acks().await.unwrap();
         // So do a group member's stream and a topic's description.
         client.create_topic("audit", 2).await.unwrap();
         let keys: Vec<(Vec<u8>, Vec<u8>)> = (0..10)

@@ -352,6 +352,38 @@ impl Replication {
         if forwarded {
             Self::check_replicated_here(groups, &[queue])?;
         }
+        let target = self.channel_to_replica(shard)?;
+        if target.is_none() {
+            // No replica known: say so.
+            Self::check_replicated_here(groups, &[queue])?;
+        }
+        Ok(target)
+    }
+
+    /// Where a many-queue stream opened on this node goes: when this node holds no replica of
+    /// any shard (a learner), to the preferred replica of shard 0 (with up to three voters,
+    /// every voter holds every shard); `None`: served here (a node holding some shards
+    /// refuses adds of queues of the others), or forwarded already.
+    pub fn many_elsewhere(
+        &self,
+        forwarded: bool,
+    ) -> Result<Option<(NodeId, tonic::transport::Channel)>, WireError> {
+        let Some(groups) = self.groups() else {
+            return Ok(None);
+        };
+        let groups = groups?;
+        if forwarded || (0..groups.shards()).any(|shard| groups.replicates(shard)) {
+            return Ok(None);
+        }
+        self.channel_to_replica(0)
+    }
+
+    /// The preferred replica of `shard`, as the metadata voters place it, and a channel to its
+    /// client port (kept for the next call); `None` when no replica's address is known.
+    fn channel_to_replica(
+        &self,
+        shard: ShardId,
+    ) -> Result<Option<(NodeId, tonic::transport::Channel)>, WireError> {
         let metrics = self.meta.borrow().clone();
         let membership = metrics.membership_config.membership();
         let voters: Vec<NodeId> = membership.voter_ids().collect();
@@ -360,8 +392,6 @@ impl Replication {
             .find_map(|node| Some((node, membership.get_node(&node)?.grpc_addr.clone())))
             .filter(|(_, address)| !address.is_empty());
         let Some((node, address)) = target else {
-            // No replica known: say so, as before.
-            Self::check_replicated_here(groups, &[queue])?;
             return Ok(None);
         };
         let channel = {

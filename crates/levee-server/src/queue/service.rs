@@ -287,6 +287,7 @@ impl Queues for QueueService {
         &self,
         request: Request<Streaming<SubscribeManyRequest>>,
     ) -> Result<Response<Self::SubscribeManyStream>, Status> {
+        let forwarded_here = was_forwarded(request.metadata());
         let mut incoming = grpc_stream::incoming(request.into_inner());
         let start = incoming
             .start(
@@ -300,6 +301,22 @@ impl Queues for QueueService {
             .await?;
         many::check_start(&start)?;
         let permit = self.subscription_permit()?;
+        if let Some((node, channel)) = match &self.replication {
+            Some(replication) => replication.many_elsewhere(forwarded_here)?,
+            None => None,
+        } {
+            // A node holding no shard at all (a learner): the stream goes on through a voter.
+            let first = SubscribeManyRequest {
+                kind: Some(SubscribeManyKind::Start(start)),
+            };
+            let responses = QueuesClient::new(channel)
+                .max_decoding_message_size(usize::MAX)
+                .subscribe_many(forwarded(forward_requests(first, incoming, permit)))
+                .await
+                .map_err(|status| forward_failed(node, status))?
+                .into_inner();
+            return Ok(Response::new(forward_responses(node, responses)));
+        }
         let (outgoing, responses) = stream::channel();
         let context = ManyContext {
             calls: self.calls.clone(),
