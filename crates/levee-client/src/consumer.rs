@@ -182,7 +182,14 @@ pub struct GroupConsumer {
     group: String,
     member: String,
     options: ConsumerOptions,
+    /// With [`GroupConsumer::following`]: the cluster's members it rejoins through when its
+    /// node is unreachable.
+    members: Option<Arc<tokio::sync::Mutex<crate::following::Members>>>,
 }
+
+/// How long a following group consumer waits for its node to answer before it rejoins
+/// through another member.
+const NODE_PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// A partition (`false`) or its retry queue (`true`).
 type Lane = (u32, bool);
@@ -271,7 +278,20 @@ impl GroupConsumer {
             group: group.to_owned(),
             member,
             options,
+            members: None,
         })
+    }
+
+    /// This member, following the cluster (whose members it learns now): when its stream
+    /// breaks and its node does not answer within a second, it rejoins through the next
+    /// member. In a cluster that replicates its queues every node serves the topic's
+    /// partitions, but a group's state (commits, membership) is each node's own
+    /// (docs/CLUSTER.md, "Part 2"): the member starts on the new node from that node's commits
+    /// (messages may be handled again), so every member of a group should follow alike.
+    pub async fn following(mut self) -> Self {
+        let members = crate::following::Members::learned_from(self.client.clone()).await;
+        self.members = Some(Arc::new(tokio::sync::Mutex::new(members)));
+        self
     }
 
     /// This member's id.
@@ -296,12 +316,13 @@ impl GroupConsumer {
         let mut stats = ConsumerStats::default();
         let mut backoff = self.options.backoff_initial;
         let mut stop = std::pin::pin!(stop);
+        let mut client = self.client.clone();
         loop {
             stats.streams += 1;
             let handled_before = stats.handled;
             let mut stopped = false;
             let result = self
-                .stream(&handler, (stop.as_mut(), &mut stopped), &mut stats)
+                .stream(&client, &handler, (stop.as_mut(), &mut stopped), &mut stats)
                 .await;
             if stopped {
                 // `stop` completed (it must not be polled again): the stream ended while
@@ -313,6 +334,14 @@ impl GroupConsumer {
                 Err(error) if is_permanent(&error) => return Err(error),
                 Err(error) => {
                     tracing::debug!(%error, member = %self.member, "consume stream broke; rejoining");
+                    if let Some(members) = &self.members
+                        && !matches!(
+                            tokio::time::timeout(NODE_PROBE_TIMEOUT, client.server_info()).await,
+                            Ok(Ok(_))
+                        )
+                    {
+                        client = members.lock().await.next_member(NODE_PROBE_TIMEOUT).await;
+                    }
                 }
             }
             if stats.handled > handled_before {
@@ -329,6 +358,7 @@ impl GroupConsumer {
     /// One stream, until it breaks (`Err`) or `stop` completes (`Ok`).
     async fn stream<H, F, O>(
         &self,
+        client: &Client,
         handler: &Arc<H>,
         (mut stop, stopped): (std::pin::Pin<&mut impl Future<Output = ()>>, &mut bool),
         stats: &mut ConsumerStats,
@@ -352,8 +382,7 @@ impl GroupConsumer {
             })),
         };
         let _ = requests.try_send(start);
-        let mut responses = self
-            .client
+        let mut responses = client
             .raw_topics_client()
             .consume(tokio_stream::wrappers::ReceiverStream::new(receiver))
             .await?

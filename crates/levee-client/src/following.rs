@@ -73,6 +73,26 @@ impl Members {
         }
     }
 
+    /// The next member that answers within `probe` (the members learned again first, then
+    /// walked in their order from the one after the last picked, so the members of a group
+    /// whose node went away all land on the same next one); the seed when none answers.
+    pub(crate) async fn next_member(&mut self, probe: Duration) -> Client {
+        self.learn().await;
+        let count = self.known.len();
+        for step in 1..=count {
+            let index = (self.next + step) % count;
+            let member = self.known[index].clone();
+            if matches!(
+                tokio::time::timeout(probe, member.server_info()).await,
+                Ok(Ok(_))
+            ) {
+                self.next = index;
+                return member;
+            }
+        }
+        self.seed.clone()
+    }
+
     /// Tries `open` on each member in turn (the one after the last that took the stream
     /// first), learning the members again before each round, until one opens the stream or
     /// [`REOPEN_WITHIN`] has passed (`None`).

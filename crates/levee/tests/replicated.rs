@@ -965,6 +965,16 @@ fn spawn_member(
     handled: &Handled,
     stopped: tokio::sync::oneshot::Receiver<()>,
 ) -> tokio::task::JoinHandle<Result<levee_client::ConsumerStats, levee_client::ClientError>> {
+    spawn_member_with(client, topic, (handled, false), stopped)
+}
+
+/// [`spawn_member`], following the cluster when `following`.
+fn spawn_member_with(
+    client: &Client,
+    topic: &str,
+    (handled, following): (&Handled, bool),
+    stopped: tokio::sync::oneshot::Receiver<()>,
+) -> tokio::task::JoinHandle<Result<levee_client::ConsumerStats, levee_client::ClientError>> {
     let member = levee_client::GroupConsumer::new(
         client.clone(),
         topic,
@@ -974,6 +984,11 @@ fn spawn_member(
     .unwrap();
     let handled = std::sync::Arc::clone(handled);
     tokio::spawn(async move {
+        let member = if following {
+            member.following().await
+        } else {
+            member
+        };
         member
             .run(
                 move |message: levee_client::Message| {
@@ -1060,4 +1075,55 @@ fn given_a_replicated_cluster_when_a_topic_is_published_through_any_node_then_ev
             .collect();
         assert_eq!(next, counts);
     }
+}
+
+#[test]
+fn given_a_following_group_member_when_its_node_dies_then_it_rejoins_through_another_and_handles_every_message()
+ {
+    let runtime = runtime();
+    let directory = tempfile::tempdir().unwrap();
+    let (mut nodes, _, clients) = settled_three(&runtime, directory.path());
+    let topic = "shipments";
+    let keys: Vec<String> = (0..40).map(|n| format!("parcel-{n}")).collect();
+    let mut sequences = BTreeMap::new();
+    let handled = Handled::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let stored = runtime.block_on(async {
+        assert!(!clients[0].create_topic(topic, 4).await.unwrap());
+        let mut stored =
+            publish_idempotent(&clients[0], topic, &keys[..20], ("p", &mut sequences)).await;
+        let running = spawn_member_with(&clients[1], topic, (&handled, true), stopped);
+        wait_handled(&handled, 20, "the first half handled through node 2").await;
+        // Node 2 dies: the member rejoins through another node and goes on (from that node's
+        // commits: messages may come again, none is missed).
+        nodes[1].take();
+        stored.extend(
+            publish_idempotent(&clients[0], topic, &keys[20..], ("p", &mut sequences)).await,
+        );
+        let deadline = Instant::now() + CONVERGE_TIMEOUT;
+        loop {
+            let seen: std::collections::BTreeSet<(u32, u64)> = handled
+                .lock()
+                .unwrap()
+                .iter()
+                .flat_map(|(partition, messages)| {
+                    messages
+                        .iter()
+                        .map(move |(offset, _)| (*partition, *offset))
+                })
+                .collect();
+            if stored.iter().all(|place| seen.contains(place)) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "every message handled after the move"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = stop.send(());
+        running.await.unwrap().unwrap();
+        stored
+    });
+    assert_eq!(stored.len(), keys.len());
 }
