@@ -479,6 +479,16 @@ final class ConformanceRunner {
                 ClientOptions.defaults().requestTimeout(Duration.ofSeconds(20))));
     }
 
+    /**
+     * Waits (at most 1 s) until {@code session}'s change listeners saw {@code key} turn
+     * {@code hot}: the hot set changes a moment before the listeners run, and an app sees both.
+     */
+    private void awaitChange(String session, byte[] key, boolean hot) throws InterruptedException {
+        Object wanted = fromBytes(key);
+        List<Map<String, Object>> observed = changes.get(session);
+        until(() -> observed.stream().anyMatch(change -> java.util.Objects.equals(wanted, change.get("key"))
+                && Boolean.valueOf(hot).equals(change.get("hot"))), 1_000);
+    }
     private static boolean until(BooleanSupplier condition, long withinMs) throws InterruptedException {
         long deadline = System.nanoTime() + TimeUnit.MILLISECONDS.toNanos(withinMs);
         while (true) {
@@ -631,19 +641,18 @@ final class ConformanceRunner {
             case "await_hot": {
                 HotKeys<Object> session = hotKeys.get(a.string("session"));
                 byte[] key = a.bytes("key");
-                return result("hot", until(() -> session.isHotNow(key), a.number("within_ms")));
+                boolean hot = until(() -> session.isHotNow(key), a.number("within_ms"));
+                if (hot) {
+                    awaitChange(a.string("session"), key, true);
+                }
+                return result("hot", hot);
             }
             case "await_cool": {
                 HotKeys<Object> session = hotKeys.get(a.string("session"));
                 byte[] key = a.bytes("key");
                 boolean cooled = until(() -> !session.isHotNow(key), a.number("within_ms"));
                 if (cooled) {
-                    // The hot set turns cool a moment before the change listeners run: wait
-                    // for this cool change too, as the app would see it (bounded).
-                    Object wanted = fromBytes(key);
-                    List<Map<String, Object>> observed = changes.get(a.string("session"));
-                    until(() -> observed.stream().anyMatch(change -> java.util.Objects.equals(wanted, change.get("key"))
-                            && Boolean.FALSE.equals(change.get("hot"))), 1_000);
+                    awaitChange(a.string("session"), key, false);
                 }
                 return result("hot", !cooled);
             }
