@@ -852,10 +852,14 @@ fn given_a_replicated_cluster_when_a_queue_is_deleted_through_any_node_then_ever
         );
         drop(held);
         // Deleted through node 1 (the subscription there closes first).
+        let deadline = Instant::now() + CONVERGE_TIMEOUT;
         let existed = loop {
             match clients[0].delete_queue(queue).await {
                 Ok(existed) => break existed,
-                Err(error) if error.code() == Some(ErrorCode::FailedPrecondition) => {
+                Err(error)
+                    if error.code() == Some(ErrorCode::FailedPrecondition)
+                        && Instant::now() < deadline =>
+                {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
                 Err(error) => panic!("delete: {error}"),

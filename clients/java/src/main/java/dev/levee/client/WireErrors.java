@@ -59,11 +59,27 @@ public final class WireErrors {
                     + "(the limits are in the proto comments)");
         }
         ErrorCode code = CODE_FROM_GRPC.getOrDefault(status.getCode(), ErrorCode.ERROR_CODE_INTERNAL);
+        if (code == ErrorCode.ERROR_CODE_INTERNAL && brokenConnection(status, details)) {
+            // Not the server's answer (it always sends its error code): the connection broke,
+            // the node went away. Retryable, as any other lost connection.
+            code = ErrorCode.ERROR_CODE_UNAVAILABLE;
+        }
         String text = details.isEmpty() ? status.getCode().name() : details;
         if (status.getCause() != null && details.isEmpty()) {
             text = status.getCode().name() + ": " + status.getCause();
         }
         return LeveeException.of(code, text);
+    }
+
+    /**
+     * Whether a status without Levee's error code says the connection broke under the call
+     * (grpc-java reports a peer that died mid-call as INTERNAL "channel closed", or with the
+     * I/O error as its cause).
+     */
+    private static boolean brokenConnection(Status status, String details) {
+        return details.contains("channel closed")
+                || details.contains("Connection reset")
+                || status.getCause() instanceof java.io.IOException;
     }
 
     /** The Levee error of any failure of a call (a status, a wrapped one, or a bug). */

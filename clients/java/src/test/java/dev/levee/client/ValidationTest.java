@@ -80,6 +80,23 @@ class ValidationTest {
     }
 
     @Test
+    void given_a_connection_broken_under_a_call_when_read_should_be_unavailable() {
+        // grpc-java's report of a peer that died mid-call: retryable, unlike the server's own
+        // INTERNAL (which carries Levee's code).
+        LeveeException closed = WireErrors.fromStatus(Status.INTERNAL.withDescription("channel closed"), new Metadata());
+        assertSame(LeveeException.Unavailable.class, closed.getClass());
+        LeveeException reset = WireErrors.fromStatus(
+                Status.INTERNAL.withCause(new java.io.IOException("Connection reset by peer")), new Metadata());
+        assertSame(LeveeException.Unavailable.class, reset.getClass());
+        Metadata trailers = new Metadata();
+        trailers.put(WireErrors.ERROR_CODE_KEY, "1000");
+        LeveeException server = WireErrors.fromStatus(Status.INTERNAL.withDescription("channel closed"), trailers);
+        assertSame(LeveeException.Internal.class, server.getClass());
+        LeveeException bug = WireErrors.fromStatus(Status.INTERNAL.withDescription("a bug"), new Metadata());
+        assertSame(LeveeException.Internal.class, bug.getClass());
+    }
+
+    @Test
     void given_reports_over_the_byte_limit_when_batched_should_split_by_bytes_and_keys() {
         var small = dev.levee.v1.KeyReport.newBuilder().setKey(com.google.protobuf.ByteString.copyFrom(new byte[1000])).build();
         List<dev.levee.v1.KeyReport> reports = java.util.Collections.nCopies(100, small);
