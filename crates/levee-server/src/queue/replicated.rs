@@ -57,7 +57,7 @@ const FORWARD_QUEUED_MAX: usize = 64;
 /// The client's messages of a stream forwarded to a replica: `first` (its start), then the
 /// rest of `incoming`, through a bounded channel (the client waits while the replica does).
 /// `held` (the stream's permit) is kept until the client's side ends.
-pub fn forward_requests<T: Send + 'static>(
+fn forward_requests<T: Send + 'static>(
     first: T,
     mut incoming: crate::queue::stream::Incoming<T>,
     held: impl Send + 'static,
@@ -78,8 +78,36 @@ pub fn forward_requests<T: Send + 'static>(
     tokio_stream::wrappers::ReceiverStream::new(receiver)
 }
 
+/// Forwards a stream to replica `node`: its client's `first` message, then the rest of
+/// `incoming` (with `held`, the stream's permit, until the client's side ends), through
+/// `call` (the stub's method on a channel to the replica); the replica's answers as this
+/// node's.
+pub async fn forward_stream<Request, Answer, Call, Calling>(
+    node: NodeId,
+    (first, incoming, held): (
+        Request,
+        crate::queue::stream::Incoming<Request>,
+        impl Send + 'static,
+    ),
+    call: Call,
+) -> Result<tonic::Response<crate::queue::grpc_stream::GrpcResponses<Answer>>, tonic::Status>
+where
+    Request: Send + 'static,
+    Answer: Send + 'static,
+    Call: FnOnce(tonic::Request<tokio_stream::wrappers::ReceiverStream<Request>>) -> Calling,
+    Calling: std::future::Future<
+            Output = Result<tonic::Response<tonic::Streaming<Answer>>, tonic::Status>,
+        >,
+{
+    let answers = call(forwarded(forward_requests(first, incoming, held)))
+        .await
+        .map_err(|status| forward_failed(node, status))?
+        .into_inner();
+    Ok(tonic::Response::new(forward_responses(node, answers)))
+}
+
 /// The replica's answers to a forwarded stream, as this node's.
-pub fn forward_responses<T: Send + 'static>(
+fn forward_responses<T: Send + 'static>(
     node: NodeId,
     responses: tonic::Streaming<T>,
 ) -> crate::queue::grpc_stream::GrpcResponses<T> {

@@ -34,7 +34,7 @@ use crate::queue::mailbox::many::{self, ManyContext, ManySession};
 use crate::queue::mailbox::position_log::PositionLogs;
 use crate::queue::producer::idempotent::{Producers, SequencedMessage, check_producer_id};
 use crate::queue::replicated::{
-    Replication, forward_failed, forward_requests, forward_responses, forwarded, was_forwarded,
+    Replication, forward_failed, forward_stream, forwarded, was_forwarded,
 };
 use crate::queue::topic::catalog::{RetentionRule, Topics};
 use crate::queue::{StoreCalls, invalid, name_error, write_error};
@@ -255,13 +255,13 @@ impl Queues for QueueService {
             let first = SubscribeRequest {
                 kind: Some(SubscribeKind::Start(start)),
             };
-            let responses = QueuesClient::new(channel)
-                .max_decoding_message_size(usize::MAX)
-                .subscribe(forwarded(forward_requests(first, incoming, permit)))
-                .await
-                .map_err(|status| forward_failed(node, status))?
-                .into_inner();
-            return Ok(Response::new(forward_responses(node, responses)));
+            return forward_stream(node, (first, incoming, permit), |request| async move {
+                QueuesClient::new(channel)
+                    .max_decoding_message_size(usize::MAX)
+                    .subscribe(request)
+                    .await
+            })
+            .await;
         }
         let (outgoing, responses) = stream::channel();
         let session = Session {
@@ -309,13 +309,13 @@ impl Queues for QueueService {
             let first = SubscribeManyRequest {
                 kind: Some(SubscribeManyKind::Start(start)),
             };
-            let responses = QueuesClient::new(channel)
-                .max_decoding_message_size(usize::MAX)
-                .subscribe_many(forwarded(forward_requests(first, incoming, permit)))
-                .await
-                .map_err(|status| forward_failed(node, status))?
-                .into_inner();
-            return Ok(Response::new(forward_responses(node, responses)));
+            return forward_stream(node, (first, incoming, permit), |request| async move {
+                QueuesClient::new(channel)
+                    .max_decoding_message_size(usize::MAX)
+                    .subscribe_many(request)
+                    .await
+            })
+            .await;
         }
         let (outgoing, responses) = stream::channel();
         let context = ManyContext {

@@ -33,7 +33,7 @@ use crate::metrics::GroupLabels;
 use crate::queue::credit::{STREAM_START_TIMEOUT, SUBSCRIPTIONS_MAX};
 use crate::queue::grpc_stream::{self, GrpcResponses};
 use crate::queue::producer::idempotent::{SequencedMessage, check_producer_id};
-use crate::queue::replicated::{forward_failed, forward_requests, forward_responses, forwarded};
+use crate::queue::replicated::{forward_failed, forward_stream, forwarded};
 use crate::queue::service::{APPEND_MESSAGES_MAX, QueueService};
 use crate::queue::stream;
 use crate::queue::topic::catalog::Topic;
@@ -563,13 +563,13 @@ impl TopicsApi for TopicService {
             let first = ConsumeRequest {
                 kind: Some(ConsumeKind::Start(start)),
             };
-            let responses = TopicsClient::new(channel)
-                .max_decoding_message_size(usize::MAX)
-                .consume(forwarded(forward_requests(first, incoming, permit)))
-                .await
-                .map_err(|status| forward_failed(node, status))?
-                .into_inner();
-            return Ok(Response::new(forward_responses(node, responses)));
+            return forward_stream(node, (first, incoming, permit), |request| async move {
+                TopicsClient::new(channel)
+                    .max_decoding_message_size(usize::MAX)
+                    .consume(request)
+                    .await
+            })
+            .await;
         }
         let (outgoing, responses) = stream::channel();
         let session =
