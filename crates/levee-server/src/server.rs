@@ -461,6 +461,11 @@ fn queue_services(
         .count_forgets(metrics.queue_position_forgets.clone())
         .with_epoch_floor(shard_delete_epochs(store, &raft.machine)),
     );
+    let replication = crate::queue::replicated::Replication::new(
+        raft.machine.clone(),
+        raft.shards.clone(),
+        raft.raft.metrics(),
+    );
     let queues = QueueService::new(
         calls.clone(),
         Arc::clone(&waiters),
@@ -470,11 +475,7 @@ fn queue_services(
         metrics.clone(),
         stop_sessions.subscribe(),
     )
-    .with_replication(crate::queue::replicated::Replication::new(
-        raft.machine.clone(),
-        raft.shards.clone(),
-        raft.raft.metrics(),
-    ));
+    .with_replication(replication.clone());
     let delayer = Arc::new(crate::queue::delay::Delayer::open(
         calls.clone(),
         Arc::clone(&waiters),
@@ -489,6 +490,7 @@ fn queue_services(
         waiters,
         delayer,
         dead_letters: std::sync::Mutex::new(()),
+        replication,
         metrics: metrics.clone(),
         closing: stop_sessions.subscribe(),
     });

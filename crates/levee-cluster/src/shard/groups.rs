@@ -50,6 +50,17 @@ const CLAIM_INTERVAL: Duration = Duration::from_secs(5);
 /// the shard (after it joined, was placed on the shard, or restarted): the leaders spread
 /// when nodes arrive, and a failover among the others is not undone again and again.
 const CLAIM_WINDOW: Duration = Duration::from_secs(30);
+/// Longest a shard's leader counts as one (for coordinating consumer groups) without a
+/// quorum of its replicas acknowledging it. Another node may be elected 150 ms (the shortest
+/// election timeout) after the last acknowledgement; a new coordinator waits
+/// [`LEAD_HOLD`] more before it assigns partitions, so the old one has stopped by then
+/// (docs/CLUSTER.md, "Consumer groups on the shards").
+pub const LEAD_QUORUM_ACK_MAX: Duration = Duration::from_millis(500);
+/// How long a node that has just taken the lead of a shard waits before it assigns the
+/// partitions of its topics' groups (see [`LEAD_QUORUM_ACK_MAX`]).
+pub const LEAD_HOLD: Duration = Duration::from_secs(1);
+/// How often [`ShardGroups::lost_lead`] looks at a shard's lead between changes.
+const LEAD_CHECK_INTERVAL: Duration = Duration::from_millis(25);
 /// Longest a new replica may take to catch up before it is made a voter (placement retries).
 const CATCH_UP_MAX: Duration = Duration::from_secs(10);
 
@@ -151,6 +162,8 @@ pub struct ShardGroups {
     /// Per shard this node prefers to lead: when it first found itself a voter following
     /// another leader, and when it last called an election.
     claimed: Arc<std::sync::Mutex<std::collections::HashMap<ShardId, Claim>>>,
+    /// Per shard: the term this node last led it in, and when it first saw that lead.
+    led: Arc<std::sync::Mutex<std::collections::HashMap<ShardId, (u64, Instant)>>>,
 }
 
 impl std::fmt::Debug for ShardGroups {
@@ -218,6 +231,7 @@ impl ShardGroups {
             channels,
             syncer,
             claimed: Arc::default(),
+            led: Arc::default(),
         })
     }
 
@@ -265,6 +279,102 @@ impl ShardGroups {
     pub fn leader_of(&self, shard: ShardId) -> Option<NodeId> {
         self.raft(shard)
             .and_then(|raft| raft.metrics().borrow().current_leader)
+    }
+
+    /// This node's term as `shard`'s leader, while it leads it and a quorum of the shard's
+    /// replicas acknowledged it within [`LEAD_QUORUM_ACK_MAX`] as its last metrics say;
+    /// `None` otherwise.
+    pub fn lead(&self, shard: ShardId) -> Option<u64> {
+        let metrics = self.raft(shard)?.metrics().borrow().clone();
+        let acked = metrics
+            .millis_since_quorum_ack
+            .is_some_and(|millis| Duration::from_millis(millis) <= LEAD_QUORUM_ACK_MAX);
+        (Self::leads_in(self.node_id, &metrics).is_some() && acked).then_some(metrics.current_term)
+    }
+
+    /// The term `node` leads in by `metrics`.
+    fn leads_in(node: NodeId, metrics: &openraft::RaftMetrics<NodeId, NodeInfo>) -> Option<u64> {
+        (metrics.state == ServerState::Leader && metrics.current_leader == Some(node))
+            .then_some(metrics.current_term)
+    }
+
+    /// Returns, with the reason, once this node no longer leads `shard` in `term`: another
+    /// term began, or no quorum of the shard's replicas acknowledged it for
+    /// [`LEAD_QUORUM_ACK_MAX`]. openraft's metrics say when a quorum last acknowledged the
+    /// leader as of their report; when no report newer than half the bound came (an idle
+    /// shard reports nothing new; a leader cut off from the others reports a growing time),
+    /// this node asks the quorum itself (a heartbeat round, within the other half).
+    pub async fn lost_lead(&self, shard: ShardId, term: u64) -> String {
+        let Some(raft) = self.raft(shard) else {
+            return format!("shard {shard} does not exist here");
+        };
+        let lost = |why: &str| {
+            format!(
+                "node {} lost the lead of shard {shard}: {why}",
+                self.node_id
+            )
+        };
+        let half = LEAD_QUORUM_ACK_MAX / 2;
+        let mut metrics = raft.metrics();
+        let mut acked_at: Option<Instant> = None;
+        loop {
+            let now = metrics.borrow_and_update().clone();
+            if Self::leads_in(self.node_id, &now) != Some(term) {
+                return match now.current_leader {
+                    Some(leader) if leader != self.node_id => {
+                        lost(&format!("node {leader} leads it now"))
+                    }
+                    _ => lost("another term began"),
+                };
+            }
+            if let Some(millis) = now.millis_since_quorum_ack {
+                let reported = Instant::now().checked_sub(Duration::from_millis(millis));
+                acked_at = acked_at.max(reported);
+            }
+            if acked_at.is_none_or(|at| at.elapsed() > half) {
+                let asked = Instant::now();
+                match tokio::time::timeout(half, raft.get_read_log_id()).await {
+                    Ok(Ok(_)) => acked_at = Some(asked),
+                    Ok(Err(error)) => return lost(&error.to_string()),
+                    Err(_) => {
+                        return lost(&format!(
+                            "no quorum of its replicas answered within {} ms",
+                            LEAD_QUORUM_ACK_MAX.as_millis()
+                        ));
+                    }
+                }
+            }
+            tokio::select! {
+                changed = metrics.changed() => {
+                    if changed.is_err() {
+                        return lost("the shard stopped on this node");
+                    }
+                }
+                () = tokio::time::sleep(LEAD_CHECK_INTERVAL) => {}
+            }
+        }
+    }
+
+    /// How much longer this node, leading `shard` in `term`, waits before it assigns the
+    /// partitions of the shard's topics' groups: what is left of [`LEAD_HOLD`] since it first
+    /// saw itself lead in `term` (this call counts as seeing it; so does the placement loop,
+    /// every 500 ms, so a member rarely waits long after the lead settled).
+    pub fn lead_hold(&self, shard: ShardId, term: u64) -> Duration {
+        let mut led = self
+            .led
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let since = led.entry(shard).or_insert((term, Instant::now()));
+        if since.0 != term {
+            *since = (term, Instant::now());
+        }
+        LEAD_HOLD.saturating_sub(since.1.elapsed())
+    }
+
+    /// The leader of `shard` this node knows, with its addresses, if it is not this node.
+    pub fn other_leader(&self, shard: ShardId) -> Option<(NodeId, NodeInfo)> {
+        let (leader, node) = Self::leader(self.raft(shard)?)?;
+        (leader != self.node_id).then_some((leader, node?))
     }
 
     /// The voters of `shard` as this node knows them.
@@ -326,6 +436,14 @@ impl ShardGroups {
         Some((leader, node))
     }
 
+    /// Shard `shard`'s instance here, to write to.
+    fn raft_to_write(&self, shard: ShardId) -> Result<&ShardRaft, ShardWriteError> {
+        self.raft(shard).ok_or(ShardWriteError::NoShard {
+            shard,
+            shards: self.shards(),
+        })
+    }
+
     /// Writes `command` to `shard` and answers what applying it did, once committed. A write
     /// that reached a leader but was not confirmed in time fails with `maybe_stored` set.
     pub async fn write(
@@ -333,10 +451,7 @@ impl ShardGroups {
         shard: ShardId,
         command: ShardCommand,
     ) -> Result<ShardResponse, ShardWriteError> {
-        let raft = self.raft(shard).ok_or(ShardWriteError::NoShard {
-            shard,
-            shards: self.shards(),
-        })?;
+        let raft = self.raft_to_write(shard)?;
         let started = Instant::now();
         let mut reason = String::from("no leader is known yet");
         while let Some(left) = WRITE_WAIT_MAX.checked_sub(started.elapsed()) {
@@ -366,6 +481,34 @@ impl ShardGroups {
             ),
             maybe_stored: false,
         })
+    }
+
+    /// Writes `command` to `shard` only as its leader in `term`: never forwarded, so a node
+    /// that lost the lead cannot have the new leader commit a write it decided on before
+    /// (a consumer group's commits, decided by the coordinator of that term).
+    pub async fn write_in_term(
+        &self,
+        shard: ShardId,
+        term: u64,
+        command: ShardCommand,
+    ) -> Result<ShardResponse, ShardWriteError> {
+        let raft = self.raft_to_write(shard)?;
+        let leads = Self::leads_in(self.node_id, &raft.metrics().borrow());
+        if leads != Some(term) {
+            return Err(ShardWriteError::Unavailable {
+                shard,
+                reason: format!("node {} no longer leads it in term {term}", self.node_id),
+                maybe_stored: false,
+            });
+        }
+        match self.propose(shard, raft, &command, WRITE_WAIT_MAX).await? {
+            Attempt::Done(response) => Ok(response),
+            Attempt::Again(why) => Err(ShardWriteError::Unavailable {
+                shard,
+                reason: why,
+                maybe_stored: false,
+            }),
+        }
     }
 
     /// Waits until this node has applied everything `shard` committed before now (a write
@@ -622,6 +765,10 @@ impl ShardGroups {
             if metrics.state != ServerState::Leader {
                 self.claim_lead(shard, raft, &metrics, replicas.first().copied());
                 continue;
+            }
+            if let Some(term) = self.lead(shard) {
+                // Starts the hold of a new lead before a member asks (see `lead_hold`).
+                self.lead_hold(shard, term);
             }
             let membership = metrics.membership_config.membership().clone();
             if let Some(goal) = Self::unfinished_change(&membership) {

@@ -124,6 +124,8 @@ async fn list_dead_letters(
         from_offset: query.from_offset,
         max_messages: query.max_messages,
     };
+    // A group's dead letters are its coordinator's own in a replicated cluster.
+    context.lead_here(&request.topic)?;
     let page = retry::list_dead_letters(&context, request).await?;
     Ok(Json(dead_letters_json(&page)))
 }
@@ -144,6 +146,7 @@ async fn redrive(
     body: axum::body::Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let body: RedriveBody = json_body(&body, r#"{"offsets": [0, 3]} or {"all": true}"#)?;
+    context.lead_here(&topic)?;
     let redriven = retry::redrive(&context, (group, topic), body.offsets, body.all).await?;
     Ok(Json(json!({ "redriven": redriven })))
 }
@@ -191,7 +194,8 @@ async fn reset_offsets(
         to: Some(to),
         force: body.force,
     };
-    let reset = retry::reset_offsets(&context, request).await?;
+    let lead = context.lead_here(&request.topic)?;
+    let reset = retry::reset_offsets(&context, request, lead).await?;
     Ok(Json(reset_json(&reset)))
 }
 
@@ -209,7 +213,8 @@ async fn describe_group(
     State(context): State<Arc<ConsumeContext>>,
     Path((topic, group)): Path<(String, String)>,
 ) -> Result<Json<Value>, ApiError> {
-    let described = TopicService::describe_group_now(&context, &group, &topic).await?;
+    let lead = context.lead_here(&topic)?;
+    let described = TopicService::describe_group_now(&context, (&group, &topic), lead).await?;
     Ok(Json(group_json(&described)))
 }
 

@@ -78,12 +78,12 @@ fn forward_requests<T: Send + 'static>(
     tokio_stream::wrappers::ReceiverStream::new(receiver)
 }
 
-/// Forwards a stream to replica `node`: its client's `first` message, then the rest of
-/// `incoming` (with `held`, the stream's permit, until the client's side ends), through
-/// `call` (the stub's method on a channel to the replica); the replica's answers as this
-/// node's.
+/// Forwards a stream to node `node` (a replica, or a group's coordinator): its client's
+/// `first` message, then the rest of `incoming` (with `held`, the stream's permit, until the
+/// client's side ends), through `call` (the stub's method on a channel to the node), marked
+/// forwarded (never forwarded again) with `mark`; the node's answers as this node's.
 pub async fn forward_stream<Request, Answer, Call, Calling>(
-    node: NodeId,
+    (node, mark): (NodeId, bool),
     (first, incoming, held): (
         Request,
         crate::queue::stream::Incoming<Request>,
@@ -99,7 +99,8 @@ where
             Output = Result<tonic::Response<tonic::Streaming<Answer>>, tonic::Status>,
         >,
 {
-    let answers = call(forwarded(forward_requests(first, incoming, held)))
+    let requests = forward_requests(first, incoming, held);
+    let answers = call(outgoing(requests, mark))
         .await
         .map_err(|status| forward_failed(node, status))?
         .into_inner();
@@ -125,6 +126,15 @@ pub fn forwarded<T>(message: T) -> tonic::Request<T> {
     request
 }
 
+/// `message` as a request to another node, marked forwarded with `mark`.
+pub fn outgoing<T>(message: T, mark: bool) -> tonic::Request<T> {
+    if mark {
+        forwarded(message)
+    } else {
+        tonic::Request::new(message)
+    }
+}
+
 /// Whether `metadata` marks a request forwarded by another node.
 pub fn was_forwarded(metadata: &tonic::metadata::MetadataMap) -> bool {
     metadata.contains_key(FORWARDED_HEADER)
@@ -146,14 +156,99 @@ pub fn forward_failed(node: NodeId, status: tonic::Status) -> tonic::Status {
         return WireError::new(
             ErrorCode::Unavailable,
             format!(
-                "this node holds no replica of the shard and could not reach node {node}, which \
-                 does: {}; retry, or call a replica",
+                "this node could not reach node {node}, which holds the shard's data (or leads \
+                 it, for a consumer group): {}; retry, or call that node",
                 status.message()
             ),
         )
         .into();
     }
     status
+}
+
+/// This node as the coordinator of the consumer groups of the topics of `shard` (see
+/// [`Replication::coordinator`]): it leads the shard in `term`.
+#[derive(Debug, Clone)]
+pub struct Lead {
+    /// The shard groups.
+    pub groups: ShardGroups,
+    /// The topic's shard.
+    pub shard: ShardId,
+    /// The term this node leads it in.
+    pub term: u64,
+}
+
+impl Lead {
+    /// Waits out a new lead's hold (`levee_cluster::shard::groups::LEAD_HOLD`), then until
+    /// this node applied everything the shard committed before (every commit of its groups).
+    pub async fn settle(&self) -> Result<(), WireError> {
+        tokio::time::sleep(self.groups.lead_hold(self.shard, self.term)).await;
+        Replication::write_again_while_moving(&self.groups, self.shard, ShardCommand::Barrier)
+            .await
+            .map_err(|error| shard_error(&error))
+    }
+
+    /// Returns, with the reason as an error, once this node no longer leads the shard in its
+    /// term: its group streams end and their members join again.
+    pub async fn lost(&self) -> WireError {
+        let why = self.groups.lost_lead(self.shard, self.term).await;
+        WireError::new(
+            ErrorCode::Unavailable,
+            format!("{why}, which coordinates this topic's consumer groups; join again"),
+        )
+    }
+
+    /// Writes a group's commit snapshot `record` to its commit queue through the shard, as
+    /// its leader in this term only; returns once a majority of the shard's replicas hold it
+    /// and this node applied it.
+    pub async fn write_commit(&self, queue: Vec<u8>, record: Vec<u8>) -> Result<(), WireError> {
+        let command = ShardCommand::Append {
+            producer: None,
+            messages: vec![QueueMessage {
+                queue: levee_proto::Bytes::from(queue),
+                payload: levee_proto::Bytes::from(record),
+                sequence: 0,
+            }],
+        };
+        match self
+            .groups
+            .write_in_term(self.shard, self.term, command)
+            .await
+        {
+            Ok(ShardResponse::Appended { .. }) => Ok(()),
+            Ok(ShardResponse::Refused { code, reason }) => Err(refused(code, &reason)),
+            Ok(other) => Err(WireError::new(
+                ErrorCode::Internal,
+                format!("shard {} answered a commit with {other:?}", self.shard),
+            )),
+            Err(error) => {
+                let mut wire = shard_error(&error);
+                wire.message = format!(
+                    "{error}; the commit may not be kept: the member's stream ends, and its \
+                     messages since its last confirmed commit may come again"
+                );
+                Err(wire)
+            }
+        }
+    }
+}
+
+/// Where a topic's consumer groups are coordinated.
+#[derive(Debug)]
+pub enum Coordinator {
+    /// On this node: as the shard's leader (`Some`), or on a server whose queues are not
+    /// replicated (`None`).
+    Here(Option<Lead>),
+    /// On another node, through `channel` to its client port; `mark`: marked forwarded (never
+    /// forwarded again).
+    Elsewhere {
+        /// The node.
+        node: NodeId,
+        /// A channel to its client port.
+        channel: tonic::transport::Channel,
+        /// Whether the call is marked forwarded.
+        mark: bool,
+    },
 }
 
 /// Channels [`Replication`] keeps for forwarded reads; past it they are opened again.
@@ -422,28 +517,89 @@ impl Replication {
         let Some((node, address)) = target else {
             return Ok(None);
         };
-        let channel = {
-            let mut channels = crate::queue::lock(&self.channels);
-            if let Some(channel) = channels.get(&address) {
-                channel.clone()
-            } else {
-                let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
-                    .map_err(|error| {
-                        WireError::new(
-                            ErrorCode::Unavailable,
-                            format!("node {node}'s address '{address}': {error}"),
-                        )
-                    })?
-                    .connect_timeout(Duration::from_secs(2))
-                    .connect_lazy();
-                if channels.len() >= FORWARD_CHANNELS_MAX {
-                    channels.clear();
-                }
-                channels.insert(address, channel.clone());
-                channel
-            }
+        Ok(Some((node, self.channel_to(node, &address)?)))
+    }
+
+    /// A channel to node `node`'s client port at `address` (kept for the next call).
+    fn channel_to(
+        &self,
+        node: NodeId,
+        address: &str,
+    ) -> Result<tonic::transport::Channel, WireError> {
+        let mut channels = crate::queue::lock(&self.channels);
+        if let Some(channel) = channels.get(address) {
+            return Ok(channel.clone());
+        }
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+            .map_err(|error| {
+                WireError::new(
+                    ErrorCode::Unavailable,
+                    format!("node {node}'s address '{address}': {error}"),
+                )
+            })?
+            .connect_timeout(Duration::from_secs(2))
+            .connect_lazy();
+        if channels.len() >= FORWARD_CHANNELS_MAX {
+            channels.clear();
+        }
+        channels.insert(address.to_owned(), channel.clone());
+        Ok(channel)
+    }
+
+    /// Where `topic`'s consumer groups are coordinated (docs/CLUSTER.md, "Consumer groups on
+    /// the shards"): here on a server whose queues are not replicated; else by the leader of
+    /// the topic's shard: here when this node leads it, else that leader (a call `forwarded`
+    /// already is refused with UNAVAILABLE, the lead having moved). A node holding no replica
+    /// of the shard that knows no leader sends the call to the shard's preferred replica
+    /// unmarked, which sends it on to the leader.
+    pub fn coordinator(&self, topic: &str, forwarded: bool) -> Result<Coordinator, WireError> {
+        let Some(groups) = self.groups() else {
+            return Ok(Coordinator::Here(None));
         };
-        Ok(Some((node, channel)))
+        let groups = groups?;
+        let shard = shard_of_queue(
+            &levee_broker::names::partition_queue(topic, 0),
+            groups.shards(),
+        );
+        if let Some(term) = groups.lead(shard) {
+            return Ok(Coordinator::Here(Some(Lead {
+                groups: groups.clone(),
+                shard,
+                term,
+            })));
+        }
+        let moved = |why: &str| {
+            WireError::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "topic '{topic}''s consumer groups are coordinated by the leader of shard \
+                     {shard}, and {why}; join again in a moment"
+                ),
+            )
+        };
+        if forwarded {
+            return Err(moved("this node does not lead it (the lead moved)"));
+        }
+        if let Some((node, info)) = groups.other_leader(shard)
+            && !info.grpc_addr.is_empty()
+        {
+            let channel = self.channel_to(node, &info.grpc_addr)?;
+            return Ok(Coordinator::Elsewhere {
+                node,
+                channel,
+                mark: true,
+            });
+        }
+        if !groups.replicates(shard)
+            && let Some((node, channel)) = self.channel_to_replica(shard)?
+        {
+            return Ok(Coordinator::Elsewhere {
+                node,
+                channel,
+                mark: false,
+            });
+        }
+        Err(moved("this node knows no leader of it yet"))
     }
 
     /// The shard groups when the cluster replicates its queues (`None` when it does not),

@@ -255,12 +255,16 @@ impl Queues for QueueService {
             let first = SubscribeRequest {
                 kind: Some(SubscribeKind::Start(start)),
             };
-            return forward_stream(node, (first, incoming, permit), |request| async move {
-                QueuesClient::new(channel)
-                    .max_decoding_message_size(usize::MAX)
-                    .subscribe(request)
-                    .await
-            })
+            return forward_stream(
+                (node, true),
+                (first, incoming, permit),
+                |request| async move {
+                    QueuesClient::new(channel)
+                        .max_decoding_message_size(usize::MAX)
+                        .subscribe(request)
+                        .await
+                },
+            )
             .await;
         }
         let (outgoing, responses) = stream::channel();
@@ -309,12 +313,16 @@ impl Queues for QueueService {
             let first = SubscribeManyRequest {
                 kind: Some(SubscribeManyKind::Start(start)),
             };
-            return forward_stream(node, (first, incoming, permit), |request| async move {
-                QueuesClient::new(channel)
-                    .max_decoding_message_size(usize::MAX)
-                    .subscribe_many(request)
-                    .await
-            })
+            return forward_stream(
+                (node, true),
+                (first, incoming, permit),
+                |request| async move {
+                    QueuesClient::new(channel)
+                        .max_decoding_message_size(usize::MAX)
+                        .subscribe_many(request)
+                        .await
+                },
+            )
             .await;
         }
         let (outgoing, responses) = stream::channel();

@@ -27,9 +27,10 @@ use crate::queue::credit::{ROUND_BYTES_MAX, ROUND_MESSAGES_MAX, StreamCredit, ch
 use crate::queue::delay::Delayer;
 use crate::queue::limits::group_rate::{Pacer, Pacers};
 use crate::queue::limits::producer_rate::ProducerRates;
+use crate::queue::replicated::Lead;
 use crate::queue::stream::{Incoming, Outgoing};
 use crate::queue::topic::catalog::{Topic, Topics};
-use crate::queue::topic::group::{Groups, Membership};
+use crate::queue::topic::group::{Groups, Logged, Membership};
 use crate::queue::topic::retry::{self, OUTCOME_BATCHES_IN_FLIGHT_MAX, OUTCOMES_PER_BATCH_MAX};
 use crate::queue::waiters::Waiters;
 use crate::queue::{StoreCalls, invalid, name_error, storage_error};
@@ -85,10 +86,31 @@ pub struct ConsumeContext {
     pub delayer: Arc<Delayer>,
     /// Serialises writes to dead-letter queues with redrives of them.
     pub dead_letters: std::sync::Mutex<()>,
+    /// Whether the cluster replicates its queues: then a topic's groups are coordinated by
+    /// the leader of its shard.
+    pub replication: crate::queue::replicated::Replication,
     /// Metrics.
     pub metrics: Metrics,
     /// Turns true when the server shuts down.
     pub closing: watch::Receiver<bool>,
+}
+
+impl ConsumeContext {
+    /// For a call served by this node only (the admin HTTP port): this node's lead of
+    /// `topic`'s shard when the cluster replicates its queues (`None` when it does not);
+    /// refused, naming the coordinator, when another node coordinates the topic's groups.
+    pub fn lead_here(&self, topic: &str) -> Result<Option<Lead>, WireError> {
+        match self.replication.coordinator(topic, false)? {
+            crate::queue::replicated::Coordinator::Here(lead) => Ok(lead),
+            crate::queue::replicated::Coordinator::Elsewhere { node, .. } => Err(WireError::new(
+                ErrorCode::FailedPrecondition,
+                format!(
+                    "node {node} coordinates topic '{topic}''s consumer groups; ask its admin \
+                     port, or make the gRPC call (Topics) through any node"
+                ),
+            )),
+        }
+    }
 }
 
 /// Checks a start message; returns the lease.
@@ -167,6 +189,9 @@ pub struct ConsumeSession {
     retry_seen: u64,
     round_robin: usize,
     credit: StreamCredit,
+    /// In a replicated cluster: this node's lead of the topic's shard, which coordinates the
+    /// group (commits go through the shard; the stream ends when the lead is lost).
+    lead: Option<Lead>,
 }
 
 /// What one delivery round did.
@@ -179,15 +204,20 @@ enum Delivered {
 
 impl ConsumeSession {
     /// Joins the group (reading its last commit from the store on first use, on the blocking
-    /// pool) and returns the session.
+    /// pool) and returns the session. As the coordinator of a replicated cluster (`lead`),
+    /// first waits out a new lead's hold and applies what the shard committed before.
     pub async fn join(
         context: Arc<ConsumeContext>,
-        start: ConsumeStart,
+        (start, lead): (ConsumeStart, Option<Lead>),
         incoming: Incoming<ConsumeRequest>,
         outgoing: Outgoing<ConsumeResponse>,
     ) -> Result<Self, WireError> {
         let lease = check_start(&start)?;
         let topic = context.topics.require_current(&start.topic).await?;
+        if let Some(lead) = &lead {
+            lead.settle().await?;
+        }
+        let term = lead.as_ref().map_or(0, |lead| lead.term);
         let groups = Arc::clone(&context.groups);
         let (group, member, joined_topic) = (
             start.group.clone(),
@@ -201,7 +231,12 @@ impl ConsumeSession {
         let membership = context
             .calls
             .run(move |store| {
-                groups.join(store, &group, &joined_topic, &member, lease_ms, now_ms())
+                groups.join(
+                    store,
+                    (&group, &joined_topic, term),
+                    &member,
+                    (lease_ms, now_ms()),
+                )
             })
             .await?;
         let labels = GroupLabels::new(&start.group);
@@ -235,6 +270,7 @@ impl ConsumeSession {
             cursors: Vec::new(),
             round_robin: 0,
             credit,
+            lead,
         })
     }
 
@@ -290,6 +326,41 @@ impl ConsumeSession {
         self.retry_pending = true;
     }
 
+    /// Takes and sends a new assignment (`alive`: the group still holds this stream, else
+    /// the stream ends with why); false if the client is gone.
+    async fn reassigned(
+        &mut self,
+        alive: bool,
+        changes: &mut watch::Receiver<Arc<Assignment>>,
+    ) -> Result<bool, WireError> {
+        if !alive {
+            // The group dropped this stream: its lease ran out, or the member joined again
+            // on another stream.
+            let reason = if self.membership.replaced() {
+                "joined again on another stream"
+            } else {
+                "was dropped from the group (its lease ran out, an operator reset the group's \
+                 offsets with force, or its coordinator loaded it again)"
+            };
+            return Err(WireError::new(
+                ErrorCode::FailedPrecondition,
+                format!(
+                    "member '{}' {reason}; this stream ends, join again",
+                    self.membership.member
+                ),
+            ));
+        }
+        let latest = latest_assignment(changes);
+        self.apply_assignment(&latest);
+        Ok(self
+            .outgoing
+            .send(ConsumeResponse {
+                assignment: Some((*latest).clone()),
+                ..ConsumeResponse::default()
+            })
+            .await)
+    }
+
     async fn serve(&mut self) -> Result<(), WireError> {
         let mut assignment_changes = self.membership.assignment.clone();
         let first = latest_assignment(&mut assignment_changes);
@@ -306,6 +377,14 @@ impl ConsumeSession {
         }
         let mut lease_deadline = tokio::time::Instant::now() + self.lease;
         let mut closing = self.context.closing.clone();
+        let lead = self.lead.clone();
+        let lost_lead = async {
+            match &lead {
+                Some(lead) => lead.lost().await,
+                None => std::future::pending().await,
+            }
+        };
+        let mut lost_lead = pin!(lost_lead);
         loop {
             let notify = Arc::clone(&self.notify);
             let mut woken = pin!(notify.notified());
@@ -331,29 +410,7 @@ impl ConsumeSession {
                     }
                 }
                 changed = assignment_changes.changed() => {
-                    if changed.is_err() {
-                        // The group dropped this stream: its lease ran out, or the member
-                        // joined again on another stream.
-                        let reason = if self.membership.replaced() {
-                            "joined again on another stream"
-                        } else {
-                            "was dropped from the group (its lease ran out, or an operator \
-                             reset the group's offsets with force)"
-                        };
-                        return Err(WireError::new(
-                            ErrorCode::FailedPrecondition,
-                            format!(
-                                "member '{}' {reason}; this stream ends, join again",
-                                self.membership.member
-                            ),
-                        ));
-                    }
-                    let latest = latest_assignment(&mut assignment_changes);
-                    self.apply_assignment(&latest);
-                    if !self.outgoing.send(ConsumeResponse {
-                        assignment: Some((*latest).clone()),
-                        ..ConsumeResponse::default()
-                    }).await {
+                    if !self.reassigned(changed.is_ok(), &mut assignment_changes).await? {
                         return Ok(());
                     }
                 }
@@ -382,6 +439,7 @@ impl ConsumeSession {
                         ),
                     ));
                 }
+                error = &mut lost_lead => return Err(error),
                 () = wait_closed(&mut closing) => {
                     return Err(WireError::new(
                         ErrorCode::Unavailable,
@@ -492,6 +550,27 @@ impl ConsumeSession {
         Ok(Delivered::Some)
     }
 
+    /// Makes a commit snapshot durable: here, or through the shard as its coordinator (a
+    /// failed write retires the group: its in-memory state may be ahead of the log, so every
+    /// member joins again and the group is loaded again from what the shard holds).
+    async fn log(&self, logged: Option<Logged>) -> Result<(), WireError> {
+        match (logged, &self.lead) {
+            (None, _) => Ok(()),
+            (Some(Logged::Here(ticket)), _) => self.context.calls.durable(Some(ticket)).await,
+            (Some(Logged::Shard(queue, record)), Some(lead)) => {
+                let written = lead.write_commit(queue, record).await;
+                if written.is_err() {
+                    self.membership.retire();
+                }
+                written
+            }
+            (Some(Logged::Shard(..)), None) => Err(WireError::new(
+                ErrorCode::Internal,
+                "a commit for the shard on a node that does not coordinate the group",
+            )),
+        }
+    }
+
     /// Applies one client message; false if the client is gone.
     async fn handle(&mut self, message: ConsumeRequest) -> Result<bool, WireError> {
         match message.kind {
@@ -517,10 +596,18 @@ impl ConsumeSession {
                         retry: commit.retry,
                     })
                     .collect();
-                let answers = self
-                    .membership
-                    .commit(&self.context.calls.store, &commits)?;
-                self.context.calls.durable(answers.ticket).await?;
+                // Through the shard, one snapshot at a time per group (in the order taken).
+                let turn = self.membership.turn();
+                let _turn = match &self.lead {
+                    Some(_) => Some(turn.lock().await),
+                    None => None,
+                };
+                let answers = self.membership.commit(
+                    &self.context.calls.store,
+                    &commits,
+                    self.lead.is_none(),
+                )?;
+                self.log(answers.logged).await?;
                 let commit_results = commits
                     .iter()
                     .zip(answers.results)

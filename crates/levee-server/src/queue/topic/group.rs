@@ -44,6 +44,14 @@ pub struct Group {
     pub topic: Arc<Topic>,
     name: String,
     watchers: HashMap<String, (u64, watch::Sender<Arc<Assignment>>)>,
+    /// In a replicated cluster, the term of the topic's shard this node coordinates the group
+    /// in (0 elsewhere): a group loaded in another term is loaded again.
+    term: u64,
+    /// Ended: its members' streams were ended, and the next join loads it again.
+    retired: bool,
+    /// Held while a commit snapshot is written through the shard, so the snapshots reach the
+    /// log in the order they were taken.
+    turn: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Group {
@@ -70,9 +78,21 @@ impl Group {
         commit_queue(&self.name, &self.topic.name)
     }
 
+    /// The lock held while a commit snapshot of the group is written through its shard.
+    pub fn turn(&self) -> Arc<tokio::sync::Mutex<()>> {
+        Arc::clone(&self.turn)
+    }
+
     /// The group's name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Ends every member's stream (they join again) and has the next join load the group
+    /// again from its commits.
+    pub fn retire(&mut self) {
+        self.retired = true;
+        self.watchers.clear();
     }
 
     /// The next offset of `partition`'s queue, or of its retry queue with `retry`.
@@ -95,14 +115,15 @@ impl Group {
     }
 
     /// Sets the committed offsets in `offsets` (see [`GroupCoordinator::reset`]): with
-    /// `force`, ends the members' streams first. Buffers the snapshot record; returns the
-    /// members whose streams were ended and the ticket that makes the reset durable.
+    /// `force`, ends the members' streams first. Logs the snapshot record here (buffered)
+    /// with `log_here`, else hands it back to be written through the shard; returns the
+    /// members whose streams were ended and what makes the reset durable.
     pub fn reset(
         &mut self,
         store: &Store,
         offsets: &[(u32, u64)],
-        force: bool,
-    ) -> Result<(usize, CommitTicket), WireError> {
+        (force, log_here): (bool, bool),
+    ) -> Result<(usize, Logged), WireError> {
         let members = self.state.member_count();
         let record = self
             .state
@@ -110,11 +131,29 @@ impl Group {
             .map_err(|error| group_error(&self.name, &error))?;
         // Dropping their senders ends the members' streams: they join again.
         self.watchers.clear();
+        Ok((members, self.log(store, record, log_here)?))
+    }
+
+    /// Logs a snapshot `record` in the commit queue here (buffered) with `log_here`, else
+    /// hands it back to be written through the shard.
+    fn log(&self, store: &Store, record: Vec<u8>, log_here: bool) -> Result<Logged, WireError> {
+        if !log_here {
+            return Ok(Logged::Shard(self.commit_queue(), record));
+        }
         let (_, ticket) = store
             .append_deferred(&self.commit_queue(), &record)
             .map_err(write_error)?;
-        Ok((members, ticket))
+        Ok(Logged::Here(ticket))
     }
+}
+
+/// Where a group's new commit snapshot went.
+#[derive(Debug)]
+pub enum Logged {
+    /// Buffered in this node's store: the ticket makes it durable.
+    Here(CommitTicket),
+    /// To be written to this commit queue through the topic's shard (a replicated cluster).
+    Shard(Vec<u8>, Vec<u8>),
 }
 
 /// What a commit batch answers.
@@ -122,8 +161,8 @@ impl Group {
 pub struct CommitAnswers {
     /// Per commit: the partition's committed offset after the batch, or why it was refused.
     pub results: Vec<Result<u64, WireError>>,
-    /// What makes the batch's snapshot durable, if anything was committed.
-    pub ticket: Option<CommitTicket>,
+    /// Where the batch's snapshot went, if anything was committed.
+    pub logged: Option<Logged>,
 }
 
 /// A member's handle on its group.
@@ -150,24 +189,51 @@ pub struct Groups {
 }
 
 impl Groups {
-    /// The group, loaded with its committed offsets if new (reads the store).
+    /// The group, loaded with its committed offsets if new, retired, or loaded in another
+    /// `term` (reads the store). `term` is the topic's shard's term this node coordinates
+    /// the group in (0 on a server whose queues are not replicated).
     pub fn group(
         &self,
         store: &Store,
         group: &str,
         topic: &Arc<Topic>,
+        term: u64,
     ) -> Result<Arc<Mutex<Group>>, WireError> {
         let key = (group.to_owned(), topic.name.clone());
-        if let Some(existing) = lock(&self.groups).get(&key) {
-            return Ok(Arc::clone(existing));
+        let current = |groups: &GroupMap| {
+            groups
+                .get(&key)
+                .filter(|existing| {
+                    let existing = lock(existing);
+                    existing.term == term && !existing.retired
+                })
+                .cloned()
+        };
+        if let Some(existing) = current(&lock(&self.groups)) {
+            return Ok(existing);
         }
         // Loaded outside the lock: the read may wait for a commit round (`last_record`).
-        let committed = crate::queue::last_record(store, &commit_queue(group, &topic.name))?
+        let mut committed = crate::queue::last_record(store, &commit_queue(group, &topic.name))?
             .map(|record| decode_committed(&record))
             .unwrap_or_default();
+        if term > 0 {
+            // A replicated cluster: the retry queues are each node's own (docs/CLUSTER.md),
+            // and the snapshot may be another node's. Delivery starts no later than this
+            // node's retry queues' ends, so none of its retries is skipped.
+            let partitions = topic.partitions();
+            committed.resize(partitions as usize * 2, 0);
+            for partition in 0..partitions {
+                let end = Group::end_of_queue(group, topic, store, partition, true)?;
+                let slot = &mut committed[(partitions + partition) as usize];
+                *slot = (*slot).min(end);
+            }
+        }
         let mut groups = lock(&self.groups);
-        if let Some(existing) = groups.get(&key) {
-            return Ok(Arc::clone(existing));
+        if let Some(existing) = current(&groups) {
+            return Ok(existing);
+        }
+        if let Some(stale) = groups.remove(&key) {
+            lock(&stale).retire();
         }
         if groups.len() >= GROUPS_MAX {
             return Err(WireError::new(
@@ -180,6 +246,9 @@ impl Groups {
             topic: Arc::clone(topic),
             name: group.to_owned(),
             watchers: HashMap::new(),
+            term,
+            retired: false,
+            turn: Arc::default(),
         }));
         groups.insert(key, Arc::clone(&created));
         Ok(created)
@@ -227,38 +296,39 @@ impl Groups {
         offsets
     }
 
-    /// Looks a group up: in memory, or loaded from its commits if it ever committed on
-    /// `topic` (also before a restart). `None` if it never did.
+    /// Looks a group up: in memory, or loaded from its commits (in `term`, see
+    /// [`Groups::group`]) if it ever committed on `topic` (also before a restart). `None` if
+    /// it never did.
     pub fn find(
         &self,
         store: &Store,
         group: &str,
         topic: &Arc<Topic>,
+        term: u64,
     ) -> Result<Option<Arc<Mutex<Group>>>, WireError> {
         let key = (group.to_owned(), topic.name.clone());
-        if let Some(found) = lock(&self.groups).get(&key) {
-            return Ok(Some(Arc::clone(found)));
+        if lock(&self.groups).contains_key(&key) {
+            return self.group(store, group, topic, term).map(Some);
         }
         let committed = store
             .queue_info(&commit_queue(group, &topic.name))
             .map_err(|error| storage_error(&error))?;
         match committed {
-            Some(_) => self.group(store, group, topic).map(Some),
+            Some(_) => self.group(store, group, topic, term).map(Some),
             None => Ok(None),
         }
     }
 
-    /// Joins `member` to `group` on `topic`. Blocks on the store (first load).
+    /// Joins `member` to `group` on `topic`, coordinated in `term` (see
+    /// [`Groups::group`]). Blocks on the store (first load).
     pub fn join(
         &self,
         store: &Store,
-        group: &str,
-        topic: &Arc<Topic>,
+        (group, topic, term): (&str, &Arc<Topic>, u64),
         member: &str,
-        lease_ms: u64,
-        now_ms: u64,
+        (lease_ms, now_ms): (u64, u64),
     ) -> Result<Membership, WireError> {
-        let handle = self.group(store, group, topic)?;
+        let handle = self.group(store, group, topic, term)?;
         let session = self
             .sessions
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -308,10 +378,25 @@ impl Membership {
             && !group.state.is_member(&self.member, self.session)
     }
 
-    /// Applies a commit batch and appends the group's new snapshot to its commit queue.
-    /// Returns, per commit, the partition's committed offset after the batch or why it was
-    /// refused, and, if anything was committed, the ticket that makes it durable.
-    pub fn commit(&self, store: &Store, commits: &[Commit]) -> Result<CommitAnswers, WireError> {
+    /// The lock held while a commit snapshot of the group is written through its shard.
+    pub fn turn(&self) -> Arc<tokio::sync::Mutex<()>> {
+        Arc::clone(&lock(&self.group).turn)
+    }
+
+    /// Ends the streams of every member of the group (see [`Group::retire`]).
+    pub fn retire(&self) {
+        lock(&self.group).retire();
+    }
+
+    /// Applies a commit batch and logs the group's new snapshot (see [`Group::reset`] for
+    /// `log_here`). Returns, per commit, the partition's committed offset after the batch or
+    /// why it was refused, and, if anything was committed, where the snapshot went.
+    pub fn commit(
+        &self,
+        store: &Store,
+        commits: &[Commit],
+        log_here: bool,
+    ) -> Result<CommitAnswers, WireError> {
         let mut group = lock(&self.group);
         let group = &mut *group;
         let outcome = group
@@ -319,13 +404,10 @@ impl Membership {
             .commit_batch(&self.member, commits, |partition, retry| {
                 Group::end_of_queue(&group.name, &group.topic, store, partition, retry)
             })?;
-        let mut ticket = None;
-        if let Some(record) = outcome.record {
-            let (_, appended) = store
-                .append_deferred(&group.commit_queue(), &record)
-                .map_err(write_error)?;
-            ticket = Some(appended);
-        }
+        let logged = match outcome.record {
+            Some(record) => Some(group.log(store, record, log_here)?),
+            None => None,
+        };
         // An accepted commit is answered with the partition's committed offset after the
         // batch: a commit below it changed nothing, and the answer says so.
         let (committed, retry_committed) = (group.state.committed(), group.state.retry_committed());
@@ -338,7 +420,7 @@ impl Membership {
                 None => Ok(committed[commit.partition as usize]),
             })
             .collect();
-        Ok(CommitAnswers { results, ticket })
+        Ok(CommitAnswers { results, logged })
     }
 }
 
@@ -364,8 +446,8 @@ mod tests {
             .append_deferred(&queue, &encode_committed(&[5, 6]))
             .unwrap();
         let groups = Groups::default();
-        let group = groups.find(&store, "g", &topic).unwrap().unwrap();
+        let group = groups.find(&store, "g", &topic, 0).unwrap().unwrap();
         assert_eq!(lock(&group).state.committed(), [5, 6]);
-        assert!(groups.find(&store, "never", &topic).unwrap().is_none());
+        assert!(groups.find(&store, "never", &topic, 0).unwrap().is_none());
     }
 }

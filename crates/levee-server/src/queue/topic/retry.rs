@@ -26,9 +26,10 @@ use levee_store::{CommitTicket, Store};
 
 use crate::metrics::GroupLabels;
 use crate::queue::delay::{Scheduled, unix_ms};
+use crate::queue::replicated::Lead;
 use crate::queue::topic::catalog::Topic;
 use crate::queue::topic::consume::ConsumeContext;
-use crate::queue::topic::group::Membership;
+use crate::queue::topic::group::{Logged, Membership};
 use crate::queue::{invalid, lock, name_error, storage_error, write_error};
 
 /// Most outcomes in one outcome batch.
@@ -581,10 +582,12 @@ fn reset_target(store: &Store, queue: &[u8], to: &To) -> Result<(u64, u64, u64),
     Ok((target, first, next))
 }
 
-/// Sets a group's committed offsets (see `ResetGroupOffsets` in proto/levee/v1/topic.proto).
+/// Sets a group's committed offsets (see `ResetGroupOffsets` in proto/levee/v1/topic.proto);
+/// as the coordinator of a replicated cluster (`lead`), through the topic's shard.
 pub async fn reset_offsets(
     context: &Arc<ConsumeContext>,
     request: ResetGroupOffsetsRequest,
+    lead: Option<Lead>,
 ) -> Result<ResetGroupOffsetsResponse, WireError> {
     let topic = group_topic(context, &request.group, &request.topic).await?;
     let Some(to) = request.to else {
@@ -604,12 +607,32 @@ pub async fn reset_offsets(
             topic.partitions()
         )));
     }
-    let shared = Arc::clone(context);
-    let (group, force) = (request.group, request.force);
-    let (answer, ticket) = context
+    if let Some(lead) = &lead {
+        lead.settle().await?;
+    }
+    let term = lead.as_ref().map_or(0, |lead| lead.term);
+    let handle = {
+        let (shared, group, topic) = (
+            Arc::clone(context),
+            request.group.clone(),
+            Arc::clone(&topic),
+        );
+        context
+            .calls
+            .run(move |store| shared.groups.group(store, &group, &topic, term))
+            .await?
+    };
+    // Through the shard, one snapshot at a time per group (in the order taken).
+    let turn = lock(&handle).turn();
+    let _turn = match &lead {
+        Some(_) => Some(turn.lock().await),
+        None => None,
+    };
+    let (log_here, force) = (lead.is_none(), request.force);
+    let group = Arc::clone(&handle);
+    let (answer, logged) = context
         .calls
         .run(move |store| {
-            let handle = shared.groups.group(store, &group, &topic)?;
             let mut resets = Vec::with_capacity(partitions.len());
             let mut offsets = Vec::with_capacity(partitions.len());
             for &partition in &partitions {
@@ -633,14 +656,29 @@ pub async fn reset_offsets(
                     before_retention: target < first,
                 });
             }
-            let (fenced, ticket) = lock(&handle).reset(store, &offsets, force)?;
+            let (fenced, logged) = lock(&group).reset(store, &offsets, (force, log_here))?;
             let answer = ResetGroupOffsetsResponse {
                 partitions: resets,
                 members_fenced: u32::try_from(fenced).unwrap_or(u32::MAX),
             };
-            Ok((answer, ticket))
+            Ok((answer, logged))
         })
         .await?;
-    context.calls.durable(Some(ticket)).await?;
+    match (logged, &lead) {
+        (Logged::Here(ticket), _) => context.calls.durable(Some(ticket)).await?,
+        (Logged::Shard(queue, record), Some(lead)) => {
+            if let Err(error) = lead.write_commit(queue, record).await {
+                // The group in memory may be ahead of the log: it is loaded again.
+                lock(&handle).retire();
+                return Err(error);
+            }
+        }
+        (Logged::Shard(..), None) => {
+            return Err(WireError::new(
+                ErrorCode::Internal,
+                "a reset for the shard on a node that does not coordinate the group",
+            ));
+        }
+    }
     Ok(answer)
 }

@@ -33,13 +33,23 @@ use crate::metrics::GroupLabels;
 use crate::queue::credit::{STREAM_START_TIMEOUT, SUBSCRIPTIONS_MAX};
 use crate::queue::grpc_stream::{self, GrpcResponses};
 use crate::queue::producer::idempotent::{SequencedMessage, check_producer_id};
-use crate::queue::replicated::{forward_failed, forward_stream, forwarded};
+use crate::queue::replicated::{
+    Coordinator, Lead, forward_failed, forward_stream, forwarded, outgoing,
+};
 use crate::queue::service::{APPEND_MESSAGES_MAX, QueueService};
 use crate::queue::stream;
 use crate::queue::topic::catalog::Topic;
 use crate::queue::topic::consume::{ConsumeContext, ConsumeSession, now_ms, topic_wake_key};
 use crate::queue::topic::retry;
 use crate::queue::{lock, name_error};
+
+/// Where a consumer group's call was served.
+enum Served<Request, Answer> {
+    /// Here (this node coordinates the topic's groups, as `Lead` in a replicated cluster).
+    Here(Request, Option<Lead>),
+    /// By the coordinator: its answer.
+    There(Response<Answer>),
+}
 
 /// Implements `levee.v1.Topics`.
 #[derive(Debug, Clone)]
@@ -63,11 +73,15 @@ impl TopicService {
     /// loaded from its commits on the blocking pool.
     pub async fn describe_group_now(
         context: &ConsumeContext,
-        group: &str,
-        topic: &str,
+        (group, topic): (&str, &str),
+        lead: Option<Lead>,
     ) -> Result<DescribeGroupResponse, WireError> {
         check_group_name(group).map_err(|error| name_error(&error))?;
         let found = context.topics.require(topic)?;
+        if let Some(lead) = &lead {
+            lead.settle().await?;
+        }
+        let term = lead.as_ref().map_or(0, |lead| lead.term);
         let handle = {
             let (groups, group, found) = (
                 Arc::clone(&context.groups),
@@ -76,7 +90,7 @@ impl TopicService {
             );
             context
                 .calls
-                .run(move |store| groups.find(store, &group, &found))
+                .run(move |store| groups.find(store, &group, &found, term))
                 .await?
         }
         .ok_or_else(|| {
@@ -259,6 +273,40 @@ fn delivery_time(message: &PublishMessage, now_ms: u64) -> Result<Option<u64>, W
 }
 
 impl TopicService {
+    /// Serves a consumer group's call on the topic `topic_of` names: here when this node
+    /// coordinates the topic's groups, else by `call` on the coordinator
+    /// (`Replication::coordinator`).
+    async fn group_call<Message, Answer, Call, Calling>(
+        &self,
+        request: Request<Message>,
+        topic_of: fn(&Message) -> &str,
+        call: Call,
+    ) -> Result<Served<Message, Answer>, Status>
+    where
+        Call: FnOnce(TopicsClient<tonic::transport::Channel>, Request<Message>) -> Calling,
+        Calling: std::future::Future<Output = Result<Response<Answer>, Status>>,
+    {
+        let forwarded_here = crate::queue::replicated::was_forwarded(request.metadata());
+        let coordinator = self
+            .context
+            .replication
+            .coordinator(topic_of(request.get_ref()), forwarded_here)?;
+        match coordinator {
+            Coordinator::Here(lead) => Ok(Served::Here(request.into_inner(), lead)),
+            Coordinator::Elsewhere {
+                node,
+                channel,
+                mark,
+            } => {
+                let client = TopicsClient::new(channel).max_decoding_message_size(usize::MAX);
+                call(client, outgoing(request.into_inner(), mark))
+                    .await
+                    .map(Served::There)
+                    .map_err(|status| forward_failed(node, status))
+            }
+        }
+    }
+
     /// Where a call or stream of `topic` goes when this node holds no replica of the topic's
     /// shard (see `Replication::read_elsewhere`; the shard is the topic name's, whether this
     /// node's catalog knows the topic yet or not); `None`: served here.
@@ -557,23 +605,40 @@ impl TopicsApi for TopicService {
                 format!("{SUBSCRIPTIONS_MAX} consume streams are open on this server; retry later"),
             )
         })?;
-        if let Some((node, channel)) = self.topic_elsewhere(&start.topic, &metadata)? {
-            // This node holds no replica of the topic's shard: the member's stream goes on
-            // through the shard's preferred replica (where every such node sends its members).
-            let first = ConsumeRequest {
-                kind: Some(ConsumeKind::Start(start)),
-            };
-            return forward_stream(node, (first, incoming, permit), |request| async move {
-                TopicsClient::new(channel)
-                    .max_decoding_message_size(usize::MAX)
-                    .consume(request)
-                    .await
-            })
-            .await;
-        }
+        let forwarded_here = crate::queue::replicated::was_forwarded(&metadata);
+        let lead = match self
+            .context
+            .replication
+            .coordinator(&start.topic, forwarded_here)?
+        {
+            Coordinator::Here(lead) => lead,
+            Coordinator::Elsewhere {
+                node,
+                channel,
+                mark,
+            } => {
+                // The member's stream goes on through the coordinator: the leader of the
+                // topic's shard.
+                let first = ConsumeRequest {
+                    kind: Some(ConsumeKind::Start(start)),
+                };
+                return forward_stream(
+                    (node, mark),
+                    (first, incoming, permit),
+                    |request| async move {
+                        TopicsClient::new(channel)
+                            .max_decoding_message_size(usize::MAX)
+                            .consume(request)
+                            .await
+                    },
+                )
+                .await;
+            }
+        };
         let (outgoing, responses) = stream::channel();
         let session =
-            ConsumeSession::join(Arc::clone(&self.context), start, incoming, outgoing).await?;
+            ConsumeSession::join(Arc::clone(&self.context), (start, lead), incoming, outgoing)
+                .await?;
         tokio::spawn(async move {
             session.run().await;
             drop(permit);
@@ -585,9 +650,19 @@ impl TopicsApi for TopicService {
         &self,
         request: Request<DescribeGroupRequest>,
     ) -> Result<Response<DescribeGroupResponse>, Status> {
-        let request = request.into_inner();
+        let served = self
+            .group_call(
+                request,
+                |request| &request.topic,
+                |mut client, request| async move { client.describe_group(request).await },
+            )
+            .await?;
+        let (request, lead) = match served {
+            Served::Here(request, lead) => (request, lead),
+            Served::There(answer) => return Ok(answer),
+        };
         Ok(Response::new(
-            Self::describe_group_now(&self.context, &request.group, &request.topic).await?,
+            Self::describe_group_now(&self.context, (&request.group, &request.topic), lead).await?,
         ))
     }
 
@@ -649,8 +724,20 @@ impl TopicsApi for TopicService {
         &self,
         request: Request<ListDeadLettersRequest>,
     ) -> Result<Response<ListDeadLettersResponse>, Status> {
+        // A group's dead letters are its coordinator's own (docs/CLUSTER.md).
+        let served = self
+            .group_call(
+                request,
+                |request| &request.topic,
+                |mut client, request| async move { client.list_dead_letters(request).await },
+            )
+            .await?;
+        let request = match served {
+            Served::Here(request, _) => request,
+            Served::There(answer) => return Ok(answer),
+        };
         Ok(Response::new(
-            retry::list_dead_letters(&self.context, request.into_inner()).await?,
+            retry::list_dead_letters(&self.context, request).await?,
         ))
     }
 
@@ -658,7 +745,17 @@ impl TopicsApi for TopicService {
         &self,
         request: Request<RedriveDeadLettersRequest>,
     ) -> Result<Response<RedriveDeadLettersResponse>, Status> {
-        let request = request.into_inner();
+        let served = self
+            .group_call(
+                request,
+                |request| &request.topic,
+                |mut client, request| async move { client.redrive_dead_letters(request).await },
+            )
+            .await?;
+        let request = match served {
+            Served::Here(request, _) => request,
+            Served::There(answer) => return Ok(answer),
+        };
         let redriven = retry::redrive(
             &self.context,
             (request.group, request.topic),
@@ -673,8 +770,19 @@ impl TopicsApi for TopicService {
         &self,
         request: Request<ResetGroupOffsetsRequest>,
     ) -> Result<Response<ResetGroupOffsetsResponse>, Status> {
+        let served = self
+            .group_call(
+                request,
+                |request| &request.topic,
+                |mut client, request| async move { client.reset_group_offsets(request).await },
+            )
+            .await?;
+        let (request, lead) = match served {
+            Served::Here(request, lead) => (request, lead),
+            Served::There(answer) => return Ok(answer),
+        };
         Ok(Response::new(
-            retry::reset_offsets(&self.context, request.into_inner()).await?,
+            retry::reset_offsets(&self.context, request, lead).await?,
         ))
     }
 }
