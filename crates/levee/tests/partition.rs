@@ -407,3 +407,227 @@ fn given_a_partitioned_shard_leader_then_it_acknowledges_nothing_and_the_majorit
     assert_ne!(shard_groups(leader)[&shard].0, Some(leader_id));
     assert_eq!(append(&runtime, leader, queue, b"after"), Ok(2));
 }
+
+/// A raw member stream of group "ledger-readers" on `topic` through `node`: the request
+/// sender (its start already sent) and the answers.
+async fn raw_member(
+    node: &LeveeProcess,
+    topic: &str,
+    member: &str,
+) -> Result<
+    (
+        tokio::sync::mpsc::Sender<levee_proto::v1::ConsumeRequest>,
+        tonic::Streaming<levee_proto::v1::ConsumeResponse>,
+    ),
+    tonic::Status,
+> {
+    use levee_proto::v1::consume_request::Kind;
+    let (sender, receiver) = tokio::sync::mpsc::channel(16);
+    let start = levee_proto::v1::ConsumeStart {
+        topic: topic.to_owned(),
+        group: "ledger-readers".to_owned(),
+        member: member.to_owned(),
+        credit: Some(levee_proto::v1::Credit {
+            messages: 1_000,
+            bytes: 0,
+        }),
+        lease_ms: 0,
+    };
+    sender
+        .send(levee_proto::v1::ConsumeRequest {
+            kind: Some(Kind::Start(start)),
+        })
+        .await
+        .unwrap();
+    let mut client =
+        levee_proto::v1::topics_client::TopicsClient::connect(format!("http://{}", node.grpc()))
+            .await
+            .unwrap();
+    let answers = client
+        .consume(tokio_stream::wrappers::ReceiverStream::new(receiver))
+        .await?
+        .into_inner();
+    Ok((sender, answers))
+}
+
+/// The next answer of a member's stream that `wanted` picks, within `CONVERGE_TIMEOUT`.
+async fn next_answer<T>(
+    answers: &mut tonic::Streaming<levee_proto::v1::ConsumeResponse>,
+    mut wanted: impl FnMut(&levee_proto::v1::ConsumeResponse) -> Option<T>,
+) -> Result<T, tonic::Status> {
+    let deadline = tokio::time::Instant::now() + CONVERGE_TIMEOUT;
+    loop {
+        let answer = tokio::time::timeout_at(deadline, answers.message())
+            .await
+            .expect("the stream answers in time")?
+            .expect("the stream goes on");
+        if let Some(found) = wanted(&answer) {
+            return Ok(found);
+        }
+    }
+}
+
+#[test]
+#[allow(clippy::too_many_lines, reason = "one scenario, step by step")]
+fn given_a_partitioned_group_coordinator_then_its_streams_end_before_another_member_owns_its_partition()
+ {
+    use levee_proto::v1::consume_request::Kind;
+    let directory = tempfile::tempdir().unwrap();
+    let runtime = runtime();
+    let proxies = Proxies::new(3);
+    let nodes = three_nodes_with(
+        directory.path(),
+        &proxies,
+        &["--replicated-queues", "true", "--shards", "2"],
+    );
+    let topic = "ledger";
+    let shard = u64::from(levee_proto::shards::shard_of_bytes(topic.as_bytes(), 2));
+    // Settled: the shard led by its preferred replica (which claims the lead otherwise).
+    let all: Vec<&LeveeProcess> = nodes.iter().collect();
+    support::wait_settled(&all, 2);
+    let leader_id = shard_groups(&nodes[0])[&shard].0.unwrap();
+    let leader = &nodes[usize::try_from(leader_id).unwrap() - 1];
+    let majority: Vec<&LeveeProcess> = (1..=3)
+        .filter(|id| *id != leader_id)
+        .map(|id| &nodes[usize::try_from(id).unwrap() - 1])
+        .collect();
+    runtime.block_on(async {
+        let client = Client::connect(&leader.grpc()).await.unwrap();
+        client.create_topic(topic, 1).await.unwrap();
+        for offset in 0..3_u8 {
+            client
+                .publish(
+                    topic,
+                    &[(b"k".as_slice(), [b'm', b'0' + offset].as_slice())],
+                )
+                .await
+                .unwrap();
+        }
+        // Member A, on the coordinator (the shard's leader), owns the one partition, takes the
+        // three messages and commits the first two.
+        let (a_requests, mut a_answers) = raw_member(leader, topic, "a").await.unwrap();
+        let epoch = next_answer(&mut a_answers, |answer| {
+            answer
+                .assignment
+                .as_ref()
+                .and_then(|assignment| assignment.partitions.first())
+                .map(|owned| owned.epoch)
+        })
+        .await
+        .unwrap();
+        let mut delivered = 0;
+        while delivered < 3 {
+            delivered += next_answer(&mut a_answers, |answer| {
+                (!answer.deliveries.is_empty()).then_some(answer.deliveries.len())
+            })
+            .await
+            .unwrap();
+        }
+        let commit = levee_proto::v1::CommitBatch {
+            commits: vec![levee_proto::v1::Commit {
+                partition: 0,
+                epoch,
+                next_offset: 2,
+                retry: false,
+            }],
+        };
+        if a_requests
+            .send(levee_proto::v1::ConsumeRequest {
+                kind: Some(Kind::Commit(commit)),
+            })
+            .await
+            .is_err()
+        {
+            let ended = next_answer(&mut a_answers, |_| None::<()>).await;
+            panic!("A's stream ended before the cut: {ended:?}");
+        }
+        let committed = next_answer(&mut a_answers, |answer| {
+            answer.commit_results.first().cloned()
+        })
+        .await
+        .unwrap();
+        assert_eq!(
+            (committed.code, committed.next_offset),
+            (0, 2),
+            "{committed:?}"
+        );
+
+        // The coordinator is cut off from the other two (its clients still reach it).
+        proxies.partition(&[leader_id]);
+        let cut_at = tokio::time::Instant::now();
+        // Member B joins through the majority side while A's stream is still open.
+        let b = async {
+            loop {
+                let joined = raw_member(majority[0], topic, "b").await;
+                let (b_requests, mut b_answers) = match joined {
+                    Ok(joined) => joined,
+                    Err(status) => {
+                        assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let owned = next_answer(&mut b_answers, |answer| {
+                    answer
+                        .assignment
+                        .as_ref()
+                        .map(|assignment| !assignment.partitions.is_empty())
+                })
+                .await;
+                match owned {
+                    Ok(true) => {
+                        return (tokio::time::Instant::now(), b_requests, b_answers);
+                    }
+                    Ok(false) => {
+                        // Not owned yet: the owner is A, until its coordinator stops.
+                        let owned = next_answer(&mut b_answers, |answer| {
+                            answer
+                                .assignment
+                                .as_ref()
+                                .filter(|assignment| !assignment.partitions.is_empty())
+                                .map(|_| ())
+                        })
+                        .await;
+                        if owned.is_ok() {
+                            return (tokio::time::Instant::now(), b_requests, b_answers);
+                        }
+                    }
+                    Err(status) => {
+                        assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        let a = async {
+            // A's stream ends: its coordinator lost the lead.
+            let ended = next_answer(&mut a_answers, |_| None::<()>)
+                .await
+                .unwrap_err();
+            (tokio::time::Instant::now(), ended)
+        };
+        let ((a_ended_at, ended), (b_owns_at, _b_requests, mut b_answers)) = tokio::join!(a, b);
+        assert_eq!(ended.code(), tonic::Code::Unavailable, "{ended:?}");
+        assert!(ended.message().contains("lost the lead"), "{ended:?}");
+        assert!(
+            a_ended_at - cut_at < Duration::from_secs(5),
+            "the cut-off coordinator stopped within {:?}",
+            a_ended_at - cut_at
+        );
+        // Never two owners: B owned the partition only after A's stream had ended.
+        assert!(
+            b_owns_at > a_ended_at,
+            "B owned the partition {:?} after the cut, A's stream ended {:?} after it",
+            b_owns_at - cut_at,
+            a_ended_at - cut_at
+        );
+        // B starts after A's answered commit: only the uncommitted message comes again.
+        let first = next_answer(&mut b_answers, |answer| {
+            answer.deliveries.first().map(|delivery| delivery.offset)
+        })
+        .await
+        .unwrap();
+        assert_eq!(first, 2);
+    });
+    proxies.heal();
+}

@@ -317,6 +317,9 @@ impl ShardGroups {
         let half = LEAD_QUORUM_ACK_MAX / 2;
         let mut metrics = raft.metrics();
         let mut acked_at: Option<Instant> = None;
+        // Whether `metrics` holds a report not read yet: only a new report's time since the
+        // quorum's acknowledgement is as of now.
+        let mut reported = true;
         loop {
             let now = metrics.borrow_and_update().clone();
             if Self::leads_in(self.node_id, &now) != Some(term) {
@@ -327,9 +330,8 @@ impl ShardGroups {
                     _ => lost("another term began"),
                 };
             }
-            if let Some(millis) = now.millis_since_quorum_ack {
-                let reported = Instant::now().checked_sub(Duration::from_millis(millis));
-                acked_at = acked_at.max(reported);
+            if reported && let Some(millis) = now.millis_since_quorum_ack {
+                acked_at = acked_at.max(Instant::now().checked_sub(Duration::from_millis(millis)));
             }
             if acked_at.is_none_or(|at| at.elapsed() > half) {
                 let asked = Instant::now();
@@ -344,14 +346,15 @@ impl ShardGroups {
                     }
                 }
             }
-            tokio::select! {
+            reported = tokio::select! {
                 changed = metrics.changed() => {
                     if changed.is_err() {
                         return lost("the shard stopped on this node");
                     }
+                    true
                 }
-                () = tokio::time::sleep(LEAD_CHECK_INTERVAL) => {}
-            }
+                () = tokio::time::sleep(LEAD_CHECK_INTERVAL) => false,
+            };
         }
     }
 

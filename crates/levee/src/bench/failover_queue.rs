@@ -28,6 +28,7 @@ use super::failover::{
     FAILOVER_P99_TARGET_MS, FailoverBenchArgs, Node, print_report, shards_placed, start_node,
     start_replicated_cluster,
 };
+use super::failover_group;
 
 /// Longest a failover, a placement or the nodes converging may take before the run gives up.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -72,17 +73,30 @@ pub(super) fn run(args: &FailoverBenchArgs) -> anyhow::Result<()> {
         &report,
         &format!(
             "{} appends acknowledged, {} lost, {} duplicates; {} consumed, {} acked redelivered, \
-             {} uncommitted seen",
+             {} uncommitted seen; group: {} published, {} delivered, {} commit redelivered, {} \
+             not delivered, {} coordinator kills, failover {}",
             report["appends_acknowledged"],
             report["acknowledged_lost"],
             report["duplicates"],
             report["consumed"],
             report["acked_redelivered"],
-            report["uncommitted_seen"]
+            report["uncommitted_seen"],
+            report["group"]["published"],
+            report["group"]["delivered"],
+            report["group"]["commit_redelivered"],
+            report["group"]["not_delivered"],
+            report["group"]["coordinator_kills"],
+            report["group"]["group_failover_ms"]
         ),
     )?;
     if report["acknowledged_lost"] != 0 || report["duplicates"] != 0 {
         bail!("acknowledged appends were lost or messages stored twice");
+    }
+    if report["group_wrong"] == true {
+        bail!(
+            "the group's member was handed a message below an answered commit, a message never \
+             published, or not every published message"
+        );
     }
     if report["acked_redelivered"] != 0 || report["uncommitted_seen"] != 0 {
         bail!(
@@ -92,15 +106,36 @@ pub(super) fn run(args: &FailoverBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<Value> {
+/// A client of each node.
+async fn connect(nodes: &[Node]) -> anyhow::Result<Vec<Client>> {
     let options = ClientOptions {
         connect_timeout: Duration::from_secs(1),
         request_timeout: Duration::from_secs(5),
     };
     let mut clients = Vec::new();
-    for node in nodes.iter() {
+    for node in nodes {
         clients.push(Client::connect_with(&node.grpc_addr, &options).await?);
     }
+    Ok(clients)
+}
+
+/// Deliveries in `seen` that are not, at the end, the stored message at their offset.
+fn uncommitted_seen(
+    seen: &[(String, u64, Vec<u8>)],
+    stored: &BTreeMap<String, Vec<Vec<u8>>>,
+) -> usize {
+    seen.iter()
+        .filter(|(queue, offset, payload)| {
+            usize::try_from(*offset)
+                .ok()
+                .and_then(|offset| stored.get(queue)?.get(offset))
+                != Some(payload)
+        })
+        .count()
+}
+
+async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<Value> {
+    let clients = connect(nodes).await?;
     let replicas = nodes.len().min(levee_proto::shards::REPLICAS_MAX);
     let alive = vec![true; nodes.len()];
     wait_placed(&clients, &alive, (args.shards, replicas)).await?;
@@ -115,6 +150,10 @@ async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<V
     )?;
     let appends: Appends = Arc::default();
     let (stop, stopped) = watch::channel(false);
+    // The consumer group: a topic in a shard the kills hit, its publisher and one member.
+    let addresses = nodes.iter().map(|node| node.grpc_addr.clone()).collect();
+    let mut group =
+        failover_group::Group::start(&clients, addresses, args.shards, stopped.clone()).await?;
     let consumed: Arc<Mutex<Consumed>> = Arc::default();
     let consuming = tokio::spawn(consume_continuously(
         clients.clone(),
@@ -130,13 +169,20 @@ async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<V
     ));
     let started = Instant::now();
     let mut failovers = Histogram::<u64>::new(3)?;
+    let mut group_failovers = Histogram::<u64>::new(3)?;
     let mut leaders_killed = Vec::new();
     for kill in 0..args.kills {
         let queue = format!("failover-{}", u64::from(kill) % args.keys);
         let shard = levee_proto::shards::shard_of(&queue, args.shards);
+        let before_kill = Instant::now();
         let (index, failover) =
             kill_leader(&clients, nodes, &appends, (shard, args.shards)).await?;
         failovers.record(failover.as_micros().try_into().unwrap_or(u64::MAX))?;
+        if shard == levee_proto::shards::shard_of(&group.topic, args.shards) {
+            // The group's coordinator was killed: the member's next answered commit.
+            let failover = failover_group::wait_commit_after(&group.run, before_kill).await?;
+            group_failovers.record(failover.as_micros().try_into().unwrap_or(u64::MAX))?;
+        }
         leaders_killed.push(nodes[index].id);
         let (data_dir, flags) = (nodes[index].data_dir.clone(), nodes[index].flags.clone());
         let process = tokio::task::spawn_blocking(move || start_node(&data_dir, &flags))
@@ -146,9 +192,11 @@ async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<V
         wait_placed(&clients, &alive, (args.shards, replicas)).await?;
         wait_appends_resume(&appends).await?;
     }
+    group.drain().await?;
     let _ = stop.send(true);
     writing.await.context("the appending task")?;
     consuming.await.context("the consuming task")?;
+    let (group, group_wrong) = group.finish(&group_failovers).await?;
     let duration_s = started.elapsed().as_secs_f64();
     let appends = lock(&appends).clone();
     let (lost, duplicates, stored) = check(&clients, &appends, args.keys).await?;
@@ -159,17 +207,7 @@ async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<V
         .iter()
         .filter(|append| append.acked.is_some())
         .count();
-    // Deliveries that are not, at the end, the stored message at their offset.
-    let uncommitted_seen = consumed
-        .seen
-        .iter()
-        .filter(|(queue, offset, payload)| {
-            usize::try_from(*offset)
-                .ok()
-                .and_then(|offset| stored.get(queue)?.get(offset))
-                != Some(payload)
-        })
-        .count();
+    let uncommitted_seen = uncommitted_seen(&consumed.seen, &stored);
     Ok(json!({
         "shape": "queue",
         "nodes": args.nodes,
@@ -190,6 +228,8 @@ async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<V
         "unconfirmed_redelivered": consumed.unconfirmed_redelivered,
         "uncommitted_seen": uncommitted_seen,
         "append_latency_ms": append_latency_ms(&appends)?,
+        "group": group,
+        "group_wrong": group_wrong,
         "duration_s": duration_s,
     }))
 }

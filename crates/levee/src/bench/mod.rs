@@ -11,6 +11,7 @@
 
 pub mod delay;
 pub mod failover;
+mod failover_group;
 pub mod failover_queue;
 pub mod hotkey;
 pub mod limits;

@@ -450,4 +450,54 @@ mod tests {
         assert_eq!(lock(&group).state.committed(), [5, 6]);
         assert!(groups.find(&store, "never", &topic, 0).unwrap().is_none());
     }
+
+    #[test]
+    fn given_a_group_loaded_in_one_term_when_joined_in_the_next_then_it_is_loaded_again_from_the_log()
+     {
+        let directory = tempfile::tempdir().unwrap();
+        let (store, _) =
+            Store::open(directory.path(), levee_store::StoreOptions::default()).unwrap();
+        let topic = Arc::new(Topic::new("t", 2));
+        let groups = Groups::default();
+        let old = groups
+            .join(&store, ("g", &topic, 1), "a", (10_000, 0))
+            .unwrap();
+        // The shard applied another coordinator's snapshot; this node's retry queue of
+        // partition 0 holds two retries, of partition 1 none.
+        store
+            .append(&commit_queue("g", "t"), &encode_committed(&[3, 4, 9, 9]))
+            .unwrap();
+        for _ in 0..2 {
+            store.append(&retry_queue("g", "t", 0), b"retry").unwrap();
+        }
+        let same = groups
+            .join(&store, ("g", &topic, 1), "b", (10_000, 0))
+            .unwrap();
+        assert!(
+            Arc::ptr_eq(&old.group, &same.group),
+            "same term, same group"
+        );
+        let new = groups
+            .join(&store, ("g", &topic, 2), "c", (10_000, 0))
+            .unwrap();
+        assert!(
+            !Arc::ptr_eq(&old.group, &new.group),
+            "a new term loads it again"
+        );
+        // The old term's streams are ended (their assignment channels closed).
+        assert!(old.assignment.has_changed().is_err());
+        assert!(same.assignment.has_changed().is_err());
+        let group = lock(&new.group);
+        assert_eq!(group.state.committed(), [3, 4]);
+        // Retry delivery starts no later than this node's own retry queues' ends.
+        assert_eq!(group.state.retry_committed(), [2, 0]);
+        drop(group);
+        // A retired group is loaded again too.
+        new.retire();
+        assert!(new.assignment.has_changed().is_err());
+        let again = groups
+            .join(&store, ("g", &topic, 2), "c", (10_000, 0))
+            .unwrap();
+        assert!(!Arc::ptr_eq(&new.group, &again.group));
+    }
 }
