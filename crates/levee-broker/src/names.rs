@@ -184,14 +184,32 @@ pub fn is_reserved(queue: &[u8]) -> bool {
     queue.first() == Some(&RESERVED_PREFIX)
 }
 
-/// The name a queue is placed by in a cluster's shards (docs/CLUSTER.md, "Part 2"): a topic
-/// partition's topic (so a topic's partitions, and later its groups' state, share one shard),
-/// else the queue's own name.
+/// The name a queue is placed by in a cluster's shards (docs/CLUSTER.md, "Part 2"): the
+/// topic of a topic's partition and of a group's commit, retry, dead-letter and redrive
+/// queues on it (so a topic's partitions and its groups' state share one shard), else the
+/// queue's own name.
 pub fn routing_name(queue: &[u8]) -> &[u8] {
+    // `{topic}\0{partition}`: the topic.
+    let before_last_zero = |rest: &[u8]| -> Option<usize> { rest.iter().rposition(|b| *b == 0) };
     if let Some(rest) = queue.strip_prefix(PARTITION_PREFIX)
-        && let Some(end) = rest.iter().rposition(|byte| *byte == 0)
+        && let Some(end) = before_last_zero(rest)
     {
         return &rest[..end];
+    }
+    // `{group}\0{topic}`: the topic (a topic holds no zero byte).
+    for prefix in [COMMIT_PREFIX, DEAD_LETTER_PREFIX, REDRIVEN_PREFIX] {
+        if let Some(rest) = queue.strip_prefix(prefix)
+            && let Some(start) = before_last_zero(rest)
+        {
+            return &rest[start + 1..];
+        }
+    }
+    // `{group}\0{topic}\0{partition}`: the topic.
+    if let Some(rest) = queue.strip_prefix(RETRY_PREFIX)
+        && let Some(end) = before_last_zero(rest)
+        && let Some(start) = before_last_zero(&rest[..end])
+    {
+        return &rest[start + 1..end];
     }
     queue
 }
@@ -348,6 +366,16 @@ mod tests {
             routing_name(b"\0topic\0no-partition"),
             b"\0topic\0no-partition"
         );
+        // A group's queues on a topic go with the topic.
+        for queue in [
+            commit_queue("billing", "orders.eu"),
+            retry_queue("billing", "orders.eu", 7),
+            dead_letter_queue("billing", "orders.eu"),
+            redriven_queue("billing", "orders.eu"),
+        ] {
+            assert_eq!(routing_name(&queue), b"orders.eu");
+        }
+        assert_eq!(routing_name(b"\0r\0no-topic"), b"\0r\0no-topic");
     }
 
     #[test]

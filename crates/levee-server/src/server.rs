@@ -476,11 +476,10 @@ fn queue_services(
         stop_sessions.subscribe(),
     )
     .with_replication(replication.clone());
-    let delayer = Arc::new(crate::queue::delay::Delayer::open(
-        calls.clone(),
-        Arc::clone(&waiters),
-        metrics.clone(),
-    ));
+    let delayer = Arc::new(
+        crate::queue::delay::Delayer::open(calls.clone(), Arc::clone(&waiters), metrics.clone())
+            .with_replication(replication.clone()),
+    );
     let consume_context = Arc::new(ConsumeContext {
         calls,
         topics,
@@ -490,6 +489,7 @@ fn queue_services(
         waiters,
         delayer,
         dead_letters: std::sync::Mutex::new(()),
+        dead_letters_through_shards: tokio::sync::Mutex::new(()),
         replication,
         metrics: metrics.clone(),
         closing: stop_sessions.subscribe(),

@@ -1011,6 +1011,38 @@ fn spawn_member_with(
     (handled, following): (&Handled, bool),
     stopped: tokio::sync::oneshot::Receiver<()>,
 ) -> tokio::task::JoinHandle<Result<levee_client::ConsumerStats, levee_client::ClientError>> {
+    let handled = std::sync::Arc::clone(handled);
+    spawn_billing(
+        client,
+        (topic, following),
+        move |message: levee_client::Message| {
+            let handled = std::sync::Arc::clone(&handled);
+            async move {
+                handled
+                    .lock()
+                    .unwrap()
+                    .entry(message.partition)
+                    .or_default()
+                    .push((message.offset, message.payload.to_vec()));
+            }
+        },
+        stopped,
+    )
+}
+
+/// A member of group "billing" on `topic` through `client` (following the cluster when
+/// `following`), running `handler` on every message until `stopped`.
+fn spawn_billing<H, F, O>(
+    client: &Client,
+    (topic, following): (&str, bool),
+    handler: H,
+    stopped: tokio::sync::oneshot::Receiver<()>,
+) -> tokio::task::JoinHandle<Result<levee_client::ConsumerStats, levee_client::ClientError>>
+where
+    H: Fn(levee_client::Message) -> F + Send + Sync + 'static,
+    F: std::future::Future<Output = O> + Send + 'static,
+    O: Into<levee_client::Outcome> + Send + 'static,
+{
     let member = levee_client::GroupConsumer::new(
         client.clone(),
         topic,
@@ -1018,7 +1050,6 @@ fn spawn_member_with(
         levee_client::ConsumerOptions::default(),
     )
     .unwrap();
-    let handled = std::sync::Arc::clone(handled);
     tokio::spawn(async move {
         let member = if following {
             member.following().await
@@ -1026,22 +1057,9 @@ fn spawn_member_with(
             member
         };
         member
-            .run(
-                move |message: levee_client::Message| {
-                    let handled = std::sync::Arc::clone(&handled);
-                    async move {
-                        handled
-                            .lock()
-                            .unwrap()
-                            .entry(message.partition)
-                            .or_default()
-                            .push((message.offset, message.payload.to_vec()));
-                    }
-                },
-                async move {
-                    let _ = stopped.await;
-                },
-            )
+            .run(handler, async move {
+                let _ = stopped.await;
+            })
             .await
     })
 }
@@ -1148,6 +1166,22 @@ fn given_a_following_group_member_when_its_node_dies_then_it_rejoins_through_ano
     assert_eq!(stored.len(), keys.len());
 }
 
+/// The leader of `topic`'s shard (its groups' coordinator) among `leaders`, and the clients
+/// of the other nodes.
+fn leader_of_topic<'a>(
+    leaders: &BTreeMap<u64, u64>,
+    clients: &'a [Client],
+    topic: &str,
+) -> (u64, Vec<&'a Client>) {
+    let shard = levee_proto::shards::shard_of_bytes(topic.as_bytes(), SHARDS);
+    let leader = leaders[&u64::from(shard)];
+    let others = (0..3)
+        .filter(|index| *index as u64 + 1 != leader)
+        .map(|index| &clients[index])
+        .collect();
+    (leader, others)
+}
+
 /// Each partition's committed offset of group "billing" on `topic`, as `client`'s node
 /// answers (the group's coordinator answers, wherever the call goes in).
 async fn committed(client: &Client, topic: &str) -> Vec<u64> {
@@ -1168,14 +1202,7 @@ fn given_a_group_whose_coordinator_is_killed_then_its_members_go_on_and_no_commi
     let (mut nodes, leaders, clients) = settled_three(&runtime, directory.path());
     let topic = "invoices";
     // The group's coordinator: the leader of the topic's shard.
-    let leader = leaders[&u64::from(levee_proto::shards::shard_of_bytes(
-        topic.as_bytes(),
-        SHARDS,
-    ))];
-    let others: Vec<&Client> = (0..3)
-        .filter(|index| *index as u64 + 1 != leader)
-        .map(|index| &clients[index])
-        .collect();
+    let (leader, others) = leader_of_topic(&leaders, &clients, topic);
     let keys: Vec<String> = (0..80).map(|n| format!("invoice-{n}")).collect();
     let mut sequences = BTreeMap::new();
     let handled = Handled::default();
@@ -1236,4 +1263,149 @@ fn given_a_group_whose_coordinator_is_killed_then_its_members_go_on_and_no_commi
         }
         assert_eq!(committed(others[0], topic).await, ends);
     });
+}
+
+/// What a member of group "billing" handled: (payload, whether it came as a retry).
+type Attempts = std::sync::Arc<std::sync::Mutex<Vec<(String, bool)>>>;
+
+/// A member of group "billing" on `topic` through `client` that rejects every first delivery
+/// of a `dead-` message (dead-lettered at once), asks for a retry of every first delivery of a
+/// `retry-` message, and handles everything else, recording each delivery in `attempts`.
+fn spawn_failing_member(
+    client: &Client,
+    topic: &str,
+    attempts: &Attempts,
+    stopped: tokio::sync::oneshot::Receiver<()>,
+) -> tokio::task::JoinHandle<Result<levee_client::ConsumerStats, levee_client::ClientError>> {
+    let attempts = std::sync::Arc::clone(attempts);
+    spawn_billing(
+        client,
+        (topic, false),
+        move |message: levee_client::Message| {
+            let attempts = std::sync::Arc::clone(&attempts);
+            async move {
+                let payload = String::from_utf8(message.payload.to_vec()).unwrap();
+                attempts
+                    .lock()
+                    .unwrap()
+                    .push((payload.clone(), message.retry));
+                match (payload.split('-').next(), message.retry) {
+                    (Some("dead"), false) => levee_client::Outcome::reject("refused"),
+                    (Some("retry"), false) => levee_client::Outcome::retry("busy"),
+                    _ => levee_client::Outcome::Success,
+                }
+            }
+        },
+        stopped,
+    )
+}
+
+/// How many times `attempts` holds `payload` (as a retry when `retry`).
+fn times(attempts: &Attempts, payload: &str, retry: bool) -> usize {
+    attempts
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(seen, as_retry)| seen == payload && *as_retry == retry)
+        .count()
+}
+
+#[test]
+#[allow(clippy::too_many_lines, reason = "one scenario, step by step")]
+fn given_a_group_whose_coordinator_is_killed_then_its_retries_and_dead_letters_are_on_the_new_one()
+{
+    let runtime = runtime();
+    let directory = tempfile::tempdir().unwrap();
+    let (mut nodes, leaders, clients) = settled_three(&runtime, directory.path());
+    let topic = "refunds";
+    let (leader, others) = leader_of_topic(&leaders, &clients, topic);
+    let payloads = ["dead-1", "dead-2", "retry-1", "retry-2", "fine-1"];
+    let attempts = Attempts::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    runtime.block_on(async {
+        assert!(!clients[0].create_topic(topic, 2).await.unwrap());
+        others[0]
+            .set_retry_policy("billing", &[Duration::from_millis(200)], 5)
+            .await
+            .unwrap();
+        for payload in payloads {
+            others[0]
+                .publish(topic, &[(payload.as_bytes(), payload.as_bytes())])
+                .await
+                .unwrap();
+        }
+        // Through a node that does not coordinate the group: the coordinator (the shard's
+        // leader) dead-letters and retries through the shard.
+        let running = spawn_failing_member(others[1], topic, &attempts, stopped);
+        let deadline = Instant::now() + CONVERGE_TIMEOUT;
+        loop {
+            let dead = others[0]
+                .dead_letters("billing", topic, 0, 100)
+                .await
+                .unwrap();
+            let retried = ["retry-1", "retry-2"]
+                .iter()
+                .all(|payload| times(&attempts, payload, true) == 1);
+            if dead.dead_letters.len() == 2 && retried {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "two dead letters and two retries handled"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // Let the member commit what it handled, then kill the coordinator.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        nodes[usize::try_from(leader - 1).unwrap()].take();
+        // The new coordinator holds the dead letters (the shard replicated them) ...
+        let deadline = Instant::now() + CONVERGE_TIMEOUT;
+        let dead = loop {
+            match others[0].dead_letters("billing", topic, 0, 100).await {
+                Ok(dead) => break dead,
+                Err(error) if error.code() == Some(ErrorCode::Unavailable) => {
+                    assert!(Instant::now() < deadline, "a new coordinator: {error}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(error) => panic!("listing dead letters: {error}"),
+            }
+        };
+        let mut dead: Vec<String> = dead
+            .dead_letters
+            .iter()
+            .map(|letter| String::from_utf8(letter.payload.clone()).unwrap())
+            .collect();
+        dead.sort();
+        assert_eq!(dead, ["dead-1", "dead-2"]);
+        // ... and redrives them through the shard: the member handles them as retries.
+        assert_eq!(
+            others[1]
+                .redrive_dead_letters("billing", topic, None)
+                .await
+                .unwrap(),
+            2
+        );
+        let deadline = Instant::now() + CONVERGE_TIMEOUT;
+        while ["dead-1", "dead-2"]
+            .iter()
+            .any(|payload| times(&attempts, payload, true) == 0)
+        {
+            assert!(Instant::now() < deadline, "the redriven letters handled");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            others[0]
+                .dead_letters("billing", topic, 0, 100)
+                .await
+                .unwrap()
+                .dead_letters
+                .is_empty()
+        );
+        let _ = stop.send(());
+        running.await.unwrap().unwrap();
+    });
+    // The retries handled before the kill, and committed, did not come again.
+    for payload in ["retry-1", "retry-2"] {
+        assert_eq!(times(&attempts, payload, true), 1, "{payload}");
+    }
 }

@@ -36,15 +36,22 @@ pub fn unix_ms() -> u64 {
         })
 }
 
-/// What [`Delayer::schedule`] buffered: wait for `ticket`, then wake `topics` (entries due at
-/// once went straight to their queues).
+/// What [`Delayer::schedule`] buffered: wait for `ticket`, append `through_shards` (see
+/// [`Delayer::append_through_shards`]), then wake `topics` (entries due at once went straight
+/// to their queues, or are in `through_shards`).
 #[derive(Debug, Default)]
 pub struct Scheduled {
     /// Makes the appends durable.
     pub ticket: Option<CommitTicket>,
     /// Topics whose consumers to wake once durable.
     pub topics: Vec<String>,
+    /// In a cluster that replicates its queues: the entries due at once, to append to their
+    /// targets through the targets' shards.
+    pub through_shards: Vec<(Vec<u8>, Vec<u8>)>,
 }
+
+/// Messages one shard append of due entries carries, at most.
+const SHARD_APPEND_MESSAGES: usize = 1_000;
 
 /// Every waiting message of the server; see the module docs.
 #[derive(Debug)]
@@ -56,6 +63,10 @@ pub struct Delayer {
     /// Raised each time retries became readable in groups' retry queues: a consume stream
     /// reads its retry queues only when this moved since it last found them empty.
     retry_generation: std::sync::atomic::AtomicU64,
+    /// In a cluster that replicates its queues, due entries go to their targets through the
+    /// targets' shards (a group's retry queues are replicated): this node's slots still hold
+    /// what waits.
+    replication: Option<crate::queue::replicated::Replication>,
 }
 
 impl Delayer {
@@ -87,7 +98,54 @@ impl Delayer {
             metrics,
             wheel: Mutex::new(wheel),
             retry_generation: std::sync::atomic::AtomicU64::new(0),
+            replication: None,
         }
+    }
+
+    /// The delayer of a node of a cluster: due entries go to their targets through the
+    /// targets' shards when `replication` says the cluster replicates its queues.
+    #[must_use]
+    pub fn with_replication(mut self, replication: crate::queue::replicated::Replication) -> Self {
+        self.replication = Some(replication);
+        self
+    }
+
+    /// The shard groups when due entries go through them.
+    fn shards(&self) -> Result<Option<levee_cluster::shard::ShardGroups>, WireError> {
+        crate::queue::replicated::Replication::groups_if_replicated(self.replication.as_ref())
+    }
+
+    /// Appends `entries` (target, body) through their targets' shards, a bounded batch at a
+    /// time; returns once a majority of each shard's replicas hold them and this node applied
+    /// them (a failure may leave some appended: delivered again, at least once).
+    pub async fn append_through_shards(
+        &self,
+        entries: Vec<(Vec<u8>, Vec<u8>)>,
+    ) -> Result<(), WireError> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let Some(groups) = self.shards()? else {
+            return Err(WireError::new(
+                levee_proto::v1::ErrorCode::Internal,
+                "due entries for the shards on a node whose queues are not replicated",
+            ));
+        };
+        let mut entries = entries.into_iter().peekable();
+        while entries.peek().is_some() {
+            let messages = entries
+                .by_ref()
+                .take(SHARD_APPEND_MESSAGES)
+                .map(|(target, body)| levee_proto::v1::AppendMessage {
+                    queue: levee_proto::Bytes::from(target),
+                    payload: levee_proto::Bytes::from(body),
+                    sequence: 0,
+                })
+                .collect();
+            crate::queue::replicated::Replication::append(&groups, None, messages).await?;
+        }
+        self.retries_visible();
+        Ok(())
     }
 
     /// Says that retries appended to retry queues are now readable (durable under
@@ -119,12 +177,18 @@ impl Delayer {
         if entries.is_empty() {
             return Ok(scheduled);
         }
+        let through_shards = self.shards()?.is_some();
         let mut encoded = Vec::with_capacity(entries.len());
         let mut wheel = lock(&self.wheel);
         for entry in entries {
             match wheel.place(entry.due_ms, now_ms) {
                 Placement::Now => {
-                    encoded.push((entry.target.clone(), entry.body.clone()));
+                    let due = (entry.target.clone(), entry.body.clone());
+                    if through_shards {
+                        scheduled.through_shards.push(due);
+                    } else {
+                        encoded.push(due);
+                    }
                     if !scheduled.topics.contains(&entry.topic) {
                         scheduled.topics.push(entry.topic.clone());
                     }
@@ -203,11 +267,14 @@ impl Delayer {
             if due.is_empty() {
                 continue;
             }
-            let delayer = Arc::clone(&self);
-            let failed = self
-                .calls
-                .run(move |store| Ok(delayer.process(store, &due)))
-                .await;
+            let failed = if matches!(self.shards(), Ok(Some(_))) {
+                Ok(Arc::clone(&self).through_shards(due).await)
+            } else {
+                let delayer = Arc::clone(&self);
+                self.calls
+                    .run(move |store| Ok(delayer.process(store, &due)))
+                    .await
+            };
             match failed {
                 Ok(Ok(())) => {}
                 Ok(Err((error, left))) => {
@@ -280,6 +347,85 @@ impl Delayer {
                 })?;
         }
         Ok(())
+    }
+
+    /// [`Delayer::process`] in a cluster that replicates its queues, slot by slot: a due
+    /// coarse slot's entries are placed again (those due at once collected), a due fine slot's
+    /// entries collected (blocking); what was collected is appended to its targets through
+    /// their shards, the consumers woken, and only then the slot deleted. A failure returns
+    /// the slots not done (a slot done again delivers its entries again: at least once).
+    async fn through_shards(self: Arc<Self>, due: Due) -> Result<(), (WireError, Due)> {
+        let slots = due
+            .spread
+            .iter()
+            .map(|&coarse| Slot::Coarse(coarse))
+            .chain(due.deliver.iter().map(|&fine| Slot::Fine(fine)))
+            .collect::<Vec<_>>();
+        for (index, slot) in slots.iter().copied().enumerate() {
+            let left = || Due {
+                spread: due.spread.iter().copied().skip(index).collect(),
+                deliver: due
+                    .deliver
+                    .iter()
+                    .copied()
+                    .skip(index.saturating_sub(due.spread.len()))
+                    .collect(),
+            };
+            self.slot_through_shards(slot)
+                .await
+                .map_err(|error| (error, left()))?;
+        }
+        Ok(())
+    }
+
+    /// One slot of [`Delayer::through_shards`].
+    async fn slot_through_shards(self: &Arc<Self>, slot: Slot) -> Result<(), WireError> {
+        let delayer = Arc::clone(self);
+        let (targets, topics) = self
+            .calls
+            .run(move |store| {
+                // What was appended to the slots must be readable (fsynced under `always`).
+                store.flush().map_err(write_error)?;
+                let (mut targets, mut topics) = (Vec::new(), Vec::new());
+                Self::read_slot(store, slot, |entries| {
+                    if let Slot::Coarse(_) = slot {
+                        // Counted as scheduled when first placed.
+                        let placed = delayer.place(&entries, unix_ms())?;
+                        targets.extend(placed.through_shards);
+                        topics.extend(placed.topics);
+                        return Ok(());
+                    }
+                    let now = unix_ms();
+                    for entry in entries {
+                        let late = Duration::from_millis(now.saturating_sub(entry.due_ms));
+                        delayer
+                            .metrics
+                            .delayed_delivery_lateness_seconds
+                            .observe(late.as_secs_f64());
+                        delayer.metrics.delayed_messages_delivered.inc();
+                        if !topics.contains(&entry.topic) {
+                            topics.push(entry.topic.clone());
+                        }
+                        targets.push((entry.target, entry.body));
+                    }
+                    Ok(())
+                })?;
+                // The entries placed again must be durable before the slot goes.
+                store.flush().map_err(write_error)?;
+                Ok((targets, topics))
+            })
+            .await?;
+        self.append_through_shards(targets).await?;
+        self.retries_visible();
+        self.wake(&topics);
+        self.calls
+            .run(move |store| {
+                store
+                    .delete_queue(&slot.queue())
+                    .map(|_| ())
+                    .map_err(write_error)
+            })
+            .await
     }
 
     /// Calls `each` on every page of entries of `slot`'s queue.

@@ -124,8 +124,10 @@ async fn list_dead_letters(
         from_offset: query.from_offset,
         max_messages: query.max_messages,
     };
-    // A group's dead letters are its coordinator's own in a replicated cluster.
-    context.lead_here(&request.topic)?;
+    // A replicated cluster's coordinator serves them, once it applied what the shard holds.
+    if let Some(lead) = context.lead_here(&request.topic)? {
+        lead.settle().await?;
+    }
     let page = retry::list_dead_letters(&context, request).await?;
     Ok(Json(dead_letters_json(&page)))
 }
@@ -146,8 +148,8 @@ async fn redrive(
     body: axum::body::Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let body: RedriveBody = json_body(&body, r#"{"offsets": [0, 3]} or {"all": true}"#)?;
-    context.lead_here(&topic)?;
-    let redriven = retry::redrive(&context, (group, topic), body.offsets, body.all).await?;
+    let lead = context.lead_here(&topic)?;
+    let redriven = retry::redrive(&context, (group, topic), (body.offsets, body.all), lead).await?;
     Ok(Json(json!({ "redriven": redriven })))
 }
 

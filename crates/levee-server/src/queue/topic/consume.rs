@@ -86,6 +86,8 @@ pub struct ConsumeContext {
     pub delayer: Arc<Delayer>,
     /// Serialises writes to dead-letter queues with redrives of them.
     pub dead_letters: std::sync::Mutex<()>,
+    /// The same, in a cluster that replicates its queues (the writes go through the shards).
+    pub dead_letters_through_shards: tokio::sync::Mutex<()>,
     /// Whether the cluster replicates its queues: then a topic's groups are coordinated by
     /// the leader of its shard.
     pub replication: crate::queue::replicated::Replication,

@@ -213,21 +213,9 @@ impl Groups {
             return Ok(existing);
         }
         // Loaded outside the lock: the read may wait for a commit round (`last_record`).
-        let mut committed = crate::queue::last_record(store, &commit_queue(group, &topic.name))?
+        let committed = crate::queue::last_record(store, &commit_queue(group, &topic.name))?
             .map(|record| decode_committed(&record))
             .unwrap_or_default();
-        if term > 0 {
-            // A replicated cluster: the retry queues are each node's own (docs/CLUSTER.md),
-            // and the snapshot may be another node's. Delivery starts no later than this
-            // node's retry queues' ends, so none of its retries is skipped.
-            let partitions = topic.partitions();
-            committed.resize(partitions as usize * 2, 0);
-            for partition in 0..partitions {
-                let end = Group::end_of_queue(group, topic, store, partition, true)?;
-                let slot = &mut committed[(partitions + partition) as usize];
-                *slot = (*slot).min(end);
-            }
-        }
         let mut groups = lock(&self.groups);
         if let Some(existing) = current(&groups) {
             return Ok(existing);
@@ -462,14 +450,10 @@ mod tests {
         let old = groups
             .join(&store, ("g", &topic, 1), "a", (10_000, 0))
             .unwrap();
-        // The shard applied another coordinator's snapshot; this node's retry queue of
-        // partition 0 holds two retries, of partition 1 none.
+        // The shard applied another coordinator's snapshot.
         store
-            .append(&commit_queue("g", "t"), &encode_committed(&[3, 4, 9, 9]))
+            .append(&commit_queue("g", "t"), &encode_committed(&[3, 4, 1, 0]))
             .unwrap();
-        for _ in 0..2 {
-            store.append(&retry_queue("g", "t", 0), b"retry").unwrap();
-        }
         let same = groups
             .join(&store, ("g", &topic, 1), "b", (10_000, 0))
             .unwrap();
@@ -489,8 +473,7 @@ mod tests {
         assert!(same.assignment.has_changed().is_err());
         let group = lock(&new.group);
         assert_eq!(group.state.committed(), [3, 4]);
-        // Retry delivery starts no later than this node's own retry queues' ends.
-        assert_eq!(group.state.retry_committed(), [2, 0]);
+        assert_eq!(group.state.retry_committed(), [1, 0]);
         drop(group);
         // A retired group is loaded again too.
         new.retire();

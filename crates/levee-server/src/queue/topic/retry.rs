@@ -153,7 +153,19 @@ pub struct Judged {
     retries: u64,
     dead: u64,
     /// The buffered moves, or why buffering them failed.
-    buffered: Result<(Scheduled, Option<CommitTicket>), WireError>,
+    buffered: Result<Buffered, WireError>,
+}
+
+/// What [`buffer_moves`] buffered.
+#[derive(Debug)]
+struct Buffered {
+    /// The retries.
+    scheduled: Scheduled,
+    /// What makes the dead letters durable here.
+    dead_ticket: Option<CommitTicket>,
+    /// In a cluster that replicates its queues: the dead letters (queue, record), to append
+    /// through the topic's shard.
+    dead_through_shards: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
 /// Judges a member's outcomes and buffers each accepted message's move into the retry path
@@ -209,10 +221,25 @@ impl Judged {
     /// answers (a failed write refuses every outcome it held).
     pub async fn settle(mut self, context: &ConsumeContext) -> Vec<OutcomeResult> {
         let settled = match self.buffered {
-            Ok((scheduled, dead_ticket)) => {
+            Ok(buffered) => {
+                let Buffered {
+                    scheduled,
+                    dead_ticket,
+                    dead_through_shards,
+                } = buffered;
                 let durable = async {
                     context.calls.durable(scheduled.ticket).await?;
-                    context.calls.durable(dead_ticket).await
+                    context.calls.durable(dead_ticket).await?;
+                    let delayer = &context.delayer;
+                    delayer
+                        .append_through_shards(scheduled.through_shards)
+                        .await?;
+                    if !dead_through_shards.is_empty() {
+                        // Serialised with redrives of the dead letters.
+                        let _writing = context.dead_letters_through_shards.lock().await;
+                        delayer.append_through_shards(dead_through_shards).await?;
+                    }
+                    Ok::<_, WireError>(())
                 };
                 durable.await.map(|()| scheduled.topics)
             }
@@ -253,19 +280,32 @@ impl Judged {
     }
 }
 
-/// Buffers the retries and the dead letters; returns what makes them durable.
+/// Buffers the retries and the dead letters (in a cluster that replicates its queues, hands
+/// the dead letters back, to go through the topic's shard); returns what makes them durable.
 fn buffer_moves(
     context: &ConsumeContext,
     (group, topic): (&str, &str),
     retries: &[DelayedEntry],
     dead: &[Vec<u8>],
     now_ms: u64,
-) -> Result<(Scheduled, Option<CommitTicket>), WireError> {
+) -> Result<Buffered, WireError> {
     let scheduled = context.delayer.schedule(retries, now_ms)?;
+    let mut buffered = Buffered {
+        scheduled,
+        dead_ticket: None,
+        dead_through_shards: Vec::new(),
+    };
     if dead.is_empty() {
-        return Ok((scheduled, None));
+        return Ok(buffered);
     }
     let queue = dead_letter_queue(group, topic);
+    if context.replication.groups().is_some() {
+        buffered.dead_through_shards = dead
+            .iter()
+            .map(|record| (queue.clone(), record.clone()))
+            .collect();
+        return Ok(buffered);
+    }
     let batch: Vec<(&[u8], &[u8])> = dead
         .iter()
         .map(|record| (queue.as_slice(), record.as_slice()))
@@ -276,7 +316,8 @@ fn buffer_moves(
         .store
         .append_batch_deferred(&batch)
         .map_err(write_error)?;
-    Ok((scheduled, Some(ticket)))
+    buffered.dead_ticket = Some(ticket);
+    Ok(buffered)
 }
 
 /// The offsets of the group's redriven dead letters (their log read whole).
@@ -478,12 +519,13 @@ fn no_dead_letter(offset: u64) -> WireError {
 }
 
 /// Puts dead letters back into the retry path (see `RedriveDeadLetters` in
-/// proto/levee/v1/topic.proto); returns how many.
+/// proto/levee/v1/topic.proto); returns how many. In a cluster that replicates its queues
+/// (the coordinator's `lead`), the marks, deletes and retries go through the topic's shard.
 pub async fn redrive(
     context: &Arc<ConsumeContext>,
     (group, topic): (String, String),
-    offsets: Vec<u64>,
-    all: bool,
+    (offsets, all): (Vec<u64>, bool),
+    lead: Option<Lead>,
 ) -> Result<u64, WireError> {
     let topic = group_topic(context, &group, &topic).await?;
     if all != offsets.is_empty() {
@@ -497,51 +539,17 @@ pub async fn redrive(
             offsets.len()
         )));
     }
-    let shared = Arc::clone(context);
     let labels = GroupLabels::new(&group);
     let topic_name = topic.name.clone();
-    let redriven = context
-        .calls
-        .run(move |store| {
-            let context = &shared;
-            let queue = dead_letter_queue(&group, &topic.name);
-            let marks = redriven_queue(&group, &topic.name);
-            let _writing = lock(&context.dead_letters);
-            let skipped = redriven(store, &marks)?;
-            let targets =
-                redrive_targets(store, (&queue, &skipped), (!all).then_some(&offsets[..]))?;
-            let now = unix_ms();
-            let entries: Vec<DelayedEntry> = targets
-                .iter()
-                .map(|(_, record)| {
-                    let mut record = record.clone();
-                    record.attempts = 0;
-                    record.due_ms = now;
-                    DelayedEntry {
-                        due_ms: now,
-                        topic: topic.name.clone(),
-                        target: retry_queue(&group, &topic.name, record.partition),
-                        body: record.encode(),
-                    }
-                })
-                .collect();
-            context.delayer.schedule(&entries, now)?;
-            if !all {
-                let mark: Vec<u8> = targets
-                    .iter()
-                    .flat_map(|(offset, _)| offset.to_le_bytes())
-                    .collect();
-                store.append_deferred(&marks, &mark).map_err(write_error)?;
-            }
-            store.flush().map_err(write_error)?;
-            context.delayer.retries_visible();
-            if all {
-                store.delete_queue(&queue).map_err(write_error)?;
-                store.delete_queue(&marks).map_err(write_error)?;
-            }
-            Ok(targets.len() as u64)
-        })
-        .await?;
+    let redriven = if let Some(lead) = lead {
+        redrive_through_shard(context, (&group, &topic), (offsets, all), &lead).await?
+    } else {
+        let shared = Arc::clone(context);
+        context
+            .calls
+            .run(move |store| redrive_here(&shared, store, (&group, &topic), (&offsets, all)))
+            .await?
+    };
     context
         .metrics
         .group_redriven
@@ -551,6 +559,107 @@ pub async fn redrive(
         .waiters
         .wake(&crate::queue::topic::consume::topic_wake_key(&topic_name));
     Ok(redriven)
+}
+
+/// The dead letters a redrive takes (offset, record).
+type RedriveTargets = Vec<(u64, RetryRecord)>;
+
+/// The dead letters a redrive takes, and their retries (due now).
+fn redrive_entries(
+    store: &Store,
+    (group, topic): (&str, &Topic),
+    (offsets, all): (&[u64], bool),
+) -> Result<(RedriveTargets, Vec<DelayedEntry>), WireError> {
+    let queue = dead_letter_queue(group, &topic.name);
+    let skipped = redriven(store, &redriven_queue(group, &topic.name))?;
+    let targets = redrive_targets(store, (&queue, &skipped), (!all).then_some(offsets))?;
+    let now = unix_ms();
+    let entries = targets
+        .iter()
+        .map(|(_, record)| {
+            let mut record = record.clone();
+            record.attempts = 0;
+            record.due_ms = now;
+            DelayedEntry {
+                due_ms: now,
+                topic: topic.name.clone(),
+                target: retry_queue(group, &topic.name, record.partition),
+                body: record.encode(),
+            }
+        })
+        .collect();
+    Ok((targets, entries))
+}
+
+/// The marks of redriven dead letters' offsets (one record).
+fn redrive_mark(targets: &[(u64, RetryRecord)]) -> Vec<u8> {
+    targets
+        .iter()
+        .flat_map(|(offset, _)| offset.to_le_bytes())
+        .collect()
+}
+
+/// [`redrive`] on a server whose queues are not replicated (blocks on the store).
+fn redrive_here(
+    context: &ConsumeContext,
+    store: &Store,
+    (group, topic): (&str, &Topic),
+    (offsets, all): (&[u64], bool),
+) -> Result<u64, WireError> {
+    let queue = dead_letter_queue(group, &topic.name);
+    let marks = redriven_queue(group, &topic.name);
+    let _writing = lock(&context.dead_letters);
+    let (targets, entries) = redrive_entries(store, (group, topic), (offsets, all))?;
+    context.delayer.schedule(&entries, unix_ms())?;
+    if !all {
+        store
+            .append_deferred(&marks, &redrive_mark(&targets))
+            .map_err(write_error)?;
+    }
+    store.flush().map_err(write_error)?;
+    context.delayer.retries_visible();
+    if all {
+        store.delete_queue(&queue).map_err(write_error)?;
+        store.delete_queue(&marks).map_err(write_error)?;
+    }
+    Ok(targets.len() as u64)
+}
+
+/// [`redrive`] by the coordinator of a replicated cluster: the retries appended through the
+/// topic's shard, then the marks of every redriven letter through it.
+async fn redrive_through_shard(
+    context: &Arc<ConsumeContext>,
+    (group, topic): (&str, &Arc<Topic>),
+    (offsets, all): (Vec<u64>, bool),
+    lead: &Lead,
+) -> Result<u64, WireError> {
+    lead.settle().await?;
+    let _writing = context.dead_letters_through_shards.lock().await;
+    let shared = Arc::clone(context);
+    let (group_name, read_topic) = (group.to_owned(), Arc::clone(topic));
+    let (targets, scheduled) = context
+        .calls
+        .run(move |store| {
+            let (targets, entries) =
+                redrive_entries(store, (&group_name, &read_topic), (&offsets, all))?;
+            let scheduled = shared.delayer.schedule(&entries, unix_ms())?;
+            Ok((targets, scheduled))
+        })
+        .await?;
+    context.calls.durable(scheduled.ticket).await?;
+    context
+        .delayer
+        .append_through_shards(scheduled.through_shards)
+        .await?;
+    // Every redriven letter is marked, `all` too (the queues stay: a shard deletes no
+    // server-owned queue), a bounded record at a time.
+    let marks = redriven_queue(group, &topic.name);
+    let records = targets
+        .chunks(REDRIVE_OFFSETS_MAX)
+        .map(|chunk| (marks.clone(), redrive_mark(chunk)))
+        .collect();
+    context.delayer.append_through_shards(records).await?;
+    Ok(targets.len() as u64)
 }
 
 /// Sets `group`'s retry policy (`None`: the default), durably.

@@ -732,10 +732,14 @@ impl TopicsApi for TopicService {
                 |mut client, request| async move { client.list_dead_letters(request).await },
             )
             .await?;
-        let request = match served {
-            Served::Here(request, _) => request,
+        let (request, lead) = match served {
+            Served::Here(request, lead) => (request, lead),
             Served::There(answer) => return Ok(answer),
         };
+        if let Some(lead) = &lead {
+            // A new coordinator first applies every dead letter the shard holds.
+            lead.settle().await?;
+        }
         Ok(Response::new(
             retry::list_dead_letters(&self.context, request).await?,
         ))
@@ -752,15 +756,15 @@ impl TopicsApi for TopicService {
                 |mut client, request| async move { client.redrive_dead_letters(request).await },
             )
             .await?;
-        let request = match served {
-            Served::Here(request, _) => request,
+        let (request, lead) = match served {
+            Served::Here(request, lead) => (request, lead),
             Served::There(answer) => return Ok(answer),
         };
         let redriven = retry::redrive(
             &self.context,
             (request.group, request.topic),
-            request.offsets,
-            request.all,
+            (request.offsets, request.all),
+            lead,
         )
         .await?;
         Ok(Response::new(RedriveDeadLettersResponse { redriven }))
