@@ -225,14 +225,35 @@ impl ShardGroups {
             .map_err(|error| format!("shard {shard}: {error}"))?;
             rafts.push(raft);
         }
-        Ok(Self {
+        let groups = Self {
             node_id,
             rafts: Arc::new(rafts),
             channels,
             syncer,
             claimed: Arc::default(),
             led: Arc::default(),
-        })
+        };
+        for shard in 0..shards {
+            tokio::spawn(groups.clone().note_leads(shard));
+        }
+        Ok(groups)
+    }
+
+    /// Starts the hold of each new lead of `shard` by this node (see
+    /// [`ShardGroups::lead_hold`]) the moment its metrics say so, until the shard stops.
+    async fn note_leads(self, shard: ShardId) {
+        let Some(mut metrics) = self.raft(shard).map(ShardRaft::metrics) else {
+            return;
+        };
+        loop {
+            let term = Self::leads_in(self.node_id, &metrics.borrow_and_update());
+            if let Some(term) = term {
+                self.lead_hold(shard, term);
+            }
+            if metrics.changed().await.is_err() {
+                return;
+            }
+        }
     }
 
     /// The cluster's shards.
@@ -360,8 +381,8 @@ impl ShardGroups {
 
     /// How much longer this node, leading `shard` in `term`, waits before it assigns the
     /// partitions of the shard's topics' groups: what is left of [`LEAD_HOLD`] since it first
-    /// saw itself lead in `term` (this call counts as seeing it; so does the placement loop,
-    /// every 500 ms, so a member rarely waits long after the lead settled).
+    /// saw itself lead in `term` (this call counts as seeing it; so does a task watching the
+    /// shard's metrics, which sees it as the lead begins).
     pub fn lead_hold(&self, shard: ShardId, term: u64) -> Duration {
         let mut led = self
             .led
@@ -768,10 +789,6 @@ impl ShardGroups {
             if metrics.state != ServerState::Leader {
                 self.claim_lead(shard, raft, &metrics, replicas.first().copied());
                 continue;
-            }
-            if let Some(term) = self.lead(shard) {
-                // Starts the hold of a new lead before a member asks (see `lead_hold`).
-                self.lead_hold(shard, term);
             }
             let membership = metrics.membership_config.membership().clone();
             if let Some(goal) = Self::unfinished_change(&membership) {

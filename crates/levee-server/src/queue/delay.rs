@@ -267,7 +267,13 @@ impl Delayer {
             if due.is_empty() {
                 continue;
             }
-            let failed = if matches!(self.shards(), Ok(Some(_))) {
+            // In a replicated cluster never the local path, even while the shards open.
+            let replicated = self
+                .replication
+                .as_ref()
+                .and_then(crate::queue::replicated::Replication::groups)
+                .is_some();
+            let failed = if replicated {
                 Ok(Arc::clone(&self).through_shards(due).await)
             } else {
                 let delayer = Arc::clone(&self);
