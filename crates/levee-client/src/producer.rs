@@ -8,7 +8,11 @@
 //! With `idempotent`, the producer takes a fresh producer id and numbers each queue's messages;
 //! a batch whose request failed in a way that may not have reached the disk (unavailable, a
 //! timeout, a sequence gap left by a batch still in flight) is resent with the same numbers up
-//! to `retries_max` times, and the server stores nothing twice. While a batch is being resent
+//! to `retries_max` times, and the server stores nothing twice. A batch that finally fails
+//! (its resends spent, or an error no resend mends) may never be stored, so the batches after
+//! it take a fresh producer id, every queue numbered from 0 again (else each would meet a
+//! `SEQUENCE_GAP` for good; a failed batch stored later after all never collides with them).
+//! While a batch is being resent
 //! the producer sends no new batch: the server answers a resend with its original offsets only
 //! while it is among the last 8 requests that touched its queues (`RUNS_KEPT`), so newer
 //! batches must not pile up behind it. Without it nothing is resent,
@@ -185,7 +189,10 @@ async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Recei
     let in_flight = Arc::new(Semaphore::new(options.requests_in_flight_max));
     // Signalled when a request completes, so a batch waiting for an idle line re-checks.
     let completed = Arc::new(Notify::new());
-    let producer_id = options.idempotent.then(fresh_producer_id);
+    let mut producer_id = options.idempotent.then(fresh_producer_id);
+    // Set when an idempotent group finally failed: its sequences may never be stored, so the
+    // batches after it take a fresh id (else each would meet a SEQUENCE_GAP for good).
+    let renumber = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // How many groups are being resent now.
     let (resends, mut resending) = tokio::sync::watch::channel(0_usize);
     let resends = Arc::new(resends);
@@ -229,17 +236,21 @@ async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Recei
             bytes += next.message.payload.len();
             batch.push(next);
         }
+        // No new batch while one is being resent (it must stay among the server's remembered
+        // requests of its queues); numbered after, so a resend that finally failed is known.
+        if resending.wait_for(|count| *count == 0).await.is_err() {
+            return;
+        }
         if producer_id.is_some() {
+            if renumber.swap(false, std::sync::atomic::Ordering::AcqRel) {
+                producer_id = Some(fresh_producer_id());
+                sequences.clear();
+            }
             for pending in &mut batch {
                 let next = sequences.entry(pending.message.queue.clone()).or_default();
                 pending.message.sequence = *next;
                 *next += 1;
             }
-        }
-        // No new batch while one is being resent (it must stay among the server's remembered
-        // requests of its queues).
-        if resending.wait_for(|count| *count == 0).await.is_err() {
-            return;
         }
         // Waits while requests_in_flight_max requests are out: back-pressure on the queue.
         let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
@@ -251,6 +262,7 @@ async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Recei
         let retries_max = options.retries_max;
         let completed = Arc::clone(&completed);
         let resends = Arc::clone(&resends);
+        let renumber = Arc::clone(&renumber);
         tokio::spawn(async move {
             let sending = Sending {
                 client,
@@ -258,6 +270,7 @@ async fn run(client: Client, options: ProducerOptions, mut receiver: mpsc::Recei
                 producer_id,
                 retries_max,
                 resends,
+                renumber,
             };
             sending.batch(batch).await;
             drop(permit);
@@ -290,6 +303,8 @@ struct Sending {
     retries_max: u32,
     /// Counts the groups being resent (the producer sends no new batch meanwhile).
     resends: Arc<tokio::sync::watch::Sender<usize>>,
+    /// Set when an idempotent group finally fails: the next batch takes a fresh id.
+    renumber: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Counts one group as being resent while it lives.
@@ -360,7 +375,7 @@ impl Sending {
                 let mut backoff = Duration::from_millis(10);
                 let mut attempt = 0;
                 let mut resending = None;
-                loop {
+                let result = loop {
                     // A resend carries the same messages (payloads shared, not copied).
                     let result = self
                         .target(&messages)
@@ -378,7 +393,13 @@ impl Sending {
                         }
                         other => break other,
                     }
+                };
+                if result.is_err() {
+                    // Set before the resend's guard goes, so the next batch sees it.
+                    self.renumber
+                        .store(true, std::sync::atomic::Ordering::Release);
                 }
+                result
             }
         };
         match result {

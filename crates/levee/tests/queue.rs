@@ -638,3 +638,49 @@ fn given_staggered_sends_on_a_busy_producer_then_none_waits_out_the_linger() {
     let requests = append_requests(&server);
     assert!(requests >= 3 * 67, "{requests} requests for 600 sends");
 }
+
+#[test]
+fn given_an_idempotent_batch_that_finally_failed_then_later_sends_to_its_queue_still_succeed() {
+    let server = LeveeProcess::start(&["--queue-message-bytes-max", "1024"]);
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = Client::connect(&server.grpc()).await.unwrap();
+        let producer = levee_client::Producer::new(
+            client.clone(),
+            levee_client::ProducerOptions {
+                idempotent: true,
+                ..levee_client::ProducerOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            within(producer.send(b"ledger", b"first"), line!())
+                .await
+                .unwrap(),
+            0
+        );
+        // Refused whole (over the server's message limit): its sequence is never stored.
+        let refused = within(producer.send(b"ledger", &[7_u8; 2_048]), line!())
+            .await
+            .unwrap_err();
+        assert_eq!(
+            refused.code(),
+            Some(ErrorCode::InvalidArgument),
+            "{refused}"
+        );
+        // The next sends do not meet a sequence gap: the producer took a fresh id.
+        for (payload, offset) in [(&b"second"[..], 1), (b"third", 2)] {
+            assert_eq!(
+                within(producer.send(b"ledger", payload), line!())
+                    .await
+                    .unwrap(),
+                offset
+            );
+        }
+        let read = client.read(b"ledger", 0, 10, 0).await.unwrap();
+        assert_eq!(
+            read.payloads,
+            vec![b"first".to_vec(), b"second".to_vec(), b"third".to_vec()]
+        );
+    });
+}
