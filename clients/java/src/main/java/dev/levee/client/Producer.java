@@ -26,6 +26,7 @@ import java.util.concurrent.LinkedBlockingQueue;
 import java.util.concurrent.ScheduledThreadPoolExecutor;
 import java.util.concurrent.Semaphore;
 import java.util.concurrent.TimeUnit;
+import java.util.concurrent.atomic.AtomicBoolean;
 import java.util.concurrent.atomic.AtomicInteger;
 import java.util.concurrent.atomic.AtomicLong;
 
@@ -53,6 +54,18 @@ import java.util.concurrent.atomic.AtomicLong;
  * (The Rust producer, whose batches on one queue may be in flight together, gets the same by
  * sending no new batch while one is being resent.) Failed batches are never silent: each
  * caller's future fails, and stats count them.
+ *
+ * <p>An idempotent batch that finally fails (its resends spent, or an error not worth a resend)
+ * has used its queues' sequences, though the server may never have stored them: every later
+ * batch on those queues under the same producer id would meet a SEQUENCE_GAP for ever. So such
+ * a failure makes the producer take a fresh producer id for every batch numbered after it,
+ * restarting every queue's sequence at 0 (as when sequenceQueuesMax is reached); batches
+ * already numbered and in flight keep their old id and their resends. A batch that failed with
+ * an error that leaves it unknown whether it was stored (a request timed out, or its node went
+ * away: DEADLINE_EXCEEDED, UNAVAILABLE) may still be stored later, under its old id; no later
+ * batch collides with it, since each carries the fresh id. A later batch on a failed batch's
+ * queue is numbered only once that batch has failed (it waits for it), so it always gets the
+ * fresh id.
  *
  * <p>With routeToShardLeaders (the default), in a cluster that replicates its queues
  * (docs/CLUSTER.md, "Part 2"), the producer learns the cluster's shards, each shard's leader
@@ -85,6 +98,11 @@ public final class Producer implements AutoCloseable {
     private final ShardRoutes routes;
     private volatile boolean closing;
     private volatile String producerId;
+    /**
+     * Idempotent: an idempotent batch finally failed, so the next batch numbered takes a fresh
+     * producer id (set by whichever thread learns of the failure, taken by the sender thread).
+     */
+    private final AtomicBoolean freshIdNeeded = new AtomicBoolean();
     /** Idempotent: each queue's next sequence (bounded by sequenceQueuesMax). Sender thread only. */
     private final Map<ByteKey, Long> sequences = new HashMap<>();
     /** Batches in flight by number, each with a future completed once answered. */
@@ -301,8 +319,9 @@ public final class Producer implements AutoCloseable {
                 fresh.add(pending.queue());
             }
         }
-        if (sequences.size() + fresh.size() > options.sequenceQueuesMax) {
-            // Bounded counters: a new id restarts every queue's sequence at 0.
+        // A batch that finally failed left its queues' sequences with a gap the server may
+        // never see filled; bounded counters: either way, a new id restarts every queue at 0.
+        if (freshIdNeeded.getAndSet(false) || sequences.size() + fresh.size() > options.sequenceQueuesMax) {
             producerId = freshProducerId();
             sequences.clear();
         }
@@ -366,6 +385,12 @@ public final class Producer implements AutoCloseable {
                 CompletableFuture<Void> refreshed = routes == null ? CompletableFuture.completedFuture(null)
                         : routes.refreshSoon();
                 if (!idempotent || !RETRYABLE.contains(error.code()) || attempt >= options.retriesMax) {
+                    if (idempotent) {
+                        // Its sequences may never be stored: later batches take a fresh id.
+                        // Asked before finished() frees its queues, so a batch waiting on one
+                        // of them is numbered after (class docs).
+                        freshIdNeeded.set(true);
+                    }
                     batchesFailed.incrementAndGet();
                     messagesFailed.addAndGet(batch.size());
                     // A routed request names the node it went to last (the client's own address
