@@ -45,13 +45,26 @@ class LeveeServer:
         self.grpc_addr = ""
         self.admin_addr = ""
         self.peer_addr = ""
+        self._started = False
 
     def start(self, grpc_addr: str = "127.0.0.1:0") -> "LeveeServer":
+        """Starts the server (again, on a stopped one). A first start that fails removes the
+        temporary directory: no caller holds the server to `cleanup` it."""
+        try:
+            self._start(grpc_addr)
+        except BaseException:
+            if not self._started:
+                self.cleanup()
+            raise
+        self._started = True
+        return self
+
+    def _start(self, grpc_addr: str) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             try:
                 self._try_start(grpc_addr)
-                return self
+                return
             except RuntimeError:
                 # A fixed address freed a moment ago may still be held: try again.
                 if grpc_addr.endswith(":0") or time.monotonic() > deadline:

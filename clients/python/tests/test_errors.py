@@ -12,6 +12,8 @@ import levee
 from levee.errors import ERROR_CLASSES, ErrorCode, from_rpc_error, make_error
 from levee.v1 import errors_pb2
 
+from conftest import run
+
 # Every code ever published: a code is never renumbered or reused (as in levee-proto).
 PINNED = {
     "UNSPECIFIED": 0, "INTERNAL": 1000, "INVALID_ARGUMENT": 1001, "UNAVAILABLE": 1002,
@@ -94,3 +96,30 @@ def test_given_grpc_core_failing_a_stream_write_then_error_is_unavailable_as_a_b
     assert error.code == ErrorCode.UNAVAILABLE and "connection to the server broke" in error.message
     other = from_rpc_error(FakeRpcError(grpc.StatusCode.INTERNAL, "something else"))
     assert other.code == ErrorCode.INTERNAL
+
+
+def test_given_a_closed_client_then_its_calls_raise_unavailable_saying_it_is_closed(server, unique) -> None:  # type: ignore[no-untyped-def]
+    """Not grpc.aio's UsageError: the client's own error, for unary calls and streams alike,
+    and for a `with_producer_name` copy sharing the closed connection."""
+    queue = unique("closed")
+
+    async def main() -> None:
+        client = await levee.Client.connect(server.grpc_addr)
+        named = client.with_producer_name("closed-client")
+        await client.close()
+        producer = levee.Producer(client)
+        calls = {
+            "server_info": lambda: client.server_info(),
+            "append": lambda: client.append(queue, b"x"),
+            "read": lambda: client.read(queue),
+            "named append": lambda: named.append(queue, b"x"),
+            "producer send": lambda: producer.send(queue, b"x"),
+            "subscribe": lambda: client.subscribe(queue, "reader"),
+            "subscribe_many": lambda: client.subscribe_many("reader"),
+        }
+        for name, start in calls.items():
+            with pytest.raises(levee.UnavailableError, match="the client is closed; create a new one"):
+                await start()
+        await producer.close()
+
+    run(main())

@@ -83,6 +83,68 @@ def test_given_server_gone_then_every_caller_gets_the_error_and_it_is_counted(fr
     run(main())
 
 
+def test_given_an_idempotent_batch_refused_for_good_then_later_batches_of_its_queue_take_a_fresh_id_and_are_stored_in_order(server, unique) -> None:  # type: ignore[no-untyped-def]
+    """The refused batch took sequence 1 but was never stored: under the same id every later
+    batch of the queue would meet SEQUENCE_GAP (the server waits for sequence 1), so the
+    batches numbered after the failure take a fresh id, their sequences restarting at 0."""
+    queue = unique("refused").encode()
+
+    async def main() -> None:
+        # The client lets through a payload the server refuses (its limit is 1 MiB).
+        options = levee.ClientOptions(message_bytes_max=2 << 20)
+        async with await levee.Client.connect(server.grpc_addr, options) as client:
+            producer = levee.Producer(client, levee.ProducerOptions(idempotent=True, retries_max=2))
+            assert await producer.send(queue, b"first") == 0
+            first_id = producer.producer_id
+            with pytest.raises(levee.InvalidArgumentError):
+                await producer.send(queue, b"x" * ((1 << 20) + 1))
+            assert producer.producer_id != first_id, "a fresh id after the batch failed for good"
+            assert await producer.send(queue, b"second") == 1
+            futures = [await producer.enqueue(queue, b"m%d" % n) for n in range(200)]
+            assert await asyncio.gather(*futures) == list(range(2, 202))
+            await producer.close()
+            stats = producer.stats()
+            assert stats.messages_failed == 1 and stats.batches_failed == 1, stats
+            read = await client.read(queue, 0, 1000)
+            assert list(read.payloads) == [b"first", b"second"] + [b"m%d" % n for n in range(200)]
+
+    run(main())
+
+
+def test_given_an_idempotent_batch_whose_resends_ran_out_then_later_batches_are_stored_once_the_server_is_back(fresh_server) -> None:  # type: ignore[no-untyped-def]
+    """A batch that failed for good while the server was down took its sequences; once the
+    server is back, later sends go on under a fresh id instead of meeting SEQUENCE_GAP."""
+
+    async def main() -> None:
+        client = await levee.Client.connect(fresh_server.grpc_addr, levee.ClientOptions(request_timeout_s=2))
+        producer = levee.Producer(client, levee.ProducerOptions(idempotent=True, retries_max=2))
+        assert await producer.send("q", b"before") == 0
+        first_id = producer.producer_id
+        fresh_server.stop()
+        with pytest.raises(levee.UnavailableError):
+            await producer.send("q", b"lost")
+        assert producer.producer_id != first_id
+        fresh_server.start(fresh_server.grpc_addr)
+        # Until the connection is back a send may fail UNAVAILABLE again (each failure a fresh
+        # id); SEQUENCE_GAP would fail the test.
+        deadline = asyncio.get_running_loop().time() + 20
+        while True:
+            try:
+                offset = await producer.send("q", b"after")
+                break
+            except levee.UnavailableError:
+                assert asyncio.get_running_loop().time() < deadline, "the server did not come back"
+                await asyncio.sleep(0.1)
+        assert offset == 1
+        assert await producer.send("q", b"last") == 2
+        await producer.close()
+        read = await client.read("q", 0, 10)
+        assert list(read.payloads) == [b"before", b"after", b"last"]
+        await client.close()
+
+    run(main())
+
+
 def test_given_bad_options_then_producer_refuses_them(server) -> None:  # type: ignore[no-untyped-def]
     async def main() -> None:
         async with await levee.Client.connect(server.grpc_addr) as client:

@@ -25,7 +25,7 @@ import grpc
 import grpc.aio
 
 from . import validation
-from .errors import ErrorCode, LeveeError, from_rpc_error, make_error
+from .errors import ErrorCode, LeveeError, client_closed_error, from_rpc_error, make_error
 from .v1 import admin_pb2, admin_pb2_grpc, cluster_pb2, cluster_pb2_grpc, hotkey_pb2
 from .v1 import hotkey_pb2_grpc
 from .v1 import queue_pb2, queue_pb2_grpc, topic_pb2, topic_pb2_grpc
@@ -113,7 +113,44 @@ async def call(awaitable: Awaitable[T]) -> T:
             ) from None
         raise levee_error from None
     except grpc.aio.UsageError as error:
-        raise make_error(ErrorCode.UNAVAILABLE, f"the client is closed ({error})") from None
+        raise client_closed_error(error) from None
+
+
+class _Guarded:
+    """A stub's method: a call started on a closed channel raises UNAVAILABLE ("the client is
+    closed"), as every other failure is a `LeveeError`, instead of grpc.aio's `UsageError`."""
+
+    __slots__ = ("_method",)
+
+    def __init__(self, method: Any) -> None:
+        self._method = method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._method(*args, **kwargs)
+        except grpc.aio.UsageError as error:
+            raise client_closed_error(error) from None
+
+
+class _GuardedChannel:
+    """What the generated stubs are built on: the channel, each method guarded (`_Guarded`).
+    The stubs' calls (unary ones here, the streams of `Subscription`, `Mailboxes`,
+    `GroupConsumer`) all start through it."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._channel = channel
+
+    def unary_unary(self, *args: Any, **kwargs: Any) -> _Guarded:
+        return _Guarded(self._channel.unary_unary(*args, **kwargs))
+
+    def unary_stream(self, *args: Any, **kwargs: Any) -> _Guarded:
+        return _Guarded(self._channel.unary_stream(*args, **kwargs))
+
+    def stream_unary(self, *args: Any, **kwargs: Any) -> _Guarded:
+        return _Guarded(self._channel.stream_unary(*args, **kwargs))
+
+    def stream_stream(self, *args: Any, **kwargs: Any) -> _Guarded:
+        return _Guarded(self._channel.stream_stream(*args, **kwargs))
 
 
 def _message(item: AppendInput) -> QueueMessage:
@@ -146,11 +183,13 @@ class Client:
         self.address = address
         self.options = options
         self._producer_name = producer_name
-        self._admin = admin_pb2_grpc.AdminStub(channel)
-        self._cluster = cluster_pb2_grpc.ClusterStub(channel)
-        self._hot_keys = hotkey_pb2_grpc.HotKeysStub(channel)
-        self._queues = queue_pb2_grpc.QueuesStub(channel)
-        self._topics = topic_pb2_grpc.TopicsStub(channel)
+        # The stubs' calls on a closed channel raise UNAVAILABLE, not grpc.aio's UsageError.
+        guarded = _GuardedChannel(channel)
+        self._admin = admin_pb2_grpc.AdminStub(guarded)
+        self._cluster = cluster_pb2_grpc.ClusterStub(guarded)
+        self._hot_keys = hotkey_pb2_grpc.HotKeysStub(guarded)
+        self._queues = queue_pb2_grpc.QueuesStub(guarded)
+        self._topics = topic_pb2_grpc.TopicsStub(guarded)
 
     @classmethod
     async def connect(cls, address: str, options: Optional[ClientOptions] = None) -> "Client":
@@ -193,7 +232,8 @@ class Client:
 
     async def close(self, grace_s: Optional[float] = None) -> None:
         """Closes the connection: calls in progress are cancelled, or given up to `grace_s`
-        to finish."""
+        to finish. A call on a closed client (or on a `with_producer_name` copy, which shares
+        the connection) raises `UnavailableError` ("the client is closed")."""
         await self._channel.close(grace_s)
 
     async def __aenter__(self) -> "Client":

@@ -160,6 +160,11 @@ def make_error(code: int, message: str) -> LeveeError:
     return ERROR_CLASSES.get(known, LeveeError)(known, message)
 
 
+def client_closed_error(error: object) -> LeveeError:
+    """UNAVAILABLE for a call on a closed `Client` (grpc.aio raises its own `UsageError`)."""
+    return make_error(ErrorCode.UNAVAILABLE, f"the client is closed; create a new one ({error})")
+
+
 def _metadata_code(metadata: object) -> Optional[int]:
     for key, value in metadata or ():  # type: ignore[attr-defined]
         if key == ERROR_CODE_METADATA_KEY:

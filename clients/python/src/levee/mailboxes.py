@@ -34,7 +34,7 @@ import grpc
 import grpc.aio
 
 from . import validation
-from .errors import ErrorCode, LeveeError, from_rpc_error, make_error
+from .errors import ErrorCode, LeveeError, client_closed_error, from_rpc_error, make_error
 from .stream import PushStream
 from .v1 import common_pb2, queue_pb2
 from .validation import BytesLike, to_bytes
@@ -109,7 +109,7 @@ class Mailboxes(PushStream):
             raise from_rpc_error(error) from None
         except grpc.aio.UsageError as error:
             stream.cancel()
-            raise make_error(ErrorCode.UNAVAILABLE, f"the client is closed ({error})") from None
+            raise client_closed_error(error) from None
         except BaseException:
             stream.cancel()
             raise

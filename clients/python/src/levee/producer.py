@@ -42,6 +42,18 @@ latest request of this producer on each of its queues, while batches of other qu
 The sequence counters are bounded: past `sequence_queues_max` queues the producer takes a new
 id (sequences restart at 0 under it). Failed batches are never silent: each caller gets the
 error, and `stats()` counts them.
+
+A batch that fails for good (an error that is not retried, such as INVALID_ARGUMENT, or its
+resends exhausted) has taken its sequences, yet the server may never have stored it: under the
+same id the server would answer every later batch of its queues with SEQUENCE_GAP, as it waits
+for the failed batch's first sequence. So every batch numbered after such a failure takes a
+fresh producer id, its sequences restarting at 0 on every queue (the same path as past
+`sequence_queues_max`); the batches already numbered and in flight keep their id and their
+resends. A batch that failed with an error after which it may still be stored (UNAVAILABLE,
+DEADLINE_EXCEEDED: the request may have reached the server) may indeed be stored later, once,
+under the old id; the later batches, under another id, never collide with it (the server takes
+their sequences whatever became of it), though its messages may then sit after theirs. Its
+callers got the error: sending those messages again is theirs to decide.
 """
 
 from __future__ import annotations
@@ -191,7 +203,8 @@ class Producer:
 
     @property
     def producer_id(self) -> str:
-        """The idempotent producer id now ("" when not idempotent)."""
+        """The idempotent producer id now ("" when not idempotent). A fresh one is taken past
+        `sequence_queues_max` queues and after a batch fails for good."""
         return self._producer_id
 
     def stats(self) -> ProducerStats:
@@ -294,8 +307,7 @@ class Producer:
         new_queues = {p.queue for p in batch if p.queue not in self._sequences}
         if len(self._sequences) + len(new_queues) > self.options.sequence_queues_max:
             # Bounded counters: a new id restarts every queue's sequence at 0.
-            self._producer_id = fresh_producer_id()
-            self._sequences.clear()
+            self._renew_producer_id()
         numbered = []
         for pending in batch:
             sequence = self._sequences.get(pending.queue, 0)
@@ -304,6 +316,20 @@ class Producer:
                 AppendMessage(queue=pending.queue, payload=pending.payload, sequence=sequence)
             )
         return numbered
+
+    def _renew_producer_id(self) -> None:
+        """A fresh producer id for the batches numbered from now on: every queue's sequence
+        restarts at 0 under it (batches already numbered keep theirs)."""
+        self._producer_id = fresh_producer_id()
+        self._sequences.clear()
+
+    def _failed_for_good(self, producer_id: str) -> None:
+        """A batch numbered under `producer_id` failed for good: its sequences were taken but
+        may never be stored, and the server would answer each later batch of its queues under
+        this id with SEQUENCE_GAP. The batches numbered next take a fresh id (once per id: a
+        later failure under an id already replaced changes nothing)."""
+        if producer_id and producer_id == self._producer_id:
+            self._renew_producer_id()
 
     async def _send_batch(
         self, batch: List[_Pending], messages: list, producer_id: str, number: int
@@ -322,6 +348,7 @@ class Producer:
                     if isinstance(end, BaseException):
                         raise end
         except BaseException as error:  # cancelled or a bug: no caller is left waiting
+            self._failed_for_good(producer_id)
             for pending in batch:
                 if not pending.answer.done():
                     pending.answer.set_exception(
@@ -395,6 +422,7 @@ class Producer:
                     continue
                 retryable = bool(producer_id) and error.code in RETRYABLE_CODES
                 if not retryable or attempt >= self.options.retries_max:
+                    self._failed_for_good(producer_id)
                     self._stats.batches_failed += 1
                     self._stats.messages_failed += len(group.pending)
                     for pending in group.pending:
