@@ -502,9 +502,15 @@ class Runner:
         return {}
 
     async def op_member_leave(self, member: str) -> Dict[str, Any]:
+        # This side closes; once the server ended the stream the member has left.
         state = self.members.pop(member)
-        state["stream"].close()
-        state["reader"].cancel()
+        await state["stream"].leave()
+        try:
+            await asyncio.wait_for(asyncio.shield(state["reader"]), 5)
+        except asyncio.TimeoutError:
+            state["stream"].close()
+            state["reader"].cancel()
+            raise AssertionError("the server did not end a left member's stream in 5 s")
         return {}
 
     async def op_member_status(self, member: str) -> Dict[str, Any]:

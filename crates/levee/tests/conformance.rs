@@ -1012,7 +1012,18 @@ impl Runner {
             }
             "member_leave" => {
                 if let Some(member) = self.members.remove(text(args, "member")?) {
-                    member.reader.abort();
+                    // This side closes; once the server ended the stream the member has left.
+                    drop(member.sender);
+                    let mut reader = member.reader;
+                    if tokio::time::timeout(Duration::from_secs(5), &mut reader)
+                        .await
+                        .is_err()
+                    {
+                        reader.abort();
+                        return Err(broke(
+                            "the server did not end a left member's stream in 5 s".to_owned(),
+                        ));
+                    }
                 }
                 Ok(json!({}))
             }

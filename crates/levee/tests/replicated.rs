@@ -1355,8 +1355,20 @@ fn given_a_group_whose_coordinator_is_killed_then_its_retries_and_dead_letters_a
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        // Let the member commit what it handled, then kill the coordinator.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Once the member committed everything it handled (its partitions and its retry
+        // queues), the coordinator is killed.
+        let deadline = Instant::now() + CONVERGE_TIMEOUT;
+        loop {
+            let described = others[0].describe_group("billing", topic).await.unwrap();
+            if described.partitions.iter().all(|partition| {
+                partition.committed_offset == partition.next_offset
+                    && partition.retry_committed_offset == partition.retry_next_offset
+            }) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "everything handled committed");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         nodes[usize::try_from(leader - 1).unwrap()].take();
         // The new coordinator holds the dead letters (the shard replicated them) ...
         let deadline = Instant::now() + CONVERGE_TIMEOUT;

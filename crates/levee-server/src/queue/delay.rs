@@ -5,6 +5,11 @@
 //! topic woken), and another, every 100 ms, spreads due coarse slots into fine ones. A slot's queue is deleted
 //! only once what it held is durable elsewhere, so a crash delivers an entry twice at worst,
 //! never loses one. At start the slots are found again from the store's queue names.
+//!
+//! In a cluster that replicates its queues the slots stay this node's own, but what is due
+//! (at once, or when its slot comes) is appended to its target through the target's shard
+//! ([`Delayer::append_through_shards`]), so a group's retry queues are the same on every
+//! replica (docs/CLUSTER.md, "Consumer groups on the shards").
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -825,9 +825,17 @@ final class ConformanceRunner {
             case "member_heartbeat":
                 members.get(a.string("member")).stream.heartbeat();
                 return result();
-            case "member_leave":
-                members.remove(a.string("member")).stream.close();
+            case "member_leave": {
+                // This side closes; once the server ended the stream the member has left.
+                Member member = members.remove(a.string("member"));
+                member.stream.leave();
+                until(() -> member.ended, 5000);
+                if (!member.ended) {
+                    member.stream.close();
+                    throw new ScenarioFailure("the server did not end a left member's stream in 5 s");
+                }
                 return result();
+            }
             case "member_status": {
                 Member member = members.get(a.string("member"));
                 LeveeException error = member.error;
