@@ -284,10 +284,10 @@ impl GroupConsumer {
 
     /// This member, following the cluster (whose members it learns now): when its stream
     /// breaks and its node does not answer within a second, it rejoins through the next
-    /// member. In a cluster that replicates its queues every node serves the topic's
-    /// partitions, but a group's state (commits, membership) is each node's own
-    /// (docs/CLUSTER.md, "Part 2"): the member starts on the new node from that node's commits
-    /// (messages may be handled again), so every member of a group should follow alike.
+    /// member. In a cluster that replicates its queues any node takes the stream to the
+    /// group's coordinator (the leader of the topic's shard) and the group's commits are
+    /// replicated (docs/CLUSTER.md, "Consumer groups on the shards"): the member resumes after
+    /// its last answered commit (messages handled since may come again).
     pub async fn following(mut self) -> Self {
         let members = crate::following::Members::learned_from(self.client.clone()).await;
         self.members = Some(Arc::new(tokio::sync::Mutex::new(members)));
