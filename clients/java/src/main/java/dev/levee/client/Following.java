@@ -13,11 +13,11 @@ import java.util.concurrent.TimeUnit;
 
 /**
  * What a stream that follows the cluster ({@link LeveeClient#subscribeFollowing},
- * {@link LeveeClient#subscribeManyFollowing}) keeps to open itself again through another node
- * when its node goes away: the cluster's members, learned from the node the stream was opened
- * through or from the members known, tried in turn, as the Rust client's
- * {@code following.rs}. It owns a channel to each member other than that node (closed with the
- * stream).
+ * {@link LeveeClient#subscribeManyFollowing}, {@link GroupConsumer#following}) keeps to open
+ * itself again through another node when its node goes away: the cluster's members, learned
+ * from the node the stream was opened through or from the members known, tried in turn, as the
+ * Rust client's {@code following.rs}. It owns a channel to each member other than that node
+ * (closed with the stream, or when the group consumer's run returns).
  */
 final class Following implements AutoCloseable {
     /** Longest one move tries to open the stream again before it gives up. */
@@ -121,6 +121,40 @@ final class Following implements AutoCloseable {
                 entries.remove();
             }
         }
+    }
+
+    /** Whether {@code member} answers GetServerInfo within {@code probe}. */
+    static boolean answers(LeveeClient member, Duration probe) {
+        try {
+            member.withRequestTimeout(probe).serverInfo();
+            return true;
+        } catch (LeveeException unreachable) {
+            return false;
+        }
+    }
+
+    /**
+     * The member to go on through, as the Rust client's {@code Members::next_member}: learns
+     * the members again, then returns the first after the current one (in the order learned)
+     * that answers within {@code probe}, the current one last; the seed when none answers.
+     */
+    synchronized LeveeClient nextMember(Duration probe) {
+        learn();
+        int count = known.size();
+        int at = known.indexOf(current);
+        int first = at >= 0 ? at + 1 : next;
+        for (int step = 0; step < count; step++) {
+            int index = (first + step) % count;
+            String address = known.get(index);
+            LeveeClient member = clientOf(address);
+            if (answers(member, probe)) {
+                next = (index + 1) % count;
+                current = address;
+                return member;
+            }
+        }
+        current = seed.address();
+        return seed;
     }
 
     /**

@@ -6,6 +6,7 @@ import dev.levee.v1.ConsumeResponse;
 import dev.levee.v1.ErrorCode;
 import dev.levee.v1.PartitionAssignment;
 import dev.levee.v1.TopicDelivery;
+import java.time.Duration;
 import java.util.ArrayDeque;
 import java.util.ArrayList;
 import java.util.HashMap;
@@ -32,6 +33,10 @@ import java.util.concurrent.atomic.AtomicLong;
  * group redelivers from the last commit (at-least-once). Commits refused as FENCED (the
  * partition moved) are counted and the partition's pending work is dropped. All state lives on
  * the thread that calls run; other threads only post events to it.
+ *
+ * <p>With {@link #following} the member follows the cluster: when its stream breaks and its
+ * node does not answer within a second, it rejoins through the next member of the cluster, as
+ * the Rust client's {@code GroupConsumer::following}.
  */
 public final class GroupConsumer {
     /** The server's bound on commits per CommitBatch. */
@@ -41,6 +46,11 @@ public final class GroupConsumer {
     static final long LEAVE_WAIT_MS = 2000;
     /** Events beyond the credit's responses and the handlers' completions (ends, stop). */
     static final int EVENTS_EXTRA_MAX = 64;
+    /**
+     * How long a following member waits for its node to answer after its stream broke before
+     * it rejoins through another member (the Rust client's {@code NODE_PROBE_TIMEOUT}).
+     */
+    static final Duration NODE_PROBE_TIMEOUT = Duration.ofSeconds(1);
 
     /** Handles one message; an exception is counted and the message still counts as finished. */
     @FunctionalInterface
@@ -55,6 +65,8 @@ public final class GroupConsumer {
     private final String member;
     private final LinkedBlockingQueue<Object> events;
     private volatile boolean stopping;
+    /** With {@link #following}: the cluster's members it rejoins through when its node is unreachable. */
+    private volatile Following members;
 
     private long streamNumber;
     private Map<Integer, PartitionState> partitions = new HashMap<>();
@@ -107,6 +119,27 @@ public final class GroupConsumer {
         this.events = new LinkedBlockingQueue<>(options.creditMessages + options.parallelism + EVENTS_EXTRA_MAX);
     }
 
+    /**
+     * This member, following the cluster (whose members it learns now, from its client's node):
+     * when its stream breaks and its node does not answer within a second, it rejoins through
+     * the next member of the cluster that does, as the Rust client's
+     * {@code GroupConsumer::following}. In a cluster made with {@code --replicated-queues true}
+     * any node takes the member's stream to the group's coordinator and commits go through the
+     * topic's shard, so the member resumes after its last answered commit (messages handled
+     * but not yet committed come again: at least once). Commits, ordering and back-pressure are
+     * unchanged. Call before {@link #run}; the channels it opens to the other members are
+     * closed when run returns.
+     */
+    public GroupConsumer following() {
+        Following learned = Following.learnedFrom(client);
+        Following before = members;
+        members = learned;
+        if (before != null) {
+            before.close();
+        }
+        return this;
+    }
+
     public String member() {
         return member;
     }
@@ -133,13 +166,15 @@ public final class GroupConsumer {
             thread.setDaemon(true);
             return thread;
         });
+        Following following = members;
+        LeveeClient through = client;
         try {
             long backoff = options.backoffInitial.toNanos();
             while (true) {
                 streams.incrementAndGet();
                 long handledBefore = handled.get();
                 try {
-                    oneStream(handler, workers);
+                    oneStream(through, handler, workers);
                     return stats();
                 } catch (LeveeException error) {
                     if (error.code() == ErrorCode.ERROR_CODE_INVALID_ARGUMENT || error.code() == ErrorCode.ERROR_CODE_NOT_FOUND) {
@@ -148,6 +183,9 @@ public final class GroupConsumer {
                 }
                 if (stopping) {
                     return stats();
+                }
+                if (following != null && !Following.answers(through, NODE_PROBE_TIMEOUT)) {
+                    through = following.nextMember(NODE_PROBE_TIMEOUT);
                 }
                 if (handled.get() > handledBefore) {
                     backoff = options.backoffInitial.toNanos();
@@ -159,6 +197,9 @@ public final class GroupConsumer {
             }
         } finally {
             workers.shutdown();
+            if (following != null) {
+                following.close();
+            }
         }
     }
 
@@ -180,13 +221,13 @@ public final class GroupConsumer {
         }
     }
 
-    private void oneStream(Handler handler, ExecutorService workers) {
+    private void oneStream(LeveeClient through, Handler handler, ExecutorService workers) {
         long number = ++streamNumber;
         partitions = new HashMap<>();
         creditOwedMessages = 0;
         creditOwedBytes = 0;
         commitsAwaiting = 0;
-        MemberStream stream = MemberStream.open(client, topic, group, member, options.creditMessages,
+        MemberStream stream = MemberStream.open(through, topic, group, member, options.creditMessages,
                 (int) options.lease.toMillis(), new MemberStream.Listener() {
                     @Override
                     public void onResponse(ConsumeResponse response) {
