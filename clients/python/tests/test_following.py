@@ -9,7 +9,7 @@ test (crates/levee/tests/replicated.rs,
 from __future__ import annotations
 
 import asyncio
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Set
 
 import pytest
 
@@ -23,6 +23,9 @@ from support import LeveeServer, start_replicated_cluster
 # Longest the moved streams take to hand out what the test waits for (a move may first wait
 # out the failover of the shards node 2 led).
 RESUME_TIMEOUT_S = 60.0
+# Longest a following group member takes to handle what the test waits for (after its node was
+# killed: its probe, the move and the rejoin, after any failover of the topic's shard).
+GROUP_HANDLED_TIMEOUT_S = 30.0
 
 
 @pytest.fixture
@@ -135,6 +138,75 @@ def test_given_following_streams_when_their_node_is_killed_then_they_move_and_re
             await more.close()
         await node_2.close()
         await seed.close()
+
+    run(main())
+
+
+def test_given_a_following_group_member_when_its_node_is_killed_then_it_rejoins_through_another_and_handles_every_later_message(cluster) -> None:  # type: ignore[no-untyped-def]
+    """`GroupConsumer.following`, as the Rust client's (crates/levee/tests/replicated.rs,
+    `spawn_member_with` following): a member joined through node 2 handles what was published;
+    node 2 is killed (SIGKILL); the member rejoins through another node by itself and handles
+    every message published through node 1 after the kill (at least once)."""
+    topic = "following-payments"
+    handled: Set[bytes] = set()
+    changed = asyncio.Event()
+
+    async def handle(message: levee.Message) -> None:
+        handled.add(message.payload)
+        changed.set()
+
+    async def wait_handled(payloads: Set[bytes], what: str) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + GROUP_HANDLED_TIMEOUT_S
+        while not payloads <= handled:
+            left = deadline - loop.time()
+            assert left > 0, f"{what}: {len(payloads - handled)} of {len(payloads)} not handled"
+            changed.clear()
+            try:
+                await asyncio.wait_for(changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    async def publish(client: levee.Client, payloads: List[bytes]) -> None:
+        """Publishes through `client`, again while the shard's new leader is being elected
+        (a node 2 led may have led the topic's shard)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RESUME_TIMEOUT_S
+        for payload in payloads:
+            while True:
+                try:
+                    await client.publish(topic, [(payload, payload)])
+                    break
+                except levee.LeveeError:
+                    assert loop.time() < deadline, "publishing through node 1 kept failing"
+                    await asyncio.sleep(0.1)
+
+    async def main() -> None:
+        await wait_settled(cluster)
+        node_1 = await levee.Client.connect(cluster[0].grpc_addr)
+        node_2 = await levee.Client.connect(cluster[1].grpc_addr)
+        assert not await node_1.create_topic(topic, 4)
+        before = [b"before-%d" % number for number in range(20)]
+        await publish(node_1, before)
+
+        consumer = await levee.GroupConsumer(node_2, topic, "billing", levee.ConsumerOptions(
+            commit_interval_s=0.05, backoff_max_s=1.0,
+        )).following()
+        stop = asyncio.Event()
+        running = asyncio.ensure_future(consumer.run(handle, stop))
+        try:
+            await wait_handled(set(before), "through node 2")
+
+            cluster[1].stop(kill=True)
+            after = [b"after-%d" % number for number in range(40)]
+            await publish(node_1, after)
+            await wait_handled(set(after), "after node 2 was killed")
+        finally:
+            stop.set()
+            stats = await asyncio.wait_for(running, RESUME_TIMEOUT_S)
+        assert stats.streams >= 2, "it rejoined"
+        await node_2.close()
+        await node_1.close()
 
     run(main())
 

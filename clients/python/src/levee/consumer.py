@@ -10,6 +10,11 @@ as messages finish, so the server never sends more than `credit_messages` unfini
 rejoins with exponential backoff, and the group redelivers from the last commit
 (at-least-once). Commits refused as FENCED (the partition moved) are counted and the
 partition's pending work is dropped.
+
+`await consumer.following()` makes the member follow the cluster, as the Rust client's
+`GroupConsumer::following`: when its stream breaks and its node does not answer within
+`NODE_PROBE_TIMEOUT_S`, it rejoins through the next member of the cluster that does
+(`following.Members`, learned when following is turned on).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from .v1 import common_pb2, topic_pb2
 
 if TYPE_CHECKING:
     from .client import Client
+    from .following import Members
 
 REQUESTS_QUEUED_MAX = 64
 """Requests waiting for the stream's writer."""
@@ -49,6 +55,9 @@ COMMITS_PER_BATCH_MAX = 1024
 FINAL_COMMIT_WAIT_S = 5.0
 LEAVE_WAIT_S = 2.0
 """How long leaving waits for the server to end the stream."""
+NODE_PROBE_TIMEOUT_S = 1.0
+"""How long a following consumer waits for its node to answer `server_info` after its stream
+broke before it rejoins through another member (the Rust client's `NODE_PROBE_TIMEOUT`)."""
 
 
 @dataclass(frozen=True)
@@ -227,7 +236,9 @@ Handler = Callable[[Message], Awaitable[None]]
 
 class GroupConsumer:
     """A consumer-group member. Either `await consumer.run(handler)` (bounded parallelism) or
-    `async for message in consumer:` followed by `consumer.done(message)` for each message."""
+    `async for message in consumer:` followed by `consumer.done(message)` for each message.
+    `await consumer.following()` first makes it rejoin through another member of the cluster
+    when its node goes away."""
 
     def __init__(
         self,
@@ -237,6 +248,10 @@ class GroupConsumer:
         options: Optional[ConsumerOptions] = None,
     ) -> None:
         self._client = client
+        # The node the member joins through: the client's, or with `following` the member of
+        # the cluster it moved to.
+        self._node = client
+        self._members: "Optional[Members]" = None
         self.topic = topic
         self.group = group
         self.options = options or ConsumerOptions()
@@ -264,6 +279,23 @@ class GroupConsumer:
 
     def stats(self) -> ConsumerStats:
         return ConsumerStats(**vars(self._stats))
+
+    async def following(self) -> "GroupConsumer":
+        """Makes this member follow the cluster, whose members it learns now from its client's
+        node (as the Rust client's `GroupConsumer::following`): when its stream breaks and its
+        node does not answer within `NODE_PROBE_TIMEOUT_S` (1 s), it rejoins through the next
+        member of the cluster that does (the first node again when none does), with the
+        usual backoff. In a cluster with replicated queues the group's coordinator is the
+        topic's shard leader and commits go through the shard's log, so the member resumes
+        after its last answered commit whichever node it rejoins through (docs/CLUSTER.md,
+        "Consumer groups on the shards"); messages handled but not yet committed come again
+        (at least once). Call it before `run` or iterating; the members' connections it opens
+        are closed when the consumer finishes (`run` returns, `close`). Returns the consumer."""
+        if self._members is None:
+            from .following import Members
+
+            self._members = await Members.learned_from(self._client)
+        return self
 
     # ---- the two ways to consume
 
@@ -319,11 +351,18 @@ class GroupConsumer:
         self._finish(message.partition, message.epoch, [message.offset], len(message.payload), stream)
 
     async def close(self) -> ConsumerStats:
-        """Stops (iterator mode): commits what is done and leaves the group."""
+        """Stops (iterator mode): commits what is done and leaves the group; closes the
+        connections a following consumer opened."""
         self.stop()
         if self._runner is not None:
             return await self._runner
+        await self._close_members()
         return self.stats()
+
+    async def _close_members(self) -> None:
+        members, self._members = self._members, None
+        if members is not None:
+            await members.close()
 
     # ---- internals
 
@@ -345,6 +384,12 @@ class GroupConsumer:
         self._changed.set()
 
     async def _loop(self) -> ConsumerStats:
+        try:
+            return await self._rejoining()
+        finally:
+            await self._close_members()
+
+    async def _rejoining(self) -> ConsumerStats:
         backoff = self.options.backoff_initial_s
         while True:
             self._stats.streams += 1
@@ -357,6 +402,8 @@ class GroupConsumer:
                     raise
             if self._stopping.is_set():
                 return self.stats()
+            if self._members is not None and not await self._node_answers():
+                self._node = await self._members.next_member(NODE_PROBE_TIMEOUT_S)
             if self._stats.handled > handled_before:
                 backoff = self.options.backoff_initial_s
             try:
@@ -366,6 +413,13 @@ class GroupConsumer:
                 pass
             backoff = min(backoff * 2, self.options.backoff_max_s)
 
+    async def _node_answers(self) -> bool:
+        try:
+            await asyncio.wait_for(self._node.server_info(), NODE_PROBE_TIMEOUT_S)
+        except (LeveeError, asyncio.TimeoutError):
+            return False
+        return True
+
     async def _one_stream(self) -> None:
         self._stream_number += 1
         self._handed_out.clear()
@@ -374,7 +428,7 @@ class GroupConsumer:
         self._credit_owed = [0, 0]
         self._commits_awaiting = 0
         stream = await MemberStream.open(
-            self._client,
+            self._node,
             self.topic,
             self.group,
             self.member,

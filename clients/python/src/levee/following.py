@@ -1,5 +1,5 @@
 """`Members`: what a stream that follows the cluster (`Client.subscribe_following`,
-`Client.subscribe_many_following`) keeps to open itself again through another node when its
+`Client.subscribe_many_following`, `GroupConsumer.following`) keeps to open itself again through another node when its
 node goes away, as the Rust client's (crates/levee-client/src/following.rs): the cluster's
 members, learned from the node the stream was opened through (the seed) or, when it does not
 answer, from the members known, and tried in turn.
@@ -106,6 +106,28 @@ class Members:
             closing = asyncio.ensure_future(self._clients.pop(address).close())
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
+
+    async def next_member(self, probe_s: float) -> Client:
+        """The member to rejoin through once the current one stopped answering (a following
+        `GroupConsumer`, as the Rust `Members::next_member`): learns the members again, then
+        the first that answers `server_info` within `probe_s`, trying them in turn from the
+        one after the last taken (the current one last); the seed when none answers."""
+        await self.learn()
+        count = len(self._known)
+        candidates = [self._known[(self._next + step) % count] for step in range(count)]
+        candidates.sort(key=lambda member: member is self._current)  # stable: current last
+        chosen = self._seed
+        for member in candidates:
+            try:
+                await asyncio.wait_for(member.server_info(), probe_s)
+            except (LeveeError, asyncio.TimeoutError):
+                continue
+            self._next = (self._known.index(member) + 1) % count
+            chosen = member
+            break
+        self._current = chosen
+        self._close_departed()
+        return chosen
 
     async def reopen(self, open_through: Callable[[Client], Awaitable[Optional[T]]]) -> Optional[T]:
         """Tries `open_through` on each member in turn (the one after the last that took the
