@@ -206,6 +206,9 @@ pub struct Metrics {
     pub group_members: Family<GroupLabels, Gauge>,
     /// Rebalances, by group.
     pub group_rebalances: Family<GroupLabels, Counter>,
+    /// Consume streams this node ended because it stopped coordinating their group (it lost
+    /// the lead of the topic's shard), by group.
+    pub group_coordinator_lost: Family<GroupLabels, Counter>,
     /// The queue store whose figures `/metrics` reports, once it is open.
     store: Arc<OnceLock<Weak<levee_store::Store>>>,
     /// This node's Raft instance of the metadata group, once it is open.
@@ -534,6 +537,13 @@ impl Metrics {
                 registry_ref,
                 "levee_group_rebalances",
                 "consumer-group rebalances (joins, leaves, lease expiries), by group",
+                Family::default(),
+            ),
+            group_coordinator_lost: registered(
+                registry_ref,
+                "levee_group_coordinator_lost",
+                "consume streams ended because this node stopped coordinating their group (it \
+                 lost the lead of the topic's shard), by group",
                 Family::default(),
             ),
             store: Arc::new(OnceLock::new()),

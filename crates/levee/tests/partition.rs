@@ -621,6 +621,18 @@ fn given_a_partitioned_group_coordinator_then_its_streams_end_before_another_mem
             b_owns_at - cut_at,
             a_ended_at - cut_at
         );
+        // The cut-off node counts the streams it ended.
+        let (code, metrics) = http_get(leader.admin_addr, "/metrics");
+        assert_eq!(code, 200);
+        // (B's first joins may have reached it too, before it stopped.)
+        let ended: u64 = metrics
+            .lines()
+            .find_map(|line| {
+                line.strip_prefix("levee_group_coordinator_lost_total{group=\"ledger-readers\"} ")
+            })
+            .and_then(|value| value.trim().parse().ok())
+            .unwrap_or(0);
+        assert!(ended >= 1, "{metrics}");
         // B starts after A's answered commit: only the uncommitted message comes again.
         let first = next_answer(&mut b_answers, |answer| {
             answer.deliveries.first().map(|delivery| delivery.offset)

@@ -441,7 +441,14 @@ impl ConsumeSession {
                         ),
                     ));
                 }
-                error = &mut lost_lead => return Err(error),
+                error = &mut lost_lead => {
+                    self.context
+                        .metrics
+                        .group_coordinator_lost
+                        .get_or_create(&GroupLabels::new(&self.group))
+                        .inc();
+                    return Err(error);
+                }
                 () = wait_closed(&mut closing) => {
                     return Err(WireError::new(
                         ErrorCode::Unavailable,
