@@ -55,9 +55,6 @@ pub struct Scheduled {
     pub through_shards: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
-/// Messages one shard append of due entries carries, at most.
-const SHARD_APPEND_MESSAGES: usize = 1_000;
-
 /// Every waiting message of the server; see the module docs.
 #[derive(Debug)]
 pub struct Delayer {
@@ -120,9 +117,9 @@ impl Delayer {
         crate::queue::replicated::Replication::groups_if_replicated(self.replication.as_ref())
     }
 
-    /// Appends `entries` (target, body) through their targets' shards, a bounded batch at a
-    /// time; returns once a majority of each shard's replicas hold them and this node applied
-    /// them (a failure may leave some appended: delivered again, at least once).
+    /// Appends due `entries` (target, body) through their targets' shards (see
+    /// [`crate::queue::replicated::Replication::append_records`]), then says the retries are
+    /// readable.
     pub async fn append_through_shards(
         &self,
         entries: Vec<(Vec<u8>, Vec<u8>)>,
@@ -130,25 +127,8 @@ impl Delayer {
         if entries.is_empty() {
             return Ok(());
         }
-        let Some(groups) = self.shards()? else {
-            return Err(WireError::new(
-                levee_proto::v1::ErrorCode::Internal,
-                "due entries for the shards on a node whose queues are not replicated",
-            ));
-        };
-        let mut entries = entries.into_iter().peekable();
-        while entries.peek().is_some() {
-            let messages = entries
-                .by_ref()
-                .take(SHARD_APPEND_MESSAGES)
-                .map(|(target, body)| levee_proto::v1::AppendMessage {
-                    queue: levee_proto::Bytes::from(target),
-                    payload: levee_proto::Bytes::from(body),
-                    sequence: 0,
-                })
-                .collect();
-            crate::queue::replicated::Replication::append(&groups, None, messages).await?;
-        }
+        crate::queue::replicated::Replication::append_records(self.replication.as_ref(), entries)
+            .await?;
         self.retries_visible();
         Ok(())
     }

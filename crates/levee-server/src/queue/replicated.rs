@@ -251,6 +251,8 @@ pub enum Coordinator {
     },
 }
 
+/// Records one shard append of [`Replication::append_records`] carries, at most.
+const RECORDS_PER_APPEND_MAX: usize = 1_000;
 /// Channels [`Replication`] keeps for forwarded reads; past it they are opened again.
 const FORWARD_CHANNELS_MAX: usize = 64;
 
@@ -839,6 +841,36 @@ impl Replication {
             }
         }
         Ok(offsets)
+    }
+
+    /// Appends the server's own `records` (queue, payload) through their queues' shards, a
+    /// bounded batch at a time; returns once a majority of each shard's replicas hold them
+    /// and this node applied them (a failure may leave some appended). INTERNAL when the
+    /// cluster does not replicate its queues (`replication` says).
+    pub async fn append_records(
+        replication: Option<&Self>,
+        records: Vec<(Vec<u8>, Vec<u8>)>,
+    ) -> Result<(), WireError> {
+        let Some(groups) = Self::groups_if_replicated(replication)? else {
+            return Err(WireError::new(
+                ErrorCode::Internal,
+                "records for the shards on a node whose queues are not replicated",
+            ));
+        };
+        let mut records = records.into_iter().peekable();
+        while records.peek().is_some() {
+            let messages = records
+                .by_ref()
+                .take(RECORDS_PER_APPEND_MAX)
+                .map(|(queue, payload)| AppendMessage {
+                    queue: levee_proto::Bytes::from(queue),
+                    payload: levee_proto::Bytes::from(payload),
+                    sequence: 0,
+                })
+                .collect();
+            Self::append(&groups, None, messages).await?;
+        }
+        Ok(())
     }
 
     /// Appends `messages` through their shards (as idempotent `producer`'s, if given); their

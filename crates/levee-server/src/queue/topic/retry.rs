@@ -26,7 +26,7 @@ use levee_store::{CommitTicket, Store};
 
 use crate::metrics::GroupLabels;
 use crate::queue::delay::{Scheduled, unix_ms};
-use crate::queue::replicated::Lead;
+use crate::queue::replicated::{Lead, Replication};
 use crate::queue::topic::catalog::Topic;
 use crate::queue::topic::consume::ConsumeContext;
 use crate::queue::topic::group::{Logged, Membership};
@@ -237,7 +237,11 @@ impl Judged {
                     if !dead_through_shards.is_empty() {
                         // Serialised with redrives of the dead letters.
                         let _writing = context.dead_letters_through_shards.lock().await;
-                        delayer.append_through_shards(dead_through_shards).await?;
+                        Replication::append_records(
+                            Some(&context.replication),
+                            dead_through_shards,
+                        )
+                        .await?;
                     }
                     Ok::<_, WireError>(())
                 };
@@ -658,7 +662,7 @@ async fn redrive_through_shard(
         .chunks(REDRIVE_OFFSETS_MAX)
         .map(|chunk| (marks.clone(), redrive_mark(chunk)))
         .collect();
-    context.delayer.append_through_shards(records).await?;
+    Replication::append_records(Some(&context.replication), records).await?;
     Ok(targets.len() as u64)
 }
 
