@@ -405,7 +405,25 @@ fn given_a_partitioned_shard_leader_then_it_acknowledges_nothing_and_the_majorit
         );
     }
     assert_ne!(shard_groups(leader)[&shard].0, Some(leader_id));
-    assert_eq!(append(&runtime, leader, queue, b"after"), Ok(2));
+    // Appends through the old leader go on at the next offset. (Its node, the shard's
+    // preferred replica, may claim the lead back meanwhile: an idempotent producer resends a
+    // write caught in that move, and it is stored once.)
+    let offset = runtime.block_on(async {
+        let client = Client::connect(&leader.grpc()).await.unwrap();
+        let producer = levee_client::Producer::new(
+            client,
+            levee_client::ProducerOptions {
+                idempotent: true,
+                ..levee_client::ProducerOptions::default()
+            },
+        )
+        .unwrap();
+        producer.send(queue, b"after").await
+    });
+    assert_eq!(offset.map_err(|error| error.to_string()), Ok(2));
+    let mut expected = expected;
+    expected.push(b"after".to_vec());
+    assert_eq!(read_all(&runtime, leader, queue), expected);
 }
 
 /// A raw member stream of group "ledger-readers" on `topic` through `node`: the request
