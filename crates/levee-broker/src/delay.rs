@@ -51,9 +51,28 @@ impl Slot {
         name
     }
 
+    /// The slot's store queue in shard `shard` of a cluster that replicates its queues:
+    /// [`DELAY_PREFIX`], `s`, the shard in 8 hex digits, then as [`Slot::queue`] (each shard
+    /// keeps its own slots; [`Slot::parse`] does not take these).
+    pub fn shard_queue(self, shard: u32) -> Vec<u8> {
+        let mut name = shard_slots_prefix(shard);
+        name.extend_from_slice(&self.queue()[DELAY_PREFIX.len()..]);
+        name
+    }
+
+    /// The slot a shard's slot queue name is the queue of (see [`Slot::shard_queue`]).
+    pub fn parse_shard(queue: &[u8], shard: u32) -> Option<Self> {
+        let rest = queue.strip_prefix(&shard_slots_prefix(shard)[..])?;
+        Self::parse_level(rest)
+    }
+
     /// The slot a queue name is the queue of, if it is one.
     pub fn parse(queue: &[u8]) -> Option<Self> {
-        let rest = queue.strip_prefix(DELAY_PREFIX)?;
+        Self::parse_level(queue.strip_prefix(DELAY_PREFIX)?)
+    }
+
+    /// A slot from its level letter and 16 hex digits.
+    fn parse_level(rest: &[u8]) -> Option<Self> {
         let (&level, hex) = rest.split_first()?;
         if hex.len() != 16 {
             return None;
@@ -65,6 +84,13 @@ impl Slot {
             _ => None,
         }
     }
+}
+
+/// The prefix of every slot queue of shard `shard` (see [`Slot::shard_queue`]).
+pub fn shard_slots_prefix(shard: u32) -> Vec<u8> {
+    let mut name = DELAY_PREFIX.to_vec();
+    name.extend_from_slice(format!("s{shard:08x}").as_bytes());
+    name
 }
 
 /// Where a message that must wait until `due_ms` goes.
@@ -162,6 +188,39 @@ impl DelayWheel {
         taken.into_keys().collect()
     }
 
+    /// A wheel that took the fine slots below `fine` and the coarse slots below `coarse`
+    /// (see [`DelayWheel::taken_below`]), holding nothing yet.
+    pub fn taken(fine: u64, coarse: u64) -> Self {
+        Self {
+            fine_taken_below: fine,
+            coarse_taken_below: coarse,
+            ..Self::default()
+        }
+    }
+
+    /// The fine and coarse slot numbers below which slots were taken: no placement goes to
+    /// them any more. Two wheels with the same marks place every message alike.
+    pub fn taken_below(&self) -> (u64, u64) {
+        (self.fine_taken_below, self.coarse_taken_below)
+    }
+
+    /// The earliest time (ms since the Unix epoch) at which [`DelayWheel::take_due`] takes a
+    /// slot holding messages, if one does: a fine slot once its span has passed, a coarse one
+    /// [`SPREAD_AHEAD_MS`] before its span starts.
+    pub fn next_due_ms(&self) -> Option<u64> {
+        let fine = self
+            .fine
+            .keys()
+            .next()
+            .map(|&number| number.saturating_add(1).saturating_mul(FINE_MS));
+        let coarse = self.coarse.keys().next().map(|&number| {
+            number
+                .saturating_mul(COARSE_MS)
+                .saturating_sub(SPREAD_AHEAD_MS)
+        });
+        fine.into_iter().chain(coarse).min()
+    }
+
     /// Messages waiting in slots not yet taken.
     pub fn pending(&self) -> u64 {
         self.pending
@@ -245,6 +304,40 @@ mod tests {
         }
         assert_eq!(Slot::parse(b"\0delay\0x0000000000000001"), None);
         assert_eq!(Slot::parse(b"\0topic\0t\x000"), None);
+        let shard = Slot::Coarse(7).shard_queue(3);
+        assert_eq!(Slot::parse_shard(&shard, 3), Some(Slot::Coarse(7)));
+        assert_eq!(Slot::parse_shard(&shard, 4), None, "another shard's");
+        assert_eq!(
+            Slot::parse(&shard),
+            None,
+            "a shard's slot is not a node's own"
+        );
+    }
+
+    #[test]
+    fn given_slots_then_the_next_due_time_is_the_first_a_take_would_take() {
+        let mut wheel = DelayWheel::taken(0, 0);
+        assert_eq!(wheel.next_due_ms(), None);
+        let now = 1_000_000;
+        wheel.place(now + HORIZON_MS + COARSE_MS, now);
+        let coarse = wheel.next_due_ms().unwrap();
+        assert!(wheel.clone().take_due(coarse - 1).spread.is_empty());
+        assert_eq!(wheel.clone().take_due(coarse).spread.len(), 1);
+        wheel.place(now + 25, now);
+        let fine = wheel.next_due_ms().unwrap();
+        assert!(wheel.clone().take_due(fine - 1).deliver.is_empty());
+        assert_eq!(wheel.clone().take_due(fine).deliver.len(), 1);
+        let marks = {
+            let mut taken = wheel.clone();
+            taken.take_due(fine);
+            taken.taken_below()
+        };
+        let mut again = DelayWheel::taken(marks.0, marks.1);
+        assert_eq!(
+            again.place(now + 25, now),
+            Placement::Now,
+            "placed as the taken wheel"
+        );
     }
 
     #[test]

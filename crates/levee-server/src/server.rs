@@ -506,6 +506,7 @@ fn queue_services(
     let apply_here = Arc::new(crate::queue::replicated::ApplyHere::new(
         Arc::clone(&consume_context.waiters),
         positions,
+        Some(Arc::clone(&consume_context.delayer)),
     ));
     Ok((queue_service, topic_service, consume_context, apply_here))
 }

@@ -1421,3 +1421,99 @@ fn given_a_group_whose_coordinator_is_killed_then_its_retries_and_dead_letters_a
         assert_eq!(times(&attempts, payload, true), 1, "{payload}");
     }
 }
+
+#[test]
+#[allow(clippy::too_many_lines, reason = "one scenario, step by step")]
+fn given_a_retry_and_a_delayed_message_waiting_when_the_coordinator_is_killed_then_the_new_one_delivers_them_when_due()
+ {
+    let runtime = runtime();
+    let directory = tempfile::tempdir().unwrap();
+    let (mut nodes, leaders, clients) = settled_three(&runtime, directory.path());
+    let topic = "reminders";
+    let (leader, others) = leader_of_topic(&leaders, &clients, topic);
+    let leader_node = nodes[usize::try_from(leader - 1).unwrap()]
+        .as_ref()
+        .unwrap();
+    let waiting =
+        |node: &LeveeProcess| support::metric_value(node, "levee_delayed_messages_waiting");
+    let attempts = Attempts::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let delay = Duration::from_secs(3);
+    let (published, kill_at) = runtime.block_on(async {
+        assert!(!clients[0].create_topic(topic, 2).await.unwrap());
+        others[0]
+            .set_retry_policy("billing", &[delay], 5)
+            .await
+            .unwrap();
+        others[0]
+            .publish(topic, &[(b"retry-1", b"retry-1")])
+            .await
+            .unwrap();
+        // Published through a node that does not lead the topic's shard: the message waits in
+        // the shard's slots, on every replica.
+        let published = Instant::now();
+        let due = others[0]
+            .publish_delayed(topic, &[(b"later-1", b"later-1")], delay)
+            .await
+            .unwrap();
+        assert!(due[0].1 > 0, "a due time is answered: {due:?}");
+        let running = spawn_failing_member(others[1], topic, &attempts, stopped);
+        (published, running)
+    });
+    let running = kill_at;
+    // The retry (judged by the coordinator) and the delayed message wait in the leader's
+    // shard slots.
+    wait_for(
+        "two messages waiting on the leader",
+        CONVERGE_TIMEOUT,
+        || waiting(leader_node) == 2,
+    );
+    // Once the member committed what it handled (else the new coordinator hands retry-1 out
+    // again, at least once, and it is retried again).
+    runtime.block_on(async {
+        let deadline = Instant::now() + CONVERGE_TIMEOUT;
+        loop {
+            let described = others[0].describe_group("billing", topic).await.unwrap();
+            if described
+                .partitions
+                .iter()
+                .all(|partition| partition.committed_offset == partition.next_offset)
+            {
+                break;
+            }
+            assert!(Instant::now() < deadline, "everything handled committed");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    assert!(
+        published.elapsed() < delay,
+        "the kill comes before the messages are due"
+    );
+    assert_eq!(times(&attempts, "later-1", false), 0, "not delivered early");
+    nodes[usize::try_from(leader - 1).unwrap()].take();
+    runtime.block_on(async {
+        let deadline = Instant::now() + CONVERGE_TIMEOUT;
+        while times(&attempts, "retry-1", true) == 0 || times(&attempts, "later-1", false) == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the new coordinator delivers the retry and the delayed message: {:?}",
+                attempts.lock().unwrap()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            published.elapsed() >= delay,
+            "delivered no earlier than due"
+        );
+        // Handled once each, and nothing waits any more.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let _ = stop.send(());
+        running.await.unwrap().unwrap();
+    });
+    assert_eq!(times(&attempts, "retry-1", false), 1);
+    assert_eq!(times(&attempts, "retry-1", true), 1);
+    assert_eq!(times(&attempts, "later-1", false), 1);
+    for node in nodes.iter().flatten() {
+        assert_eq!(waiting(node), 0, "nothing waits on node {}", node.grpc());
+    }
+}

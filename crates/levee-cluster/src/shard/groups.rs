@@ -42,6 +42,8 @@ pub const PEER_MESSAGE_BYTES_MAX: usize = 16 * (16 << 20);
 
 /// Longest a write waits for its shard to commit it (a leader elected, a quorum reached).
 pub const WRITE_WAIT_MAX: Duration = Duration::from_secs(2);
+/// How long a shard whose delivery of due delayed messages failed waits before the next try.
+const DELIVER_RETRY: Duration = Duration::from_secs(1);
 /// Pause between tries while a shard has no leader.
 const LEADER_WAIT_STEP: Duration = Duration::from_millis(20);
 /// Least time between two elections a node calls to lead a shard it is preferred for.
@@ -164,12 +166,25 @@ pub struct ShardGroups {
     claimed: Arc<std::sync::Mutex<std::collections::HashMap<ShardId, Claim>>>,
     /// Per shard: the term this node last led it in, and when it first saw that lead.
     led: Arc<std::sync::Mutex<std::collections::HashMap<ShardId, (u64, Instant)>>>,
+    /// Each shard's state machine here (its delay slots say when a delivery is due).
+    machines: Arc<Vec<ShardStateMachine>>,
+    /// Set when the groups shut down: the delivery task stops.
+    stopping: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl std::fmt::Debug for ShardGroups {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(formatter, "ShardGroups({} shards)", self.rafts.len())
     }
+}
+
+/// Milliseconds since the Unix epoch, by this node's clock (the time delay slots are due by).
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        })
 }
 
 /// The settings of every shard group: the metadata group's timings, no snapshots (the log is
@@ -204,6 +219,7 @@ impl ShardGroups {
         let channels = PeerChannels::new(dialer);
         let config = Arc::new(config);
         let mut rafts = Vec::with_capacity(shards as usize);
+        let mut machines = Vec::with_capacity(shards as usize);
         for shard in 0..shards {
             let log = LogStore::<ShardConfig>::open_in(keyspace.clone(), &format!("-{shard}"))
                 .map_err(|error| format!("shard {shard}'s log: {error}"))?
@@ -214,6 +230,7 @@ impl ShardGroups {
                 Some(Arc::clone(&observer)),
             )
             .map_err(|error| format!("shard {shard}'s state: {error}"))?;
+            machines.push(machine.clone());
             let raft = ShardRaft::new(
                 node_id,
                 Arc::clone(&config),
@@ -232,11 +249,75 @@ impl ShardGroups {
             syncer,
             claimed: Arc::default(),
             led: Arc::default(),
+            machines: Arc::new(machines),
+            stopping: Arc::new(tokio::sync::watch::Sender::new(false)),
         };
         for shard in 0..shards {
             tokio::spawn(groups.clone().note_leads(shard));
         }
+        tokio::spawn(groups.clone().deliver_due());
         Ok(groups)
+    }
+
+    /// Every [`levee_broker::delay::FINE_MS`] until the groups shut down: for each shard this
+    /// node leads whose next delay slot is due by this node's clock, proposes a
+    /// `ShardCommand::Deliver` (in its term, never forwarded; every replica then delivers the
+    /// same entries). A shard whose delivery failed (no quorum) is tried again after
+    /// [`DELIVER_RETRY`].
+    async fn deliver_due(self) {
+        let mut stopping = self.stopping.subscribe();
+        let mut tick = tokio::time::interval(Duration::from_millis(levee_broker::delay::FINE_MS));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut failed: std::collections::HashMap<ShardId, Instant> =
+            std::collections::HashMap::new();
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stopping.wait_for(|stopping| *stopping) => return,
+            }
+            let now_ms = unix_ms();
+            failed.retain(|_, at| at.elapsed() < DELIVER_RETRY);
+            let mut writes = tokio::task::JoinSet::new();
+            for (shard, machine) in (0..).zip(self.machines.iter()) {
+                if failed.contains_key(&shard)
+                    || machine.next_due_ms().is_none_or(|due| due > now_ms)
+                {
+                    continue;
+                }
+                let Some(term) = self
+                    .raft(shard)
+                    .and_then(|raft| Self::leads_in(self.node_id, &raft.metrics().borrow()))
+                else {
+                    continue;
+                };
+                let groups = self.clone();
+                writes.spawn(async move {
+                    let written = groups
+                        .write_in_term(shard, term, ShardCommand::Deliver { now_ms })
+                        .await;
+                    (shard, written)
+                });
+            }
+            while let Some(joined) = writes.join_next().await {
+                if let Ok((shard, Err(error))) = joined {
+                    tracing::warn!(shard, %error, "delivering the shard's due delayed messages failed; retrying in 1 s");
+                    failed.insert(shard, Instant::now());
+                }
+            }
+        }
+    }
+
+    /// Messages waiting in the delay slots of the shards this node leads.
+    pub fn delayed_waiting(&self) -> u64 {
+        (0..)
+            .zip(self.machines.iter())
+            .filter(|(shard, _)| {
+                self.raft(*shard).is_some_and(|raft| {
+                    Self::leads_in(self.node_id, &raft.metrics().borrow()).is_some()
+                })
+            })
+            .map(|(_, machine)| machine.delayed_waiting())
+            .sum()
     }
 
     /// Starts the hold of each new lead of `shard` by this node (see
@@ -440,6 +521,7 @@ impl ShardGroups {
 
     /// Stops every instance.
     pub async fn shutdown(&self) {
+        self.stopping.send_replace(true);
         for raft in self.rafts.iter() {
             if let Err(error) = raft.shutdown().await {
                 tracing::warn!(%error, "stopping a shard");

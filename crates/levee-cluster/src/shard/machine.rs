@@ -32,7 +32,9 @@ use openraft::{
 use serde::{Deserialize, Serialize};
 
 use crate::log_store::LogStore;
-use crate::shard::plan::{Plan, ShardProducers, deletes_queue, next_offset};
+use levee_broker::delay::DelayWheel;
+
+use crate::shard::plan::{Plan, ShardProducers, deletes_queue, next_offset, shard_wheel};
 use crate::shard::{
     ConsumerPosition, RefusedCode, ShardCommand, ShardConfig, ShardId, ShardResponse,
 };
@@ -75,6 +77,10 @@ pub trait ShardObserver: Send + Sync {
 
     /// `queue` was deleted: wakes whoever waits on it.
     fn deleted(&self, _shard: ShardId, _queue: &[u8]) {}
+
+    /// A `ShardCommand::Deliver` applied at `now_ms` delivered entries due at `due_ms` (each
+    /// one's due time) to their targets (told after [`ShardObserver::appended`]).
+    fn delivered(&self, _shard: ShardId, _now_ms: u64, _due_ms: &[u64]) {}
 }
 
 /// One queue's part of a batch: where it stood before, and how many messages the batch adds.
@@ -100,6 +106,24 @@ struct Applying {
     /// hold the shard's delete counter only).
     #[serde(default)]
     deleted: Option<Vec<u8>>,
+    /// The shard's delay wheel's marks after the batch (`DelayWheel::taken_below`): every
+    /// replica places delayed entries alike only with the same marks, so they are recorded
+    /// with every batch.
+    #[serde(default)]
+    delay_marks: (u64, u64),
+    /// When the batch is one `ShardCommand::Deliver`: what it did.
+    #[serde(default)]
+    delivered: Option<Delivered>,
+}
+
+/// What a `ShardCommand::Deliver` did, as its apply record keeps it: planned again from the
+/// marks before it and its time when a crash cut its appends short, its slots deleted (again)
+/// once they are whole.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Delivered {
+    now_ms: u64,
+    marks_before: (u64, u64),
+    slots: Vec<Vec<u8>>,
 }
 
 #[derive(Debug, Default)]
@@ -109,6 +133,9 @@ struct Applied {
     /// The store round that makes the last batch durable (under `interval`).
     ticket: Option<CommitTicket>,
     producers: ShardProducers,
+    /// The shard's delay slots (docs/CLUSTER.md, "Retries and delayed messages through the
+    /// shards").
+    wheel: DelayWheel,
 }
 
 /// A shard's state machine over the node's queue store. Clones share it.
@@ -138,7 +165,7 @@ type PlannedPositions<'a> = Vec<(&'a str, &'a [ConsumerPosition])>;
 /// consumers' positions they carry.
 fn plan_entries<'a>(
     plan: &mut Plan<'_>,
-    producers: &mut ShardProducers,
+    (producers, wheel): (&mut ShardProducers, &mut DelayWheel),
     entries: &'a [Entry<ShardConfig>],
     mut membership: StoredMembership<NodeId, NodeInfo>,
 ) -> (
@@ -150,18 +177,21 @@ fn plan_entries<'a>(
     let responses = entries
         .iter()
         .map(|entry| match &entry.payload {
-            // A delete is applied on its own (`ShardStateMachine::apply_delete`): planned, it
-            // appends nothing.
+            // A delete or a delivery is applied on its own (`ShardStateMachine::apply_delete`,
+            // `ShardStateMachine::apply_deliver`): planned, it appends nothing.
             EntryPayload::Blank
-            | EntryPayload::Normal(ShardCommand::Barrier | ShardCommand::Delete { .. }) => {
-                ShardResponse::Done
-            }
+            | EntryPayload::Normal(
+                ShardCommand::Barrier | ShardCommand::Delete { .. } | ShardCommand::Deliver { .. },
+            ) => ShardResponse::Done,
             EntryPayload::Membership(changed) => {
                 membership = StoredMembership::new(Some(entry.log_id), changed.clone());
                 ShardResponse::Done
             }
             EntryPayload::Normal(ShardCommand::Append { producer, messages }) => {
                 plan.append(producers, producer.as_deref(), messages)
+            }
+            EntryPayload::Normal(ShardCommand::Delay { now_ms, entries }) => {
+                plan.delay(wheel, *now_ms, entries)
             }
             EntryPayload::Normal(ShardCommand::Positions {
                 consumer,
@@ -183,6 +213,18 @@ fn delete_refusal(queue: &[u8]) -> Option<String> {
     levee_broker::names::is_reserved(queue).then(|| {
         "queue names starting with a zero byte are the server's own; choose another name".to_owned()
     })
+}
+
+/// Where each queue `plan` touches stood before it, and how many messages it adds.
+fn queue_starts(plan: &Plan<'_>) -> Vec<QueueStart> {
+    plan.queues
+        .iter()
+        .map(|(queue, (start, next))| QueueStart {
+            queue: queue.to_vec(),
+            start: *start,
+            count: next - start,
+        })
+        .collect()
 }
 
 /// The planned messages as the store takes them.
@@ -209,12 +251,18 @@ impl ShardStateMachine {
             applied: Arc::new(Mutex::new(Applied::default())),
             observer,
         };
-        if let Some(applying) = machine.log.read_meta::<Applying>(APPLYING_KEY)? {
-            machine.recover(&applying)?;
+        let applying = machine.log.read_meta::<Applying>(APPLYING_KEY)?;
+        if let Some(applying) = &applying {
+            machine.recover(applying)?;
         }
+        let marks = applying
+            .as_ref()
+            .map_or((0, 0), |applying| applying.delay_marks);
+        let wheel = shard_wheel(&machine.store, shard, marks);
         // The membership in force at the last applied entry, as the log itself records it
         // (openraft takes it from here and reads only the memberships after that entry).
         let mut applied = machine.lock();
+        applied.wheel = wheel;
         if let Some(last) = applied.last
             && let Some(logged) = machine.log.membership_at(last.index)?
             && logged.log_id() > applied.membership.log_id()
@@ -234,6 +282,17 @@ impl ShardStateMachine {
         self.applied.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// When the shard's next delay slot is due (ms since the Unix epoch), if one holds
+    /// messages: its leader proposes a `ShardCommand::Deliver` from then on.
+    pub fn next_due_ms(&self) -> Option<u64> {
+        self.lock().wheel.next_due_ms()
+    }
+
+    /// Messages waiting in the shard's delay slots.
+    pub fn delayed_waiting(&self) -> u64 {
+        self.lock().wheel.pending()
+    }
+
     /// Plans the recorded batch again from the state before it (the record's starts) and
     /// appends what of it the store does not hold.
     fn recover(&self, applying: &Applying) -> Result<(), StorageError> {
@@ -251,12 +310,28 @@ impl ShardStateMachine {
         let entries = self.log.entries(&(applying.from..=applying.last.index))?;
         let mut producers = ShardProducers::default();
         let mut plan = Plan::new((&self.store, self.shard), &start_of, &producer_limit);
-        let (_, _, positions) = plan_entries(
-            &mut plan,
-            &mut producers,
-            &entries,
-            StoredMembership::default(),
-        );
+        let mut positions = Vec::new();
+        if let Some(delivered) = &applying.delivered {
+            // Planned again only when its appends were cut short: its slots are all still
+            // there then (they go once the appends are durable).
+            let whole = applying
+                .queues
+                .iter()
+                .all(|queue| next_offset(&self.store, &queue.queue) >= queue.start + queue.count);
+            if !whole {
+                let mut wheel = shard_wheel(&self.store, self.shard, delivered.marks_before);
+                plan.deliver(&mut wheel, delivered.now_ms);
+            }
+        } else {
+            let mut wheel = DelayWheel::taken(applying.delay_marks.0, applying.delay_marks.1);
+            positions = plan_entries(
+                &mut plan,
+                (&mut producers, &mut wheel),
+                &entries,
+                StoredMembership::default(),
+            )
+            .2;
+        }
         // The messages of each queue past those the store holds (a queue's messages are
         // recovered as a prefix).
         let missing: Vec<(Bytes, Bytes, u64)> = plan
@@ -279,6 +354,15 @@ impl ShardStateMachine {
                 .get(&deletes_queue(self.shard)[..])
                 .map_or(0, |(start, _)| *start);
             self.finish_delete(queue, epoch)?;
+        }
+        for slot in applying
+            .delivered
+            .iter()
+            .flat_map(|delivered| &delivered.slots)
+        {
+            self.store
+                .delete_queue(slot)
+                .map_err(|error| io_error(&error))?;
         }
         tracing::info!(
             shard = self.shard,
@@ -327,15 +411,24 @@ impl ShardStateMachine {
         let mut responses = Vec::with_capacity(entries.len());
         let mut rest = entries;
         while !rest.is_empty() {
-            let deleting = |entry: &Entry<ShardConfig>| {
+            let alone = |entry: &Entry<ShardConfig>| {
                 matches!(
                     entry.payload,
-                    EntryPayload::Normal(ShardCommand::Delete { .. })
+                    EntryPayload::Normal(
+                        ShardCommand::Delete { .. } | ShardCommand::Deliver { .. }
+                    )
                 )
             };
-            let run = rest.iter().position(deleting).unwrap_or(rest.len());
+            let run = rest.iter().position(alone).unwrap_or(rest.len());
             if run == 0 {
-                responses.push(self.apply_delete(&rest[0])?);
+                let response = if let EntryPayload::Normal(ShardCommand::Deliver { now_ms }) =
+                    rest[0].payload
+                {
+                    self.apply_deliver(rest[0].log_id, now_ms)?
+                } else {
+                    self.apply_delete(&rest[0])?
+                };
+                responses.push(response);
                 rest = &rest[1..];
             } else {
                 responses.extend(self.apply_batch(&rest[..run])?);
@@ -384,6 +477,8 @@ impl ShardStateMachine {
                         count: 1,
                     }],
                     deleted: Some(queue.to_vec()),
+                    delay_marks: applied.wheel.taken_below(),
+                    delivered: None,
                 },
             )?;
             self.finish_delete(queue, epoch)?;
@@ -440,7 +535,7 @@ impl ShardStateMachine {
         let mut plan = Plan::new((&self.store, self.shard), &start_of, &producer_limit);
         let (responses, membership, positions) = plan_entries(
             &mut plan,
-            &mut applied.producers,
+            (&mut applied.producers, &mut applied.wheel),
             entries,
             applied.membership.clone(),
         );
@@ -458,15 +553,7 @@ impl ShardStateMachine {
                 .wait_durable(ticket)
                 .map_err(|error| io_error(&error))?;
         }
-        let queues: Vec<QueueStart> = plan
-            .queues
-            .iter()
-            .map(|(queue, (start, next))| QueueStart {
-                queue: queue.to_vec(),
-                start: *start,
-                count: next - start,
-            })
-            .collect();
+        let queues = queue_starts(&plan);
         self.log.write_meta_grouped(
             APPLYING_KEY,
             &Applying {
@@ -475,6 +562,8 @@ impl ShardStateMachine {
                 membership: membership.clone(),
                 queues,
                 deleted: None,
+                delay_marks: applied.wheel.taken_below(),
+                delivered: None,
             },
         )?;
         let (offsets, ticket) = self
@@ -506,19 +595,108 @@ impl ShardStateMachine {
         applied.last = Some(last_entry.log_id);
         applied.membership = membership;
         drop(guard);
-        if let Some(observer) = &self.observer {
-            let appended: Vec<(&[u8], u64, &[u8])> = plan
-                .batch
-                .iter()
-                .filter(|(queue, _, _)| {
-                    !queue.starts_with(levee_broker::names::PRODUCER_PREFIX)
-                        && !queue.starts_with(levee_broker::names::SHARD_DELETES_PREFIX)
-                })
-                .map(|(queue, payload, offset)| (&queue[..], *offset, &payload[..]))
-                .collect();
+        self.tell_appended(&plan.batch);
+        Ok(responses)
+    }
+
+    /// Tells the observer of the messages `batch` stored in readers' queues (not the shard's
+    /// own records: producers' runs, the delete counter, delay slots).
+    fn tell_appended(&self, batch: &[(Bytes, Bytes, u64)]) {
+        let Some(observer) = &self.observer else {
+            return;
+        };
+        let appended: Vec<(&[u8], u64, &[u8])> = batch
+            .iter()
+            .filter(|(queue, _, _)| {
+                !queue.starts_with(levee_broker::names::PRODUCER_PREFIX)
+                    && !queue.starts_with(levee_broker::names::SHARD_DELETES_PREFIX)
+                    && !queue.starts_with(levee_broker::names::DELAY_PREFIX)
+            })
+            .map(|(queue, payload, offset)| (&queue[..], *offset, &payload[..]))
+            .collect();
+        if !appended.is_empty() {
             observer.appended(self.shard, &appended);
         }
-        Ok(responses)
+    }
+
+    /// Applies one `ShardCommand::Deliver` at `now_ms` (see [`Plan::deliver`]): the previous
+    /// batch made durable, the due slots read and planned, an apply record naming the slots,
+    /// the marks before and the time, then the messages appended and made durable, and only
+    /// then the slots deleted. A crash in between is finished at the next start (planned again
+    /// while the appends are not whole, the slots deleted again).
+    fn apply_deliver(
+        &self,
+        log_id: LogId<NodeId>,
+        now_ms: u64,
+    ) -> Result<ShardResponse, StorageError> {
+        let mut guard = self.lock();
+        let applied = &mut *guard;
+        if let Some(ticket) = applied.ticket.take() {
+            // The slots' last entries readable, and the batch before whole.
+            self.store
+                .wait_durable(ticket)
+                .map_err(|error| io_error(&error))?;
+        }
+        let marks_before = applied.wheel.taken_below();
+        let mut wheel = applied.wheel.clone();
+        let start_of = |queue: &[u8]| next_offset(&self.store, queue);
+        let producer_limit = |_: &[u8]| None;
+        let mut plan = Plan::new((&self.store, self.shard), &start_of, &producer_limit);
+        let (slots, due) = plan.deliver(&mut wheel, now_ms);
+        if slots.is_empty() && wheel.taken_below() == marks_before {
+            // Nothing was due after all (an earlier `Deliver` took it): nothing to record.
+            applied.last = Some(log_id);
+            return Ok(ShardResponse::Done);
+        }
+        let queues = queue_starts(&plan);
+        self.log.write_meta_grouped(
+            APPLYING_KEY,
+            &Applying {
+                from: log_id.index,
+                last: log_id,
+                membership: applied.membership.clone(),
+                queues,
+                deleted: None,
+                delay_marks: wheel.taken_below(),
+                delivered: Some(Delivered {
+                    now_ms,
+                    marks_before,
+                    slots: slots.iter().map(|slot| slot.to_vec()).collect(),
+                }),
+            },
+        )?;
+        let (offsets, ticket) = self
+            .store
+            .append_batch_deferred(&store_batch(&plan.batch))
+            .map_err(|error| io_error(&error))?;
+        if offsets
+            .iter()
+            .zip(&plan.batch)
+            .any(|(stored, (_, _, planned))| stored != planned)
+        {
+            return Err(io_error(&std::io::Error::other(
+                "a delivery's messages got other offsets than the shard planned; this \
+                 replica's queues differ from the log",
+            )));
+        }
+        self.store
+            .wait_durable(ticket)
+            .map_err(|error| io_error(&error))?;
+        for slot in &slots {
+            self.store
+                .delete_queue(slot)
+                .map_err(|error| io_error(&error))?;
+        }
+        applied.wheel = wheel;
+        applied.last = Some(log_id);
+        drop(guard);
+        self.tell_appended(&plan.batch);
+        if let Some(observer) = &self.observer
+            && !due.is_empty()
+        {
+            observer.delivered(self.shard, now_ms, &due);
+        }
+        Ok(ShardResponse::Done)
     }
 }
 
@@ -697,6 +875,8 @@ mod tests {
                     last: batch[1].log_id,
                     membership: StoredMembership::default(),
                     deleted: None,
+                    delay_marks: (0, 0),
+                    delivered: None,
                     queues: vec![
                         QueueStart {
                             queue: b"q1".to_vec(),
@@ -791,6 +971,8 @@ mod tests {
                     last: batch[1].log_id,
                     membership: StoredMembership::default(),
                     deleted: None,
+                    delay_marks: (0, 0),
+                    delivered: None,
                     queues: vec![QueueStart {
                         queue: b"q1".to_vec(),
                         start: 1,
@@ -919,6 +1101,8 @@ mod tests {
                         count: 1,
                     }],
                     deleted: Some(b"q".to_vec()),
+                    delay_marks: (0, 0),
+                    delivered: None,
                 },
             )?;
             if counted {
@@ -1032,6 +1216,8 @@ mod tests {
                     last: entry.log_id,
                     membership: StoredMembership::default(),
                     deleted: None,
+                    delay_marks: (0, 0),
+                    delivered: None,
                     queues: vec![
                         QueueStart {
                             queue: b"q".to_vec(),
@@ -1097,6 +1283,139 @@ mod tests {
         let (last, stored) = machine.applied_state().await?;
         assert_eq!(last.map(|id| id.index), Some(3));
         assert_eq!(stored.log_id().map(|id| id.index), Some(2), "{stored:?}");
+        Ok(())
+    }
+
+    fn delay(index: u64, now_ms: u64, entries: &[(u64, &str)]) -> Entry<ShardConfig> {
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+            payload: EntryPayload::Normal(ShardCommand::Delay {
+                now_ms,
+                entries: entries
+                    .iter()
+                    .map(|(due_ms, body)| {
+                        Bytes::from(
+                            levee_broker::delay::DelayedEntry {
+                                due_ms: *due_ms,
+                                topic: "t".to_owned(),
+                                target: b"t".to_vec(),
+                                body: body.as_bytes().to_vec(),
+                            }
+                            .encode(),
+                        )
+                    })
+                    .collect(),
+            }),
+        }
+    }
+
+    fn deliver(index: u64, now_ms: u64) -> Entry<ShardConfig> {
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+            payload: EntryPayload::Normal(ShardCommand::Deliver { now_ms }),
+        }
+    }
+
+    /// The shard's slot queues in `store`.
+    fn slots(store: &Store) -> Vec<Vec<u8>> {
+        let mut found = Vec::new();
+        store.for_each_queue_with_prefix(&levee_broker::delay::shard_slots_prefix(0), |name| {
+            found.push(name.to_vec());
+        });
+        found
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_delayed_entries_when_their_slots_come_due_then_replicas_deliver_them_alike_across_a_restart()
+    -> Result<(), StorageError> {
+        use levee_broker::delay::{COARSE_MS, FINE_MS, HORIZON_MS, SPREAD_AHEAD_MS};
+        let now = 1_000_000;
+        let far = now + HORIZON_MS + 2 * COARSE_MS;
+        let entries = [
+            delay(1, now, &[(now, "now"), (now + 50, "soon"), (far, "far")]),
+            // Nothing due yet; the fine slots up to `now + 30` are taken all the same.
+            deliver(2, now + 30),
+            // A proposer whose clock is behind: its entry's slot was taken, so it goes at once.
+            delay(3, now + 20, &[(now + 25, "late-clock")]),
+            deliver(4, now + 100),
+            deliver(5, far - SPREAD_AHEAD_MS),
+            deliver(6, far + FINE_MS),
+        ];
+        let one = tempfile::tempdir().expect("a directory");
+        let two = tempfile::tempdir().expect("a directory");
+        let (store, mut machine) = open(one.path());
+        let mut answers = Vec::new();
+        for entry in &entries {
+            answers.extend(machine.apply(vec![entry.clone()]).await?);
+        }
+        assert_eq!(
+            answers[0],
+            ShardResponse::Appended {
+                offsets: vec![0, 0, 0]
+            },
+            "the first at once (offset 0), the others wait"
+        );
+        assert_eq!(answers[2], ShardResponse::Appended { offsets: vec![1] });
+        let delivered = ["now", "late-clock", "soon", "far"];
+        assert_eq!(messages(&store, "t"), delivered);
+        assert!(slots(&store).is_empty(), "every slot deleted");
+        assert_eq!(machine.next_due_ms(), None);
+        // Another replica, restarted half way: its marks come back with it, so it places and
+        // delivers alike.
+        {
+            let (_, mut replica) = open(two.path());
+            replica.apply(entries[..3].to_vec()).await?;
+            assert_eq!(replica.delayed_waiting(), 2);
+        }
+        let (replica_store, mut replica) = open(two.path());
+        assert_eq!(replica.delayed_waiting(), 2, "the slots found again");
+        assert_eq!(replica.next_due_ms(), Some(now + 60));
+        replica.apply(entries[3..].to_vec()).await?;
+        assert_eq!(messages(&replica_store, "t"), delivered);
+        assert!(slots(&replica_store).is_empty());
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_a_delivery_cut_short_by_a_crash_when_reopened_then_it_is_finished_once()
+    -> Result<(), StorageError> {
+        let now = 5_000_000;
+        let entries = [
+            delay(1, now, &[(now + 5, "a"), (now + 6, "b"), (now + 7, "c")]),
+            deliver(2, now + 20),
+        ];
+        // What a replica that was not cut short recorded for the delivery.
+        let whole = tempfile::tempdir().expect("a directory");
+        let (whole_store, mut reference) = open(whole.path());
+        reference.apply(entries.to_vec()).await?;
+        assert_eq!(messages(&whole_store, "t"), ["a", "b", "c"]);
+        let record: Applying = reference.log.read_meta(APPLYING_KEY)?.expect("a record");
+        assert!(record.delivered.is_some(), "{record:?}");
+        let directory = tempfile::tempdir().expect("a directory");
+        {
+            let (store, mut machine) = open(directory.path());
+            machine.apply(vec![entries[0].clone()]).await?;
+            // The delivery's record written, and only its first message stored, when the
+            // process died.
+            machine
+                .log
+                .write_entries(std::iter::once(entries[1].clone()))?;
+            machine.log.write_meta(APPLYING_KEY, &record)?;
+            store.append(b"t", b"a").expect("an append");
+            store.sync().expect("a sync");
+            assert_eq!(slots(&store).len(), 1);
+        }
+        let (store, mut reopened) = open(directory.path());
+        assert_eq!(messages(&store, "t"), ["a", "b", "c"]);
+        assert!(slots(&store).is_empty(), "the slot deleted once delivered");
+        assert_eq!(reopened.delayed_waiting(), 0);
+        assert_eq!(
+            reopened.applied_state().await?.0.map(|id| id.index),
+            Some(2)
+        );
+        drop((store, reopened));
+        let (store, _) = open(directory.path());
+        assert_eq!(messages(&store, "t"), ["a", "b", "c"], "nothing twice");
         Ok(())
     }
 }

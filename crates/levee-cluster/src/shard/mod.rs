@@ -96,6 +96,24 @@ pub enum ShardCommand {
         /// The queue's name.
         queue: Bytes,
     },
+    /// Messages that wait for their time (a consumer group's retries, delayed publishes),
+    /// each a `levee_broker::delay::DelayedEntry`'s bytes, placed by the shard's delay wheel
+    /// as of `now_ms` (the proposer's clock, ms since the Unix epoch): appended at once to its
+    /// target when due, else to one of the shard's slot queues. Answered with each entry's
+    /// offset in its target when appended at once, 0 when it waits.
+    Delay {
+        /// The proposer's clock.
+        now_ms: u64,
+        /// The entries.
+        entries: Vec<Bytes>,
+    },
+    /// Takes the shard's slots due at `now_ms` (the leader's clock, ms since the Unix epoch):
+    /// the coarse ones' entries placed again, the fine ones' delivered to their targets, then
+    /// the slots deleted. Proposed by the shard's leader only, when a slot is due.
+    Deliver {
+        /// The leader's clock.
+        now_ms: u64,
+    },
 }
 
 /// What applying one entry did.
@@ -184,6 +202,17 @@ mod tests {
             entry(1, EntryPayload::Blank),
             entry(2, EntryPayload::Normal(append)),
             entry(3, EntryPayload::Membership(membership)),
+            entry(
+                4,
+                EntryPayload::Normal(ShardCommand::Delay {
+                    now_ms: 17,
+                    entries: vec![Bytes::from_static(b"entry")],
+                }),
+            ),
+            entry(
+                5,
+                EntryPayload::Normal(ShardCommand::Deliver { now_ms: 18 }),
+            ),
         ] {
             let bytes = ShardConfig::encode_entry(&entry)?;
             let decoded = ShardConfig::decode_entry(&bytes)?;

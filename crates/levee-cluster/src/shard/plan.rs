@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 
+use levee_broker::delay::{DelayWheel, DelayedEntry, Placement, Slot, shard_slots_prefix};
 use levee_broker::names::{PRODUCER_PREFIX, SHARD_DELETES_PREFIX};
 use levee_broker::producer::{
     PRODUCERS_MAX, ProducerRuns, Run, SequenceError, Verdict, encode_runs, request_runs,
@@ -24,6 +25,13 @@ use crate::shard::{QueueMessage, RefusedCode, ShardId, ShardResponse};
 const QUEUE_NAME_BYTES_MAX: usize = 255;
 /// Most producer runs records read at once while loading a producer.
 const LOAD_BATCH_MESSAGES: usize = 1_000;
+/// One `ShardCommand::Deliver` takes whole due slots until its batch holds this many
+/// messages; the due slots left are taken by the next one (proposed at once).
+pub const DELIVER_MESSAGES_MAX: usize = 10_000;
+/// ... or this many bytes.
+pub const DELIVER_BYTES_MAX: usize = 16 << 20;
+/// Most messages one read of a slot takes.
+const SLOT_READ_MESSAGES: usize = 1_000;
 
 /// The producer queue of `producer` in `shard`.
 pub fn producer_queue(shard: ShardId, producer: &str) -> Bytes {
@@ -65,6 +73,42 @@ pub fn refusal(store: &Store, message: &QueueMessage) -> Option<String> {
         }
         .to_string()
     })
+}
+
+/// The delay wheel of `shard`'s slots in `store`: the slot queues found, with what they hold,
+/// over `taken` (the marks, see [`DelayWheel::taken_below`]).
+pub fn shard_wheel(store: &Store, shard: ShardId, taken: (u64, u64)) -> DelayWheel {
+    let mut wheel = DelayWheel::taken(taken.0, taken.1);
+    let mut found = Vec::new();
+    store.for_each_queue_with_prefix(&shard_slots_prefix(shard), |name| found.push(name.to_vec()));
+    for name in found {
+        if let (Some(slot), Ok(Some(info))) =
+            (Slot::parse_shard(&name, shard), store.queue_info(&name))
+        {
+            wheel.restore(slot, info.next_offset - info.first_offset);
+        }
+    }
+    wheel
+}
+
+/// Every entry of the slot queue `queue`, as stored (bytes).
+fn read_slot(store: &Store, queue: &[u8]) -> Vec<Bytes> {
+    let mut entries = Vec::new();
+    let Ok(Some(info)) = store.queue_info(queue) else {
+        return entries;
+    };
+    let mut offset = info.first_offset;
+    while offset < info.next_offset {
+        let Ok(batch) = store.read(queue, offset, SLOT_READ_MESSAGES, 4 << 20) else {
+            break;
+        };
+        if batch.is_empty() {
+            break;
+        }
+        offset = batch.next_offset();
+        entries.extend(batch.iter().map(Bytes::copy_from_slice));
+    }
+    entries
 }
 
 /// A queue's next offset in the store (0 for one that does not exist).
@@ -207,6 +251,119 @@ impl<'a> Plan<'a> {
         *next += 1;
         self.batch.push((queue.clone(), payload, offset));
         offset
+    }
+
+    /// Plans one `ShardCommand::Delay`: each entry placed by `wheel` as of `now_ms`, into
+    /// its target when due, else into its slot's queue; what it answers (each entry's offset
+    /// in its target, 0 when it waits). Refused whole when an entry is unreadable or a message
+    /// of it one the store would refuse.
+    pub fn delay(
+        &mut self,
+        wheel: &mut DelayWheel,
+        now_ms: u64,
+        entries: &[Bytes],
+    ) -> ShardResponse {
+        let mut decoded = Vec::with_capacity(entries.len());
+        for (index, bytes) in entries.iter().enumerate() {
+            let Some(entry) = DelayedEntry::decode(bytes) else {
+                return ShardResponse::Refused {
+                    code: RefusedCode::Invalid,
+                    reason: format!("delayed entry {index} is not one (unreadable)"),
+                };
+            };
+            // Checked as the slot's message: the larger of the two it may become.
+            let slot_message = QueueMessage {
+                queue: Bytes::from(entry.target.clone()),
+                payload: bytes.clone(),
+                sequence: 0,
+            };
+            if let Some(reason) = refusal(self.store, &slot_message) {
+                return ShardResponse::Refused {
+                    code: RefusedCode::Invalid,
+                    reason,
+                };
+            }
+            decoded.push(entry);
+        }
+        let offsets = decoded
+            .into_iter()
+            .zip(entries)
+            .map(|(entry, bytes)| self.place(wheel, now_ms, entry, bytes.clone()).unwrap_or(0))
+            .collect();
+        ShardResponse::Appended { offsets }
+    }
+
+    /// Places one delayed entry (`bytes`, decoded as `entry`) as of `now_ms`: its offset in
+    /// its target when appended at once, `None` when it waits in a slot.
+    fn place(
+        &mut self,
+        wheel: &mut DelayWheel,
+        now_ms: u64,
+        entry: DelayedEntry,
+        bytes: Bytes,
+    ) -> Option<u64> {
+        match wheel.place(entry.due_ms, now_ms) {
+            Placement::Now => Some(self.push(&Bytes::from(entry.target), Bytes::from(entry.body))),
+            Placement::Slot(slot) => {
+                self.push(&Bytes::from(slot.shard_queue(self.shard)), bytes);
+                None
+            }
+        }
+    }
+
+    /// Plans one `ShardCommand::Deliver` as of `now_ms`: takes the slots `wheel` says are
+    /// due, then, whole slot by whole slot until the batch holds [`DELIVER_MESSAGES_MAX`]
+    /// messages or [`DELIVER_BYTES_MAX`] bytes, places a coarse slot's entries again and
+    /// appends a fine slot's entries' bodies to their targets; the slots it took and did not
+    /// read are counted in `wheel` again (due: the next `Deliver` takes them). The slot queues
+    /// read, to delete once the batch is durable, and the due time of each entry delivered to
+    /// its target. Decided by the store's slots alone, so every replica plans the same.
+    pub fn deliver(&mut self, wheel: &mut DelayWheel, now_ms: u64) -> (Vec<Bytes>, Vec<u64>) {
+        let due = wheel.take_due(now_ms);
+        let slots = due
+            .spread
+            .iter()
+            .map(|&number| Slot::Coarse(number))
+            .chain(due.deliver.iter().map(|&number| Slot::Fine(number)));
+        let (mut read, mut delivered) = (Vec::new(), Vec::new());
+        let mut bytes = 0;
+        for slot in slots {
+            let queue = Bytes::from(slot.shard_queue(self.shard));
+            if self.batch.len() >= DELIVER_MESSAGES_MAX || bytes >= DELIVER_BYTES_MAX {
+                let count = self
+                    .store
+                    .queue_info(&queue)
+                    .ok()
+                    .flatten()
+                    .map_or(0, |info| info.next_offset - info.first_offset);
+                wheel.restore(slot, count);
+                continue;
+            }
+            for stored in read_slot(self.store, &queue) {
+                let Some(entry) = DelayedEntry::decode(&stored) else {
+                    tracing::warn!(
+                        ?slot,
+                        shard = self.shard,
+                        "a delayed entry is unreadable; skipped"
+                    );
+                    continue;
+                };
+                bytes += stored.len();
+                let due_ms = entry.due_ms;
+                let to_target = match slot {
+                    Slot::Coarse(_) => self.place(wheel, now_ms, entry, stored).is_some(),
+                    Slot::Fine(_) => {
+                        self.push(&Bytes::from(entry.target), Bytes::from(entry.body));
+                        true
+                    }
+                };
+                if to_target {
+                    delivered.push(due_ms);
+                }
+            }
+            read.push(queue);
+        }
+        (read, delivered)
     }
 
     /// Plans one append; what it answers.

@@ -6,10 +6,11 @@
 //! only once what it held is durable elsewhere, so a crash delivers an entry twice at worst,
 //! never loses one. At start the slots are found again from the store's queue names.
 //!
-//! In a cluster that replicates its queues the slots stay this node's own, but what is due
-//! (at once, or when its slot comes) is appended to its target through the target's shard
-//! ([`Delayer::append_through_shards`]), so a group's retry queues are the same on every
-//! replica (docs/CLUSTER.md, "Consumer groups on the shards").
+//! In a cluster that replicates its queues nothing waits here: every entry is written through
+//! its target's shard ([`Delayer::append_through_shards`], `ShardCommand::Delay`), which keeps
+//! its own slots on every replica and whose leader delivers them when due (docs/CLUSTER.md,
+//! "Retries and delayed messages through the shards"). Slots this node kept before (written
+//! by an older version) are still delivered, through the shards.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -41,7 +42,7 @@ pub fn unix_ms() -> u64 {
         })
 }
 
-/// What [`Delayer::schedule`] buffered: wait for `ticket`, append `through_shards` (see
+/// What [`Delayer::schedule`] buffered: wait for `ticket`, write `through_shards` (see
 /// [`Delayer::append_through_shards`]), then wake `topics` (entries due at once went straight
 /// to their queues, or are in `through_shards`).
 #[derive(Debug, Default)]
@@ -50,9 +51,9 @@ pub struct Scheduled {
     pub ticket: Option<CommitTicket>,
     /// Topics whose consumers to wake once durable.
     pub topics: Vec<String>,
-    /// In a cluster that replicates its queues: the entries due at once, to append to their
-    /// targets through the targets' shards.
-    pub through_shards: Vec<(Vec<u8>, Vec<u8>)>,
+    /// In a cluster that replicates its queues: every entry, to write through its target's
+    /// shard.
+    pub through_shards: Vec<DelayedEntry>,
 }
 
 /// Every waiting message of the server; see the module docs.
@@ -65,9 +66,8 @@ pub struct Delayer {
     /// Raised each time retries became readable in groups' retry queues: a consume stream
     /// reads its retry queues only when this moved since it last found them empty.
     retry_generation: std::sync::atomic::AtomicU64,
-    /// In a cluster that replicates its queues, due entries go to their targets through the
-    /// targets' shards (a group's retry queues are replicated): this node's slots still hold
-    /// what waits.
+    /// In a cluster that replicates its queues, every entry goes through its target's shard
+    /// (a group's retry queues and the shards' delay slots are replicated).
     replication: Option<crate::queue::replicated::Replication>,
 }
 
@@ -104,8 +104,8 @@ impl Delayer {
         }
     }
 
-    /// The delayer of a node of a cluster: due entries go to their targets through the
-    /// targets' shards when `replication` says the cluster replicates its queues.
+    /// The delayer of a node of a cluster: entries go through their targets' shards when
+    /// `replication` says the cluster replicates its queues.
     #[must_use]
     pub fn with_replication(mut self, replication: crate::queue::replicated::Replication) -> Self {
         self.replication = Some(replication);
@@ -117,20 +117,24 @@ impl Delayer {
         crate::queue::replicated::Replication::groups_if_replicated(self.replication.as_ref())
     }
 
-    /// Appends due `entries` (target, body) through their targets' shards (see
-    /// [`crate::queue::replicated::Replication::append_records`]), then says the retries are
-    /// readable.
+    /// Writes `entries` through their targets' shards (see
+    /// [`crate::queue::replicated::Replication::delay_records`]), then says the retries are
+    /// readable; each entry's offset in its target when it was due at once, 0 when it waits.
     pub async fn append_through_shards(
         &self,
-        entries: Vec<(Vec<u8>, Vec<u8>)>,
-    ) -> Result<(), WireError> {
+        entries: Vec<DelayedEntry>,
+    ) -> Result<Vec<u64>, WireError> {
         if entries.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
-        crate::queue::replicated::Replication::append_records(self.replication.as_ref(), entries)
-            .await?;
+        let offsets = crate::queue::replicated::Replication::delay_records(
+            self.replication.as_ref(),
+            &entries,
+            unix_ms(),
+        )
+        .await?;
         self.retries_visible();
-        Ok(())
+        Ok(offsets)
     }
 
     /// Says that retries appended to retry queues are now readable (durable under
@@ -138,6 +142,20 @@ impl Delayer {
     pub fn retries_visible(&self) {
         self.retry_generation
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    /// Counts entries delivered at `now_ms` whose due times were `due_ms` (by a shard this
+    /// node replicates).
+    pub fn count_delivered(&self, now_ms: u64, due_ms: &[u64]) {
+        for &due in due_ms {
+            let late = Duration::from_millis(now_ms.saturating_sub(due));
+            self.metrics
+                .delayed_delivery_lateness_seconds
+                .observe(late.as_secs_f64());
+        }
+        self.metrics
+            .delayed_messages_delivered
+            .inc_by(due_ms.len() as u64);
     }
 
     /// The count [`Delayer::retries_visible`] raises.
@@ -162,18 +180,21 @@ impl Delayer {
         if entries.is_empty() {
             return Ok(scheduled);
         }
-        let through_shards = self.shards()?.is_some();
+        if self.shards()?.is_some() {
+            for entry in entries {
+                if entry.due_ms <= now_ms && !scheduled.topics.contains(&entry.topic) {
+                    scheduled.topics.push(entry.topic.clone());
+                }
+            }
+            scheduled.through_shards = entries.to_vec();
+            return Ok(scheduled);
+        }
         let mut encoded = Vec::with_capacity(entries.len());
         let mut wheel = lock(&self.wheel);
         for entry in entries {
             match wheel.place(entry.due_ms, now_ms) {
                 Placement::Now => {
-                    let due = (entry.target.clone(), entry.body.clone());
-                    if through_shards {
-                        scheduled.through_shards.push(due);
-                    } else {
-                        encoded.push(due);
-                    }
+                    encoded.push((entry.target.clone(), entry.body.clone()));
                     if !scheduled.topics.contains(&entry.topic) {
                         scheduled.topics.push(entry.topic.clone());
                     }
@@ -208,7 +229,13 @@ impl Delayer {
 
     /// Messages waiting now.
     pub fn waiting(&self) -> u64 {
-        lock(&self.wheel).pending()
+        let shards = self
+            .replication
+            .as_ref()
+            .and_then(crate::queue::replicated::Replication::groups)
+            .and_then(Result::ok)
+            .map_or(0, levee_cluster::shard::ShardGroups::delayed_waiting);
+        lock(&self.wheel).pending() + shards
     }
 
     /// Delivers due fine slots every [`FINE_MS`], and spreads due coarse slots every
@@ -250,6 +277,12 @@ impl Delayer {
             }
             let due = take(&mut lock(&self.wheel), unix_ms());
             if due.is_empty() {
+                if self.replication.is_some() {
+                    // The shards' slots this node leads change without this node's wheel.
+                    self.metrics
+                        .delayed_messages_waiting
+                        .set(i64::try_from(self.waiting()).unwrap_or(i64::MAX));
+                }
                 continue;
             }
             // In a replicated cluster never the local path, even while the shards open.
@@ -397,7 +430,7 @@ impl Delayer {
                         if !topics.contains(&entry.topic) {
                             topics.push(entry.topic.clone());
                         }
-                        targets.push((entry.target, entry.body));
+                        targets.push(entry);
                     }
                     Ok(())
                 })?;

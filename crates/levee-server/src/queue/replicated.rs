@@ -251,8 +251,35 @@ pub enum Coordinator {
     },
 }
 
-/// Records one shard append of [`Replication::append_records`] carries, at most.
+/// Records one shard append of [`Replication::append_records`] (or one write of
+/// [`Replication::delay_records`]) carries, at most ...
 const RECORDS_PER_APPEND_MAX: usize = 1_000;
+/// ... and bytes, past its first record (a log entry stays well within a peer message).
+const RECORD_BYTES_PER_APPEND_MAX: usize = 8 << 20;
+
+/// Splits `items` into runs of at most [`RECORDS_PER_APPEND_MAX`] items and, past each run's
+/// first, [`RECORD_BYTES_PER_APPEND_MAX`] bytes as `bytes` counts them.
+fn bounded_runs<T>(items: Vec<T>, bytes: impl Fn(&T) -> usize) -> Vec<Vec<T>> {
+    let mut runs: Vec<Vec<T>> = Vec::new();
+    let mut run_bytes = 0;
+    for item in items {
+        let size = bytes(&item);
+        match runs.last_mut() {
+            Some(run)
+                if run.len() < RECORDS_PER_APPEND_MAX
+                    && run_bytes + size <= RECORD_BYTES_PER_APPEND_MAX =>
+            {
+                run_bytes += size;
+                run.push(item);
+            }
+            _ => {
+                run_bytes = size;
+                runs.push(vec![item]);
+            }
+        }
+    }
+    runs
+}
 /// Channels [`Replication`] keeps for forwarded reads; past it they are opened again.
 const FORWARD_CHANNELS_MAX: usize = 64;
 
@@ -269,6 +296,8 @@ pub struct ApplyHere {
     /// written on another node before it applied the delete) is dropped, even after a
     /// compaction of the consumer's log dropped the delete's forget.
     recent_deletes: std::sync::Mutex<BTreeMap<ShardId, RecentDeletes>>,
+    /// The node's delayer, if any: told when a shard appended retries.
+    delayer: Option<Arc<crate::queue::delay::Delayer>>,
 }
 
 /// A shard's recent deletes: each queue's latest delete epoch, and the queues oldest first.
@@ -282,11 +311,17 @@ struct RecentDeletes {
 const RECENT_DELETES_MAX: usize = 1_024;
 
 impl ApplyHere {
-    /// What this node's replicas do beyond their store, on `waiters` and `positions`.
-    pub fn new(waiters: Arc<Waiters>, positions: Arc<PositionLogs>) -> Self {
+    /// What this node's replicas do beyond their store, on `waiters`, `positions` and
+    /// `delayer` (told when retries became readable, and counting deliveries).
+    pub fn new(
+        waiters: Arc<Waiters>,
+        positions: Arc<PositionLogs>,
+        delayer: Option<Arc<crate::queue::delay::Delayer>>,
+    ) -> Self {
         Self {
             waiters,
             positions,
+            delayer,
             recent_deletes: std::sync::Mutex::default(),
         }
     }
@@ -367,10 +402,25 @@ impl ShardObserver for ApplyHere {
         self.waiters.note_deleted(queue);
     }
 
+    fn delivered(&self, _shard: ShardId, now_ms: u64, due_ms: &[u64]) {
+        if let Some(delayer) = &self.delayer {
+            delayer.count_delivered(now_ms, due_ms);
+        }
+    }
+
     fn appended(&self, _shard: ShardId, appended: &[(&[u8], u64, &[u8])]) {
-        let (partitions, plain): (Vec<_>, Vec<_>) = appended
+        type Stored<'a> = &'a (&'a [u8], u64, &'a [u8]);
+        let (partitions, plain): (Vec<Stored<'_>>, Vec<Stored<'_>>) = appended
             .iter()
             .partition(|(queue, _, _)| levee_broker::names::is_reserved(queue));
+        if let Some(delayer) = &self.delayer
+            && partitions
+                .iter()
+                .any(|appended| appended.0.starts_with(levee_broker::names::RETRY_PREFIX))
+        {
+            // Before the topic is woken: its streams look at their retry queues again.
+            delayer.retries_visible();
+        }
         let plain: Vec<Appended<'_>> = plain
             .into_iter()
             .map(|&(queue, offset, payload)| Appended {
@@ -857,11 +907,9 @@ impl Replication {
                 "records for the shards on a node whose queues are not replicated",
             ));
         };
-        let mut records = records.into_iter().peekable();
-        while records.peek().is_some() {
-            let messages = records
-                .by_ref()
-                .take(RECORDS_PER_APPEND_MAX)
+        for run in bounded_runs(records, |(queue, payload)| queue.len() + payload.len()) {
+            let messages = run
+                .into_iter()
                 .map(|(queue, payload)| AppendMessage {
                     queue: levee_proto::Bytes::from(queue),
                     payload: levee_proto::Bytes::from(payload),
@@ -871,6 +919,70 @@ impl Replication {
             Self::append(&groups, None, messages).await?;
         }
         Ok(())
+    }
+
+    /// Writes delayed `entries` through their targets' shards as of `now_ms`
+    /// (`ShardCommand::Delay`, at most [`RECORDS_PER_APPEND_MAX`] per write): each shard
+    /// places them in its own delay slots, or appends those due at once to their targets, on
+    /// every replica alike, and its leader delivers them when due (docs/CLUSTER.md, "Retries
+    /// and delayed messages through the shards"). Each entry's offset in its target when it
+    /// was appended at once, 0 when it waits; answered once a majority of each shard holds
+    /// them.
+    pub async fn delay_records(
+        replication: Option<&Self>,
+        entries: &[levee_broker::delay::DelayedEntry],
+        now_ms: u64,
+    ) -> Result<Vec<u64>, WireError> {
+        let Some(groups) = Self::groups_if_replicated(replication)? else {
+            return Err(WireError::new(
+                ErrorCode::Internal,
+                "delayed messages for the shards on a node whose queues are not replicated",
+            ));
+        };
+        let shards = groups.shards();
+        let mut parts: BTreeMap<ShardId, (Vec<usize>, Vec<levee_proto::Bytes>)> = BTreeMap::new();
+        for (index, entry) in entries.iter().enumerate() {
+            let part = parts
+                .entry(shard_of_queue(&entry.target, shards))
+                .or_default();
+            part.0.push(index);
+            part.1.push(levee_proto::Bytes::from(entry.encode()));
+        }
+        let mut offsets = vec![0; entries.len()];
+        for (shard, (places, encoded)) in parts {
+            let runs = bounded_runs(places.into_iter().zip(encoded).collect(), |(_, entry)| {
+                entry.len()
+            });
+            for run in runs {
+                let (places, encoded): (Vec<usize>, Vec<levee_proto::Bytes>) =
+                    run.into_iter().unzip();
+                let command = ShardCommand::Delay {
+                    now_ms,
+                    entries: encoded,
+                };
+                let response = groups
+                    .write(shard, command)
+                    .await
+                    .map_err(|error| shard_error(&error))?;
+                match response {
+                    ShardResponse::Appended { offsets: written }
+                        if written.len() == places.len() =>
+                    {
+                        for (&place, offset) in places.iter().zip(written) {
+                            offsets[place] = offset;
+                        }
+                    }
+                    ShardResponse::Refused { code, reason } => return Err(refused(code, &reason)),
+                    other => {
+                        return Err(WireError::new(
+                            ErrorCode::Internal,
+                            format!("shard {shard} answered delayed messages with {other:?}"),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(offsets)
     }
 
     /// Appends `messages` through their shards (as idempotent `producer`'s, if given); their
@@ -1059,6 +1171,25 @@ mod tests {
     }
 
     #[test]
+    fn given_records_then_runs_are_bounded_by_count_and_bytes_and_keep_their_order() {
+        let small: Vec<usize> = (0..2_500).collect();
+        let runs = bounded_runs(small, |_| 10);
+        assert_eq!(
+            runs.iter().map(Vec::len).collect::<Vec<_>>(),
+            [1_000, 1_000, 500]
+        );
+        assert_eq!(runs.concat(), (0..2_500).collect::<Vec<_>>());
+        let large = vec![5 << 20, 5 << 20, 1, RECORD_BYTES_PER_APPEND_MAX * 2, 1];
+        let runs = bounded_runs(large.clone(), |size| *size);
+        assert_eq!(
+            runs.iter().map(Vec::len).collect::<Vec<_>>(),
+            [1, 2, 1, 1],
+            "a run passes the bound only with its first record"
+        );
+        assert_eq!(runs.concat(), large);
+    }
+
+    #[test]
     fn given_a_replicated_delete_then_acks_taken_before_it_are_dropped_and_later_ones_kept() {
         let directory = tempfile::tempdir().unwrap();
         let store = Arc::new(
@@ -1071,7 +1202,7 @@ mod tests {
             1_000,
             Counter::default(),
         ));
-        let here = ApplyHere::new(Arc::new(Waiters::default()), Arc::clone(&positions));
+        let here = ApplyHere::new(Arc::new(Waiters::default()), Arc::clone(&positions), None);
         let queues = [b"q".to_vec().into_boxed_slice()];
         let read = || positions.open("app").positions(&queues).unwrap()[0];
         here.positions(0, "app", &[position(b"q", 0, 5)]).unwrap();

@@ -319,23 +319,6 @@ impl TopicService {
             .read_elsewhere(&levee_broker::names::partition_queue(topic, 0), metadata)
     }
 
-    /// The shard groups a publish goes through when the cluster replicates its queues
-    /// (`None` when it does not); refuses `delayed` messages there (not built yet).
-    fn replicated_publish(
-        &self,
-        delayed: bool,
-    ) -> Result<Option<levee_cluster::shard::ShardGroups>, WireError> {
-        let replicated = self.queues.replicated()?;
-        if replicated.is_some() && delayed {
-            return Err(WireError::new(
-                ErrorCode::FailedPrecondition,
-                "delayed publishing (delay_ms, deliver_at_ms) in a cluster that replicates its \
-                 queues is not built yet (docs/CLUSTER.md, \"Part 2\"); publish without a delay",
-            ));
-        }
-        Ok(replicated)
-    }
-
     /// Publishes through the topic's shard: the partitions' messages are replicated like a
     /// plain queue's, an idempotent producer's judged in the shard's log. The offsets.
     async fn publish_replicated(
@@ -362,6 +345,28 @@ impl TopicService {
         crate::queue::replicated::Replication::append(groups, producer, messages).await
     }
 
+    /// A request's messages as delayed entries (one not delayed is due `now`).
+    fn delayed_entries(
+        topic: &Topic,
+        partitions: &[u32],
+        messages: &[(levee_proto::Bytes, u64)],
+        due: &[u64],
+        now: u64,
+    ) -> Vec<DelayedEntry> {
+        partitions
+            .iter()
+            .zip(messages)
+            .zip(due)
+            .map(|((&partition, (payload, _)), &due_ms)| DelayedEntry {
+                // A message not delayed is due now: it is appended at once.
+                due_ms: due_ms.max(now),
+                topic: topic.name.clone(),
+                target: topic.queues[partition as usize].clone(),
+                body: payload.to_vec(),
+            })
+            .collect()
+    }
+
     /// Publishes a request with delayed messages: those due later wait in the delayer, the
     /// others are appended at once. Returns the offsets (0 for the delayed ones) once durable.
     async fn publish_delayed(
@@ -372,18 +377,7 @@ impl TopicService {
         due: &[u64],
         now: u64,
     ) -> Result<Vec<u64>, WireError> {
-        let entries: Vec<DelayedEntry> = partitions
-            .iter()
-            .zip(messages)
-            .zip(due)
-            .map(|((&partition, (payload, _)), &due_ms)| DelayedEntry {
-                // A message not delayed is due now: the delayer appends it at once.
-                due_ms: due_ms.max(now),
-                topic: topic.name.clone(),
-                target: topic.queues[partition as usize].clone(),
-                body: payload.to_vec(),
-            })
-            .collect();
+        let entries = Self::delayed_entries(topic, partitions, messages, due, now);
         let (delayed, immediate): (Vec<_>, Vec<_>) =
             (0..entries.len()).partition(|&index| due[index] > now);
         let mut offsets = vec![0; entries.len()];
@@ -525,7 +519,7 @@ impl TopicsApi for TopicService {
         if !due.is_empty() {
             due.resize(count, 0);
         }
-        let replicated = self.replicated_publish(!due.is_empty())?;
+        let replicated = self.queues.replicated()?;
         for message in request.messages {
             let partition = partition_of(&topic, &message)?;
             partitions.push(partition);
@@ -536,7 +530,11 @@ impl TopicsApi for TopicService {
             .admit_producer(&request.producer_name, count as u64)
             .await?;
         let queue_of = |partition: u32| &topic.queues[partition as usize];
-        let offsets = if let Some(groups) = &replicated {
+        let offsets = if replicated.is_some() && !due.is_empty() {
+            // Through the topic's shard, which keeps the delayed ones in its slots.
+            let entries = Self::delayed_entries(&topic, &partitions, &messages, &due, now);
+            self.context.delayer.append_through_shards(entries).await?
+        } else if let Some(groups) = &replicated {
             Self::publish_replicated(
                 groups,
                 &topic,
