@@ -809,6 +809,7 @@ impl Runner {
                             .as_u64()
                             .map_or(0, |partition| small(partition) + 1),
                         sequence: message["sequence"].as_u64().unwrap_or(0),
+                        delay_ms: message["delay_ms"].as_u64().unwrap_or(0),
                         ..PublishMessage::default()
                     });
                 }
