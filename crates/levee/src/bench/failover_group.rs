@@ -9,6 +9,14 @@
 //! failover must never hand them out again); `not_delivered` the published messages never
 //! delivered; `unknown_seen` deliveries that were never published at their place.
 //! `group_failover_ms`: from a kill of the coordinator to the next answered commit.
+//!
+//! Every [`DELAYED_EVERY`]th message is also published delayed by [`DELAY`] (a plain publish,
+//! resent through the next node until answered: delayed messages are not deduplicated), so
+//! delayed messages wait in the shard's delay slots while its leaders are killed
+//! (docs/CLUSTER.md, "Retries and delayed messages through the shards"). `delayed_lost`
+//! counts the answered ones never delivered, `delayed_early` those delivered before the time
+//! their publish answered (the processes share this machine's clock), `delayed_twice` those
+//! delivered more than once (a resend of a publish whose answer was lost stores it again).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -38,6 +46,12 @@ const PUBLISH_INTERVAL: Duration = Duration::from_millis(5);
 const MESSAGES_MAX: usize = 1_000_000;
 /// Longest the member may take, once publishing stopped, to be handed every message.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// One message in this many is also published delayed.
+const DELAYED_EVERY: u64 = 10;
+/// How long a delayed message waits.
+const DELAY: Duration = Duration::from_millis(700);
+/// The payload prefix of delayed messages.
+const DELAYED_PREFIX: &[u8] = b"delayed-";
 
 /// What the publisher and the member recorded.
 #[derive(Debug, Default)]
@@ -57,6 +71,12 @@ pub(super) struct GroupRun {
     commit_times: Vec<Instant>,
     /// Streams opened after the first.
     rejoined: u64,
+    /// Each answered delayed message's payload, and when its publish said it is due (ms
+    /// since the Unix epoch).
+    delayed: BTreeMap<Vec<u8>, u64>,
+    /// Each delayed message delivered: when it first was (ms since the Unix epoch), and how
+    /// many times.
+    delayed_seen: BTreeMap<Vec<u8>, (u64, u64)>,
 }
 
 /// The run's record, shared by its tasks.
@@ -190,12 +210,57 @@ async fn publish_continuously(
             .copied()
             .context("a publish answered nothing")?;
         lock(&run).published.insert(place, key.into_bytes());
+        if number % DELAYED_EVERY == 0 {
+            publish_delayed(&clients, (&topic, number), &run, &mut node).await?;
+        }
         tokio::select! {
             () = tokio::time::sleep(PUBLISH_INTERVAL) => {}
             _ = stop.changed() => {}
         }
     }
     Ok(())
+}
+
+/// Publishes message `number` delayed by [`DELAY`], resent through the next node until
+/// answered, and records when it is due.
+async fn publish_delayed(
+    clients: &[Client],
+    (topic, number): (&str, u64),
+    run: &Shared,
+    node: &mut usize,
+) -> anyhow::Result<()> {
+    let mut payload = DELAYED_PREFIX.to_vec();
+    payload.extend_from_slice(number.to_string().as_bytes());
+    let messages = [(payload.as_slice(), payload.as_slice())];
+    let started = Instant::now();
+    loop {
+        match clients[*node % clients.len()]
+            .publish_delayed(topic, &messages, DELAY)
+            .await
+        {
+            Ok(due) => {
+                let due_ms = due.first().map_or(0, |(_, due_ms)| *due_ms);
+                lock(run).delayed.insert(payload, due_ms);
+                return Ok(());
+            }
+            Err(error) if started.elapsed() < PUBLISH_TIMEOUT => {
+                tracing::debug!(%error, "a delayed publish failed; resending through the next node");
+                lock(run).resent += 1;
+                *node += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(error) => return Err(error).context("publishing a delayed message"),
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch, by this machine's clock.
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        })
 }
 
 /// The group's one member: a stream through one node after another, committing after every
@@ -272,7 +337,14 @@ async fn one_stream(
                 if delivery.offset < run.confirmed.get(&delivery.partition).copied().unwrap_or(0) {
                     run.commit_redelivered += 1;
                 }
-                if run.seen.len() < MESSAGES_MAX {
+                if delivery.payload.starts_with(DELAYED_PREFIX) {
+                    // Its place is not known before it is delivered: checked by its payload.
+                    let seen = run
+                        .delayed_seen
+                        .entry(delivery.payload.to_vec())
+                        .or_insert((unix_ms(), 0));
+                    seen.1 += 1;
+                } else if run.seen.len() < MESSAGES_MAX {
                     run.seen.push((
                         delivery.partition,
                         delivery.offset,
@@ -341,6 +413,10 @@ async fn wait_drained(run: &Shared) {
             let run = lock(run);
             let seen: BTreeSet<(u32, u64)> = run.seen.iter().map(|(p, o, _)| (*p, *o)).collect();
             run.published.keys().all(|place| seen.contains(place))
+                && run
+                    .delayed
+                    .keys()
+                    .all(|payload| run.delayed_seen.contains_key(payload))
         };
         if drained {
             return;
@@ -366,7 +442,30 @@ fn report(run: &Shared, failovers: &Histogram<u64>) -> (Value, bool) {
             run.published.get(&(*partition, *offset)) != Some(payload)
         })
         .count();
-    let wrong = run.commit_redelivered > 0 || not_delivered > 0 || unknown_seen > 0;
+    let delayed_lost = run
+        .delayed
+        .keys()
+        .filter(|payload| !run.delayed_seen.contains_key(*payload))
+        .count();
+    let delayed_early = run
+        .delayed
+        .iter()
+        .filter(|(payload, due_ms)| {
+            run.delayed_seen
+                .get(*payload)
+                .is_some_and(|(seen_ms, _)| *seen_ms < **due_ms)
+        })
+        .count();
+    let delayed_twice = run
+        .delayed_seen
+        .values()
+        .filter(|(_, times)| *times > 1)
+        .count();
+    let wrong = run.commit_redelivered > 0
+        || not_delivered > 0
+        || unknown_seen > 0
+        || delayed_lost > 0
+        || delayed_early > 0;
     let report = json!({
         "published": run.published.len(),
         "publishes_resent": run.resent,
@@ -376,6 +475,10 @@ fn report(run: &Shared, failovers: &Histogram<u64>) -> (Value, bool) {
         "commit_redelivered": run.commit_redelivered,
         "not_delivered": not_delivered,
         "unknown_seen": unknown_seen,
+        "delayed_published": run.delayed.len(),
+        "delayed_lost": delayed_lost,
+        "delayed_early": delayed_early,
+        "delayed_twice": delayed_twice,
         "coordinator_kills": failovers.len(),
         "group_failover_ms": super::percentiles_ms(failovers),
     });
