@@ -421,7 +421,8 @@ class Runner:
     async def op_publish(self, topic: str, messages: List[Dict[str, Any]], producer_id: str = "",
                          server: int = 0) -> Dict[str, Any]:
         records = [levee.Record(to_bytes(m.get("payload", "")), to_bytes(m.get("key", "")),
-                                m.get("partition"), m.get("sequence", 0)) for m in messages]
+                                m.get("partition"), m.get("sequence", 0), m.get("delay_ms", 0))
+                   for m in messages]
         published = await (await self.client(server)).publish(topic, records, producer_id)
         return {"partitions": [p.partition for p in published], "offsets": [p.offset for p in published]}
 

@@ -69,6 +69,14 @@ CASES: List[Case] = [
     ("producer name too long", lambda c: c.set_producer_rate("n" * 65, 1),
      lambda ch: topic_pb2_grpc.TopicsStub(ch).SetProducerRate(topic_pb2.SetProducerRateRequest(
          producer_name="n" * 65, messages_per_s=1))),
+    ("publish delay too long", lambda c: c.publish("delays", [levee.Record(b"v", delay_ms=604_800_001)]),
+     lambda ch: (topic_pb2_grpc.TopicsStub(ch).CreateTopic(topic_pb2.CreateTopicRequest(topic="delays", partitions=1)),
+                 topic_pb2_grpc.TopicsStub(ch).Publish(topic_pb2.PublishRequest(topic="delays", messages=[
+                     topic_pb2.PublishMessage(payload=b"v", delay_ms=604_800_001)])))),
+    ("publish delayed with producer id", lambda c: c.publish("delays", [levee.Record(b"v", delay_ms=1000)], "p"),
+     lambda ch: (topic_pb2_grpc.TopicsStub(ch).CreateTopic(topic_pb2.CreateTopicRequest(topic="delays", partitions=1)),
+                 topic_pb2_grpc.TopicsStub(ch).Publish(topic_pb2.PublishRequest(topic="delays", producer_id="p", messages=[
+                     topic_pb2.PublishMessage(payload=b"v", delay_ms=1000)])))),
     ("read empty queue", lambda c: c.read(b""),
      lambda ch: queue_pb2_grpc.QueuesStub(ch).Read(queue_pb2.ReadRequest(queue=b""))),
     ("read too many", lambda c: c.read(b"q", 0, 10001),

@@ -8,7 +8,7 @@ message (see validation.py), so nothing invalid crosses the network.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import (
     Any,
     Awaitable,
@@ -63,6 +63,10 @@ class Record:
     partition: Optional[int] = None
     sequence: int = 0
     """With a producer_id: this producer's sequence number on the message's partition."""
+    delay_ms: int = 0
+    """Deliver no earlier than this many ms from now (0: at once), at most 604800000 (7 days).
+    A delayed message is stored durably at once and appended to its partition (getting its
+    offset) when due; it cannot be published with a producer_id."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,10 @@ class Published:
 
     partition: int
     offset: int
+    """Its offset in the partition; 0 for a delayed message (it gets one when delivered)."""
+    deliver_at_ms: int = 0
+    """When a delayed message will be delivered (ms since the Unix epoch, by the server's
+    clock); 0 for a message stored at once."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +171,9 @@ def _message(item: AppendInput) -> QueueMessage:
 
 def _record(item: PublishInput) -> Record:
     if isinstance(item, Record):
-        return Record(to_bytes(item.payload), to_bytes(item.key), item.partition, item.sequence)
+        return Record(
+            to_bytes(item.payload), to_bytes(item.key), item.partition, item.sequence, item.delay_ms
+        )
     key, payload = item
     return Record(to_bytes(payload), to_bytes(key))
 
@@ -521,9 +531,14 @@ class Client:
     async def publish(
         self, topic: str, messages: Iterable[PublishInput], producer_id: str = ""
     ) -> List[Published]:
-        """Publishes messages ((key, payload) pairs or `Record`s); returns where each went."""
+        """Publishes messages ((key, payload) pairs or `Record`s); returns where each went once
+        stored durably. A `Record` with a `delay_ms` is delivered that much later (its
+        `Published` has offset 0 and `deliver_at_ms`); delayed messages cannot have a
+        `producer_id`."""
         records = [_record(item) for item in messages]
         validation.check_message_count(len(records), "publish")
+        for record in records:
+            validation.check_delay_ms(record.delay_ms, producer_id)
         validation.check_producer_id(producer_id)
         for record in records:
             validation.check_payload(record.payload, self.options.message_bytes_max)
@@ -535,6 +550,7 @@ class Client:
                     payload=record.payload,
                     partition_plus_one=0 if record.partition is None else record.partition + 1,
                     sequence=record.sequence,
+                    delay_ms=record.delay_ms,
                 )
                 for record in records
             ],
@@ -542,7 +558,23 @@ class Client:
             producer_name=self._producer_name,
         )
         response = await call(self._topics.Publish(request, timeout=self._timeout))
-        return [Published(p, o) for p, o in zip(response.partitions, response.offsets)]
+        # Empty when no message was delayed, else one per message (0: stored at once).
+        deliver_at = list(response.deliver_at_ms) or [0] * len(response.partitions)
+        return [
+            Published(p, o, d) for p, o, d in zip(response.partitions, response.offsets, deliver_at)
+        ]
+
+    async def publish_delayed(
+        self, topic: str, messages: Iterable[PublishInput], delay_s: float
+    ) -> List[Published]:
+        """Publishes messages ((key, payload) pairs or `Record`s) to be delivered no earlier
+        than `delay_s` seconds from now (at most 604800, 7 days; a `Record`'s own `delay_ms`
+        is replaced); returns each message's partition and `deliver_at_ms` (ms since the Unix
+        epoch, by the server's clock) once stored durably. A delayed message gets its offset
+        when delivered (its `Published.offset` is 0)."""
+        delay_ms = validation.delay_s_to_ms(delay_s)
+        records = [replace(_record(item), delay_ms=delay_ms) for item in messages]
+        return await self.publish(topic, records)
 
     async def describe_group(self, group: str, topic: str) -> topic_pb2.DescribeGroupResponse:
         validation.check_group(group)

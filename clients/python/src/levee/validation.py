@@ -8,6 +8,7 @@ server caught it (tests/test_validation.py compares both against a real server).
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Union
 
@@ -35,6 +36,7 @@ LEASE_MS_MAX = 300_000
 READ_MESSAGES_MAX = 10_000
 READ_BYTES_MAX = 4 << 20
 TOP_KEYS_LIMIT_MAX = 1_000
+DELAY_MS_MAX = 604_800_000
 
 assert GROUP_BYTES_MAX <= GROUP_AND_TOPIC_BYTES_MAX and TOPIC_BYTES_MAX <= GROUP_AND_TOPIC_BYTES_MAX
 
@@ -198,3 +200,34 @@ def check_read(max_messages: int, max_bytes: int) -> None:
 def check_top_keys_limit(limit: int) -> None:
     if not 1 <= limit <= TOP_KEYS_LIMIT_MAX:
         raise invalid(f"limit must be 1 to {TOP_KEYS_LIMIT_MAX}, got {limit}")
+
+
+def check_delay_ms(delay_ms: int, producer_id: str = "") -> None:
+    """A published message's delay (ms from now; 0: not delayed), and that a delayed one is
+    not published with a producer_id."""
+    if delay_ms < 0:
+        raise invalid(f"delay_ms is a delay from now, 0 (none) or more, got {delay_ms}")
+    if delay_ms > DELAY_MS_MAX:
+        raise invalid(f"delay_ms is at most {DELAY_MS_MAX} (7 days), got {delay_ms}")
+    if delay_ms > 0 and producer_id:
+        raise invalid(
+            "a delayed message cannot have a producer_id (delayed messages are not "
+            "deduplicated); publish it without one"
+        )
+
+
+def delay_s_to_ms(delay_s: float) -> int:
+    """A delay of 0 to 7 days given in seconds, as the wire's whole ms."""
+    valid = (
+        isinstance(delay_s, (int, float))
+        and not isinstance(delay_s, bool)
+        and math.isfinite(delay_s)
+        and delay_s >= 0
+        and round(delay_s * 1000) <= DELAY_MS_MAX
+    )
+    if not valid:
+        raise invalid(
+            f"delay_s is a delay from now in seconds, 0 to {DELAY_MS_MAX // 1000} (7 days), "
+            f"got {delay_s!r}"
+        )
+    return round(delay_s * 1000)
