@@ -383,7 +383,12 @@ public final class LeveeClient implements AutoCloseable {
         return call(() -> topics().listTopics(ListTopicsRequest.getDefaultInstance())).getTopicsList();
     }
 
-    /** Publishes messages; returns where each went. */
+    /**
+     * Publishes messages; returns where each went, in order. A record with a {@link
+     * PublishRecord#delayMs delay} is stored durably at once and delivered to its partition
+     * when due (its {@link Published} has offset 0 and its {@link Published#deliverAtMs}); a
+     * request with a delayed message cannot have a producer id.
+     */
     public List<Published> publish(String topic, List<PublishRecord> records, String producerId) {
         Validation.checkMessageCount(records.size(), "publish");
         Validation.checkProducerId(producerId);
@@ -391,17 +396,39 @@ public final class LeveeClient implements AutoCloseable {
                 .setProducerName(producerName);
         for (PublishRecord record : records) {
             Validation.checkPayload(record.payload(), options.messageBytesMax());
+            Validation.checkDelayMs(record.delayMs());
+            Validation.checkDelayWithoutProducerId(record.delayMs(), producerId);
             request.addMessages(PublishMessage.newBuilder().setKey(ByteString.copyFrom(record.key()))
                     .setPayload(ByteString.copyFrom(record.payload()))
                     .setPartitionPlusOne(record.partition() < 0 ? 0 : record.partition() + 1)
-                    .setSequence(record.sequence()));
+                    .setSequence(record.sequence())
+                    .setDelayMs(record.delayMs()));
         }
         PublishResponse response = call(() -> topics().publish(request.build()));
+        // deliver_at_ms is empty when no message was delayed, else one per message.
+        boolean anyDelayed = response.getDeliverAtMsCount() > 0;
         List<Published> published = new ArrayList<>(response.getOffsetsCount());
         for (int i = 0; i < response.getOffsetsCount(); i++) {
-            published.add(new Published(response.getPartitions(i), response.getOffsets(i)));
+            published.add(new Published(response.getPartitions(i), response.getOffsets(i),
+                    anyDelayed ? response.getDeliverAtMs(i) : 0));
         }
         return published;
+    }
+
+    /**
+     * Publishes {@code records} to {@code topic} to be delivered no earlier than {@code delay}
+     * from now (whole milliseconds, at most 7 days; it replaces each record's own delay), without
+     * a producer id; returns each message's partition and {@link Published#deliverAtMs} (ms
+     * since the Unix epoch, by the server's clock) once stored durably. A delayed message gets
+     * its offset when delivered. A zero delay publishes at once.
+     */
+    public List<Published> publishDelayed(String topic, List<PublishRecord> records, Duration delay) {
+        long delayMs = Validation.delayMs(delay);
+        List<PublishRecord> delayed = new ArrayList<>(records.size());
+        for (PublishRecord record : records) {
+            delayed.add(new PublishRecord(record.key(), record.payload(), record.partition(), record.sequence(), delayMs));
+        }
+        return publish(topic, delayed, "");
     }
 
     public DescribeGroupResponse describeGroup(String group, String topic) {

@@ -2,6 +2,7 @@ package dev.levee.client;
 
 import dev.levee.v1.ErrorCode;
 import java.nio.charset.StandardCharsets;
+import java.time.Duration;
 import java.util.regex.Pattern;
 
 /**
@@ -35,6 +36,8 @@ public final class Validation {
     public static final int READ_BYTES_MAX = 4 << 20;
     public static final int TOP_KEYS_LIMIT_MAX = 1_000;
     public static final int ECHO_PAYLOAD_BYTES_MAX = 65_536;
+    /** A published message's delay: at most 7 days. */
+    public static final long DELAY_MS_MAX = 7L * 24 * 3_600_000;
 
     static {
         if (GROUP_BYTES_MAX > GROUP_AND_TOPIC_BYTES_MAX || TOPIC_BYTES_MAX > GROUP_AND_TOPIC_BYTES_MAX) {
@@ -93,6 +96,37 @@ public final class Validation {
         if (count < 1 || count > MESSAGES_PER_REQUEST_MAX) {
             throw invalid("messages: send 1 to " + MESSAGES_PER_REQUEST_MAX + " messages per " + call
                     + ", got " + count);
+        }
+    }
+
+    /** A published message's delay in ms: 0 (at once) to {@link #DELAY_MS_MAX}. */
+    public static void checkDelayMs(long delayMs) {
+        if (delayMs < 0) {
+            throw invalid("delay_ms must not be negative, got " + delayMs + "; a delay is 0 to "
+                    + DELAY_MS_MAX + " ms (7 days)");
+        }
+        if (delayMs > DELAY_MS_MAX) {
+            throw invalid("delay_ms is at most " + DELAY_MS_MAX + " (7 days), got " + delayMs);
+        }
+    }
+
+    /** A delay as whole milliseconds (truncated), checked by {@link #checkDelayMs}. */
+    public static long delayMs(Duration delay) {
+        long millis;
+        try {
+            millis = delay.toMillis();
+        } catch (ArithmeticException overflow) {
+            millis = delay.isNegative() ? Long.MIN_VALUE : Long.MAX_VALUE;
+        }
+        checkDelayMs(millis);
+        return millis;
+    }
+
+    /** A delayed message cannot go with an idempotent producer's id. */
+    public static void checkDelayWithoutProducerId(long delayMs, String producerId) {
+        if (delayMs > 0 && !producerId.isEmpty()) {
+            throw invalid("a delayed message cannot have a producer_id (delayed messages are not "
+                    + "deduplicated); publish it without one");
         }
     }
 

@@ -730,7 +730,8 @@ final class ConformanceRunner {
                     records.add(new PublishRecord(toBytes(message.getOrDefault("key", "")),
                             toBytes(message.getOrDefault("payload", "")),
                             partition == null ? -1 : ((Number) partition).intValue(),
-                            ((Number) message.getOrDefault("sequence", 0)).longValue()));
+                            ((Number) message.getOrDefault("sequence", 0)).longValue(),
+                            ((Number) message.getOrDefault("delay_ms", 0)).longValue()));
                 }
                 List<Object> partitions = new ArrayList<>();
                 List<Object> offsets = new ArrayList<>();

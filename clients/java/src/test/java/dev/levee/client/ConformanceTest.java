@@ -18,7 +18,7 @@ import org.junit.jupiter.api.TestFactory;
  */
 class ConformanceTest {
     /** Scenarios the Rust runner runs on a cluster: the Java runner must run as many. */
-    private static final int ON_A_CLUSTER_AT_LEAST = 12;
+    private static final int ON_A_CLUSTER_AT_LEAST = 13;
 
     private static List<Path> scenarioPaths() throws Exception {
         Path directory = Repository.root().resolve("conformance/scenarios");

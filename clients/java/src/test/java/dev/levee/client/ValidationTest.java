@@ -7,6 +7,7 @@ import static org.junit.jupiter.api.Assertions.assertThrows;
 import dev.levee.v1.ErrorCode;
 import io.grpc.Metadata;
 import io.grpc.Status;
+import java.time.Duration;
 import java.util.HashSet;
 import java.util.List;
 import java.util.Set;
@@ -40,6 +41,10 @@ class ValidationTest {
                 refused(() -> Validation.checkCredit(100_001)).description());
         assertEquals("lease_ms must be 1000 to 300000 (or 0 for 10000), got 999",
                 refused(() -> Validation.checkLeaseMs(999)).description());
+        assertEquals("delay_ms is at most 604800000 (7 days), got 604800001",
+                refused(() -> Validation.checkDelayMs(604_800_001L)).description());
+        assertEquals("a delayed message cannot have a producer_id (delayed messages are not deduplicated); "
+                + "publish it without one", refused(() -> Validation.checkDelayWithoutProducerId(1, "p")).description());
     }
 
     @Test
@@ -48,6 +53,12 @@ class ValidationTest {
         Validation.checkTopic("orders.v1_eu-west");
         Validation.checkGroupOnTopic("g".repeat(64), "t".repeat(Validation.GROUP_AND_TOPIC_BYTES_MAX - 64));
         Validation.checkLeaseMs(0);
+        Validation.checkDelayMs(0);
+        Validation.checkDelayMs(Validation.DELAY_MS_MAX);
+        Validation.checkDelayWithoutProducerId(0, "p");
+        assertEquals(1_500L, Validation.delayMs(Duration.ofNanos(1_500_999_999L)));
+        assertEquals("delay_ms is at most 604800000 (7 days), got " + Long.MAX_VALUE,
+                refused(() -> Validation.delayMs(Duration.ofSeconds(Long.MAX_VALUE))).description());
         Validation.checkApp("shop-1.eu");
         assertEquals("INVALID_ARGUMENT (1001): app name must be 1 to 128 bytes of letters, digits, '-', '_' or '.', got 'a/b'",
                 refused(() -> Validation.checkApp("a/b")).getMessage());
