@@ -1370,7 +1370,7 @@ fn given_a_three_node_cluster_then_the_rust_client_passes_every_scenario_it_can_
             }
         }
     }
-    assert!(ran.len() >= 12, "only {ran:?} ran on a cluster");
+    assert!(ran.len() >= 13, "only {ran:?} ran on a cluster");
     assert!(
         failures.is_empty(),
         "{} of {} scenarios failed against a cluster:\n{}",
