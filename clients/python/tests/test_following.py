@@ -9,11 +9,15 @@ test (crates/levee/tests/replicated.rs,
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
+import time
 from typing import Dict, Iterator, List, Set
 
 import pytest
 
 import levee
+import levee.sync
 from levee import routing
 
 from cluster_support import NODES, SHARDS, wait_settled
@@ -209,6 +213,65 @@ def test_given_a_following_group_member_when_its_node_is_killed_then_it_rejoins_
         await node_1.close()
 
     run(main())
+
+
+def test_given_a_sync_following_group_member_when_its_node_is_killed_then_it_rejoins_through_another_and_handles_every_later_message(cluster) -> None:  # type: ignore[no-untyped-def]
+    """`levee.sync.SyncGroupConsumer.following`, as the async test above: a member of the
+    blocking facade joined through node 2 runs its handler on threads; node 2 is killed
+    (SIGKILL); the member rejoins through another node by itself and handles every message
+    published through node 1 after the kill (at least once)."""
+    topic = "following-refunds"
+    handled: Set[bytes] = set()
+    changed = threading.Condition()
+
+    def handle(message: levee.Message) -> None:
+        with changed:
+            handled.add(message.payload)
+            changed.notify_all()
+
+    def wait_handled(payloads: Set[bytes], what: str) -> None:
+        with changed:
+            assert changed.wait_for(lambda: payloads <= handled, GROUP_HANDLED_TIMEOUT_S), (
+                f"{what}: {len(payloads - handled)} of {len(payloads)} not handled"
+            )
+
+    def publish(client: levee.sync.Client, payloads: List[bytes]) -> None:
+        """Publishes through `client`, again while the shard's new leader is being elected."""
+        deadline = time.monotonic() + RESUME_TIMEOUT_S
+        for payload in payloads:
+            while True:
+                try:
+                    client.publish(topic, [(payload, payload)])
+                    break
+                except levee.LeveeError:
+                    assert time.monotonic() < deadline, "publishing through node 1 kept failing"
+                    time.sleep(0.1)
+
+    run(wait_settled(cluster))
+    with levee.sync.Client.connect(cluster[0].grpc_addr) as node_1, \
+            levee.sync.Client.connect(cluster[1].grpc_addr) as node_2:
+        assert not node_1.create_topic(topic, 4)
+        before = [b"before-%d" % number for number in range(20)]
+        publish(node_1, before)
+
+        consumer = node_2.group_consumer(topic, "refunds", levee.ConsumerOptions(
+            commit_interval_s=0.05, backoff_max_s=1.0,
+        ))
+        assert consumer.following() is consumer
+        stop = threading.Event()
+        with concurrent.futures.ThreadPoolExecutor(1) as runner:
+            running = runner.submit(consumer.run, handle, stop)
+            try:
+                wait_handled(set(before), "through node 2")
+
+                cluster[1].stop(kill=True)
+                after = [b"after-%d" % number for number in range(40)]
+                publish(node_1, after)
+                wait_handled(set(after), "after node 2 was killed")
+            finally:
+                stop.set()
+                stats = running.result(RESUME_TIMEOUT_S)
+        assert stats.streams >= 2, "it rejoined"
 
 
 def test_given_a_lone_server_restarted_then_following_streams_open_again_through_it(fresh_server) -> None:  # type: ignore[no-untyped-def]

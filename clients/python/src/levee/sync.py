@@ -251,6 +251,15 @@ class SyncGroupConsumer:
         self._consumer = consumer
         self.member = consumer.member
 
+    def following(self) -> "SyncGroupConsumer":
+        """Makes this member follow the cluster, whose members it learns now (see
+        `levee.GroupConsumer.following`): when its stream breaks and its node does not answer
+        within 1 s, it rejoins through the next member of the cluster that does. Call it
+        before `run`; the members' connections it opens are closed when `run` returns.
+        Returns the consumer: `client.group_consumer(topic, group).following()`."""
+        self._runner.run(self._consumer.following())
+        return self
+
     def run(self, handler: Callable[[Message], None], stop: threading.Event) -> ConsumerStats:
         pool = concurrent.futures.ThreadPoolExecutor(self._consumer.options.parallelism)
 
