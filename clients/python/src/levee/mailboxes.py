@@ -152,6 +152,8 @@ class Mailboxes(PushStream):
         first = self._added
         if self._queues is not None:
             self._queues.extend(names)
+        # Not `_moved_instead`: the queues recorded are taken back only when the add was
+        # refused, not when a move failed (the stream may still move later, with them).
         moves_seen = self._moves
         try:
             return await self._add_once(names)
@@ -183,13 +185,8 @@ class Mailboxes(PushStream):
         numbers = list(mailboxes)
         if self._queues is not None:
             self._removed.extend(numbers)
-        moves_seen = self._moves
-        try:
-            await self._remove_once(numbers)
-        except LeveeError as error:
-            if not self._follows(error):
-                raise
-            await self._moved(error, moves_seen, 0)  # opened again elsewhere, these removed
+        # When the stream moved instead, it opened again elsewhere with these removed.
+        await self._moved_instead(lambda: self._remove_once(numbers))
 
     async def _remove_once(self, numbers: List[int]) -> None:
         await self._send_acks()
@@ -206,16 +203,7 @@ class Mailboxes(PushStream):
         """The next message of any mailbox, waiting until one is appended; None once the
         stream ended cleanly. A following stream whose node went away opens itself again
         elsewhere and goes on from the consumer's last confirmed acks."""
-        moves_made = 0
-        while True:
-            moves_seen = self._moves
-            try:
-                return await self._next_once()
-            except LeveeError as error:
-                if not self._follows(error):
-                    raise
-                await self._moved(error, moves_seen, moves_made)
-                moves_made += 1
+        return await self._through_moves(self._next_once)
 
     async def _next_once(self) -> Optional[MailboxDelivery]:
         while not self._received:
@@ -257,18 +245,12 @@ class Mailboxes(PushStream):
         On a following stream whose node went away meanwhile, raises UNAVAILABLE once the
         stream is open again: the acks not confirmed are lost with the old stream, and their
         messages are delivered again."""
-        moves_seen = self._moves
-        try:
-            await self._flush_acks_once()
-        except LeveeError as error:
-            if not self._follows(error):
-                raise
-            await self._moved(error, moves_seen, 0)
+        if await self._moved_instead(self._flush_acks_once):
             raise make_error(
                 ErrorCode.UNAVAILABLE,
                 "the stream's node went away before the acks were confirmed; the stream is "
                 "open again through another node and delivers the unconfirmed messages again",
-            ) from None
+            )
 
     async def _flush_acks_once(self) -> None:
         await self._send_acks()

@@ -15,7 +15,7 @@ meanwhile does not cancel it), then goes on on the new stream.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, TypeVar
 
 import grpc
 import grpc.aio
@@ -25,6 +25,8 @@ from .errors import ErrorCode, LeveeError, from_rpc_error, make_error
 if TYPE_CHECKING:
     from .client import Client
     from .following import Members
+
+T = TypeVar("T")
 
 MOVES_PER_CALL_MAX = 10
 """Most moves one call of a following stream makes before it gives up (its new node going
@@ -129,6 +131,34 @@ class PushStream:
         """Opens the stream again through `member` with everything it had asked for (its
         queues): attached when it returns True. Subclasses that follow implement it."""
         raise NotImplementedError
+
+    async def _through_moves(self, once: Callable[[], Awaitable[T]]) -> T:
+        """`once()`'s answer; on a following stream whose node went away, `once()` again on
+        the stream moved (up to `MOVES_PER_CALL_MAX` moves). Other errors raise."""
+        moves_made = 0
+        while True:
+            moves_seen = self._moves
+            try:
+                return await once()
+            except LeveeError as error:
+                if not self._follows(error):
+                    raise
+                await self._moved(error, moves_seen, moves_made)
+                moves_made += 1
+
+    async def _moved_instead(self, once: Callable[[], Awaitable[None]]) -> bool:
+        """Runs `once()`; True when, on a following stream, its node went away instead and the
+        stream moved (the caller says what that means for what it asked; `once()` is not run
+        again). Other errors, and a move that failed, raise."""
+        moves_seen = self._moves
+        try:
+            await once()
+        except LeveeError as error:
+            if not self._follows(error):
+                raise
+            await self._moved(error, moves_seen, 0)
+            return True
+        return False
 
     async def _moved(self, cause: LeveeError, moves_seen: int, moves_made: int) -> None:
         """Moves the stream after it ended with `cause` (as seen when `_moves` was

@@ -26,7 +26,7 @@ import grpc
 import grpc.aio
 
 from . import validation
-from .errors import ErrorCode, LeveeError, client_closed_error, from_rpc_error, make_error
+from .errors import ErrorCode, client_closed_error, from_rpc_error, make_error
 from .stream import PushStream
 from .v1 import common_pb2, queue_pb2
 
@@ -129,16 +129,7 @@ class Subscription(PushStream):
         cleanly. Raises the server's error when it ended the stream with one. A following
         subscription whose node went away opens itself again elsewhere and goes on from the
         consumer's last confirmed ack."""
-        moves_made = 0
-        while True:
-            moves_seen = self._moves
-            try:
-                return await self._next_once()
-            except LeveeError as error:
-                if not self._follows(error):
-                    raise
-                await self._moved(error, moves_seen, moves_made)
-                moves_made += 1
+        return await self._through_moves(self._next_once)
 
     async def _next_once(self) -> Optional[Delivery]:
         while True:
@@ -167,21 +158,16 @@ class Subscription(PushStream):
         subscription whose node went away meanwhile: returns if the subscription opened again
         after `offset`, else raises UNAVAILABLE once it is open again (the messages after its
         last confirmed ack are delivered again)."""
-        moves_seen = self._moves
-        try:
-            await self._ack_once(offset)
-        except LeveeError as error:
-            if not self._follows(error):
-                raise
-            await self._moved(error, moves_seen, 0)
-            if offset < self.start_offset:
-                return  # confirmed after all: the stream opened again after it
-            raise make_error(
-                ErrorCode.UNAVAILABLE,
-                f"the subscription's node went away before the ack of offset {offset} was "
-                "confirmed; the subscription is open again through another node from offset "
-                f"{self.start_offset} and delivers the unconfirmed messages again",
-            ) from None
+        if not await self._moved_instead(lambda: self._ack_once(offset)):
+            return
+        if offset < self.start_offset:
+            return  # confirmed after all: the stream opened again after it
+        raise make_error(
+            ErrorCode.UNAVAILABLE,
+            f"the subscription's node went away before the ack of offset {offset} was "
+            "confirmed; the subscription is open again through another node from offset "
+            f"{self.start_offset} and delivers the unconfirmed messages again",
+        )
 
     async def _ack_once(self, offset: int) -> None:
         if self._moves:
