@@ -1418,4 +1418,31 @@ mod tests {
         assert_eq!(messages(&store, "t"), ["a", "b", "c"], "nothing twice");
         Ok(())
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_a_largest_message_when_delayed_then_one_due_is_taken_and_one_waiting_refused_whole()
+    -> Result<(), StorageError> {
+        let directory = tempfile::tempdir().expect("a directory");
+        let (store, mut machine) = open(directory.path());
+        let largest = "x".repeat(store.options().message_bytes_max);
+        let now = 9_000_000;
+        let answers = machine
+            .apply(vec![
+                // Due at once: appended to its target as a lone server would, at full size.
+                delay(1, now, &[(now, &largest)]),
+                // Waiting: its slot's message (the entry) would pass the limit: refused, and
+                // nothing of its entry stored.
+                delay(2, now, &[(now, "small"), (now + 50, &largest)]),
+            ])
+            .await?;
+        assert_eq!(answers[0], ShardResponse::Appended { offsets: vec![0] });
+        assert!(
+            matches!(&answers[1], ShardResponse::Refused { code: RefusedCode::Invalid, reason } if reason.contains("bytes")),
+            "{:?}",
+            answers[1]
+        );
+        assert_eq!(messages(&store, "t").len(), 1);
+        assert!(slots(&store).is_empty());
+        Ok(())
+    }
 }

@@ -271,13 +271,20 @@ impl<'a> Plan<'a> {
                     reason: format!("delayed entry {index} is not one (unreadable)"),
                 };
             };
-            // Checked as the slot's message: the larger of the two it may become.
-            let slot_message = QueueMessage {
+            // One due by the entry's clock goes to its target: checked as that message (as a
+            // lone server checks it); any other as its slot's message, the larger of the two
+            // it may become.
+            let payload = if entry.due_ms <= now_ms {
+                Bytes::from(entry.body.clone())
+            } else {
+                bytes.clone()
+            };
+            let message = QueueMessage {
                 queue: Bytes::from(entry.target.clone()),
-                payload: bytes.clone(),
+                payload,
                 sequence: 0,
             };
-            if let Some(reason) = refusal(self.store, &slot_message) {
+            if let Some(reason) = refusal(self.store, &message) {
                 return ShardResponse::Refused {
                     code: RefusedCode::Invalid,
                     reason,

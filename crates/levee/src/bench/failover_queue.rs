@@ -298,14 +298,24 @@ async fn kill_leader(
     appends: &Appends,
     (shard, shards): (u32, u32),
 ) -> anyhow::Result<(usize, Duration)> {
-    let leader = clients[0]
-        .cluster()
-        .await?
-        .shard_map
-        .get(shard as usize)
-        .map(|placement| placement.leader_id)
-        .filter(|leader| *leader != 0)
-        .with_context(|| format!("shard {shard} has no leader"))?;
+    // A preferred replica may be taking the lead back just now: its election is waited out.
+    let asked = Instant::now();
+    let leader = loop {
+        let known = clients[0]
+            .cluster()
+            .await?
+            .shard_map
+            .get(shard as usize)
+            .map(|placement| placement.leader_id)
+            .filter(|leader| *leader != 0);
+        match known {
+            Some(leader) => break leader,
+            None if asked.elapsed() < SETTLE_TIMEOUT => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            None => bail!("shard {shard} has no leader after {SETTLE_TIMEOUT:?}"),
+        }
+    };
     let index = nodes
         .iter()
         .position(|node| node.id == leader)
