@@ -299,7 +299,7 @@ async fn kill_leader(
     (shard, shards): (u32, u32),
 ) -> anyhow::Result<(usize, Duration)> {
     // A preferred replica may be taking the lead back just now: its election is waited out.
-    let asked = Instant::now();
+    let looking = Instant::now();
     let leader = loop {
         let known = clients[0]
             .cluster()
@@ -310,7 +310,7 @@ async fn kill_leader(
             .filter(|leader| *leader != 0);
         match known {
             Some(leader) => break leader,
-            None if asked.elapsed() < SETTLE_TIMEOUT => {
+            None if looking.elapsed() < SETTLE_TIMEOUT => {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             None => bail!("shard {shard} has no leader after {SETTLE_TIMEOUT:?}"),
