@@ -16,7 +16,8 @@
 //! (docs/CLUSTER.md, "Retries and delayed messages through the shards"). `delayed_lost`
 //! counts the answered ones never delivered, `delayed_early` those delivered before the time
 //! their publish answered (the processes share this machine's clock), `delayed_twice` those
-//! delivered more than once (a resend of a publish whose answer was lost stores it again).
+//! delivered more than once (a resend of a publish whose answer was lost stores it again, and
+//! a coordinator's failover hands out again what was delivered but not yet committed).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, PoisonError};
