@@ -1336,7 +1336,11 @@ mod tests {
             // Nothing due yet; the fine slots up to `now + 30` are taken all the same.
             deliver(2, now + 30),
             // A proposer whose clock is behind: its entry's slot was taken, so it goes at once.
-            delay(3, now + 20, &[(now + 25, "late-clock")]),
+            delay(
+                3,
+                now + 20,
+                &[(now + 25, "late-clock"), (now + 20, "at-once")],
+            ),
             deliver(4, now + 100),
             deliver(5, far - SPREAD_AHEAD_MS),
             deliver(6, far + FINE_MS),
@@ -1355,8 +1359,13 @@ mod tests {
             },
             "the first at once (offset 0), the others wait"
         );
-        assert_eq!(answers[2], ShardResponse::Appended { offsets: vec![1] });
-        let delivered = ["now", "late-clock", "soon", "far"];
+        assert_eq!(
+            answers[2],
+            ShardResponse::Appended {
+                offsets: vec![1, 2]
+            }
+        );
+        let delivered = ["now", "late-clock", "at-once", "soon", "far"];
         assert_eq!(messages(&store, "t"), delivered);
         assert!(slots(&store).is_empty(), "every slot deleted");
         assert_eq!(machine.next_due_ms(), None);
@@ -1462,7 +1471,7 @@ mod tests {
             (
                 0_u64..60,
                 proptest::collection::vec(
-                    prop_oneof![0_u64..200, 100_000_u64..400_000, 0_u64..1],
+                    prop_oneof![0_u64..1, 0_u64..60, 0_u64..200, 100_000_u64..400_000],
                     1..6
                 )
             )
@@ -1566,7 +1575,7 @@ mod tests {
     }
 
     proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(32))]
 
         /// Two replicas apply the same log, one entry at a time and in batches with a restart
         /// in between: their targets get the same messages in the same order, every entry
