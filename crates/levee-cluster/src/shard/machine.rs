@@ -111,6 +111,10 @@ struct Applying {
     /// with every batch.
     #[serde(default)]
     delay_marks: (u64, u64),
+    /// The delay slot a delivery cut short after the batch, if one was: its queue and the
+    /// first offset not delivered (kept with every batch, like the marks).
+    #[serde(default)]
+    delay_partial: Option<(Vec<u8>, u64)>,
     /// When the batch is one `ShardCommand::Deliver`: what it did.
     #[serde(default)]
     delivered: Option<Delivered>,
@@ -123,6 +127,8 @@ struct Applying {
 struct Delivered {
     now_ms: u64,
     marks_before: (u64, u64),
+    #[serde(default)]
+    partial_before: Option<(Vec<u8>, u64)>,
     slots: Vec<Vec<u8>>,
 }
 
@@ -136,6 +142,8 @@ struct Applied {
     /// The shard's delay slots (docs/CLUSTER.md, "Retries and delayed messages through the
     /// shards").
     wheel: DelayWheel,
+    /// The slot a delivery cut short, and where the next one goes on.
+    partial: Option<(Bytes, u64)>,
 }
 
 /// A shard's state machine over the node's queue store. Clones share it.
@@ -215,6 +223,11 @@ fn delete_refusal(queue: &[u8]) -> Option<String> {
     })
 }
 
+/// A cut-short slot as the apply record keeps it.
+fn partial_record(partial: Option<&(Bytes, u64)>) -> Option<(Vec<u8>, u64)> {
+    partial.map(|(queue, offset)| (queue.to_vec(), *offset))
+}
+
 /// Where each queue `plan` touches stood before it, and how many messages it adds.
 fn queue_starts(plan: &Plan<'_>) -> Vec<QueueStart> {
     plan.queues
@@ -259,10 +272,15 @@ impl ShardStateMachine {
             .as_ref()
             .map_or((0, 0), |applying| applying.delay_marks);
         let wheel = shard_wheel(&machine.store, shard, marks);
+        let partial = applying
+            .as_ref()
+            .and_then(|applying| applying.delay_partial.clone())
+            .map(|(queue, offset)| (Bytes::from(queue), offset));
         // The membership in force at the last applied entry, as the log itself records it
         // (openraft takes it from here and reads only the memberships after that entry).
         let mut applied = machine.lock();
         applied.wheel = wheel;
+        applied.partial = partial;
         if let Some(last) = applied.last
             && let Some(logged) = machine.log.membership_at(last.index)?
             && logged.log_id() > applied.membership.log_id()
@@ -320,7 +338,11 @@ impl ShardStateMachine {
                 .all(|queue| next_offset(&self.store, &queue.queue) >= queue.start + queue.count);
             if !whole {
                 let mut wheel = shard_wheel(&self.store, self.shard, delivered.marks_before);
-                plan.deliver(&mut wheel, delivered.now_ms);
+                let mut partial = delivered
+                    .partial_before
+                    .clone()
+                    .map(|(queue, offset)| (Bytes::from(queue), offset));
+                plan.deliver(&mut wheel, delivered.now_ms, &mut partial);
             }
         } else {
             let mut wheel = DelayWheel::taken(applying.delay_marks.0, applying.delay_marks.1);
@@ -478,6 +500,7 @@ impl ShardStateMachine {
                     }],
                     deleted: Some(queue.to_vec()),
                     delay_marks: applied.wheel.taken_below(),
+                    delay_partial: partial_record(applied.partial.as_ref()),
                     delivered: None,
                 },
             )?;
@@ -563,6 +586,7 @@ impl ShardStateMachine {
                 queues,
                 deleted: None,
                 delay_marks: applied.wheel.taken_below(),
+                delay_partial: partial_record(applied.partial.as_ref()),
                 delivered: None,
             },
         )?;
@@ -639,11 +663,16 @@ impl ShardStateMachine {
         }
         let marks_before = applied.wheel.taken_below();
         let mut wheel = applied.wheel.clone();
+        let mut partial = applied.partial.clone();
         let start_of = |queue: &[u8]| next_offset(&self.store, queue);
         let producer_limit = |_: &[u8]| None;
         let mut plan = Plan::new((&self.store, self.shard), &start_of, &producer_limit);
-        let (slots, due) = plan.deliver(&mut wheel, now_ms);
-        if slots.is_empty() && wheel.taken_below() == marks_before {
+        let (slots, due) = plan.deliver(&mut wheel, now_ms, &mut partial);
+        if plan.batch.is_empty()
+            && slots.is_empty()
+            && wheel.taken_below() == marks_before
+            && partial == applied.partial
+        {
             // Nothing was due after all (an earlier `Deliver` took it): nothing to record.
             applied.last = Some(log_id);
             return Ok(ShardResponse::Done);
@@ -658,9 +687,11 @@ impl ShardStateMachine {
                 queues,
                 deleted: None,
                 delay_marks: wheel.taken_below(),
+                delay_partial: partial_record(partial.as_ref()),
                 delivered: Some(Delivered {
                     now_ms,
                     marks_before,
+                    partial_before: partial_record(applied.partial.as_ref()),
                     slots: slots.iter().map(|slot| slot.to_vec()).collect(),
                 }),
             },
@@ -688,6 +719,7 @@ impl ShardStateMachine {
                 .map_err(|error| io_error(&error))?;
         }
         applied.wheel = wheel;
+        applied.partial = partial;
         applied.last = Some(log_id);
         drop(guard);
         self.tell_appended(&plan.batch);
@@ -876,6 +908,7 @@ mod tests {
                     membership: StoredMembership::default(),
                     deleted: None,
                     delay_marks: (0, 0),
+                    delay_partial: None,
                     delivered: None,
                     queues: vec![
                         QueueStart {
@@ -972,6 +1005,7 @@ mod tests {
                     membership: StoredMembership::default(),
                     deleted: None,
                     delay_marks: (0, 0),
+                    delay_partial: None,
                     delivered: None,
                     queues: vec![QueueStart {
                         queue: b"q1".to_vec(),
@@ -1102,6 +1136,7 @@ mod tests {
                     }],
                     deleted: Some(b"q".to_vec()),
                     delay_marks: (0, 0),
+                    delay_partial: None,
                     delivered: None,
                 },
             )?;
@@ -1217,6 +1252,7 @@ mod tests {
                     membership: StoredMembership::default(),
                     deleted: None,
                     delay_marks: (0, 0),
+                    delay_partial: None,
                     delivered: None,
                     queues: vec![
                         QueueStart {
@@ -1451,6 +1487,73 @@ mod tests {
             answers[1]
         );
         assert_eq!(messages(&store, "t").len(), 1);
+        assert!(slots(&store).is_empty());
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_a_slot_larger_than_one_delivery_then_it_is_delivered_in_parts_across_a_crash()
+    -> Result<(), StorageError> {
+        use crate::shard::plan::DELIVER_MESSAGES_MAX;
+        let now = 7_000_000;
+        let bodies: Vec<String> = (0..DELIVER_MESSAGES_MAX * 5 / 2)
+            .map(|number| format!("m{number}"))
+            .collect();
+        // Every entry due in one fine slot, written in entries of 5,000.
+        let mut entries: Vec<Entry<ShardConfig>> = bodies
+            .chunks(5_000)
+            .enumerate()
+            .map(|(index, chunk)| {
+                let chunk: Vec<(u64, &str)> =
+                    chunk.iter().map(|body| (now + 5, body.as_str())).collect();
+                delay(index as u64 + 1, now, &chunk)
+            })
+            .collect();
+        let first_deliver = entries.len() as u64 + 1;
+        for offset in 0..3 {
+            entries.push(deliver(first_deliver + offset, now + 20 + offset));
+        }
+        let delivers = entries.len() - 3;
+        // A replica that applies everything: 10,000 at a time, due again at once in between.
+        let whole = tempfile::tempdir().expect("a directory");
+        let (whole_store, mut reference) = open(whole.path());
+        reference.apply(entries[..=delivers].to_vec()).await?;
+        assert_eq!(messages_all(&whole_store).len(), DELIVER_MESSAGES_MAX);
+        assert!(
+            reference.next_due_ms().is_some_and(|due| due <= now + 20),
+            "the rest is due at once"
+        );
+        reference.apply(vec![entries[delivers + 1].clone()]).await?;
+        let record: Applying = reference.log.read_meta(APPLYING_KEY)?.expect("a record");
+        assert!(
+            record
+                .delivered
+                .as_ref()
+                .is_some_and(|delivered| delivered.partial_before.is_some()),
+            "{record:?}"
+        );
+        reference.apply(vec![entries[delivers + 2].clone()]).await?;
+        assert_eq!(messages_all(&whole_store), bodies);
+        assert!(slots(&whole_store).is_empty());
+        assert_eq!(reference.next_due_ms(), None);
+        // Another whose second delivery was cut short by a crash, one message in.
+        let directory = tempfile::tempdir().expect("a directory");
+        {
+            let (store, mut machine) = open(directory.path());
+            machine.apply(entries[..=delivers].to_vec()).await?;
+            machine
+                .log
+                .write_entries(std::iter::once(entries[delivers + 1].clone()))?;
+            machine.log.write_meta(APPLYING_KEY, &record)?;
+            store
+                .append(b"t", bodies[DELIVER_MESSAGES_MAX].as_bytes())
+                .expect("an append");
+            store.sync().expect("a sync");
+        }
+        let (store, mut reopened) = open(directory.path());
+        assert_eq!(messages_all(&store).len(), 2 * DELIVER_MESSAGES_MAX);
+        reopened.apply(vec![entries[delivers + 2].clone()]).await?;
+        assert_eq!(messages_all(&store), bodies, "each once, in order");
         assert!(slots(&store).is_empty());
         Ok(())
     }

@@ -91,26 +91,6 @@ pub fn shard_wheel(store: &Store, shard: ShardId, taken: (u64, u64)) -> DelayWhe
     wheel
 }
 
-/// Every entry of the slot queue `queue`, as stored (bytes).
-fn read_slot(store: &Store, queue: &[u8]) -> Vec<Bytes> {
-    let mut entries = Vec::new();
-    let Ok(Some(info)) = store.queue_info(queue) else {
-        return entries;
-    };
-    let mut offset = info.first_offset;
-    while offset < info.next_offset {
-        let Ok(batch) = store.read(queue, offset, SLOT_READ_MESSAGES, 4 << 20) else {
-            break;
-        };
-        if batch.is_empty() {
-            break;
-        }
-        offset = batch.next_offset();
-        entries.extend(batch.iter().map(Bytes::copy_from_slice));
-    }
-    entries
-}
-
 /// A queue's next offset in the store (0 for one that does not exist).
 pub fn next_offset(store: &Store, queue: &[u8]) -> u64 {
     store
@@ -319,13 +299,21 @@ impl<'a> Plan<'a> {
     }
 
     /// Plans one `ShardCommand::Deliver` as of `now_ms`: takes the slots `wheel` says are
-    /// due, then, whole slot by whole slot until the batch holds [`DELIVER_MESSAGES_MAX`]
-    /// messages or [`DELIVER_BYTES_MAX`] bytes, places a coarse slot's entries again and
-    /// appends a fine slot's entries' bodies to their targets; the slots it took and did not
-    /// read are counted in `wheel` again (due: the next `Deliver` takes them). The slot queues
-    /// read, to delete once the batch is durable, and the due time of each entry delivered to
-    /// its target. Decided by the store's slots alone, so every replica plans the same.
-    pub fn deliver(&mut self, wheel: &mut DelayWheel, now_ms: u64) -> (Vec<Bytes>, Vec<u64>) {
+    /// due, then, slot by slot and page by page until the batch holds
+    /// [`DELIVER_MESSAGES_MAX`] messages or [`DELIVER_BYTES_MAX`] bytes, places a coarse
+    /// slot's entries again and appends a fine slot's entries' bodies to their targets. A slot
+    /// cut short by the bounds is left in `partial` (its queue and the first offset not read;
+    /// the next `Deliver` goes on from there), and it and the slots not reached are counted in
+    /// `wheel` again (due: the next `Deliver` takes them, proposed at once). The slot queues
+    /// read whole, to delete once the batch is durable, and the due time of each entry
+    /// delivered to its target. Decided by the store's slots, `wheel` and `partial` alone, so
+    /// every replica plans the same.
+    pub fn deliver(
+        &mut self,
+        wheel: &mut DelayWheel,
+        now_ms: u64,
+        partial: &mut Option<(Bytes, u64)>,
+    ) -> (Vec<Bytes>, Vec<u64>) {
         let due = wheel.take_due(now_ms);
         let slots = due
             .spread
@@ -336,41 +324,83 @@ impl<'a> Plan<'a> {
         let mut bytes = 0;
         for slot in slots {
             let queue = Bytes::from(slot.shard_queue(self.shard));
-            if self.batch.len() >= DELIVER_MESSAGES_MAX || bytes >= DELIVER_BYTES_MAX {
-                let count = self
-                    .store
-                    .queue_info(&queue)
-                    .ok()
-                    .flatten()
-                    .map_or(0, |info| info.next_offset - info.first_offset);
-                wheel.restore(slot, count);
+            let Ok(Some(info)) = self.store.queue_info(&queue) else {
                 continue;
-            }
-            for stored in read_slot(self.store, &queue) {
-                let Some(entry) = DelayedEntry::decode(&stored) else {
-                    tracing::warn!(
-                        ?slot,
-                        shard = self.shard,
-                        "a delayed entry is unreadable; skipped"
-                    );
-                    continue;
+            };
+            let mut offset = match partial {
+                Some((resumed, offset)) if *resumed == queue => *offset,
+                _ => info.first_offset,
+            };
+            while offset < info.next_offset
+                && self.batch.len() < DELIVER_MESSAGES_MAX
+                && bytes < DELIVER_BYTES_MAX
+            {
+                let Ok(page) = self.store.read(
+                    &queue,
+                    offset,
+                    SLOT_READ_MESSAGES.min(DELIVER_MESSAGES_MAX - self.batch.len()),
+                    DELIVER_BYTES_MAX - bytes,
+                ) else {
+                    break;
                 };
-                bytes += stored.len();
-                let due_ms = entry.due_ms;
-                let to_target = match slot {
-                    Slot::Coarse(_) => self.place(wheel, now_ms, entry, stored).is_some(),
-                    Slot::Fine(_) => {
-                        self.push(&Bytes::from(entry.target), Bytes::from(entry.body));
-                        true
+                if page.is_empty() {
+                    break;
+                }
+                offset = page.next_offset();
+                for stored in page.iter() {
+                    bytes += stored.len();
+                    if let Some(due_ms) = self.deliver_one(wheel, now_ms, slot, stored) {
+                        delivered.push(due_ms);
                     }
-                };
-                if to_target {
-                    delivered.push(due_ms);
                 }
             }
-            read.push(queue);
+            if offset >= info.next_offset {
+                if partial
+                    .as_ref()
+                    .is_some_and(|(resumed, _)| *resumed == queue)
+                {
+                    *partial = None;
+                }
+                read.push(queue);
+            } else {
+                // Cut short, or not reached: due again at once.
+                wheel.restore(slot, info.next_offset - offset);
+                if offset > info.first_offset {
+                    *partial = Some((queue, offset));
+                }
+            }
         }
         (read, delivered)
+    }
+
+    /// One stored entry of a due `slot`: a coarse slot's placed again, a fine slot's body
+    /// appended to its target. Its due time when it went to its target.
+    fn deliver_one(
+        &mut self,
+        wheel: &mut DelayWheel,
+        now_ms: u64,
+        slot: Slot,
+        stored: &[u8],
+    ) -> Option<u64> {
+        let Some(entry) = DelayedEntry::decode(stored) else {
+            tracing::warn!(
+                ?slot,
+                shard = self.shard,
+                "a delayed entry is unreadable; skipped"
+            );
+            return None;
+        };
+        let due_ms = entry.due_ms;
+        let to_target = match slot {
+            Slot::Coarse(_) => self
+                .place(wheel, now_ms, entry, Bytes::copy_from_slice(stored))
+                .is_some(),
+            Slot::Fine(_) => {
+                self.push(&Bytes::from(entry.target), Bytes::from(entry.body));
+                true
+            }
+        };
+        to_target.then_some(due_ms)
     }
 
     /// Plans one append; what it answers.
