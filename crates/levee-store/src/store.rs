@@ -477,6 +477,39 @@ impl Store {
         Ok(true)
     }
 
+    /// Creates `queue` empty, the first message appended to it to get `next_offset`: a
+    /// replica importing a queue from another's copy keeps its offsets. Returns whether it was
+    /// created (`false`: a queue of that name exists, and is left as it is). Durable on return
+    /// under both sync policies (a trim record at `next_offset`, kept as long as the queue has
+    /// no chunk, like a trimmed queue's). Messages appended afterwards follow as usual.
+    pub fn create_queue_at(&self, queue: &[u8], next_offset: u64) -> Result<bool, WriteError> {
+        check_name(queue)?;
+        self.inner.check_writable()?;
+        let round = {
+            let mut shard = lock(self.inner.shard(queue));
+            if shard.queues.contains_key(queue) {
+                return Ok(false);
+            }
+            let incarnation = self.inner.next_incarnation.fetch_add(1, Ordering::Relaxed);
+            let name: Arc<[u8]> = Arc::from(queue);
+            shard.queues.insert(
+                name.clone(),
+                QueueState::new(name.clone(), incarnation, next_offset),
+            );
+            shard.seal_log();
+            format::encode_trim(&mut shard.log, queue, next_offset);
+            self.inner.push_record(
+                &mut shard,
+                RecordEffect {
+                    dead: Vec::new(),
+                    trim_of: Some(QueueKey { name, incarnation }),
+                },
+            )
+        };
+        self.inner.wait_round(round)?;
+        Ok(true)
+    }
+
     /// Writes and fsyncs everything appended so far, and seals every write buffer into
     /// chunk records (a checkpoint: afterwards no queue holds a buffer unless appended to
     /// meanwhile). Costs one pass over the queues with buffers.

@@ -346,6 +346,72 @@ fn given_retention_when_enforced_should_trim_persist_and_delete_dead_segments() 
 }
 
 #[test]
+fn given_a_queue_created_at_an_offset_when_reopening_after_crashes_and_churn_should_keep_its_offsets()
+ {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, tiny());
+    assert!(store.create_queue_at(b"imported", 1_000).unwrap());
+    assert!(store.create_queue_at(b"empty", 77).unwrap());
+    assert!(
+        !store.create_queue_at(b"imported", 5).unwrap(),
+        "an existing queue is left as it is"
+    );
+    let info = store.queue_info(b"imported").unwrap().unwrap();
+    assert_eq!((info.first_offset, info.next_offset), (1_000, 1_000));
+    assert_eq!(store.append(b"imported", b"a").unwrap(), 1_000);
+    assert_eq!(store.append(b"imported", b"b").unwrap(), 1_001);
+    let batch = store.read(b"imported", 0, 10, 1000).unwrap();
+    assert!(batch.skipped_to_first_retained);
+    assert_eq!(batch.first_offset, 1_000);
+    assert!(matches!(
+        store.create_queue_at(b"", 3),
+        Err(WriteError::Input(InputError::QueueName(0)))
+    ));
+    // Durable on return: a crash that drops everything unsynced keeps both.
+    let survivor = disk.crash(CrashMode::DropUnsynced, 3);
+    drop(store);
+    let store = open_sim(&survivor, tiny());
+    let empty = store.queue_info(b"empty").unwrap().unwrap();
+    assert_eq!((empty.first_offset, empty.next_offset), (77, 77));
+    let imported = store.queue_info(b"imported").unwrap().unwrap();
+    assert_eq!(
+        (imported.first_offset, imported.next_offset),
+        (1_000, 1_002)
+    );
+    // Many segments later (the first ones collected), the empty queue's place is carried.
+    for round in 0..40_u32 {
+        for index in 0..10_u32 {
+            store
+                .append(b"busy", format!("{round}-{index}-padding").as_bytes())
+                .unwrap();
+        }
+        let busy_only = |queue: &[u8]| {
+            if queue == b"busy" {
+                Retention {
+                    max_bytes: Some(300),
+                    ..Retention::default()
+                }
+            } else {
+                Retention::default()
+            }
+        };
+        store.enforce_retention(0, busy_only).unwrap();
+    }
+    store.sync().unwrap();
+    assert!(store.stats().segments_deleted > 0);
+    let survivor = survivor.crash(CrashMode::TearUnsynced, 4);
+    drop(store);
+    let store = open_sim(&survivor, tiny());
+    let empty = store.queue_info(b"empty").unwrap().unwrap();
+    assert_eq!((empty.first_offset, empty.next_offset), (77, 77));
+    assert_eq!(
+        read_all(&store, b"imported"),
+        vec![b"a".to_vec(), b"b".to_vec()]
+    );
+    assert_eq!(store.append(b"empty", b"first").unwrap(), 77);
+}
+
+#[test]
 fn given_many_queues_when_listing_in_pages_should_return_each_once() {
     let disk = SimulatedDisk::new();
     let store = open_sim(
