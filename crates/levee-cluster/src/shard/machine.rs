@@ -20,6 +20,7 @@
 
 use std::collections::HashMap;
 use std::io::Cursor;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use levee_proto::Bytes;
@@ -154,6 +155,16 @@ pub struct ShardStateMachine {
     log: LogStore<ShardConfig>,
     applied: Arc<Mutex<Applied>>,
     observer: Option<Arc<dyn ShardObserver>>,
+    /// The delay wheel's next due time (`u64::MAX`: none) and count, as the last apply left
+    /// them.
+    delays: Arc<DelaySummary>,
+}
+
+/// See [`ShardStateMachine::publish_delays`].
+#[derive(Debug, Default)]
+struct DelaySummary {
+    next_due_ms: AtomicU64,
+    pending: AtomicU64,
 }
 
 impl std::fmt::Debug for ShardStateMachine {
@@ -262,6 +273,7 @@ impl ShardStateMachine {
             store,
             log,
             applied: Arc::new(Mutex::new(Applied::default())),
+            delays: Arc::default(),
             observer,
         };
         let applying = machine.log.read_meta::<Applying>(APPLYING_KEY)?;
@@ -279,6 +291,7 @@ impl ShardStateMachine {
         // The membership in force at the last applied entry, as the log itself records it
         // (openraft takes it from here and reads only the memberships after that entry).
         let mut applied = machine.lock();
+        machine.publish_delays(&wheel);
         applied.wheel = wheel;
         applied.partial = partial;
         if let Some(last) = applied.last
@@ -302,13 +315,27 @@ impl ShardStateMachine {
 
     /// When the shard's next delay slot is due (ms since the Unix epoch), if one holds
     /// messages: its leader proposes a `ShardCommand::Deliver` from then on.
+    /// Never waits on an apply under way (read from what the last one published).
     pub fn next_due_ms(&self) -> Option<u64> {
-        self.lock().wheel.next_due_ms()
+        let due = self.delays.next_due_ms.load(Ordering::Acquire);
+        (due != u64::MAX).then_some(due)
     }
 
-    /// Messages waiting in the shard's delay slots.
+    /// Messages waiting in the shard's delay slots (as of the last apply; never waits).
     pub fn delayed_waiting(&self) -> u64 {
-        self.lock().wheel.pending()
+        self.delays.pending.load(Ordering::Acquire)
+    }
+
+    /// Publishes `wheel`'s next due time and count for [`ShardStateMachine::next_due_ms`] and
+    /// [`ShardStateMachine::delayed_waiting`], read without the apply lock (an apply holds it
+    /// across fsyncs).
+    fn publish_delays(&self, wheel: &DelayWheel) {
+        self.delays
+            .next_due_ms
+            .store(wheel.next_due_ms().unwrap_or(u64::MAX), Ordering::Release);
+        self.delays
+            .pending
+            .store(wheel.pending(), Ordering::Release);
     }
 
     /// Plans the recorded batch again from the state before it (the record's starts) and
@@ -562,6 +589,7 @@ impl ShardStateMachine {
             entries,
             applied.membership.clone(),
         );
+        self.publish_delays(&applied.wheel);
         let always = self.store.options().sync == SyncPolicy::Always;
         if plan.batch.is_empty() {
             // Positions only: applied again after a crash (the largest wins), nothing to record.
@@ -718,6 +746,7 @@ impl ShardStateMachine {
                 .delete_queue(slot)
                 .map_err(|error| io_error(&error))?;
         }
+        self.publish_delays(&wheel);
         applied.wheel = wheel;
         applied.partial = partial;
         applied.last = Some(log_id);
