@@ -3,7 +3,8 @@
 //! member with its role and addresses. On the leader, each follower's replication lag too.
 //! Then the cluster's shards and where each is placed (docs/CLUSTER.md, "Part 2"), and, in a
 //! cluster that replicates its queues, the shard groups this node is a member of
-//! (`shard_groups`: each one's leader, voters, and this node's log and applied index).
+//! (`shard_groups`: each one's leader, voters, this node's log and applied index, and what waits
+//! in its delay slots).
 
 use axum::Router;
 use axum::extract::State;

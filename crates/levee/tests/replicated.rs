@@ -1468,6 +1468,18 @@ fn given_a_retry_and_a_delayed_message_waiting_when_the_coordinator_is_killed_th
         CONVERGE_TIMEOUT,
         || waiting(leader_node) == 2,
     );
+    // The admin port says where they wait: the topic's shard, and when its next slot is due.
+    let shard = levee_proto::shards::shard_of_bytes(topic.as_bytes(), SHARDS);
+    let cluster = status(leader_node);
+    let group = cluster["shard_groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|group| group["shard"] == shard)
+        .unwrap()
+        .clone();
+    assert_eq!(group["delayed_waiting"], 2, "{group}");
+    assert!(group["delayed_next_due_ms"].as_u64().is_some(), "{group}");
     // Once the member committed what it handled (else the new coordinator hands retry-1 out
     // again, at least once, and it is retried again).
     runtime.block_on(async {

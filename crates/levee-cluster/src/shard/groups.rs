@@ -137,6 +137,11 @@ pub struct ShardStatus {
     pub term: u64,
     /// This node's role in the shard (leader, follower, candidate, learner).
     pub role: String,
+    /// Messages waiting in the shard's delay slots, as this node's replica holds them.
+    pub delayed_waiting: u64,
+    /// When the shard's next delay slot is due (ms since the Unix epoch), if one holds
+    /// messages.
+    pub delayed_next_due_ms: Option<u64>,
 }
 
 /// What one try of a write did.
@@ -514,6 +519,8 @@ impl ShardGroups {
                     changing: membership.get_joint_config().len() > 1,
                     term: metrics.current_term,
                     role: format!("{:?}", metrics.state).to_lowercase(),
+                    delayed_waiting: self.machines[shard].delayed_waiting(),
+                    delayed_next_due_ms: self.machines[shard].next_due_ms(),
                 })
             })
             .collect()
