@@ -25,6 +25,7 @@ pub mod groups;
 pub mod machine;
 pub mod network;
 pub mod plan;
+pub mod snapshot;
 
 pub use groups::{ShardGroups, ShardSlot, ShardWriteError};
 pub use machine::{ShardObserver, ShardStateMachine};

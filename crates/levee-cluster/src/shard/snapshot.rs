@@ -1,0 +1,468 @@
+//! A shard's data as one stream of bytes, and back: what step 4's shard snapshots will carry
+//! (docs/CLUSTER.md, "The state machine"). Not wired into openraft yet: a new replica is
+//! still fed the shard's whole log.
+//!
+//! [`write_shard`] writes every queue of one shard that the node's store holds (see
+//! [`shard_of_stored`]: plain queues and partitions, groups' commit, retry, dead-letter and
+//! redrive queues, the shard's producer runs, delete counter and delay slots), each with its
+//! first and next offsets and its messages, then the delay wheel's marks and cut-short slot.
+//! [`install_shard`] replaces the shard's queues in another store with them: every queue of
+//! the shard there is deleted, and each one written is created at its first offset
+//! ([`Store::create_queue_at`]) and given its messages, so it holds every message at the
+//! writer's offset. Queues of other shards and node-local ones are left alone. Consumers'
+//! positions (each node's position logs) are not carried yet.
+//!
+//! The bytes: frames of a 4-byte little-endian length, a postcard [`Frame`], and its CRC32C
+//! (4 bytes, little-endian); every frame is checked when read.
+
+use std::io::{Read, Write};
+
+use levee_broker::names::{
+    COMMIT_PREFIX, DEAD_LETTER_PREFIX, DELAY_PREFIX, PARTITION_PREFIX, PRODUCER_PREFIX,
+    REDRIVEN_PREFIX, RETRY_PREFIX, SHARD_DELETES_PREFIX, is_reserved, routing_name,
+};
+use levee_store::Store;
+use serde::{Deserialize, Serialize};
+
+use crate::shard::ShardId;
+
+/// The layout's version, in the first frame.
+const VERSION: u32 = 1;
+/// Messages one frame carries at most ...
+const FRAME_MESSAGES_MAX: usize = 1_000;
+/// ... and bytes (past its first message).
+const FRAME_BYTES_MAX: usize = 4 << 20;
+/// Largest frame a reader takes (a frame of [`FRAME_BYTES_MAX`] and one message of the
+/// largest size the store may take, with room to spare).
+const FRAME_READ_BYTES_MAX: usize = 64 << 20;
+
+/// One frame of the stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+enum Frame {
+    /// First: the layout's version and the shard.
+    Start { version: u32, shard: ShardId },
+    /// A queue: its name and offsets; its messages follow in [`Frame::Messages`].
+    Queue {
+        name: Vec<u8>,
+        first_offset: u64,
+        next_offset: u64,
+    },
+    /// Messages of the last [`Frame::Queue`], in offset order.
+    Messages(Vec<Vec<u8>>),
+    /// Last: the delay wheel's marks and the slot a delivery cut short.
+    End {
+        delay_marks: (u64, u64),
+        delay_partial: Option<(Vec<u8>, u64)>,
+    },
+}
+
+/// Why a shard's stream could not be written or installed.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// Reading or writing the stream.
+    #[error("the shard's snapshot stream: {0}")]
+    Io(#[from] std::io::Error),
+    /// The node's store.
+    #[error("the store: {0}")]
+    Store(String),
+    /// The bytes are not a shard's snapshot (damaged, cut short, another layout).
+    #[error("not a valid shard snapshot: {0}")]
+    Invalid(String),
+}
+
+/// What the stream says besides the queues: the delay wheel's marks and cut-short slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardTail {
+    /// `DelayWheel::taken_below`.
+    pub delay_marks: (u64, u64),
+    /// The slot a delivery cut short, and where the next one goes on.
+    pub delay_partial: Option<(Vec<u8>, u64)>,
+}
+
+/// The shard a queue of the node's store belongs to among `shards`, or `None` for a queue
+/// that is the node's own (consumers' position logs, the node's own delay slots, any other
+/// server-owned queue not placed by a shard).
+pub fn shard_of_stored(queue: &[u8], shards: u32) -> Option<ShardId> {
+    let embedded = |rest: &[u8]| -> Option<ShardId> {
+        Some(u32::from_be_bytes(rest.get(..4)?.try_into().ok()?))
+    };
+    if let Some(rest) = queue.strip_prefix(PRODUCER_PREFIX) {
+        return embedded(rest);
+    }
+    if let Some(rest) = queue.strip_prefix(SHARD_DELETES_PREFIX) {
+        return embedded(rest);
+    }
+    if let Some(rest) = queue.strip_prefix(DELAY_PREFIX) {
+        let hex = rest.strip_prefix(b"s")?.get(..8)?;
+        return u32::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok();
+    }
+    let placed_by_topic = [
+        PARTITION_PREFIX,
+        COMMIT_PREFIX,
+        RETRY_PREFIX,
+        DEAD_LETTER_PREFIX,
+        REDRIVEN_PREFIX,
+    ];
+    if placed_by_topic
+        .iter()
+        .any(|prefix| queue.starts_with(prefix))
+        || !is_reserved(queue)
+    {
+        return Some(levee_proto::shards::shard_of_bytes(
+            routing_name(queue),
+            shards,
+        ));
+    }
+    None
+}
+
+/// Every queue of `shard` (among `shards`) in `store`, sorted by name.
+fn shard_queues(store: &Store, shard: ShardId, shards: u32) -> Vec<Vec<u8>> {
+    let mut queues = Vec::new();
+    store.for_each_queue_with_prefix(b"", |name| {
+        if shard_of_stored(name, shards) == Some(shard) {
+            queues.push(name.to_vec());
+        }
+    });
+    queues.sort();
+    queues
+}
+
+fn write_frame(out: &mut impl Write, frame: &Frame) -> Result<(), SnapshotError> {
+    let body =
+        postcard::to_allocvec(frame).map_err(|error| SnapshotError::Invalid(error.to_string()))?;
+    let length = u32::try_from(body.len())
+        .map_err(|_| SnapshotError::Invalid(format!("a frame of {} bytes", body.len())))?;
+    out.write_all(&length.to_le_bytes())?;
+    out.write_all(&body)?;
+    out.write_all(&crc32c::crc32c(&body).to_le_bytes())?;
+    Ok(())
+}
+
+fn read_frame(input: &mut impl Read) -> Result<Frame, SnapshotError> {
+    let mut word = [0_u8; 4];
+    input.read_exact(&mut word)?;
+    let length = u32::from_le_bytes(word) as usize;
+    if length > FRAME_READ_BYTES_MAX {
+        return Err(SnapshotError::Invalid(format!(
+            "a frame of {length} bytes (at most {FRAME_READ_BYTES_MAX})"
+        )));
+    }
+    let mut body = vec![0_u8; length];
+    input.read_exact(&mut body)?;
+    input.read_exact(&mut word)?;
+    if crc32c::crc32c(&body) != u32::from_le_bytes(word) {
+        return Err(SnapshotError::Invalid(
+            "a frame's checksum differs".to_owned(),
+        ));
+    }
+    postcard::from_bytes(&body).map_err(|error| SnapshotError::Invalid(error.to_string()))
+}
+
+/// Writes every queue of `shard` (among `shards`) in `store` to `out`, then `tail`. The
+/// caller holds the shard still (no apply meanwhile), so the stream is the shard at one index.
+///
+/// # Errors
+/// Writing to `out`, or reading the store.
+pub fn write_shard(
+    store: &Store,
+    (shard, shards): (ShardId, u32),
+    tail: &ShardTail,
+    out: &mut impl Write,
+) -> Result<(), SnapshotError> {
+    write_frame(
+        out,
+        &Frame::Start {
+            version: VERSION,
+            shard,
+        },
+    )?;
+    for name in shard_queues(store, shard, shards) {
+        let Some(info) = store
+            .queue_info(&name)
+            .map_err(|error| SnapshotError::Store(error.to_string()))?
+        else {
+            continue;
+        };
+        write_frame(
+            out,
+            &Frame::Queue {
+                name: name.clone(),
+                first_offset: info.first_offset,
+                next_offset: info.next_offset,
+            },
+        )?;
+        let mut offset = info.first_offset;
+        while offset < info.next_offset {
+            let batch = store
+                .read(&name, offset, FRAME_MESSAGES_MAX, FRAME_BYTES_MAX)
+                .map_err(|error| SnapshotError::Store(error.to_string()))?;
+            if batch.is_empty() {
+                return Err(SnapshotError::Store(format!(
+                    "queue '{}' ends at {offset}, before its next offset {}",
+                    String::from_utf8_lossy(&name),
+                    info.next_offset
+                )));
+            }
+            offset = batch.next_offset();
+            write_frame(
+                out,
+                &Frame::Messages(batch.iter().map(<[u8]>::to_vec).collect()),
+            )?;
+        }
+    }
+    write_frame(
+        out,
+        &Frame::End {
+            delay_marks: tail.delay_marks,
+            delay_partial: tail.delay_partial.clone(),
+        },
+    )?;
+    out.flush()?;
+    Ok(())
+}
+
+/// Replaces the queues of `shard` (among `shards`) in `store` with those `input` holds (see
+/// the module's text), durably; what the stream says besides.
+///
+/// # Errors
+/// A stream that is not a whole snapshot of `shard` (checked frame by frame: the queues
+/// already replaced stay so; install again), or a store failure.
+pub fn install_shard(
+    store: &Store,
+    (shard, shards): (ShardId, u32),
+    input: &mut impl Read,
+) -> Result<ShardTail, SnapshotError> {
+    let store_error = |error: &dyn std::fmt::Display| SnapshotError::Store(error.to_string());
+    match read_frame(input)? {
+        Frame::Start { version, shard: of } if version == VERSION && of == shard => {}
+        other => {
+            return Err(SnapshotError::Invalid(format!(
+                "it starts with {other:?}, not shard {shard}'s version {VERSION} start"
+            )));
+        }
+    }
+    for name in shard_queues(store, shard, shards) {
+        store
+            .delete_queue(&name)
+            .map_err(|error| store_error(&error))?;
+    }
+    let mut current: Option<(Vec<u8>, u64)> = None;
+    let mut last_ticket = None;
+    let tail = loop {
+        match read_frame(input)? {
+            Frame::Start { .. } => {
+                return Err(SnapshotError::Invalid("a second start".to_owned()));
+            }
+            Frame::Queue {
+                name,
+                first_offset,
+                next_offset,
+            } => {
+                check_whole(current.as_ref(), store)?;
+                if shard_of_stored(&name, shards) != Some(shard) {
+                    return Err(SnapshotError::Invalid(format!(
+                        "queue '{}' is not of shard {shard}",
+                        String::from_utf8_lossy(&name)
+                    )));
+                }
+                store
+                    .create_queue_at(&name, first_offset)
+                    .map_err(|error| store_error(&error))?;
+                current = Some((name, next_offset));
+            }
+            Frame::Messages(messages) => {
+                let Some((name, _)) = &current else {
+                    return Err(SnapshotError::Invalid("messages before a queue".to_owned()));
+                };
+                let batch: Vec<(&[u8], &[u8])> = messages
+                    .iter()
+                    .map(|message| (name.as_slice(), message.as_slice()))
+                    .collect();
+                let (_, ticket) = store
+                    .append_batch_deferred(&batch)
+                    .map_err(|error| store_error(&error))?;
+                last_ticket = Some(ticket);
+            }
+            Frame::End {
+                delay_marks,
+                delay_partial,
+            } => {
+                check_whole(current.as_ref(), store)?;
+                break ShardTail {
+                    delay_marks,
+                    delay_partial,
+                };
+            }
+        }
+    };
+    if let Some(ticket) = last_ticket {
+        store
+            .wait_durable(ticket)
+            .map_err(|error| store_error(&error))?;
+    }
+    Ok(tail)
+}
+
+/// Whether the queue being installed got every message up to its next offset.
+fn check_whole(current: Option<&(Vec<u8>, u64)>, store: &Store) -> Result<(), SnapshotError> {
+    let Some((name, next_offset)) = current else {
+        return Ok(());
+    };
+    let stored = crate::shard::plan::next_offset(store, name);
+    if stored == *next_offset {
+        Ok(())
+    } else {
+        Err(SnapshotError::Invalid(format!(
+            "queue '{}' ends at {stored}, its snapshot said {next_offset}",
+            String::from_utf8_lossy(name)
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use levee_broker::delay::Slot;
+    use levee_broker::names::{
+        POSITION_LOG_PREFIX, commit_queue, dead_letter_queue, partition_queue, retry_queue,
+    };
+    use levee_proto::shards::shard_of_bytes;
+    use levee_store::StoreOptions;
+
+    use super::*;
+    use crate::shard::plan::{deletes_queue, producer_queue};
+
+    const SHARDS: u32 = 4;
+
+    /// A queue that is the node's own: a consumer's position log.
+    fn position_log_queue() -> Vec<u8> {
+        [POSITION_LOG_PREFIX, b"app"].concat()
+    }
+
+    fn open(directory: &std::path::Path) -> Store {
+        Store::open(directory, StoreOptions::default())
+            .expect("a store")
+            .0
+    }
+
+    /// A name starting with `tag` whose routing name falls in `shard`.
+    fn name_in(shard: ShardId, tag: &str) -> String {
+        (0..100_000)
+            .map(|number| format!("{tag}-{number}"))
+            .find(|name| shard_of_bytes(name.as_bytes(), SHARDS) == shard)
+            .expect("a name")
+    }
+
+    /// A queue as a test compares it: name, first and next offsets, messages.
+    type Copied = (Vec<u8>, u64, u64, Vec<Vec<u8>>);
+
+    /// Every queue of `shard` in `store`.
+    fn contents(store: &Store, shard: ShardId) -> Vec<Copied> {
+        shard_queues(store, shard, SHARDS)
+            .into_iter()
+            .map(|name| {
+                let info = store.queue_info(&name).unwrap().unwrap();
+                let batch = store
+                    .read(&name, info.first_offset, 10_000, usize::MAX)
+                    .unwrap();
+                let messages = batch.iter().map(<[u8]>::to_vec).collect();
+                (name, info.first_offset, info.next_offset, messages)
+            })
+            .collect()
+    }
+
+    fn append(store: &Store, queue: &[u8], messages: &[&str]) {
+        for message in messages {
+            store.append(queue, message.as_bytes()).unwrap();
+        }
+    }
+
+    #[test]
+    fn given_queue_names_then_each_is_placed_in_its_shard_or_is_the_nodes_own() {
+        let topic = name_in(2, "topic");
+        let plain = name_in(3, "plain");
+        assert_eq!(shard_of_stored(plain.as_bytes(), SHARDS), Some(3));
+        for placed_by_topic in [
+            partition_queue(&topic, 1),
+            commit_queue("billing", &topic),
+            retry_queue("billing", &topic, 1),
+            dead_letter_queue("billing", &topic),
+        ] {
+            assert_eq!(shard_of_stored(&placed_by_topic, SHARDS), Some(2));
+        }
+        assert_eq!(shard_of_stored(&producer_queue(1, "p"), SHARDS), Some(1));
+        assert_eq!(shard_of_stored(&deletes_queue(3), SHARDS), Some(3));
+        assert_eq!(
+            shard_of_stored(&Slot::Fine(9).shard_queue(2), SHARDS),
+            Some(2)
+        );
+        assert_eq!(shard_of_stored(&Slot::Fine(9).queue(), SHARDS), None);
+        assert_eq!(shard_of_stored(&position_log_queue(), SHARDS), None);
+    }
+
+    #[test]
+    fn given_a_shard_of_every_kind_of_queue_when_installed_elsewhere_then_that_store_holds_it_exactly()
+     {
+        let (from, to) = (
+            tempfile::tempdir().expect("a directory"),
+            tempfile::tempdir().expect("a directory"),
+        );
+        let (source, target) = (open(from.path()), open(to.path()));
+        let shard = 1;
+        let topic = name_in(shard, "topic");
+        let plain = name_in(shard, "plain");
+        let imported = name_in(shard, "imported");
+        append(&source, plain.as_bytes(), &["a", "b", "c"]);
+        append(&source, &partition_queue(&topic, 0), &["p0"]);
+        append(&source, &commit_queue("billing", &topic), &["commit"]);
+        append(&source, &retry_queue("billing", &topic, 0), &["retry"]);
+        append(&source, &producer_queue(shard, "p"), &["runs"]);
+        append(&source, &deletes_queue(shard), &["", ""]);
+        append(&source, &Slot::Fine(7).shard_queue(shard), &["entry"]);
+        // A queue whose messages start past 0 (a replica's own import, or a trimmed queue).
+        assert!(source.create_queue_at(imported.as_bytes(), 40).unwrap());
+        append(&source, imported.as_bytes(), &["x", "y"]);
+        // Another shard's, and the node's own: not in the stream.
+        append(&source, name_in(2, "other").as_bytes(), &["elsewhere"]);
+        append(&source, &position_log_queue(), &["mine"]);
+        let tail = ShardTail {
+            delay_marks: (12, 3),
+            delay_partial: Some((Slot::Fine(7).shard_queue(shard), 0)),
+        };
+        let mut stream = Vec::new();
+        write_shard(&source, (shard, SHARDS), &tail, &mut stream).unwrap();
+        // The target held an older state of the shard, another shard's queues, its own.
+        append(&target, plain.as_bytes(), &["stale", "stale"]);
+        append(&target, name_in(shard, "gone").as_bytes(), &["stale"]);
+        append(&target, name_in(3, "kept").as_bytes(), &["kept"]);
+        append(&target, &position_log_queue(), &["its own"]);
+        let others_before = contents(&target, 3);
+        let installed = install_shard(&target, (shard, SHARDS), &mut stream.as_slice()).unwrap();
+        assert_eq!(installed, tail);
+        assert_eq!(contents(&target, shard), contents(&source, shard));
+        assert_eq!(contents(&target, 1).len(), 8, "{:?}", contents(&target, 1));
+        assert_eq!(contents(&target, 3), others_before);
+        let own = target
+            .read(&position_log_queue(), 0, 10, usize::MAX)
+            .unwrap();
+        assert_eq!(own.iter().next(), Some(&b"its own"[..]));
+        // Appends go on at the source's offsets.
+        assert_eq!(target.append(imported.as_bytes(), b"z").unwrap(), 42);
+        // A damaged stream and another shard's are refused.
+        let mut damaged = stream.clone();
+        let middle = damaged.len() / 2;
+        damaged[middle] ^= 0x40;
+        assert!(matches!(
+            install_shard(&target, (shard, SHARDS), &mut damaged.as_slice()),
+            Err(SnapshotError::Invalid(_))
+        ));
+        assert!(matches!(
+            install_shard(&target, (2, SHARDS), &mut stream.as_slice()),
+            Err(SnapshotError::Invalid(_))
+        ));
+        assert!(matches!(
+            install_shard(&target, (shard, SHARDS), &mut &stream[..stream.len() - 3]),
+            Err(SnapshotError::Io(_))
+        ));
+    }
+}
