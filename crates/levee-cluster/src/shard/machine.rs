@@ -861,19 +861,23 @@ mod tests {
         (store, machine)
     }
 
+    /// Every message of `queue` in `store`, from offset 0.
     fn messages(store: &Store, queue: &str) -> Vec<String> {
-        let batch = store
-            .read(queue.as_bytes(), 0, 100, 1 << 20)
-            .expect("a read");
-        let (data, ends) = batch.into_parts();
-        let mut start = 0;
-        ends.into_iter()
-            .map(|end| {
-                let message = String::from_utf8(data[start..end].to_vec()).unwrap();
+        let mut all = Vec::new();
+        loop {
+            let batch = store
+                .read(queue.as_bytes(), all.len() as u64, 1_000, 1 << 20)
+                .expect("a read");
+            if batch.is_empty() {
+                return all;
+            }
+            let (data, ends) = batch.into_parts();
+            let mut start = 0;
+            for end in ends {
+                all.push(String::from_utf8(data[start..end].to_vec()).unwrap());
                 start = end;
-                message
-            })
-            .collect()
+            }
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1547,7 +1551,7 @@ mod tests {
         let whole = tempfile::tempdir().expect("a directory");
         let (whole_store, mut reference) = open(whole.path());
         reference.apply(entries[..=delivers].to_vec()).await?;
-        assert_eq!(messages_all(&whole_store).len(), DELIVER_MESSAGES_MAX);
+        assert_eq!(messages(&whole_store, "t").len(), DELIVER_MESSAGES_MAX);
         assert!(
             reference.next_due_ms().is_some_and(|due| due <= now + 20),
             "the rest is due at once"
@@ -1562,7 +1566,7 @@ mod tests {
             "{record:?}"
         );
         reference.apply(vec![entries[delivers + 2].clone()]).await?;
-        assert_eq!(messages_all(&whole_store), bodies);
+        assert_eq!(messages(&whole_store, "t"), bodies);
         assert!(slots(&whole_store).is_empty());
         assert_eq!(reference.next_due_ms(), None);
         // Another whose second delivery was cut short by a crash, one message in.
@@ -1580,9 +1584,9 @@ mod tests {
             store.sync().expect("a sync");
         }
         let (store, mut reopened) = open(directory.path());
-        assert_eq!(messages_all(&store).len(), 2 * DELIVER_MESSAGES_MAX);
+        assert_eq!(messages(&store, "t").len(), 2 * DELIVER_MESSAGES_MAX);
         reopened.apply(vec![entries[delivers + 2].clone()]).await?;
-        assert_eq!(messages_all(&store), bodies, "each once, in order");
+        assert_eq!(messages(&store, "t"), bodies, "each once, in order");
         assert!(slots(&store).is_empty());
         Ok(())
     }
@@ -1644,25 +1648,6 @@ mod tests {
         entries
     }
 
-    /// Every message of queue `t` in `store`.
-    fn messages_all(store: &Store) -> Vec<String> {
-        let mut all = Vec::new();
-        loop {
-            let batch = store
-                .read(b"t", all.len() as u64, 1_000, 1 << 20)
-                .expect("a read");
-            if batch.is_empty() {
-                return all;
-            }
-            let (data, ends) = batch.into_parts();
-            let mut start = 0;
-            for end in ends {
-                all.push(String::from_utf8(data[start..end].to_vec()).unwrap());
-                start = end;
-            }
-        }
-    }
-
     /// Applies `entries` one at a time on a machine in `directory`, checking that no delivery
     /// appends an entry due after its time; the target's messages.
     async fn apply_one_by_one(
@@ -1671,17 +1656,17 @@ mod tests {
     ) -> Vec<String> {
         let (store, mut machine) = open(directory);
         for entry in entries {
-            let before = messages_all(&store).len();
+            let before = messages(&store, "t").len();
             machine.apply(vec![entry.clone()]).await.expect("applied");
             if let EntryPayload::Normal(ShardCommand::Deliver { now_ms }) = &entry.payload {
-                for body in &messages_all(&store)[before..] {
+                for body in &messages(&store, "t")[before..] {
                     let due: u64 = body.split('@').nth(1).unwrap().parse().unwrap();
                     assert!(due <= *now_ms, "{body} delivered at {now_ms}");
                 }
             }
         }
         assert!(slots(&store).is_empty(), "every slot delivered");
-        messages_all(&store)
+        messages(&store, "t")
     }
 
     /// Applies `entries` in batches of `batch` on a machine in `directory`, reopened after
@@ -1703,7 +1688,7 @@ mod tests {
             replica.apply(chunk.to_vec()).await.expect("applied");
         }
         assert!(slots(&store).is_empty(), "every slot delivered");
-        messages_all(&store)
+        messages(&store, "t")
     }
 
     proptest::proptest! {

@@ -112,6 +112,14 @@ impl Delayer {
         self
     }
 
+    /// Whether this node's queues are replicated (its shards opened or opening).
+    fn shards_open(&self) -> bool {
+        self.replication
+            .as_ref()
+            .and_then(crate::queue::replicated::Replication::groups)
+            .is_some()
+    }
+
     /// The shard groups when due entries go through them.
     fn shards(&self) -> Result<Option<levee_cluster::shard::ShardGroups>, WireError> {
         crate::queue::replicated::Replication::groups_if_replicated(self.replication.as_ref())
@@ -277,7 +285,7 @@ impl Delayer {
             }
             let due = take(&mut lock(&self.wheel), unix_ms());
             if due.is_empty() {
-                if self.replication.is_some() {
+                if self.shards_open() {
                     // The shards' slots this node leads change without this node's wheel.
                     self.metrics
                         .delayed_messages_waiting
@@ -286,11 +294,7 @@ impl Delayer {
                 continue;
             }
             // In a replicated cluster never the local path, even while the shards open.
-            let replicated = self
-                .replication
-                .as_ref()
-                .and_then(crate::queue::replicated::Replication::groups)
-                .is_some();
+            let replicated = self.shards_open();
             let failed = if replicated {
                 Ok(Arc::clone(&self).through_shards(due).await)
             } else {

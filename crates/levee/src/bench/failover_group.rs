@@ -190,22 +190,12 @@ async fn publish_continuously(
             ..PublishRequest::default()
         };
         *sequence += 1;
-        let started = Instant::now();
-        let stored = loop {
-            match clients[node % clients.len()]
-                .publish_request(request.clone())
-                .await
-            {
-                Ok(stored) => break stored,
-                Err(error) if started.elapsed() < PUBLISH_TIMEOUT => {
-                    tracing::debug!(%error, "publish failed; resending through the next node");
-                    lock(&run).resent += 1;
-                    node += 1;
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                Err(error) => return Err(error).context("publishing to the group's topic"),
-            }
-        };
+        let stored = through_next_nodes(&clients, &mut node, &run, |client| {
+            let request = request.clone();
+            async move { client.publish_request(request).await }
+        })
+        .await
+        .context("publishing to the group's topic")?;
         let place = stored
             .first()
             .copied()
@@ -232,36 +222,46 @@ async fn publish_delayed(
 ) -> anyhow::Result<()> {
     let mut payload = DELAYED_PREFIX.to_vec();
     payload.extend_from_slice(number.to_string().as_bytes());
-    let messages = [(payload.as_slice(), payload.as_slice())];
+    let due = through_next_nodes(clients, node, run, |client| {
+        let (topic, payload) = (topic.to_owned(), payload.clone());
+        async move {
+            client
+                .publish_delayed(&topic, &[(&payload, &payload)], DELAY)
+                .await
+        }
+    })
+    .await
+    .context("publishing a delayed message")?;
+    let due_ms = due.first().map_or(0, |(_, due_ms)| *due_ms);
+    lock(run).delayed.insert(payload, due_ms);
+    Ok(())
+}
+
+/// Calls `call` through node `node`, then through the next one after each failure (counted
+/// as a resend), until it succeeds or [`PUBLISH_TIMEOUT`] passed.
+async fn through_next_nodes<T, Call, Calling>(
+    clients: &[Client],
+    node: &mut usize,
+    run: &Shared,
+    call: Call,
+) -> Result<T, levee_client::ClientError>
+where
+    Call: Fn(Client) -> Calling,
+    Calling: std::future::Future<Output = Result<T, levee_client::ClientError>>,
+{
     let started = Instant::now();
     loop {
-        match clients[*node % clients.len()]
-            .publish_delayed(topic, &messages, DELAY)
-            .await
-        {
-            Ok(due) => {
-                let due_ms = due.first().map_or(0, |(_, due_ms)| *due_ms);
-                lock(run).delayed.insert(payload, due_ms);
-                return Ok(());
-            }
+        match call(clients[*node % clients.len()].clone()).await {
+            Ok(answer) => return Ok(answer),
             Err(error) if started.elapsed() < PUBLISH_TIMEOUT => {
-                tracing::debug!(%error, "a delayed publish failed; resending through the next node");
+                tracing::debug!(%error, "a publish failed; resending through the next node");
                 lock(run).resent += 1;
                 *node += 1;
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            Err(error) => return Err(error).context("publishing a delayed message"),
+            Err(error) => return Err(error),
         }
     }
-}
-
-/// Milliseconds since the Unix epoch, by this machine's clock.
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| {
-            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
-        })
 }
 
 /// The group's one member: a stream through one node after another, committing after every
@@ -343,7 +343,7 @@ async fn one_stream(
                     let seen = run
                         .delayed_seen
                         .entry(delivery.payload.to_vec())
-                        .or_insert((unix_ms(), 0));
+                        .or_insert((super::unix_ms(), 0));
                     seen.1 += 1;
                 } else if run.seen.len() < MESSAGES_MAX {
                     run.seen.push((
