@@ -185,6 +185,14 @@ impl<C> LogStore<C> {
         self.persist()
     }
 
+    /// Removes `key` from the meta partition, durably.
+    pub(crate) fn remove_meta(&self, key: &str) -> Result<(), StorageError> {
+        self.meta
+            .remove(key)
+            .map_err(|error| StorageIOError::write(&error))?;
+        self.persist()
+    }
+
     /// Removes the entries whose index is in `range`.
     fn remove(&self, range: (Bound<u64>, Bound<u64>)) -> Result<(), StorageError> {
         let bound = |bound: Bound<u64>| bound.map(index_key);

@@ -49,6 +49,10 @@ pub const QUEUE_BUFFER_BUDGET_MB_MAX: u64 = 65_536;
 pub const QUEUE_POSITION_LOG_COMPACT_ENTRIES_DEFAULT: u64 = 1_000_000;
 /// Highest allowed `queue_position_log_compact_entries`.
 pub const QUEUE_POSITION_LOG_COMPACT_ENTRIES_MAX: u64 = 1_000_000_000;
+/// Default `shard_snapshot_entries`.
+pub const SHARD_SNAPSHOT_ENTRIES_DEFAULT: u64 = 20_000;
+/// Highest allowed `shard_snapshot_entries`.
+pub const SHARD_SNAPSHOT_ENTRIES_MAX: u64 = 100_000_000;
 /// Highest allowed `node_id`.
 pub const NODE_ID_MAX: u64 = 1_000_000;
 /// Highest allowed `hotkey_batch_keys_max`.
@@ -97,6 +101,10 @@ pub struct Config {
     /// Acks a consumer's position log (`SubscribeMany`) takes before it is compacted, at the
     /// least (and twice its last snapshot): see docs/ARCHITECTURE.md, queues step 7.
     pub queue_position_log_compact_entries: u64,
+    /// Entries a shard's log applies between two snapshot marks, after each of which the log
+    /// is purged but its last 1,000 entries (docs/CLUSTER.md, "Snapshots"); this node's own
+    /// setting.
+    pub shard_snapshot_entries: u64,
     /// The shards of a cluster this node creates (docs/CLUSTER.md, "Part 2"): written by the
     /// first node, fixed for the cluster's life; a node joining a cluster takes its number.
     pub shards: u32,
@@ -144,6 +152,7 @@ impl Default for Config {
             queue_message_bytes_max: QUEUE_MESSAGE_BYTES_MAX_DEFAULT,
             queue_buffer_budget_mb: QUEUE_BUFFER_BUDGET_MB_DEFAULT,
             queue_position_log_compact_entries: QUEUE_POSITION_LOG_COMPACT_ENTRIES_DEFAULT,
+            shard_snapshot_entries: SHARD_SNAPSHOT_ENTRIES_DEFAULT,
             shards: levee_proto::shards::SHARDS_DEFAULT,
             replicated_queues: false,
             node_id: 1,
@@ -174,6 +183,7 @@ struct FileConfig {
     queue_message_bytes_max: Option<u32>,
     queue_buffer_budget_mb: Option<u64>,
     queue_position_log_compact_entries: Option<u64>,
+    shard_snapshot_entries: Option<u64>,
     shards: Option<u32>,
     replicated_queues: Option<bool>,
     node_id: Option<u64>,
@@ -246,6 +256,8 @@ pub struct Overrides {
     pub queue_buffer_budget_mb: Option<Override>,
     /// `--queue-position-log-compact-entries` / `LEVEE_QUEUE_POSITION_LOG_COMPACT_ENTRIES`.
     pub queue_position_log_compact_entries: Option<Override>,
+    /// `--shard-snapshot-entries` / `LEVEE_SHARD_SNAPSHOT_ENTRIES`.
+    pub shard_snapshot_entries: Option<Override>,
     /// `--shards` / `LEVEE_SHARDS`.
     pub shards: Option<Override>,
     /// `--replicated-queues` / `LEVEE_REPLICATED_QUEUES`.
@@ -401,6 +413,11 @@ impl Config {
             queue_position_log_compact_entries,
             text(file_config.queue_position_log_compact_entries),
             |raw| { parse_bounded(raw, 1, QUEUE_POSITION_LOG_COMPACT_ENTRIES_MAX) }
+        );
+        layer!(
+            shard_snapshot_entries,
+            text(file_config.shard_snapshot_entries),
+            |raw| { parse_bounded(raw, 10, SHARD_SNAPSHOT_ENTRIES_MAX) }
         );
         layer!(shards, small(file_config.shards), |raw| {
             parse_bounded(raw, 1, levee_proto::shards::SHARDS_MAX)

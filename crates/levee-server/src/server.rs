@@ -570,7 +570,12 @@ impl MetadataGroup {
             )),
             tokio::spawn(crate::queue::replicated::run_shards(
                 (self.raft.clone(), self.machine.clone(), self.shards.clone()),
-                (node_id, self.me.clone(), self.created),
+                (
+                    node_id,
+                    self.me.clone(),
+                    self.created,
+                    config.shard_snapshot_entries,
+                ),
                 (
                     config
                         .data_dir

@@ -71,6 +71,10 @@ pub struct ServerArgs {
         value_name = "ACKS"
     )]
     queue_position_log_compact_entries: Option<String>,
+    /// Entries a shard's log applies between two snapshot marks, after each of which it is
+    /// purged but its last 1000 entries, 10 to 100000000 [default: 20000]
+    #[arg(long, env = "LEVEE_SHARD_SNAPSHOT_ENTRIES", value_name = "ENTRIES")]
+    shard_snapshot_entries: Option<String>,
     /// The shards of a cluster this node creates, 1 to 1024; fixed when the cluster is created
     /// (a joining node takes the cluster's) [default: 16]
     #[arg(long, env = "LEVEE_SHARDS", value_name = "COUNT")]
@@ -144,6 +148,7 @@ impl ServerArgs {
                 "queue_position_log_compact_entries",
                 &self.queue_position_log_compact_entries,
             ),
+            shard_snapshot_entries: given("shard_snapshot_entries", &self.shard_snapshot_entries),
             shards: given("shards", &self.shards),
             replicated_queues: given("replicated_queues", &self.replicated_queues),
             node_id: given("node_id", &self.node_id),

@@ -1529,3 +1529,146 @@ fn given_a_retry_and_a_delayed_message_waiting_when_the_coordinator_is_killed_th
         assert_eq!(waiting(node), 0, "nothing waits on node {}", node.grpc());
     }
 }
+
+/// Shard `shard`'s group as `node` reports it in `/v1/cluster`.
+fn shard_group(node: &LeveeProcess, shard: u32) -> serde_json::Value {
+    status(node)["shard_groups"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|group| group["shard"].as_u64() == Some(u64::from(shard)))
+        .cloned()
+        .unwrap_or(serde_json::Value::Null)
+}
+
+#[test]
+#[allow(clippy::too_many_lines, reason = "one scenario, step by step")]
+fn given_a_shard_log_purged_while_a_follower_was_down_when_it_comes_back_then_a_snapshot_brings_it_every_message_and_position()
+ {
+    const SNAPSHOT_FLAGS: [&str; 2] = ["--shard-snapshot-entries", "20"];
+    let directory = tempfile::tempdir().unwrap();
+    let runtime = runtime();
+    let mut nodes = support::three_replicated_nodes_with(directory.path(), SHARDS, &SNAPSHOT_FLAGS);
+    let peers: Vec<String> = nodes
+        .iter()
+        .map(|node| node.as_ref().unwrap().peer_addr.unwrap().to_string())
+        .collect();
+    let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
+    let shard = 0;
+    let leader = wait_settled(&all)[&u64::from(shard)];
+    let follower = if leader == 3 { 2 } else { 3 };
+    let index = |id: u64| usize::try_from(id).unwrap() - 1;
+    let queues: Vec<Vec<u8>> = (0..64)
+        .map(|n| format!("kept-{n}").into_bytes())
+        .filter(|queue| levee_proto::shards::shard_of_bytes(queue, SHARDS) == shard)
+        .take(2)
+        .collect();
+    let borrowed: Vec<&[u8]> = queues.iter().map(Vec::as_slice).collect();
+    let writer = runtime
+        .block_on(Client::connect(&all[index(leader)].grpc()))
+        .unwrap();
+    let mut acknowledged: BTreeMap<Vec<u8>, BTreeMap<u64, Vec<u8>>> = BTreeMap::new();
+    let mut append = |sequence: u64| {
+        let queue = &queues[usize::try_from(sequence % 2).unwrap()];
+        let payload = format!("entry-{sequence}").into_bytes();
+        let offset = runtime.block_on(writer.append(queue, &payload)).unwrap();
+        acknowledged
+            .entry(queue.clone())
+            .or_default()
+            .insert(offset, payload);
+    };
+    for sequence in 0..20 {
+        append(sequence);
+    }
+
+    // The follower dies; meanwhile a consumer acks offsets 0 to 5 of both queues through the
+    // leader, and far more entries than the log keeps past a snapshot's mark are appended.
+    let killed = nodes[index(follower)].take().unwrap();
+    killed.signal("KILL");
+    drop(killed);
+    let leader_node = nodes[index(leader)].as_ref().unwrap();
+    let behind = shard_group(leader_node, shard)["last_log_index"]
+        .as_u64()
+        .unwrap();
+    runtime.block_on(async {
+        let mut mailboxes = writer.subscribe_many("app", 1_000).await.unwrap();
+        assert_eq!(mailboxes.add(&borrowed).await.unwrap(), 0..2);
+        for _ in 0..20 {
+            let delivery = mailboxes.next().await.unwrap().unwrap();
+            if delivery.offset == 5 {
+                mailboxes.ack(delivery.mailbox, 5);
+            }
+        }
+        mailboxes.flush_acks().await.unwrap();
+    });
+    for sequence in 20..1_400 {
+        append(sequence);
+    }
+    wait_for(
+        "the leader's copy of the shard's log purged past the follower",
+        CONVERGE_TIMEOUT,
+        || {
+            shard_group(leader_node, shard)["purged_index"]
+                .as_u64()
+                .is_some_and(|purged| purged > behind)
+        },
+    );
+
+    // It comes back: the log it needs is gone, so it is sent a snapshot, and holds every
+    // acknowledged message at its offset and the consumer's acks.
+    nodes[index(follower)] = Some(LeveeProcess::start_in(
+        &directory.path().join(format!("n{follower}")),
+        &[
+            "--node-id",
+            &follower.to_string(),
+            "--peer-addr",
+            &peers[index(follower)],
+            SNAPSHOT_FLAGS[0],
+            SNAPSHOT_FLAGS[1],
+        ],
+    ));
+    let back = nodes[index(follower)].as_ref().unwrap();
+    let leader_node = nodes[index(leader)].as_ref().unwrap();
+    wait_for("the follower caught up", CONVERGE_TIMEOUT, || {
+        let target = shard_group(leader_node, shard)["last_log_index"].as_u64();
+        shard_group(back, shard)["last_applied_index"].as_u64() >= target
+    });
+    let group = shard_group(back, shard);
+    assert!(
+        group["snapshots_installed"].as_u64() >= Some(1),
+        "the follower was sent a snapshot: {group}"
+    );
+    assert!(
+        shard_group(leader_node, shard)["snapshots_written"].as_u64() >= Some(1),
+        "the leader wrote one"
+    );
+    let restarted = runtime.block_on(Client::connect(&back.grpc())).unwrap();
+    assert_holds(&runtime, &restarted, &acknowledged);
+    runtime.block_on(async {
+        let mut mailboxes = restarted.subscribe_many("app", 1_000).await.unwrap();
+        assert_eq!(mailboxes.add(&borrowed).await.unwrap(), 0..2);
+        let mut next_by_mailbox = BTreeMap::new();
+        for _ in 0..10 {
+            let delivery = mailboxes.next().await.unwrap().unwrap();
+            let expected = next_by_mailbox.entry(delivery.mailbox).or_insert(6_u64);
+            assert_eq!(
+                delivery.offset, *expected,
+                "mailbox {} resumed after its ack on the restarted node",
+                delivery.mailbox
+            );
+            *expected += 1;
+        }
+    });
+
+    // Appends go on through it, at the next offsets on every node.
+    for (queue, expected) in &mut acknowledged {
+        let payload = b"after the snapshot".to_vec();
+        let offset = runtime.block_on(restarted.append(queue, &payload)).unwrap();
+        assert_eq!(offset, expected.len() as u64, "offsets go on, never reused");
+        expected.insert(offset, payload);
+    }
+    for node in nodes.iter().flatten() {
+        let client = runtime.block_on(Client::connect(&node.grpc())).unwrap();
+        assert_holds(&runtime, &client, &acknowledged);
+    }
+}

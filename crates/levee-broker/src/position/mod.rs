@@ -68,6 +68,13 @@ impl PositionBook {
             .retain(|queue, position| keep(queue, *position));
     }
 
+    /// Every queue's position, in no order.
+    pub fn iter(&self) -> impl Iterator<Item = (&[u8], Position)> {
+        self.positions
+            .iter()
+            .map(|(queue, position)| (&queue[..], *position))
+    }
+
     /// How many queues have a position.
     pub fn len(&self) -> usize {
         self.positions.len()

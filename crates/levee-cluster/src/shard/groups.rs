@@ -142,6 +142,16 @@ pub struct ShardStatus {
     /// When the shard's next delay slot is due (ms since the Unix epoch), if one holds
     /// messages.
     pub delayed_next_due_ms: Option<u64>,
+    /// The last log index this node's copy of the shard's log purged (after a snapshot's
+    /// mark), if any.
+    pub purged_index: Option<u64>,
+    /// The last snapshot's index, as openraft knows it on this node (a mark built here, or a
+    /// snapshot installed).
+    pub snapshot_index: Option<u64>,
+    /// Snapshots this node installed for the shard since it started.
+    pub snapshots_installed: u64,
+    /// Snapshot files this node wrote for the shard since it started (to send them).
+    pub snapshots_written: u64,
 }
 
 /// What one try of a write did.
@@ -192,15 +202,30 @@ fn unix_ms() -> u64 {
         })
 }
 
-/// The settings of every shard group: the metadata group's timings, no snapshots (the log is
-/// kept whole until shard snapshots are built).
-pub fn shard_raft_config(cluster_id: &str) -> Result<openraft::Config, String> {
+/// Entries a shard's log keeps past its built mark (docs/CLUSTER.md, "Snapshots"): a
+/// follower that far behind still catches up from the log.
+pub const SNAPSHOT_LOG_KEPT: u64 = 1_000;
+/// How long a snapshot's last chunk may take to send and install, in ms (the others too).
+const INSTALL_SNAPSHOT_MS: u64 = 120_000;
+/// Bytes of one chunk of a snapshot sent to a replica.
+const SNAPSHOT_CHUNK_BYTES: u64 = 1 << 20;
+
+/// The settings of every shard group: the metadata group's timings; a snapshot's built mark
+/// every `snapshot_entries` applied entries, the log purged up to it but the last
+/// [`SNAPSHOT_LOG_KEPT`] entries (docs/CLUSTER.md, "Snapshots").
+pub fn shard_raft_config(
+    cluster_id: &str,
+    snapshot_entries: u64,
+) -> Result<openraft::Config, String> {
     openraft::Config {
         cluster_name: format!("{cluster_id}-shards"),
         heartbeat_interval: 50,
         election_timeout_min: 150,
         election_timeout_max: 300,
-        snapshot_policy: SnapshotPolicy::Never,
+        snapshot_policy: SnapshotPolicy::LogsSinceLast(snapshot_entries),
+        max_in_snapshot_log_to_keep: SNAPSHOT_LOG_KEPT,
+        install_snapshot_timeout: INSTALL_SNAPSHOT_MS,
+        snapshot_max_chunk_size: SNAPSHOT_CHUNK_BYTES,
         max_payload_entries: APPEND_ENTRIES_MAX,
         ..openraft::Config::default()
     }
@@ -230,8 +255,12 @@ impl ShardGroups {
                 .map_err(|error| format!("shard {shard}'s log: {error}"))?
                 .with_syncer(syncer.clone());
             let machine = ShardStateMachine::open(
-                shard,
-                (Arc::clone(store), log.clone()),
+                (shard, shards),
+                (
+                    Arc::clone(store),
+                    log.clone(),
+                    &directory.join("snapshots").join(shard.to_string()),
+                ),
                 Some(Arc::clone(&observer)),
             )
             .map_err(|error| format!("shard {shard}'s state: {error}"))?;
@@ -521,6 +550,10 @@ impl ShardGroups {
                     role: format!("{:?}", metrics.state).to_lowercase(),
                     delayed_waiting: self.machines[shard].delayed_waiting(),
                     delayed_next_due_ms: self.machines[shard].next_due_ms(),
+                    purged_index: metrics.purged.map(|log_id| log_id.index),
+                    snapshot_index: metrics.snapshot.map(|log_id| log_id.index),
+                    snapshots_installed: self.machines[shard].snapshot_counts().0,
+                    snapshots_written: self.machines[shard].snapshot_counts().1,
                 })
             })
             .collect()

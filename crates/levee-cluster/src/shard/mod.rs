@@ -12,8 +12,6 @@
 //!   (proposed on the shard's leader, forwarded to it from the others), and the placement of
 //!   replicas as voters come and go.
 
-use std::io::Cursor;
-
 use levee_proto::Bytes;
 use openraft::Entry;
 use serde::{Deserialize, Serialize};
@@ -36,7 +34,7 @@ openraft::declare_raft_types!(
         D = ShardCommand,
         R = ShardResponse,
         Node = NodeInfo,
-        SnapshotData = Cursor<Vec<u8>>,
+        SnapshotData = snapshot::SnapshotFile,
 );
 
 /// A shard's Raft instance.

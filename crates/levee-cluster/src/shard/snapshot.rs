@@ -1,6 +1,6 @@
-//! A shard's data as one stream of bytes, and back: what step 4's shard snapshots will carry
-//! (docs/CLUSTER.md, "The state machine"). Not wired into openraft yet: a new replica is
-//! still fed the shard's whole log.
+//! A shard's data as one stream of bytes, and back: what a shard snapshot carries
+//! (docs/CLUSTER.md, "Snapshots"), and [`SnapshotFile`], the file openraft sends and
+//! receives it in.
 //!
 //! [`write_shard`] writes every queue of one shard that the node's store holds (see
 //! [`shard_of_stored`]: plain queues and partitions, groups' commit, retry, dead-letter and
@@ -10,12 +10,16 @@
 //! the shard there is deleted, and each one written is created at its first offset
 //! ([`Store::create_queue_at`]) and given its messages, so it holds every message at the
 //! writer's offset. Queues of other shards and node-local ones are left alone. Consumers'
-//! positions (each node's position logs) are not carried yet.
+//! positions on the shard's queues (kept in each node's position logs) travel in the stream
+//! too, and are handed to the installer's callback.
 //!
 //! The bytes: frames of a 4-byte little-endian length, a postcard [`Frame`], and its CRC32C
 //! (4 bytes, little-endian); every frame is checked when read.
 
 use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
 use levee_broker::names::{
     COMMIT_PREFIX, DEAD_LETTER_PREFIX, DELAY_PREFIX, PARTITION_PREFIX, PRODUCER_PREFIX,
@@ -24,10 +28,12 @@ use levee_broker::names::{
 use levee_store::Store;
 use serde::{Deserialize, Serialize};
 
-use crate::shard::ShardId;
+use crate::shard::{ConsumerPosition, ShardId};
 
 /// The layout's version, in the first frame.
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
+/// Consumers' positions one frame carries at most.
+const FRAME_POSITIONS_MAX: usize = 10_000;
 /// Messages one frame carries at most ...
 const FRAME_MESSAGES_MAX: usize = 1_000;
 /// ... and bytes (past its first message).
@@ -39,8 +45,12 @@ const FRAME_READ_BYTES_MAX: usize = 64 << 20;
 /// One frame of the stream.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 enum Frame {
-    /// First: the layout's version and the shard.
-    Start { version: u32, shard: ShardId },
+    /// First: the layout's version, the shard and the snapshot's id (openraft's).
+    Start {
+        version: u32,
+        shard: ShardId,
+        snapshot_id: String,
+    },
     /// A queue: its name and offsets; its messages follow in [`Frame::Messages`].
     Queue {
         name: Vec<u8>,
@@ -49,6 +59,11 @@ enum Frame {
     },
     /// Messages of the last [`Frame::Queue`], in offset order.
     Messages(Vec<Vec<u8>>),
+    /// Some of one consumer's positions on the shard's queues (after every queue).
+    Positions {
+        consumer: String,
+        positions: Vec<ConsumerPosition>,
+    },
     /// Last: the delay wheel's marks and the slot a delivery cut short.
     End {
         delay_marks: (u64, u64),
@@ -159,22 +174,36 @@ fn read_frame(input: &mut impl Read) -> Result<Frame, SnapshotError> {
     postcard::from_bytes(&body).map_err(|error| SnapshotError::Invalid(error.to_string()))
 }
 
-/// Writes every queue of `shard` (among `shards`) in `store` to `out`, then `tail`. The
-/// caller holds the shard still (no apply meanwhile), so the stream is the shard at one index.
+/// Which shard a stream holds, among how many, and the snapshot it is.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamOf<'a> {
+    /// The shard.
+    pub shard: ShardId,
+    /// The cluster's shards.
+    pub shards: u32,
+    /// openraft's id of the snapshot.
+    pub snapshot_id: &'a str,
+}
+
+/// Writes every queue of the shard in `store` to `out`, then the consumers' `positions` on
+/// them, then `tail`. The caller holds the shard still (no apply meanwhile), so the stream is
+/// the shard at one index.
 ///
 /// # Errors
 /// Writing to `out`, or reading the store.
 pub fn write_shard(
     store: &Store,
-    (shard, shards): (ShardId, u32),
-    tail: &ShardTail,
+    of: StreamOf<'_>,
+    (positions, tail): (&[(String, Vec<ConsumerPosition>)], &ShardTail),
     out: &mut impl Write,
 ) -> Result<(), SnapshotError> {
+    let StreamOf { shard, shards, .. } = of;
     write_frame(
         out,
         &Frame::Start {
             version: VERSION,
             shard,
+            snapshot_id: of.snapshot_id.to_owned(),
         },
     )?;
     for name in shard_queues(store, shard, shards) {
@@ -211,6 +240,17 @@ pub fn write_shard(
             )?;
         }
     }
+    for (consumer, held) in positions {
+        for part in held.chunks(FRAME_POSITIONS_MAX) {
+            write_frame(
+                out,
+                &Frame::Positions {
+                    consumer: consumer.clone(),
+                    positions: part.to_vec(),
+                },
+            )?;
+        }
+    }
     write_frame(
         out,
         &Frame::End {
@@ -222,23 +262,35 @@ pub fn write_shard(
     Ok(())
 }
 
-/// Replaces the queues of `shard` (among `shards`) in `store` with those `input` holds (see
-/// the module's text), durably; what the stream says besides.
+/// What an installer does with each consumer's positions in a stream.
+pub type OnPositions<'a> = dyn FnMut(&str, &[ConsumerPosition]) -> Result<(), String> + 'a;
+
+/// Replaces the queues of the shard in `store` with those `input` holds (see the module's
+/// text), durably; hands each consumer's positions to `on_positions`; returns what the stream
+/// says besides.
 ///
 /// # Errors
-/// A stream that is not a whole snapshot of `shard` (checked frame by frame: the queues
-/// already replaced stay so; install again), or a store failure.
+/// A stream that is not a whole snapshot `of` (checked frame by frame: the queues already
+/// replaced stay so; install again), a store failure, or one of `on_positions`.
 pub fn install_shard(
     store: &Store,
-    (shard, shards): (ShardId, u32),
+    of: StreamOf<'_>,
     input: &mut impl Read,
+    on_positions: &mut OnPositions<'_>,
 ) -> Result<ShardTail, SnapshotError> {
+    let StreamOf { shard, shards, .. } = of;
     let store_error = |error: &dyn std::fmt::Display| SnapshotError::Store(error.to_string());
     match read_frame(input)? {
-        Frame::Start { version, shard: of } if version == VERSION && of == shard => {}
+        Frame::Start {
+            version,
+            shard: its,
+            snapshot_id,
+        } if version == VERSION && its == shard && snapshot_id == of.snapshot_id => {}
         other => {
             return Err(SnapshotError::Invalid(format!(
-                "it starts with {other:?}, not shard {shard}'s version {VERSION} start"
+                "it starts with {other:?}, not shard {shard}'s version {VERSION} start of \
+                 snapshot {}",
+                of.snapshot_id
             )));
         }
     }
@@ -284,6 +336,13 @@ pub fn install_shard(
                     .map_err(|error| store_error(&error))?;
                 last_ticket = Some(ticket);
             }
+            Frame::Positions {
+                consumer,
+                positions,
+            } => {
+                check_whole(current.take().as_ref(), store)?;
+                on_positions(&consumer, &positions).map_err(SnapshotError::Store)?;
+            }
             Frame::End {
                 delay_marks,
                 delay_partial,
@@ -317,6 +376,94 @@ fn check_whole(current: Option<&(Vec<u8>, u64)>, store: &Store) -> Result<(), Sn
             "queue '{}' ends at {stored}, its snapshot said {next_offset}",
             String::from_utf8_lossy(name)
         )))
+    }
+}
+
+/// A shard snapshot's file, as openraft reads it to send it and writes the chunks it
+/// receives into it; the path says where it lies, so an install can keep it.
+#[derive(Debug)]
+pub struct SnapshotFile {
+    file: tokio::fs::File,
+    path: PathBuf,
+}
+
+impl SnapshotFile {
+    /// `path`, opened to read.
+    ///
+    /// # Errors
+    /// Opening it.
+    pub async fn open(path: &Path) -> std::io::Result<Self> {
+        Ok(Self {
+            file: tokio::fs::File::open(path).await?,
+            path: path.to_owned(),
+        })
+    }
+
+    /// A new empty file at `path` (replacing one there), to write.
+    ///
+    /// # Errors
+    /// Creating it.
+    pub async fn create(path: &Path) -> std::io::Result<Self> {
+        Ok(Self {
+            file: tokio::fs::File::create(path).await?,
+            path: path.to_owned(),
+        })
+    }
+
+    /// Where the file lies.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Waits until what was written is on disk.
+    ///
+    /// # Errors
+    /// The fsync.
+    pub async fn sync(&mut self) -> std::io::Result<()> {
+        use tokio::io::AsyncWriteExt as _;
+        self.file.flush().await?;
+        self.file.sync_all().await
+    }
+}
+
+impl tokio::io::AsyncRead for SnapshotFile {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+        buffer: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().file).poll_read(context, buffer)
+    }
+}
+
+impl tokio::io::AsyncWrite for SnapshotFile {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+        buffer: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().file).poll_write(context, buffer)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().file).poll_flush(context)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().file).poll_shutdown(context)
+    }
+}
+
+impl tokio::io::AsyncSeek for SnapshotFile {
+    fn start_seek(self: Pin<&mut Self>, position: std::io::SeekFrom) -> std::io::Result<()> {
+        Pin::new(&mut self.get_mut().file).start_seek(position)
+    }
+
+    fn poll_complete(
+        self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+    ) -> Poll<std::io::Result<u64>> {
+        Pin::new(&mut self.get_mut().file).poll_complete(context)
     }
 }
 
@@ -429,16 +576,55 @@ mod tests {
             delay_marks: (12, 3),
             delay_partial: Some((Slot::Fine(7).shard_queue(shard), 0)),
         };
+        let positions = vec![
+            (
+                "app".to_owned(),
+                vec![ConsumerPosition {
+                    queue: plain.clone().into_bytes().into(),
+                    epoch: 1,
+                    next: 2,
+                }],
+            ),
+            (
+                "many".to_owned(),
+                (0..FRAME_POSITIONS_MAX as u64 + 5)
+                    .map(|next| ConsumerPosition {
+                        queue: format!("{plain}-{next}").into_bytes().into(),
+                        epoch: 0,
+                        next,
+                    })
+                    .collect(),
+            ),
+        ];
+        let of = |shard| StreamOf {
+            shard,
+            shards: SHARDS,
+            snapshot_id: "1-9-5",
+        };
         let mut stream = Vec::new();
-        write_shard(&source, (shard, SHARDS), &tail, &mut stream).unwrap();
+        write_shard(&source, of(shard), (&positions, &tail), &mut stream).unwrap();
         // The target held an older state of the shard, another shard's queues, its own.
         append(&target, plain.as_bytes(), &["stale", "stale"]);
         append(&target, name_in(shard, "gone").as_bytes(), &["stale"]);
         append(&target, name_in(3, "kept").as_bytes(), &["kept"]);
         append(&target, &position_log_queue(), &["its own"]);
         let others_before = contents(&target, 3);
-        let installed = install_shard(&target, (shard, SHARDS), &mut stream.as_slice()).unwrap();
+        let mut received: Vec<(String, Vec<ConsumerPosition>)> = Vec::new();
+        let installed = install_shard(
+            &target,
+            of(shard),
+            &mut stream.as_slice(),
+            &mut |consumer, held| {
+                match received.last_mut() {
+                    Some((last, all)) if last == consumer => all.extend_from_slice(held),
+                    _ => received.push((consumer.to_owned(), held.to_vec())),
+                }
+                Ok(())
+            },
+        )
+        .unwrap();
         assert_eq!(installed, tail);
+        assert_eq!(received, positions);
         assert_eq!(contents(&target, shard), contents(&source, shard));
         assert_eq!(contents(&target, 1).len(), 8, "{:?}", contents(&target, 1));
         assert_eq!(contents(&target, 3), others_before);
@@ -448,21 +634,61 @@ mod tests {
         assert_eq!(own.iter().next(), Some(&b"its own"[..]));
         // Appends go on at the source's offsets.
         assert_eq!(target.append(imported.as_bytes(), b"z").unwrap(), 42);
-        // A damaged stream and another shard's are refused.
+    }
+
+    #[test]
+    fn given_a_damaged_cut_or_another_snapshots_stream_when_installed_then_it_is_refused() {
+        let (from, to) = (
+            tempfile::tempdir().expect("a directory"),
+            tempfile::tempdir().expect("a directory"),
+        );
+        let (source, target) = (open(from.path()), open(to.path()));
+        let shard = 1;
+        append(
+            &source,
+            name_in(shard, "plain").as_bytes(),
+            &["a", "b", "c"],
+        );
+        let of = |shard| StreamOf {
+            shard,
+            shards: SHARDS,
+            snapshot_id: "1-9-5",
+        };
+        let tail = ShardTail {
+            delay_marks: (0, 0),
+            delay_partial: None,
+        };
+        let mut stream = Vec::new();
+        write_shard(&source, of(shard), (&[], &tail), &mut stream).unwrap();
         let mut damaged = stream.clone();
         let middle = damaged.len() / 2;
         damaged[middle] ^= 0x40;
+        let mut ignore = |_: &str, _: &[ConsumerPosition]| Ok(());
         assert!(matches!(
-            install_shard(&target, (shard, SHARDS), &mut damaged.as_slice()),
+            install_shard(&target, of(shard), &mut damaged.as_slice(), &mut ignore),
             Err(SnapshotError::Invalid(_))
         ));
         assert!(matches!(
-            install_shard(&target, (2, SHARDS), &mut stream.as_slice()),
+            install_shard(&target, of(2), &mut stream.as_slice(), &mut ignore),
+            Err(SnapshotError::Invalid(_))
+        ));
+        let another = StreamOf {
+            snapshot_id: "1-9-6",
+            ..of(shard)
+        };
+        assert!(matches!(
+            install_shard(&target, another, &mut stream.as_slice(), &mut ignore),
             Err(SnapshotError::Invalid(_))
         ));
         assert!(matches!(
-            install_shard(&target, (shard, SHARDS), &mut &stream[..stream.len() - 3]),
+            install_shard(
+                &target,
+                of(shard),
+                &mut &stream[..stream.len() - 3],
+                &mut ignore
+            ),
             Err(SnapshotError::Io(_))
         ));
+        assert!(install_shard(&target, of(shard), &mut stream.as_slice(), &mut ignore).is_ok());
     }
 }

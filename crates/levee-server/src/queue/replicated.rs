@@ -402,6 +402,39 @@ impl ShardObserver for ApplyHere {
         self.waiters.note_deleted(queue);
     }
 
+    fn shard_positions(
+        &self,
+        _shard: ShardId,
+        of_shard: &dyn Fn(&[u8]) -> bool,
+    ) -> Result<Vec<(String, Vec<ConsumerPosition>)>, String> {
+        let held = self
+            .positions
+            .positions_where(of_shard)
+            .map_err(|error| error.to_string())?;
+        Ok(held
+            .into_iter()
+            .map(|(consumer, positions)| {
+                let positions = positions
+                    .into_iter()
+                    .map(|(queue, position)| ConsumerPosition {
+                        queue: levee_proto::Bytes::from(queue.into_vec()),
+                        epoch: position.epoch,
+                        next: position.next,
+                    })
+                    .collect();
+                (consumer, positions)
+            })
+            .collect())
+    }
+
+    fn installed(&self, _shard: ShardId) {
+        // Streams look at their queues again (their contents jumped ahead).
+        self.waiters.wake_every();
+        if let Some(delayer) = &self.delayer {
+            delayer.retries_visible();
+        }
+    }
+
     fn delivered(&self, _shard: ShardId, now_ms: u64, due_ms: &[u64]) {
         if let Some(delayer) = &self.delayer {
             delayer.count_delivered(now_ms, due_ms);
@@ -1073,7 +1106,7 @@ fn refused(code: RefusedCode, reason: &str) -> WireError {
 /// the replicas of the shards it leads over the metadata group's voters.
 pub async fn run_shards(
     (raft, machine, slot): (Raft, MetaStateMachine, ShardSlot),
-    (node_id, me, created): (NodeId, NodeInfo, bool),
+    (node_id, me, created, snapshot_entries): (NodeId, NodeInfo, bool, u64),
     (directory, store, observer): (std::path::PathBuf, Arc<Store>, Arc<ApplyHere>),
     dialer: levee_cluster::network::PeerDialer,
     mut stop: watch::Receiver<bool>,
@@ -1090,7 +1123,7 @@ pub async fn run_shards(
     if !machine.replicated_queues() {
         return;
     }
-    let config = match shard_raft_config(&format!("node-{node_id}")) {
+    let config = match shard_raft_config(&format!("node-{node_id}"), snapshot_entries) {
         Ok(config) => config,
         Err(error) => {
             tracing::error!(%error, "the shards' settings");

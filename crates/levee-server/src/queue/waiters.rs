@@ -394,6 +394,13 @@ impl Waiters {
             .unwrap_or_default()
     }
 
+    /// Wakes every subscription (a snapshot replaced a shard's queues under them).
+    pub fn wake_every(&self) {
+        let queues: Vec<Box<[u8]>> = lock(&self.queues).entries.keys().cloned().collect();
+        let queues: Vec<&[u8]> = queues.iter().map(|queue| &queue[..]).collect();
+        self.wake_all(&queues);
+    }
+
     /// Wakes the subscriptions of `queue`, if any.
     pub fn wake(&self, queue: &[u8]) {
         self.wake_all(&[queue]);

@@ -348,6 +348,17 @@ pub fn start_replicated(
     (peer, join): (&str, Option<&str>),
     shards: u32,
 ) -> LeveeProcess {
+    start_replicated_with(directory, node_id, (peer, join), shards, &[])
+}
+
+/// [`start_replicated`] with `extra` flags.
+pub fn start_replicated_with(
+    directory: &Path,
+    node_id: &str,
+    (peer, join): (&str, Option<&str>),
+    shards: u32,
+    extra: &[&str],
+) -> LeveeProcess {
     let shards = shards.to_string();
     let mut flags = vec![
         "--node-id",
@@ -362,28 +373,26 @@ pub fn start_replicated(
     if let Some(seed) = join {
         flags.extend(["--join", seed]);
     }
+    flags.extend(extra);
     LeveeProcess::start_in(&directory.join(format!("n{node_id}")), &flags)
 }
 
 /// Nodes 1, 2 and 3 of a new cluster that replicates its queues (2 and 3 joining node 1).
 pub fn three_replicated_nodes(directory: &Path, shards: u32) -> [Option<LeveeProcess>; 3] {
-    let first = start_replicated(directory, "1", ("127.0.0.1:0", None), shards);
+    three_replicated_nodes_with(directory, shards, &[])
+}
+
+/// [`three_replicated_nodes`], each started with `extra` flags.
+pub fn three_replicated_nodes_with(
+    directory: &Path,
+    shards: u32,
+    extra: &[&str],
+) -> [Option<LeveeProcess>; 3] {
+    let first = start_replicated_with(directory, "1", ("127.0.0.1:0", None), shards, extra);
     let seed = first.peer_addr.unwrap().to_string();
-    [
-        Some(first),
-        Some(start_replicated(
-            directory,
-            "2",
-            ("127.0.0.1:0", Some(&seed)),
-            shards,
-        )),
-        Some(start_replicated(
-            directory,
-            "3",
-            ("127.0.0.1:0", Some(&seed)),
-            shards,
-        )),
-    ]
+    let joining =
+        |id| start_replicated_with(directory, id, ("127.0.0.1:0", Some(&seed)), shards, extra);
+    [Some(first), Some(joining("2")), Some(joining("3"))]
 }
 
 /// Waits until every node is a voter of every shard and sees one leader for each; each

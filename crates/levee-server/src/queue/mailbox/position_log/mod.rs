@@ -79,6 +79,9 @@ fn head_queue(consumer: &str) -> Vec<u8> {
     name
 }
 
+/// A consumer's positions on some queues, by queue.
+pub type HeldPositions = Vec<(Box<[u8]>, Position)>;
+
 /// The generation acks go to, how many entries it got, and at how many a compaction is due.
 #[derive(Debug, Default)]
 struct Writing {
@@ -240,6 +243,25 @@ impl ConsumerLog {
                 })
             })
             .collect()
+    }
+
+    /// Every position the log holds on a queue `keep` says yes to, sorted by queue. Blocks
+    /// on the store: call it on the blocking pool.
+    pub fn positions_where(
+        &self,
+        keep: &dyn Fn(&[u8]) -> bool,
+    ) -> Result<HeldPositions, WireError> {
+        let mut book = lock(&self.book);
+        self.load(&mut book)?;
+        self.catch_up_all(&mut book)?;
+        let mut held: HeldPositions = book
+            .positions
+            .iter()
+            .filter(|(queue, _)| keep(queue))
+            .map(|(queue, position)| (queue.into(), position))
+            .collect();
+        held.sort_unstable();
+        Ok(held)
     }
 
     /// Whether the consumer has a position log at all (a head, or a first generation).
@@ -722,6 +744,25 @@ impl PositionLogs {
             self.store.wait_durable(ticket).map_err(write_error)?;
         }
         Ok(())
+    }
+
+    /// Every consumer's positions on the queues `keep` says yes to (those with none left
+    /// out), sorted by consumer: what a replicated shard's snapshot carries. Loads each
+    /// consumer's log; blocks on the store: call it on the blocking pool.
+    pub fn positions_where(
+        &self,
+        keep: &dyn Fn(&[u8]) -> bool,
+    ) -> Result<Vec<(String, HeldPositions)>, WireError> {
+        let mut consumers: Vec<String> = lock(&self.writers).iter().cloned().collect();
+        consumers.sort_unstable();
+        let mut all = Vec::new();
+        for consumer in consumers {
+            let held = self.open(&consumer).positions_where(keep)?;
+            if !held.is_empty() {
+                all.push((consumer, held));
+            }
+        }
+        Ok(all)
     }
 
     /// Notes that `consumer` is about to write a position (a `Subscribe` ack), so deletes
