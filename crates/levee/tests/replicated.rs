@@ -22,15 +22,6 @@ const CONVERGE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Shards of the test's cluster.
 const SHARDS: u32 = 4;
 
-fn start(
-    directory: &std::path::Path,
-    node_id: &str,
-    peer: &str,
-    join: Option<&str>,
-) -> LeveeProcess {
-    support::start_replicated(directory, node_id, (peer, join), SHARDS)
-}
-
 fn status(node: &LeveeProcess) -> serde_json::Value {
     let (code, body) = http_get(node.admin_addr, "/v1/cluster");
     assert_eq!(code, 200, "{body}");
@@ -623,14 +614,25 @@ fn wait_replicas(nodes: &[(u64, &LeveeProcess)], ids: &[u64]) {
 }
 
 #[test]
+#[allow(clippy::too_many_lines, reason = "one scenario, step by step")]
 fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_replicas_move_and_appends_go_on()
  {
     let directory = tempfile::tempdir().unwrap();
     let runtime = runtime();
-    let first = start(directory.path(), "1", "127.0.0.1:0", None);
+    // Snapshot marks every 20 entries, so the logs are purged before node 4 joins.
+    let start = |id: &str, join: Option<&str>| {
+        support::start_replicated_with(
+            directory.path(),
+            id,
+            ("127.0.0.1:0", join),
+            SHARDS,
+            &["--shard-snapshot-entries", "20"],
+        )
+    };
+    let first = start("1", None);
     let seed = first.peer_addr.unwrap().to_string();
-    let mut third = start(directory.path(), "3", "127.0.0.1:0", Some(&seed));
-    let second = start(directory.path(), "2", "127.0.0.1:0", Some(&seed));
+    let mut third = start("3", Some(&seed));
+    let second = start("2", Some(&seed));
     wait_placed(&[&first, &second, &third], &[1, 2, 3]);
     let client = runtime.block_on(Client::connect(&first.grpc())).unwrap();
 
@@ -676,13 +678,60 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
     assert!(third.logged("was removed from cluster"));
     wait_replicas(&[(1, &first), (2, &second)], &[1, 2]);
 
-    // Node 4 joins (a voter: the cluster has two): it takes a replica of every shard.
-    let fourth = start(directory.path(), "4", "127.0.0.1:0", Some(&seed));
+    // More entries than a log keeps past a mark go to every shard, so every shard's log is
+    // purged past its start.
+    let fillers: Vec<Vec<u8>> = (0..SHARDS)
+        .map(|shard| {
+            (0..10_000)
+                .map(|n| format!("filler-{n}").into_bytes())
+                .find(|queue| levee_proto::shards::shard_of_bytes(queue, SHARDS) == shard)
+                .unwrap()
+        })
+        .collect();
+    let mut filled = BTreeMap::new();
+    for round in 0..1_100 {
+        let payload = format!("f{round}").into_bytes();
+        let batch: Vec<(&[u8], &[u8])> = fillers
+            .iter()
+            .map(|queue| (&queue[..], &payload[..]))
+            .collect();
+        runtime.block_on(client.append_batch(&batch)).unwrap();
+        for queue in &fillers {
+            let messages: &mut BTreeMap<u64, Vec<u8>> = filled.entry(queue.clone()).or_default();
+            messages.insert(round, payload.clone());
+        }
+    }
+    wait_for("every shard's log purged", CONVERGE_TIMEOUT, || {
+        let groups = status(&first)["shard_groups"].clone();
+        groups.as_array().is_some_and(|groups| {
+            groups.len() == SHARDS as usize
+                && groups
+                    .iter()
+                    .all(|group| group["purged_index"].as_u64().is_some())
+        })
+    });
+
+    // Node 4 joins (a voter: the cluster has two): it takes a replica of every shard, each
+    // from a snapshot, then the log.
+    let fourth = start("4", Some(&seed));
     wait_replicas(&[(1, &first), (2, &second), (4, &fourth)], &[1, 2, 4]);
+    let installed: Vec<u64> = status(&fourth)["shard_groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|group| group["snapshots_installed"].as_u64().unwrap())
+        .collect();
+    assert_eq!(installed.len(), SHARDS as usize);
+    assert!(
+        installed.iter().all(|count| *count >= 1),
+        "every replica on node 4 began with a snapshot: {installed:?}"
+    );
+    let fourth_client = runtime.block_on(Client::connect(&fourth.grpc())).unwrap();
+    assert_holds(&runtime, &fourth_client, &filled);
 
     // Node 5 joins as a learner (three voters already): it holds no replica, and forwards
     // reads to a replica rather than answer from its empty store.
-    let fifth = start(directory.path(), "5", "127.0.0.1:0", Some(&seed));
+    let fifth = start("5", Some(&seed));
     let fifth_client = runtime.block_on(Client::connect(&fifth.grpc())).unwrap();
     assert_forwards(&runtime, &client, &fifth_client);
 

@@ -694,6 +694,16 @@ impl ShardGroups {
                 })
             }
             Err(RaftError::APIError(other)) => Ok(Attempt::Again(other.to_string())),
+            // A normal stop (the node is stopping, or was removed from the cluster): the entry
+            // may have reached the others, and another node goes on with the shard.
+            Err(RaftError::Fatal(openraft::error::Fatal::Stopped)) => {
+                Err(ShardWriteError::Unavailable {
+                    shard,
+                    reason: "the shard's instance on this node stopped while the write waited                              (the node is stopping or was removed); another node may still                              apply it"
+                        .to_owned(),
+                    maybe_stored: true,
+                })
+            }
             Err(RaftError::Fatal(fatal)) => Err(ShardWriteError::Stopped {
                 shard,
                 reason: fatal.to_string(),
@@ -764,8 +774,9 @@ impl ShardGroups {
             Err(ForwardRefusal::NotCommitted(reason)) => {
                 Err(maybe(format!("leader {leader}: {reason}")))
             }
+            // Proposed there, perhaps: it may reach the others.
             Err(ForwardRefusal::Stopped(reason)) => {
-                Ok(Attempt::Again(format!("leader {leader} stopped: {reason}")))
+                Err(maybe(format!("leader {leader} stopped: {reason}")))
             }
         }
     }

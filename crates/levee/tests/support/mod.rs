@@ -182,6 +182,14 @@ impl Drop for LeveeProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // `LEVEE_TEST_LOGS_DIR=dir`: every server's log kept there, one file per process.
+        if let Some(directory) = std::env::var_os("LEVEE_TEST_LOGS_DIR") {
+            while let Ok(line) = self.log_lines.recv_timeout(Duration::from_millis(200)) {
+                self.logs.push(line);
+            }
+            let path = Path::new(&directory).join(format!("{}.log", self.child.id()));
+            let _ = std::fs::write(path, self.logs.join("\n"));
+        }
     }
 }
 
