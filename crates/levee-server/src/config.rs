@@ -102,7 +102,7 @@ pub struct Config {
     /// least (and twice its last snapshot): see docs/ARCHITECTURE.md, queues step 7.
     pub queue_position_log_compact_entries: u64,
     /// Entries a shard's log applies between two snapshot marks, after each of which the log
-    /// is purged but its last 1,000 entries (docs/CLUSTER.md, "Snapshots"); this node's own
+    /// is purged but its last 1,000 entries (or this many, the fewer) (docs/CLUSTER.md, "Snapshots"); this node's own
     /// setting.
     pub shard_snapshot_entries: u64,
     /// The shards of a cluster this node creates (docs/CLUSTER.md, "Part 2"): written by the

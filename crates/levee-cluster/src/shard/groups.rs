@@ -202,8 +202,9 @@ fn unix_ms() -> u64 {
         })
 }
 
-/// Entries a shard's log keeps past its built mark (docs/CLUSTER.md, "Snapshots"): a
-/// follower that far behind still catches up from the log.
+/// Entries a shard's log keeps behind its built mark, at most (docs/CLUSTER.md, "Snapshots";
+/// never more than the entries between two marks): a follower that far behind still catches
+/// up from the log.
 pub const SNAPSHOT_LOG_KEPT: u64 = 1_000;
 /// How long a snapshot's last chunk may take to send and install, in ms (the others too).
 const INSTALL_SNAPSHOT_MS: u64 = 120_000;
@@ -212,7 +213,8 @@ const SNAPSHOT_CHUNK_BYTES: u64 = 1 << 20;
 
 /// The settings of every shard group: the metadata group's timings; a snapshot's built mark
 /// every `snapshot_entries` applied entries, the log purged up to it but the last
-/// [`SNAPSHOT_LOG_KEPT`] entries (docs/CLUSTER.md, "Snapshots").
+/// [`SNAPSHOT_LOG_KEPT`] entries or `snapshot_entries`, the fewer (docs/CLUSTER.md,
+/// "Snapshots").
 pub fn shard_raft_config(
     cluster_id: &str,
     snapshot_entries: u64,
@@ -223,7 +225,7 @@ pub fn shard_raft_config(
         election_timeout_min: 150,
         election_timeout_max: 300,
         snapshot_policy: SnapshotPolicy::LogsSinceLast(snapshot_entries),
-        max_in_snapshot_log_to_keep: SNAPSHOT_LOG_KEPT,
+        max_in_snapshot_log_to_keep: SNAPSHOT_LOG_KEPT.min(snapshot_entries),
         install_snapshot_timeout: INSTALL_SNAPSHOT_MS,
         snapshot_max_chunk_size: SNAPSHOT_CHUNK_BYTES,
         max_payload_entries: APPEND_ENTRIES_MAX,

@@ -50,6 +50,11 @@ pub struct FailoverBenchArgs {
     /// Queue shape: the cluster's shards
     #[arg(long, default_value_t = 4)]
     pub(super) shards: u32,
+    /// Queue shape: every node's `--shard-snapshot-entries` (a snapshot mark that often, the
+    /// shard logs purged behind it, so a restarted node far behind is sent a snapshot); the
+    /// server's default when not given
+    #[arg(long)]
+    pub(super) shard_snapshot_entries: Option<u64>,
     /// Pause between two metadata writes, in milliseconds (the writes are sequential)
     #[arg(long, default_value_t = 5)]
     write_interval_ms: u64,

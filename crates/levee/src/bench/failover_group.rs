@@ -15,7 +15,9 @@
 //! delayed messages wait in the shard's delay slots while its leaders are killed
 //! (docs/CLUSTER.md, "Retries and delayed messages through the shards"). `delayed_lost`
 //! counts the answered ones never delivered, `delayed_early` those delivered before the time
-//! their publish answered (the processes share this machine's clock), `delayed_twice` those
+//! their publish answered (the processes share this machine's clock) or, for one resent,
+//! before its first try's time (`delayed_by_an_earlier_try` counts those delivered between the
+//! two: the copy a try whose answer was lost stored, due earlier), `delayed_twice` those
 //! delivered more than once (a resend of a publish whose answer was lost stores it again, and
 //! a coordinator's failover hands out again what was delivered but not yet committed).
 
@@ -72,12 +74,20 @@ pub(super) struct GroupRun {
     commit_times: Vec<Instant>,
     /// Streams opened after the first.
     rejoined: u64,
-    /// Each answered delayed message's payload, and when its publish said it is due (ms
-    /// since the Unix epoch).
-    delayed: BTreeMap<Vec<u8>, u64>,
+    /// Each answered delayed message's payload: when its publish said it is due and when its
+    /// first try was sent (ms since the Unix epoch), and whether it was resent.
+    delayed: BTreeMap<Vec<u8>, DelayedPublish>,
     /// Each delayed message delivered: when it first was (ms since the Unix epoch), and how
     /// many times.
     delayed_seen: BTreeMap<Vec<u8>, (u64, u64)>,
+}
+
+/// One answered delayed publish (see [`GroupRun::delayed`]).
+#[derive(Debug, Clone, Copy)]
+struct DelayedPublish {
+    due_ms: u64,
+    first_sent_ms: u64,
+    resent: bool,
 }
 
 /// The run's record, shared by its tasks.
@@ -222,8 +232,11 @@ async fn publish_delayed(
 ) -> anyhow::Result<()> {
     let mut payload = DELAYED_PREFIX.to_vec();
     payload.extend_from_slice(number.to_string().as_bytes());
+    let first_sent_ms = super::unix_ms();
+    let tries = std::sync::atomic::AtomicU32::new(0);
     let due = through_next_nodes(clients, node, run, |client| {
         let (topic, payload) = (topic.to_owned(), payload.clone());
+        tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         async move {
             client
                 .publish_delayed(&topic, &[(&payload, &payload)], DELAY)
@@ -233,7 +246,14 @@ async fn publish_delayed(
     .await
     .context("publishing a delayed message")?;
     let due_ms = due.first().map_or(0, |(_, due_ms)| *due_ms);
-    lock(run).delayed.insert(payload, due_ms);
+    lock(run).delayed.insert(
+        payload,
+        DelayedPublish {
+            due_ms,
+            first_sent_ms,
+            resent: tries.load(std::sync::atomic::Ordering::Relaxed) > 1,
+        },
+    );
     Ok(())
 }
 
@@ -448,13 +468,30 @@ fn report(run: &Shared, failovers: &Histogram<u64>) -> (Value, bool) {
         .keys()
         .filter(|payload| !run.delayed_seen.contains_key(*payload))
         .count();
+    // Before the answered time: wrong, unless the publish was resent and the first delivery
+    // came after its first try's time (a try whose answer was lost stored a copy due then;
+    // counted in `delayed_twice` too). Before the first try's time is always wrong.
+    let seen_before = |payload: &Vec<u8>, due_ms: u64| {
+        run.delayed_seen
+            .get(payload)
+            .is_some_and(|(seen_ms, _)| *seen_ms < due_ms)
+    };
+    let delay_ms = u64::try_from(DELAY.as_millis()).unwrap_or(u64::MAX);
     let delayed_early = run
         .delayed
         .iter()
-        .filter(|(payload, due_ms)| {
-            run.delayed_seen
-                .get(*payload)
-                .is_some_and(|(seen_ms, _)| *seen_ms < **due_ms)
+        .filter(|(payload, publish)| {
+            seen_before(payload, publish.first_sent_ms + delay_ms)
+                || (!publish.resent && seen_before(payload, publish.due_ms))
+        })
+        .count();
+    let delayed_by_an_earlier_try = run
+        .delayed
+        .iter()
+        .filter(|(payload, publish)| {
+            publish.resent
+                && seen_before(payload, publish.due_ms)
+                && !seen_before(payload, publish.first_sent_ms + delay_ms)
         })
         .count();
     let delayed_twice = run
@@ -479,6 +516,7 @@ fn report(run: &Shared, failovers: &Histogram<u64>) -> (Value, bool) {
         "delayed_published": run.delayed.len(),
         "delayed_lost": delayed_lost,
         "delayed_early": delayed_early,
+        "delayed_by_an_earlier_try": delayed_by_an_earlier_try,
         "delayed_twice": delayed_twice,
         "coordinator_kills": failovers.len(),
         "group_failover_ms": super::percentiles_ms(failovers),

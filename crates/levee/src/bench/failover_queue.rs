@@ -62,7 +62,12 @@ pub(super) fn run(args: &FailoverBenchArgs) -> anyhow::Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
-    let mut nodes = start_replicated_cluster(directory.path(), (args.nodes, args.shards), &[])?;
+    let snapshot_entries = args.shard_snapshot_entries.map(|entries| entries.to_string());
+    let extra: Vec<&str> = snapshot_entries
+        .iter()
+        .flat_map(|entries| ["--shard-snapshot-entries", entries.as_str()])
+        .collect();
+    let mut nodes = start_replicated_cluster(directory.path(), (args.nodes, args.shards), &extra)?;
     let report = runtime.block_on(bench(args, &mut nodes));
     for node in &mut nodes {
         drop(node.process.take());
