@@ -62,7 +62,9 @@ pub(super) fn run(args: &FailoverBenchArgs) -> anyhow::Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
-    let snapshot_entries = args.shard_snapshot_entries.map(|entries| entries.to_string());
+    let snapshot_entries = args
+        .shard_snapshot_entries
+        .map(|entries| entries.to_string());
     let extra: Vec<&str> = snapshot_entries
         .iter()
         .flat_map(|entries| ["--shard-snapshot-entries", entries.as_str()])
