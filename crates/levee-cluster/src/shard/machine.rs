@@ -213,6 +213,20 @@ struct SnapshotFolder {
     installed: AtomicU64,
     /// Snapshot files this replica wrote since it started (to send them).
     written: AtomicU64,
+    /// The file being written, if one is.
+    writing: Mutex<Option<Arc<WritingSnapshot>>>,
+    /// Held by a writer while it writes, and by an install (which stops the writer first).
+    streaming: Mutex<()>,
+    /// Set by an install: the writer stops.
+    cancel: AtomicBool,
+}
+
+/// A snapshot file being written off the state machine's worker.
+#[derive(Debug)]
+struct WritingSnapshot {
+    meta: SnapshotMeta<NodeId, NodeInfo>,
+    /// Its path once whole, or why the write failed.
+    written: tokio::sync::watch::Receiver<snapshot::Written>,
 }
 
 /// See [`ShardStateMachine::publish_delays`].
@@ -325,7 +339,7 @@ impl ShardStateMachine {
         observer: Option<Arc<dyn ShardObserver>>,
     ) -> Result<Self, StorageError> {
         std::fs::create_dir_all(snapshots).map_err(|error| io_error(&error))?;
-        // Snapshots a stop cut short while they were received: sent again.
+        // Snapshots a stop cut short while they were received (sent again) or written.
         for entry in std::fs::read_dir(snapshots)
             .map_err(|error| io_error(&error))?
             .flatten()
@@ -346,6 +360,9 @@ impl ShardStateMachine {
                 starting: AtomicBool::new(true),
                 installed: AtomicU64::new(0),
                 written: AtomicU64::new(0),
+                writing: Mutex::new(None),
+                streaming: Mutex::new(()),
+                cancel: AtomicBool::new(false),
             }),
             store,
             log,
@@ -890,26 +907,49 @@ impl ShardStateMachine {
         Ok(meta)
     }
 
-    /// The snapshot file to send: the one on disk when it covers the built mark, else one
-    /// written now at the last applied entry (blocking; applies wait meanwhile). `None`
-    /// before anything was applied.
-    fn current_snapshot(&self) -> Result<Option<SnapshotRecord>, StorageError> {
+    /// The snapshot to send: the file on disk when it covers the built mark, else the one
+    /// being written when it does, else one started now at the last applied entry
+    /// ([`ShardStateMachine::start_writing`]). `None` before anything was applied.
+    async fn current_snapshot(&self) -> Result<Option<Snapshot<ShardConfig>>, StorageError> {
         let built = self
             .log
-            .read_meta::<SnapshotMeta<NodeId, NodeInfo>>(BUILT_KEY)?;
-        let on_disk = self.log.read_meta::<SnapshotRecord>(DATA_KEY)?;
-        if let Some(record) = on_disk
-            && record.meta.last_log_id >= built.and_then(|built| built.last_log_id)
+            .read_meta::<SnapshotMeta<NodeId, NodeInfo>>(BUILT_KEY)?
+            .and_then(|built| built.last_log_id);
+        if let Some(record) = self.log.read_meta::<SnapshotRecord>(DATA_KEY)?
+            && record.meta.last_log_id >= built
             && self.snapshot_path(&record.file).exists()
         {
-            return Ok(Some(record));
+            return self.open_snapshot(record).await.map(Some);
         }
-        self.write_snapshot()
+        let under_way = self
+            .snapshots
+            .writing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .filter(|writing| {
+                writing.meta.last_log_id >= built
+                    && !matches!(&*writing.written.borrow(), Some(Err(_)))
+            });
+        let writing = match under_way {
+            Some(writing) => writing,
+            None => match self.blocking(Self::start_writing).await? {
+                Some(writing) => writing,
+                None => return Ok(None),
+            },
+        };
+        Ok(Some(Snapshot {
+            meta: writing.meta.clone(),
+            snapshot: Box::new(SnapshotFile::when_written(writing.written.clone())),
+        }))
     }
 
-    /// Writes the shard's snapshot file at the last applied entry (see
-    /// [`ShardStateMachine::current_snapshot`]).
-    fn write_snapshot(&self) -> Result<Option<SnapshotRecord>, StorageError> {
+    /// Captures the shard at the last applied entry (offsets, positions, the delay marks:
+    /// cheap) and writes its delay slots, which deliveries delete, while applies wait; then
+    /// writes the other queues on a thread of its own, applies going on (appends past the
+    /// capture are left out; a delete applied meanwhile fails the write, and the next ask
+    /// captures again). Blocking.
+    fn start_writing(&self) -> Result<Option<Arc<WritingSnapshot>>, StorageError> {
         let applied = self.lock();
         let Some(last) = applied.last else {
             return Ok(None);
@@ -921,50 +961,116 @@ impl ShardStateMachine {
                 .map_err(|error| io_error(&std::io::Error::other(error)))?,
             None => Vec::new(),
         };
-        let snapshot_id = format!("{}-{}-{}", last.leader_id.term, last.index, unix_nanos());
-        let file = format!("{snapshot_id}.snap");
-        let writing = self.snapshot_path(&format!("{file}.part"));
         let tail = ShardTail {
             delay_marks: applied.wheel.taken_below(),
             delay_partial: partial_record(applied.partial.as_ref()),
         };
-        let written = (|| -> Result<(), snapshot::SnapshotError> {
-            let mut out = std::io::BufWriter::new(std::fs::File::create(&writing)?);
-            snapshot::write_shard(
-                &self.store,
-                StreamOf {
-                    shard: self.shard,
-                    shards: self.shards,
-                    snapshot_id: &snapshot_id,
-                },
-                (&positions, &tail),
-                &mut out,
-            )?;
-            out.into_inner()
-                .map_err(std::io::IntoInnerError::into_error)?
-                .sync_all()?;
-            std::fs::rename(&writing, self.snapshot_path(&file))?;
-            sync_folder(&self.snapshots.path)?;
-            Ok(())
-        })();
-        if let Err(error) = written {
-            let _ = std::fs::remove_file(&writing);
+        let captured = snapshot::capture(&self.store, (self.shard, self.shards), positions, tail)
+            .map_err(|error| io_error(&error))?;
+        let deletes = next_offset(&self.store, &deletes_queue(self.shard));
+        let meta = SnapshotMeta {
+            last_log_id: Some(last),
+            last_membership: applied.membership.clone(),
+            snapshot_id: format!("{}-{}-{}", last.leader_id.term, last.index, unix_nanos()),
+        };
+        let file = format!("{}.snap", meta.snapshot_id);
+        let part = self.snapshot_path(&format!("{file}.part"));
+        let (slots, others): (Vec<_>, Vec<_>) = captured
+            .queues
+            .iter()
+            .cloned()
+            .partition(|queue| queue.name.starts_with(levee_broker::names::DELAY_PREFIX));
+        let of = StreamOf {
+            shard: self.shard,
+            shards: self.shards,
+            snapshot_id: &meta.snapshot_id,
+        };
+        let mut out = std::io::BufWriter::new(
+            std::fs::File::create(&part).map_err(|error| io_error(&error))?,
+        );
+        let head = snapshot::write_start(of, &mut out)
+            .and_then(|()| snapshot::write_queues(&self.store, &slots, &|| true, &mut out));
+        drop(applied);
+        if let Err(error) = head {
+            let _ = std::fs::remove_file(&part);
             return Err(io_error(&error));
         }
-        let record = SnapshotRecord {
-            meta: SnapshotMeta {
-                last_log_id: Some(last),
-                last_membership: applied.membership.clone(),
-                snapshot_id,
-            },
-            file,
+        let (sender, written) = tokio::sync::watch::channel(None);
+        let writing = Arc::new(WritingSnapshot {
+            meta: meta.clone(),
+            written,
+        });
+        *self
+            .snapshots
+            .writing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Arc::clone(&writing));
+        self.snapshots.cancel.store(false, Ordering::Release);
+        let machine = self.clone();
+        std::thread::Builder::new()
+            .name(format!("shard-{}-snapshot", self.shard))
+            .spawn(move || {
+                let outcome = machine.finish_writing(
+                    (meta, file, &part),
+                    (&captured, &others, deletes),
+                    out,
+                );
+                match &outcome {
+                    Ok(_) => {
+                        machine.snapshots.written.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(error) => {
+                        let _ = std::fs::remove_file(&part);
+                        tracing::warn!(shard = machine.shard, %error, "writing the shard's snapshot failed; the next replica that needs one has it captured again");
+                    }
+                }
+                sender.send_replace(Some(outcome));
+            })
+            .map_err(|error| io_error(&error))?;
+        Ok(Some(writing))
+    }
+
+    /// The rest of [`ShardStateMachine::start_writing`]'s file: the queues but the slots, the
+    /// positions and the tail; then the file made durable, renamed, and recorded as the one to
+    /// send. Stops early when an install or a delete comes.
+    fn finish_writing(
+        &self,
+        (meta, file, part): (SnapshotMeta<NodeId, NodeInfo>, String, &Path),
+        (captured, others, deletes): (&snapshot::Captured, &[snapshot::CapturedQueue], u64),
+        mut out: std::io::BufWriter<std::fs::File>,
+    ) -> Result<PathBuf, String> {
+        let _alone = self
+            .snapshots
+            .streaming
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let still = || {
+            !self.snapshots.cancel.load(Ordering::Acquire)
+                && next_offset(&self.store, &deletes_queue(self.shard)) == deletes
         };
-        self.log.write_meta(DATA_KEY, &record)?;
-        drop(applied);
+        let text = |error: &dyn std::fmt::Display| error.to_string();
+        snapshot::write_queues(&self.store, others, &still, &mut out)
+            .and_then(|()| snapshot::write_end(captured, &mut out))
+            .map_err(|error| text(&error))?;
+        if !still() {
+            return Err("the shard changed while its snapshot was written".to_owned());
+        }
+        out.into_inner()
+            .map_err(|error| text(&error.into_error()))?
+            .sync_all()
+            .map_err(|error| text(&error))?;
+        let path = self.snapshot_path(&file);
+        std::fs::rename(part, &path)
+            .and_then(|()| sync_folder(&self.snapshots.path))
+            .map_err(|error| text(&error))?;
+        let last = meta.last_log_id.map(|id| id.index);
+        let record = SnapshotRecord { meta, file };
+        self.log
+            .write_meta(DATA_KEY, &record)
+            .map_err(|error| text(&error))?;
         self.remove_snapshot_files_but(&record.file);
-        self.snapshots.written.fetch_add(1, Ordering::Relaxed);
-        tracing::info!(shard = self.shard, last = last.index, file = %record.file, "wrote the shard's snapshot to send it");
-        Ok(Some(record))
+        tracing::info!(shard = self.shard, last, file = %record.file, "wrote the shard's snapshot to send it");
+        Ok(path)
     }
 
     /// Removes every file of the snapshot folder but `kept` (older snapshots, parts a stop
@@ -976,8 +1082,8 @@ impl ShardStateMachine {
         for entry in entries.flatten() {
             let name = entry.file_name();
             let name = name.to_string_lossy();
-            // A file being received stays (removed at the next start if left).
-            if name != kept && !name.starts_with("receiving-") {
+            // A file being received or written stays (removed at the next start if left).
+            if name != kept && !name.starts_with("receiving-") && !name.ends_with(".part") {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
@@ -990,6 +1096,18 @@ impl ShardStateMachine {
         meta: &SnapshotMeta<NodeId, NodeInfo>,
         received: &Path,
     ) -> Result<(), StorageError> {
+        // A snapshot being written here (as a leader, before) stops first.
+        self.snapshots.cancel.store(true, Ordering::Release);
+        let _alone = self
+            .snapshots
+            .streaming
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *self
+            .snapshots
+            .writing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = None;
         let mut applied = self.lock();
         let file = format!("installing-{}.snap", unix_nanos());
         std::fs::rename(received, self.snapshot_path(&file))
@@ -1183,10 +1301,7 @@ impl RaftStateMachine<ShardConfig> for ShardStateMachine {
                 None => Ok(None),
             };
         }
-        match self.blocking(Self::current_snapshot).await? {
-            Some(record) => self.open_snapshot(record).await.map(Some),
-            None => Ok(None),
-        }
+        self.current_snapshot().await
     }
 }
 
@@ -1814,6 +1929,13 @@ mod tests {
         assert_eq!(first.meta.last_log_id.map(|id| id.index), Some(2));
         let mut sent = machine.get_current_snapshot().await?.expect("a snapshot");
         assert_eq!(sent.meta.last_log_id.map(|id| id.index), Some(3));
+        // Applies go on while the file is written; it holds the shard as captured.
+        let during = append(4, &[("a", "a2")]);
+        machine.apply(vec![during.clone()]).await?;
+        // A replica that held an older, different state of the shard.
+        let (replica_store, mut replica) = open(two.path());
+        replica.apply(vec![append(1, &[("a", "stale")])]).await?;
+        let received = receive(&mut replica, &mut sent).await;
         assert_eq!(machine.snapshot_counts(), (0, 1));
         let again = machine.get_current_snapshot().await?.expect("a snapshot");
         assert_eq!(
@@ -1821,19 +1943,16 @@ mod tests {
             "the file on disk answers while it covers the mark"
         );
         assert_eq!(machine.snapshot_counts(), (0, 1));
-        // A replica that held an older, different state of the shard.
-        let (replica_store, mut replica) = open(two.path());
-        replica.apply(vec![append(1, &[("a", "stale")])]).await?;
-        let received = receive(&mut replica, &mut sent).await;
         replica.install_snapshot(&sent.meta, received).await?;
         assert_eq!(replica.applied_state().await?.0, sent.meta.last_log_id);
         assert_eq!(messages(&replica_store, "a"), ["a0", "a1"]);
+        replica.apply(vec![during]).await?;
         assert_eq!(messages(&replica_store, "b"), ["b0"]);
         assert_eq!(replica.delayed_waiting(), 1);
         assert_eq!(replica.next_due_ms(), machine.next_due_ms());
         assert_eq!(replica.snapshot_counts(), (1, 0));
         // Both go on alike, the delayed message included.
-        let next = vec![append(4, &[("a", "a2")]), deliver(5, now + 600)];
+        let next = vec![deliver(5, now + 600)];
         assert_eq!(
             machine.apply(next.clone()).await?,
             replica.apply(next).await?
@@ -1849,6 +1968,40 @@ mod tests {
         );
         let offered = reopened.get_current_snapshot().await?.expect("a mark");
         assert_eq!(offered.meta.snapshot_id, sent.meta.snapshot_id);
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[allow(
+        clippy::await_holding_lock,
+        reason = "the writer thread must wait on the lock while the delete is applied"
+    )]
+    async fn given_a_delete_applied_while_a_snapshot_is_written_then_that_write_fails_and_the_next_ask_captures_again()
+    -> Result<(), StorageError> {
+        let directory = tempfile::tempdir().expect("a directory");
+        let (_store, mut machine) = open(directory.path());
+        machine
+            .apply(vec![append(1, &[("a", "a0"), ("b", "b0")])])
+            .await?;
+        machine.get_current_snapshot().await?;
+        let mut failed = {
+            // The writer waits here until the delete is applied.
+            let held = Arc::clone(&machine.snapshots);
+            let _writer_waits = held.streaming.lock().unwrap();
+            let failed = machine.get_current_snapshot().await?.expect("a snapshot");
+            machine.apply(vec![delete(2, "b")]).await?;
+            failed
+        };
+        let mut bytes = Vec::new();
+        let read = tokio::io::AsyncReadExt::read_to_end(&mut failed.snapshot, &mut bytes).await;
+        assert!(read.is_err(), "{read:?}");
+        let mut again = machine.get_current_snapshot().await?.expect("a snapshot");
+        assert_ne!(again.meta.snapshot_id, failed.meta.snapshot_id);
+        assert_eq!(again.meta.last_log_id.map(|id| id.index), Some(2));
+        tokio::io::AsyncReadExt::read_to_end(&mut again.snapshot, &mut bytes)
+            .await
+            .expect("the second write is whole");
+        assert_eq!(machine.snapshot_counts(), (0, 1));
         Ok(())
     }
 

@@ -16,6 +16,7 @@
 //! The bytes: frames of a 4-byte little-endian length, a postcard [`Frame`], and its CRC32C
 //! (4 bytes, little-endian); every frame is checked when read.
 
+use std::future::Future;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -83,6 +84,9 @@ pub enum SnapshotError {
     /// The bytes are not a shard's snapshot (damaged, cut short, another layout).
     #[error("not a valid shard snapshot: {0}")]
     Invalid(String),
+    /// The shard changed under a stream written after its capture: capture it again.
+    #[error("the shard changed while its snapshot was written: {0}")]
+    Changed(String),
 }
 
 /// What the stream says besides the queues: the delay wheel's marks and cut-short slot.
@@ -185,62 +189,123 @@ pub struct StreamOf<'a> {
     pub snapshot_id: &'a str,
 }
 
-/// Writes every queue of the shard in `store` to `out`, then the consumers' `positions` on
-/// them, then `tail`. The caller holds the shard still (no apply meanwhile), so the stream is
-/// the shard at one index.
+/// One queue of a shard as a capture found it: its name and offsets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CapturedQueue {
+    /// The queue's name.
+    pub name: Vec<u8>,
+    /// Its first offset then.
+    pub first_offset: u64,
+    /// Its next offset then: the stream carries the messages below it.
+    pub next_offset: u64,
+}
+
+/// A shard as it stood at one applied entry, cheap to take (offsets and positions, no
+/// messages): what [`write_shard`] streams.
+#[derive(Debug, Clone)]
+pub struct Captured {
+    /// Every queue of the shard, sorted by name.
+    pub queues: Vec<CapturedQueue>,
+    /// Every consumer's positions on them.
+    pub positions: Vec<(String, Vec<ConsumerPosition>)>,
+    /// The delay wheel's marks and cut-short slot.
+    pub tail: ShardTail,
+}
+
+/// Captures the shard `of` names in `store` with `positions` and `tail` (the caller holds the
+/// shard still meanwhile).
 ///
 /// # Errors
-/// Writing to `out`, or reading the store.
+/// Reading the store.
+pub fn capture(
+    store: &Store,
+    (shard, shards): (ShardId, u32),
+    positions: Vec<(String, Vec<ConsumerPosition>)>,
+    tail: ShardTail,
+) -> Result<Captured, SnapshotError> {
+    let mut queues = Vec::new();
+    for name in shard_queues(store, shard, shards) {
+        if let Some(info) = store
+            .queue_info(&name)
+            .map_err(|error| SnapshotError::Store(error.to_string()))?
+        {
+            queues.push(CapturedQueue {
+                name,
+                first_offset: info.first_offset,
+                next_offset: info.next_offset,
+            });
+        }
+    }
+    Ok(Captured {
+        queues,
+        positions,
+        tail,
+    })
+}
+
+/// Writes the shard `captured` holds to `out`: [`write_start`], [`write_queues`] of every
+/// queue, [`write_end`].
+///
+/// # Errors
+/// As theirs.
 pub fn write_shard(
     store: &Store,
     of: StreamOf<'_>,
-    (positions, tail): (&[(String, Vec<ConsumerPosition>)], &ShardTail),
+    captured: &Captured,
+    still: &dyn Fn() -> bool,
     out: &mut impl Write,
 ) -> Result<(), SnapshotError> {
-    let StreamOf { shard, shards, .. } = of;
+    write_start(of, out)?;
+    write_queues(store, &captured.queues, still, out)?;
+    write_end(captured, out)
+}
+
+/// The stream's first frame.
+///
+/// # Errors
+/// Writing to `out`.
+pub fn write_start(of: StreamOf<'_>, out: &mut impl Write) -> Result<(), SnapshotError> {
     write_frame(
         out,
         &Frame::Start {
             version: VERSION,
-            shard,
+            shard: of.shard,
             snapshot_id: of.snapshot_id.to_owned(),
         },
-    )?;
-    for name in shard_queues(store, shard, shards) {
-        let Some(info) = store
-            .queue_info(&name)
-            .map_err(|error| SnapshotError::Store(error.to_string()))?
-        else {
-            continue;
-        };
-        write_frame(
-            out,
-            &Frame::Queue {
-                name: name.clone(),
-                first_offset: info.first_offset,
-                next_offset: info.next_offset,
-            },
-        )?;
-        let mut offset = info.first_offset;
-        while offset < info.next_offset {
-            let batch = store
-                .read(&name, offset, FRAME_MESSAGES_MAX, FRAME_BYTES_MAX)
-                .map_err(|error| SnapshotError::Store(error.to_string()))?;
-            if batch.is_empty() {
-                return Err(SnapshotError::Store(format!(
-                    "queue '{}' ends at {offset}, before its next offset {}",
-                    String::from_utf8_lossy(&name),
-                    info.next_offset
-                )));
-            }
-            offset = batch.next_offset();
-            write_frame(
-                out,
-                &Frame::Messages(batch.iter().map(<[u8]>::to_vec).collect()),
-            )?;
+    )
+}
+
+/// Writes `queues` (captured): each one's messages below its captured next offset, read from
+/// `store` now (appends since the capture are left out; a queue trimmed since starts at its
+/// new first offset, as on a replica that trimmed it sooner). `still()` is asked before each
+/// queue whether the shard is still as captured.
+///
+/// # Errors
+/// Writing to `out`, reading the store, a queue that no longer holds its captured messages
+/// (deleted since), or `still` saying no ([`SnapshotError::Changed`]).
+pub fn write_queues(
+    store: &Store,
+    queues: &[CapturedQueue],
+    still: &dyn Fn() -> bool,
+    out: &mut impl Write,
+) -> Result<(), SnapshotError> {
+    for queue in queues {
+        if !still() {
+            return Err(SnapshotError::Changed(
+                "the shard changed under the stream".to_owned(),
+            ));
         }
+        write_queue(store, queue, out)?;
     }
-    for (consumer, held) in positions {
+    Ok(())
+}
+
+/// The consumers' positions and the tail `captured` holds, and the end of the stream.
+///
+/// # Errors
+/// Writing to `out`.
+pub fn write_end(captured: &Captured, out: &mut impl Write) -> Result<(), SnapshotError> {
+    for (consumer, held) in &captured.positions {
         for part in held.chunks(FRAME_POSITIONS_MAX) {
             write_frame(
                 out,
@@ -254,11 +319,67 @@ pub fn write_shard(
     write_frame(
         out,
         &Frame::End {
-            delay_marks: tail.delay_marks,
-            delay_partial: tail.delay_partial.clone(),
+            delay_marks: captured.tail.delay_marks,
+            delay_partial: captured.tail.delay_partial.clone(),
         },
     )?;
     out.flush()?;
+    Ok(())
+}
+
+/// Writes one captured queue's frames.
+fn write_queue(
+    store: &Store,
+    queue: &CapturedQueue,
+    out: &mut impl Write,
+) -> Result<(), SnapshotError> {
+    let changed = |offset: u64| {
+        SnapshotError::Changed(format!(
+            "queue '{}' no longer holds offset {offset} (deleted since the capture)",
+            String::from_utf8_lossy(&queue.name)
+        ))
+    };
+    let mut offset = queue.first_offset;
+    let mut started = false;
+    while offset < queue.next_offset {
+        let batch = store
+            .read(&queue.name, offset, FRAME_MESSAGES_MAX, FRAME_BYTES_MAX)
+            .map_err(|error| SnapshotError::Store(error.to_string()))?;
+        if batch.is_empty() || (started && batch.first_offset != offset) {
+            return Err(changed(offset));
+        }
+        if batch.first_offset >= queue.next_offset {
+            // Trimmed past every captured message since.
+            offset = queue.next_offset;
+            break;
+        }
+        if !started {
+            // From its first message now (trimmed since the capture, maybe).
+            write_frame(
+                out,
+                &Frame::Queue {
+                    name: queue.name.clone(),
+                    first_offset: batch.first_offset,
+                    next_offset: queue.next_offset,
+                },
+            )?;
+            started = true;
+        }
+        let wanted = usize::try_from(queue.next_offset - batch.first_offset).unwrap_or(usize::MAX);
+        let messages: Vec<Vec<u8>> = batch.iter().take(wanted).map(<[u8]>::to_vec).collect();
+        offset = batch.first_offset + messages.len() as u64;
+        write_frame(out, &Frame::Messages(messages))?;
+    }
+    if !started {
+        write_frame(
+            out,
+            &Frame::Queue {
+                name: queue.name.clone(),
+                first_offset: offset,
+                next_offset: queue.next_offset,
+            },
+        )?;
+    }
     Ok(())
 }
 
@@ -379,24 +500,53 @@ fn check_whole(current: Option<&(Vec<u8>, u64)>, store: &Store) -> Result<(), Sn
     }
 }
 
+/// What a snapshot being written says once it ends: the whole file's path, or why it failed.
+pub type Written = Option<Result<PathBuf, String>>;
+
 /// A shard snapshot's file, as openraft reads it to send it and writes the chunks it
-/// receives into it; the path says where it lies, so an install can keep it.
-#[derive(Debug)]
+/// receives into it; the path says where it lies, so an install can keep it. One still being
+/// written ([`SnapshotFile::when_written`]) makes every read and seek wait until it is whole.
 pub struct SnapshotFile {
-    file: tokio::fs::File,
+    state: FileState,
     path: PathBuf,
+    /// A seek asked for before the file was open.
+    pending_seek: Option<std::io::SeekFrom>,
+}
+
+/// The wait for a file being written: the file opened, and its path.
+type Opening = Pin<Box<dyn Future<Output = std::io::Result<(tokio::fs::File, PathBuf)>> + Send>>;
+
+/// The file, or the wait for it.
+enum FileState {
+    Open(tokio::fs::File),
+    Waiting(Opening),
+}
+
+impl std::fmt::Debug for SnapshotFile {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = match self.state {
+            FileState::Open(_) => "open",
+            FileState::Waiting(_) => "being written",
+        };
+        write!(formatter, "SnapshotFile({}, {state})", self.path.display())
+    }
 }
 
 impl SnapshotFile {
+    fn opened(file: tokio::fs::File, path: &Path) -> Self {
+        Self {
+            state: FileState::Open(file),
+            path: path.to_owned(),
+            pending_seek: None,
+        }
+    }
+
     /// `path`, opened to read.
     ///
     /// # Errors
     /// Opening it.
     pub async fn open(path: &Path) -> std::io::Result<Self> {
-        Ok(Self {
-            file: tokio::fs::File::open(path).await?,
-            path: path.to_owned(),
-        })
+        Ok(Self::opened(tokio::fs::File::open(path).await?, path))
     }
 
     /// A new empty file at `path` (replacing one there), to write.
@@ -404,13 +554,32 @@ impl SnapshotFile {
     /// # Errors
     /// Creating it.
     pub async fn create(path: &Path) -> std::io::Result<Self> {
-        Ok(Self {
-            file: tokio::fs::File::create(path).await?,
-            path: path.to_owned(),
-        })
+        Ok(Self::opened(tokio::fs::File::create(path).await?, path))
     }
 
-    /// Where the file lies.
+    /// The file a writer is writing, opened to read once `written` says it is whole: reads
+    /// and seeks wait until then, and fail if the write did.
+    pub fn when_written(mut written: tokio::sync::watch::Receiver<Written>) -> Self {
+        let opening = async move {
+            let outcome = written
+                .wait_for(Option::is_some)
+                .await
+                .map_err(|_| std::io::Error::other("the snapshot's writer stopped"))?
+                .clone();
+            match outcome {
+                Some(Ok(path)) => Ok((tokio::fs::File::open(&path).await?, path)),
+                Some(Err(why)) => Err(std::io::Error::other(why)),
+                None => Err(std::io::Error::other("the snapshot's writer stopped")),
+            }
+        };
+        Self {
+            state: FileState::Waiting(Box::pin(opening)),
+            path: PathBuf::new(),
+            pending_seek: None,
+        }
+    }
+
+    /// Where the file lies (known once it is open).
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -418,11 +587,35 @@ impl SnapshotFile {
     /// Waits until what was written is on disk.
     ///
     /// # Errors
-    /// The fsync.
+    /// The fsync, or a file still being written by another.
     pub async fn sync(&mut self) -> std::io::Result<()> {
         use tokio::io::AsyncWriteExt as _;
-        self.file.flush().await?;
-        self.file.sync_all().await
+        let FileState::Open(file) = &mut self.state else {
+            return Err(std::io::Error::other("the snapshot file is being written"));
+        };
+        file.flush().await?;
+        file.sync_all().await
+    }
+
+    /// The file, once open.
+    fn poll_file(
+        &mut self,
+        context: &mut Context<'_>,
+    ) -> Poll<std::io::Result<&mut tokio::fs::File>> {
+        if let FileState::Waiting(opening) = &mut self.state {
+            match opening.as_mut().poll(context) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+                Poll::Ready(Ok((file, path))) => {
+                    self.state = FileState::Open(file);
+                    self.path = path;
+                }
+            }
+        }
+        match &mut self.state {
+            FileState::Open(file) => Poll::Ready(Ok(file)),
+            FileState::Waiting(_) => Poll::Pending,
+        }
     }
 }
 
@@ -432,7 +625,11 @@ impl tokio::io::AsyncRead for SnapshotFile {
         context: &mut Context<'_>,
         buffer: &mut tokio::io::ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().file).poll_read(context, buffer)
+        match self.get_mut().poll_file(context) {
+            Poll::Ready(Ok(file)) => Pin::new(file).poll_read(context, buffer),
+            Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
+            Poll::Pending => Poll::Pending,
+        }
     }
 }
 
@@ -442,28 +639,61 @@ impl tokio::io::AsyncWrite for SnapshotFile {
         context: &mut Context<'_>,
         buffer: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().file).poll_write(context, buffer)
+        match self.get_mut().poll_file(context) {
+            Poll::Ready(Ok(file)) => Pin::new(file).poll_write(context, buffer),
+            Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
+            Poll::Pending => Poll::Pending,
+        }
     }
 
     fn poll_flush(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().file).poll_flush(context)
+        match self.get_mut().poll_file(context) {
+            Poll::Ready(Ok(file)) => Pin::new(file).poll_flush(context),
+            Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
+            Poll::Pending => Poll::Pending,
+        }
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().file).poll_shutdown(context)
+        match self.get_mut().poll_file(context) {
+            Poll::Ready(Ok(file)) => Pin::new(file).poll_shutdown(context),
+            Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
+            Poll::Pending => Poll::Pending,
+        }
     }
 }
 
 impl tokio::io::AsyncSeek for SnapshotFile {
     fn start_seek(self: Pin<&mut Self>, position: std::io::SeekFrom) -> std::io::Result<()> {
-        Pin::new(&mut self.get_mut().file).start_seek(position)
+        let this = self.get_mut();
+        match &mut this.state {
+            FileState::Open(file) => Pin::new(file).start_seek(position),
+            FileState::Waiting(_) => {
+                this.pending_seek = Some(position);
+                Ok(())
+            }
+        }
     }
 
     fn poll_complete(
         self: Pin<&mut Self>,
         context: &mut Context<'_>,
     ) -> Poll<std::io::Result<u64>> {
-        Pin::new(&mut self.get_mut().file).poll_complete(context)
+        let this = self.get_mut();
+        let pending_seek = this.pending_seek;
+        let file = match this.poll_file(context) {
+            Poll::Ready(Ok(file)) => file,
+            Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+            Poll::Pending => return Poll::Pending,
+        };
+        if let Some(position) = pending_seek {
+            Pin::new(&mut *file).start_seek(position)?;
+            this.pending_seek = None;
+        }
+        let FileState::Open(file) = &mut this.state else {
+            return Poll::Pending;
+        };
+        Pin::new(file).poll_complete(context)
     }
 }
 
@@ -602,7 +832,14 @@ mod tests {
             snapshot_id: "1-9-5",
         };
         let mut stream = Vec::new();
-        write_shard(&source, of(shard), (&positions, &tail), &mut stream).unwrap();
+        let captured = capture(&source, (shard, SHARDS), positions.clone(), tail.clone()).unwrap();
+        // Appended after the capture: not in the stream.
+        append(&source, plain.as_bytes(), &["later"]);
+        write_shard(&source, of(shard), &captured, &|| true, &mut stream).unwrap();
+        let later = source.read(plain.as_bytes(), 3, 1, usize::MAX).unwrap();
+        assert_eq!(later.iter().next(), Some(&b"later"[..]));
+        source.delete_queue(plain.as_bytes()).unwrap();
+        append(&source, plain.as_bytes(), &["a", "b", "c"]);
         // The target held an older state of the shard, another shard's queues, its own.
         append(&target, plain.as_bytes(), &["stale", "stale"]);
         append(&target, name_in(shard, "gone").as_bytes(), &["stale"]);
@@ -659,7 +896,21 @@ mod tests {
             delay_partial: None,
         };
         let mut stream = Vec::new();
-        write_shard(&source, of(shard), (&[], &tail), &mut stream).unwrap();
+        let captured = capture(&source, (shard, SHARDS), Vec::new(), tail).unwrap();
+        write_shard(&source, of(shard), &captured, &|| true, &mut stream).unwrap();
+        // A stream told the shard changed, and one whose queue was deleted since the capture,
+        // stop.
+        assert!(matches!(
+            write_shard(&source, of(shard), &captured, &|| false, &mut Vec::new()),
+            Err(SnapshotError::Changed(_))
+        ));
+        source
+            .delete_queue(name_in(shard, "plain").as_bytes())
+            .unwrap();
+        assert!(matches!(
+            write_shard(&source, of(shard), &captured, &|| true, &mut Vec::new()),
+            Err(SnapshotError::Changed(_))
+        ));
         let mut damaged = stream.clone();
         let middle = damaged.len() / 2;
         damaged[middle] ^= 0x40;
