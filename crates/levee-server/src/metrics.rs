@@ -194,6 +194,10 @@ pub struct Metrics {
     pub group_dead_lettered: Family<GroupLabels, Counter>,
     /// Dead letters redriven into the retry path, by group.
     pub group_redriven: Family<GroupLabels, Counter>,
+    /// Shard snapshots this node installed (a replica behind its leader's purged log).
+    pub shard_snapshots_installed: Counter,
+    /// Shard snapshot files this node wrote to send to a replica.
+    pub shard_snapshots_written: Counter,
     /// Messages that wait for their time (retries and delayed publishes) on this server.
     pub delayed_messages_waiting: Gauge,
     /// Messages placed to wait (retries and delayed publishes).
@@ -501,6 +505,18 @@ impl Metrics {
                 "levee_group_redriven",
                 "dead letters redriven into the retry path, by group",
                 Family::default(),
+            ),
+            shard_snapshots_installed: registered(
+                registry_ref,
+                "levee_shard_snapshots_installed",
+                "shard snapshots this node installed (a replica behind its leader's purged log)",
+                Counter::default(),
+            ),
+            shard_snapshots_written: registered(
+                registry_ref,
+                "levee_shard_snapshots_written",
+                "shard snapshot files this node wrote to send to a replica",
+                Counter::default(),
             ),
             delayed_messages_waiting: registered(
                 registry_ref,

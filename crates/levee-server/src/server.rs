@@ -503,11 +503,17 @@ fn queue_services(
     let queue_service = QueuesServer::new(queues)
         .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
         .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
-    let apply_here = Arc::new(crate::queue::replicated::ApplyHere::new(
-        Arc::clone(&consume_context.waiters),
-        positions,
-        Some(Arc::clone(&consume_context.delayer)),
-    ));
+    let apply_here = Arc::new(
+        crate::queue::replicated::ApplyHere::new(
+            Arc::clone(&consume_context.waiters),
+            positions,
+            Some(Arc::clone(&consume_context.delayer)),
+        )
+        .count_snapshots(
+            metrics.shard_snapshots_installed.clone(),
+            metrics.shard_snapshots_written.clone(),
+        ),
+    );
     Ok((queue_service, topic_service, consume_context, apply_here))
 }
 

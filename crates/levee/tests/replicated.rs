@@ -1691,6 +1691,17 @@ fn given_a_shard_log_purged_while_a_follower_was_down_when_it_comes_back_then_a_
         shard_group(leader_node, shard)["snapshots_written"].as_u64() >= Some(1),
         "the leader wrote one"
     );
+    let counted = |node: &LeveeProcess, name: &str| -> f64 {
+        let (code, metrics) = http_get(node.admin_addr, "/metrics");
+        assert_eq!(code, 200);
+        metrics
+            .lines()
+            .find_map(|line| line.strip_prefix(&format!("{name} ")))
+            .and_then(|value| value.trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    assert!(counted(back, "levee_shard_snapshots_installed_total") >= 1.0);
+    assert!(counted(leader_node, "levee_shard_snapshots_written_total") >= 1.0);
     let restarted = runtime.block_on(Client::connect(&back.grpc())).unwrap();
     assert_holds(&runtime, &restarted, &acknowledged);
     runtime.block_on(async {

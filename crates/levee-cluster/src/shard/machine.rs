@@ -120,6 +120,9 @@ pub trait ShardObserver: Send + Sync {
 
     /// A snapshot replaced the shard's queues: wakes whoever waits on them.
     fn installed(&self, _shard: ShardId) {}
+
+    /// A snapshot file of the shard was written, to send to a replica.
+    fn snapshot_written(&self, _shard: ShardId) {}
 }
 
 /// One queue's part of a batch: where it stood before, and how many messages the batch adds.
@@ -1018,6 +1021,9 @@ impl ShardStateMachine {
                 match &outcome {
                     Ok(_) => {
                         machine.snapshots.written.fetch_add(1, Ordering::Relaxed);
+                        if let Some(observer) = &machine.observer {
+                            observer.snapshot_written(machine.shard);
+                        }
                     }
                     Err(error) => {
                         let _ = std::fs::remove_file(&part);

@@ -298,6 +298,11 @@ pub struct ApplyHere {
     recent_deletes: std::sync::Mutex<BTreeMap<ShardId, RecentDeletes>>,
     /// The node's delayer, if any: told when a shard appended retries.
     delayer: Option<Arc<crate::queue::delay::Delayer>>,
+    /// Counters of the shard snapshots installed and written here, if kept.
+    snapshots: Option<(
+        prometheus_client::metrics::counter::Counter,
+        prometheus_client::metrics::counter::Counter,
+    )>,
 }
 
 /// A shard's recent deletes: each queue's latest delete epoch, and the queues oldest first.
@@ -323,6 +328,20 @@ impl ApplyHere {
             positions,
             delayer,
             recent_deletes: std::sync::Mutex::default(),
+            snapshots: None,
+        }
+    }
+
+    /// Counts the shard snapshots installed and written here in `installed` and `written`.
+    #[must_use]
+    pub fn count_snapshots(
+        self,
+        installed: prometheus_client::metrics::counter::Counter,
+        written: prometheus_client::metrics::counter::Counter,
+    ) -> Self {
+        Self {
+            snapshots: Some((installed, written)),
+            ..self
         }
     }
 
@@ -427,7 +446,16 @@ impl ShardObserver for ApplyHere {
             .collect())
     }
 
+    fn snapshot_written(&self, _shard: ShardId) {
+        if let Some((_, written)) = &self.snapshots {
+            written.inc();
+        }
+    }
+
     fn installed(&self, _shard: ShardId) {
+        if let Some((installed, _)) = &self.snapshots {
+            installed.inc();
+        }
         // Streams look at their queues again (their contents jumped ahead).
         self.waiters.wake_every();
         if let Some(delayer) = &self.delayer {
