@@ -2329,6 +2329,49 @@ mod tests {
         messages(&store, "t")
     }
 
+    /// Applies `entries` on a replica in `replica` that applied the first `stale` of them,
+    /// then installed the snapshot a machine in `source` took after the first `snapshot_at`;
+    /// the target's messages.
+    async fn apply_from_a_snapshot(
+        (source, replica): (&std::path::Path, &std::path::Path),
+        entries: &[Entry<ShardConfig>],
+        (stale, snapshot_at): (usize, usize),
+    ) -> Vec<String> {
+        let snapshot_at = snapshot_at.clamp(1, entries.len());
+        let stale = stale.min(snapshot_at);
+        let (_taken, mut taker) = open(source);
+        taker
+            .apply(entries[..snapshot_at].to_vec())
+            .await
+            .expect("applied");
+        taker
+            .get_current_snapshot()
+            .await
+            .expect("the start's look");
+        let mut sent = taker
+            .get_current_snapshot()
+            .await
+            .expect("a snapshot")
+            .expect("one");
+        let (store, mut behind) = open(replica);
+        if stale > 0 {
+            behind
+                .apply(entries[..stale].to_vec())
+                .await
+                .expect("applied");
+        }
+        let received = receive(&mut behind, &mut sent).await;
+        behind
+            .install_snapshot(&sent.meta, received)
+            .await
+            .expect("installed");
+        for entry in &entries[snapshot_at..] {
+            behind.apply(vec![entry.clone()]).await.expect("applied");
+        }
+        assert!(slots(&store).is_empty(), "every slot delivered");
+        messages(&store, "t")
+    }
+
     /// Applies `entries` in batches of `batch` on a machine in `directory`, reopened after
     /// the first `restart_at`; the target's messages.
     async fn apply_with_a_restart(
@@ -2354,14 +2397,17 @@ mod tests {
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(32))]
 
-        /// Two replicas apply the same log, one entry at a time and in batches with a restart
-        /// in between: their targets get the same messages in the same order, every entry
-        /// exactly once, and no delivery appends an entry due after its time.
+        /// Three replicas apply the same log: one entry at a time; in batches with a restart
+        /// in between; and one that applied a part, then installed a snapshot another took
+        /// later, then applied the rest. Their targets get the same messages in the same
+        /// order, every entry exactly once, and no delivery appends an entry due after its
+        /// time.
         #[test]
         fn delayed_entries_are_placed_and_delivered_alike_on_every_replica(
             steps in proptest::collection::vec(step(), 1..30),
             batch in 1_usize..6,
             restart_at in 0_usize..30,
+            (stale, snapshot_at) in (0_usize..30, 1_usize..30),
         ) {
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
@@ -2375,6 +2421,16 @@ mod tests {
             let first = runtime.block_on(apply_one_by_one(one.path(), &entries));
             let second =
                 runtime.block_on(apply_with_a_restart(two.path(), &entries, (batch, restart_at)));
+            let (taker, three) = (
+                tempfile::tempdir().expect("a directory"),
+                tempfile::tempdir().expect("a directory"),
+            );
+            let third = runtime.block_on(apply_from_a_snapshot(
+                (taker.path(), three.path()),
+                &entries,
+                (stale, snapshot_at),
+            ));
+            proptest::prop_assert_eq!(&first, &third);
             let placed: usize = steps
                 .iter()
                 .map(|step| match step {
