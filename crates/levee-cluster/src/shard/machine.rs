@@ -411,7 +411,7 @@ impl ShardStateMachine {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Applied> {
-        self.applied.lock().unwrap_or_else(PoisonError::into_inner)
+        locked(&self.applied)
     }
 
     /// When the shard's next delay slot is due (ms since the Unix epoch), if one holds
@@ -862,6 +862,17 @@ impl ShardStateMachine {
     }
 }
 
+/// `mutex` locked, even if a holder panicked.
+fn locked<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A new snapshot's id at `last`: its term, its index and this node's time, so two taken at
+/// one entry differ.
+fn snapshot_id(last: LogId<NodeId>) -> String {
+    format!("{}-{}-{}", last.leader_id.term, last.index, unix_nanos())
+}
+
 /// Nanoseconds since the Unix epoch, by this node's clock (names snapshot files apart).
 fn unix_nanos() -> u128 {
     std::time::SystemTime::now()
@@ -901,10 +912,7 @@ impl ShardStateMachine {
         let meta = SnapshotMeta {
             last_log_id: applied.last,
             last_membership: applied.membership.clone(),
-            snapshot_id: applied.last.map_or_else(
-                || "empty".to_owned(),
-                |last| format!("{}-{}-{}", last.leader_id.term, last.index, unix_nanos()),
-            ),
+            snapshot_id: applied.last.map_or_else(|| "empty".to_owned(), snapshot_id),
         };
         self.log.write_meta(BUILT_KEY, &meta)?;
         Ok(meta)
@@ -924,16 +932,9 @@ impl ShardStateMachine {
         {
             return self.open_snapshot(record).await.map(Some);
         }
-        let under_way = self
-            .snapshots
-            .writing
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-            .filter(|writing| {
-                writing.meta.last_log_id >= built
-                    && !matches!(&*writing.written.borrow(), Some(Err(_)))
-            });
+        let under_way = locked(&self.snapshots.writing).clone().filter(|writing| {
+            writing.meta.last_log_id >= built && !matches!(&*writing.written.borrow(), Some(Err(_)))
+        });
         let writing = match under_way {
             Some(writing) => writing,
             None => match self.blocking(Self::start_writing).await? {
@@ -974,7 +975,7 @@ impl ShardStateMachine {
         let meta = SnapshotMeta {
             last_log_id: Some(last),
             last_membership: applied.membership.clone(),
-            snapshot_id: format!("{}-{}-{}", last.leader_id.term, last.index, unix_nanos()),
+            snapshot_id: snapshot_id(last),
         };
         let file = format!("{}.snap", meta.snapshot_id);
         let part = self.snapshot_path(&format!("{file}.part"));
@@ -1003,11 +1004,7 @@ impl ShardStateMachine {
             meta: meta.clone(),
             written,
         });
-        *self
-            .snapshots
-            .writing
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(Arc::clone(&writing));
+        *locked(&self.snapshots.writing) = Some(Arc::clone(&writing));
         self.snapshots.cancel.store(false, Ordering::Release);
         let machine = self.clone();
         std::thread::Builder::new()
@@ -1045,11 +1042,7 @@ impl ShardStateMachine {
         (captured, others, deletes): (&snapshot::Captured, &[snapshot::CapturedQueue], u64),
         mut out: std::io::BufWriter<std::fs::File>,
     ) -> Result<PathBuf, String> {
-        let _alone = self
-            .snapshots
-            .streaming
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let _alone = locked(&self.snapshots.streaming);
         let still = || {
             !self.snapshots.cancel.load(Ordering::Acquire)
                 && next_offset(&self.store, &deletes_queue(self.shard)) == deletes
@@ -1104,16 +1097,8 @@ impl ShardStateMachine {
     ) -> Result<(), StorageError> {
         // A snapshot being written here (as a leader, before) stops first.
         self.snapshots.cancel.store(true, Ordering::Release);
-        let _alone = self
-            .snapshots
-            .streaming
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        *self
-            .snapshots
-            .writing
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = None;
+        let _alone = locked(&self.snapshots.streaming);
+        *locked(&self.snapshots.writing) = None;
         let mut applied = self.lock();
         let file = format!("installing-{}.snap", unix_nanos());
         std::fs::rename(received, self.snapshot_path(&file))

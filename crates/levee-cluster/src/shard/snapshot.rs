@@ -619,17 +619,28 @@ impl SnapshotFile {
     }
 }
 
+impl SnapshotFile {
+    /// `operation` on the file once it is open.
+    fn on_file<T>(
+        self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+        operation: impl FnOnce(Pin<&mut tokio::fs::File>, &mut Context<'_>) -> Poll<std::io::Result<T>>,
+    ) -> Poll<std::io::Result<T>> {
+        match self.get_mut().poll_file(context) {
+            Poll::Ready(Ok(file)) => operation(Pin::new(file), context),
+            Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
 impl tokio::io::AsyncRead for SnapshotFile {
     fn poll_read(
         self: Pin<&mut Self>,
         context: &mut Context<'_>,
         buffer: &mut tokio::io::ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        match self.get_mut().poll_file(context) {
-            Poll::Ready(Ok(file)) => Pin::new(file).poll_read(context, buffer),
-            Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
-            Poll::Pending => Poll::Pending,
-        }
+        self.on_file(context, |file, context| file.poll_read(context, buffer))
     }
 }
 
@@ -639,27 +650,15 @@ impl tokio::io::AsyncWrite for SnapshotFile {
         context: &mut Context<'_>,
         buffer: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        match self.get_mut().poll_file(context) {
-            Poll::Ready(Ok(file)) => Pin::new(file).poll_write(context, buffer),
-            Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
-            Poll::Pending => Poll::Pending,
-        }
+        self.on_file(context, |file, context| file.poll_write(context, buffer))
     }
 
     fn poll_flush(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match self.get_mut().poll_file(context) {
-            Poll::Ready(Ok(file)) => Pin::new(file).poll_flush(context),
-            Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
-            Poll::Pending => Poll::Pending,
-        }
+        self.on_file(context, tokio::io::AsyncWrite::poll_flush)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match self.get_mut().poll_file(context) {
-            Poll::Ready(Ok(file)) => Pin::new(file).poll_shutdown(context),
-            Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
-            Poll::Pending => Poll::Pending,
-        }
+        self.on_file(context, tokio::io::AsyncWrite::poll_shutdown)
     }
 }
 
