@@ -1732,3 +1732,40 @@ fn given_a_shard_log_purged_while_a_follower_was_down_when_it_comes_back_then_a_
         assert_holds(&runtime, &client, &acknowledged);
     }
 }
+
+/// Reads are linearizable on every replica: an append acknowledged by a shard's leader is in
+/// the very next `Read` and `GetQueueInfo` through either follower (each first learns the
+/// leader's read index and applies that far), round after round.
+#[test]
+fn given_a_replicated_cluster_when_the_leader_acknowledges_an_append_then_a_read_through_any_follower_at_once_sees_it()
+ {
+    const ROUNDS: u64 = 40;
+    let runtime = runtime();
+    let directory = tempfile::tempdir().unwrap();
+    let (mut nodes, leaders, clients) = settled_three(&runtime, directory.path());
+    runtime.block_on(async {
+        for round in 0..ROUNDS {
+            let queue = format!("read-your-writes-{}", round % 8).into_bytes();
+            let shard = u64::from(levee_proto::shards::shard_of_bytes(&queue, SHARDS));
+            let leader = usize::try_from(leaders[&shard]).unwrap() - 1;
+            let payload = format!("m{round}").into_bytes();
+            let offset = clients[leader].append(&queue, &payload).await.unwrap();
+            for (index, follower) in clients.iter().enumerate() {
+                if index == leader {
+                    continue;
+                }
+                let read = follower.read(&queue, offset, 1, 0).await.unwrap();
+                assert_eq!(
+                    read.payloads.first().map(|payload| payload.to_vec()),
+                    Some(payload.clone()),
+                    "round {round}: node {} missed offset {offset} acknowledged by node {}",
+                    index + 1,
+                    leader + 1
+                );
+                let info = follower.queue_info(&queue).await.unwrap();
+                assert_eq!(info.next_offset, offset + 1, "round {round}");
+            }
+        }
+    });
+    drop(nodes.iter_mut().map(Option::take).collect::<Vec<_>>());
+}

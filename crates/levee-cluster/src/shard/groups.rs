@@ -116,6 +116,9 @@ pub enum ForwardRefusal {
     NotCommitted(String),
     /// The receiver's instance stopped.
     Stopped(String),
+    /// The receiver leads the shard but no quorum of its replicas confirmed that in time (a
+    /// read index it cannot give).
+    Unconfirmed(String),
 }
 
 /// One shard group as this node sees it.
@@ -665,6 +668,98 @@ impl ShardGroups {
         self.write(shard, ShardCommand::Barrier).await.map(|_| ())
     }
 
+    /// Waits until this node has applied everything `shard` committed before the call, so a
+    /// read of its store that follows is linearizable: it sees every write acknowledged
+    /// before the call, through any node. The leader confirms it still leads with a quorum
+    /// of the shard's replicas (openraft's read index: a heartbeat round; a new leader's
+    /// index covers what earlier leaders committed); a follower asks the leader for that
+    /// index. Then this node waits to apply that far. Fails `Unavailable` (nothing changed,
+    /// retry) when no leader confirms within [`WRITE_WAIT_MAX`], or this node cannot apply
+    /// that far in it.
+    pub async fn read_barrier(&self, shard: ShardId) -> Result<(), ShardWriteError> {
+        let raft = self.raft_to_write(shard)?;
+        let started = Instant::now();
+        let unavailable = |reason: String| ShardWriteError::Unavailable {
+            shard,
+            reason,
+            maybe_stored: false,
+        };
+        let mut reason = String::from("no leader is known yet");
+        while let Some(left) = WRITE_WAIT_MAX.checked_sub(started.elapsed()) {
+            let index = match Self::leader(raft) {
+                Some((leader, _)) if leader == self.node_id => {
+                    Self::read_index_here(raft, left).await
+                }
+                Some((leader, Some(node))) => {
+                    self.read_index_of(shard, (leader, &node), left).await
+                }
+                Some((leader, None)) => {
+                    Err(format!("leader {leader} is not in the shard's membership"))
+                }
+                None => Err("no leader is known yet".to_owned()),
+            };
+            match index {
+                Ok(index) => {
+                    let left = WRITE_WAIT_MAX.saturating_sub(started.elapsed());
+                    return raft
+                        .wait(Some(left))
+                        .applied_index_at_least(index, "a read index applied")
+                        .await
+                        .map(|_| ())
+                        .map_err(|error| {
+                            unavailable(format!(
+                                "this node did not apply the shard's log up to its read index                                  {index:?} within {} ms ({error}); retry",
+                                WRITE_WAIT_MAX.as_millis()
+                            ))
+                        });
+                }
+                Err(why) => reason = why,
+            }
+            tokio::time::sleep(LEADER_WAIT_STEP).await;
+        }
+        Err(unavailable(format!(
+            "no leader confirmed a read index within {} ms ({reason}); retry",
+            WRITE_WAIT_MAX.as_millis()
+        )))
+    }
+
+    /// The read index of `shard` on this node, its leader: once a quorum confirmed the lead.
+    async fn read_index_here(raft: &ShardRaft, left: Duration) -> Result<Option<u64>, String> {
+        match tokio::time::timeout(left, raft.get_read_log_id()).await {
+            Ok(Ok((read, _applied))) => Ok(read.map(|id| id.index)),
+            Ok(Err(error)) => Err(error.to_string()),
+            Err(_) => {
+                Err("no quorum of the shard's replicas confirmed the leader in time".to_owned())
+            }
+        }
+    }
+
+    /// The read index of `shard` as its leader `leader` gives it.
+    async fn read_index_of(
+        &self,
+        shard: ShardId,
+        (leader, node): (NodeId, &NodeInfo),
+        left: Duration,
+    ) -> Result<Option<u64>, String> {
+        let answer = send(
+            &self.channels,
+            &node.peer_addr,
+            (shard, ShardCall::ReadIndex),
+            Vec::new(),
+            left,
+        )
+        .await
+        .map_err(|status| format!("leader {leader}: {}", status.message()))?;
+        let answer: Result<Option<u64>, ForwardRefusal> = serde_json::from_slice(&answer)
+            .map_err(|error| format!("leader {leader}'s answer is unreadable: {error}"))?;
+        answer.map_err(|refusal| match refusal {
+            ForwardRefusal::NotLeader => format!("node {leader} no longer leads"),
+            ForwardRefusal::NotCommitted(why)
+            | ForwardRefusal::Stopped(why)
+            | ForwardRefusal::Unconfirmed(why) => format!("leader {leader}: {why}"),
+        })
+    }
+
     /// Proposes `command` on this node, which leads `shard`.
     async fn propose(
         &self,
@@ -773,7 +868,7 @@ impl ShardGroups {
             Err(ForwardRefusal::NotLeader) => {
                 Ok(Attempt::Again(format!("node {leader} no longer leads")))
             }
-            Err(ForwardRefusal::NotCommitted(reason)) => {
+            Err(ForwardRefusal::NotCommitted(reason) | ForwardRefusal::Unconfirmed(reason)) => {
                 Err(maybe(format!("leader {leader}: {reason}")))
             }
             // Proposed there, perhaps: it may reach the others.
@@ -799,6 +894,7 @@ impl ShardGroups {
                 let command: ShardCommand = decode(&message.body)?;
                 json(&self.serve_forward(raft, command).await)
             }
+            ShardCall::ReadIndex => json(&self.serve_read_index(raft).await),
             ShardCall::Unspecified => {
                 return Err(Status::invalid_argument("a shard call names no call"));
             }
@@ -808,6 +904,15 @@ impl ShardGroups {
             call: message.call,
             body,
         })
+    }
+
+    async fn serve_read_index(&self, raft: &ShardRaft) -> Result<Option<u64>, ForwardRefusal> {
+        if raft.metrics().borrow().current_leader != Some(self.node_id) {
+            return Err(ForwardRefusal::NotLeader);
+        }
+        Self::read_index_here(raft, WRITE_WAIT_MAX)
+            .await
+            .map_err(ForwardRefusal::Unconfirmed)
     }
 
     async fn serve_forward(

@@ -596,6 +596,31 @@ impl Replication {
         Ok(target)
     }
 
+    /// Makes a read of `queue` served here linearizable: returns once this node applied
+    /// everything the queue's shard committed before the call (`ShardGroups::read_barrier`),
+    /// so the read sees every append acknowledged before it, through any node. Nothing to
+    /// wait for when the cluster does not replicate its queues or this node holds no replica
+    /// of the shard (the read is forwarded, or refused, before it gets here).
+    pub async fn read_barrier(&self, queue: &[u8]) -> Result<(), WireError> {
+        let Some(groups) = self.groups() else {
+            return Ok(());
+        };
+        let groups = groups?;
+        let shard = shard_of_queue(queue, groups.shards());
+        if !groups.replicates(shard) {
+            return Ok(());
+        }
+        groups
+            .read_barrier(shard)
+            .await
+            .map_err(|error| match error {
+                ShardWriteError::Unavailable { .. } => {
+                    WireError::new(ErrorCode::Unavailable, format!("{error}; nothing was read"))
+                }
+                other => shard_error(&other),
+            })
+    }
+
     /// Where a many-queue stream opened on this node goes: when this node holds no replica of
     /// any shard (a learner), to the preferred replica of shard 0 (with up to three voters,
     /// every voter holds every shard); `None`: served here (a node holding some shards

@@ -110,6 +110,15 @@ impl QueueService {
         }
     }
 
+    /// Waits, before a read of `queue` served here, until this node applied everything its
+    /// shard committed (see [`Replication::read_barrier`]); at once without replication.
+    pub(crate) async fn read_barrier(&self, queue: &[u8]) -> Result<(), WireError> {
+        match &self.replication {
+            Some(replication) => replication.read_barrier(queue).await,
+            None => Ok(()),
+        }
+    }
+
     /// Where a read of `queue` goes when this node holds no replica of its shard (see
     /// [`Replication::read_elsewhere`]); `None`: served here.
     pub(crate) fn read_elsewhere(
@@ -465,6 +474,7 @@ impl Queues for QueueService {
                 .into());
             }
         };
+        self.read_barrier(&request.queue).await?;
         let batch = self
             .calls
             .store
@@ -511,6 +521,7 @@ impl Queues for QueueService {
                 .await
                 .map_err(|status| forward_failed(node, status));
         }
+        self.read_barrier(&queue).await?;
         let info = self
             .calls
             .store
