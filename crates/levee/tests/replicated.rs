@@ -1662,6 +1662,15 @@ fn given_a_shard_log_purged_while_a_follower_was_down_when_it_comes_back_then_a_
                 .is_some_and(|purged| purged > behind)
         },
     );
+    // openraft now wants a snapshot for the dead follower, and asks for one again after each
+    // failed try: the leader captures it, but writes no file while no replica answers.
+    std::thread::sleep(Duration::from_secs(2));
+    let group = shard_group(leader_node, shard);
+    assert_eq!(
+        group["snapshots_written"].as_u64(),
+        Some(0),
+        "no snapshot file for a replica that is down: {group}"
+    );
 
     // It comes back: the log it needs is gone, so it is sent a snapshot, and holds every
     // acknowledged message at its offset and the consumer's acks.

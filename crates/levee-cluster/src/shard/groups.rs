@@ -895,6 +895,7 @@ impl ShardGroups {
                 json(&self.serve_forward(raft, command).await)
             }
             ShardCall::ReadIndex => json(&self.serve_read_index(raft).await),
+            ShardCall::Probe => json(&()),
             ShardCall::Unspecified => {
                 return Err(Status::invalid_argument("a shard call names no call"));
             }

@@ -220,16 +220,32 @@ struct SnapshotFolder {
     writing: Mutex<Option<Arc<WritingSnapshot>>>,
     /// Held by a writer while it writes, and by an install (which stops the writer first).
     streaming: Mutex<()>,
-    /// Set by an install: the writer stops.
-    cancel: AtomicBool,
+    /// Installs begun since the start: a writer whose capture came before the latest one
+    /// stops.
+    installs: AtomicU64,
 }
 
-/// A snapshot file being written off the state machine's worker.
+/// A snapshot captured to be written off the state machine's worker: its writer waits until
+/// the file is first read (a replica answered and is being sent it), so a replica that is
+/// down costs no file however often openraft asks for one.
 #[derive(Debug)]
 struct WritingSnapshot {
     meta: SnapshotMeta<NodeId, NodeInfo>,
     /// Its path once whole, or why the write failed.
     written: tokio::sync::watch::Receiver<snapshot::Written>,
+    /// Taken by the first read: the writer goes on. Dropped unused (this capture replaced
+    /// and no handle of it left), the writer gives up.
+    go: Mutex<Option<std::sync::mpsc::SyncSender<()>>>,
+}
+
+impl WritingSnapshot {
+    /// Lets the writer write the file (once; later calls do nothing).
+    fn start(&self) {
+        if let Some(go) = locked(&self.go).take() {
+            // A writer that stopped already has said why through `written`.
+            let _ = go.send(());
+        }
+    }
 }
 
 /// See [`ShardStateMachine::publish_delays`].
@@ -365,7 +381,7 @@ impl ShardStateMachine {
                 written: AtomicU64::new(0),
                 writing: Mutex::new(None),
                 streaming: Mutex::new(()),
-                cancel: AtomicBool::new(false),
+                installs: AtomicU64::new(0),
             }),
             store,
             log,
@@ -942,9 +958,11 @@ impl ShardStateMachine {
                 None => return Ok(None),
             },
         };
+        let written = writing.written.clone();
+        let meta = writing.meta.clone();
         Ok(Some(Snapshot {
-            meta: writing.meta.clone(),
-            snapshot: Box::new(SnapshotFile::when_written(writing.written.clone())),
+            meta,
+            snapshot: Box::new(SnapshotFile::when_written(move || writing.start(), written)),
         }))
     }
 
@@ -1000,19 +1018,29 @@ impl ShardStateMachine {
             return Err(io_error(&error));
         }
         let (sender, written) = tokio::sync::watch::channel(None);
+        let (go, wait_go) = std::sync::mpsc::sync_channel(1);
         let writing = Arc::new(WritingSnapshot {
             meta: meta.clone(),
             written,
+            go: Mutex::new(Some(go)),
         });
         *locked(&self.snapshots.writing) = Some(Arc::clone(&writing));
-        self.snapshots.cancel.store(false, Ordering::Release);
+        let installs = self.snapshots.installs.load(Ordering::Acquire);
         let machine = self.clone();
         std::thread::Builder::new()
             .name(format!("shard-{}-snapshot", self.shard))
             .spawn(move || {
+                if wait_go.recv().is_err() {
+                    let _ = std::fs::remove_file(&part);
+                    tracing::debug!(shard = machine.shard, "a captured snapshot no replica read was dropped unwritten");
+                    sender.send_replace(Some(Err(
+                        "no replica read the captured snapshot".to_owned()
+                    )));
+                    return;
+                }
                 let outcome = machine.finish_writing(
                     (meta, file, &part),
-                    (&captured, &others, deletes),
+                    (&captured, &others, (deletes, installs)),
                     out,
                 );
                 match &outcome {
@@ -1039,12 +1067,16 @@ impl ShardStateMachine {
     fn finish_writing(
         &self,
         (meta, file, part): (SnapshotMeta<NodeId, NodeInfo>, String, &Path),
-        (captured, others, deletes): (&snapshot::Captured, &[snapshot::CapturedQueue], u64),
+        (captured, others, (deletes, installs)): (
+            &snapshot::Captured,
+            &[snapshot::CapturedQueue],
+            (u64, u64),
+        ),
         mut out: std::io::BufWriter<std::fs::File>,
     ) -> Result<PathBuf, String> {
         let _alone = locked(&self.snapshots.streaming);
         let still = || {
-            !self.snapshots.cancel.load(Ordering::Acquire)
+            self.snapshots.installs.load(Ordering::Acquire) == installs
                 && next_offset(&self.store, &deletes_queue(self.shard)) == deletes
         };
         let text = |error: &dyn std::fmt::Display| error.to_string();
@@ -1096,7 +1128,7 @@ impl ShardStateMachine {
         received: &Path,
     ) -> Result<(), StorageError> {
         // A snapshot being written here (as a leader, before) stops first.
-        self.snapshots.cancel.store(true, Ordering::Release);
+        self.snapshots.installs.fetch_add(1, Ordering::AcqRel);
         let _alone = locked(&self.snapshots.streaming);
         *locked(&self.snapshots.writing) = None;
         let mut applied = self.lock();
@@ -1993,6 +2025,75 @@ mod tests {
             .await
             .expect("the second write is whole");
         assert_eq!(machine.snapshot_counts(), (0, 1));
+        Ok(())
+    }
+
+    /// The snapshot folder's snapshot files (written or being written), sorted.
+    fn snapshot_files(directory: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(directory.join("snapshots"))
+            .expect("the folder")
+            .map(|entry| {
+                entry
+                    .expect("an entry")
+                    .file_name()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .filter(|name| name != "empty" && !name.starts_with("receiving-"))
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_snapshots_asked_for_but_never_read_then_no_file_is_written_until_one_is_read()
+    -> Result<(), StorageError> {
+        let directory = tempfile::tempdir().expect("a directory");
+        let (_store, mut machine) = open(directory.path());
+        machine.apply(vec![append(1, &[("a", "a0")])]).await?;
+        machine.get_current_snapshot().await?;
+        // openraft asks for a replica that turns out to be down: nothing reads it.
+        let unread = machine.get_current_snapshot().await?.expect("a snapshot");
+        machine.apply(vec![append(2, &[("a", "a1")])]).await?;
+        machine
+            .get_snapshot_builder()
+            .await
+            .build_snapshot()
+            .await?;
+        drop(unread);
+        // Asked again after a new mark: captured again, the first capture dropped unwritten.
+        let mut sent = machine.get_current_snapshot().await?.expect("a snapshot");
+        assert_eq!(sent.meta.last_log_id.map(|id| id.index), Some(2));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while snapshot_files(directory.path()).len() > 1 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the first capture's part stays: {:?}",
+                snapshot_files(directory.path())
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let files = snapshot_files(directory.path());
+        assert!(
+            files.len() == 1
+                && Path::new(&files[0])
+                    .extension()
+                    .is_some_and(|extension| extension == "part"),
+            "only the pending capture's head: {files:?}"
+        );
+        assert_eq!(machine.snapshot_counts(), (0, 0), "no file written unread");
+        // Read (a replica answered): written whole, at the capture.
+        let (replica_directory, mut replica) = {
+            let replica_directory = tempfile::tempdir().expect("a directory");
+            let (replica_store, replica) = open(replica_directory.path());
+            drop(replica_store);
+            (replica_directory, replica)
+        };
+        let received = receive(&mut replica, &mut sent).await;
+        assert_eq!(machine.snapshot_counts(), (0, 1));
+        replica.install_snapshot(&sent.meta, received).await?;
+        assert_eq!(replica.applied_state().await?.0, sent.meta.last_log_id);
+        drop((replica, replica_directory));
         Ok(())
     }
 

@@ -8,8 +8,14 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use levee_proto::peer_v1::peer_client::PeerClient;
 use levee_proto::peer_v1::{ShardCall, ShardMessage};
-use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError};
+use openraft::OptionalSend;
+use openraft::error::{
+    Fatal, InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, ReplicationClosed,
+    StreamingError, Unreachable,
+};
+use openraft::network::snapshot_transport::{Chunked, SnapshotTransport};
 use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::SnapshotResponse;
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
     VoteRequest, VoteResponse,
@@ -21,6 +27,10 @@ use tonic::transport::Channel;
 use crate::network::{CallError, PeerDialer, status_error};
 use crate::shard::{ShardConfig, ShardId, to_postcard};
 use crate::{NodeId, NodeInfo};
+
+/// How long a shard's leader waits for a replica's answer to [`ShardCall::Probe`] before a
+/// snapshot is sent to it.
+const PROBE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Channels to peers by peer address, shared by every shard of a node.
 #[derive(Debug, Clone, Default)]
@@ -158,6 +168,30 @@ impl RaftNetwork<ShardConfig> for ShardConnection {
         option: RPCOption,
     ) -> Result<InstallSnapshotResponse<NodeId>, CallError<InstallSnapshotError>> {
         self.call(ShardCall::InstallSnapshot, &rpc, &option).await
+    }
+
+    /// Asks the target first ([`ShardCall::Probe`], within [`PROBE_WAIT`]): a snapshot's
+    /// file is written only when first read, so a replica that is down or cut off costs no
+    /// file (openraft backs off and asks again). Then openraft's chunked transfer.
+    async fn full_snapshot(
+        &mut self,
+        vote: openraft::Vote<NodeId>,
+        snapshot: openraft::Snapshot<ShardConfig>,
+        cancel: impl std::future::Future<Output = ReplicationClosed> + OptionalSend + 'static,
+        option: RPCOption,
+    ) -> Result<SnapshotResponse<NodeId>, StreamingError<ShardConfig, Fatal<NodeId>>> {
+        if let Err(status) = send(
+            &self.channels,
+            &self.address,
+            (self.shard, ShardCall::Probe),
+            Vec::new(),
+            PROBE_WAIT,
+        )
+        .await
+        {
+            return Err(StreamingError::Unreachable(Unreachable::new(&status)));
+        }
+        Chunked::send_snapshot(self, vote, snapshot, cancel, option).await
     }
 
     async fn vote(

@@ -558,9 +558,14 @@ impl SnapshotFile {
     }
 
     /// The file a writer is writing, opened to read once `written` says it is whole: reads
-    /// and seeks wait until then, and fail if the write did.
-    pub fn when_written(mut written: tokio::sync::watch::Receiver<Written>) -> Self {
+    /// and seeks wait until then, and fail if the write did. The first read or seek calls
+    /// `start` first (a writer may wait for that before it writes).
+    pub fn when_written(
+        start: impl FnOnce() + Send + 'static,
+        mut written: tokio::sync::watch::Receiver<Written>,
+    ) -> Self {
         let opening = async move {
+            start();
             let outcome = written
                 .wait_for(Option::is_some)
                 .await
