@@ -31,7 +31,9 @@ use crate::log_store::{LogStore, open_keyspace};
 use crate::network::PeerDialer;
 use crate::shard::machine::{ShardObserver, ShardStateMachine};
 use crate::shard::network::{PeerChannels, ShardNetwork, send};
-use crate::shard::{ShardCommand, ShardConfig, ShardId, ShardRaft, ShardResponse, to_postcard};
+use crate::shard::{
+    ConsumerPosition, ShardCommand, ShardConfig, ShardId, ShardRaft, ShardResponse, to_postcard,
+};
 use crate::syncer::JournalSyncer;
 use crate::{NodeId, NodeInfo};
 
@@ -188,7 +190,23 @@ pub struct ShardGroups {
     machines: Arc<Vec<ShardStateMachine>>,
     /// Set when the groups shut down: the delivery task stops.
     stopping: Arc<tokio::sync::watch::Sender<bool>>,
+    /// Per shard: the positions writes waiting for the shard's writer task
+    /// ([`ShardGroups::write_positions`]).
+    positions: Arc<Vec<tokio::sync::mpsc::Sender<PositionsWrite>>>,
 }
+
+/// One consumer's positions bound for a shard, and where its outcome goes.
+struct PositionsWrite {
+    consumer: String,
+    positions: Vec<ConsumerPosition>,
+    done: tokio::sync::oneshot::Sender<Result<(), ShardWriteError>>,
+}
+
+/// Positions writes that may wait for a shard's writer at once (more wait to be queued:
+/// back-pressure on the acking streams).
+const POSITIONS_QUEUED_MAX: usize = 1_024;
+/// Most positions in one shard entry written by the positions writer.
+const POSITIONS_PER_WRITE_MAX: usize = 10_000;
 
 impl std::fmt::Debug for ShardGroups {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -281,6 +299,9 @@ impl ShardGroups {
             .map_err(|error| format!("shard {shard}: {error}"))?;
             rafts.push(raft);
         }
+        let (senders, receivers): (Vec<_>, Vec<_>) = (0..shards)
+            .map(|_| tokio::sync::mpsc::channel(POSITIONS_QUEUED_MAX))
+            .unzip();
         let groups = Self {
             node_id,
             rafts: Arc::new(rafts),
@@ -290,9 +311,11 @@ impl ShardGroups {
             led: Arc::default(),
             machines: Arc::new(machines),
             stopping: Arc::new(tokio::sync::watch::Sender::new(false)),
+            positions: Arc::new(senders),
         };
-        for shard in 0..shards {
+        for (shard, receiver) in (0..shards).zip(receivers) {
             tokio::spawn(groups.clone().note_leads(shard));
+            tokio::spawn(groups.clone().write_positions_of(shard, receiver));
         }
         tokio::spawn(groups.clone().deliver_due());
         Ok(groups)
@@ -666,6 +689,98 @@ impl ShardGroups {
     /// that changes nothing: proposed on the leader, or forwarded to it and awaited here).
     pub async fn barrier(&self, shard: ShardId) -> Result<(), ShardWriteError> {
         self.write(shard, ShardCommand::Barrier).await.map(|_| ())
+    }
+
+    /// Writes `consumer`'s `positions` on queues of `shard` (the largest wins, so a write may be
+    /// applied twice: one that may be stored when the lead moves is written again, within
+    /// about [`WRITE_WAIT_MAX`]) and returns once committed and applied here. A node writes one
+    /// positions entry per shard at a time: the writes that arrive while it waits go in the
+    /// next entry together, every consumer's (`ShardCommand::PositionsOf`), so however many
+    /// streams ack on a node their acks cost about one entry per shard per commit round.
+    pub async fn write_positions(
+        &self,
+        shard: ShardId,
+        consumer: &str,
+        positions: Vec<ConsumerPosition>,
+    ) -> Result<(), ShardWriteError> {
+        let stopped = || ShardWriteError::Unavailable {
+            shard,
+            reason: "this node's shards are stopping".to_owned(),
+            maybe_stored: true,
+        };
+        let queue = self
+            .positions
+            .get(shard as usize)
+            .ok_or(ShardWriteError::NoShard {
+                shard,
+                shards: self.shards(),
+            })?;
+        let (done, outcome) = tokio::sync::oneshot::channel();
+        queue
+            .send(PositionsWrite {
+                consumer: consumer.to_owned(),
+                positions,
+                done,
+            })
+            .await
+            .map_err(|_| stopped())?;
+        outcome.await.map_err(|_| stopped())?
+    }
+
+    /// `shard`'s positions writer: takes the first write waiting and every one queued behind
+    /// it (up to [`POSITIONS_PER_WRITE_MAX`] positions), writes them as one entry, answers
+    /// each, and goes on; stops when the groups stop.
+    async fn write_positions_of(
+        self,
+        shard: ShardId,
+        mut queue: tokio::sync::mpsc::Receiver<PositionsWrite>,
+    ) {
+        let mut stopping = self.stopping.subscribe();
+        loop {
+            let first = tokio::select! {
+                first = queue.recv() => match first {
+                    Some(first) => first,
+                    None => return,
+                },
+                _ = stopping.wait_for(|stopping| *stopping) => return,
+            };
+            let mut count = first.positions.len();
+            let mut batch = vec![first];
+            while count < POSITIONS_PER_WRITE_MAX {
+                match queue.try_recv() {
+                    Ok(next) => {
+                        count += next.positions.len();
+                        batch.push(next);
+                    }
+                    Err(_) => break,
+                }
+            }
+            let command = positions_command(&mut batch);
+            let outcome = self.write_again_while_moving(shard, command).await;
+            for write in batch {
+                let _ = write.done.send(outcome.clone());
+            }
+        }
+    }
+
+    /// Writes a command that may be applied twice (positions: the largest wins), writing it
+    /// again while the shard's lead moves, within about [`WRITE_WAIT_MAX`].
+    async fn write_again_while_moving(
+        &self,
+        shard: ShardId,
+        command: ShardCommand,
+    ) -> Result<(), ShardWriteError> {
+        let started = Instant::now();
+        loop {
+            match self.write(shard, command.clone()).await {
+                Err(ShardWriteError::Unavailable {
+                    maybe_stored: true, ..
+                }) if started.elapsed() < WRITE_WAIT_MAX => {
+                    tokio::time::sleep(LEADER_WAIT_STEP).await;
+                }
+                other => return other.map(|_| ()),
+            }
+        }
     }
 
     /// Waits until this node has applied everything `shard` committed before the call, so a
@@ -1131,6 +1246,28 @@ fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Status> {
     })
 }
 
+/// One shard command for a batch of positions writes: `Positions` for one write, else
+/// `PositionsOf` with each consumer once (its writes' positions in order). Takes the
+/// positions out of `batch`.
+fn positions_command(batch: &mut [PositionsWrite]) -> ShardCommand {
+    if let [only] = batch {
+        return ShardCommand::Positions {
+            consumer: only.consumer.clone(),
+            positions: std::mem::take(&mut only.positions),
+        };
+    }
+    let mut consumers: Vec<(String, Vec<ConsumerPosition>)> = Vec::new();
+    let mut places: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for write in batch {
+        let place = *places.entry(write.consumer.clone()).or_insert_with(|| {
+            consumers.push((write.consumer.clone(), Vec::new()));
+            consumers.len() - 1
+        });
+        consumers[place].1.append(&mut write.positions);
+    }
+    ShardCommand::PositionsOf { consumers }
+}
+
 /// A JSON answer body.
 fn json<T: Serialize>(answer: &T) -> Result<Vec<u8>, Status> {
     serde_json::to_vec(answer)
@@ -1140,6 +1277,49 @@ fn json<T: Serialize>(answer: &T) -> Result<Vec<u8>, Status> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn write_of(consumer: &str, queue: &str, next: u64) -> PositionsWrite {
+        PositionsWrite {
+            consumer: consumer.to_owned(),
+            positions: vec![ConsumerPosition {
+                queue: levee_proto::Bytes::copy_from_slice(queue.as_bytes()),
+                epoch: 0,
+                next,
+            }],
+            done: tokio::sync::oneshot::channel().0,
+        }
+    }
+
+    #[test]
+    fn given_waiting_positions_writes_then_one_command_holds_each_consumer_once_in_order() {
+        let at = |queue: &str, next| ConsumerPosition {
+            queue: levee_proto::Bytes::copy_from_slice(queue.as_bytes()),
+            epoch: 0,
+            next,
+        };
+        let mut one = [write_of("app", "q1", 4)];
+        assert_eq!(
+            positions_command(&mut one),
+            ShardCommand::Positions {
+                consumer: "app".to_owned(),
+                positions: vec![at("q1", 4)],
+            }
+        );
+        let mut several = [
+            write_of("app", "q1", 4),
+            write_of("audit", "q2", 1),
+            write_of("app", "q1", 6),
+        ];
+        assert_eq!(
+            positions_command(&mut several),
+            ShardCommand::PositionsOf {
+                consumers: vec![
+                    ("app".to_owned(), vec![at("q1", 4), at("q1", 6)]),
+                    ("audit".to_owned(), vec![at("q2", 1)]),
+                ],
+            }
+        );
+    }
 
     fn node() -> NodeInfo {
         NodeInfo::default()

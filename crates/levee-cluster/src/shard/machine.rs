@@ -307,6 +307,14 @@ fn plan_entries<'a>(
                 positions.push((consumer.as_str(), entry_positions.as_slice()));
                 ShardResponse::Done
             }
+            EntryPayload::Normal(ShardCommand::PositionsOf { consumers }) => {
+                positions.extend(
+                    consumers
+                        .iter()
+                        .map(|(consumer, of)| (consumer.as_str(), of.as_slice())),
+                );
+                ShardResponse::Done
+            }
         })
         .collect();
     (responses, membership, positions)
@@ -1518,6 +1526,41 @@ mod tests {
                 }],
             }),
         }
+    }
+
+    #[tokio::test]
+    async fn given_several_consumers_positions_in_one_entry_then_each_is_recorded_as_its_own_entry_would_be()
+    -> Result<(), StorageError> {
+        let directory = tempfile::tempdir().expect("a directory");
+        let observer = Arc::new(Positions::default());
+        let (_store, mut machine) = open(directory.path());
+        machine.observer = Some(observer.clone());
+        let at = |queue: &str, next| ConsumerPosition {
+            queue: Bytes::copy_from_slice(queue.as_bytes()),
+            epoch: 0,
+            next,
+        };
+        let together = Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), 2),
+            payload: EntryPayload::Normal(ShardCommand::PositionsOf {
+                consumers: vec![
+                    ("app".to_owned(), vec![at("q1", 1), at("q2", 3)]),
+                    ("audit".to_owned(), vec![at("q1", 1)]),
+                ],
+            }),
+        };
+        let answers = machine
+            .apply(vec![append(1, &[("q1", "x"), ("q2", "y")]), together])
+            .await?;
+        assert_eq!(answers[1], ShardResponse::Done);
+        assert_eq!(
+            *observer.0.lock().unwrap(),
+            [
+                ("app".to_owned(), vec![at("q1", 1), at("q2", 3)]),
+                ("audit".to_owned(), vec![at("q1", 1)]),
+            ]
+        );
+        Ok(())
     }
 
     #[tokio::test]

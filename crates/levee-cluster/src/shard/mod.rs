@@ -113,6 +113,14 @@ pub enum ShardCommand {
         /// The leader's clock.
         now_ms: u64,
     },
+    /// Several consumers' acked positions on queues of the shard, in one entry: what a node's
+    /// streams acked while its previous positions write waited (`ShardGroups::write_positions`).
+    /// Applied as a `Positions` per consumer, in order. (Last: a variant's place is its code
+    /// in the log.)
+    PositionsOf {
+        /// Each consumer's name and positions.
+        consumers: Vec<(String, Vec<ConsumerPosition>)>,
+    },
 }
 
 /// What applying one entry did.

@@ -764,16 +764,9 @@ impl Replication {
             let shard = shard_of_queue(&position.queue, groups.shards());
             parts.entry(shard).or_default().push(position);
         }
-        let writes = parts.into_iter().map(|(shard, positions)| {
-            Self::write_again_while_moving(
-                groups,
-                shard,
-                ShardCommand::Positions {
-                    consumer: consumer.to_owned(),
-                    positions,
-                },
-            )
-        });
+        let writes = parts
+            .into_iter()
+            .map(|(shard, positions)| groups.write_positions(shard, consumer, positions));
         for written in futures_util::future::join_all(writes).await {
             written.map_err(|error| consumer_error(&error, "recording acks"))?;
         }
