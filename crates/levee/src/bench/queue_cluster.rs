@@ -4,9 +4,11 @@
 //! shape against it first, then starts the cluster (node 1, the others joining it, every one
 //! with `--replicated-queues true --shards S` and the same `--sync`), waits until every shard
 //! has its replicas as voters and a leader (and, up to 30 s, until each shard is led by its
-//! preferred replica, so the leaders are spread), and runs the shape against node 1: the
-//! producer sends each batch's messages straight to their shard leaders, and the mailbox
-//! streams read node 1's replica.
+//! preferred replica, so the leaders are spread), and runs the shape against node 1. Mailbox
+//! shape: the producer sends each batch's messages straight to their shard leaders, and the
+//! mailbox streams read node 1's replica. Topic shape: the topic's partitions are all in the
+//! shard of its name, so publishes and the group members' streams go through node 1 to that
+//! shard's leader, which also coordinates the group.
 
 use std::time::{Duration, Instant};
 
@@ -32,12 +34,6 @@ pub(super) fn run(
 ) -> anyhow::Result<Value> {
     if !matches!(args.nodes, 3 | 5) {
         bail!("--nodes takes 1, 3 or 5, got {}", args.nodes);
-    }
-    if args.shape != "mailbox" {
-        bail!(
-            "--nodes runs the mailbox shape: topics are not replicated yet (docs/CLUSTER.md, \
-             \"Part 2\")"
-        );
     }
     if !(1..=levee_proto::shards::SHARDS_MAX).contains(&args.shards) {
         bail!(
