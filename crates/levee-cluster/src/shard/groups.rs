@@ -763,9 +763,9 @@ impl ShardGroups {
         }
     }
 
-    /// Writes a command that may be applied twice (positions: the largest wins), writing it
-    /// again while the shard's lead moves, within about [`WRITE_WAIT_MAX`].
-    async fn write_again_while_moving(
+    /// Writes a command that may be applied twice (positions: the largest wins; a barrier),
+    /// writing it again while the shard's lead moves, within about [`WRITE_WAIT_MAX`].
+    pub async fn write_again_while_moving(
         &self,
         shard: ShardId,
         command: ShardCommand,

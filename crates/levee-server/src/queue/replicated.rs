@@ -183,7 +183,8 @@ impl Lead {
     /// this node applied everything the shard committed before (every commit of its groups).
     pub async fn settle(&self) -> Result<(), WireError> {
         tokio::time::sleep(self.groups.lead_hold(self.shard, self.term)).await;
-        Replication::write_again_while_moving(&self.groups, self.shard, ShardCommand::Barrier)
+        self.groups
+            .write_again_while_moving(self.shard, ShardCommand::Barrier)
             .await
             .map_err(|error| shard_error(&error))
     }
@@ -773,27 +774,6 @@ impl Replication {
         Ok(())
     }
 
-    /// Writes a command that may be applied twice (positions: the largest wins; a barrier),
-    /// writing it again when the shard's lead moved while it waited, within about
-    /// [`levee_cluster::shard::groups::WRITE_WAIT_MAX`].
-    async fn write_again_while_moving(
-        groups: &ShardGroups,
-        shard: ShardId,
-        command: ShardCommand,
-    ) -> Result<(), ShardWriteError> {
-        let started = std::time::Instant::now();
-        loop {
-            match groups.write(shard, command.clone()).await {
-                Err(ShardWriteError::Unavailable {
-                    maybe_stored: true, ..
-                }) if started.elapsed() < levee_cluster::shard::groups::WRITE_WAIT_MAX => {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                other => return other.map(|_| ()),
-            }
-        }
-    }
-
     /// Refuses to serve `queues` from this node's store when it holds no replica of one of
     /// their shards (a node beyond the shards' three replicas: a metadata learner, or a fourth
     /// or fifth voter): its store does not have their messages or positions.
@@ -828,7 +808,7 @@ impl Replication {
             .collect();
         let barriers = shards
             .into_iter()
-            .map(|shard| Self::write_again_while_moving(groups, shard, ShardCommand::Barrier));
+            .map(|shard| groups.write_again_while_moving(shard, ShardCommand::Barrier));
         for done in futures_util::future::join_all(barriers).await {
             done.map_err(|error| consumer_error(&error, "reading the consumer's positions"))?;
         }
