@@ -205,7 +205,8 @@ struct PositionsWrite {
 /// Positions writes that may wait for a shard's writer at once (more wait to be queued:
 /// back-pressure on the acking streams).
 const POSITIONS_QUEUED_MAX: usize = 1_024;
-/// Most positions in one shard entry written by the positions writer.
+/// Positions after which no more writes join a shard entry of the positions writer (one
+/// write of up to `ACKS_MAX`, 10,000, may take it past).
 const POSITIONS_PER_WRITE_MAX: usize = 10_000;
 
 impl std::fmt::Debug for ShardGroups {
