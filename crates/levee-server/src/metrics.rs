@@ -196,6 +196,10 @@ pub struct Metrics {
     pub group_redriven: Family<GroupLabels, Counter>,
     /// Shard snapshots this node installed (a replica behind its leader's purged log).
     pub shard_snapshots_installed: Counter,
+    /// Positions writes (a stream's ack batch, per shard) through the shards.
+    pub shard_positions_writes: Counter,
+    /// Shard entries this node merged its positions writes into.
+    pub shard_positions_entries: Counter,
     /// Shard snapshot files this node wrote to send to a replica.
     pub shard_snapshots_written: Counter,
     /// Messages that wait for their time (retries and delayed publishes) on this server.
@@ -505,6 +509,18 @@ impl Metrics {
                 "levee_group_redriven",
                 "dead letters redriven into the retry path, by group",
                 Family::default(),
+            ),
+            shard_positions_writes: registered(
+                registry_ref,
+                "levee_shard_positions_writes",
+                "consumers' positions writes (acks of streams on this node, per shard) committed",
+                Counter::default(),
+            ),
+            shard_positions_entries: registered(
+                registry_ref,
+                "levee_shard_positions_entries",
+                "shard entries this node's positions writes were merged into",
+                Counter::default(),
             ),
             shard_snapshots_installed: registered(
                 registry_ref,

@@ -512,6 +512,10 @@ fn queue_services(
         .count_snapshots(
             metrics.shard_snapshots_installed.clone(),
             metrics.shard_snapshots_written.clone(),
+        )
+        .count_positions(
+            metrics.shard_positions_writes.clone(),
+            metrics.shard_positions_entries.clone(),
         ),
     );
     Ok((queue_service, topic_service, consume_context, apply_here))

@@ -1778,3 +1778,75 @@ fn given_a_replicated_cluster_when_the_leader_acknowledges_an_append_then_a_read
     });
     drop(nodes.iter_mut().map(Option::take).collect::<Vec<_>>());
 }
+
+/// Many consumers acking at once through one node: their acks go through the shards in
+/// shared entries (the node counts its positions writes and the entries they took), and each
+/// consumer then resumes on another node right after its own acks.
+#[test]
+fn given_many_consumers_acking_at_once_through_one_node_then_their_acks_share_entries_and_each_resumes_elsewhere_after_its_own()
+ {
+    const CONSUMERS: u64 = 6;
+    let runtime = runtime();
+    let directory = tempfile::tempdir().unwrap();
+    let (mut nodes, _, clients) = settled_three(&runtime, directory.path());
+    let queues: Vec<Vec<u8>> = (0..8).map(|n| format!("inbox-{n}").into_bytes()).collect();
+    let borrowed: Vec<&[u8]> = queues.iter().map(Vec::as_slice).collect();
+    let mailboxes_count = u32::try_from(queues.len()).unwrap();
+    // Consumer `c` acks offset `c % 4` of every queue (each queue holds offsets 0 to 4).
+    let acked = |consumer: u64| consumer % 4;
+    runtime.block_on(async {
+        for queue in &queues {
+            for message in 0..5 {
+                let payload = format!("m{message}").into_bytes();
+                clients[0].append(queue, &payload).await.unwrap();
+            }
+        }
+        let mut streams = Vec::new();
+        for consumer in 0..CONSUMERS {
+            let mut mailboxes = clients[0]
+                .subscribe_many(&format!("app-{consumer}"), 1_000)
+                .await
+                .unwrap();
+            assert_eq!(mailboxes.add(&borrowed).await.unwrap(), 0..mailboxes_count);
+            for _ in 0..queues.len() * 5 {
+                let delivery = mailboxes.next().await.unwrap().unwrap();
+                if delivery.offset == acked(consumer) {
+                    mailboxes.ack(delivery.mailbox, delivery.offset);
+                }
+            }
+            streams.push(mailboxes);
+        }
+        // Every consumer flushes at once: the node merges what waits per shard.
+        let mut flushes = tokio::task::JoinSet::new();
+        for mut stream in streams {
+            flushes.spawn(async move { stream.flush_acks().await });
+        }
+        while let Some(flushed) = flushes.join_next().await {
+            flushed.unwrap().unwrap();
+        }
+        for consumer in 0..CONSUMERS {
+            let mut mailboxes = clients[1]
+                .subscribe_many(&format!("app-{consumer}"), 1_000)
+                .await
+                .unwrap();
+            assert_eq!(mailboxes.add(&borrowed).await.unwrap(), 0..mailboxes_count);
+            let mut first = BTreeMap::new();
+            while first.len() < queues.len() {
+                let delivery = mailboxes.next().await.unwrap().unwrap();
+                first.entry(delivery.mailbox).or_insert(delivery.offset);
+            }
+            assert!(
+                first.values().all(|offset| *offset == acked(consumer) + 1),
+                "consumer {consumer} resumed on node 2 at {first:?}"
+            );
+        }
+    });
+    let node = nodes[0].as_ref().unwrap();
+    let writes = support::metric_value(node, "levee_shard_positions_writes_total");
+    let entries = support::metric_value(node, "levee_shard_positions_entries_total");
+    assert!(
+        writes >= CONSUMERS && (1..=writes).contains(&entries),
+        "{writes} positions writes in {entries} entries"
+    );
+    drop(nodes.iter_mut().map(Option::take).collect::<Vec<_>>());
+}

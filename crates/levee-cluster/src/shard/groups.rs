@@ -193,6 +193,8 @@ pub struct ShardGroups {
     /// Per shard: the positions writes waiting for the shard's writer task
     /// ([`ShardGroups::write_positions`]).
     positions: Arc<Vec<tokio::sync::mpsc::Sender<PositionsWrite>>>,
+    /// Told of each positions entry written.
+    observer: Arc<dyn ShardObserver>,
 }
 
 /// One consumer's positions bound for a shard, and where its outcome goes.
@@ -313,6 +315,7 @@ impl ShardGroups {
             machines: Arc::new(machines),
             stopping: Arc::new(tokio::sync::watch::Sender::new(false)),
             positions: Arc::new(senders),
+            observer,
         };
         for (shard, receiver) in (0..shards).zip(receivers) {
             tokio::spawn(groups.clone().note_leads(shard));
@@ -758,6 +761,9 @@ impl ShardGroups {
             }
             let command = positions_command(&mut batch);
             let outcome = self.write_again_while_moving(shard, command).await;
+            if outcome.is_ok() {
+                self.observer.positions_written(shard, batch.len());
+            }
             for write in batch {
                 let _ = write.done.send(outcome.clone());
             }

@@ -123,6 +123,10 @@ pub trait ShardObserver: Send + Sync {
 
     /// A snapshot file of the shard was written, to send to a replica.
     fn snapshot_written(&self, _shard: ShardId) {}
+
+    /// This node's positions writer committed one entry of `shard` holding `writes` positions
+    /// writes (acks of its streams merged: `ShardGroups::write_positions`).
+    fn positions_written(&self, _shard: ShardId, _writes: usize) {}
 }
 
 /// One queue's part of a batch: where it stood before, and how many messages the batch adds.

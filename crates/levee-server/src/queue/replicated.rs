@@ -304,6 +304,12 @@ pub struct ApplyHere {
         prometheus_client::metrics::counter::Counter,
         prometheus_client::metrics::counter::Counter,
     )>,
+    /// Counters of the positions writes (acks through shards) and of the entries they were
+    /// merged into, if kept.
+    positions_written: Option<(
+        prometheus_client::metrics::counter::Counter,
+        prometheus_client::metrics::counter::Counter,
+    )>,
 }
 
 /// A shard's recent deletes: each queue's latest delete epoch, and the queues oldest first.
@@ -330,6 +336,7 @@ impl ApplyHere {
             delayer,
             recent_deletes: std::sync::Mutex::default(),
             snapshots: None,
+            positions_written: None,
         }
     }
 
@@ -342,6 +349,20 @@ impl ApplyHere {
     ) -> Self {
         Self {
             snapshots: Some((installed, written)),
+            ..self
+        }
+    }
+
+    /// Counts the positions writes (acks through the shards) in `writes` and the shard entries
+    /// this node merged them into in `entries`.
+    #[must_use]
+    pub fn count_positions(
+        self,
+        writes: prometheus_client::metrics::counter::Counter,
+        entries: prometheus_client::metrics::counter::Counter,
+    ) -> Self {
+        Self {
+            positions_written: Some((writes, entries)),
             ..self
         }
     }
@@ -450,6 +471,13 @@ impl ShardObserver for ApplyHere {
     fn snapshot_written(&self, _shard: ShardId) {
         if let Some((_, written)) = &self.snapshots {
             written.inc();
+        }
+    }
+
+    fn positions_written(&self, _shard: ShardId, writes: usize) {
+        if let Some((counted, entries)) = &self.positions_written {
+            counted.inc_by(writes as u64);
+            entries.inc();
         }
     }
 
