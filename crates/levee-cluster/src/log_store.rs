@@ -61,8 +61,13 @@ pub struct LogStore<C = MetaConfig> {
     /// The keyspace's group commit, when shared with other logs; without it every append
     /// fsyncs on its own.
     syncer: Option<JournalSyncer>,
+    /// Told how long each append took until durable, if set.
+    flush_timer: Option<FlushTimer>,
     codec: std::marker::PhantomData<fn() -> C>,
 }
+
+/// Told how long an append of entries took from the call until fsynced.
+pub type FlushTimer = std::sync::Arc<dyn Fn(std::time::Duration) + Send + Sync>;
 
 impl<C> Clone for LogStore<C> {
     fn clone(&self) -> Self {
@@ -71,6 +76,7 @@ impl<C> Clone for LogStore<C> {
             entries: self.entries.clone(),
             meta: self.meta.clone(),
             syncer: self.syncer.clone(),
+            flush_timer: self.flush_timer.clone(),
             codec: std::marker::PhantomData,
         }
     }
@@ -127,6 +133,7 @@ impl<C> LogStore<C> {
             entries,
             meta,
             syncer: None,
+            flush_timer: None,
             codec: std::marker::PhantomData,
         })
     }
@@ -136,6 +143,14 @@ impl<C> LogStore<C> {
     #[must_use]
     pub fn with_syncer(mut self, syncer: JournalSyncer) -> Self {
         self.syncer = Some(syncer);
+        self
+    }
+
+    /// This log, telling `timer` how long each append took until durable (through the group
+    /// commit: only with a syncer).
+    #[must_use]
+    pub fn with_flush_timer(mut self, timer: FlushTimer) -> Self {
+        self.flush_timer = Some(timer);
         self
     }
 
@@ -366,9 +381,14 @@ impl<C: LogCodec> RaftLogStorage<C> for LogStore<C> {
             callback.log_io_completed(Ok(()));
             return Ok(());
         }
+        let started = std::time::Instant::now();
         self.write_entries(entries)?;
         if let Some(syncer) = &self.syncer {
+            let timer = self.flush_timer.clone();
             syncer.after_sync(Box::new(move |result| {
+                if let (Some(timer), Ok(())) = (&timer, &result) {
+                    timer(started.elapsed());
+                }
                 callback.log_io_completed(result.map_err(std::io::Error::other));
             }));
             return Ok(());

@@ -196,6 +196,12 @@ pub struct Metrics {
     pub group_redriven: Family<GroupLabels, Counter>,
     /// Shard snapshots this node installed (a replica behind its leader's purged log).
     pub shard_snapshots_installed: Counter,
+    /// Time from a shard log append to its fsync (the shards' group commit).
+    pub shard_log_append_seconds: Histogram,
+    /// Time a shard's run of committed entries waited for a blocking thread.
+    pub shard_apply_wait_seconds: Histogram,
+    /// Time a shard took to apply a run of committed entries (the wait included).
+    pub shard_apply_seconds: Histogram,
     /// Positions writes (a stream's ack batch, per shard) through the shards.
     pub shard_positions_writes: Counter,
     /// Shard entries this node merged its positions writes into.
@@ -509,6 +515,24 @@ impl Metrics {
                 "levee_group_redriven",
                 "dead letters redriven into the retry path, by group",
                 Family::default(),
+            ),
+            shard_log_append_seconds: registered(
+                registry_ref,
+                "levee_shard_log_append_seconds",
+                "time from an append to a shard's log until it is fsynced (the shards' group commit)",
+                latency_histogram(),
+            ),
+            shard_apply_wait_seconds: registered(
+                registry_ref,
+                "levee_shard_apply_wait_seconds",
+                "time a shard's run of committed entries waited for a blocking thread to apply it",
+                latency_histogram(),
+            ),
+            shard_apply_seconds: registered(
+                registry_ref,
+                "levee_shard_apply_seconds",
+                "time a shard took to apply a run of committed entries, the wait included",
+                latency_histogram(),
             ),
             shard_positions_writes: registered(
                 registry_ref,

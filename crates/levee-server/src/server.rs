@@ -516,7 +516,12 @@ fn queue_services(
         .count_positions(
             metrics.shard_positions_writes.clone(),
             metrics.shard_positions_entries.clone(),
-        ),
+        )
+        .time_shards(crate::queue::replicated::ShardTimings {
+            log_append: metrics.shard_log_append_seconds.clone(),
+            apply_wait: metrics.shard_apply_wait_seconds.clone(),
+            apply: metrics.shard_apply_seconds.clone(),
+        }),
     );
     Ok((queue_service, topic_service, consume_context, apply_here))
 }

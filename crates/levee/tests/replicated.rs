@@ -1848,5 +1848,13 @@ fn given_many_consumers_acking_at_once_through_one_node_then_their_acks_share_en
         writes >= CONSUMERS && (1..=writes).contains(&entries),
         "{writes} positions writes in {entries} entries"
     );
+    // The shards' rounds are timed: every entry was appended to the log and applied.
+    for series in [
+        "levee_shard_log_append_seconds_count",
+        "levee_shard_apply_wait_seconds_count",
+        "levee_shard_apply_seconds_count",
+    ] {
+        assert!(support::metric_value(node, series) > 0, "{series}");
+    }
     drop(nodes.iter_mut().map(Option::take).collect::<Vec<_>>());
 }

@@ -279,7 +279,11 @@ impl ShardGroups {
         for shard in 0..shards {
             let log = LogStore::<ShardConfig>::open_in(keyspace.clone(), &format!("-{shard}"))
                 .map_err(|error| format!("shard {shard}'s log: {error}"))?
-                .with_syncer(syncer.clone());
+                .with_syncer(syncer.clone())
+                .with_flush_timer({
+                    let observer = Arc::clone(&observer);
+                    Arc::new(move |took| observer.log_flushed(shard, took))
+                });
             let machine = ShardStateMachine::open(
                 (shard, shards),
                 (

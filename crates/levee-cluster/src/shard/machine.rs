@@ -127,6 +127,19 @@ pub trait ShardObserver: Send + Sync {
     /// This node's positions writer committed one entry of `shard` holding `writes` positions
     /// writes (acks of its streams merged: `ShardGroups::write_positions`).
     fn positions_written(&self, _shard: ShardId, _writes: usize) {}
+
+    /// Shard `shard` applied a run of `entries` entries: `waited` until a blocking thread
+    /// took it, `took` from openraft's call until done.
+    fn applied(
+        &self,
+        _shard: ShardId,
+        _entries: usize,
+        (_waited, _took): (std::time::Duration, std::time::Duration),
+    ) {
+    }
+
+    /// An append to shard `shard`'s log took `took` from the call until fsynced.
+    fn log_flushed(&self, _shard: ShardId, _took: std::time::Duration) {}
 }
 
 /// One queue's part of a batch: where it stood before, and how many messages the batch adds.
@@ -1290,9 +1303,21 @@ impl RaftStateMachine<ShardConfig> for ShardStateMachine {
     {
         let entries: Vec<Entry<ShardConfig>> = entries.into_iter().collect();
         let machine = self.clone();
-        tokio::task::spawn_blocking(move || machine.apply_blocking(&entries))
-            .await
-            .map_err(|error| io_error(&error))?
+        let started = std::time::Instant::now();
+        let (waited, applied) = tokio::task::spawn_blocking(move || {
+            let waited = started.elapsed();
+            let applied = machine
+                .apply_blocking(&entries)
+                .map(|responses| (responses, entries.len()));
+            (waited, applied)
+        })
+        .await
+        .map_err(|error| io_error(&error))?;
+        let (responses, count) = applied?;
+        if let Some(observer) = &self.observer {
+            observer.applied(self.shard, count, (waited, started.elapsed()));
+        }
+        Ok(responses)
     }
 
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {

@@ -304,6 +304,8 @@ pub struct ApplyHere {
         prometheus_client::metrics::counter::Counter,
         prometheus_client::metrics::counter::Counter,
     )>,
+    /// Histograms of the shards' log appends, apply waits and applies, if kept.
+    timings: Option<ShardTimings>,
     /// Counters of the positions writes (acks through shards) and of the entries they were
     /// merged into, if kept.
     positions_written: Option<(
@@ -337,6 +339,7 @@ impl ApplyHere {
             recent_deletes: std::sync::Mutex::default(),
             snapshots: None,
             positions_written: None,
+            timings: None,
         }
     }
 
@@ -363,6 +366,15 @@ impl ApplyHere {
     ) -> Self {
         Self {
             positions_written: Some((writes, entries)),
+            ..self
+        }
+    }
+
+    /// Times the shards' log appends and applies in `timings`.
+    #[must_use]
+    pub fn time_shards(self, timings: ShardTimings) -> Self {
+        Self {
+            timings: Some(timings),
             ..self
         }
     }
@@ -474,6 +486,19 @@ impl ShardObserver for ApplyHere {
         }
     }
 
+    fn applied(&self, _shard: ShardId, _entries: usize, (waited, took): (Duration, Duration)) {
+        if let Some(timings) = &self.timings {
+            timings.apply_wait.observe(waited.as_secs_f64());
+            timings.apply.observe(took.as_secs_f64());
+        }
+    }
+
+    fn log_flushed(&self, _shard: ShardId, took: Duration) {
+        if let Some(timings) = &self.timings {
+            timings.log_append.observe(took.as_secs_f64());
+        }
+    }
+
     fn positions_written(&self, _shard: ShardId, writes: usize) {
         if let Some((counted, entries)) = &self.positions_written {
             counted.inc_by(writes as u64);
@@ -538,6 +563,17 @@ impl ShardObserver for ApplyHere {
 /// (`levee_broker::names::routing_name`).
 pub fn shard_of_queue(queue: &[u8], shards: u32) -> ShardId {
     levee_proto::shards::shard_of_bytes(levee_broker::names::routing_name(queue), shards)
+}
+
+/// The histograms of the shards' rounds on this node (`/metrics`).
+#[derive(Debug, Clone)]
+pub struct ShardTimings {
+    /// From an append to a shard's log until fsynced.
+    pub log_append: prometheus_client::metrics::histogram::Histogram,
+    /// A run of committed entries waiting for a blocking thread.
+    pub apply_wait: prometheus_client::metrics::histogram::Histogram,
+    /// A run of committed entries applied, the wait included.
+    pub apply: prometheus_client::metrics::histogram::Histogram,
 }
 
 /// A shard write's failure as the API says it.
