@@ -103,7 +103,22 @@ fn lock(shared: &SharedState) -> std::sync::MutexGuard<'_, Shared> {
     shared.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Ports a node may be given, below Linux's default ephemeral range (32768-60999): a node's
+/// port stays free while it is down (killed, then restarted on the same addresses), where a
+/// port the system hands out for any outgoing connection may meanwhile be taken by one.
+const NODE_PORTS: std::ops::Range<u16> = 20_000..32_000;
+
+/// A port free now on loopback, from [`NODE_PORTS`] (tried at random, 1,000 times at most;
+/// then any the system gives).
 fn free_port() -> anyhow::Result<u16> {
+    use rand::Rng;
+    let mut random = rand::rng();
+    for _ in 0..1_000 {
+        let port = random.random_range(NODE_PORTS);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
     let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
     Ok(listener.local_addr()?.port())
 }
