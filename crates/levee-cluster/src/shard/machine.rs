@@ -8,7 +8,8 @@
 //! group commit) before a batch of entries touches the store: the batch's log range, the
 //! membership after it, and where each of its queues stood before it (the queue's next
 //! offset) and how many messages it adds. Before writing the record of a batch, the previous
-//! batch's store appends are durable (under `interval`, waited for then), so at a restart
+//! batch's store appends and the positions applied since are durable (under `interval`,
+//! waited for then), so at a restart
 //! every batch before the recorded one is whole in the store, and the recorded one is partly
 //! there: for
 //! each of its queues, the messages past the recorded start are counted (a queue's messages
@@ -197,6 +198,10 @@ struct Applied {
     membership: StoredMembership<NodeId, NodeInfo>,
     /// The store round that makes the last batch durable (under `interval`).
     ticket: Option<CommitTicket>,
+    /// The store round that makes the positions applied since then durable (under
+    /// `interval`): waited for too before the next apply record replaces the last one, since
+    /// a recovery hands over again only the recorded batch's positions.
+    positions_ticket: Option<CommitTicket>,
     producers: ShardProducers,
     /// The shard's delay slots (docs/CLUSTER.md, "Retries and delayed messages through the
     /// shards").
@@ -539,7 +544,7 @@ impl ShardStateMachine {
             .wait_durable(ticket)
             .map_err(|error| io_error(&error))?;
         // The batch's positions may not have reached the store before the crash.
-        self.record_positions(&positions, true)?;
+        self.record_positions(&positions, true, &mut None)?;
         if let Some(queue) = &applying.deleted {
             let epoch = starts
                 .get(&deletes_queue(self.shard)[..])
@@ -569,11 +574,13 @@ impl ShardStateMachine {
     }
 
     /// Hands the consumers' `positions` to the observer, waiting until they are durable when
-    /// `durable`.
+    /// `durable`, else keeping the store round that makes them durable in `pending` (the
+    /// later one).
     fn record_positions(
         &self,
         positions: &PlannedPositions<'_>,
         durable: bool,
+        pending: &mut Option<CommitTicket>,
     ) -> Result<(), StorageError> {
         let Some(observer) = &self.observer else {
             return Ok(());
@@ -585,7 +592,24 @@ impl ShardStateMachine {
                 .map_err(|error| io_error(&std::io::Error::other(error)))?;
             last = ticket.or(last);
         }
-        if durable && let Some(ticket) = last {
+        match last {
+            Some(ticket) if durable => self
+                .store
+                .wait_durable(ticket)
+                .map_err(|error| io_error(&error))?,
+            Some(ticket) => *pending = (*pending).max(Some(ticket)),
+            None => {}
+        }
+        Ok(())
+    }
+
+    /// Waits until the batches and positions applied so far are durable in the store (under
+    /// `interval` they were not waited for), before an apply record replaces the last one.
+    fn wait_applied(&self, applied: &mut Applied) -> Result<(), StorageError> {
+        for ticket in [applied.ticket.take(), applied.positions_ticket.take()]
+            .into_iter()
+            .flatten()
+        {
             self.store
                 .wait_durable(ticket)
                 .map_err(|error| io_error(&error))?;
@@ -644,11 +668,7 @@ impl ShardStateMachine {
                 reason,
             }
         } else {
-            if let Some(ticket) = applied.ticket.take() {
-                self.store
-                    .wait_durable(ticket)
-                    .map_err(|error| io_error(&error))?;
-            }
+            self.wait_applied(applied)?;
             let counter = deletes_queue(self.shard);
             let epoch = next_offset(&self.store, &counter);
             let existed = self
@@ -735,17 +755,13 @@ impl ShardStateMachine {
         let always = self.store.options().sync == SyncPolicy::Always;
         if plan.batch.is_empty() {
             // Positions only: applied again after a crash (the largest wins), nothing to record.
-            self.record_positions(&positions, always)?;
+            self.record_positions(&positions, always, &mut applied.positions_ticket)?;
             applied.last = Some(last_entry.log_id);
             applied.membership = membership;
             return Ok(responses);
         }
         // The previous batch whole in the store before this one's record replaces its own.
-        if let Some(ticket) = applied.ticket.take() {
-            self.store
-                .wait_durable(ticket)
-                .map_err(|error| io_error(&error))?;
-        }
+        self.wait_applied(applied)?;
         let queues = queue_starts(&plan);
         self.log.write_meta_grouped(
             APPLYING_KEY,
@@ -785,7 +801,7 @@ impl ShardStateMachine {
         }
         // After the messages they may point past, recorded again by the recovery of this
         // batch if a crash comes first.
-        self.record_positions(&positions, always)?;
+        self.record_positions(&positions, always, &mut applied.positions_ticket)?;
         applied.last = Some(last_entry.log_id);
         applied.membership = membership;
         drop(guard);
@@ -825,12 +841,8 @@ impl ShardStateMachine {
     ) -> Result<ShardResponse, StorageError> {
         let mut guard = self.lock();
         let applied = &mut *guard;
-        if let Some(ticket) = applied.ticket.take() {
-            // The slots' last entries readable, and the batch before whole.
-            self.store
-                .wait_durable(ticket)
-                .map_err(|error| io_error(&error))?;
-        }
+        // The slots' last entries readable, and the batch before whole.
+        self.wait_applied(applied)?;
         let marks_before = applied.wheel.taken_below();
         let mut wheel = applied.wheel.clone();
         let mut partial = applied.partial.clone();
@@ -949,6 +961,7 @@ impl ShardStateMachine {
     fn mark_built(&self) -> Result<SnapshotMeta<NodeId, NodeInfo>, StorageError> {
         let mut applied = self.lock();
         applied.ticket = None;
+        applied.positions_ticket = None;
         self.store.flush().map_err(|error| io_error(&error))?;
         let meta = SnapshotMeta {
             last_log_id: applied.last,
@@ -1227,6 +1240,7 @@ impl ShardStateMachine {
         applied.last = record.meta.last_log_id;
         applied.membership = record.meta.last_membership.clone();
         applied.ticket = None;
+        applied.positions_ticket = None;
         applied.producers = ShardProducers::default();
         applied.wheel = shard_wheel(&self.store, self.shard, tail.delay_marks);
         applied.partial = tail
