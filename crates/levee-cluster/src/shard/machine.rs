@@ -9,12 +9,11 @@
 //! membership after it, and where each of its queues stood before it (the queue's next
 //! offset) and how many messages it adds. Before writing the record of a batch, the previous
 //! batch's store appends and the positions applied since are durable (under `interval`,
-//! waited for then), so at a restart
-//! every batch before the recorded one is whole in the store, and the recorded one is partly
-//! there: for
-//! each of its queues, the messages past the recorded start are counted (a queue's messages
-//! are recovered as a prefix), and only those missing are appended again, from the log. No
-//! message is stored twice, none is lost, and every replica holds the same offsets.
+//! waited for then), so at a restart every batch before the recorded one is whole in the
+//! store, and the recorded one is partly there: for each of its queues, the messages past
+//! the recorded start are counted (a queue's messages are recovered as a prefix), and only
+//! those missing are appended again, from the log. No message is stored twice, none is lost,
+//! and every replica holds the same offsets.
 //!
 //! **Snapshots** (docs/CLUSTER.md, "Snapshots") are lazy. Building one (openraft asks every
 //! `snapshot_entries` applied entries) makes the store durable up to the last applied entry
