@@ -168,6 +168,9 @@ pub struct Metrics {
     pub queue_messages_handed_over: Counter,
     /// Queues subscribed on `SubscribeMany` streams (mailboxes), over all streams.
     pub queue_mailboxes_subscribed: Gauge,
+    /// Parts of `SubscribeMany` streams opened on other nodes (this node holds some shards
+    /// only).
+    pub queue_mailbox_parts_elsewhere: Counter,
     /// Compactions of consumers' position logs (`SubscribeMany` acks).
     pub queue_position_log_compactions: Counter,
     /// Consumers' positions forgotten because their queue was deleted.
@@ -429,6 +432,13 @@ impl Metrics {
                 registry_ref,
                 "levee_queue_messages_handed_over",
                 "mailbox messages delivered as their append handed them over, without a store read",
+                Counter::default(),
+            ),
+            queue_mailbox_parts_elsewhere: registered(
+                registry_ref,
+                "levee_queue_mailbox_parts_elsewhere",
+                "parts of SubscribeMany streams served by other nodes, opened because this node \
+                 holds the replicas of some shards only",
                 Counter::default(),
             ),
             queue_position_log_compactions: registered(

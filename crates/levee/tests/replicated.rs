@@ -734,6 +734,63 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
     let fifth = start("5", Some(&seed));
     let fifth_client = runtime.block_on(Client::connect(&fifth.grpc())).unwrap();
     assert_forwards(&runtime, &client, &fifth_client);
+    // A many-queue stream over a queue of every shard, through node 5 (which holds none):
+    // served in parts by the replicas; its acks hold when the consumer moves to node 1.
+    runtime.block_on(assert_many_in_parts(
+        &fifth_client,
+        "spread-1",
+        &fillers,
+        &filled,
+        0,
+    ));
+    runtime.block_on(assert_many_in_parts(
+        &client, "spread-1", &fillers, &filled, 5,
+    ));
+
+    // Node 5 made a voter: it takes a replica of the shards that name it, and a stream through
+    // it is served in parts, here and by the other replicas.
+    let voters = [1, 2, 4, 5];
+    let named: Vec<u32> = (0..SHARDS)
+        .filter(|shard| levee_proto::shards::replicas(*shard, &voters).contains(&5))
+        .collect();
+    assert!(
+        !named.is_empty() && named.len() < SHARDS as usize,
+        "the test needs node 5 to hold some shards only: {named:?}"
+    );
+    runtime
+        .block_on(client.add_node(levee_proto::v1::AddNodeRequest {
+            node_id: 5,
+            peer_addr: fifth.peer_addr.unwrap().to_string(),
+            grpc_addr: fifth.grpc(),
+            admin_addr: fifth.admin_addr.to_string(),
+            learner: false,
+        }))
+        .unwrap();
+    wait_for(
+        "node 5 a replica of the shards naming it",
+        CONVERGE_TIMEOUT,
+        || {
+            let view = shard_groups(&fifth);
+            named.iter().all(|shard| {
+                view.get(&u64::from(*shard))
+                    .is_some_and(|(leader, voters)| leader.is_some() && voters.contains(&5))
+            })
+        },
+    );
+    runtime.block_on(assert_many_in_parts(
+        &fifth_client,
+        "spread-2",
+        &fillers,
+        &filled,
+        0,
+    ));
+    runtime.block_on(assert_many_in_parts(
+        &client, "spread-2", &fillers, &filled, 5,
+    ));
+    assert!(
+        support::metric_value(&fifth, "levee_queue_mailbox_parts_elsewhere_total") >= 2,
+        "node 5 opened parts on other nodes"
+    );
 
     let _ = stop.send(true);
     let acknowledged = runtime.block_on(appending).unwrap();
@@ -742,6 +799,46 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
         let client = runtime.block_on(Client::connect(&node.grpc())).unwrap();
         assert_holds(&runtime, &client, &acknowledged);
     }
+}
+
+/// Consumer `consumer` reads `queues` (each `expected` to hold at least `from + 5` messages)
+/// over one many-queue stream through `through`, with a credit smaller than the queues hold:
+/// each mailbox's messages arrive from offset `from` (its consumer's last ack) in order, under
+/// the number its add gave; it acks the first five of each and the acks are confirmed.
+async fn assert_many_in_parts(
+    through: &Client,
+    consumer: &str,
+    queues: &[Vec<u8>],
+    expected: &BTreeMap<Vec<u8>, BTreeMap<u64, Vec<u8>>>,
+    from: u64,
+) {
+    const TAKEN: u64 = 5;
+    let mut many = through.subscribe_many(consumer, 7).await.unwrap();
+    let names: Vec<&[u8]> = queues.iter().map(Vec::as_slice).collect();
+    let count = u32::try_from(names.len()).unwrap();
+    assert_eq!(many.add(&names).await.unwrap(), 0..count);
+    let mut next: Vec<u64> = vec![from; names.len()];
+    while next.iter().any(|offset| *offset < from + TAKEN) {
+        let delivery = tokio::time::timeout(CONVERGE_TIMEOUT, many.next())
+            .await
+            .expect("deliveries of every mailbox")
+            .unwrap()
+            .unwrap();
+        let mailbox = delivery.mailbox as usize;
+        assert_eq!(delivery.offset, next[mailbox], "mailbox {mailbox} in order");
+        let queue = &queues[mailbox];
+        assert_eq!(
+            Some(&delivery.payload[..]),
+            expected[queue].get(&delivery.offset).map(Vec::as_slice),
+            "mailbox {mailbox} is queue {}",
+            String::from_utf8_lossy(queue)
+        );
+        next[mailbox] += 1;
+    }
+    for mailbox in 0..count {
+        many.ack(mailbox, from + TAKEN - 1);
+    }
+    many.flush_acks().await.unwrap();
 }
 
 /// A node that holds no replica (`through`) forwards reads, queue info, a subscription, a

@@ -686,22 +686,17 @@ impl Replication {
             })
     }
 
-    /// Where a many-queue stream opened on this node goes: when this node holds no replica of
-    /// any shard (a learner), to the preferred replica of shard 0 (with up to three voters,
-    /// every voter holds every shard); `None`: served here (a node holding some shards
-    /// refuses adds of queues of the others), or forwarded already.
-    pub fn many_elsewhere(
-        &self,
-        forwarded: bool,
-    ) -> Result<Option<(NodeId, tonic::transport::Channel)>, WireError> {
+    /// Whether a many-queue stream opened on this node is served in parts
+    /// (`crate::queue::mailbox::spread`): the cluster replicates its queues, this node holds
+    /// the replicas of some shards only (a voter beyond three, a learner), and the stream was
+    /// not forwarded here (a forwarded one is served here, its adds of queues of shards this
+    /// node does not hold refused).
+    pub fn spreads_many(&self, forwarded: bool) -> Result<bool, WireError> {
         let Some(groups) = self.groups() else {
-            return Ok(None);
+            return Ok(false);
         };
         let groups = groups?;
-        if forwarded || (0..groups.shards()).any(|shard| groups.replicates(shard)) {
-            return Ok(None);
-        }
-        self.channel_to_replica(0)
+        Ok(!forwarded && !(0..groups.shards()).all(|shard| groups.replicates(shard)))
     }
 
     /// The preferred replica of `shard`, as the metadata voters place it, and a channel to its

@@ -32,6 +32,7 @@ use crate::metrics::Metrics;
 use crate::queue::limits::producer_rate::{Admission, ProducerRates};
 use crate::queue::mailbox::many::{self, ManyContext, ManySession};
 use crate::queue::mailbox::position_log::PositionLogs;
+use crate::queue::mailbox::spread::SpreadSession;
 use crate::queue::producer::idempotent::{Producers, SequencedMessage, check_producer_id};
 use crate::queue::replicated::{
     Replication, forward_failed, forward_stream, forwarded, was_forwarded,
@@ -314,26 +315,6 @@ impl Queues for QueueService {
             .await?;
         many::check_start(&start)?;
         let permit = self.subscription_permit()?;
-        if let Some((node, channel)) = match &self.replication {
-            Some(replication) => replication.many_elsewhere(forwarded_here)?,
-            None => None,
-        } {
-            // A node holding no shard at all (a learner): the stream goes on through a voter.
-            let first = SubscribeManyRequest {
-                kind: Some(SubscribeManyKind::Start(start)),
-            };
-            return forward_stream(
-                (node, true),
-                (first, incoming, permit),
-                |request| async move {
-                    QueuesClient::new(channel)
-                        .max_decoding_message_size(usize::MAX)
-                        .subscribe_many(request)
-                        .await
-                },
-            )
-            .await;
-        }
         let (outgoing, responses) = stream::channel();
         let context = ManyContext {
             calls: self.calls.clone(),
@@ -345,11 +326,29 @@ impl Queues for QueueService {
             mailboxes: self.metrics.queue_mailboxes_subscribed.clone(),
             closing: self.closing.clone(),
         };
-        let session = ManySession::new(context, &start, incoming, outgoing);
-        tokio::spawn(async move {
-            session.run().await;
-            drop(permit);
-        });
+        match &self.replication {
+            Some(replication) if replication.spreads_many(forwarded_here)? => {
+                // This node holds some shards only: the stream is served in parts.
+                let parts_elsewhere = self.metrics.queue_mailbox_parts_elsewhere.clone();
+                let session = SpreadSession::new(
+                    (context, replication.clone(), parts_elsewhere),
+                    start,
+                    incoming,
+                    outgoing,
+                );
+                tokio::spawn(async move {
+                    session.run().await;
+                    drop(permit);
+                });
+            }
+            _ => {
+                let session = ManySession::new(context, &start, incoming, outgoing);
+                tokio::spawn(async move {
+                    session.run().await;
+                    drop(permit);
+                });
+            }
+        }
         Ok(Response::new(grpc_stream::responses(responses)))
     }
 

@@ -66,6 +66,39 @@ pub fn check_start(start: &SubscribeManyStart) -> Result<(), WireError> {
     check_consumer_and_credit(&start.consumer, start.credit.as_ref())
 }
 
+/// Checks an add of `queues` to a stream holding `live` mailboxes whose next number is
+/// `next`: 1 to [`ADD_MAX`] valid names, within [`MAILBOXES_PER_STREAM_MAX`] and the numbers
+/// left. Returns how many.
+pub(crate) fn check_add(queues: &[Vec<u8>], live: u32, next: u32) -> Result<u32, WireError> {
+    if queues.is_empty() || queues.len() > ADD_MAX {
+        return Err(invalid(format!(
+            "an add names 1 to {ADD_MAX} queues, got {}",
+            queues.len()
+        )));
+    }
+    for (index, queue) in queues.iter().enumerate() {
+        check_queue_name(queue)
+            .map_err(|error| invalid(format!("queues[{index}]: {}", error.message)))?;
+    }
+    let count = u32::try_from(queues.len()).unwrap_or(u32::MAX);
+    if live + count > MAILBOXES_PER_STREAM_MAX {
+        return Err(WireError::new(
+            ErrorCode::ResourceExhausted,
+            format!(
+                "a stream holds at most {MAILBOXES_PER_STREAM_MAX} mailboxes ({live} now, \
+                 {count} more asked); open another stream"
+            ),
+        ));
+    }
+    if next.checked_add(count).is_none() {
+        return Err(WireError::new(
+            ErrorCode::ResourceExhausted,
+            "this stream has used up its mailbox numbers; open another stream",
+        ));
+    }
+    Ok(count)
+}
+
 /// One mailbox of a stream.
 #[derive(Debug)]
 struct Mailbox {
@@ -395,34 +428,9 @@ impl ManySession {
     /// positions (on the blocking pool), registers the wake-ups, then schedules a first read
     /// of each (so messages appended before the registration are found).
     async fn add(&mut self, AddMailboxes { queues }: AddMailboxes) -> Result<(), WireError> {
-        if queues.is_empty() || queues.len() > ADD_MAX {
-            return Err(invalid(format!(
-                "an add names 1 to {ADD_MAX} queues, got {}",
-                queues.len()
-            )));
-        }
-        for (index, queue) in queues.iter().enumerate() {
-            check_queue_name(queue)
-                .map_err(|error| invalid(format!("queues[{index}]: {}", error.message)))?;
-        }
-        let count = u32::try_from(queues.len()).unwrap_or(u32::MAX);
         let live = u32::try_from(self.mailboxes.len()).unwrap_or(u32::MAX);
-        if live + count > MAILBOXES_PER_STREAM_MAX {
-            return Err(WireError::new(
-                ErrorCode::ResourceExhausted,
-                format!(
-                    "a stream holds at most {MAILBOXES_PER_STREAM_MAX} mailboxes ({live} now, \
-                     {count} more asked); open another stream"
-                ),
-            ));
-        }
+        let count = check_add(&queues, live, self.next_number)?;
         let first = self.next_number;
-        if first.checked_add(count).is_none() {
-            return Err(WireError::new(
-                ErrorCode::ResourceExhausted,
-                "this stream has used up its mailbox numbers; open another stream",
-            ));
-        }
         // Deletes so far are of queues held before (checked now), not of those added next,
         // whose positions are read after them.
         self.check_not_deleted()?;

@@ -3,6 +3,8 @@
 //! - `subscription`: one consumer's `Subscribe` stream on one queue, and the position queue
 //!   that keeps its acks;
 //! - `many`: one `SubscribeMany` stream over up to a million queues, one credit, acks batched;
+//! - `spread`: a `SubscribeMany` stream on a node holding some shards only, served in parts
+//!   by the nodes that hold them;
 //! - `position_log`: the per-consumer log of many-queue acks, compacted in generations.
 
 use levee_proto::WireError;
@@ -10,6 +12,7 @@ use levee_proto::v1::ErrorCode;
 
 pub mod many;
 pub mod position_log;
+pub mod spread;
 pub mod subscription;
 
 /// The error for an ack of `offset` on `what` (this stream, or one of its mailboxes) where
