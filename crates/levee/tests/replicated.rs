@@ -747,8 +747,9 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
         &client, "spread-1", &fillers, &filled, 5,
     ));
 
-    // Node 5 made a voter: it takes a replica of the shards that name it, and a stream through
-    // it is served in parts, here and by the other replicas.
+    // Node 5 made a voter: it takes a replica of the shards that name it, in place of one of
+    // the others (three replicas each), and a stream through it is served in parts, here and
+    // by the other replicas.
     let voters = [1, 2, 4, 5];
     let named: Vec<u32> = (0..SHARDS)
         .filter(|shard| levee_proto::shards::replicas(*shard, &voters).contains(&5))
@@ -757,6 +758,24 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
         !named.is_empty() && named.len() < SHARDS as usize,
         "the test needs node 5 to hold some shards only: {named:?}"
     );
+    // A consumer follows a queue of a shard through the node that will leave that shard (with
+    // credit for every message it will read: it does not ack).
+    let second_client = runtime.block_on(Client::connect(&second.grpc())).unwrap();
+    let (leaving, moved) = [(1, &client), (2, &second_client), (4, &fourth_client)]
+        .into_iter()
+        .find_map(|(node, node_client)| {
+            let shard = named
+                .iter()
+                .find(|shard| !levee_proto::shards::replicas(**shard, &voters).contains(&node))?;
+            Some((node_client.clone(), *shard))
+        })
+        .expect("node 5 takes some other node's place");
+    let moved_queue = fillers[moved as usize].clone();
+    let mut following = runtime
+        .block_on(leaving.subscribe_following(&moved_queue, "follows-the-move", 2_000))
+        .unwrap();
+    let followed = runtime.block_on(following.next()).unwrap().unwrap();
+    assert_eq!(followed.offset, 0);
     runtime
         .block_on(client.add_node(levee_proto::v1::AddNodeRequest {
             node_id: 5,
@@ -766,17 +785,49 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
             learner: false,
         }))
         .unwrap();
+    wait_replicas(
+        &[(1, &first), (2, &second), (4, &fourth), (5, &fifth)],
+        &voters,
+    );
+    // Once the node that left the shard is no longer fed its log (no learner left), an
+    // append reaches the consumer only if that node ended the stream and it opened again where
+    // the shard is.
+    let leads_without_learners = |node: &LeveeProcess| {
+        let (_, body) = http_get(node.admin_addr, "/v1/cluster");
+        let view: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        view["shard_groups"].as_array().is_some_and(|groups| {
+            groups.iter().any(|group| {
+                group["shard"] == moved
+                    && group["role"] == "leader"
+                    && group["learners"].as_array().is_some_and(Vec::is_empty)
+            })
+        })
+    };
     wait_for(
-        "node 5 a replica of the shards naming it",
+        "the shard's former replica removed",
         CONVERGE_TIMEOUT,
         || {
-            let view = shard_groups(&fifth);
-            named.iter().all(|shard| {
-                view.get(&u64::from(*shard))
-                    .is_some_and(|(leader, voters)| leader.is_some() && voters.contains(&5))
-            })
+            [&first, &second, &fourth, &fifth]
+                .into_iter()
+                .any(leads_without_learners)
         },
     );
+    let after = runtime
+        .block_on(client.append(&moved_queue, b"after-the-move"))
+        .unwrap();
+    runtime.block_on(async {
+        loop {
+            let delivery = tokio::time::timeout(CONVERGE_TIMEOUT, following.next())
+                .await
+                .expect("the followed queue's messages after the move")
+                .unwrap()
+                .unwrap();
+            if delivery.offset == after {
+                assert_eq!(&delivery.payload[..], b"after-the-move");
+                break;
+            }
+        }
+    });
     runtime.block_on(assert_many_in_parts(
         &fifth_client,
         "spread-2",

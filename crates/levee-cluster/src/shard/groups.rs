@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use levee_proto::peer_v1::{ShardCall, ShardMessage};
 use levee_store::Store;
 use openraft::error::{ClientWriteError, RaftError};
-use openraft::{ServerState, SnapshotPolicy};
+use openraft::{ChangeMembers, ServerState, SnapshotPolicy};
 use serde::{Deserialize, Serialize};
 use tonic::Status;
 
@@ -132,6 +132,9 @@ pub struct ShardStatus {
     pub leader: Option<NodeId>,
     /// The shard's voters (its replicas).
     pub voters: Vec<NodeId>,
+    /// The shard's learners: replicas being added (fed the log before they vote) or leaving
+    /// (a placement that no longer names them; removed once they know it).
+    pub learners: Vec<NodeId>,
     /// This node's last log index of the shard.
     pub last_log_index: Option<u64>,
     /// This node's last applied index of the shard.
@@ -579,6 +582,7 @@ impl ShardGroups {
                     shard: u32::try_from(shard).unwrap_or(u32::MAX),
                     leader: metrics.current_leader,
                     voters: membership.voter_ids().collect(),
+                    learners: membership.learner_ids().collect(),
                     last_log_index: metrics.last_log_index,
                     last_applied_index: metrics.last_applied.map(|log_id| log_id.index),
                     changing: membership.get_joint_config().len() > 1,
@@ -1136,11 +1140,13 @@ impl ShardGroups {
     /// call: first a change a former leader left half done (a joint membership) is finished;
     /// then the named replicas it lacks are added (each a learner fed the log first, then all
     /// made voters at once); then, once it has every named replica and only when `shrink`
-    /// (this node's view of the metadata group is current), its replicas on nodes that are no
-    /// longer `members` of the metadata group (removed from the cluster) are removed, so their
-    /// replicas move to the others. A replica on a live member is never removed: every node of
-    /// a cluster of up to three voters then holds every shard, and serves reads of every queue
-    /// from its own store. Returns how many shards changed.
+    /// (this node's view of the metadata group is current), the replicas it no longer names
+    /// leave: those on nodes that are no longer `members` of the metadata group (removed from
+    /// the cluster) at once, those on live members (a fourth voter took their place) as
+    /// learners first, removed once they hold the membership that made them learners (they
+    /// stop serving the shard then). With up to three voters every node is named for every
+    /// shard, so every voter holds every shard and serves reads of every queue from its own
+    /// store. Returns how many shards changed.
     pub async fn place(
         &self,
         voters: &BTreeMap<NodeId, NodeInfo>,
@@ -1162,7 +1168,7 @@ impl ShardGroups {
                 // A leader that died between the two steps of a change leaves the joint
                 // membership in the log; its successor ends it, or a node of the old set
                 // going down would stall the shard.
-                if self.change_voters(shard, raft, goal).await {
+                if self.change_voters(shard, raft, goal, true).await {
                     changed += 1;
                 }
                 continue;
@@ -1174,16 +1180,22 @@ impl ShardGroups {
                 // Grown first, shrunk after: a majority of the named replicas holds the log
                 // before a replica leaves. A node whose view of the metadata group may be
                 // behind (restarted, replaying its log) does not shrink a shard on it.
-                let kept: BTreeSet<NodeId> = current
-                    .iter()
-                    .copied()
-                    .filter(|node| members.contains(node))
-                    .collect();
-                if shrink
-                    && kept != current
-                    && !kept.is_empty()
-                    && self.change_voters(shard, raft, kept).await
-                {
+                if !shrink {
+                    continue;
+                }
+                let kept: BTreeSet<NodeId> = current.intersection(&wanted).copied().collect();
+                if kept != current && !kept.is_empty() {
+                    // A replica on a live member the placement no longer names stays a learner
+                    // until it holds the membership that says so (it stops serving the shard
+                    // then), and goes after; one on a node removed from the cluster goes.
+                    let retain = current.difference(&kept).any(|node| members.contains(node));
+                    if self.change_voters(shard, raft, kept, retain).await {
+                        changed += 1;
+                    }
+                    continue;
+                }
+                let stale = Self::stale_learners(&metrics, &wanted, members);
+                if !stale.is_empty() && self.remove_learners(shard, raft, stale).await {
                     changed += 1;
                 }
                 continue;
@@ -1205,7 +1217,7 @@ impl ShardGroups {
                     ready = false;
                 }
             }
-            if ready && self.change_voters(shard, raft, grown).await {
+            if ready && self.change_voters(shard, raft, grown, false).await {
                 changed += 1;
             }
         }
@@ -1220,27 +1232,80 @@ impl ShardGroups {
         (configs.len() > 1).then(|| configs.last().cloned().unwrap_or_default())
     }
 
+    /// The learners of a shard this node leads that are not among the `wanted` replicas and
+    /// may go: those on nodes that are no longer `members` of the cluster, and those that hold
+    /// the shard's membership (which made them learners, so they no longer serve the shard).
+    fn stale_learners(
+        metrics: &openraft::RaftMetrics<NodeId, NodeInfo>,
+        wanted: &BTreeSet<NodeId>,
+        members: &BTreeSet<NodeId>,
+    ) -> BTreeSet<NodeId> {
+        let since = metrics.membership_config.log_id();
+        let holds = |node: &NodeId| {
+            metrics
+                .replication
+                .as_ref()
+                .and_then(|replication| replication.get(node))
+                .is_some_and(|matched| matched >= since)
+        };
+        metrics
+            .membership_config
+            .membership()
+            .learner_ids()
+            .filter(|node| !wanted.contains(node) && (!members.contains(node) || holds(node)))
+            .collect()
+    }
+
+    /// Removes the learners `learners` from `shard`, which this node leads: it no longer
+    /// replicates to them; whether it did.
+    async fn remove_learners(
+        &self,
+        shard: ShardId,
+        raft: &ShardRaft,
+        learners: BTreeSet<NodeId>,
+    ) -> bool {
+        let removing = ChangeMembers::RemoveNodes(learners);
+        Self::change_membership(shard, raft, removing, false).await
+    }
+
     /// Makes `voters` the voters of `shard`, which this node leads (openraft goes through the
-    /// joint membership and on to the new one); whether it did.
+    /// joint membership and on to the new one), the voters left out kept as learners when
+    /// `retain`; whether it did.
     async fn change_voters(
         &self,
         shard: ShardId,
         raft: &ShardRaft,
         voters: BTreeSet<NodeId>,
+        retain: bool,
     ) -> bool {
-        match tokio::time::timeout(CATCH_UP_MAX, raft.change_membership(voters.clone(), false))
-            .await
-        {
+        let replacing = ChangeMembers::ReplaceAllVoters(voters);
+        Self::change_membership(shard, raft, replacing, retain).await
+    }
+
+    /// Makes `change` to the membership of `shard`, which this node leads, within
+    /// [`CATCH_UP_MAX`]; whether it did (a failure is logged and the next round tries again).
+    async fn change_membership(
+        shard: ShardId,
+        raft: &ShardRaft,
+        change: ChangeMembers<NodeId, NodeInfo>,
+        retain: bool,
+    ) -> bool {
+        let described = format!("{change:?}");
+        match tokio::time::timeout(CATCH_UP_MAX, raft.change_membership(change, retain)).await {
             Ok(Ok(_)) => {
-                tracing::info!(shard, replicas = ?voters, "placed the shard's replicas");
+                tracing::info!(shard, change = described, "placed the shard's replicas");
                 true
             }
             Ok(Err(error)) => {
-                tracing::debug!(%error, shard, "placing the shard's replicas");
+                tracing::debug!(%error, shard, change = described, "placing the shard's replicas");
                 false
             }
             Err(_) => {
-                tracing::debug!(shard, "placing the shard's replicas timed out");
+                tracing::debug!(
+                    shard,
+                    change = described,
+                    "placing the shard's replicas timed out"
+                );
                 false
             }
         }

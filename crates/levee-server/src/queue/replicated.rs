@@ -325,6 +325,16 @@ struct RecentDeletes {
 const RECENT_DELETES_MAX: usize = 1_024;
 
 impl ApplyHere {
+    /// This node stopped holding a replica of `shards` (the placement moved them): the
+    /// streams of their queues here end, and their consumers subscribe again elsewhere.
+    pub fn shards_left(&self, shards: &[ShardId]) {
+        tracing::info!(
+            ?shards,
+            "this node no longer holds a replica of these shards; their streams here end"
+        );
+        self.waiters.note_shards_moved();
+    }
+
     /// What this node's replicas do beyond their store, on `waiters`, `positions` and
     /// `delayer` (told when retries became readable, and counting deliveries).
     pub fn new(
@@ -857,6 +867,39 @@ impl Replication {
         Ok(())
     }
 
+    /// Ends a stream served here once the shard of one of its `queues` moved off this node:
+    /// when `waiters` saw shards move since `seen` (the count the stream last checked at),
+    /// UNAVAILABLE naming the shard if this node no longer holds one of theirs; else the count
+    /// now, to pass next time.
+    pub fn check_still_held<'a>(
+        groups: &ShardGroups,
+        waiters: &Waiters,
+        seen: u64,
+        mut queues: impl Iterator<Item = &'a [u8]>,
+    ) -> Result<u64, WireError> {
+        let now = waiters.shards_moved();
+        if now == seen {
+            return Ok(now);
+        }
+        let moved = queues.find_map(|queue| {
+            let shard = shard_of_queue(queue, groups.shards());
+            (!groups.replicates(shard)).then_some((shard, queue))
+        });
+        match moved {
+            None => Ok(now),
+            Some((shard, queue)) => Err(WireError::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "this node no longer holds a replica of shard {shard} (queue '{}'): the \
+                     shard's replicas moved ({}); subscribe again, through any node: the \
+                     consumer resumes after its last confirmed ack",
+                    String::from_utf8_lossy(queue),
+                    replicas_hint(groups, shard)
+                ),
+            )),
+        }
+    }
+
     /// Returns once this node applied everything the shards of `queues` committed before the
     /// call (so positions read next include every ack confirmed anywhere before).
     pub async fn barrier(groups: &ShardGroups, queues: &[Box<[u8]>]) -> Result<(), WireError> {
@@ -1220,7 +1263,7 @@ pub async fn run_shards(
         (&directory, &store),
         config,
         dialer,
-        observer,
+        observer.clone(),
     )
     .await
     {
@@ -1257,6 +1300,7 @@ pub async fn run_shards(
     }
     let _ = slot.set(groups.clone());
     tracing::info!(shards, "replicated queues: this node's shards are open");
+    let mut held: Vec<bool> = (0..shards).map(|shard| groups.replicates(shard)).collect();
     loop {
         tokio::select! {
             () = tokio::time::sleep(PLACE_INTERVAL) => {}
@@ -1270,6 +1314,14 @@ pub async fn run_shards(
                 && metrics.last_applied.map(|log_id| log_id.index) >= metrics.last_log_index
         };
         groups.place(&voters(&raft), &members(&raft), current).await;
+        let now: Vec<bool> = (0..shards).map(|shard| groups.replicates(shard)).collect();
+        let left: Vec<ShardId> = (0..shards)
+            .filter(|shard| held[*shard as usize] && !now[*shard as usize])
+            .collect();
+        if !left.is_empty() {
+            observer.shards_left(&left);
+        }
+        held = now;
     }
     groups.shutdown().await;
 }

@@ -28,6 +28,8 @@ pub struct Waiters {
     deletes: std::sync::atomic::AtomicU64,
     /// The last [`RECENT_DELETES_MAX`] of them: each one's number and queue.
     recent_deletes: Mutex<std::collections::VecDeque<(u64, Box<[u8]>)>>,
+    /// Times this node stopped holding a replica of some shard ([`Waiters::note_shards_moved`]).
+    shards_moved: std::sync::atomic::AtomicU64,
 }
 
 /// Replicated deletes remembered for the streams that have not looked at them yet; a stream
@@ -68,6 +70,7 @@ impl Default for Waiters {
             }),
             deletes: std::sync::atomic::AtomicU64::new(0),
             recent_deletes: Mutex::new(std::collections::VecDeque::new()),
+            shards_moved: std::sync::atomic::AtomicU64::new(0),
         }
     }
 }
@@ -375,6 +378,20 @@ impl Waiters {
             .map(|(_, queue)| queue.clone())
             .collect();
         Some((queues, now))
+    }
+
+    /// How many times this node stopped holding a replica of some shard (a stream notes it
+    /// before it checks that its queues' shards are held here, and checks again when it moves).
+    pub fn shards_moved(&self) -> u64 {
+        self.shards_moved.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// This node stopped holding a replica of some shard (the placement moved it to another
+    /// node): every stream is woken to check that its queues' shards are still held here.
+    pub fn note_shards_moved(&self) {
+        self.shards_moved
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.wake_every();
     }
 
     /// The mailbox numbers of `inbox` registered on `queue`.

@@ -186,6 +186,10 @@ pub struct ManySession {
     /// Replicated deletes this stream has looked at (see `Waiters::deleted_since`): one of a
     /// queue it holds ends it.
     deletes_seen: u64,
+    /// Shard moves off this node this stream has looked at (see `Waiters::shards_moved`): a
+    /// move of the shard of a queue it holds ends it. Taken before the first add, which
+    /// checks that its queues' shards are held here.
+    moves_seen: u64,
 }
 
 /// What the session waited for.
@@ -205,8 +209,10 @@ impl ManySession {
     ) -> Self {
         let log = context.positions.open(&start.consumer);
         let deletes_seen = context.waiters.deletes_seen();
+        let moves_seen = context.waiters.shards_moved();
         Self {
             deletes_seen,
+            moves_seen,
             context,
             log,
             inbox: Arc::new(Inbox::default()),
@@ -331,6 +337,16 @@ impl ManySession {
     async fn deliver(&mut self, hints: Hints) -> Result<bool, WireError> {
         if self.context.waiters.deletes_seen() != self.deletes_seen {
             self.check_not_deleted()?;
+        }
+        if self.context.waiters.shards_moved() != self.moves_seen
+            && let Some(groups) = self.replicated()?
+        {
+            self.moves_seen = crate::queue::replicated::Replication::check_still_held(
+                &groups,
+                &self.context.waiters,
+                self.moves_seen,
+                self.mailboxes.values().map(|mailbox| &mailbox.queue[..]),
+            )?;
         }
         let mut deliveries = Vec::with_capacity(hints.entries.len());
         let mut bytes = 0_u32;

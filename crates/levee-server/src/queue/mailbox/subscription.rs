@@ -134,6 +134,7 @@ impl Session {
             credit: StreamCredit::initial(self.start.credit),
             writer_noted: false,
             deletes_seen,
+            moves_seen: u64::MAX,
         };
         let start = SubscribeResponse {
             start_offset: Some(next),
@@ -183,6 +184,14 @@ impl Session {
                 super::check_not_deleted(&self.waiters, progress.deletes_seen, |deleted| {
                     deleted == &queue[..]
                 })?;
+        }
+        if let Some(groups) = &progress.replicated {
+            progress.moves_seen = crate::queue::replicated::Replication::check_still_held(
+                groups,
+                &self.waiters,
+                progress.moves_seen,
+                std::iter::once(&self.start.queue[..]),
+            )?;
         }
         if !progress.credit.is_open() {
             return Ok(Delivered::Nothing);
@@ -307,6 +316,9 @@ struct Progress {
     replicated: Option<levee_cluster::shard::ShardGroups>,
     /// Replicated deletes this stream has looked at (see `Waiters::deleted_since`).
     deletes_seen: u64,
+    /// Shard moves off this node this stream has looked at (see `Waiters::shards_moved`;
+    /// `u64::MAX` until the first look).
+    moves_seen: u64,
 }
 
 /// What one delivery attempt did.
