@@ -828,6 +828,29 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
             }
         }
     });
+    // Every node lists every queue, in pages, whatever shards it holds: a queue created
+    // after the move in a shard one node left is listed through that node too.
+    let created_after = (0..10_000)
+        .map(|n| format!("after-move-{n}").into_bytes())
+        .find(|queue| levee_proto::shards::shard_of_bytes(queue, SHARDS) == moved)
+        .unwrap();
+    runtime
+        .block_on(client.append(&created_after, b"x"))
+        .unwrap();
+    let listed: Vec<Vec<Vec<u8>>> = [&client, &second_client, &fourth_client, &fifth_client]
+        .into_iter()
+        .map(|node_client| runtime.block_on(list_all(node_client)))
+        .collect();
+    for (queue, what) in [
+        (&created_after, "a queue made after the move"),
+        (&moved_queue, "a queue that moved"),
+    ] {
+        assert!(listed[0].contains(queue), "{what} is listed");
+    }
+    assert!(fillers.iter().all(|filler| listed[0].contains(filler)));
+    for other in &listed[1..] {
+        assert_eq!(other, &listed[0], "every node lists the same queues");
+    }
     runtime.block_on(assert_many_in_parts(
         &fifth_client,
         "spread-2",
@@ -890,6 +913,20 @@ async fn assert_many_in_parts(
         many.ack(mailbox, from + TAKEN - 1);
     }
     many.flush_acks().await.unwrap();
+}
+
+/// Every queue name `client`'s node lists, three to a page.
+async fn list_all(client: &Client) -> Vec<Vec<u8>> {
+    let mut all = Vec::new();
+    let mut token = Vec::new();
+    loop {
+        let page = client.list_queue_page(b"", &token, 3).await.unwrap();
+        all.extend(page.queues);
+        if page.next_page_token.is_empty() {
+            return all;
+        }
+        token = page.next_page_token;
+    }
 }
 
 /// A node that holds no replica (`through`) forwards reads, queue info, a subscription, a

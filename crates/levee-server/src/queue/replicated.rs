@@ -48,6 +48,9 @@ pub struct Replication {
     channels: Arc<std::sync::Mutex<BTreeMap<String, tonic::transport::Channel>>>,
 }
 
+/// A node and a channel to its client port.
+pub type NodeChannel = (NodeId, tonic::transport::Channel);
+
 /// Request metadata marking a read forwarded by a node without a replica: it is never
 /// forwarded again.
 pub const FORWARDED_HEADER: &str = "levee-forwarded";
@@ -707,6 +710,46 @@ impl Replication {
         };
         let groups = groups?;
         Ok(!forwarded && !(0..groups.shards()).all(|shard| groups.replicates(shard)))
+    }
+
+    /// How `ListQueues` lists on this node: `None` when its store holds every queue of the
+    /// cluster (queues not replicated, or this node holds every shard); else the shard groups,
+    /// to keep only the queues of the shards this node holds (a copy of a shard it left is
+    /// not listed), and unless the call was `forwarded` here, the nodes to ask for the others
+    /// (the preferred replica of each shard it does not hold, each once).
+    pub fn listing(
+        &self,
+        forwarded: bool,
+    ) -> Result<Option<(ShardGroups, Vec<NodeChannel>)>, WireError> {
+        let Some(groups) = self.groups() else {
+            return Ok(None);
+        };
+        let groups = groups?;
+        let missing: Vec<ShardId> = (0..groups.shards())
+            .filter(|shard| !groups.replicates(*shard))
+            .collect();
+        if missing.is_empty() {
+            return Ok(None);
+        }
+        let mut elsewhere: Vec<NodeChannel> = Vec::new();
+        if !forwarded {
+            for shard in missing {
+                let Some((node, channel)) = self.channel_to_replica(shard)? else {
+                    return Err(WireError::new(
+                        ErrorCode::Unavailable,
+                        format!(
+                            "this node holds no replica of shard {shard} and knows no node that \
+                             does, so it cannot list every queue; retry, or list through \
+                             another node"
+                        ),
+                    ));
+                };
+                if !elsewhere.iter().any(|(known, _)| *known == node) {
+                    elsewhere.push((node, channel));
+                }
+            }
+        }
+        Ok(Some((groups.clone(), elsewhere)))
     }
 
     /// The preferred replica of `shard`, as the metadata voters place it, and a channel to its

@@ -540,6 +540,7 @@ impl Queues for QueueService {
         &self,
         request: Request<ListQueuesRequest>,
     ) -> Result<Response<ListQueuesResponse>, Status> {
+        let forwarded_here = was_forwarded(request.metadata());
         let request = request.into_inner();
         let limit = match request.limit {
             0 => LIST_LIMIT_DEFAULT,
@@ -559,22 +560,44 @@ impl Queues for QueueService {
         // The server's own queues sort first: a listing starts after them.
         let start = start.max(names::reserved_names_end());
         let prefix = request.prefix;
-        let limit = limit as usize;
-        let mut queues = self
-            .blocking(move |store| {
+        let listing = match &self.replication {
+            Some(replication) => replication.listing(forwarded_here)?,
+            None => None,
+        };
+        let page = {
+            let (start, prefix) = (start.clone(), prefix.clone());
+            let limit = limit as usize;
+            self.blocking(move |store| {
                 Ok(store.list_queues_with_prefix(Some(&start), &prefix, limit + 1))
             })
-            .await?;
-        let next_page_token = if queues.len() > limit {
-            queues.truncate(limit);
-            queues.last().cloned().unwrap_or_default()
-        } else {
-            Vec::new()
+            .await?
         };
-        Ok(Response::new(ListQueuesResponse {
-            queues,
-            next_page_token,
-        }))
+        let mut page = ListPage::of(page, limit as usize);
+        if let Some((groups, elsewhere)) = listing {
+            // This node holds some shards only: its own queues of those, and each other
+            // node's of the shards it holds, merged.
+            page.queues.retain(|queue| {
+                groups.replicates(crate::queue::replicated::shard_of_queue(
+                    queue,
+                    groups.shards(),
+                ))
+            });
+            for (node, channel) in elsewhere {
+                let asked = ListQueuesRequest {
+                    after: start.clone(),
+                    limit,
+                    prefix: prefix.clone(),
+                    page_token: Vec::new(),
+                };
+                let answer = QueuesClient::new(channel)
+                    .list_queues(forwarded(asked))
+                    .await
+                    .map_err(|status| forward_failed(node, status))?
+                    .into_inner();
+                page.merge(answer);
+            }
+        }
+        Ok(Response::new(page.answer(limit as usize)))
     }
 
     async fn delete_queue(
@@ -658,5 +681,108 @@ impl Queues for QueueService {
             })
             .await?;
         Ok(Response::new(SetRetentionResponse { messages_removed }))
+    }
+}
+
+/// A page of queue names from one or more sources (this node's store, other nodes), each
+/// complete up to its `covered` name (all of its names up to it are in `queues`; `None`: all
+/// of them, the source is exhausted).
+#[derive(Debug)]
+struct ListPage {
+    queues: Vec<Vec<u8>>,
+    covered: Option<Vec<u8>>,
+}
+
+impl ListPage {
+    /// The store's answer to a scan for `limit + 1` names.
+    fn of(mut scanned: Vec<Vec<u8>>, limit: usize) -> Self {
+        let covered = (scanned.len() > limit).then(|| {
+            scanned.truncate(limit);
+            scanned.last().cloned().unwrap_or_default()
+        });
+        Self {
+            queues: scanned,
+            covered,
+        }
+    }
+
+    /// Adds another node's page: covered up to the lesser of the two.
+    fn merge(&mut self, other: ListQueuesResponse) {
+        self.queues.extend(other.queues);
+        if !other.next_page_token.is_empty() {
+            let other = other.next_page_token;
+            self.covered = Some(match self.covered.take() {
+                Some(mine) => mine.min(other),
+                None => other,
+            });
+        }
+    }
+
+    /// The names up to what every source covered, sorted, each once, at most `limit`; the
+    /// next page starts after the last one when names may follow.
+    fn answer(mut self, limit: usize) -> ListQueuesResponse {
+        if let Some(covered) = &self.covered {
+            self.queues.retain(|queue| queue <= covered);
+        }
+        self.queues.sort_unstable();
+        self.queues.dedup();
+        let next_page_token = if self.queues.len() > limit {
+            self.queues.truncate(limit);
+            self.queues.last().cloned().unwrap_or_default()
+        } else {
+            self.covered.unwrap_or_default()
+        };
+        ListQueuesResponse {
+            queues: self.queues,
+            next_page_token,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(names: &[&str]) -> Vec<Vec<u8>> {
+        names.iter().map(|name| name.as_bytes().to_vec()).collect()
+    }
+
+    #[test]
+    fn given_pages_of_several_nodes_then_the_merge_holds_what_all_covered_in_order_once() {
+        // This node's store: more than the limit of 3, so covered up to "d".
+        let mut page = ListPage::of(names(&["a", "c", "d", "f"]), 3);
+        // Another node: covered up to "e" (its page was full), one name shared.
+        page.merge(ListQueuesResponse {
+            queues: names(&["b", "c", "e"]),
+            next_page_token: b"e".to_vec(),
+        });
+        // A third node, exhausted: "g" lies past what the others covered.
+        page.merge(ListQueuesResponse {
+            queues: names(&["bb", "g"]),
+            next_page_token: Vec::new(),
+        });
+        let answer = page.answer(3);
+        assert_eq!(answer.queues, names(&["a", "b", "bb"]));
+        assert_eq!(answer.next_page_token, b"bb");
+
+        // Every source exhausted: the last page.
+        let mut last = ListPage::of(names(&["x"]), 3);
+        last.merge(ListQueuesResponse {
+            queues: names(&["w", "x"]),
+            next_page_token: Vec::new(),
+        });
+        let answer = last.answer(3);
+        assert_eq!(answer.queues, names(&["w", "x"]));
+        assert!(answer.next_page_token.is_empty());
+
+        // Fewer names than the limit (filtered, or the others covered less): not the last page.
+        let mut short = ListPage::of(names(&["a", "b", "c", "d"]), 3);
+        short.merge(ListQueuesResponse {
+            queues: names(&["a0"]),
+            next_page_token: b"a5".to_vec(),
+        });
+        let answer = short.answer(3);
+        assert_eq!(answer.queues, names(&["a", "a0"]));
+        assert_eq!(answer.next_page_token, b"a5");
     }
 }
