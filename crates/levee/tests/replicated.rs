@@ -865,6 +865,24 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
         support::metric_value(&fifth, "levee_queue_mailbox_parts_elsewhere_total") >= 2,
         "node 5 opened parts on other nodes"
     );
+    // Its checks are a single node's: an ack past what was delivered ends the stream with
+    // OFFSET_OUT_OF_RANGE.
+    runtime.block_on(async {
+        let mut many = fifth_client.subscribe_many("spread-3", 1).await.unwrap();
+        let names: Vec<&[u8]> = fillers.iter().map(Vec::as_slice).collect();
+        many.add(&names).await.unwrap();
+        let taken = many.next().await.unwrap().unwrap();
+        many.ack(taken.mailbox, taken.offset + 1_000);
+        let refused = many
+            .flush_acks()
+            .await
+            .expect_err("an ack past the delivered");
+        assert_eq!(
+            refused.code(),
+            Some(ErrorCode::OffsetOutOfRange),
+            "{refused}"
+        );
+    });
 
     let _ = stop.send(true);
     let acknowledged = runtime.block_on(appending).unwrap();
