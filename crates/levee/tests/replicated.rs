@@ -869,8 +869,8 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
     // OFFSET_OUT_OF_RANGE.
     runtime.block_on(async {
         let mut many = fifth_client.subscribe_many("spread-3", 1).await.unwrap();
-        let names: Vec<&[u8]> = fillers.iter().map(Vec::as_slice).collect();
-        many.add(&names).await.unwrap();
+        let queues: Vec<&[u8]> = fillers.iter().map(Vec::as_slice).collect();
+        many.add(&queues).await.unwrap();
         let taken = many.next().await.unwrap().unwrap();
         many.ack(taken.mailbox, taken.offset + 1_000);
         let refused = many
