@@ -299,8 +299,8 @@ impl Cluster for ClusterService {
     }
 }
 
-/// The Cluster service, its member probes and the count of leader changes, which stop (and
-/// its streams end) when `closing` turns true.
+/// The Cluster service, its member probes (and what they find, for others to read) and the
+/// count of leader changes, which stop (and its streams end) when `closing` turns true.
 pub fn serve(
     (manager, machine, shards): (&Manager, &MetaStateMachine, &ShardSlot),
     state: &Arc<ServerState>,
@@ -308,9 +308,11 @@ pub fn serve(
 ) -> (
     ClusterServer<ClusterService>,
     Vec<tokio::task::JoinHandle<()>>,
+    MemberHealth,
 ) {
     let (health, probe_task) =
         probe_members(manager.clone(), Arc::clone(state), closing.subscribe());
+    let members_health = health.clone();
     let count_task = tokio::spawn(count_leader_changes(
         manager.clone(),
         state.metrics.cluster_leader_changes.clone(),
@@ -322,7 +324,11 @@ pub fn serve(
         health,
         closing.subscribe(),
     );
-    (ClusterServer::new(service), vec![probe_task, count_task])
+    (
+        ClusterServer::new(service),
+        vec![probe_task, count_task],
+        members_health,
+    )
 }
 
 /// Probes every other member's API every [`PROBE_INTERVAL`] until `stop` turns true, and says

@@ -196,12 +196,12 @@ impl RunningServer {
             stop_sessions.subscribe(),
         ))];
         let cluster = (&raft.manager, &raft.machine, &raft.shards);
-        let (cluster_service, cluster_tasks) =
+        let (cluster_service, cluster_tasks, members_health) =
             cluster_service::serve(cluster, &state, &stop_sessions);
         background.extend(cluster_tasks);
         let (health, health_service) = serving_health().await;
         let (queue_service, topic_service, consume_context, apply_here) = queue_services(
-            (&store, &raft),
+            (&store, &raft, members_health),
             topics,
             config,
             &state.metrics,
@@ -439,7 +439,7 @@ fn shard_delete_epochs(
 
 /// The Queues and Topics services over the store, and what consume streams share.
 fn queue_services(
-    (store, raft): (&Arc<Store>, &MetadataGroup),
+    (store, raft, members_health): (&Arc<Store>, &MetadataGroup, cluster_service::MemberHealth),
     topics: Arc<Topics>,
     config: &Config,
     metrics: &crate::metrics::Metrics,
@@ -464,7 +464,7 @@ fn queue_services(
     let replication = crate::queue::replicated::Replication::new(
         raft.machine.clone(),
         raft.shards.clone(),
-        raft.raft.metrics(),
+        (raft.raft.metrics(), members_health),
     );
     let queues = QueueService::new(
         calls.clone(),

@@ -891,6 +891,27 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
         let client = runtime.block_on(Client::connect(&node.grpc())).unwrap();
         assert_holds(&runtime, &client, &acknowledged);
     }
+
+    // The preferred replica of a shard node 5 does not hold is killed: node 5 forwards its
+    // reads to another replica, one whose API answers its probes.
+    let shard = (0..SHARDS).find(|shard| !named.contains(shard)).unwrap();
+    let preferred = levee_proto::shards::replicas(shard, &voters)[0];
+    let mut nodes = [(1, Some(first)), (2, Some(second)), (4, Some(fourth))];
+    let killed = nodes
+        .iter_mut()
+        .find(|(id, _)| *id == preferred)
+        .and_then(|(_, node)| node.take());
+    drop(killed);
+    let queue = &fillers[shard as usize];
+    wait_for(
+        "a read of the killed node's shard through node 5",
+        CONVERGE_TIMEOUT,
+        || {
+            runtime
+                .block_on(fifth_client.read(queue, 0, 10, 0))
+                .is_ok_and(|read| read.payloads.len() == 10)
+        },
+    );
 }
 
 /// Consumer `consumer` reads `queues` (each `expected` to hold at least `from + 5` messages)

@@ -44,6 +44,9 @@ pub struct Replication {
     /// The metadata group: its voters place the shards, its members' addresses are where reads
     /// of shards this node holds no replica of go.
     meta: watch::Receiver<levee_cluster::network::RaftMetrics>,
+    /// Whether each member's API answered this node's last probe: a forwarded call goes to a
+    /// shard's first replica that did.
+    health: crate::cluster_service::MemberHealth,
     /// A channel per member address reads were forwarded to (at most [`FORWARD_CHANNELS_MAX`]).
     channels: Arc<std::sync::Mutex<BTreeMap<String, tonic::transport::Channel>>>,
 }
@@ -635,12 +638,16 @@ impl Replication {
     pub fn new(
         machine: MetaStateMachine,
         slot: ShardSlot,
-        meta: watch::Receiver<levee_cluster::network::RaftMetrics>,
+        (meta, health): (
+            watch::Receiver<levee_cluster::network::RaftMetrics>,
+            crate::cluster_service::MemberHealth,
+        ),
     ) -> Self {
         Self {
             machine,
             slot,
             meta,
+            health,
             channels: Arc::default(),
         }
     }
@@ -752,8 +759,10 @@ impl Replication {
         Ok(Some((groups.clone(), elsewhere)))
     }
 
-    /// The preferred replica of `shard`, as the metadata voters place it, and a channel to its
-    /// client port (kept for the next call); `None` when no replica's address is known.
+    /// A replica of `shard` as the metadata voters place it, other than this node: the first
+    /// one named (the preferred) whose API answered this node's last probe, else the
+    /// preferred one; and a channel to its client port (kept for the next call). `None` when
+    /// no replica's address is known.
     fn channel_to_replica(
         &self,
         shard: ShardId,
@@ -761,14 +770,22 @@ impl Replication {
         let metrics = self.meta.borrow().clone();
         let membership = metrics.membership_config.membership();
         let voters: Vec<NodeId> = membership.voter_ids().collect();
-        let target = levee_proto::shards::replicas(shard, &voters)
+        let replicas: Vec<(NodeId, String)> = levee_proto::shards::replicas(shard, &voters)
             .into_iter()
-            .find_map(|node| Some((node, membership.get_node(&node)?.grpc_addr.clone())))
-            .filter(|(_, address)| !address.is_empty());
-        let Some((node, address)) = target else {
+            .filter(|node| *node != metrics.id)
+            .filter_map(|node| Some((node, membership.get_node(&node)?.grpc_addr.clone())))
+            .filter(|(_, address)| !address.is_empty())
+            .collect();
+        let healthy = {
+            let health = self.health.borrow();
+            replicas
+                .iter()
+                .position(|(node, _)| health.get(node).copied().unwrap_or(false))
+        };
+        let Some((node, address)) = replicas.get(healthy.unwrap_or(0)) else {
             return Ok(None);
         };
-        Ok(Some((node, self.channel_to(node, &address)?)))
+        Ok(Some((*node, self.channel_to(*node, address)?)))
     }
 
     /// A channel to node `node`'s client port at `address` (kept for the next call).
