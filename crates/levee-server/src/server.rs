@@ -287,25 +287,28 @@ impl RunningServer {
     /// back with `--join`).
     pub async fn failed(&mut self) -> String {
         let left = &mut self.raft.left;
-        tokio::select! {
-            result = &mut self.grpc_task => format!("gRPC server stopped: {result:?}"),
-            result = &mut self.admin_task => format!("admin HTTP server stopped: {result:?}"),
-            Ok(notice) = left.wait_for(Option::is_some) => {
-                let notice = notice.clone().unwrap_or_else(|| unreachable!("waited for Some"));
-                let identity = crate::data_dir::ClusterIdentity {
-                    removed: true,
-                    ..self.state.cluster.clone()
-                };
-                if let Err(error) = self.data_dir.write_identity(&identity) {
-                    tracing::error!(%error, "cannot record the removal in the data dir");
-                }
-                format!(
-                    "node {} was removed from cluster {} by leader {}; it stops serving. Start \
-                     it with --join <a member's peer address> to add it back",
-                    notice.node_id, notice.cluster_id, notice.leader_id
-                )
+        let notice = tokio::select! {
+            result = &mut self.grpc_task => return format!("gRPC server stopped: {result:?}"),
+            result = &mut self.admin_task => {
+                return format!("admin HTTP server stopped: {result:?}");
             }
+            Ok(notice) = left.wait_for(Option::is_some) => {
+                notice.clone().unwrap_or_else(|| unreachable!("waited for Some"))
+            }
+        };
+        let identity = crate::data_dir::ClusterIdentity {
+            removed: true,
+            ..self.state.cluster.clone()
+        };
+        if let Err(error) = self.data_dir.write_identity(&identity) {
+            tracing::error!(%error, "cannot record the removal in the data dir");
         }
+        self.raft.drain_shards().await;
+        format!(
+            "node {} was removed from cluster {} by leader {}; it stops serving. Start it with \
+             --join <a member's peer address> to add it back",
+            notice.node_id, notice.cluster_id, notice.leader_id
+        )
     }
 
     /// Stops accepting, lets in-flight requests finish within `grace`, then closes storage.
@@ -547,7 +550,41 @@ struct MetadataGroup {
     dialer: PeerDialer,
 }
 
+/// Longest a removed node keeps its shard replicas running after its removal, until the
+/// shards' leaders moved them off it.
+const DRAIN_SHARDS_MAX: Duration = Duration::from_secs(10);
+
 impl MetadataGroup {
+    /// On a node removed from the cluster: keeps its shard replicas running until no shard
+    /// counts it as a replica any more (the shards' leaders move them off it, and a shard
+    /// whose replicas are this node and one other needs its vote to do so), or
+    /// [`DRAIN_SHARDS_MAX`] passed.
+    async fn drain_shards(&self) {
+        let Some(groups) = self.shards.get() else {
+            return;
+        };
+        let started = tokio::time::Instant::now();
+        let held = |groups: &levee_cluster::shard::ShardGroups| {
+            (0..groups.shards())
+                .filter(|shard| groups.replicates(*shard))
+                .count()
+        };
+        if held(groups) == 0 {
+            return;
+        }
+        tracing::info!(
+            shards = held(groups),
+            "removed from the cluster: waiting for the shards' replicas here to move to the others"
+        );
+        while held(groups) > 0 && started.elapsed() < DRAIN_SHARDS_MAX {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        tracing::info!(
+            shards_left_here = held(groups),
+            waited_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            "stopping after the removal"
+        );
+    }
     /// The Limits service over this group; its lease streams end when `closing` turns true.
     fn limits_service(
         &self,

@@ -914,6 +914,63 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
     );
 }
 
+#[test]
+fn given_three_replicated_nodes_when_two_are_removed_one_after_the_other_then_the_last_holds_every_shard_and_appends_go_on()
+ {
+    let directory = tempfile::tempdir().unwrap();
+    let runtime = runtime();
+    let [first, second, third] = three_nodes(directory.path());
+    let (first, mut second, mut third) = (first.unwrap(), second.unwrap(), third.unwrap());
+    wait_settled(&[&first, &second, &third]);
+    let client = runtime.block_on(Client::connect(&first.grpc())).unwrap();
+    // Leads move as nodes leave: an idempotent producer rides that out, storing nothing twice.
+    let producer = runtime
+        .block_on(async {
+            levee_client::Producer::new(
+                client.clone(),
+                levee_client::ProducerOptions {
+                    idempotent: true,
+                    retries_max: 100,
+                    ..levee_client::ProducerOptions::default()
+                },
+            )
+        })
+        .unwrap();
+    let queues: Vec<Vec<u8>> = (0..8)
+        .map(|n| format!("shrinking-{n}").into_bytes())
+        .collect();
+    let append_all = |round: &str| {
+        for queue in &queues {
+            runtime
+                .block_on(producer.send(queue, round.as_bytes()))
+                .unwrap_or_else(|error| panic!("an append after {round}: {error}"));
+        }
+    };
+    append_all("three nodes");
+
+    runtime.block_on(client.remove_node(3)).unwrap();
+    assert!(!third.wait_exit(CONVERGE_TIMEOUT).success());
+    wait_replicas(&[(1, &first), (2, &second)], &[1, 2]);
+    append_all("two nodes");
+
+    // Each shard's replicas are nodes 1 and 2 now: moving them to node 1 alone needs node 2's
+    // vote, which it gives before it stops.
+    runtime.block_on(client.remove_node(2)).unwrap();
+    assert!(!second.wait_exit(CONVERGE_TIMEOUT).success());
+    assert!(second.logged("waiting for the shards' replicas here to move to the others"));
+    wait_replicas(&[(1, &first)], &[1]);
+    append_all("one node");
+    for queue in &queues {
+        let read = runtime.block_on(read_all(&client, queue));
+        assert_eq!(
+            read,
+            [&b"three nodes"[..], b"two nodes", b"one node"],
+            "{}",
+            String::from_utf8_lossy(queue)
+        );
+    }
+}
+
 /// Consumer `consumer` reads `queues` (each `expected` to hold at least `from + 5` messages)
 /// over one many-queue stream through `through`, with a credit smaller than the queues hold:
 /// each mailbox's messages arrive from offset `from` (its consumer's last ack) in order, under

@@ -1142,9 +1142,10 @@ impl ShardGroups {
     /// made voters at once); then, once it has every named replica and only when `shrink`
     /// (this node's view of the metadata group is current), the replicas it no longer names
     /// leave: those on nodes that are no longer `members` of the metadata group (removed from
-    /// the cluster) at once, those on live members (a fourth voter took their place) as
-    /// learners first, removed once they hold the membership that made them learners (they
-    /// stop serving the shard then). With up to three voters every node is named for every
+    /// the cluster) as learners for one round, then removed (a removed node that still runs
+    /// learns it left and stops), those on live members (a fourth voter took their place) as
+    /// learners until they hold the membership that made them learners (they stop serving the
+    /// shard then). With up to three voters every node is named for every
     /// shard, so every voter holds every shard and serves reads of every queue from its own
     /// store. Returns how many shards changed.
     pub async fn place(
@@ -1185,11 +1186,11 @@ impl ShardGroups {
                 }
                 let kept: BTreeSet<NodeId> = current.intersection(&wanted).copied().collect();
                 if kept != current && !kept.is_empty() {
-                    // A replica on a live member the placement no longer names stays a learner
-                    // until it holds the membership that says so (it stops serving the shard
-                    // then), and goes after; one on a node removed from the cluster goes.
-                    let retain = current.difference(&kept).any(|node| members.contains(node));
-                    if self.change_voters(shard, raft, kept, retain).await {
+                    // A replica the placement no longer names stays a learner until it holds
+                    // the membership that says so (it stops serving the shard then; a node
+                    // removed from the cluster that is still running stops), then goes (one
+                    // on a removed node goes at the next round whatever it holds).
+                    if self.change_voters(shard, raft, kept, true).await {
                         changed += 1;
                     }
                     continue;
