@@ -307,6 +307,38 @@ impl Runner {
         self.other_nodes.extend(nodes.into_iter().flatten());
     }
 
+    /// A cluster of four voters replicating its queues (three nodes, then a fourth that
+    /// joins and is made a voter), every shard on the replicas the placement names and led by
+    /// its preferred one, the scenario's server 0 being node 4: it holds some shards only, so
+    /// it serves the others' requests through their replicas (forwarded reads and streams,
+    /// many-queue streams in parts, merged listings).
+    fn start_cluster_of_four(&mut self) {
+        let nodes = support::three_replicated_nodes(self.directory.path(), CLUSTER_SHARDS);
+        let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
+        support::wait_settled(&all, CLUSTER_SHARDS);
+        let seed = all[0].peer_addr.unwrap().to_string();
+        let fourth = support::start_replicated(
+            self.directory.path(),
+            "4",
+            ("127.0.0.1:0", Some(&seed)),
+            CLUSTER_SHARDS,
+        );
+        let runtime = support::runtime();
+        let client = runtime.block_on(Client::connect(&all[0].grpc())).unwrap();
+        runtime
+            .block_on(support::make_voter(&client, 4, &fourth))
+            .unwrap();
+        drop(runtime);
+        let placed: Vec<(u64, &LeveeProcess)> = (1..=3)
+            .zip(all.iter().copied())
+            .chain([(4, &fourth)])
+            .collect();
+        support::wait_placed_over(&placed, &[1, 2, 3, 4], CLUSTER_SHARDS);
+        self.addresses.push(fourth.grpc());
+        self.servers.push(Some(fourth));
+        self.other_nodes.extend(nodes.into_iter().flatten());
+    }
+
     async fn run(&mut self, scenario: &Value) -> Result<(), String> {
         self.start_servers(scenario);
         let steps = scenario["steps"].as_array().cloned().unwrap_or_default();
@@ -1301,7 +1333,11 @@ fn run_scenario(path: &Path, cluster_entry: Option<usize>) -> Result<bool, Strin
         if !runs_on_a_cluster(&scenario) {
             return Ok(false);
         }
-        runner.start_cluster(entry);
+        if entry == FOURTH_VOTER {
+            runner.start_cluster_of_four();
+        } else {
+            runner.start_cluster(entry);
+        }
     }
     let runtime = support::runtime();
     let outcome = runtime.block_on(runner.run(&scenario));
@@ -1314,6 +1350,10 @@ fn run_scenario(path: &Path, cluster_entry: Option<usize>) -> Result<bool, Strin
     drop(runtime);
     outcome.map(|()| true)
 }
+
+/// The cluster entry of [`run_scenario`] that runs a scenario against a fourth voter
+/// ([`Runner::start_cluster_of_four`]).
+const FOURTH_VOTER: usize = usize::MAX;
 
 fn scenario_paths() -> Vec<PathBuf> {
     let mut paths: Vec<PathBuf> = std::fs::read_dir(scenarios_directory())
@@ -1356,12 +1396,28 @@ fn given_every_conformance_scenario_then_the_rust_client_passes_it() {
 /// that stop their server are left out ([`NOT_ON_A_CLUSTER`]).
 #[test]
 fn given_a_three_node_cluster_then_the_rust_client_passes_every_scenario_it_can_run() {
+    run_on_clusters("a cluster", |ran| ran % 3);
+}
+
+/// The scenarios again against a cluster of four voters, talking to the fourth
+/// ([`Runner::start_cluster_of_four`]): it holds some shards only, so what it serves of the
+/// others goes through their replicas.
+#[test]
+fn given_a_fourth_voter_holding_some_shards_then_the_rust_client_passes_every_scenario_it_can_run()
+{
+    run_on_clusters("a fourth voter", |_| FOURTH_VOTER);
+}
+
+/// Runs every scenario that [`runs_on_a_cluster`] against a new cluster each, entered as
+/// `entry` says (given how many ran before), and asserts that at least 13 ran and all passed
+/// against `what`.
+fn run_on_clusters(what: &str, entry: impl Fn(usize) -> usize) {
     let paths = scenario_paths();
     let mut ran = Vec::new();
     let mut failures = Vec::new();
     for path in &paths {
         let name = path.file_stem().unwrap().to_string_lossy().into_owned();
-        match run_scenario(path, Some(ran.len() % 3)) {
+        match run_scenario(path, Some(entry(ran.len()))) {
             Ok(true) => ran.push(name),
             Ok(false) => {}
             Err(error) => {
@@ -1370,10 +1426,10 @@ fn given_a_three_node_cluster_then_the_rust_client_passes_every_scenario_it_can_
             }
         }
     }
-    assert!(ran.len() >= 13, "only {ran:?} ran on a cluster");
+    assert!(ran.len() >= 13, "only {ran:?} ran on {what}");
     assert!(
         failures.is_empty(),
-        "{} of {} scenarios failed against a cluster:\n{}",
+        "{} of {} scenarios failed against {what}:\n{}",
         failures.len(),
         ran.len(),
         failures.join("\n")

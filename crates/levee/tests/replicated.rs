@@ -777,13 +777,7 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
     let followed = runtime.block_on(following.next()).unwrap().unwrap();
     assert_eq!(followed.offset, 0);
     runtime
-        .block_on(client.add_node(levee_proto::v1::AddNodeRequest {
-            node_id: 5,
-            peer_addr: fifth.peer_addr.unwrap().to_string(),
-            grpc_addr: fifth.grpc(),
-            admin_addr: fifth.admin_addr.to_string(),
-            learner: false,
-        }))
+        .block_on(support::make_voter(&client, 5, &fifth))
         .unwrap();
     wait_replicas(
         &[(1, &first), (2, &second), (4, &fourth), (5, &fifth)],

@@ -991,6 +991,26 @@ impl Replication {
         }))
     }
 
+    /// Where a delete of `queue` goes when this node neither holds a replica of its shard nor
+    /// knows the shard's leader (a learner, or a voter beyond the shard's three replicas): a
+    /// replica of the shard, over its client port (`None`: written through the shard here, or
+    /// refused when `forwarded` here already).
+    pub fn delete_elsewhere(
+        &self,
+        queue: &[u8],
+        forwarded: bool,
+    ) -> Result<Option<NodeChannel>, WireError> {
+        let Some(groups) = self.groups() else {
+            return Ok(None);
+        };
+        let groups = groups?;
+        let shard = shard_of_queue(queue, groups.shards());
+        if forwarded || groups.replicates(shard) || groups.leader_of(shard).is_some() {
+            return Ok(None);
+        }
+        self.channel_to_replica(shard)
+    }
+
     /// Deletes `queue` through its shard (see `ShardCommand::Delete`); whether it existed.
     /// Deleting again is harmless, so a delete whose answer was lost may simply be sent again.
     pub async fn delete(groups: &ShardGroups, queue: &[u8]) -> Result<bool, WireError> {

@@ -604,6 +604,7 @@ impl Queues for QueueService {
         &self,
         request: Request<DeleteQueueRequest>,
     ) -> Result<Response<DeleteQueueResponse>, Status> {
+        let forwarded_here = was_forwarded(request.metadata());
         let queue = request.into_inner().queue;
         check_not_reserved(&queue)?;
         let deleting = self.waiters.begin_delete(&queue).map_err(|refused| {
@@ -624,6 +625,19 @@ impl Queues for QueueService {
             }
         })?;
         if let Some(groups) = self.shard_groups() {
+            if let Some(replication) = &self.replication
+                && let Some((node, channel)) =
+                    replication.delete_elsewhere(&queue, forwarded_here)?
+            {
+                // This node can reach neither a replica of the queue's shard nor its leader
+                // over the peer port: a replica's client port takes the delete.
+                let answer = QueuesClient::new(channel)
+                    .delete_queue(forwarded(DeleteQueueRequest { queue }))
+                    .await
+                    .map_err(|status| forward_failed(node, status));
+                drop(deleting);
+                return answer;
+            }
             // Through the queue's shard: every replica deletes it and forgets the consumers'
             // positions on it, in log order. Held until then: no subscription of the queue
             // on this node meanwhile.

@@ -448,3 +448,65 @@ pub fn wait_settled(nodes: &[&LeveeProcess], shards: u32) -> std::collections::B
     );
     leaders
 }
+
+/// Waits until every shard's replicas are those the placement over `voters` names, each seen
+/// so by every one of its replicas among `nodes` (node id, process), with no learner left
+/// (replicas moved off a node are gone) and led by its preferred replica.
+pub fn wait_placed_over(nodes: &[(u64, &LeveeProcess)], voters: &[u64], shards: u32) {
+    wait_for(
+        "every shard on the replicas the placement names, led by its preferred one",
+        CLUSTER_CONVERGE_TIMEOUT,
+        || {
+            let views: std::collections::BTreeMap<u64, serde_json::Value> = nodes
+                .iter()
+                .map(|(id, node)| {
+                    let (_, body) = http_get(node.admin_addr, "/v1/cluster");
+                    (*id, serde_json::from_str(&body).unwrap_or_default())
+                })
+                .collect();
+            (0..shards).all(|shard| {
+                let mut expected = levee_proto::shards::replicas(shard, voters);
+                let preferred = expected[0];
+                expected.sort_unstable();
+                expected.iter().all(|id| {
+                    views.get(id).is_none_or(|view| {
+                        view["shard_groups"].as_array().is_some_and(|groups| {
+                            groups.iter().any(|group| {
+                                let ids = |key: &str| -> Vec<u64> {
+                                    group[key]
+                                        .as_array()
+                                        .into_iter()
+                                        .flatten()
+                                        .filter_map(serde_json::Value::as_u64)
+                                        .collect()
+                                };
+                                group["shard"] == shard
+                                    && group["changing"] == false
+                                    && group["leader"] == preferred
+                                    && ids("voters") == expected
+                                    && ids("learners").is_empty()
+                            })
+                        })
+                    })
+                })
+            })
+        },
+    );
+}
+
+/// Adds `node` (node `node_id`, started with `--join`) as a voter, through `client`'s node.
+pub async fn make_voter(
+    client: &levee_client::Client,
+    node_id: u64,
+    node: &LeveeProcess,
+) -> Result<levee_proto::v1::MemberRole, levee_client::ClientError> {
+    client
+        .add_node(levee_proto::v1::AddNodeRequest {
+            node_id,
+            peer_addr: node.peer_addr.unwrap().to_string(),
+            grpc_addr: node.grpc(),
+            admin_addr: node.admin_addr.to_string(),
+            learner: false,
+        })
+        .await
+}
