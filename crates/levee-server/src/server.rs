@@ -556,9 +556,9 @@ const DRAIN_SHARDS_MAX: Duration = Duration::from_secs(10);
 
 impl MetadataGroup {
     /// On a node removed from the cluster: keeps its shard replicas running until no shard
-    /// counts it as a replica any more (the shards' leaders move them off it, and a shard
-    /// whose replicas are this node and one other needs its vote to do so), or
-    /// [`DRAIN_SHARDS_MAX`] passed.
+    /// counts it as a replica any more (it hands over the shards it leads, the shards' other
+    /// leaders move them off it, and a shard whose replicas are this node and one other needs
+    /// its vote to do so), or [`DRAIN_SHARDS_MAX`] passed.
     async fn drain_shards(&self) {
         let Some(groups) = self.shards.get() else {
             return;
@@ -577,7 +577,12 @@ impl MetadataGroup {
             "removed from the cluster: waiting for the shards' replicas here to move to the others"
         );
         while held(groups) > 0 && started.elapsed() < DRAIN_SHARDS_MAX {
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            // The shards it leads it hands over itself: its view of the cluster no longer lets
+            // it place them. The others' leaders move them off it.
+            let handed = tokio::time::timeout(DRAIN_SHARDS_MAX, groups.step_out()).await;
+            if matches!(handed, Ok(0)) {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
         }
         tracing::info!(
             shards_left_here = held(groups),

@@ -944,11 +944,17 @@ fn given_three_replicated_nodes_when_two_are_removed_one_after_the_other_then_th
 
     runtime.block_on(client.remove_node(3)).unwrap();
     assert!(!third.wait_exit(CONVERGE_TIMEOUT).success());
-    wait_replicas(&[(1, &first), (2, &second)], &[1, 2]);
+    // Settled: each shard led by its preferred replica, node 2 leading some.
+    support::wait_placed_over(&[(1, &first), (2, &second)], &[1, 2], SHARDS);
+    assert!(
+        (0..SHARDS).any(|shard| levee_proto::shards::replicas(shard, &[1, 2])[0] == 2),
+        "the test needs node 2 to lead a shard when it is removed"
+    );
     append_all("two nodes");
 
     // Each shard's replicas are nodes 1 and 2 now: moving them to node 1 alone needs node 2's
-    // vote, which it gives before it stops.
+    // vote, which it gives before it stops, and node 2 hands over the shards it leads (its
+    // view of the cluster, which it left, no longer lets it place them).
     runtime.block_on(client.remove_node(2)).unwrap();
     assert!(!second.wait_exit(CONVERGE_TIMEOUT).success());
     assert!(second.logged("waiting for the shards' replicas here to move to the others"));

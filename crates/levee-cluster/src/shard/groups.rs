@@ -1225,6 +1225,33 @@ impl ShardGroups {
         changed
     }
 
+    /// On a node removed from the cluster: hands over the shards it leads, each to its other
+    /// voters (this node kept as a learner, which their next leader removes), since its own
+    /// view of the cluster no longer lets it place them (a shard whose voters are this node
+    /// and one other would otherwise be left without a quorum when it stops). Returns how
+    /// many shards it handed over.
+    pub async fn step_out(&self) -> usize {
+        let mut handed = 0;
+        for (shard, raft) in self.rafts.iter().enumerate() {
+            let metrics = raft.metrics().borrow().clone();
+            if metrics.state != ServerState::Leader {
+                continue;
+            }
+            let shard = u32::try_from(shard).unwrap_or(u32::MAX);
+            let membership = metrics.membership_config.membership().clone();
+            let goal = Self::unfinished_change(&membership)
+                .unwrap_or_else(|| membership.voter_ids().collect());
+            let others: BTreeSet<NodeId> = goal
+                .into_iter()
+                .filter(|node| *node != self.node_id)
+                .collect();
+            if !others.is_empty() && self.change_voters(shard, raft, others, true).await {
+                handed += 1;
+            }
+        }
+        handed
+    }
+
     /// The voters a joint membership is changing to, when `membership` is one.
     fn unfinished_change(
         membership: &openraft::Membership<NodeId, NodeInfo>,
