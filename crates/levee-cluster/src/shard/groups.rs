@@ -198,6 +198,10 @@ pub struct ShardGroups {
     positions: Arc<Vec<tokio::sync::mpsc::Sender<PositionsWrite>>>,
     /// Told of each positions entry written.
     observer: Arc<dyn ShardObserver>,
+    /// Set when this node was removed from the cluster and hands its shards over
+    /// ([`ShardGroups::step_out`]): it places no replica any more (its view of the cluster,
+    /// which it left, could name itself again).
+    leaving: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// One consumer's positions bound for a shard, and where its outcome goes.
@@ -318,6 +322,7 @@ impl ShardGroups {
             channels,
             syncer,
             claimed: Arc::default(),
+            leaving: Arc::default(),
             led: Arc::default(),
             machines: Arc::new(machines),
             stopping: Arc::new(tokio::sync::watch::Sender::new(false)),
@@ -1154,6 +1159,9 @@ impl ShardGroups {
         members: &BTreeSet<NodeId>,
         shrink: bool,
     ) -> usize {
+        if self.leaving.load(std::sync::atomic::Ordering::Acquire) {
+            return 0;
+        }
         let ids: Vec<NodeId> = voters.keys().copied().collect();
         let mut changed = 0;
         for (shard, raft) in self.rafts.iter().enumerate() {
@@ -1231,6 +1239,8 @@ impl ShardGroups {
     /// and one other would otherwise be left without a quorum when it stops). Returns how
     /// many shards it handed over.
     pub async fn step_out(&self) -> usize {
+        self.leaving
+            .store(true, std::sync::atomic::Ordering::Release);
         let mut handed = 0;
         for (shard, raft) in self.rafts.iter().enumerate() {
             let metrics = raft.metrics().borrow().clone();

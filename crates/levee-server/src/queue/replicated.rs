@@ -1308,6 +1308,37 @@ fn refused(code: RefusedCode, reason: &str) -> WireError {
     }
 }
 
+/// How often a node looks whether it stopped holding a shard.
+const HELD_CHECK_INTERVAL: Duration = Duration::from_millis(250);
+
+/// Every [`HELD_CHECK_INTERVAL`] until `stop`: tells `observer` of the shards this node
+/// stopped holding since the last look (their streams here end).
+async fn watch_shards_left(
+    groups: ShardGroups,
+    observer: Arc<ApplyHere>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut held: Vec<bool> = (0..groups.shards())
+        .map(|shard| groups.replicates(shard))
+        .collect();
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(HELD_CHECK_INTERVAL) => {}
+            _ = stop.wait_for(|stop| *stop) => return,
+        }
+        let now: Vec<bool> = (0..groups.shards())
+            .map(|shard| groups.replicates(shard))
+            .collect();
+        let left: Vec<ShardId> = (0..groups.shards())
+            .filter(|shard| held[*shard as usize] && !now[*shard as usize])
+            .collect();
+        if !left.is_empty() {
+            observer.shards_left(&left);
+        }
+        held = now;
+    }
+}
+
 /// Once the cluster's shards are fixed, and if it replicates its queues: opens this node's
 /// shard groups (making itself every shard's only replica when it created the cluster or is
 /// its only voter), hands them to `slot`, then, every [`PLACE_INTERVAL`] until `stop`, places
@@ -1380,7 +1411,13 @@ pub async fn run_shards(
     }
     let _ = slot.set(groups.clone());
     tracing::info!(shards, "replicated queues: this node's shards are open");
-    let mut held: Vec<bool> = (0..shards).map(|shard| groups.replicates(shard)).collect();
+    // Whether this node still holds each shard, looked at on its own timer (a placement
+    // round may wait seconds for a slow replica): streams of a shard it left end soon.
+    tokio::spawn(watch_shards_left(
+        groups.clone(),
+        Arc::clone(&observer),
+        stop.clone(),
+    ));
     loop {
         tokio::select! {
             () = tokio::time::sleep(PLACE_INTERVAL) => {}
@@ -1394,14 +1431,6 @@ pub async fn run_shards(
                 && metrics.last_applied.map(|log_id| log_id.index) >= metrics.last_log_index
         };
         groups.place(&voters(&raft), &members(&raft), current).await;
-        let now: Vec<bool> = (0..shards).map(|shard| groups.replicates(shard)).collect();
-        let left: Vec<ShardId> = (0..shards)
-            .filter(|shard| held[*shard as usize] && !now[*shard as usize])
-            .collect();
-        if !left.is_empty() {
-            observer.shards_left(&left);
-        }
-        held = now;
     }
     groups.shutdown().await;
 }

@@ -11,12 +11,17 @@
 //! - *Credit.* Each part gets the client's start credit, and deliveries wait here until the
 //!   client's credit lets them go; each message handed on gives its part one message and its
 //!   bytes of credit back. So the client never holds more than it granted, and this node holds
-//!   at most one credit window per part (bounded by the credit caps).
+//!   what the parts' credit allows (bounded by the credit caps per part).
 //! - *Answers in order.* An add is answered (`mailboxes_added`) once every part it went to
-//!   registered its queues; an ack batch (`acked_sequence`) once every part it went to
-//!   confirmed its share, batches in the client's order. Checks the client can break (names,
-//!   duplicates, bounds, unknown mailboxes, acks past what this stream handed on) are made here,
-//!   with the messages a single node gives.
+//!   registered its queues, and no delivery of its mailboxes goes before that answer; an ack
+//!   batch (`acked_sequence`) once every part it went to confirmed its share, batches in the
+//!   client's order. Checks the client can break (names, duplicates, bounds, unknown
+//!   mailboxes, acks past what this stream handed on) are made here, with the messages a
+//!   single node gives (for a mailbox its part sent nothing of yet, the part judges an ack
+//!   against what it delivered, which may include messages still on their way here). A
+//!   client that ends its side still gets its ack batches written and answered (within 5 s).
+//! - *Memory.* Only live mailboxes are kept (a removed one is forgotten, its number never given
+//!   again), as on a single node.
 //! - *Errors.* A part that ends (its node went down, its shard lost its quorum, a refusal) ends
 //!   the whole stream with its error: acks not confirmed are delivered again on the next
 //!   subscription, as on any stream that ends.
@@ -67,10 +72,14 @@ enum Target {
 struct Part {
     target: Target,
     requests: mpsc::Sender<SubscribeManyRequest>,
-    /// The client's number of each of the part's mailboxes, by the part's number.
-    numbers: Vec<u32>,
+    /// The client's number of each of the part's live mailboxes, by the part's number.
+    numbers: HashMap<u32, u32, foldhash::fast::RandomState>,
+    /// The number the part gives its next mailbox.
+    next_number: u32,
     /// Mailbox numbers below this one the part registered.
     added: u64,
+    /// Its request queue closed (it ended): its answers say why.
+    closed: bool,
     /// The last ack batch sequence sent to the part, and the last one it confirmed.
     acks_sent: u64,
     acks_confirmed: u64,
@@ -80,20 +89,17 @@ struct Part {
     owed: Credit,
 }
 
-/// One of the client's mailboxes.
+/// One of the client's live mailboxes.
 #[derive(Debug)]
 struct Slot {
-    /// The queue, while the mailbox is live.
-    queue: Option<Box<[u8]>>,
+    queue: Box<[u8]>,
     part: usize,
     /// Its number in its part.
     number: u32,
-    /// Deliveries waiting here for the client's credit.
-    buffered: u32,
-    /// The offset of the first waiting delivery when it began to wait.
-    first_buffered: u64,
     /// The offset after the last one handed on to the client.
     handed_on: Option<u64>,
+    /// The offset of the first delivery its part sent here.
+    first_received: Option<u64>,
 }
 
 /// An answer due to the client once each part named has confirmed up to its mark.
@@ -109,6 +115,7 @@ enum Event {
     Answer(usize, Result<Option<SubscribeManyResponse>, WireError>),
     Message(Option<SubscribeManyRequest>),
     Room(usize, mpsc::OwnedPermit<SubscribeManyRequest>),
+    Closed(usize),
     EndingWaitOver,
 }
 
@@ -123,19 +130,25 @@ pub struct SpreadSession {
     parts: Vec<Part>,
     answers: mpsc::Receiver<(usize, Result<Option<SubscribeManyResponse>, WireError>)>,
     answering: mpsc::Sender<(usize, Result<Option<SubscribeManyResponse>, WireError>)>,
-    /// The client's mailboxes, by number.
-    slots: Vec<Slot>,
+    /// The client's live mailboxes, by number.
+    slots: HashMap<u32, Slot, foldhash::fast::RandomState>,
+    /// The number the next added queue gets.
+    next_number: u32,
+    /// Mailbox numbers below this one were answered as added.
+    added_answered: u32,
     /// The live mailboxes' queues and numbers.
     names: HashMap<Box<[u8]>, u32, foldhash::fast::RandomState>,
     credit: StreamCredit,
     /// Deliveries (numbered as the client knows them) waiting for the client's credit, with
     /// their parts.
     waiting: VecDeque<(usize, MailboxDelivery)>,
+    /// Deliveries of mailboxes whose add is not answered yet, in order.
+    early: VecDeque<(usize, MailboxDelivery)>,
     adds: VecDeque<Due<u32>>,
     acks: VecDeque<Due<Option<u64>>>,
-    /// The error a refused ack ends the stream with, once the acks before it are confirmed
-    /// (or [`ENDING_WAIT_MAX`] passed).
-    ending: Option<(WireError, tokio::time::Instant)>,
+    /// How the stream ends once the ack batches sent are confirmed (or [`ENDING_WAIT_MAX`]
+    /// passed): with a refused ack's error, or cleanly (the client ended its side).
+    ending: Option<(Option<WireError>, tokio::time::Instant)>,
     /// Parts opened on other nodes (`levee_queue_mailbox_parts_elsewhere_total`).
     parts_elsewhere: Counter,
 }
@@ -160,9 +173,12 @@ impl SpreadSession {
             parts: Vec::new(),
             answers,
             answering,
-            slots: Vec::new(),
+            slots: HashMap::default(),
+            next_number: 0,
+            added_answered: 0,
             names: HashMap::default(),
             waiting: VecDeque::new(),
+            early: VecDeque::new(),
             adds: VecDeque::new(),
             acks: VecDeque::new(),
             ending: None,
@@ -183,10 +199,11 @@ impl SpreadSession {
         loop {
             self.give_credit_back();
             self.answer_due().await;
-            if let Some((error, _)) = &self.ending
-                && self.acks.is_empty()
-            {
-                return Err(error.clone());
+            if self.ending.is_some() && self.acks.is_empty() {
+                return match self.ending.take() {
+                    Some((Some(error), _)) => Err(error),
+                    _ => Ok(()),
+                };
             }
             if !self.hand_on().await {
                 return Ok(());
@@ -194,15 +211,18 @@ impl SpreadSession {
             let blocked = self
                 .parts
                 .iter()
-                .position(|part| !part.outbox.is_empty())
+                .position(|part| !part.closed && !part.outbox.is_empty())
                 .map(|index| (index, self.parts[index].requests.clone()));
             let reading = blocked.is_none()
                 && self.ending.is_none()
                 && self.acks.len() < ACK_BATCHES_WAITING_MAX;
             let ending_at = self.ending.as_ref().map(|(_, at)| *at);
+            // Client messages first (as a single node does), so acks and credits are not
+            // starved by a long run of deliveries.
             let event = tokio::select! {
                 biased;
                 _ = closing.wait_for(|closing| *closing) => Event::Closing,
+                message = self.incoming.message(), if reading => Event::Message(message?),
                 answer = self.answers.recv() => match answer {
                     Some((part, answer)) => Event::Answer(part, answer),
                     None => Event::Closing,
@@ -214,9 +234,8 @@ impl SpreadSession {
                     }
                 }, if blocked.is_some() => match permit {
                     (index, Ok(permit)) => Event::Room(index, permit),
-                    (index, Err(_)) => Event::Answer(index, Ok(None)),
+                    (index, Err(_)) => Event::Closed(index),
                 },
-                message = self.incoming.message(), if reading => Event::Message(message?),
                 () = async {
                     match ending_at {
                         Some(at) => tokio::time::sleep_until(at).await,
@@ -238,12 +257,22 @@ impl SpreadSession {
                         permit.send(request);
                     }
                 }
+                Event::Closed(part) => {
+                    // It ended: its last answer (its error, or its end) says why.
+                    let mine = &mut self.parts[part];
+                    mine.closed = true;
+                    mine.outbox.clear();
+                }
                 Event::Message(Some(message)) => self.handle(message).await?,
-                Event::Message(None) => return Ok(()),
+                Event::Message(None) => {
+                    // The ack batches sent are written and answered before the stream ends.
+                    self.ending = Some((None, tokio::time::Instant::now() + ENDING_WAIT_MAX));
+                }
                 Event::EndingWaitOver => {
-                    if let Some((error, _)) = self.ending.take() {
-                        return Err(error);
-                    }
+                    return match self.ending.take() {
+                        Some((Some(error), _)) => Err(error),
+                        _ => Ok(()),
+                    };
                 }
             }
         }
@@ -270,7 +299,7 @@ impl SpreadSession {
     /// registered their share.
     async fn add(&mut self, AddMailboxes { queues }: AddMailboxes) -> Result<(), WireError> {
         let live = u32::try_from(self.names.len()).unwrap_or(u32::MAX);
-        let first = u32::try_from(self.slots.len()).unwrap_or(u32::MAX);
+        let first = self.next_number;
         let count = check_add(&queues, live, first)?;
         let mut seen: HashMap<&[u8], usize, foldhash::fast::RandomState> = HashMap::default();
         for (index, queue) in queues.iter().enumerate() {
@@ -294,25 +323,30 @@ impl SpreadSession {
                 shares.resize(part + 1, Vec::new());
             }
             let mine = &mut self.parts[part];
-            self.slots.push(Slot {
-                queue: Some(queue.clone().into_boxed_slice()),
-                part,
-                number: u32::try_from(mine.numbers.len()).unwrap_or(u32::MAX),
-                buffered: 0,
-                first_buffered: 0,
-                handed_on: None,
-            });
-            mine.numbers.push(number);
+            let part_number = mine.next_number;
+            mine.next_number += 1;
+            self.slots.insert(
+                number,
+                Slot {
+                    queue: queue.clone().into_boxed_slice(),
+                    part,
+                    number: part_number,
+                    handed_on: None,
+                    first_received: None,
+                },
+            );
+            mine.numbers.insert(part_number, number);
             self.names.insert(queue.clone().into_boxed_slice(), number);
             shares[part].push(queue);
         }
+        self.next_number = first + count;
         let mut needs = Vec::new();
         for (part, queues) in shares.into_iter().enumerate() {
             if queues.is_empty() {
                 continue;
             }
             let mine = &mut self.parts[part];
-            needs.push((part, mine.numbers.len() as u64));
+            needs.push((part, u64::from(mine.next_number)));
             mine.outbox.push_back(SubscribeManyRequest {
                 kind: Some(Kind::Add(AddMailboxes { queues })),
             });
@@ -385,8 +419,10 @@ impl SpreadSession {
         self.parts.push(Part {
             target,
             requests,
-            numbers: Vec::new(),
+            numbers: HashMap::default(),
+            next_number: 0,
             added: 0,
+            closed: false,
             acks_sent: 0,
             acks_confirmed: 0,
             outbox: VecDeque::new(),
@@ -406,13 +442,11 @@ impl SpreadSession {
         }
         let mut shares: Vec<Vec<u32>> = vec![Vec::new(); self.parts.len()];
         for number in numbers {
-            let Some(slot) = self.slots.get_mut(*number as usize) else {
+            let Some(slot) = self.slots.remove(number) else {
                 continue;
             };
-            let Some(queue) = slot.queue.take() else {
-                continue;
-            };
-            self.names.remove(&queue);
+            self.names.remove(&slot.queue);
+            self.parts[slot.part].numbers.remove(&slot.number);
             shares[slot.part].push(slot.number);
         }
         for (part, mailboxes) in shares.into_iter().enumerate() {
@@ -438,29 +472,30 @@ impl SpreadSession {
         let mut shares: Vec<Vec<MailboxAck>> = vec![Vec::new(); self.parts.len()];
         let mut refused = None;
         for ack in acks {
-            let Some(slot) = self.slots.get(ack.mailbox as usize) else {
+            let Some(slot) = self.slots.get(&ack.mailbox) else {
+                if ack.mailbox < self.next_number {
+                    // Removed since: its ack no longer matters to this stream.
+                    continue;
+                }
                 refused = Some(invalid(format!(
                     "ack of mailbox {} which was never added (mailboxes 0 to {} exist)",
                     ack.mailbox,
-                    i64::try_from(self.slots.len()).unwrap_or(i64::MAX) - 1
+                    i64::from(self.next_number) - 1
                 )));
                 break;
             };
-            if slot.queue.is_none() {
-                continue;
-            }
-            // Past what was handed on, while later deliveries wait here (the part would take
-            // it: it delivered them). Otherwise the part checks it against its own.
-            if slot.buffered > 0 {
-                let next = slot.handed_on.unwrap_or(slot.first_buffered);
-                if ack.offset >= next {
-                    refused = Some(super::ack_past_delivered(
-                        &format!("mailbox {}", ack.mailbox),
-                        ack.offset,
-                        next,
-                    ));
-                    break;
-                }
+            // Past what was handed on to the client (or, before that, at or past the first
+            // message its part sent here): refused, as a single node does. With nothing from
+            // the part yet, the part judges it against what it delivered.
+            if let Some(next) = slot.handed_on.or(slot.first_received)
+                && ack.offset >= next
+            {
+                refused = Some(super::ack_past_delivered(
+                    &format!("mailbox {}", ack.mailbox),
+                    ack.offset,
+                    next,
+                ));
+                break;
             }
             shares[slot.part].push(MailboxAck {
                 mailbox: slot.number,
@@ -487,7 +522,7 @@ impl SpreadSession {
             needs,
         });
         if let Some(error) = refused {
-            self.ending = Some((error, tokio::time::Instant::now() + ENDING_WAIT_MAX));
+            self.ending = Some((Some(error), tokio::time::Instant::now() + ENDING_WAIT_MAX));
         }
         Ok(())
     }
@@ -524,31 +559,20 @@ impl SpreadSession {
             ));
         };
         for mut delivery in response.deliveries {
-            let Some(number) = self.parts[part]
-                .numbers
-                .get(delivery.mailbox as usize)
-                .copied()
-            else {
-                return Err(WireError::new(
-                    ErrorCode::Internal,
-                    format!(
-                        "a part of this stream delivered mailbox {} it was never given; \
-                         subscribe again",
-                        delivery.mailbox
-                    ),
-                ));
-            };
-            let slot = &mut self.slots[number as usize];
-            if slot.queue.is_none() {
+            let Some(number) = self.parts[part].numbers.get(&delivery.mailbox).copied() else {
+                // Removed since (or never given: a part's mistake, dropped likewise).
                 give_back(&mut self.parts[part].owed, &delivery);
                 continue;
-            }
-            if slot.buffered == 0 {
-                slot.first_buffered = delivery.offset;
-            }
-            slot.buffered += 1;
+            };
             delivery.mailbox = number;
-            self.waiting.push_back((part, delivery));
+            if let Some(slot) = self.slots.get_mut(&number) {
+                slot.first_received.get_or_insert(delivery.offset);
+            }
+            if number < self.added_answered {
+                self.waiting.push_back((part, delivery));
+            } else {
+                self.early.push_back((part, delivery));
+            }
         }
         let mine = &mut self.parts[part];
         mine.added = mine.added.max(u64::from(response.mailboxes_added));
@@ -565,6 +589,14 @@ impl SpreadSession {
                 ..SubscribeManyResponse::default()
             };
             let _ = self.outgoing.send(answer).await;
+            // Their deliveries go after the answer, in the order they came.
+            self.added_answered = *added;
+            let (answered, still_early): (VecDeque<_>, VecDeque<_>) =
+                std::mem::take(&mut self.early)
+                    .into_iter()
+                    .partition(|(_, delivery)| delivery.mailbox < self.added_answered);
+            self.waiting.extend(answered);
+            self.early = still_early;
         }
         let acked = pop_due(&mut self.acks, &self.parts, |part| part.acks_confirmed);
         // A refused batch is not answered: the stream ends with its error.
@@ -591,11 +623,10 @@ impl SpreadSession {
                     break;
                 };
                 give_back(&mut self.parts[part].owed, &delivery);
-                let slot = &mut self.slots[delivery.mailbox as usize];
-                slot.buffered -= 1;
-                if slot.queue.is_none() {
+                let Some(slot) = self.slots.get_mut(&delivery.mailbox) else {
+                    // Removed since.
                     continue;
-                }
+                };
                 slot.handed_on = Some(delivery.offset + 1);
                 let len = delivery.payload.len();
                 self.credit.spend(1, len);
@@ -617,10 +648,10 @@ impl SpreadSession {
     }
 
     /// Gives each part the credit of its deliveries handed on since the last time, behind
-    /// the requests it has waiting (when there is room: else at the next turn).
+    /// the requests it has waiting (once there is room).
     fn give_credit_back(&mut self) {
         for part in &mut self.parts {
-            if part.owed.messages > 0 && part.outbox.is_empty() {
+            if part.owed.messages > 0 && part.outbox.is_empty() && !part.closed {
                 let credit = std::mem::take(&mut part.owed);
                 let request = SubscribeManyRequest {
                     kind: Some(Kind::Credit(credit)),
@@ -628,10 +659,8 @@ impl SpreadSession {
                 if let Err(mpsc::error::TrySendError::Full(request)) =
                     part.requests.try_send(request)
                 {
-                    let Some(Kind::Credit(credit)) = request.kind else {
-                        continue;
-                    };
-                    part.owed = credit;
+                    // Sent once there is room (the session waits for it).
+                    part.outbox.push_back(request);
                 }
             }
         }
