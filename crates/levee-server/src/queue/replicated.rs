@@ -54,6 +54,43 @@ pub struct Replication {
 /// A node and a channel to its client port.
 pub type NodeChannel = (NodeId, tonic::transport::Channel);
 
+/// A node asked for the queues of some shards in a listing, a channel to it, and the shards.
+pub type ListingPart = (NodeId, tonic::transport::Channel, Vec<ShardId>);
+
+/// Request metadata of a `ListQueues` forwarded by a node that holds some shards only: the
+/// shards (comma-separated numbers) the node asked must hold, else it answers UNAVAILABLE
+/// (the shards are moving) rather than a page that lacks their queues.
+pub const LIST_SHARDS_HEADER: &str = "levee-list-shards";
+
+/// Refuses a forwarded listing whose `asked` shards (the [`LIST_SHARDS_HEADER`]) this node
+/// does not all hold.
+pub fn check_listing_shards(
+    groups: &ShardGroups,
+    metadata: &tonic::metadata::MetadataMap,
+) -> Result<(), WireError> {
+    let Some(asked) = metadata
+        .get(LIST_SHARDS_HEADER)
+        .and_then(|value| value.to_str().ok())
+    else {
+        return Ok(());
+    };
+    for shard in asked
+        .split(',')
+        .filter_map(|shard| shard.parse::<ShardId>().ok())
+    {
+        if !groups.replicates(shard) {
+            return Err(WireError::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "node asked to list the queues of shard {shard} holds no replica of it yet \
+                     (its replicas are moving); list again in a moment"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Request metadata marking a read forwarded by a node without a replica: it is never
 /// forwarded again.
 pub const FORWARDED_HEADER: &str = "levee-forwarded";
@@ -727,7 +764,7 @@ impl Replication {
     pub fn listing(
         &self,
         forwarded: bool,
-    ) -> Result<Option<(ShardGroups, Vec<NodeChannel>)>, WireError> {
+    ) -> Result<Option<(ShardGroups, Vec<ListingPart>)>, WireError> {
         let Some(groups) = self.groups() else {
             return Ok(None);
         };
@@ -738,7 +775,7 @@ impl Replication {
         if missing.is_empty() {
             return Ok(None);
         }
-        let mut elsewhere: Vec<NodeChannel> = Vec::new();
+        let mut elsewhere: Vec<ListingPart> = Vec::new();
         if !forwarded {
             for shard in missing {
                 let Some((node, channel)) = self.channel_to_replica(shard)? else {
@@ -751,8 +788,9 @@ impl Replication {
                         ),
                     ));
                 };
-                if !elsewhere.iter().any(|(known, _)| *known == node) {
-                    elsewhere.push((node, channel));
+                match elsewhere.iter_mut().find(|(known, ..)| *known == node) {
+                    Some((_, _, shards)) => shards.push(shard),
+                    None => elsewhere.push((node, channel, vec![shard])),
                 }
             }
         }

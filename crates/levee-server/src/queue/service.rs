@@ -541,6 +541,9 @@ impl Queues for QueueService {
         request: Request<ListQueuesRequest>,
     ) -> Result<Response<ListQueuesResponse>, Status> {
         let forwarded_here = was_forwarded(request.metadata());
+        if forwarded_here && let Some(groups) = self.shard_groups() {
+            crate::queue::replicated::check_listing_shards(groups?, request.metadata())?;
+        }
         let request = request.into_inner();
         let limit = match request.limit {
             0 => LIST_LIMIT_DEFAULT,
@@ -582,15 +585,22 @@ impl Queues for QueueService {
                     groups.shards(),
                 ))
             });
-            for (node, channel) in elsewhere {
+            for (node, channel, shards) in elsewhere {
                 let asked = ListQueuesRequest {
                     after: start.clone(),
                     limit,
                     prefix: prefix.clone(),
                     page_token: Vec::new(),
                 };
+                let mut asked = forwarded(asked);
+                let shards: Vec<String> = shards.iter().map(ToString::to_string).collect();
+                if let Ok(value) = shards.join(",").parse() {
+                    asked
+                        .metadata_mut()
+                        .insert(crate::queue::replicated::LIST_SHARDS_HEADER, value);
+                }
                 let answer = QueuesClient::new(channel)
-                    .list_queues(forwarded(asked))
+                    .list_queues(asked)
                     .await
                     .map_err(|status| forward_failed(node, status))?
                     .into_inner();
