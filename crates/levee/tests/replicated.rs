@@ -585,6 +585,26 @@ fn given_a_replicated_cluster_when_a_consumer_moves_to_another_node_then_it_resu
 
 /// Waits until every shard is led and held by the replicas `levee_proto::shards::replicas`
 /// names over `ids`, no change under way, as each of those replicas among `nodes` sees it.
+/// A producer through `client` that resends failed batches (up to 100 times) and stores
+/// nothing twice: it rides out leader moves.
+fn idempotent_producer(
+    runtime: &tokio::runtime::Runtime,
+    client: &Client,
+) -> levee_client::Producer {
+    runtime
+        .block_on(async {
+            levee_client::Producer::new(
+                client.clone(),
+                levee_client::ProducerOptions {
+                    idempotent: true,
+                    retries_max: 100,
+                    ..levee_client::ProducerOptions::default()
+                },
+            )
+        })
+        .unwrap()
+}
+
 fn wait_replicas(nodes: &[(u64, &LeveeProcess)], ids: &[u64]) {
     let deadline = Instant::now() + CONVERGE_TIMEOUT;
     loop {
@@ -637,18 +657,7 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
     let client = runtime.block_on(Client::connect(&first.grpc())).unwrap();
 
     // An idempotent producer appends through node 1 the whole time.
-    let producer = runtime
-        .block_on(async {
-            levee_client::Producer::new(
-                client.clone(),
-                levee_client::ProducerOptions {
-                    idempotent: true,
-                    retries_max: 100,
-                    ..levee_client::ProducerOptions::default()
-                },
-            )
-        })
-        .unwrap();
+    let producer = idempotent_producer(&runtime, &client);
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let appending = runtime.spawn(async move {
         let mut acknowledged: BTreeMap<Vec<u8>, BTreeMap<u64, Vec<u8>>> = BTreeMap::new();
@@ -918,18 +927,7 @@ fn given_three_replicated_nodes_when_two_are_removed_one_after_the_other_then_th
     wait_settled(&[&first, &second, &third]);
     let client = runtime.block_on(Client::connect(&first.grpc())).unwrap();
     // Leads move as nodes leave: an idempotent producer rides that out, storing nothing twice.
-    let producer = runtime
-        .block_on(async {
-            levee_client::Producer::new(
-                client.clone(),
-                levee_client::ProducerOptions {
-                    idempotent: true,
-                    retries_max: 100,
-                    ..levee_client::ProducerOptions::default()
-                },
-            )
-        })
-        .unwrap();
+    let producer = idempotent_producer(&runtime, &client);
     let queues: Vec<Vec<u8>> = (0..8)
         .map(|n| format!("shrinking-{n}").into_bytes())
         .collect();
