@@ -762,7 +762,9 @@ async fn open_metadata(
             tonic::transport::Server::builder()
                 .add_service(PeerService::server(manager.clone(), shard_slot.clone()))
                 .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    // No Nagle delay on peer answers: a small AppendEntries answer held back
+                    // for the peer's delayed ACK cost a shard write up to 40 ms.
+                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
                     async move {
                         let _ = stopped_peers.wait_for(|stop| *stop).await;
                     },

@@ -843,7 +843,8 @@ impl ShardGroups {
                         .map(|_| ())
                         .map_err(|error| {
                             unavailable(format!(
-                                "this node did not apply the shard's log up to its read index                                  {index:?} within {} ms ({error}); retry",
+                                "this node did not apply the shard's log up to its read index \
+                                 {index:?} within {} ms ({error}); retry",
                                 WRITE_WAIT_MAX.as_millis()
                             ))
                         });
@@ -931,7 +932,9 @@ impl ShardGroups {
             Err(RaftError::Fatal(openraft::error::Fatal::Stopped)) => {
                 Err(ShardWriteError::Unavailable {
                     shard,
-                    reason: "the shard's instance on this node stopped while the write waited                              (the node is stopping or was removed); another node may still                              apply it"
+                    reason: "the shard's instance on this node stopped while the write waited \
+                             (the node is stopping or was removed); another node may still \
+                             apply it"
                         .to_owned(),
                     maybe_stored: true,
                 })

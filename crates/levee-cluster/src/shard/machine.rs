@@ -786,7 +786,9 @@ impl ShardStateMachine {
             .find(|((_, _, planned), stored)| planned != *stored)
         {
             return Err(io_error(&std::io::Error::other(format!(
-                "queue '{}': the store gave offset {stored} where the shard's log planned                  {planned}; this replica's queues differ from the log (was the queue written                  outside the shard?)",
+                "queue '{}': the store gave offset {stored} where the shard's log planned \
+                 {planned}; this replica's queues differ from the log (was the queue written \
+                 outside the shard?)",
                 String::from_utf8_lossy(queue)
             ))));
         }
