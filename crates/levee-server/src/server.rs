@@ -553,8 +553,31 @@ struct MetadataGroup {
 /// Longest a removed node keeps its shard replicas running after its removal, until the
 /// shards' leaders moved them off it.
 const DRAIN_SHARDS_MAX: Duration = Duration::from_secs(10);
+/// How long a removed node goes on moving shards that no node staying in the cluster holds
+/// yet (every other replica was removed too) before it stops anyway.
+const DRAIN_ALONE_MAX: Duration = Duration::from_secs(300);
 
 impl MetadataGroup {
+    /// The voters that stay in the cluster, as this removed node's view of the metadata group
+    /// has them: the new voters of the change that removed it (or the voters, once it holds
+    /// the change's end), this node left out.
+    fn remaining_voters(
+        &self,
+    ) -> std::collections::BTreeMap<levee_cluster::NodeId, levee_cluster::NodeInfo> {
+        let metrics = self.raft.metrics().borrow().clone();
+        let membership = metrics.membership_config.membership();
+        let voters: std::collections::BTreeSet<levee_cluster::NodeId> = membership
+            .get_joint_config()
+            .last()
+            .cloned()
+            .unwrap_or_default();
+        voters
+            .into_iter()
+            .filter(|id| *id != metrics.id)
+            .filter_map(|id| membership.get_node(&id).map(|node| (id, node.clone())))
+            .collect()
+    }
+
     /// On a node removed from the cluster: keeps its shard replicas running until no shard
     /// counts it as a replica any more (it hands over the shards it leads, the shards' other
     /// leaders move them off it, and a shard whose replicas are this node and one other needs
@@ -576,10 +599,31 @@ impl MetadataGroup {
             shards = held(groups),
             "removed from the cluster: waiting for the shards' replicas here to move to the others"
         );
-        while held(groups) > 0 && started.elapsed() < DRAIN_SHARDS_MAX {
-            // The shards it leads it hands over itself: its view of the cluster no longer lets
-            // it place them. The others' leaders move them off it.
-            let handed = tokio::time::timeout(DRAIN_SHARDS_MAX, groups.step_out()).await;
+        let remaining = self.remaining_voters();
+        let ids: std::collections::BTreeSet<levee_cluster::NodeId> =
+            remaining.keys().copied().collect();
+        let mut told = started;
+        loop {
+            let alone = groups.held_alone(&ids);
+            let waited = started.elapsed();
+            if held(groups) == 0
+                || (waited >= DRAIN_SHARDS_MAX && (alone.is_empty() || waited >= DRAIN_ALONE_MAX))
+            {
+                break;
+            }
+            if !alone.is_empty() && told.elapsed() >= DRAIN_SHARDS_MAX {
+                told = tokio::time::Instant::now();
+                tracing::warn!(
+                    ?alone,
+                    waited_s = waited.as_secs(),
+                    "removed from the cluster, but no node that stays holds these shards yet: \
+                     still moving them there before stopping"
+                );
+            }
+            // The shards it leads it hands over itself (first moving those no node that stays
+            // holds onto the nodes that stay): the cluster's placement no longer runs here.
+            // The others' leaders move the rest off it.
+            let handed = tokio::time::timeout(DRAIN_SHARDS_MAX, groups.step_out(&remaining)).await;
             if matches!(handed, Ok(0)) {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }

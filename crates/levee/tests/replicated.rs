@@ -969,6 +969,102 @@ fn given_three_replicated_nodes_when_two_are_removed_one_after_the_other_then_th
     }
 }
 
+#[test]
+fn given_four_voters_when_a_shards_three_replicas_are_removed_back_to_back_then_the_fourth_takes_the_shard_with_its_messages()
+ {
+    let directory = tempfile::tempdir().unwrap();
+    let runtime = runtime();
+    let [first, second, third] = three_nodes(directory.path());
+    let (mut first, mut second, mut third) = (first.unwrap(), second.unwrap(), third.unwrap());
+    wait_settled(&[&first, &second, &third]);
+    let seed = first.peer_addr.unwrap().to_string();
+    let fourth =
+        support::start_replicated(directory.path(), "4", ("127.0.0.1:0", Some(&seed)), SHARDS);
+    let client = runtime.block_on(Client::connect(&fourth.grpc())).unwrap();
+    runtime
+        .block_on(support::make_voter(&client, 4, &fourth))
+        .unwrap();
+    support::wait_placed_over(
+        &[(1, &first), (2, &second), (3, &third), (4, &fourth)],
+        &[1, 2, 3, 4],
+        SHARDS,
+    );
+    assert!(
+        (0..SHARDS).any(|shard| !levee_proto::shards::replicas(shard, &[1, 2, 3, 4]).contains(&4)),
+        "the test needs a shard whose replicas are nodes 1 to 3"
+    );
+    let queues: Vec<Vec<u8>> = (0..SHARDS)
+        .map(|shard| {
+            (0..10_000)
+                .map(|n| format!("leaving-{n}").into_bytes())
+                .find(|queue| levee_proto::shards::shard_of_bytes(queue, SHARDS) == shard)
+                .unwrap()
+        })
+        .collect();
+    let producer = idempotent_producer(&runtime, &client);
+    let append_all = |round: &str| {
+        for queue in &queues {
+            runtime
+                .block_on(producer.send(queue, round.as_bytes()))
+                .unwrap_or_else(|error| panic!("an append {round}: {error}"));
+        }
+    };
+    append_all("before");
+    // Some megabytes in each shard, so that a new replica takes a while to catch up.
+    let filler = vec![b'f'; 4_096];
+    for queue in &queues {
+        let filled: Vec<(&[u8], &[u8])> = (0..250).map(|_| (&queue[..], &filler[..])).collect();
+        for _ in 0..4 {
+            runtime.block_on(client.append_batch(&filled)).unwrap();
+        }
+    }
+
+    // Nodes 1 to 3 removed at once, each retried while another change is under way, faster
+    // than the placement moves anything: the shards on them alone must reach node 4 before
+    // the last of them stops.
+    let remove = |node_id: u64| {
+        let client = client.clone();
+        async move {
+            let deadline = Instant::now() + CONVERGE_TIMEOUT;
+            loop {
+                match client.remove_node(node_id).await {
+                    Ok(()) => return,
+                    // The metadata group's lead moves as its leader leaves, and it makes one
+                    // change at a time.
+                    Err(error)
+                        if matches!(
+                            error.code(),
+                            Some(ErrorCode::Unavailable | ErrorCode::FailedPrecondition)
+                        ) && Instant::now() < deadline =>
+                    {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    Err(error) => panic!("removing node {node_id}: {error}"),
+                }
+            }
+        }
+    };
+    runtime.block_on(async { tokio::join!(remove(1), remove(2), remove(3)) });
+    for node in [&mut first, &mut second, &mut third] {
+        assert!(!node.wait_exit(CONVERGE_TIMEOUT).success());
+    }
+    wait_replicas(&[(4, &fourth)], &[4]);
+    append_all("after");
+    for queue in &queues {
+        let read = runtime.block_on(read_all(&client, queue));
+        assert_eq!(
+            read,
+            [&b"before"[..]]
+                .into_iter()
+                .chain(std::iter::repeat_n(&filler[..], 1_000))
+                .chain([&b"after"[..]])
+                .collect::<Vec<_>>(),
+            "{}",
+            String::from_utf8_lossy(queue)
+        );
+    }
+}
+
 /// Consumer `consumer` reads `queues` (each `expected` to hold at least `from + 5` messages)
 /// over one many-queue stream through `through`, with a credit smaller than the queues hold:
 /// each mailbox's messages arrive from offset `from` (its consumer's last ack) in order, under

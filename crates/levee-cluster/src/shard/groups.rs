@@ -1212,39 +1212,61 @@ impl ShardGroups {
                 }
                 continue;
             }
-            let grown: BTreeSet<NodeId> = current.union(&missing).copied().collect();
-            let mut ready = true;
-            for node in &missing {
-                if membership.get_node(node).is_some() {
-                    continue;
-                }
-                let Some(info) = voters.get(node) else {
-                    continue;
-                };
-                let added =
-                    tokio::time::timeout(CATCH_UP_MAX, raft.add_learner(*node, info.clone(), true))
-                        .await;
-                if !matches!(added, Ok(Ok(_))) {
-                    tracing::debug!(shard, node, "a new replica did not catch up yet; retrying");
-                    ready = false;
-                }
-            }
-            if ready && self.change_voters(shard, raft, grown, false).await {
+            if self
+                .grow(shard, raft, (&membership, &missing), voters)
+                .await
+            {
                 changed += 1;
             }
         }
         changed
     }
 
+    /// Adds the `missing` replicas of `shard` (which this node leads, its membership
+    /// `membership`) as learners fed the log, then, once every one caught up, makes them voters
+    /// beside the current ones; whether the voters changed.
+    async fn grow(
+        &self,
+        shard: ShardId,
+        raft: &ShardRaft,
+        (membership, missing): (&openraft::Membership<NodeId, NodeInfo>, &BTreeSet<NodeId>),
+        voters: &BTreeMap<NodeId, NodeInfo>,
+    ) -> bool {
+        let grown: BTreeSet<NodeId> = membership
+            .voter_ids()
+            .chain(missing.iter().copied())
+            .collect();
+        let mut ready = true;
+        for node in missing {
+            if membership.get_node(node).is_some() {
+                continue;
+            }
+            let Some(info) = voters.get(node) else {
+                continue;
+            };
+            let added =
+                tokio::time::timeout(CATCH_UP_MAX, raft.add_learner(*node, info.clone(), true))
+                    .await;
+            if !matches!(added, Ok(Ok(_))) {
+                tracing::debug!(shard, node, "a new replica did not catch up yet; retrying");
+                ready = false;
+            }
+        }
+        ready && self.change_voters(shard, raft, grown, false).await
+    }
+
     /// On a node removed from the cluster: hands over the shards it leads, each to its other
-    /// voters (this node kept as a learner, which their next leader removes), since its own
-    /// view of the cluster no longer lets it place them (a shard whose voters are this node
-    /// and one other would otherwise be left without a quorum when it stops). Returns how
-    /// many shards it handed over.
-    pub async fn step_out(&self) -> usize {
+    /// voters (this node kept as a learner, which their next leader removes), since the
+    /// cluster's own placement no longer runs here (a shard whose voters are this node and one
+    /// other would otherwise be left without a quorum when it stops). A shard none of whose
+    /// other voters is among the cluster's `remaining` voters (they were all removed too) is
+    /// first grown onto the replicas the placement names among `remaining`, so that it is
+    /// handed to them at a later call. Returns how many shards changed.
+    pub async fn step_out(&self, remaining: &BTreeMap<NodeId, NodeInfo>) -> usize {
         self.leaving
             .store(true, std::sync::atomic::Ordering::Release);
-        let mut handed = 0;
+        let ids: Vec<NodeId> = remaining.keys().copied().collect();
+        let mut changed = 0;
         for (shard, raft) in self.rafts.iter().enumerate() {
             let metrics = raft.metrics().borrow().clone();
             if metrics.state != ServerState::Leader {
@@ -1252,17 +1274,65 @@ impl ShardGroups {
             }
             let shard = u32::try_from(shard).unwrap_or(u32::MAX);
             let membership = metrics.membership_config.membership().clone();
-            let goal = Self::unfinished_change(&membership)
+            let unfinished = Self::unfinished_change(&membership);
+            let goal = unfinished
+                .clone()
                 .unwrap_or_else(|| membership.voter_ids().collect());
             let others: BTreeSet<NodeId> = goal
-                .into_iter()
+                .iter()
+                .copied()
                 .filter(|node| *node != self.node_id)
                 .collect();
+            if !ids.is_empty() && !others.iter().any(|node| remaining.contains_key(node)) {
+                if unfinished.is_some() {
+                    // The change under way ended first (its joint membership), then the growth.
+                    if self.change_voters(shard, raft, goal, true).await {
+                        changed += 1;
+                    }
+                    continue;
+                }
+                let missing: BTreeSet<NodeId> = levee_proto::shards::replicas(shard, &ids)
+                    .into_iter()
+                    .filter(|node| !membership.voter_ids().any(|voter| voter == *node))
+                    .collect();
+                tracing::info!(
+                    shard,
+                    ?missing,
+                    "every other replica of this shard left the cluster too: moving it to the \
+                     nodes that stay before handing it over"
+                );
+                if self
+                    .grow(shard, raft, (&membership, &missing), remaining)
+                    .await
+                {
+                    changed += 1;
+                }
+                continue;
+            }
             if !others.is_empty() && self.change_voters(shard, raft, others, true).await {
-                handed += 1;
+                changed += 1;
             }
         }
-        handed
+        changed
+    }
+
+    /// The shards this node holds a voting replica of whose voters include none of `remaining`
+    /// (nodes that stay in the cluster): stopping now would leave them without a replica
+    /// among the nodes that stay.
+    pub fn held_alone(&self, remaining: &BTreeSet<NodeId>) -> Vec<ShardId> {
+        (0..self.shards())
+            .filter(|shard| {
+                self.raft(*shard).is_some_and(|raft| {
+                    let metrics = raft.metrics();
+                    let metrics = metrics.borrow();
+                    let membership = metrics.membership_config.membership();
+                    membership.voter_ids().any(|voter| voter == self.node_id)
+                        && !membership
+                            .voter_ids()
+                            .any(|voter| remaining.contains(&voter))
+                })
+            })
+            .collect()
     }
 
     /// The voters a joint membership is changing to, when `membership` is one.
