@@ -1013,9 +1013,9 @@ fn given_four_voters_when_a_shards_three_replicas_are_removed_back_to_back_then_
     // Some megabytes in each shard, so that a new replica takes a while to catch up.
     let filler = vec![b'f'; 4_096];
     for queue in &queues {
-        let filled: Vec<(&[u8], &[u8])> = (0..250).map(|_| (&queue[..], &filler[..])).collect();
+        let batch: Vec<(&[u8], &[u8])> = (0..250).map(|_| (&queue[..], &filler[..])).collect();
         for _ in 0..4 {
-            runtime.block_on(client.append_batch(&filled)).unwrap();
+            runtime.block_on(client.append_batch(&batch)).unwrap();
         }
     }
 
