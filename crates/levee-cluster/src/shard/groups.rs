@@ -1317,8 +1317,11 @@ impl ShardGroups {
     }
 
     /// The shards this node holds a voting replica of whose voters include none of `remaining`
-    /// (nodes that stay in the cluster): stopping now would leave them without a replica
-    /// among the nodes that stay.
+    /// (nodes that stay in the cluster), in a group that has a leader: stopping now would
+    /// leave them without a replica among the nodes that stay, and their leader may need this
+    /// node's vote to move them. A replica with no leader in view (one the group dropped
+    /// before it learned so, which then only stands for elections it cannot win) is not
+    /// counted.
     pub fn held_alone(&self, remaining: &BTreeSet<NodeId>) -> Vec<ShardId> {
         (0..self.shards())
             .filter(|shard| {
@@ -1326,7 +1329,8 @@ impl ShardGroups {
                     let metrics = raft.metrics();
                     let metrics = metrics.borrow();
                     let membership = metrics.membership_config.membership();
-                    membership.voter_ids().any(|voter| voter == self.node_id)
+                    metrics.current_leader.is_some()
+                        && membership.voter_ids().any(|voter| voter == self.node_id)
                         && !membership
                             .voter_ids()
                             .any(|voter| remaining.contains(&voter))
