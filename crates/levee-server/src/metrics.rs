@@ -205,6 +205,8 @@ pub struct Metrics {
     pub shard_apply_wait_seconds: Histogram,
     /// Time a shard took to apply a run of committed entries (the wait included).
     pub shard_apply_seconds: Histogram,
+    /// Time a write proposed on this node (a shard's leader) took until committed and applied.
+    pub shard_commit_seconds: Histogram,
     /// Positions writes (a stream's ack batch, per shard) through the shards.
     pub shard_positions_writes: Counter,
     /// Shard entries this node merged its positions writes into.
@@ -542,6 +544,14 @@ impl Metrics {
                 registry_ref,
                 "levee_shard_apply_seconds",
                 "time a shard took to apply a run of committed entries, the wait included",
+                latency_histogram(),
+            ),
+            shard_commit_seconds: registered(
+                registry_ref,
+                "levee_shard_commit_seconds",
+                "time from a write proposed on this node as a shard's leader (its own or one \
+                 forwarded to it) until a majority of the shard's replicas held it and this node \
+                 applied it",
                 latency_histogram(),
             ),
             shard_positions_writes: registered(

@@ -524,6 +524,7 @@ fn queue_services(
             log_append: metrics.shard_log_append_seconds.clone(),
             apply_wait: metrics.shard_apply_wait_seconds.clone(),
             apply: metrics.shard_apply_seconds.clone(),
+            commit: metrics.shard_commit_seconds.clone(),
         }),
     );
     Ok((queue_service, topic_service, consume_context, apply_here))

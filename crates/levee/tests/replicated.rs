@@ -2230,7 +2230,8 @@ fn given_many_consumers_acking_at_once_through_one_node_then_their_acks_share_en
         writes >= CONSUMERS && (1..=writes).contains(&entries),
         "{writes} positions writes in {entries} entries"
     );
-    // The shards' rounds are timed: every entry was appended to the log and applied.
+    // The shards' rounds are timed: every entry was appended to the log and applied, and
+    // each leader's writes timed from proposal to commit.
     for series in [
         "levee_shard_log_append_seconds_count",
         "levee_shard_apply_wait_seconds_count",
@@ -2238,5 +2239,15 @@ fn given_many_consumers_acking_at_once_through_one_node_then_their_acks_share_en
     ] {
         assert!(support::metric_value(node, series) > 0, "{series}");
     }
+    let commits: u64 = nodes
+        .iter()
+        .flatten()
+        .map(|node| support::metric_value(node, "levee_shard_commit_seconds_count"))
+        .sum();
+    // The 40 appends, one write each, and the positions entries.
+    assert!(
+        commits >= 40 + entries,
+        "{commits} writes committed by leaders, for 40 appends and {entries} positions entries"
+    );
     drop(nodes.iter_mut().map(Option::take).collect::<Vec<_>>());
 }

@@ -904,6 +904,7 @@ impl ShardGroups {
         command: &ShardCommand,
         left: Duration,
     ) -> Result<Attempt, ShardWriteError> {
+        let started = Instant::now();
         let written = tokio::time::timeout(left, raft.client_write(command.clone()))
             .await
             .map_err(|_| ShardWriteError::Unavailable {
@@ -914,7 +915,10 @@ impl ShardGroups {
                 maybe_stored: true,
             })?;
         match written {
-            Ok(written) => Ok(Attempt::Done(written.data)),
+            Ok(written) => {
+                self.observer.committed(shard, started.elapsed());
+                Ok(Attempt::Done(written.data))
+            }
             // The lead moved while the entry waited: it may still be committed by the next
             // leader (openraft answers this both before and after appending the entry).
             Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => {
@@ -1030,7 +1034,7 @@ impl ShardGroups {
             }
             ShardCall::Forward => {
                 let command: ShardCommand = decode(&message.body)?;
-                json(&self.serve_forward(raft, command).await)
+                json(&self.serve_forward((shard, raft), command).await)
             }
             ShardCall::ReadIndex => json(&self.serve_read_index(raft).await),
             ShardCall::Probe => json(&()),
@@ -1056,12 +1060,13 @@ impl ShardGroups {
 
     async fn serve_forward(
         &self,
-        raft: &ShardRaft,
+        (shard, raft): (ShardId, &ShardRaft),
         command: ShardCommand,
     ) -> Result<ShardForwarded, ForwardRefusal> {
         if raft.metrics().borrow().current_leader != Some(self.node_id) {
             return Err(ForwardRefusal::NotLeader);
         }
+        let started = Instant::now();
         let written = tokio::time::timeout(WRITE_WAIT_MAX, raft.client_write(command))
             .await
             .map_err(|_| {
@@ -1072,6 +1077,7 @@ impl ShardGroups {
             })?;
         match written {
             Ok(written) => {
+                self.observer.committed(shard, started.elapsed());
                 // The sender answers once it applied the write too: tell the followers the
                 // commit now rather than at the next heartbeat (up to 50 ms later on a quiet
                 // shard).

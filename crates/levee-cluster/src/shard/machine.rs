@@ -140,6 +140,11 @@ pub trait ShardObserver: Send + Sync {
 
     /// An append to shard `shard`'s log took `took` from the call until fsynced.
     fn log_flushed(&self, _shard: ShardId, _took: std::time::Duration) {}
+
+    /// A write this node proposed as shard `shard`'s leader (its own, or one another node
+    /// forwarded to it) took `took` from the proposal until a majority held it and this node
+    /// applied it (the log appends, the followers' answers over the peer port and the apply).
+    fn committed(&self, _shard: ShardId, _took: std::time::Duration) {}
 }
 
 /// One queue's part of a batch: where it stood before, and how many messages the batch adds.

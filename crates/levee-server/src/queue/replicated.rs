@@ -552,6 +552,12 @@ impl ShardObserver for ApplyHere {
         }
     }
 
+    fn committed(&self, _shard: ShardId, took: Duration) {
+        if let Some(timings) = &self.timings {
+            timings.commit.observe(took.as_secs_f64());
+        }
+    }
+
     fn positions_written(&self, _shard: ShardId, writes: usize) {
         if let Some((counted, entries)) = &self.positions_written {
             counted.inc_by(writes as u64);
@@ -627,6 +633,8 @@ pub struct ShardTimings {
     pub apply_wait: prometheus_client::metrics::histogram::Histogram,
     /// A run of committed entries applied, the wait included.
     pub apply: prometheus_client::metrics::histogram::Histogram,
+    /// A write proposed on this node, a shard's leader, until committed and applied here.
+    pub commit: prometheus_client::metrics::histogram::Histogram,
 }
 
 /// A shard write's failure as the API says it.
