@@ -40,6 +40,18 @@ fn wait_settled(nodes: &[&LeveeProcess]) -> BTreeMap<u64, u64> {
     support::wait_settled(nodes, SHARDS)
 }
 
+/// A queue named `{prefix}-{n}` in each shard, in shard order.
+fn one_queue_per_shard(prefix: &str) -> Vec<Vec<u8>> {
+    (0..SHARDS)
+        .map(|shard| {
+            (0..10_000)
+                .map(|n| format!("{prefix}-{n}").into_bytes())
+                .find(|queue| levee_proto::shards::shard_of_bytes(queue, SHARDS) == shard)
+                .unwrap()
+        })
+        .collect()
+}
+
 /// Every message of `queue` on `node`, from offset 0 (the offsets must be dense).
 async fn read_all(client: &Client, queue: &[u8]) -> Vec<Vec<u8>> {
     let mut messages = Vec::new();
@@ -689,14 +701,7 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
 
     // More entries than a log keeps past a mark go to every shard, so every shard's log is
     // purged past its start.
-    let fillers: Vec<Vec<u8>> = (0..SHARDS)
-        .map(|shard| {
-            (0..10_000)
-                .map(|n| format!("filler-{n}").into_bytes())
-                .find(|queue| levee_proto::shards::shard_of_bytes(queue, SHARDS) == shard)
-                .unwrap()
-        })
-        .collect();
+    let fillers: Vec<Vec<u8>> = one_queue_per_shard("filler");
     let mut filled = BTreeMap::new();
     for round in 0..1_100 {
         let payload = format!("f{round}").into_bytes();
@@ -993,14 +998,7 @@ fn given_four_voters_when_a_shards_three_replicas_are_removed_back_to_back_then_
         (0..SHARDS).any(|shard| !levee_proto::shards::replicas(shard, &[1, 2, 3, 4]).contains(&4)),
         "the test needs a shard whose replicas are nodes 1 to 3"
     );
-    let queues: Vec<Vec<u8>> = (0..SHARDS)
-        .map(|shard| {
-            (0..10_000)
-                .map(|n| format!("leaving-{n}").into_bytes())
-                .find(|queue| levee_proto::shards::shard_of_bytes(queue, SHARDS) == shard)
-                .unwrap()
-        })
-        .collect();
+    let queues: Vec<Vec<u8>> = one_queue_per_shard("leaving");
     let producer = idempotent_producer(&runtime, &client);
     let append_all = |round: &str| {
         for queue in &queues {
