@@ -8,7 +8,10 @@
 //! shape: the producer sends each batch's messages straight to their shard leaders, and the
 //! mailbox streams read node 1's replica. Topic shape: the topic's partitions are all in the
 //! shard of its name, so publishes and the group members' streams go through node 1 to that
-//! shard's leader, which also coordinates the group.
+//! shard's leader, which also coordinates the group. The report's `shard_rounds` gives, per
+//! node and over the run, the shard writes it committed as a leader, its log appends and its
+//! applies, each with its average time (from each node's `/metrics`): where a write's time
+//! goes.
 
 use std::time::{Duration, Instant};
 
@@ -59,10 +62,19 @@ pub(super) fn run(
     )?;
     let address = nodes[0].grpc_addr.clone();
     let replicas = usize::try_from(args.nodes)?.min(levee_proto::shards::REPLICAS_MAX);
+    let admin: Vec<(u64, String)> = nodes
+        .iter()
+        .filter_map(|node| {
+            let at = node.flags.iter().position(|flag| flag == "--admin-addr")?;
+            Some((node.id, node.flags.get(at + 1)?.clone()))
+        })
+        .collect();
     let report = runtime.block_on(async {
         let spread = wait_placed(&address, args.shards, replicas).await?;
+        let before = round_timings(&admin);
         let mut report = bench(args, &address).await?;
         report["leaders_spread"] = json!(spread);
+        report["shard_rounds"] = rounds_report(&before, &round_timings(&admin));
         anyhow::Ok(report)
     });
     for node in &mut nodes {
@@ -88,6 +100,105 @@ pub(super) fn run(
         single["appends_per_s"].as_f64().unwrap_or_default()
     );
     Ok(report)
+}
+
+/// The shard round histograms each node times: the metric, then the report's names for its
+/// count and its average.
+const ROUND_PARTS: [(&str, &str, &str); 3] = [
+    ("levee_shard_commit_seconds", "commits", "commit_ms_avg"),
+    (
+        "levee_shard_log_append_seconds",
+        "log_appends",
+        "log_append_ms_avg",
+    ),
+    ("levee_shard_apply_seconds", "applies", "apply_ms_avg"),
+];
+
+/// Each node's (id, `_sum` and `_count` of every [`ROUND_PARTS`] histogram) from its
+/// `/metrics`; a node that does not answer is left out.
+fn round_timings(admin: &[(u64, String)]) -> Vec<(u64, Vec<(f64, f64)>)> {
+    admin
+        .iter()
+        .filter_map(|(id, address)| {
+            let text = scrape_metrics(address).ok()?;
+            let value = |series: String| {
+                text.lines()
+                    .find_map(|line| line.strip_prefix(&series)?.strip_prefix(' '))
+                    .and_then(|value| value.parse::<f64>().ok())
+                    .unwrap_or_default()
+            };
+            let parts = ROUND_PARTS
+                .iter()
+                .map(|(metric, _, _)| {
+                    (
+                        value(format!("{metric}_sum")),
+                        value(format!("{metric}_count")),
+                    )
+                })
+                .collect();
+            Some((*id, parts))
+        })
+        .collect()
+}
+
+/// Per node, over the run: how many shard writes it committed as a leader, log appends and
+/// applies it did, and each one's average in ms (where a write's time goes, docs/CLUSTER.md,
+/// "Where the speed stands").
+fn rounds_report(before: &[(u64, Vec<(f64, f64)>)], after: &[(u64, Vec<(f64, f64)>)]) -> Value {
+    let nodes: Vec<Value> = after
+        .iter()
+        .filter_map(|(id, parts)| {
+            let (_, earlier) = before.iter().find(|(other, _)| other == id)?;
+            let mut node = json!({ "node": id });
+            for (((_, counted, average), (sum, count)), (sum_before, count_before)) in
+                ROUND_PARTS.iter().zip(parts).zip(earlier)
+            {
+                let count = count - count_before;
+                node[*counted] = json!(count);
+                node[*average] = if count > 0.0 {
+                    json!((sum - sum_before) / count * 1e3)
+                } else {
+                    Value::Null
+                };
+            }
+            Some(node)
+        })
+        .collect();
+    for node in &nodes {
+        eprintln!(
+            "levee: node {}: {} commits as a leader averaging {:.2} ms; {} log appends {:.2} ms; \
+             {} applies {:.2} ms",
+            node["node"],
+            node["commits"],
+            node["commit_ms_avg"].as_f64().unwrap_or(f64::NAN),
+            node["log_appends"],
+            node["log_append_ms_avg"].as_f64().unwrap_or(f64::NAN),
+            node["applies"],
+            node["apply_ms_avg"].as_f64().unwrap_or(f64::NAN),
+        );
+    }
+    Value::Array(nodes)
+}
+
+/// The text of `/metrics` on the admin port at `address`: a plain HTTP/1.0 GET over loopback,
+/// the answer read until the server closes the connection.
+fn scrape_metrics(address: &str) -> anyhow::Result<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address)?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    stream.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes())?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer)?;
+    let (head, body) = answer
+        .split_once("\r\n\r\n")
+        .context("an HTTP answer without a body")?;
+    if head.split(' ').nth(1) != Some("200") {
+        bail!(
+            "/metrics on {address}: {}",
+            head.lines().next().unwrap_or_default()
+        );
+    }
+    Ok(body.to_owned())
 }
 
 /// Waits until every shard's voters are `replicas` nodes and it has a leader, then (up to
