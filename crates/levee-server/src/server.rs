@@ -554,9 +554,10 @@ struct MetadataGroup {
 /// Longest a removed node keeps its shard replicas running after its removal, until the
 /// shards' leaders moved them off it.
 const DRAIN_SHARDS_MAX: Duration = Duration::from_secs(10);
-/// How long a removed node goes on moving shards that no node staying in the cluster holds
-/// yet (every other replica was removed too) before it stops anyway.
-const DRAIN_ALONE_MAX: Duration = Duration::from_secs(300);
+/// How long a removed node stays up while some shard may need its vote to move off it (the
+/// nodes that stay are no majority of its voters, as when every other replica was removed
+/// too) before it stops anyway.
+const DRAIN_NEEDED_MAX: Duration = Duration::from_secs(300);
 
 impl MetadataGroup {
     /// The voters that stay in the cluster, as this removed node's view of the metadata group
@@ -582,7 +583,8 @@ impl MetadataGroup {
     /// On a node removed from the cluster: keeps its shard replicas running until no shard
     /// counts it as a replica any more (it hands over the shards it leads, the shards' other
     /// leaders move them off it, and a shard whose replicas are this node and one other needs
-    /// its vote to do so), or [`DRAIN_SHARDS_MAX`] passed.
+    /// its vote to do so), or [`DRAIN_SHARDS_MAX`] passed; up to [`DRAIN_NEEDED_MAX`] while a
+    /// shard may need its vote to move (`ShardGroups::held_needed`).
     async fn drain_shards(&self) {
         let Some(groups) = self.shards.get() else {
             return;
@@ -605,20 +607,20 @@ impl MetadataGroup {
             remaining.keys().copied().collect();
         let mut told = started;
         loop {
-            let alone = groups.held_alone(&ids);
+            let needed = groups.held_needed(&ids);
             let waited = started.elapsed();
             if held(groups) == 0
-                || (waited >= DRAIN_SHARDS_MAX && (alone.is_empty() || waited >= DRAIN_ALONE_MAX))
+                || (waited >= DRAIN_SHARDS_MAX && (needed.is_empty() || waited >= DRAIN_NEEDED_MAX))
             {
                 break;
             }
-            if !alone.is_empty() && told.elapsed() >= DRAIN_SHARDS_MAX {
+            if !needed.is_empty() && told.elapsed() >= DRAIN_SHARDS_MAX {
                 told = tokio::time::Instant::now();
                 tracing::warn!(
-                    ?alone,
+                    shards = ?needed,
                     waited_s = waited.as_secs(),
-                    "removed from the cluster, but no node that stays holds these shards yet: \
-                     still moving them there before stopping"
+                    "removed from the cluster, but the nodes that stay are no majority of these \
+                     shards' replicas yet: staying up to vote while they move"
                 );
             }
             // The shards it leads it hands over itself (first moving those no node that stays

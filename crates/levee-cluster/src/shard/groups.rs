@@ -1322,24 +1322,29 @@ impl ShardGroups {
         changed
     }
 
-    /// The shards this node holds a voting replica of whose voters include none of `remaining`
-    /// (nodes that stay in the cluster), in a group that has a leader: stopping now would
-    /// leave them without a replica among the nodes that stay, and their leader may need this
-    /// node's vote to move them. A replica with no leader in view (one the group dropped
-    /// before it learned so, which then only stands for elections it cannot win) is not
-    /// counted.
-    pub fn held_alone(&self, remaining: &BTreeSet<NodeId>) -> Vec<ShardId> {
+    /// The shards whose move off this node may need its vote: it is a voter of one of the
+    /// shard's voter sets (two while a change is under way) in which the nodes that stay
+    /// (`remaining`) are no majority, and the group has a leader. The nodes that stay cannot
+    /// change such a shard's voters without this node. A replica with no leader in view (one
+    /// the group dropped before it learned so, which then only stands for elections it cannot
+    /// win) is not counted.
+    pub fn held_needed(&self, remaining: &BTreeSet<NodeId>) -> Vec<ShardId> {
         (0..self.shards())
             .filter(|shard| {
                 self.raft(*shard).is_some_and(|raft| {
                     let metrics = raft.metrics();
                     let metrics = metrics.borrow();
-                    let membership = metrics.membership_config.membership();
                     metrics.current_leader.is_some()
-                        && membership.voter_ids().any(|voter| voter == self.node_id)
-                        && !membership
-                            .voter_ids()
-                            .any(|voter| remaining.contains(&voter))
+                        && metrics
+                            .membership_config
+                            .membership()
+                            .get_joint_config()
+                            .iter()
+                            .any(|voters| {
+                                let staying =
+                                    voters.iter().filter(|id| remaining.contains(id)).count();
+                                voters.contains(&self.node_id) && staying * 2 <= voters.len()
+                            })
                 })
             })
             .collect()
