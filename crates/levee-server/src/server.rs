@@ -558,6 +558,9 @@ const DRAIN_SHARDS_MAX: Duration = Duration::from_secs(10);
 /// nodes that stay are no majority of its voters, as when every other replica was removed
 /// too) before it stops anyway.
 const DRAIN_NEEDED_MAX: Duration = Duration::from_secs(300);
+/// How long no shard must have needed a removed node's vote before it stops (past
+/// [`DRAIN_SHARDS_MAX`]): longer than a shard's election.
+const NEEDED_GRACE: Duration = Duration::from_secs(2);
 
 impl MetadataGroup {
     /// The voters that stay in the cluster, as this removed node's view of the metadata group
@@ -606,11 +609,18 @@ impl MetadataGroup {
         let ids: std::collections::BTreeSet<levee_cluster::NodeId> =
             remaining.keys().copied().collect();
         let mut told = started;
+        // When a shard last needed this node: an election under way hides a group's leader
+        // for a moment, which must not let the node go.
+        let mut last_needed = started;
         loop {
             let needed = groups.held_needed(&ids);
+            if !needed.is_empty() {
+                last_needed = tokio::time::Instant::now();
+            }
             let waited = started.elapsed();
             if held(groups) == 0
-                || (waited >= DRAIN_SHARDS_MAX && (needed.is_empty() || waited >= DRAIN_NEEDED_MAX))
+                || (waited >= DRAIN_SHARDS_MAX
+                    && (last_needed.elapsed() >= NEEDED_GRACE || waited >= DRAIN_NEEDED_MAX))
             {
                 break;
             }
