@@ -617,6 +617,20 @@ fn idempotent_producer(
         .unwrap()
 }
 
+/// Appends `round` to each of `queues` through `producer`, each append answered.
+fn append_round(
+    runtime: &tokio::runtime::Runtime,
+    producer: &levee_client::Producer,
+    queues: &[Vec<u8>],
+    round: &str,
+) {
+    for queue in queues {
+        runtime
+            .block_on(producer.send(queue, round.as_bytes()))
+            .unwrap_or_else(|error| panic!("an append ({round}): {error}"));
+    }
+}
+
 fn wait_replicas(nodes: &[(u64, &LeveeProcess)], ids: &[u64]) {
     let deadline = Instant::now() + CONVERGE_TIMEOUT;
     loop {
@@ -671,25 +685,30 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
     // An idempotent producer appends through node 1 the whole time.
     let producer = idempotent_producer(&runtime, &client);
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let appending = runtime.spawn(async move {
-        let mut acknowledged: BTreeMap<Vec<u8>, BTreeMap<u64, Vec<u8>>> = BTreeMap::new();
-        let mut sequence = 0_u64;
-        while !*stopped.borrow() {
-            let queue = format!("moving-{}", sequence % 8).into_bytes();
-            let payload = format!("m{sequence}").into_bytes();
-            let offset = producer
-                .send(&queue, &payload)
-                .await
-                .unwrap_or_else(|error| panic!("an append failed while replicas moved: {error}"));
-            let previous = acknowledged
-                .entry(queue)
-                .or_default()
-                .insert(offset, payload);
-            assert!(previous.is_none(), "an offset acknowledged twice");
-            sequence += 1;
-            tokio::time::sleep(Duration::from_millis(2)).await;
+    let appending = runtime.spawn({
+        let producer = producer.clone();
+        async move {
+            let mut acknowledged: BTreeMap<Vec<u8>, BTreeMap<u64, Vec<u8>>> = BTreeMap::new();
+            let mut sequence = 0_u64;
+            while !*stopped.borrow() {
+                let queue = format!("moving-{}", sequence % 8).into_bytes();
+                let payload = format!("m{sequence}").into_bytes();
+                let offset = producer
+                    .send(&queue, &payload)
+                    .await
+                    .unwrap_or_else(|error| {
+                        panic!("an append failed while replicas moved: {error}")
+                    });
+                let previous = acknowledged
+                    .entry(queue)
+                    .or_default()
+                    .insert(offset, payload);
+                assert!(previous.is_none(), "an offset acknowledged twice");
+                sequence += 1;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            acknowledged
         }
-        acknowledged
     });
 
     // Node 3 is removed: its replicas leave every shard, which goes on with nodes 1 and 2.
@@ -705,11 +724,19 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
     let mut filled = BTreeMap::new();
     for round in 0..1_100 {
         let payload = format!("f{round}").into_bytes();
-        let batch: Vec<(&[u8], &[u8])> = fillers
-            .iter()
-            .map(|queue| (&queue[..], &payload[..]))
-            .collect();
-        runtime.block_on(client.append_batch(&batch)).unwrap();
+        // Through the idempotent producer, every shard at once: leads may still move after
+        // the removal, and a resend must not store a filler twice (offsets are checked).
+        runtime.block_on(async {
+            let mut sends = tokio::task::JoinSet::new();
+            for queue in &fillers {
+                let (producer, queue, payload) = (producer.clone(), queue.clone(), payload.clone());
+                sends.spawn(async move { producer.send(&queue, &payload).await });
+            }
+            while let Some(sent) = sends.join_next().await {
+                sent.unwrap()
+                    .unwrap_or_else(|error| panic!("a filler append in round {round}: {error}"));
+            }
+        });
         for queue in &fillers {
             let messages: &mut BTreeMap<u64, Vec<u8>> = filled.entry(queue.clone()).or_default();
             messages.insert(round, payload.clone());
@@ -936,13 +963,7 @@ fn given_three_replicated_nodes_when_two_are_removed_one_after_the_other_then_th
     let queues: Vec<Vec<u8>> = (0..8)
         .map(|n| format!("shrinking-{n}").into_bytes())
         .collect();
-    let append_all = |round: &str| {
-        for queue in &queues {
-            runtime
-                .block_on(producer.send(queue, round.as_bytes()))
-                .unwrap_or_else(|error| panic!("an append after {round}: {error}"));
-        }
-    };
+    let append_all = |round: &str| append_round(&runtime, &producer, &queues, round);
     append_all("three nodes");
 
     runtime.block_on(client.remove_node(3)).unwrap();
@@ -1000,13 +1021,7 @@ fn given_four_voters_when_a_shards_three_replicas_are_removed_back_to_back_then_
     );
     let queues: Vec<Vec<u8>> = one_queue_per_shard("leaving");
     let producer = idempotent_producer(&runtime, &client);
-    let append_all = |round: &str| {
-        for queue in &queues {
-            runtime
-                .block_on(producer.send(queue, round.as_bytes()))
-                .unwrap_or_else(|error| panic!("an append {round}: {error}"));
-        }
-    };
+    let append_all = |round: &str| append_round(&runtime, &producer, &queues, round);
     append_all("before");
     // Some megabytes in each shard, so that a new replica takes a while to catch up.
     let filler = vec![b'f'; 4_096];
