@@ -80,6 +80,20 @@ pub fn cpu_seconds(process: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Bytes a process has sent to storage so far (`write_bytes` in `/proc/PID/io`: counted when
+/// it dirties a page of a file, so a page written again after an fsync counts again, as the
+/// disk sees it; the file system's own journal is not counted); `process` is a pid or `self`
+/// (0 if unknown).
+pub fn disk_bytes_written(process: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{process}/io"))
+        .ok()
+        .and_then(|io| {
+            let line = io.lines().find(|line| line.starts_with("write_bytes:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .unwrap_or(0)
+}
+
 /// A process's peak resident memory (`VmHWM`) in bytes; `process` is a pid or `self` (0 if
 /// unknown).
 pub fn peak_rss_bytes(process: &str) -> u64 {
@@ -95,6 +109,25 @@ pub fn peak_rss_bytes(process: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use std::time::{Duration, Instant};
+
+    /// Writing a file and syncing it raises the process's disk bytes as read from `/proc`
+    /// (the file is written under the crate's folder: `/tmp` may be a memory file system).
+    #[test]
+    fn disk_bytes_written_counts_this_process() {
+        use std::io::Write;
+        let directory =
+            tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).expect("a temporary directory");
+        let before = super::disk_bytes_written("self");
+        let mut file = std::fs::File::create(directory.path().join("written")).expect("a file");
+        file.write_all(&vec![7_u8; 1 << 20]).expect("written");
+        file.sync_all().expect("synced");
+        let written = super::disk_bytes_written("self") - before;
+        assert!(
+            written >= 1 << 20,
+            "{written} bytes counted for 1 MiB synced"
+        );
+        assert_eq!(super::disk_bytes_written("no-such-process"), 0);
+    }
 
     /// Spinning on this thread raises the process's CPU time as read from `/proc`.
     #[test]

@@ -46,9 +46,11 @@ pub(super) fn run(
         );
     }
     eprintln!("levee: the single node first");
-    let single = {
+    let (single, single_used) = {
         let server = ServerProcess::start(&["--queue-sync", sync])?;
-        runtime.block_on(bench(args, &server.grpc_addr))?
+        let before = Used::of(server.pid(), None);
+        let single = runtime.block_on(bench(args, &server.grpc_addr))?;
+        (single, Used::of(server.pid(), None).since(&before))
     };
     eprintln!(
         "levee: now {} nodes replicating their queues over {} shards",
@@ -69,12 +71,24 @@ pub(super) fn run(
             Some((node.id, node.flags.get(at + 1)?.clone()))
         })
         .collect();
+    let pids: Vec<(u64, u32, &str)> = nodes
+        .iter()
+        .zip(&admin)
+        .filter_map(|(node, (_, admin))| Some((node.id, node.process.as_ref()?.pid(), &admin[..])))
+        .collect();
     let report = runtime.block_on(async {
         let spread = wait_placed(&address, args.shards, replicas).await?;
         let before = round_timings(&admin);
+        let used_before = used_by(&pids);
         let mut report = bench(args, &address).await?;
+        let used = used_by(&pids)
+            .iter()
+            .zip(&used_before)
+            .map(|((id, after), (_, before))| (*id, after.since(before)))
+            .collect::<Vec<_>>();
         report["leaders_spread"] = json!(spread);
         report["shard_rounds"] = rounds_report(&before, &round_timings(&admin));
+        report["resources"] = resources_report(args, (&report, &used), (&single, &single_used));
         anyhow::Ok(report)
     });
     for node in &mut nodes {
@@ -121,12 +135,7 @@ fn round_timings(admin: &[(u64, String)]) -> Vec<(u64, Vec<(f64, f64)>)> {
         .iter()
         .filter_map(|(id, address)| {
             let text = scrape_metrics(address).ok()?;
-            let value = |series: String| {
-                text.lines()
-                    .find_map(|line| line.strip_prefix(&series)?.strip_prefix(' '))
-                    .and_then(|value| value.parse::<f64>().ok())
-                    .unwrap_or_default()
-            };
+            let value = |series: String| metric(&text, &series).unwrap_or_default();
             let parts = ROUND_PARTS
                 .iter()
                 .map(|(metric, _, _)| {
@@ -178,6 +187,124 @@ fn rounds_report(before: &[(u64, Vec<(f64, f64)>)], after: &[(u64, Vec<(f64, f64
         );
     }
     Value::Array(nodes)
+}
+
+/// What a server process used over a run: bytes it sent to the disk, those its queue store
+/// wrote (from `/metrics`; `None` where not scraped), and its CPU time.
+#[derive(Debug, Clone, Copy, Default)]
+struct Used {
+    disk_bytes: u64,
+    store_bytes: Option<f64>,
+    cpu_s: f64,
+}
+
+impl Used {
+    /// What process `pid` (admin port at `admin`, when given) has used so far.
+    fn of(pid: u32, admin: Option<&str>) -> Self {
+        let store_bytes = admin
+            .and_then(|address| scrape_metrics(address).ok())
+            .and_then(|text| metric(&text, "levee_store_bytes_written_total"));
+        Self {
+            disk_bytes: super::disk_bytes_written(&pid.to_string()),
+            store_bytes,
+            cpu_s: super::cpu_seconds(&pid.to_string()),
+        }
+    }
+
+    /// What was used since `before`.
+    fn since(&self, before: &Self) -> Self {
+        Self {
+            disk_bytes: self.disk_bytes.saturating_sub(before.disk_bytes),
+            store_bytes: self
+                .store_bytes
+                .zip(before.store_bytes)
+                .map(|(now, then)| now - then),
+            cpu_s: self.cpu_s - before.cpu_s,
+        }
+    }
+}
+
+/// What each node (id, pid, admin address) has used so far.
+fn used_by(pids: &[(u64, u32, &str)]) -> Vec<(u64, Used)> {
+    pids.iter()
+        .map(|(id, pid, admin)| (*id, Used::of(*pid, Some(admin))))
+        .collect()
+}
+
+/// The report's `resources`: per node and over the cluster, the bytes sent to the disk per
+/// byte of payload appended (the write amplification of a separate Raft log beside the
+/// store, docs/CLUSTER.md, "Where the Raft log lives"), the store's share of them, and the
+/// servers' CPU time per message; the single node's beside them.
+fn resources_report(
+    args: &QueueBenchArgs,
+    (cluster, used): (&Value, &[(u64, Used)]),
+    (single, single_used): (&Value, &Used),
+) -> Value {
+    let payload = |report: &Value| {
+        report["appended"].as_f64().unwrap_or_default() * args.message_bytes as f64
+    };
+    let per = |amount: f64, of: f64| {
+        if of > 0.0 {
+            json!(amount / of)
+        } else {
+            Value::Null
+        }
+    };
+    let (payload_bytes, single_payload) = (payload(cluster), payload(single));
+    let messages = cluster["appended"].as_f64().unwrap_or_default();
+    let disk: f64 = used.iter().map(|(_, used)| used.disk_bytes as f64).sum();
+    let store: f64 = used.iter().filter_map(|(_, used)| used.store_bytes).sum();
+    let cpu: f64 = used.iter().map(|(_, used)| used.cpu_s).sum();
+    let report = json!({
+        "payload_bytes": payload_bytes,
+        "disk_bytes": disk,
+        "disk_bytes_per_payload_byte": per(disk, payload_bytes),
+        "store_bytes_per_payload_byte": per(store, payload_bytes),
+        "server_cpu_s": cpu,
+        "server_cpu_us_per_message": per(cpu * 1e6, messages),
+        "nodes": used.iter().map(|(id, used)| json!({
+            "node": id,
+            "disk_bytes": used.disk_bytes,
+            "store_bytes": used.store_bytes,
+            "cpu_s": used.cpu_s,
+        })).collect::<Vec<_>>(),
+        "single_node": {
+            "payload_bytes": single_payload,
+            "disk_bytes": single_used.disk_bytes,
+            "disk_bytes_per_payload_byte": per(single_used.disk_bytes as f64, single_payload),
+            "server_cpu_s": single_used.cpu_s,
+            "server_cpu_us_per_message":
+                per(single_used.cpu_s * 1e6, single["appended"].as_f64().unwrap_or_default()),
+        },
+    });
+    eprintln!(
+        "levee: disk bytes per payload byte {:.1} over the nodes ({:.1} of it the stores'), \
+         {:.1} on the single node; server CPU per message {:.1} us against {:.1} us",
+        report["disk_bytes_per_payload_byte"]
+            .as_f64()
+            .unwrap_or(f64::NAN),
+        report["store_bytes_per_payload_byte"]
+            .as_f64()
+            .unwrap_or(f64::NAN),
+        report["single_node"]["disk_bytes_per_payload_byte"]
+            .as_f64()
+            .unwrap_or(f64::NAN),
+        report["server_cpu_us_per_message"]
+            .as_f64()
+            .unwrap_or(f64::NAN),
+        report["single_node"]["server_cpu_us_per_message"]
+            .as_f64()
+            .unwrap_or(f64::NAN),
+    );
+    report
+}
+
+/// The value of the first sample of `series` (a metric name with its labels, if any) in the
+/// Prometheus text `text`.
+fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|value| value.parse::<f64>().ok())
 }
 
 /// The text of `/metrics` on the admin port at `address`: a plain HTTP/1.0 GET over loopback,
