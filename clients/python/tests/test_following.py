@@ -97,10 +97,16 @@ def test_given_following_streams_when_their_node_is_killed_then_they_move_and_re
                         received.append(await asyncio.wait_for(stream.next(), RESUME_TIMEOUT_S))
                     except asyncio.TimeoutError:
                         # Seen once in CI (not reproduced since): say where it stopped.
+                        logs = "\n".join(
+                            f"node {number}: {line}"
+                            for number, node in ((1, cluster[0]), (2, cluster[1]))
+                            for line in list(node.logs)[-40:]
+                        )
                         raise AssertionError(
                             f"the {kind} stream of the deleted queue neither delivered nor "
                             f"ended within {RESUME_TIMEOUT_S} s at step {step} (received "
-                            f"{received}, moved {stream._moves} times)"
+                            f"{received}, moved {stream._moves} times); the nodes' last "
+                            f"logs:\n{logs}"
                         ) from None
             await stream.close()
 
