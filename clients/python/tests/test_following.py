@@ -105,7 +105,7 @@ def test_given_following_streams_when_their_node_is_killed_then_they_move_and_re
                         raise AssertionError(
                             f"the {kind} stream of the deleted queue neither delivered nor "
                             f"ended within {RESUME_TIMEOUT_S} s at step {step} (received "
-                            f"{received}, moved {stream._moves} times); the nodes' last "
+                            f"{received}, moved {stream._moves} times: {stream._move_causes}); the nodes' last "
                             f"logs:\n{logs}"
                         ) from None
             await stream.close()

@@ -15,7 +15,7 @@ meanwhile does not cancel it), then goes on on the new stream.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, List, Optional, TypeVar
 
 import grpc
 import grpc.aio
@@ -44,6 +44,8 @@ class PushStream:
         # Following the cluster: the members to move to, the moves made, the move under way.
         self._members: "Optional[Members]" = None
         self._moves = 0
+        # Why each move happened (the end that caused it), newest last, at most a few kept.
+        self._move_causes: List[str] = []
         self._move: "Optional[asyncio.Task[None]]" = None
         self._attach(stream)
 
@@ -187,6 +189,7 @@ class PushStream:
 
         members = self._members
         assert members is not None, "only a following stream moves"
+        self._move_causes = (self._move_causes + [f"{cause.code.name}: {cause.message}"])[-4:]
         await self._detach(moving=True)
 
         async def through(member: "Client") -> Optional[bool]:

@@ -63,6 +63,10 @@ pub const LEAD_QUORUM_ACK_MAX: Duration = Duration::from_millis(500);
 /// How long a node that has just taken the lead of a shard waits before it assigns the
 /// partitions of its topics' groups (see [`LEAD_QUORUM_ACK_MAX`]).
 pub const LEAD_HOLD: Duration = Duration::from_secs(1);
+/// How long a removed node's replica of a shard may see no leader and still count as needed
+/// by the shard ([`ShardGroups::held_needed`]): far longer than an election, even with
+/// several replicas leaving at once on a busy machine.
+pub const LEADERLESS_GRACE: Duration = Duration::from_secs(30);
 /// How often [`ShardGroups::lost_lead`] looks at a shard's lead between changes.
 const LEAD_CHECK_INTERVAL: Duration = Duration::from_millis(25);
 /// Longest a new replica may take to catch up before it is made a voter (placement retries).
@@ -202,6 +206,9 @@ pub struct ShardGroups {
     /// ([`ShardGroups::step_out`]): it places no replica any more (its view of the cluster,
     /// which it left, could name itself again).
     leaving: Arc<std::sync::atomic::AtomicBool>,
+    /// Per shard: when [`ShardGroups::held_needed`] last saw the group with a leader (or
+    /// first looked at it).
+    leader_seen: Arc<std::sync::Mutex<std::collections::HashMap<ShardId, Instant>>>,
 }
 
 /// One consumer's positions bound for a shard, and where its outcome goes.
@@ -323,6 +330,7 @@ impl ShardGroups {
             syncer,
             claimed: Arc::default(),
             leaving: Arc::default(),
+            leader_seen: Arc::default(),
             led: Arc::default(),
             machines: Arc::new(machines),
             stopping: Arc::new(tokio::sync::watch::Sender::new(false)),
@@ -1324,17 +1332,29 @@ impl ShardGroups {
 
     /// The shards whose move off this node may need its vote: it is a voter of one of the
     /// shard's voter sets (two while a change is under way) in which the nodes that stay
-    /// (`remaining`) are no majority, and the group has a leader. The nodes that stay cannot
-    /// change such a shard's voters without this node. A replica with no leader in view (one
-    /// the group dropped before it learned so, which then only stands for elections it cannot
-    /// win) is not counted.
+    /// (`remaining`) are no majority, and the group had a leader in view within
+    /// [`LEADERLESS_GRACE`] (counted from the first call). The nodes that stay cannot change
+    /// such a shard's voters without this node. A replica with no leader in view for longer
+    /// (one the group dropped before it learned so, which then only stands for elections it
+    /// cannot win) is not counted; one in an election is, however many the nodes that leave
+    /// at once make it take: were it not, two of a shard's three replicas could both stop
+    /// while it elects, and leave it without a majority for good.
     pub fn held_needed(&self, remaining: &BTreeSet<NodeId>) -> Vec<ShardId> {
+        let now = Instant::now();
+        let mut seen = self
+            .leader_seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         (0..self.shards())
             .filter(|shard| {
                 self.raft(*shard).is_some_and(|raft| {
                     let metrics = raft.metrics();
                     let metrics = metrics.borrow();
-                    metrics.current_leader.is_some()
+                    let last_seen = seen.entry(*shard).or_insert(now);
+                    if metrics.current_leader.is_some() {
+                        *last_seen = now;
+                    }
+                    now.duration_since(*last_seen) < LEADERLESS_GRACE
                         && metrics
                             .membership_config
                             .membership()
