@@ -119,3 +119,56 @@ impl Members {
         }
     }
 }
+
+/// How many `GetQueueInfo` calls a stream makes at once after a move, to learn whether a
+/// queue it delivered from was deleted meanwhile ([`deleted_meanwhile`]).
+const INFO_CHECKS_AT_ONCE: usize = 64;
+
+/// After a move through `member`: a queue of `delivered` (each queue and the offset after the
+/// last message delivered from it) that was deleted while the stream moved, if any. A delete
+/// the old stream did not live to see is not seen by the new one either (the queue is then
+/// one that does not exist, or a new one under the name), so the stream asks: a queue that
+/// does not exist, or whose next offset is below what was delivered, was deleted. (A queue
+/// created again with more messages than were delivered is not told apart.) Another failure
+/// of the calls is returned, as the member refusing the stream.
+pub(crate) async fn deleted_meanwhile(
+    member: &Client,
+    delivered: &[(Vec<u8>, u64)],
+) -> Result<Option<Vec<u8>>, ClientError> {
+    for chunk in delivered.chunks(INFO_CHECKS_AT_ONCE) {
+        let mut checks = tokio::task::JoinSet::new();
+        for (queue, until) in chunk {
+            let (member, queue, until) = (member.clone(), queue.clone(), *until);
+            checks.spawn(async move {
+                match member.queue_info(&queue).await {
+                    Ok(info) => Ok((info.next_offset < until).then_some(queue)),
+                    Err(error) if error.code() == Some(ErrorCode::NotFound) => Ok(Some(queue)),
+                    Err(error) => Err(error),
+                }
+            });
+        }
+        while let Some(checked) = checks.join_next().await {
+            let checked = checked.map_err(|error| {
+                levee_proto::WireError::new(ErrorCode::Internal, error.to_string())
+            })?;
+            if let Some(queue) = checked? {
+                return Ok(Some(queue));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// The error that ends a following stream whose `queue` was deleted while it moved.
+pub(crate) fn deleted_while_moving(queue: &[u8]) -> ClientError {
+    levee_proto::WireError::new(
+        ErrorCode::FailedPrecondition,
+        format!(
+            "queue '{}' was deleted while this stream moved to another node: its messages and \
+             the consumer's position on it are gone; open the stream again to read a queue \
+             created again under the name, from offset 0",
+            String::from_utf8_lossy(queue)
+        ),
+    )
+    .into()
+}

@@ -16,7 +16,7 @@ use tonic::transport::Channel;
 
 use crate::client::Client;
 use crate::error::ClientError;
-use crate::following::{Members, node_went_away};
+use crate::following::{Members, deleted_meanwhile, deleted_while_moving, node_went_away};
 
 /// Requests queued for the server on one stream.
 const REQUESTS_QUEUED_MAX: usize = 64;
@@ -68,6 +68,11 @@ struct Following {
     /// Once the stream moved: the highest offset each mailbox delivered on the current stream
     /// (an ack of a message taken before the move is kept within it).
     delivered: Option<HashMap<u32, u64>>,
+    /// The offset after the last message handed out, by mailbox, over every stream: after a
+    /// move, a queue deleted meanwhile is told by it.
+    delivered_until: HashMap<u32, u64>,
+    /// Set when the stream ended after a move (a queue of it was deleted meanwhile).
+    ended: Option<WireError>,
 }
 
 impl Mailboxes {
@@ -80,6 +85,8 @@ impl Mailboxes {
             queues: Vec::new(),
             removed: std::collections::BTreeSet::new(),
             delivered: None,
+            delivered_until: HashMap::new(),
+            ended: None,
         });
         self
     }
@@ -97,9 +104,24 @@ impl Mailboxes {
             consumer,
             queues,
             removed,
+            delivered_until,
             ..
         } = &mut following;
         let (consumer, queues, removed) = (&*consumer, &*queues, &*removed);
+        let mut delivered: HashMap<&[u8], u64> = HashMap::new();
+        for (mailbox, until) in delivered_until.iter() {
+            if let Some(queue) = queues.get(*mailbox as usize)
+                && !removed.contains(mailbox)
+            {
+                let at = delivered.entry(queue.as_slice()).or_default();
+                *at = (*at).max(*until);
+            }
+        }
+        let delivered: Vec<(Vec<u8>, u64)> = delivered
+            .into_iter()
+            .map(|(queue, until)| (queue.to_vec(), until))
+            .collect();
+        let delivered = &delivered;
         let reopened = members
             .reopen(|member| async move {
                 let mut fresh = Self::open(member.queues_client(), consumer, credit_messages)
@@ -109,13 +131,22 @@ impl Mailboxes {
                 fresh.add_once(&queues).await.ok()?;
                 let removed: Vec<u32> = removed.iter().copied().collect();
                 fresh.remove_once(&removed).await.ok()?;
-                Some(fresh)
+                let deleted = deleted_meanwhile(&member, delivered).await.ok()?;
+                Some((fresh, deleted))
             })
             .await;
-        let Some(mut fresh) = reopened else {
+        let Some((mut fresh, deleted)) = reopened else {
             self.following = Some(following);
             return Err(cause);
         };
+        if let Some(queue) = deleted {
+            let ended = deleted_while_moving(&queue);
+            if let ClientError::Server(wire) = &ended {
+                following.ended = Some(wire.clone());
+            }
+            self.following = Some(following);
+            return Err(ended);
+        }
         // Removed mailboxes' messages the new stream sent before their removal reached it are
         // not handed out (their credit goes back).
         let mut early: Vec<MailboxDelivery> = fresh.received.drain(..).collect();
@@ -265,6 +296,13 @@ impl Mailboxes {
     }
 
     async fn next_batch_once(&mut self, max: usize) -> Result<Vec<MailboxDelivery>, ClientError> {
+        if let Some(ended) = self
+            .following
+            .as_ref()
+            .and_then(|following| following.ended.clone())
+        {
+            return Err(ended.into());
+        }
         while self.received.is_empty() {
             // About to wait: give back all the credit taken and send the acks.
             self.grant_credit().await?;
@@ -275,6 +313,15 @@ impl Mailboxes {
         }
         let count = self.received.len().min(max.max(1));
         let batch: Vec<MailboxDelivery> = self.received.drain(..count).collect();
+        if let Some(following) = &mut self.following {
+            for delivery in &batch {
+                let until = following
+                    .delivered_until
+                    .entry(delivery.mailbox)
+                    .or_default();
+                *until = (*until).max(delivery.offset + 1);
+            }
+        }
         let bytes: usize = batch.iter().map(|delivery| delivery.payload.len()).sum();
         self.taken_messages += u32::try_from(count).unwrap_or(u32::MAX);
         self.taken_bytes = self

@@ -14,7 +14,7 @@ use tonic::transport::Channel;
 
 use crate::client::Client;
 use crate::error::ClientError;
-use crate::following::{Members, node_went_away};
+use crate::following::{Members, deleted_meanwhile, deleted_while_moving, node_went_away};
 
 /// Requests queued for the server on one subscription.
 const REQUESTS_QUEUED_MAX: usize = 64;
@@ -43,6 +43,11 @@ struct Following {
     credit_messages: u32,
     /// Whether the subscription moved at least once (messages taken before may be acked).
     moved: bool,
+    /// The offset after the last message handed out, over every stream (0 before any): after
+    /// a move, a queue deleted meanwhile is told by it.
+    delivered_until: u64,
+    /// Set when the subscription ended after a move (its queue was deleted meanwhile).
+    ended: Option<WireError>,
 }
 
 impl Subscription {
@@ -106,6 +111,8 @@ impl Subscription {
             consumer: consumer.to_owned(),
             credit_messages,
             moved: false,
+            delivered_until: 0,
+            ended: None,
         });
         self
     }
@@ -121,21 +128,38 @@ impl Subscription {
             queue,
             consumer,
             credit_messages,
+            delivered_until,
             ..
         } = &mut following;
         let (queue, consumer, credit_messages) = (&*queue, &*consumer, *credit_messages);
+        let delivered: Vec<(Vec<u8>, u64)> = if *delivered_until > 0 {
+            vec![(queue.clone(), *delivered_until)]
+        } else {
+            Vec::new()
+        };
+        let delivered = &delivered;
         let reopened = members
             .reopen(|member| async move {
-                Self::open(member.queues_client(), queue, consumer, credit_messages)
+                let fresh = Self::open(member.queues_client(), queue, consumer, credit_messages)
                     .await
-                    .ok()
+                    .ok()?;
+                let deleted = deleted_meanwhile(&member, delivered).await.ok()?;
+                Some((fresh, deleted))
             })
             .await;
-        let Some(mut fresh) = reopened else {
+        let Some((mut fresh, deleted)) = reopened else {
             self.following = Some(following);
             return Err(cause);
         };
         following.moved = true;
+        if let Some(queue) = deleted {
+            let ended = deleted_while_moving(&queue);
+            if let ClientError::Server(wire) = &ended {
+                following.ended = Some(wire.clone());
+            }
+            self.following = Some(following);
+            return Err(ended);
+        }
         fresh.following = Some(following);
         *self = fresh;
         Ok(())
@@ -156,10 +180,20 @@ impl Subscription {
     }
 
     async fn next_once(&mut self) -> Result<Option<Delivery>, ClientError> {
+        if let Some(ended) = self
+            .following
+            .as_ref()
+            .and_then(|following| following.ended.clone())
+        {
+            return Err(ended.into());
+        }
         loop {
             if let Some(delivery) = self.received.pop_front() {
                 let bytes = u32::try_from(delivery.payload.len()).unwrap_or(u32::MAX);
                 self.unacked.push_back((delivery.offset, bytes));
+                if let Some(following) = &mut self.following {
+                    following.delivered_until = following.delivered_until.max(delivery.offset + 1);
+                }
                 return Ok(Some(delivery));
             }
             match self.responses.message().await? {

@@ -450,6 +450,93 @@ fn given_a_replicated_cluster_when_a_follower_and_then_every_node_restart_then_a
 }
 
 #[test]
+fn given_a_queue_deleted_while_its_following_streams_move_then_they_end_saying_so() {
+    let directory = tempfile::tempdir().unwrap();
+    let runtime = runtime();
+    let mut nodes = three_nodes(directory.path());
+    let all: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
+    wait_settled(&all);
+    let clients: Vec<Client> = all
+        .iter()
+        .map(|node| runtime.block_on(Client::connect(&node.grpc())).unwrap())
+        .collect();
+    let (doomed, other) = (&b"vanishing"[..], &b"staying"[..]);
+    runtime
+        .block_on(clients[0].append(doomed, b"soon gone"))
+        .unwrap();
+    runtime.block_on(clients[0].append(other, b"here")).unwrap();
+    // Through node 2: both kinds of following stream deliver from the queue.
+    let (mut single, mut many) = runtime.block_on(async {
+        let mut single = clients[1]
+            .subscribe_following(doomed, "vanishing-reader", 10)
+            .await
+            .unwrap();
+        let delivery = single.next().await.unwrap().unwrap();
+        assert_eq!(&delivery.payload[..], b"soon gone");
+        let mut many = clients[1]
+            .subscribe_many_following("vanishing-many", 10)
+            .await
+            .unwrap();
+        assert_eq!(many.add(&[doomed, other]).await.unwrap(), 0..2);
+        let mut got = BTreeMap::new();
+        while got.len() < 2 {
+            let delivery = many.next().await.unwrap().unwrap();
+            got.insert(delivery.mailbox, delivery.payload);
+        }
+        assert_eq!(&got[&0][..], b"soon gone");
+        (single, many)
+    });
+    // Node 2 paused: the delete goes through nodes 1 and 3 (a majority of every shard) and
+    // node 2's streams never hear of it; then node 2 dies and the streams move. Opened again
+    // elsewhere they ask whether the queues they delivered from still exist, and end as a
+    // server ends a stream whose queue it deletes (before, they waited on the deleted queue
+    // as on one that does not exist).
+    let paused = nodes[1].take().unwrap();
+    paused.signal("STOP");
+    let deleted = runtime.block_on(clients[0].delete_queue(doomed));
+    paused.signal("KILL");
+    drop(paused);
+    assert!(deleted.unwrap());
+    let ended = |error: levee_client::ClientError| {
+        assert_eq!(error.code(), Some(ErrorCode::FailedPrecondition), "{error}");
+        assert!(
+            error
+                .to_string()
+                .contains("deleted while this stream moved"),
+            "{error}"
+        );
+    };
+    runtime.block_on(async {
+        // What the new stream sent before it ended may come first (a node that had not
+        // applied the delete yet may deliver the message again: at least once).
+        let single_end = tokio::time::timeout(CONVERGE_TIMEOUT, async {
+            loop {
+                match single.next().await {
+                    Ok(Some(delivery)) => assert_eq!(&delivery.payload[..], b"soon gone"),
+                    Ok(None) => panic!("the single-queue stream ended cleanly"),
+                    Err(error) => return error,
+                }
+            }
+        })
+        .await
+        .expect("the single-queue stream ends");
+        ended(single_end);
+        let many_end = tokio::time::timeout(CONVERGE_TIMEOUT, async {
+            loop {
+                match many.next().await {
+                    Ok(Some(_)) => {}
+                    Ok(None) => panic!("the many-queue stream ended cleanly"),
+                    Err(error) => return error,
+                }
+            }
+        })
+        .await
+        .expect("the many-queue stream ends");
+        ended(many_end);
+    });
+}
+
+#[test]
 #[allow(clippy::too_many_lines, reason = "one scenario, step by step")]
 fn given_a_replicated_cluster_when_a_consumer_moves_to_another_node_then_it_resumes_where_it_acked()
 {

@@ -67,6 +67,9 @@ class Mailboxes(PushStream):
         # removed (to set a new stream up the same); None otherwise.
         self._queues: Optional[List[bytes]] = None
         self._removed: List[int] = []
+        # Following: the offset after the last message delivered, by mailbox, over every
+        # stream (after a move, a queue deleted meanwhile is told by it).
+        self._delivered_until: Dict[int, int] = {}
         self._start()
         super().__init__(stream)
 
@@ -126,6 +129,13 @@ class Mailboxes(PushStream):
         self._attach(stream)
         await self._add_once(self._queues or [])
         await self._remove_once(self._removed)
+        queues, removed = self._queues or [], set(self._removed)
+        delivered: Dict[bytes, int] = {}
+        for mailbox, until in self._delivered_until.items():
+            if mailbox not in removed:
+                name = queues[mailbox]
+                delivered[name] = max(until, delivered.get(name, 0))
+        await self._end_if_deleted(member, delivered)
         return True
 
     def _take(self, response: Any) -> None:
@@ -135,6 +145,9 @@ class Mailboxes(PushStream):
         if self._queues is not None:
             for delivery in response.deliveries:
                 self._received_until[delivery.mailbox] = delivery.offset + 1
+                self._delivered_until[delivery.mailbox] = max(
+                    delivery.offset + 1, self._delivered_until.get(delivery.mailbox, 0)
+                )
         self._confirmed = max(self._confirmed, response.mailboxes_added)
         self._acked_sequence = max(self._acked_sequence, response.acked_sequence)
 

@@ -15,7 +15,7 @@ meanwhile does not cancel it), then goes on on the new stream.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, List, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Dict, List, Optional, TypeVar
 
 import grpc
 import grpc.aio
@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+INFO_CHECKS_AT_ONCE = 64
+"""After a move, how many `GetQueueInfo` calls the stream makes at once to learn whether a
+queue it delivered from was deleted meanwhile (`PushStream._end_if_deleted`)."""
 MOVES_PER_CALL_MAX = 10
 """Most moves one call of a following stream makes before it gives up (its new node going
 away each time)."""
@@ -111,6 +114,40 @@ class PushStream:
         raise self._ended or make_error(ErrorCode.UNAVAILABLE, "the subscription is closed")
 
     # ---- following the cluster
+
+    async def _end_if_deleted(self, member: "Client", delivered: Dict[bytes, int]) -> bool:
+        """After a move through `member`: whether a queue the stream delivered from was
+        deleted while it moved (`delivered`: each such queue and the offset after the last
+        message delivered from it). A delete the old stream did not live to see is not seen
+        by the new one either (the queue is then one that does not exist, or a new one under
+        the name), so the stream asks: a queue that does not exist, or whose next offset is
+        below what was delivered, was deleted, and the stream ends with FAILED_PRECONDITION as
+        a server ends one whose queue it deletes. (A queue created again with more messages
+        than were delivered is not told apart.)"""
+        names = list(delivered)
+        for start in range(0, len(names), INFO_CHECKS_AT_ONCE):
+            chunk = names[start : start + INFO_CHECKS_AT_ONCE]
+            infos = await asyncio.gather(
+                *(member.queue_info(name) for name in chunk), return_exceptions=True
+            )
+            for name, info in zip(chunk, infos):
+                gone = (
+                    isinstance(info, LeveeError) and info.code == ErrorCode.NOT_FOUND
+                ) or (not isinstance(info, BaseException) and info.next_offset < delivered[name])
+                if isinstance(info, BaseException) and not gone:
+                    raise info
+                if gone:
+                    await self._detach()
+                    self._clean_end = False
+                    self._ended = make_error(
+                        ErrorCode.FAILED_PRECONDITION,
+                        f"queue '{name.decode(errors='replace')}' was deleted while this "
+                        "stream moved to another node: its messages and the consumer's "
+                        "position on it are gone; open the stream again to read a queue "
+                        "created again under the name, from offset 0",
+                    )
+                    return True
+        return False
 
     async def _follow(self, seed: "Client") -> None:
         """Makes this stream, opened through `seed`, follow the cluster (its members are

@@ -49,6 +49,9 @@ class Subscription(PushStream):
         self._start(first)
         # What the subscription was opened with (queue, consumer, credit): to open it again.
         self._opened = opened
+        # The offset after the last message delivered, over every stream (after a move, a
+        # queue deleted meanwhile is told by it); 0 before any.
+        self._delivered_until = self._received_until if first.deliveries else 0
         super().__init__(stream)
 
     def _start(self, first: Any) -> None:
@@ -115,12 +118,16 @@ class Subscription(PushStream):
         stream, first = await self._open_stream(member, *self._opened)
         self._start(first)
         self._attach(stream)
+        if self._delivered_until > 0:
+            await self._end_if_deleted(member, {self._opened[0]: self._delivered_until})
+        self._delivered_until = max(self._delivered_until, self._received_until)
         return True
 
     def _take(self, response: Any) -> None:
         self._received.extend(Delivery(d.offset, d.payload) for d in response.deliveries)
         if response.deliveries:
             self._received_until = max(self._received_until, response.deliveries[-1].offset + 1)
+            self._delivered_until = max(self._delivered_until, self._received_until)
         if response.acked_offset > self._acked_offset:
             self._acked_offset = response.acked_offset
 
