@@ -550,7 +550,13 @@ impl Client {
     /// on, for up to 30 s per move. Delivery resumes after the consumer's last confirmed ack:
     /// messages taken or acked but not confirmed are delivered again (at least once); in a
     /// cluster that replicates its queues, no message whose ack was confirmed is delivered
-    /// again (docs/CLUSTER.md, "Consumers' positions").
+    /// again (docs/CLUSTER.md, "Consumers' positions"). A queue deleted while the stream moved
+    /// (its node went away before it applied the delete, so neither stream hears of it) ends
+    /// the stream with `FAILED_PRECONDITION`, as a server ends one whose queue it deletes:
+    /// after each move the stream asks the new node (`GetQueueInfo`, 64 at a time) whether
+    /// each queue it delivered from still exists, at least as far as it delivered (a queue
+    /// created again with more messages than were delivered is not told apart). The same
+    /// holds for [`Client::subscribe_following`].
     pub async fn subscribe_many_following(
         &self,
         consumer: &str,

@@ -61,6 +61,11 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
      * move, their deliveries sent before the remove again reached the server are dropped.
      */
     private Set<Integer> removedBeforeMove = Set.of();
+    /**
+     * Of a following stream: the offset after the last message handed out, by mailbox, over
+     * every call (under {@link #lock}): after a move, a queue deleted meanwhile is told by it.
+     */
+    private final Map<Integer, Long> deliveredUntil = new LinkedHashMap<>();
     /** Deliveries dropped and their payload bytes (under {@link #lock}), whose credit goes back. */
     private long droppedMessages;
     private long droppedBytes;
@@ -113,6 +118,20 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
             abandon("the stream could not add its queues again: " + failed.description());
             throw failed;
         }
+        List<byte[]> delivered = new ArrayList<>();
+        List<Long> until = new ArrayList<>();
+        lock.lock();
+        try {
+            for (Map.Entry<Integer, Long> entry : deliveredUntil.entrySet()) {
+                if (!mailboxesRemoved.contains(entry.getKey())) {
+                    delivered.add(queuesAdded.get(entry.getKey()));
+                    until.add(entry.getValue());
+                }
+            }
+        } finally {
+            lock.unlock();
+        }
+        endIfDeleted(member, delivered, until);
     }
 
     @Override
@@ -292,6 +311,14 @@ public final class Mailboxes extends PushStream<SubscribeManyRequest, SubscribeM
         }
         takenMessages++;
         takenBytes += delivery.payload().length;
+        if (following != null) {
+            lock.lock();
+            try {
+                deliveredUntil.merge(delivery.mailbox(), delivery.offset() + 1, Math::max);
+            } finally {
+                lock.unlock();
+            }
+        }
         if (takenMessages >= (creditMessages + 1) / 2) {
             grantCredit();
         }

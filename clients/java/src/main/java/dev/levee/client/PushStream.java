@@ -183,6 +183,52 @@ abstract class PushStream<RequestT, ResponseT> {
         }
     }
 
+    /**
+     * After a move through {@code member}: ends the stream with FAILED_PRECONDITION, as a server
+     * ends one whose queue it deletes, when a queue it delivered from was deleted while it
+     * moved ({@code queues} and, at the same places, {@code deliveredUntil}: the offset after
+     * the last message delivered from each). A delete the old call did not live to see is not
+     * seen by the new one either (the queue is then one that does not exist, or a new one under
+     * the name), so the stream asks: a queue that does not exist, or whose next offset is below
+     * what was delivered, was deleted. (A queue created again with more messages than were
+     * delivered is not told apart.) Another failure of the calls is thrown, as the member
+     * refusing the stream.
+     */
+    protected void endIfDeleted(LeveeClient member, java.util.List<byte[]> queues, java.util.List<Long> deliveredUntil) {
+        for (int index = 0; index < queues.size(); index++) {
+            byte[] queue = queues.get(index);
+            boolean gone;
+            try {
+                gone = member.queueInfo(queue).getNextOffset() < deliveredUntil.get(index);
+            } catch (LeveeException failed) {
+                if (failed.code() != ErrorCode.ERROR_CODE_NOT_FOUND) {
+                    throw failed;
+                }
+                gone = true;
+            }
+            if (gone) {
+                Call call;
+                lock.lock();
+                try {
+                    call = current;
+                    cleanEnd = false;
+                    ended = LeveeException.of(ErrorCode.ERROR_CODE_FAILED_PRECONDITION, "queue '"
+                            + new String(queue, java.nio.charset.StandardCharsets.UTF_8)
+                            + "' was deleted while this stream moved to another node: its messages and the "
+                            + "consumer's position on it are gone; open the stream again to read a queue created "
+                            + "again under the name, from offset 0");
+                    changed.signalAll();
+                } finally {
+                    lock.unlock();
+                }
+                if (call != null) {
+                    call.cancel("a queue of the stream was deleted while it moved");
+                }
+                return;
+            }
+        }
+    }
+
     /** Throws the stream's end, if it has ended. Call under {@link #lock}. */
     protected void raiseIfEnded() {
         if (ended != null) {

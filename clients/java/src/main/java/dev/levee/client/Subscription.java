@@ -10,6 +10,7 @@ import dev.levee.v1.SubscribeResponse;
 import dev.levee.v1.SubscribeStart;
 import java.time.Duration;
 import java.util.ArrayDeque;
+import java.util.List;
 
 /**
  * One consumer's mailbox stream on one queue, with credits and acks.
@@ -30,6 +31,11 @@ public final class Subscription extends PushStream<SubscribeRequest, SubscribeRe
     private final ArrayDeque<long[]> unacked = new ArrayDeque<>();
     private long ackedOffset;
     private long startOffset = -1;
+    /**
+     * The offset after the last message handed out, over every call (0 before any; under
+     * {@link #lock}): after a move, a queue deleted meanwhile is told by it.
+     */
+    private long deliveredUntil;
 
     private Subscription(LeveeClient client, byte[] queue, String consumer, int creditMessages) {
         this.client = client;
@@ -83,6 +89,16 @@ public final class Subscription extends PushStream<SubscribeRequest, SubscribeRe
     @Override
     protected void reopenThrough(LeveeClient member, long waitNanos) {
         begin(member, waitNanos);
+        long until;
+        lock.lock();
+        try {
+            until = deliveredUntil;
+        } finally {
+            lock.unlock();
+        }
+        if (until > 0) {
+            endIfDeleted(member, List.of(queue), List.of(until));
+        }
     }
 
     @Override
@@ -146,6 +162,7 @@ public final class Subscription extends PushStream<SubscribeRequest, SubscribeRe
                 Delivery delivery = received.poll();
                 if (delivery != null) {
                     unacked.add(new long[] {delivery.offset(), delivery.payload().length});
+                    deliveredUntil = Math.max(deliveredUntil, delivery.offset() + 1);
                     return delivery;
                 }
                 if (ended != null) {

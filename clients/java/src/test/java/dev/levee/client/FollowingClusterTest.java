@@ -200,6 +200,92 @@ class FollowingClusterTest {
         }
     }
 
+    /**
+     * Takes deliveries of {@code next} until it throws (bounded by count and time), each one's
+     * payload one of {@code allowed}; what it threw.
+     */
+    private static LeveeException endOf(java.util.function.Supplier<byte[]> next, List<String> allowed) {
+        long deadline = System.nanoTime() + TimeUnit.MILLISECONDS.toNanos(RECEIVE_MS);
+        for (int tries = 0; tries < 100 && System.nanoTime() < deadline; tries++) {
+            try {
+                byte[] payload = next.get();
+                if (payload != null) {
+                    assertTrue(allowed.contains(new String(payload, StandardCharsets.UTF_8)), new String(payload, StandardCharsets.UTF_8));
+                }
+            } catch (LeveeException ended) {
+                return ended;
+            }
+        }
+        throw new AssertionError("the stream did not end within " + RECEIVE_MS + " ms");
+    }
+
+    @Test
+    @Timeout(value = 120, unit = TimeUnit.SECONDS)
+    void given_a_queue_deleted_while_following_streams_move_should_end_them_saying_so() throws Exception {
+        List<LeveeServer> nodes = new ArrayList<>();
+        List<LeveeClient> clients = new ArrayList<>();
+        Mailboxes many = null;
+        Subscription single = null;
+        try {
+            ReplicatedCluster.threeNodes(nodes, SHARDS);
+            for (LeveeServer node : nodes) {
+                clients.add(LeveeClient.connect(node.grpcAddr));
+            }
+            ReplicatedCluster.waitSettled(clients, SHARDS);
+            clients.get(0).append(bytes("vanishing"), bytes("soon gone"));
+            clients.get(0).append(bytes("staying"), bytes("here"));
+            LeveeClient second = clients.get(1);
+            single = second.subscribeFollowing(bytes("vanishing"), "vanishing-reader", 10);
+            assertEquals("soon gone", new String(single.next(Duration.ofSeconds(30)).payload(), StandardCharsets.UTF_8));
+            many = second.subscribeManyFollowing("vanishing-many", 10);
+            assertEquals(List.of(0, 1), many.add(List.of(bytes("vanishing"), bytes("staying"))));
+            Map<Integer, List<Long>> before = receive(many, 2, 1);
+            assertEquals(Map.of(0, List.of(0L), 1, List.of(0L)), before);
+
+            // Node 2 paused: the delete goes through nodes 1 and 3 and node 2's streams never
+            // hear of it; then node 2 dies and the streams move. Opened again elsewhere they
+            // ask whether the queues they delivered from still exist, and end as a server ends
+            // a stream whose queue it deletes.
+            nodes.get(1).pause();
+            boolean deleted;
+            try {
+                deleted = clients.get(0).deleteQueue(bytes("vanishing"));
+            } finally {
+                nodes.get(1).kill();
+            }
+            assertTrue(deleted);
+            // What the new streams sent before they ended may come first (a node that had not
+            // applied the delete yet may deliver the message again: at least once).
+            Subscription singleStream = single;
+            Mailboxes manyStream = many;
+            for (LeveeException ended : List.of(
+                    endOf(() -> {
+                        Delivery delivery = singleStream.next(Duration.ofSeconds(1));
+                        return delivery == null ? null : delivery.payload();
+                    }, List.of("soon gone")),
+                    endOf(() -> {
+                        MailboxDelivery delivery = manyStream.next(Duration.ofSeconds(1));
+                        return delivery == null ? null : delivery.payload();
+                    }, List.of("soon gone", "here")))) {
+                assertEquals(ErrorCode.ERROR_CODE_FAILED_PRECONDITION, ended.code(), ended.toString());
+                assertTrue(ended.description().contains("deleted while this stream moved"), ended.description());
+            }
+        } finally {
+            if (many != null) {
+                many.close();
+            }
+            if (single != null) {
+                single.close();
+            }
+            for (LeveeClient client : clients) {
+                client.close();
+            }
+            for (LeveeServer node : nodes) {
+                node.close();
+            }
+        }
+    }
+
     @Test
     @Timeout(value = 60, unit = TimeUnit.SECONDS)
     void given_following_streams_when_the_server_refuses_an_ack_should_end_them_as_plain_streams() throws Exception {

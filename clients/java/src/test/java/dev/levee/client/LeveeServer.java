@@ -115,6 +115,16 @@ final class LeveeServer implements AutoCloseable {
         }
     }
 
+    /** Pauses the process (SIGSTOP): it neither answers nor notices anything until killed. */
+    void pause() throws Exception {
+        if (process != null && process.isAlive()) {
+            int status = new ProcessBuilder("kill", "-STOP", Long.toString(process.pid())).inheritIO().start().waitFor();
+            if (status != 0) {
+                throw new IllegalStateException("kill -STOP " + process.pid() + " exited with " + status);
+            }
+        }
+    }
+
     /** Kills the process at once (SIGKILL, as kill -9) and waits for it to end. */
     void kill() throws InterruptedException {
         if (process != null && process.isAlive()) {
