@@ -160,7 +160,7 @@ pub(crate) async fn deleted_meanwhile(
 }
 
 /// The error that ends a following stream whose `queue` was deleted while it moved.
-pub(crate) fn deleted_while_moving(queue: &[u8]) -> ClientError {
+pub(crate) fn deleted_while_moving(queue: &[u8]) -> levee_proto::WireError {
     levee_proto::WireError::new(
         ErrorCode::FailedPrecondition,
         format!(
@@ -170,5 +170,4 @@ pub(crate) fn deleted_while_moving(queue: &[u8]) -> ClientError {
             String::from_utf8_lossy(queue)
         ),
     )
-    .into()
 }

@@ -141,11 +141,9 @@ impl Mailboxes {
         };
         if let Some(queue) = deleted {
             let ended = deleted_while_moving(&queue);
-            if let ClientError::Server(wire) = &ended {
-                following.ended = Some(wire.clone());
-            }
+            following.ended = Some(ended.clone());
             self.following = Some(following);
-            return Err(ended);
+            return Err(ended.into());
         }
         // Removed mailboxes' messages the new stream sent before their removal reached it are
         // not handed out (their credit goes back).

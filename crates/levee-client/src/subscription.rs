@@ -154,11 +154,9 @@ impl Subscription {
         following.moved = true;
         if let Some(queue) = deleted {
             let ended = deleted_while_moving(&queue);
-            if let ClientError::Server(wire) = &ended {
-                following.ended = Some(wire.clone());
-            }
+            following.ended = Some(ended.clone());
             self.following = Some(following);
-            return Err(ended);
+            return Err(ended.into());
         }
         fresh.following = Some(following);
         *self = fresh;
