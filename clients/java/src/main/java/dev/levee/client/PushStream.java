@@ -22,6 +22,12 @@ abstract class PushStream<RequestT, ResponseT> {
     /** Most moves one call of a following stream makes before it gives up. */
     static final int MOVES_PER_CALL_MAX = 8;
 
+    /**
+     * After a move, how many {@code GetQueueInfo} calls the stream makes at once to learn whether
+     * a queue it delivered from was deleted meanwhile ({@link #endIfDeleted}).
+     */
+    static final int INFO_CHECKS_AT_ONCE = 64;
+
     protected final ReentrantLock lock = new ReentrantLock();
     protected final Condition changed = lock.newCondition();
     private final Object writeLock = new Object();
@@ -195,37 +201,71 @@ abstract class PushStream<RequestT, ResponseT> {
      * refusing the stream.
      */
     protected void endIfDeleted(LeveeClient member, java.util.List<byte[]> queues, java.util.List<Long> deliveredUntil) {
-        for (int index = 0; index < queues.size(); index++) {
-            byte[] queue = queues.get(index);
-            boolean gone;
-            try {
-                gone = member.queueInfo(queue).getNextOffset() < deliveredUntil.get(index);
-            } catch (LeveeException failed) {
-                if (failed.code() != ErrorCode.ERROR_CODE_NOT_FOUND) {
-                    throw failed;
-                }
-                gone = true;
+        dev.levee.v1.QueuesGrpc.QueuesFutureStub stub = dev.levee.v1.QueuesGrpc.newFutureStub(member.channel());
+        long timeoutMillis = member.options().requestTimeout().toMillis();
+        for (int start = 0; start < queues.size(); start += INFO_CHECKS_AT_ONCE) {
+            int end = Math.min(queues.size(), start + INFO_CHECKS_AT_ONCE);
+            java.util.List<java.util.concurrent.Future<dev.levee.v1.GetQueueInfoResponse>> asked = new java.util.ArrayList<>();
+            for (int index = start; index < end; index++) {
+                asked.add(stub.withDeadline(io.grpc.Deadline.after(timeoutMillis, TimeUnit.MILLISECONDS))
+                        .getQueueInfo(dev.levee.v1.GetQueueInfoRequest.newBuilder()
+                                .setQueue(com.google.protobuf.ByteString.copyFrom(queues.get(index))).build()));
             }
-            if (gone) {
-                Call call;
-                lock.lock();
+            long deadline = System.nanoTime() + TimeUnit.MILLISECONDS.toNanos(timeoutMillis);
+            for (int index = start; index < end; index++) {
+                byte[] queue = queues.get(index);
+                boolean gone;
                 try {
-                    call = current;
-                    cleanEnd = false;
-                    ended = LeveeException.of(ErrorCode.ERROR_CODE_FAILED_PRECONDITION, "queue '"
-                            + new String(queue, java.nio.charset.StandardCharsets.UTF_8)
-                            + "' was deleted while this stream moved to another node: its messages and the "
-                            + "consumer's position on it are gone; open the stream again to read a queue created "
-                            + "again under the name, from offset 0");
-                    changed.signalAll();
-                } finally {
-                    lock.unlock();
+                    gone = waitFor(asked.get(index - start), deadline).getNextOffset() < deliveredUntil.get(index);
+                } catch (LeveeException failed) {
+                    if (failed.code() != ErrorCode.ERROR_CODE_NOT_FOUND) {
+                        asked.forEach(call -> call.cancel(true));
+                        throw failed;
+                    }
+                    gone = true;
                 }
-                if (call != null) {
-                    call.cancel("a queue of the stream was deleted while it moved");
+                if (gone) {
+                    asked.forEach(call -> call.cancel(true));
+                    endDeleted(queue);
+                    return;
                 }
-                return;
             }
+        }
+    }
+
+    /** Ends the stream because {@code queue} was deleted while it moved. */
+    private void endDeleted(byte[] queue) {
+        Call call;
+        lock.lock();
+        try {
+            call = current;
+            cleanEnd = false;
+            ended = LeveeException.of(ErrorCode.ERROR_CODE_FAILED_PRECONDITION, "queue '"
+                    + new String(queue, java.nio.charset.StandardCharsets.UTF_8)
+                    + "' was deleted while this stream moved to another node: its messages and the "
+                    + "consumer's position on it are gone; open the stream again to read a queue created "
+                    + "again under the name, from offset 0");
+            changed.signalAll();
+        } finally {
+            lock.unlock();
+        }
+        if (call != null) {
+            call.cancel("a queue of the stream was deleted while it moved");
+        }
+    }
+
+    /** The answer of {@code call}, waited for until {@code deadlineNanos}; its failure as a {@link LeveeException}. */
+    private static <T> T waitFor(java.util.concurrent.Future<T> call, long deadlineNanos) {
+        try {
+            return call.get(Math.max(0, deadlineNanos - System.nanoTime()), TimeUnit.NANOSECONDS);
+        } catch (java.util.concurrent.ExecutionException failed) {
+            throw WireErrors.from(failed.getCause());
+        } catch (java.util.concurrent.TimeoutException late) {
+            call.cancel(true);
+            throw LeveeException.of(ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED, "no answer to GetQueueInfo in time");
+        } catch (InterruptedException interrupted) {
+            Thread.currentThread().interrupt();
+            throw LeveeException.of(ErrorCode.ERROR_CODE_UNAVAILABLE, "interrupted while asking whether a queue was deleted");
         }
     }
 
