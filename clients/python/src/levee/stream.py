@@ -115,8 +115,8 @@ class PushStream:
 
     # ---- following the cluster
 
-    async def _end_if_deleted(self, member: "Client", delivered: Dict[bytes, int]) -> bool:
-        """After a move through `member`: whether a queue the stream delivered from was
+    async def _end_if_deleted(self, member: "Client", delivered: Dict[bytes, int]) -> None:
+        """After a move through `member`: ends the stream when a queue it delivered from was
         deleted while it moved (`delivered`: each such queue and the offset after the last
         message delivered from it). A delete the old stream did not live to see is not seen
         by the new one either (the queue is then one that does not exist, or a new one under
@@ -146,8 +146,7 @@ class PushStream:
                         "position on it are gone; open the stream again to read a queue "
                         "created again under the name, from offset 0",
                     )
-                    return True
-        return False
+                    return
 
     async def _follow(self, seed: "Client") -> None:
         """Makes this stream, opened through `seed`, follow the cluster (its members are
