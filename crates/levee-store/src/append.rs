@@ -48,7 +48,7 @@ impl Store {
     /// [`SyncPolicy::Always`] it returns after the message is fsynced.
     pub fn append(&self, queue: &[u8], message: &[u8]) -> Result<u64, WriteError> {
         let (offset, ticket) = self.append_deferred(queue, message)?;
-        if self.inner.options.sync == SyncPolicy::Always {
+        if self.inner.sync() == SyncPolicy::Always {
             self.inner.wait_round(ticket.round)?;
         }
         Ok(offset)
@@ -60,7 +60,7 @@ impl Store {
     /// buffered grouped by lock shard, not in batch order).
     pub fn append_batch(&self, batch: &[(&[u8], &[u8])]) -> Result<Vec<u64>, WriteError> {
         let (offsets, ticket) = self.append_batch_deferred(batch)?;
-        if self.inner.options.sync == SyncPolicy::Always && !batch.is_empty() {
+        if self.inner.sync() == SyncPolicy::Always && !batch.is_empty() {
             self.inner.wait_round(ticket.round)?;
         }
         Ok(offsets)
@@ -171,7 +171,7 @@ impl Inner {
     /// intervals behind (back-pressure that keeps "fsynced within the interval" close to
     /// true under overload); fails fast on a full disk or a poisoned store.
     fn wait_for_late_rounds(&self) -> Result<(), WriteError> {
-        let SyncPolicy::Interval { interval_ms } = self.options.sync else {
+        let SyncPolicy::Interval { interval_ms } = self.sync() else {
             return Ok(());
         };
         let late_ms = interval_ms.saturating_mul(INTERVAL_LATE_FACTOR);
@@ -418,7 +418,7 @@ impl Inner {
         let before = self
             .direct_unwritten_bytes
             .fetch_add(direct_bytes, Ordering::Relaxed);
-        if self.options.sync != SyncPolicy::Always
+        if self.sync() != SyncPolicy::Always
             && before + direct_bytes >= self.options.buffer_budget_bytes / DIRECT_ROUND_DIVISOR
             && self.wanted_round.fetch_max(round, Ordering::SeqCst) < round
         {
@@ -430,7 +430,7 @@ impl Inner {
     /// Tells the committer that a shard log grew; under `always` wakes it.
     fn note_log_appended(&self) {
         self.log_pending.fetch_add(1, Ordering::SeqCst);
-        if self.options.sync == SyncPolicy::Always {
+        if self.sync() == SyncPolicy::Always {
             self.wake_committer();
         }
     }

@@ -149,7 +149,7 @@ impl Inner {
             // Under `always` only fsynced messages are visible (the indexed chunks); under
             // `interval` acknowledged messages still in the buffer are too.
             disk_end = state.disk_end_offset();
-            let visible_end = match self.options.sync {
+            let visible_end = match self.sync() {
                 SyncPolicy::Always => state.buffer.as_ref().map_or(disk_end, |buffer| {
                     buffer.logged_through(self.completed_round.load(Ordering::SeqCst))
                 }),

@@ -20,9 +20,9 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crate::committer::{self, Writer};
-use crate::error::{InputError, OpenError, WriteError};
+use crate::error::{InputError, OpenError, OptionsError, WriteError};
 use crate::format::{self, QUEUE_NAME_BYTES_MAX};
-use crate::options::StoreOptions;
+use crate::options::{StoreOptions, SyncPolicy};
 use crate::queue::{ChunkEntry, QueueState, SpareBuffers, WriteBuffer};
 use crate::recovery::{self, OpenReport};
 use crate::storage::{OsStorage, Storage, StorageFile};
@@ -155,7 +155,10 @@ pub(crate) struct Counters {
 
 #[derive(Debug)]
 pub(crate) struct Inner {
+    /// As opened; the sync policy in force is `sync` ([`Store::set_sync_policy`]).
     pub options: StoreOptions,
+    /// The sync policy in force, encoded by [`encode_sync`].
+    pub sync: AtomicU64,
     pub storage: Arc<dyn Storage>,
     pub hasher: foldhash::fast::FixedState,
     pub shards: Box<[Mutex<Shard>]>,
@@ -318,6 +321,7 @@ impl Store {
         options.validate()?;
         let recovered = recovery::recover(storage.as_ref(), &options)?;
         let inner = Arc::new(Inner {
+            sync: AtomicU64::new(encode_sync(options.sync)),
             options,
             storage,
             hasher: shard_hasher(),
@@ -547,6 +551,32 @@ impl Store {
         &self.inner.options
     }
 
+    /// The sync policy in force: the options' until [`Store::set_sync_policy`] changes it.
+    pub fn sync_policy(&self) -> SyncPolicy {
+        self.inner.sync()
+    }
+
+    /// Changes the sync policy of the open store. Appends that already wait for their
+    /// round keep waiting for it; from then on appends, reads and the committer follow the
+    /// new policy (a commit round started before the change finishes under the old one). A
+    /// node whose queues are rebuilt from elsewhere after a crash (a replicated cluster's,
+    /// from its shards' Raft logs) sets `interval` so that the store's copy is fsynced
+    /// lazily. Refuses an interval outside 1 to [`crate::SYNC_INTERVAL_MS_MAX`] ms.
+    pub fn set_sync_policy(&self, policy: SyncPolicy) -> Result<(), OptionsError> {
+        StoreOptions {
+            sync: policy,
+            ..self.inner.options.clone()
+        }
+        .validate()?;
+        // Late-round back-pressure under `interval` measures from the last durable moment.
+        self.inner
+            .durable_through_ms
+            .fetch_max(self.inner.elapsed_ms(), Ordering::Release);
+        self.inner.sync.store(encode_sync(policy), Ordering::SeqCst);
+        self.inner.wake_committer();
+        Ok(())
+    }
+
     /// Counters and sizes.
     pub fn stats(&self) -> StoreStats {
         let counters = &self.inner.counters;
@@ -765,6 +795,26 @@ impl Inner {
                 .committed
                 .wait(commit)
                 .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+}
+
+/// A sync policy as one number: 0 for `always`, the interval plus one for `interval`.
+fn encode_sync(policy: SyncPolicy) -> u64 {
+    match policy {
+        SyncPolicy::Always => 0,
+        SyncPolicy::Interval { interval_ms } => interval_ms.saturating_add(1),
+    }
+}
+
+impl Inner {
+    /// The sync policy in force.
+    pub(crate) fn sync(&self) -> SyncPolicy {
+        match self.sync.load(Ordering::SeqCst) {
+            0 => SyncPolicy::Always,
+            encoded => SyncPolicy::Interval {
+                interval_ms: encoded - 1,
+            },
         }
     }
 }

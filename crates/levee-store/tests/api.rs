@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use levee_store::{
-    CrashMode, Fault, InputError, OpenError, Retention, SimulatedDisk, Storage, StorageFile, Store,
-    StoreOptions, SyncPolicy, WriteError, format,
+    CrashMode, Fault, InputError, OpenError, OptionsError, Retention, SimulatedDisk, Storage,
+    StorageFile, Store, StoreOptions, SyncPolicy, WriteError, format,
 };
 
 fn tiny() -> StoreOptions {
@@ -1872,4 +1872,83 @@ fn given_a_done_offset_when_retention_runs_should_remove_only_chunks_wholly_belo
         store.enforce_retention(0, none).unwrap().messages_removed,
         0
     );
+}
+
+#[test]
+fn given_a_store_switched_from_always_to_interval_then_appends_are_readable_before_their_fsync() {
+    let lazy = SyncPolicy::Interval {
+        interval_ms: 60_000,
+    };
+    // Each store appends the same way; the first crashes before waiting for its ticket.
+    for wait in [false, true] {
+        let disk = SimulatedDisk::new();
+        let store = open_sim(&disk, tiny());
+        store.append(b"q", b"durable").unwrap();
+        store.set_sync_policy(lazy).unwrap();
+        assert_eq!(store.sync_policy(), lazy);
+        assert_eq!(
+            store.options().sync,
+            SyncPolicy::Always,
+            "the options as opened"
+        );
+        // Within the minute-long interval no round runs unless asked: readable, not fsynced.
+        let (offset, ticket) = store.append_deferred(b"q", b"buffered").unwrap();
+        assert_eq!(offset, 1);
+        assert_eq!(
+            read_all(&store, b"q"),
+            vec![b"durable".to_vec(), b"buffered".to_vec()]
+        );
+        if wait {
+            store.wait_durable(ticket).unwrap();
+        }
+        let crashed = disk.crash(CrashMode::DropUnsynced, 5);
+        drop(store);
+        let mut expected = vec![b"durable".to_vec()];
+        if wait {
+            expected.push(b"buffered".to_vec());
+        }
+        assert_eq!(
+            read_all(&open_sim(&crashed, tiny()), b"q"),
+            expected,
+            "durable only once its ticket was waited for (waited: {wait})"
+        );
+    }
+}
+
+#[test]
+fn given_a_store_switched_back_to_always_then_an_unsynced_append_is_not_readable() {
+    let disk = SimulatedDisk::new();
+    let store = open_sim(
+        &disk,
+        StoreOptions {
+            sync: SyncPolicy::Interval { interval_ms: 5 },
+            ..tiny()
+        },
+    );
+    store.set_sync_policy(SyncPolicy::Always).unwrap();
+    store.append(b"q", b"durable").unwrap();
+    disk.set_fault(Fault::NoSpace);
+    let (_, ticket) = store.append_deferred(b"q", b"doomed").unwrap();
+    assert_eq!(
+        read_all(&store, b"q"),
+        vec![b"durable".to_vec()],
+        "only fsynced data under always"
+    );
+    assert!(matches!(
+        store.wait_durable(ticket),
+        Err(WriteError::StorageFull { .. })
+    ));
+}
+
+#[test]
+fn given_an_interval_out_of_bounds_when_set_then_it_is_refused_and_the_policy_kept() {
+    let store = open_sim(&SimulatedDisk::new(), tiny());
+    for interval_ms in [0, levee_store::SYNC_INTERVAL_MS_MAX + 1] {
+        let refused = store.set_sync_policy(SyncPolicy::Interval { interval_ms });
+        assert!(
+            matches!(refused, Err(OptionsError::SyncInterval(ms)) if ms == interval_ms),
+            "{refused:?}"
+        );
+    }
+    assert_eq!(store.sync_policy(), SyncPolicy::Always);
 }

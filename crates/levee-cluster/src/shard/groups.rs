@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use levee_proto::peer_v1::{ShardCall, ShardMessage};
-use levee_store::Store;
+use levee_store::{Store, SyncPolicy};
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::{ChangeMembers, ServerState, SnapshotPolicy};
 use serde::{Deserialize, Serialize};
@@ -273,9 +273,19 @@ pub fn shard_raft_config(
     .map_err(|error| error.to_string())
 }
 
+/// The fsync interval of a store whose queues the shards hold, when it was opened under
+/// `always` (see [`ShardGroups::open`]).
+pub const SHARD_STORE_SYNC_MS: u64 = 10;
+
 impl ShardGroups {
     /// Opens `shards` shard instances for node `node_id`: their logs in one keyspace in
     /// `directory`, their state machines over `store`.
+    ///
+    /// A `store` under `always` is switched to `interval(`[`SHARD_STORE_SYNC_MS`]`)`: the
+    /// shards' logs make an acknowledged append durable (fsynced on a majority of replicas),
+    /// and every state machine rebuilds what a crash took from the store out of its log and
+    /// its apply record, so the store's own copy need not be fsynced before an apply
+    /// answers (docs/CLUSTER.md, "The state machine").
     pub async fn open(
         (node_id, shards): (NodeId, u32),
         (directory, store): (&Path, &Arc<Store>),
@@ -283,6 +293,17 @@ impl ShardGroups {
         dialer: PeerDialer,
         observer: Arc<dyn ShardObserver>,
     ) -> Result<Self, String> {
+        if store.sync_policy() == SyncPolicy::Always {
+            store
+                .set_sync_policy(SyncPolicy::Interval {
+                    interval_ms: SHARD_STORE_SYNC_MS,
+                })
+                .map_err(|error| format!("the store's sync policy: {error}"))?;
+            tracing::info!(
+                interval_ms = SHARD_STORE_SYNC_MS,
+                "the queue store holds shard copies rebuilt from their logs: it fsyncs on an interval"
+            );
+        }
         let keyspace = open_keyspace(directory).map_err(|error| error.to_string())?;
         let syncer = JournalSyncer::start(keyspace.clone())
             .map_err(|error| format!("the shard logs' sync thread: {error}"))?;

@@ -1,9 +1,12 @@
 //! [`ShardStateMachine`]: a shard's queues, applied from its log to the node's queue store.
 //!
 //! The Raft log already holds the messages durably; the store's copy is what readers and
-//! subscriptions are served from. Under `queue_sync = always` a batch is applied once the
-//! store has fsynced it (reads there see fsynced messages only, and an answered append must be
-//! readable); under `interval` the store fsyncs on its interval. What makes a restart exact is
+//! subscriptions are served from. The store a node's shards open over runs under `interval`
+//! ([`crate::shard::groups::ShardGroups::open`] switches one opened under `always`): a batch
+//! is applied once buffered there (readable at once), and the store fsyncs on its interval.
+//! Over a store under `always` (tests that open one directly) a batch is applied once the
+//! store has fsynced it, since reads there see fsynced messages only and an answered append
+//! must be readable. What makes a restart exact is
 //! the **apply record**, kept in the shard's log partition and fsynced (in the shard logs'
 //! group commit) before a batch of entries touches the store: the batch's log range, the
 //! membership after it, and where each of its queues stood before it (the queue's next
@@ -756,7 +759,7 @@ impl ShardStateMachine {
             applied.membership.clone(),
         );
         self.publish_delays(&applied.wheel);
-        let always = self.store.options().sync == SyncPolicy::Always;
+        let always = self.store.sync_policy() == SyncPolicy::Always;
         if plan.batch.is_empty() {
             // Positions only: applied again after a crash (the largest wins), nothing to record.
             self.record_positions(&positions, always, &mut applied.positions_ticket)?;

@@ -66,6 +66,10 @@ struct Committer<'a> {
     inner: &'a Inner,
     writer: Writer,
     last_round: Instant,
+    /// The sync policy's interval the current round runs under (taken when it is planned,
+    /// so that a round is handled under one policy if [`crate::Store::set_sync_policy`]
+    /// changes it meanwhile); `None` under `always`.
+    round_interval: Option<Duration>,
     /// Every log record still needed (its messages not yet in a chunk) is in this segment or
     /// a later one; older segments may be deleted once they hold no live chunk.
     log_floor: u32,
@@ -135,6 +139,7 @@ fn run(inner: &Inner, writer: Writer, log_floor: u32, floor: LogFloor) {
         inner,
         writer,
         last_round: Instant::now(),
+        round_interval: interval_of(inner.sync()),
         log_floor,
         checkpoint_wanted: false,
         backing_off: false,
@@ -188,12 +193,18 @@ fn is_no_space(error: &io::Error) -> bool {
     error.kind() == io::ErrorKind::StorageFull || error.raw_os_error() == Some(28)
 }
 
+/// The interval of a sync policy; `None` under `always`.
+fn interval_of(policy: SyncPolicy) -> Option<Duration> {
+    match policy {
+        SyncPolicy::Always => None,
+        SyncPolicy::Interval { interval_ms } => Some(Duration::from_millis(interval_ms)),
+    }
+}
+
 impl Committer<'_> {
+    /// The interval of the round under way (see `round_interval`).
     fn interval(&self) -> Option<Duration> {
-        match self.inner.options.sync {
-            SyncPolicy::Always => None,
-            SyncPolicy::Interval { interval_ms } => Some(Duration::from_millis(interval_ms)),
-        }
+        self.round_interval
     }
 
     fn complete(&self, round: u64, error: Option<WriteError>) {

@@ -38,10 +38,11 @@ pub(super) struct Plan {
 impl Committer<'_> {
     /// Sleeps until there is work and takes it.
     pub(super) fn next_plan(&mut self) -> Plan {
-        let interval = self.interval();
         let inner = self.inner;
         let mut pending = lock(&inner.pending);
         loop {
+            // Read each time: `Store::set_sync_policy` may change it (and wakes us).
+            let interval = super::interval_of(inner.sync());
             // Set before looking for work, so an appender that publishes work after the look
             // sees the flag and wakes us (see `Inner::wake_committer`).
             inner.committer_sleeping.store(true, Ordering::SeqCst);
@@ -59,6 +60,7 @@ impl Committer<'_> {
             let wanted = inner.wanted_round.load(Ordering::SeqCst)
                 > inner.rounds_started.load(Ordering::SeqCst);
             if due || is_checkpoint || wanted || pending.budget_flush_requested {
+                self.round_interval = interval;
                 self.idle_since = None;
                 inner.committer_sleeping.store(false, Ordering::SeqCst);
                 let round = inner.rounds_started.fetch_add(1, Ordering::SeqCst) + 1;
