@@ -3,7 +3,18 @@
 //! syncer: one thread fsyncs the journal once for every request that arrived while the last
 //! fsync ran, and then tells each one. Sixteen shards appending at once cost one fsync, not
 //! sixteen in a row, and a shard's Raft core does not wait on the disk while it replicates.
+//!
+//! The fsync runs outside fjall's journal lock. fjall's own `persist(SyncAll)` holds the
+//! journal's writer lock through the fsync, so every write to the keyspace (each shard's log
+//! appends, apply records, votes) would wait for the fsync under way; instead a round hands
+//! the journal's buffered bytes to the OS under the lock (`persist(Buffer)`, a write) and
+//! then fsyncs the active journal file through a handle of its own, the lock free: writes go
+//! on meanwhile, into the next round. fsync covers the file's bytes whatever handle wrote
+//! them. The active journal is the one with the largest number in the keyspace's `journals`
+//! folder (fjall 2's layout); one sealed meanwhile was fsynced by fjall when it was sealed.
 
+use std::fs::File;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Duration;
@@ -18,6 +29,10 @@ const IDLE_CHECK: Duration = Duration::from_millis(200);
 
 struct Inner {
     keyspace: Keyspace,
+    /// The keyspace's `journals` folder.
+    journals: PathBuf,
+    /// The active journal's number and a handle on it, opened on the first round.
+    journal: Mutex<Option<(u64, File)>>,
     pending: Mutex<Vec<Synced>>,
     wake: Condvar,
     stopped: AtomicBool,
@@ -37,10 +52,12 @@ impl std::fmt::Debug for JournalSyncer {
 }
 
 impl JournalSyncer {
-    /// Starts the syncing thread of `keyspace`.
-    pub fn start(keyspace: Keyspace) -> std::io::Result<Self> {
+    /// Starts the syncing thread of `keyspace`, opened in `directory`.
+    pub fn start(keyspace: Keyspace, directory: &Path) -> std::io::Result<Self> {
         let inner = Arc::new(Inner {
             keyspace,
+            journals: directory.join("journals"),
+            journal: Mutex::new(None),
             pending: Mutex::new(Vec::new()),
             wake: Condvar::new(),
             stopped: AtomicBool::new(false),
@@ -112,13 +129,89 @@ impl Inner {
         if taken.is_empty() {
             return true;
         }
-        let result = self
-            .keyspace
-            .persist(PersistMode::SyncAll)
-            .map_err(|error| error.to_string());
+        let result = self.sync_journal();
         for synced in taken {
             synced(result.clone());
         }
         true
+    }
+
+    /// Makes everything written to the keyspace so far durable, holding fjall's journal lock
+    /// only to hand its buffered bytes to the OS (see the module's text).
+    fn sync_journal(&self) -> Result<(), String> {
+        self.keyspace
+            .persist(PersistMode::Buffer)
+            .map_err(|error| error.to_string())?;
+        let newest = std::fs::read_dir(&self.journals)
+            .map_err(|error| format!("listing {}: {error}", self.journals.display()))?
+            .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u64>().ok())
+            .max()
+            .ok_or_else(|| format!("no journal in {}", self.journals.display()))?;
+        let mut journal = self.journal.lock().unwrap_or_else(PoisonError::into_inner);
+        if journal.as_ref().is_none_or(|(number, _)| *number != newest) {
+            let path = self.journals.join(newest.to_string());
+            let file = File::open(&path)
+                .map_err(|error| format!("opening {}: {error}", path.display()))?;
+            *journal = Some((newest, file));
+        }
+        let Some((number, file)) = journal.as_ref() else {
+            unreachable!("opened just above");
+        };
+        file.sync_all()
+            .map_err(|error| format!("fsyncing journal {number}: {error}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use fjall::{Config, PartitionCreateOptions};
+
+    use super::*;
+
+    /// The number of the journal the syncer last fsynced.
+    fn fsynced_journal(syncer: &JournalSyncer) -> Option<u64> {
+        syncer
+            .inner
+            .journal
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|(number, _)| *number)
+    }
+
+    #[test]
+    fn given_journals_sealed_between_rounds_then_each_round_fsyncs_the_active_one() {
+        let directory = tempfile::tempdir().expect("a directory");
+        let keyspace = Config::new(directory.path()).open().expect("a keyspace");
+        let partition = keyspace
+            .open_partition("entries", PartitionCreateOptions::default())
+            .expect("a partition");
+        let syncer = JournalSyncer::start(keyspace.clone(), directory.path()).expect("a syncer");
+        partition.insert("a", "1").expect("a write");
+        syncer.sync().expect("a round");
+        let first = fsynced_journal(&syncer).expect("a journal fsynced");
+        for round in 0..3 {
+            // Sealing the memtable seals the journal (fsynced then) and starts the next one.
+            partition.rotate_memtable().expect("a rotation");
+            partition.insert(format!("b{round}"), "2").expect("a write");
+            syncer.sync().expect("a round");
+        }
+        let last = fsynced_journal(&syncer).expect("a journal fsynced");
+        assert!(
+            last > first,
+            "the active journal after the rotations: {first} then {last}"
+        );
+        let newest = std::fs::read_dir(directory.path().join("journals"))
+            .unwrap()
+            .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u64>().ok())
+            .max();
+        assert_eq!(Some(last), newest);
+        syncer.stop();
+        drop((partition, keyspace));
+        let reopened = Config::new(directory.path()).open().expect("a keyspace");
+        let partition = reopened
+            .open_partition("entries", PartitionCreateOptions::default())
+            .expect("a partition");
+        assert!(partition.get("b2").expect("a read").is_some());
     }
 }

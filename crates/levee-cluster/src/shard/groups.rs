@@ -305,7 +305,7 @@ impl ShardGroups {
             );
         }
         let keyspace = open_keyspace(directory).map_err(|error| error.to_string())?;
-        let syncer = JournalSyncer::start(keyspace.clone())
+        let syncer = JournalSyncer::start(keyspace.clone(), directory)
             .map_err(|error| format!("the shard logs' sync thread: {error}"))?;
         let channels = PeerChannels::new(dialer);
         let config = Arc::new(config);
