@@ -172,7 +172,15 @@ impl<C> LogStore<C> {
             .map_err(|error| StorageIOError::write(&std::io::Error::other(error)).into())
     }
 
+    /// Makes everything written so far durable: through the group commit when there is one
+    /// (which fsyncs without holding fjall's journal lock, so the other logs of the keyspace
+    /// keep writing), else with fjall's own fsync.
     fn persist(&self) -> Result<(), StorageError> {
+        if let Some(syncer) = &self.syncer {
+            return syncer.sync().map_err(|error| {
+                StorageIOError::write_logs(&std::io::Error::other(error)).into()
+            });
+        }
         self.keyspace
             .persist(PersistMode::SyncAll)
             .map_err(|error| StorageIOError::write_logs(&error).into())
