@@ -177,9 +177,9 @@ impl<C> LogStore<C> {
     /// keep writing), else with fjall's own fsync.
     fn persist(&self) -> Result<(), StorageError> {
         if let Some(syncer) = &self.syncer {
-            return syncer.sync().map_err(|error| {
-                StorageIOError::write_logs(&std::io::Error::other(error)).into()
-            });
+            return syncer
+                .sync()
+                .map_err(|error| StorageIOError::write_logs(&std::io::Error::other(error)).into());
         }
         self.keyspace
             .persist(PersistMode::SyncAll)
