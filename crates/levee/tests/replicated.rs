@@ -829,13 +829,16 @@ fn given_a_replicated_cluster_when_a_node_is_removed_and_another_joins_then_the_
             messages.insert(round, payload.clone());
         }
     }
+    // On both replicas: each node purges its own log, and a shard's leader may be either.
     wait_for("every shard's log purged", CONVERGE_TIMEOUT, || {
-        let groups = status(&first)["shard_groups"].clone();
-        groups.as_array().is_some_and(|groups| {
-            groups.len() == SHARDS as usize
-                && groups
-                    .iter()
-                    .all(|group| group["purged_index"].as_u64().is_some())
+        [&first, &second].iter().all(|node| {
+            let groups = status(node)["shard_groups"].clone();
+            groups.as_array().is_some_and(|groups| {
+                groups.len() == SHARDS as usize
+                    && groups
+                        .iter()
+                        .all(|group| group["purged_index"].as_u64().is_some())
+            })
         })
     });
 
