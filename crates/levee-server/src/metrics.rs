@@ -211,6 +211,10 @@ pub struct Metrics {
     pub shard_positions_writes: Counter,
     /// Shard entries this node merged its positions writes into.
     pub shard_positions_entries: Counter,
+    /// Append requests through this node's shard appenders, committed.
+    pub shard_append_requests: Counter,
+    /// Shard entries this node merged its append requests into.
+    pub shard_append_entries: Counter,
     /// Shard snapshot files this node wrote to send to a replica.
     pub shard_snapshots_written: Counter,
     /// Messages that wait for their time (retries and delayed publishes) on this server.
@@ -564,6 +568,20 @@ impl Metrics {
                 registry_ref,
                 "levee_shard_positions_entries",
                 "shard entries this node's positions writes were merged into",
+                Counter::default(),
+            ),
+            shard_append_requests: registered(
+                registry_ref,
+                "levee_shard_append_requests",
+                "append requests (a call's messages of one shard) this node wrote through the \
+                 shards' appenders, committed",
+                Counter::default(),
+            ),
+            shard_append_entries: registered(
+                registry_ref,
+                "levee_shard_append_entries",
+                "shard entries this node's append requests were merged into (requests / entries: \
+                 requests per entry)",
                 Counter::default(),
             ),
             shard_snapshots_installed: registered(

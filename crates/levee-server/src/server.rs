@@ -520,6 +520,10 @@ fn queue_services(
             metrics.shard_positions_writes.clone(),
             metrics.shard_positions_entries.clone(),
         )
+        .count_appends(
+            metrics.shard_append_requests.clone(),
+            metrics.shard_append_entries.clone(),
+        )
         .time_shards(crate::queue::replicated::ShardTimings {
             log_append: metrics.shard_log_append_seconds.clone(),
             apply_wait: metrics.shard_apply_wait_seconds.clone(),

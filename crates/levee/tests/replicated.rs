@@ -2268,6 +2268,74 @@ fn given_a_replicated_cluster_when_the_leader_acknowledges_an_append_then_a_read
     drop(nodes.iter_mut().map(Option::take).collect::<Vec<_>>());
 }
 
+/// Many appends at once through each node, to the queues of one shard: each node's appender
+/// merges those that wait into shared entries (counted), and every append is stored once, at
+/// the offset it was answered with, whether its node leads the shard or forwards.
+#[test]
+fn given_many_appends_at_once_to_one_shard_then_they_share_entries_and_each_is_stored_once_at_its_offset()
+ {
+    const PER_NODE: usize = 300;
+    let runtime = runtime();
+    let directory = tempfile::tempdir().unwrap();
+    let (mut nodes, _, clients) = settled_three(&runtime, directory.path());
+    let shard_queues = one_queue_per_shard("burst");
+    let queues = [shard_queues[0].clone(), {
+        // A second queue of the same shard.
+        (0..10_000)
+            .map(|n| format!("burst-b-{n}").into_bytes())
+            .find(|queue| levee_proto::shards::shard_of_bytes(queue, SHARDS) == 0)
+            .unwrap()
+    }];
+    let answered = runtime.block_on(async {
+        let mut appends = tokio::task::JoinSet::new();
+        for (node, client) in clients.iter().enumerate() {
+            for n in 0..PER_NODE {
+                let (client, queue) = (client.clone(), queues[n % 2].clone());
+                let payload = format!("n{node}-{n}").into_bytes();
+                appends.spawn(async move {
+                    let offset = client.append(&queue, &payload).await.unwrap();
+                    (queue, offset, payload)
+                });
+            }
+        }
+        let mut answered = Vec::new();
+        while let Some(append) = appends.join_next().await {
+            answered.push(append.unwrap());
+        }
+        answered
+    });
+    runtime.block_on(async {
+        let stored = [
+            read_all(&clients[1], &queues[0]).await,
+            read_all(&clients[1], &queues[1]).await,
+        ];
+        assert_eq!(
+            stored[0].len() + stored[1].len(),
+            3 * PER_NODE,
+            "every append stored once"
+        );
+        for (queue, offset, payload) in &answered {
+            let index = usize::from(queue != &queues[0]);
+            assert_eq!(
+                stored[index].get(usize::try_from(*offset).unwrap()),
+                Some(payload),
+                "the append answered with offset {offset}"
+            );
+        }
+    });
+    let (requests, entries): (u64, u64) = nodes.iter().flatten().fold((0, 0), |sum, node| {
+        (
+            sum.0 + support::metric_value(node, "levee_shard_append_requests_total"),
+            sum.1 + support::metric_value(node, "levee_shard_append_entries_total"),
+        )
+    });
+    assert!(
+        requests == 3 * PER_NODE as u64 && (1..requests).contains(&entries),
+        "{requests} append requests written in {entries} entries"
+    );
+    drop(nodes.iter_mut().map(Option::take).collect::<Vec<_>>());
+}
+
 /// Many consumers acking at once through one node: their acks go through the shards in
 /// shared entries (the node counts its positions writes and the entries they took), and each
 /// consumer then resumes on another node right after its own acks.

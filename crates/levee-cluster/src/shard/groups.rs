@@ -29,10 +29,12 @@ use tonic::Status;
 
 use crate::log_store::{LogStore, open_keyspace};
 use crate::network::PeerDialer;
+use crate::shard::appender::{self, AppendWrite};
 use crate::shard::machine::{ShardObserver, ShardStateMachine};
 use crate::shard::network::{PeerChannels, ShardNetwork, send};
 use crate::shard::{
-    ConsumerPosition, ShardCommand, ShardConfig, ShardId, ShardRaft, ShardResponse, to_postcard,
+    ConsumerPosition, QueueMessage, ShardCommand, ShardConfig, ShardId, ShardRaft, ShardResponse,
+    to_postcard,
 };
 use crate::syncer::JournalSyncer;
 use crate::{NodeId, NodeInfo};
@@ -200,6 +202,9 @@ pub struct ShardGroups {
     /// Per shard: the positions writes waiting for the shard's writer task
     /// ([`ShardGroups::write_positions`]).
     positions: Arc<Vec<tokio::sync::mpsc::Sender<PositionsWrite>>>,
+    /// Per shard: the append requests waiting for the shard's appender
+    /// ([`ShardGroups::append`]).
+    appends: Arc<Vec<tokio::sync::mpsc::Sender<AppendWrite>>>,
     /// Told of each positions entry written.
     observer: Arc<dyn ShardObserver>,
     /// Set when this node was removed from the cluster and hands its shards over
@@ -344,6 +349,9 @@ impl ShardGroups {
         let (senders, receivers): (Vec<_>, Vec<_>) = (0..shards)
             .map(|_| tokio::sync::mpsc::channel(POSITIONS_QUEUED_MAX))
             .unzip();
+        let (append_senders, append_receivers): (Vec<_>, Vec<_>) = (0..shards)
+            .map(|_| tokio::sync::mpsc::channel(appender::APPENDS_QUEUED_MAX))
+            .unzip();
         let groups = Self {
             node_id,
             rafts: Arc::new(rafts),
@@ -356,11 +364,16 @@ impl ShardGroups {
             machines: Arc::new(machines),
             stopping: Arc::new(tokio::sync::watch::Sender::new(false)),
             positions: Arc::new(senders),
+            appends: Arc::new(append_senders),
             observer,
         };
         for (shard, receiver) in (0..shards).zip(receivers) {
             tokio::spawn(groups.clone().note_leads(shard));
             tokio::spawn(groups.clone().write_positions_of(shard, receiver));
+        }
+        for (shard, receiver) in (0..shards).zip(append_receivers) {
+            let stopping = groups.stopping.subscribe();
+            tokio::spawn(appender::run(groups.clone(), shard, receiver, stopping));
         }
         tokio::spawn(groups.clone().deliver_due());
         Ok(groups)
@@ -771,6 +784,38 @@ impl ShardGroups {
             .await
             .map_err(|_| stopped())?;
         outcome.await.map_err(|_| stopped())?
+    }
+
+    /// Appends `producer`'s (if any) `messages` to queues of `shard` through the shard's
+    /// appender (see [`appender`]): with the other requests that reach it while its previous
+    /// entries are being committed, in one entry. Answers what applying the request did
+    /// (`Appended`, or `Refused`), once committed and applied here, as [`Self::write`] does.
+    pub async fn append(
+        &self,
+        shard: ShardId,
+        producer: Option<String>,
+        messages: Vec<QueueMessage>,
+    ) -> Result<ShardResponse, ShardWriteError> {
+        let stopped = |maybe_stored| ShardWriteError::Unavailable {
+            shard,
+            reason: "this node's shards are stopping".to_owned(),
+            maybe_stored,
+        };
+        let queue = self
+            .appends
+            .get(shard as usize)
+            .ok_or(ShardWriteError::NoShard {
+                shard,
+                shards: self.shards(),
+            })?;
+        let (write, outcome) = AppendWrite::new(producer, messages);
+        queue.send(write).await.map_err(|_| stopped(false))?;
+        outcome.await.map_err(|_| stopped(true))?
+    }
+
+    /// Told of what this node's shards do.
+    pub(crate) fn observer(&self) -> &Arc<dyn ShardObserver> {
+        &self.observer
     }
 
     /// `shard`'s positions writer: takes the first write waiting and every one queued behind

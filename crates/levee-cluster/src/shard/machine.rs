@@ -131,6 +131,10 @@ pub trait ShardObserver: Send + Sync {
     /// writes (acks of its streams merged: `ShardGroups::write_positions`).
     fn positions_written(&self, _shard: ShardId, _writes: usize) {}
 
+    /// This node's appender committed one entry of `shard` holding `requests` append requests
+    /// (`ShardGroups::append`).
+    fn appends_written(&self, _shard: ShardId, _requests: usize) {}
+
     /// Shard `shard` applied a run of `entries` entries: `waited` until a blocking thread
     /// took it, `took` from openraft's call until done.
     fn applied(
@@ -326,6 +330,14 @@ fn plan_entries<'a>(
             EntryPayload::Normal(ShardCommand::Append { producer, messages }) => {
                 plan.append(producers, producer.as_deref(), messages)
             }
+            EntryPayload::Normal(ShardCommand::Appends { requests }) => ShardResponse::Each {
+                responses: requests
+                    .iter()
+                    .map(|request| {
+                        plan.append(producers, request.producer.as_deref(), &request.messages)
+                    })
+                    .collect(),
+            },
             EntryPayload::Normal(ShardCommand::Delay { now_ms, entries }) => {
                 plan.delay(wheel, *now_ms, entries)
             }
@@ -1395,7 +1407,7 @@ mod tests {
 
     use super::*;
     use crate::log_store::open_keyspace;
-    use crate::shard::{QueueMessage, RefusedCode};
+    use crate::shard::{AppendRequest, QueueMessage, RefusedCode};
 
     fn append(index: u64, messages: &[(&str, &str)]) -> Entry<ShardConfig> {
         Entry {
@@ -1815,6 +1827,78 @@ mod tests {
                     .collect(),
             }),
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_requests_merged_into_one_appends_entry_then_each_is_answered_and_stored_as_its_own_entry_would_be()
+    -> Result<(), StorageError> {
+        // Plain, refused (no queue name), idempotent, a resend, a gap, then one that follows.
+        let requests = [
+            append(0, &[("q", "a0"), ("r", "b0")]),
+            append(0, &[("q", "a1"), ("", "no queue")]),
+            idempotent(0, "p", "q", 0..3),
+            idempotent(0, "p", "q", 1..3),
+            idempotent(0, "p", "q", 5..6),
+            idempotent(0, "p", "q", 3..4),
+            append(0, &[("r", "b1")]),
+        ];
+        let as_entries = {
+            let directory = tempfile::tempdir().expect("a directory");
+            let (store, mut machine) = open(directory.path());
+            let entries: Vec<_> = requests
+                .iter()
+                .enumerate()
+                .map(|(index, request)| Entry {
+                    log_id: LogId::new(CommittedLeaderId::new(1, 1), index as u64 + 1),
+                    payload: request.payload.clone(),
+                })
+                .collect();
+            let answers = machine.apply(entries).await?;
+            (answers, messages(&store, "q"), messages(&store, "r"))
+        };
+        let directory = tempfile::tempdir().expect("a directory");
+        let (store, mut machine) = open(directory.path());
+        let merged = requests
+            .iter()
+            .map(|request| match &request.payload {
+                EntryPayload::Normal(ShardCommand::Append { producer, messages }) => {
+                    AppendRequest {
+                        producer: producer.clone(),
+                        messages: messages.clone(),
+                    }
+                }
+                other => panic!("an append was built, got {other:?}"),
+            })
+            .collect();
+        let answers = machine
+            .apply(vec![Entry {
+                log_id: LogId::new(CommittedLeaderId::new(1, 1), 1),
+                payload: EntryPayload::Normal(ShardCommand::Appends { requests: merged }),
+            }])
+            .await?;
+        assert_eq!(
+            answers,
+            [ShardResponse::Each {
+                responses: as_entries.0.clone()
+            }]
+        );
+        assert!(
+            matches!(&as_entries.0[1], ShardResponse::Refused { .. })
+                && matches!(
+                    &as_entries.0[4],
+                    ShardResponse::Refused {
+                        code: RefusedCode::SequenceGap,
+                        ..
+                    }
+                ),
+            "{:?}",
+            as_entries.0
+        );
+        assert_eq!(messages(&store, "q"), as_entries.1);
+        assert_eq!(messages(&store, "q"), ["a0", "p-0", "p-1", "p-2", "p-3"]);
+        assert_eq!(messages(&store, "r"), as_entries.2);
+        assert_eq!(machine.applied_state().await?.0.map(|id| id.index), Some(1));
+        Ok(())
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use crate::log_store::LogCodec;
 use crate::{NodeInfo, StorageError};
 
+pub mod appender;
 pub mod groups;
 pub mod machine;
 pub mod network;
@@ -121,6 +122,23 @@ pub enum ShardCommand {
         /// Each consumer's name and positions.
         consumers: Vec<(String, Vec<ConsumerPosition>)>,
     },
+    /// Several append requests in one entry: those a node's appender took for the shard
+    /// while its previous append entries waited (`ShardGroups::append`). Applied as an
+    /// `Append` per request, in order, each answered on its own
+    /// ([`ShardResponse::Each`]). (Last: a variant's place is its code in the log.)
+    Appends {
+        /// The requests, in the order they reached the appender.
+        requests: Vec<AppendRequest>,
+    },
+}
+
+/// One append request of a [`ShardCommand::Appends`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AppendRequest {
+    /// The idempotent producer's id, if the request named one.
+    pub producer: Option<String>,
+    /// The messages, in order.
+    pub messages: Vec<QueueMessage>,
 }
 
 /// What applying one entry did.
@@ -146,6 +164,12 @@ pub enum ShardResponse {
     Deleted {
         /// Whether the queue existed.
         existed: bool,
+    },
+    /// The answer of each request of a [`ShardCommand::Appends`], in order: `Appended` or
+    /// `Refused` (a refused request stored nothing; the others are stored all the same).
+    Each {
+        /// The answers.
+        responses: Vec<ShardResponse>,
     },
 }
 
@@ -219,6 +243,25 @@ mod tests {
             entry(
                 5,
                 EntryPayload::Normal(ShardCommand::Deliver { now_ms: 18 }),
+            ),
+            entry(
+                6,
+                EntryPayload::Normal(ShardCommand::Appends {
+                    requests: vec![
+                        AppendRequest {
+                            producer: None,
+                            messages: Vec::new(),
+                        },
+                        AppendRequest {
+                            producer: Some("p".to_owned()),
+                            messages: vec![QueueMessage {
+                                queue: Bytes::from_static(b"q"),
+                                payload: Bytes::from_static(b"m"),
+                                sequence: 9,
+                            }],
+                        },
+                    ],
+                }),
             ),
         ] {
             let bytes = ShardConfig::encode_entry(&entry)?;

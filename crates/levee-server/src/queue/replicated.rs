@@ -355,6 +355,12 @@ pub struct ApplyHere {
         prometheus_client::metrics::counter::Counter,
         prometheus_client::metrics::counter::Counter,
     )>,
+    /// Counters of the append requests through the shards' appenders here and of the
+    /// entries they were merged into, if kept.
+    appends_written: Option<(
+        prometheus_client::metrics::counter::Counter,
+        prometheus_client::metrics::counter::Counter,
+    )>,
 }
 
 /// A shard's recent deletes: each queue's latest delete epoch, and the queues oldest first.
@@ -392,6 +398,7 @@ impl ApplyHere {
             recent_deletes: std::sync::Mutex::default(),
             snapshots: None,
             positions_written: None,
+            appends_written: None,
             timings: None,
         }
     }
@@ -419,6 +426,20 @@ impl ApplyHere {
     ) -> Self {
         Self {
             positions_written: Some((writes, entries)),
+            ..self
+        }
+    }
+
+    /// Counts the append requests through this node's shard appenders in `requests` and the
+    /// shard entries they were merged into in `entries`.
+    #[must_use]
+    pub fn count_appends(
+        self,
+        requests: prometheus_client::metrics::counter::Counter,
+        entries: prometheus_client::metrics::counter::Counter,
+    ) -> Self {
+        Self {
+            appends_written: Some((requests, entries)),
             ..self
         }
     }
@@ -561,6 +582,13 @@ impl ShardObserver for ApplyHere {
     fn positions_written(&self, _shard: ShardId, writes: usize) {
         if let Some((counted, entries)) = &self.positions_written {
             counted.inc_by(writes as u64);
+            entries.inc();
+        }
+    }
+
+    fn appends_written(&self, _shard: ShardId, requests: usize) {
+        if let Some((counted, entries)) = &self.appends_written {
+            counted.inc_by(requests as u64);
             entries.inc();
         }
     }
@@ -1312,12 +1340,8 @@ impl Replication {
         let writes = parts
             .into_iter()
             .map(|(shard, (places, messages))| async move {
-                let command = ShardCommand::Append {
-                    producer: producer.map(str::to_owned),
-                    messages,
-                };
                 let response = groups
-                    .write(shard, command)
+                    .append(shard, producer.map(str::to_owned), messages)
                     .await
                     .map_err(|error| shard_error(&error))?;
                 match response {

@@ -41,6 +41,16 @@ pub struct QueueBenchArgs {
     /// message through a shared batching producer; 16 for topic, each publishing --batch)
     #[arg(long)]
     pub producers: Option<u64>,
+    /// Mailbox shape: most messages per append request of the shared batching producer
+    /// (its `batch_messages_max`), 1 to 10000
+    #[arg(long, default_value_t = 1_000)]
+    pub producer_batch_max: usize,
+    /// Mailbox shape: append requests the shared batching producer keeps in flight (its
+    /// `requests_in_flight_max`), 1 to 1024. A cluster's appends take longer than a lone
+    /// node's, so it needs more messages in flight (--producers, and this times
+    /// --producer-batch-max) to be kept busy (docs/benchmarks.md, "Method notes")
+    #[arg(long, default_value_t = 8)]
+    pub producer_requests: usize,
     /// Topic shape: partitions of the topic
     #[arg(long, default_value_t = 64)]
     pub partitions: u32,
@@ -140,6 +150,8 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
         || args.consumers == 0
         || args.client_threads == Some(0)
         || !(1..=10_000).contains(&args.batch)
+        || !(1..=10_000).contains(&args.producer_batch_max)
+        || !(1..=1_024).contains(&args.producer_requests)
         || [args.rate, args.group_rate, args.producer_rate]
             .iter()
             .flatten()
@@ -147,7 +159,7 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
     {
         bail!(
             "need --queues, --producers, --partitions, --consumers and --client-threads >= 1, \
-             --batch 1 to 10000, \
+             --batch and --producer-batch-max 1 to 10000, --producer-requests 1 to 1024, \
              --message-bytes >= 8, and --rate, --group-rate and --producer-rate above 0"
         );
     }
@@ -447,7 +459,12 @@ pub(super) async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Resul
         names.len(),
         args.consumers
     );
-    let producer = Producer::new(client.clone(), ProducerOptions::default())?;
+    let options = ProducerOptions {
+        batch_messages_max: args.producer_batch_max,
+        requests_in_flight_max: args.producer_requests,
+        ..ProducerOptions::default()
+    };
+    let producer = Producer::new(client.clone(), options)?;
     let producer_tasks = args.producers.unwrap_or(MAILBOX_PRODUCERS);
     let stop = Arc::new(AtomicBool::new(false));
     let appended = Arc::new(AtomicU64::new(0));
