@@ -17,7 +17,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fjall::{Keyspace, PersistMode};
 
@@ -26,10 +26,6 @@ pub type Synced = Box<dyn FnOnce(Result<(), String>) + Send>;
 
 /// How long the thread sleeps between checks that it is still wanted, when idle.
 const IDLE_CHECK: Duration = Duration::from_millis(200);
-/// Least time from one round's start to the next one's: under load the requests of this
-/// long share one fsync (each fsync costs the VM an exit to the host per disk command),
-/// while a request that finds the syncer idle for this long is served at once.
-const ROUND_SPACING: Duration = Duration::from_millis(4);
 
 struct Inner {
     keyspace: Keyspace,
@@ -70,9 +66,8 @@ impl JournalSyncer {
         std::thread::Builder::new()
             .name("levee-log-sync".to_owned())
             .spawn(move || {
-                let mut last_start = None;
                 while let Some(inner) = weak.upgrade() {
-                    if !inner.round(&mut last_start) {
+                    if !inner.round() {
                         break;
                     }
                 }
@@ -114,32 +109,26 @@ impl JournalSyncer {
 }
 
 impl Inner {
-    /// Waits for requests, fsyncs once for all of them and tells them; a round starts at
-    /// least [`ROUND_SPACING`] after the one before (`last_start`). False once stopped with
-    /// nothing left to serve.
-    fn round(&self, last_start: &mut Option<Instant>) -> bool {
-        {
-            let pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+    /// Waits for requests, fsyncs once for all of them and tells them. False once stopped
+    /// with nothing left to serve.
+    fn round(&self) -> bool {
+        let taken = {
+            let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
             if pending.is_empty() {
                 if self.stopped.load(Ordering::Acquire) {
                     return false;
                 }
-                let pending = self
+                pending = self
                     .wake
                     .wait_timeout(pending, IDLE_CHECK)
                     .unwrap_or_else(PoisonError::into_inner)
                     .0;
-                if pending.is_empty() {
-                    return true;
-                }
             }
+            std::mem::take(&mut *pending)
+        };
+        if taken.is_empty() {
+            return true;
         }
-        if let Some(wait) = last_start.and_then(|last| ROUND_SPACING.checked_sub(last.elapsed())) {
-            std::thread::sleep(wait);
-        }
-        *last_start = Some(Instant::now());
-        let taken =
-            std::mem::take(&mut *self.pending.lock().unwrap_or_else(PoisonError::into_inner));
         let result = self.sync_journal();
         for synced in taken {
             synced(result.clone());

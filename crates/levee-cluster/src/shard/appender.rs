@@ -1,5 +1,5 @@
-//! A node's appender of each shard ([`ShardGroups::append`]): append requests bound for a
-//! shard wait in its queue; the appender writes what waits as one entry
+//! A node's appender of each shard ([`ShardGroups::append`], used while the node leads the
+//! shard): append requests bound for the shard wait in its queue; the appender writes what waits as one entry
 //! ([`ShardCommand::Appends`]) while at most [`APPEND_ENTRIES_IN_FLIGHT`] of its entries are
 //! being committed, so however many requests a node takes, each shard costs about one entry
 //! per commit round, and a lone request goes at once.

@@ -786,16 +786,27 @@ impl ShardGroups {
         outcome.await.map_err(|_| stopped())?
     }
 
-    /// Appends `producer`'s (if any) `messages` to queues of `shard` through the shard's
-    /// appender (see [`appender`]): with the other requests that reach it while its previous
-    /// entries are being committed, in one entry. Answers what applying the request did
-    /// (`Appended`, or `Refused`), once committed and applied here, as [`Self::write`] does.
+    /// Appends `producer`'s (if any) `messages` to queues of `shard`; on the shard's leader
+    /// through the shard's appender (see [`appender`]): with the other requests that reach it
+    /// while its previous entries are being committed, in one entry. A node that does not
+    /// lead the shard forwards the request alone ([`Self::write`]): its round trip to the
+    /// leader would hold back every request merged with it. Answers what applying the request
+    /// did (`Appended`, or `Refused`), once committed and applied here, as [`Self::write`]
+    /// does.
     pub async fn append(
         &self,
         shard: ShardId,
         producer: Option<String>,
         messages: Vec<QueueMessage>,
     ) -> Result<ShardResponse, ShardWriteError> {
+        let leads_here = self
+            .raft(shard)
+            .is_some_and(|raft| raft.metrics().borrow().current_leader == Some(self.node_id));
+        if !leads_here {
+            return self
+                .write(shard, ShardCommand::Append { producer, messages })
+                .await;
+        }
         let stopped = |maybe_stored| ShardWriteError::Unavailable {
             shard,
             reason: "this node's shards are stopping".to_owned(),

@@ -37,7 +37,8 @@ pub struct QueueBenchArgs {
     /// Mailbox shape: queues, shared out over the --consumers streams
     #[arg(long, default_value_t = 1_000_000)]
     pub queues: u64,
-    /// Producer tasks, each waiting for its append (default: 2048 for mailbox, each sending one
+    /// Producer tasks, each waiting for its append (default: for mailbox 2048 against one node
+    /// and 16384 against a cluster (--nodes 3 or 5, its single-node run too), each sending one
     /// message through a shared batching producer; 16 for topic, each publishing --batch)
     #[arg(long)]
     pub producers: Option<u64>,
@@ -46,11 +47,12 @@ pub struct QueueBenchArgs {
     #[arg(long, default_value_t = 1_000)]
     pub producer_batch_max: usize,
     /// Mailbox shape: append requests the shared batching producer keeps in flight (its
-    /// `requests_in_flight_max`), 1 to 1024. A cluster's appends take longer than a lone
-    /// node's, so it needs more messages in flight (--producers, and this times
-    /// --producer-batch-max) to be kept busy (docs/benchmarks.md, "Method notes")
-    #[arg(long, default_value_t = 8)]
-    pub producer_requests: usize,
+    /// `requests_in_flight_max`), 1 to 1024 (default: 8 against one node, 32 against a
+    /// cluster). A cluster's appends take longer than a lone node's, so it needs more
+    /// messages in flight (--producers, and this times --producer-batch-max) to be kept busy
+    /// (docs/benchmarks.md, "Method notes")
+    #[arg(long)]
+    pub producer_requests: Option<usize>,
     /// Topic shape: partitions of the topic
     #[arg(long, default_value_t = 64)]
     pub partitions: u32,
@@ -132,6 +134,26 @@ pub struct QueueBenchArgs {
     json: bool,
 }
 
+impl QueueBenchArgs {
+    /// Producer tasks: --producers, else the shape's default, for a mailbox shape against a
+    /// cluster ([`CLUSTER_MAILBOX_PRODUCERS`]) or one node ([`MAILBOX_PRODUCERS`]).
+    pub(super) fn producer_tasks(&self) -> u64 {
+        self.producers
+            .unwrap_or(match (&self.shape[..], self.nodes) {
+                ("topic", _) => 16,
+                (_, 1) => MAILBOX_PRODUCERS,
+                _ => CLUSTER_MAILBOX_PRODUCERS,
+            })
+    }
+
+    /// Mailbox shape: the shared producer's append requests in flight, --producer-requests
+    /// or the default (more against a cluster).
+    pub(super) fn producer_requests(&self) -> usize {
+        self.producer_requests
+            .unwrap_or(if self.nodes == 1 { 8 } else { 32 })
+    }
+}
+
 pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
     if args.shape != "mailbox" && args.shape != "topic" {
         bail!("--shape must be mailbox or topic, got '{}'", args.shape);
@@ -151,7 +173,9 @@ pub fn run(args: &QueueBenchArgs) -> anyhow::Result<()> {
         || args.client_threads == Some(0)
         || !(1..=10_000).contains(&args.batch)
         || !(1..=10_000).contains(&args.producer_batch_max)
-        || !(1..=1_024).contains(&args.producer_requests)
+        || args
+            .producer_requests
+            .is_some_and(|requests| !(1..=1_024).contains(&requests))
         || [args.rate, args.group_rate, args.producer_rate]
             .iter()
             .flatten()
@@ -461,11 +485,11 @@ pub(super) async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Resul
     );
     let options = ProducerOptions {
         batch_messages_max: args.producer_batch_max,
-        requests_in_flight_max: args.producer_requests,
+        requests_in_flight_max: args.producer_requests(),
         ..ProducerOptions::default()
     };
     let producer = Producer::new(client.clone(), options)?;
-    let producer_tasks = args.producers.unwrap_or(MAILBOX_PRODUCERS);
+    let producer_tasks = args.producer_tasks();
     let stop = Arc::new(AtomicBool::new(false));
     let appended = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
@@ -547,7 +571,7 @@ async fn bench_topic(
         let stop = Arc::clone(&stop);
         move || !stop.load(Ordering::Relaxed)
     }));
-    let producers = args.producers.unwrap_or(16);
+    let producers = args.producer_tasks();
     let started = Instant::now();
     latency.start(epoch, args.warmup_s)?;
     let mut tasks = Vec::new();
@@ -802,6 +826,12 @@ pub(super) async fn wait_consumed(consumed: &AtomicU64, total: u64) -> anyhow::R
 /// busy: 2,048 appended 10-25% more in the seventeenth session, with p99 3-5 ms (4,096: no
 /// more appends, p99 6 ms; docs/benchmarks.md, "Method notes").
 pub(super) const MAILBOX_PRODUCERS: u64 = 2_048;
+/// Producer tasks of the mailbox shape against a cluster (and its single-node run): each
+/// waits for its append, so appends/s is at most the tasks over the append latency, and a
+/// cluster's appends take about ten times a lone node's (a commit round on three replicas).
+/// With 2,048 the bench measured its own limit (48 k/s at 40 ms); with 16,384 the cluster's
+/// CPU (docs/benchmarks.md, "Method notes").
+pub(super) const CLUSTER_MAILBOX_PRODUCERS: u64 = 16_384;
 
 /// How long the consumers may take to catch up once the producers stop.
 pub(super) const DRAIN_LIMIT: Duration = Duration::from_secs(60);
@@ -893,11 +923,9 @@ fn report(
         "shape": args.shape,
         "queues": if args.shape == "topic" { u64::from(args.partitions) } else { args.queues },
         "consumers": args.consumers,
-        "producers": args.producers.unwrap_or(if args.shape == "topic" {
-            16
-        } else {
-            MAILBOX_PRODUCERS
-        }),
+        "producers": args.producer_tasks(),
+        "producer_requests": (args.shape == "mailbox").then(|| args.producer_requests()),
+        "producer_batch_max": (args.shape == "mailbox").then_some(args.producer_batch_max),
         "message_bytes": args.message_bytes,
         "client_threads": client_threads(args),
         "sync": args.sync,
@@ -982,6 +1010,60 @@ async fn start_consumers(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(clap::Parser)]
+    struct Command {
+        #[command(flatten)]
+        args: QueueBenchArgs,
+    }
+
+    fn parsed(flags: &[&str]) -> QueueBenchArgs {
+        use clap::Parser;
+        let line = std::iter::once("bench-queue").chain(flags.iter().copied());
+        Command::try_parse_from(line)
+            .expect("flags the tool takes")
+            .args
+    }
+
+    #[test]
+    fn given_no_producer_flags_then_a_cluster_run_keeps_more_appends_in_flight_than_a_lone_node() {
+        let lone = parsed(&[]);
+        assert_eq!(
+            (lone.producer_tasks(), lone.producer_requests()),
+            (2_048, 8)
+        );
+        let cluster = parsed(&["--nodes", "3"]);
+        assert_eq!(
+            (cluster.producer_tasks(), cluster.producer_requests()),
+            (16_384, 32)
+        );
+        let topic = parsed(&["--nodes", "3", "--shape", "topic"]);
+        assert_eq!(topic.producer_tasks(), 16);
+        let chosen = parsed(&[
+            "--nodes",
+            "3",
+            "--producers",
+            "100",
+            "--producer-requests",
+            "2",
+        ]);
+        assert_eq!(
+            (chosen.producer_tasks(), chosen.producer_requests()),
+            (100, 2)
+        );
+    }
+
+    #[test]
+    fn given_producer_flags_out_of_range_then_the_run_is_refused_naming_them() {
+        for flags in [
+            ["--producer-requests", "0"],
+            ["--producer-requests", "1025"],
+            ["--producer-batch-max", "10001"],
+        ] {
+            let error = run(&parsed(&flags)).expect_err("refused").to_string();
+            assert!(error.contains(flags[0]), "{flags:?}: {error}");
+        }
+    }
 
     fn sent_at(micros: u64) -> Vec<u8> {
         let mut payload = micros.to_le_bytes().to_vec();

@@ -19,8 +19,7 @@ use redis::streams::{StreamReadOptions, StreamReadReply};
 use serde_json::{Value, json};
 
 use super::queue::{
-    DRAIN_LIMIT, Latencies, MAILBOX_PRODUCERS, QueueBenchArgs, drain, next_send, pacing,
-    produce_for, stamped_payload,
+    DRAIN_LIMIT, Latencies, QueueBenchArgs, drain, next_send, pacing, produce_for, stamped_payload,
 };
 
 /// The consumer group every reader joins.
@@ -253,9 +252,7 @@ fn spawn_producers(
     latency: &Arc<Latencies>,
 ) -> Vec<tokio::task::JoinHandle<anyhow::Result<()>>> {
     let topic = args.shape == "topic";
-    let producers = args
-        .producers
-        .unwrap_or(if topic { 16 } else { MAILBOX_PRODUCERS });
+    let producers = args.producer_tasks();
     let unit = if topic { args.batch } else { 1 };
     let mut tasks = Vec::new();
     for task in 0..producers {
