@@ -61,6 +61,11 @@ pub struct FailoverBenchArgs {
     /// Producer names (metadata shape) or queues (queue shape) the writes cycle over
     #[arg(long, default_value_t = 16)]
     pub(super) keys: u64,
+    /// Queue shape: tasks appending at once through the idempotent producer, each waiting for
+    /// its append (1 to 64): several make requests of several messages, which a shard's
+    /// leader merges into shared entries while others are being committed
+    #[arg(long, default_value_t = 4)]
+    pub(super) append_tasks: u64,
     /// Print one JSON object on standard output (the summary goes to standard error)
     #[arg(long)]
     pub(super) json: bool,
@@ -124,8 +129,12 @@ fn free_port() -> anyhow::Result<u16> {
 }
 
 pub fn run(args: &FailoverBenchArgs) -> anyhow::Result<()> {
-    if !(args.nodes == 3 || args.nodes == 5) || args.kills == 0 || args.keys == 0 {
-        bail!("need --nodes 3 or 5, --kills >= 1 and --keys >= 1");
+    if !(args.nodes == 3 || args.nodes == 5)
+        || args.kills == 0
+        || args.keys == 0
+        || !(1..=64).contains(&args.append_tasks)
+    {
+        bail!("need --nodes 3 or 5, --kills >= 1, --keys >= 1 and --append-tasks 1 to 64");
     }
     match args.shape.as_str() {
         "metadata" => {}

@@ -1,6 +1,6 @@
 //! `levee bench failover --shape queue`: a cluster that replicates its queues (docs/CLUSTER.md,
-//! "Part 2"), an idempotent producer appending to `--keys` queues one message after another
-//! (each message's payload its number), and the leader of a shard killed with SIGKILL again and
+//! "Part 2"), an idempotent producer appending to `--keys` queues from `--append-tasks` tasks,
+//! each one message after another (each message's payload its number), and the leader of a shard killed with SIGKILL again and
 //! again (the shard of queue `failover-k` at the k-th kill), each killed node restarted and the
 //! shards placed again before the next kill. Meanwhile a consumer reads every queue on one
 //! many-queue stream, acking what it takes and confirming its acks after each batch; when its
@@ -168,12 +168,16 @@ async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<V
         stopped.clone(),
         Arc::clone(&consumed),
     ));
-    let writing = tokio::spawn(append_continuously(
-        producer,
-        Arc::clone(&appends),
-        stopped,
-        args.keys,
-    ));
+    let writing: Vec<_> = (0..args.append_tasks)
+        .map(|task| {
+            tokio::spawn(append_continuously(
+                producer.clone(),
+                Arc::clone(&appends),
+                stopped.clone(),
+                (args.keys, task, args.append_tasks),
+            ))
+        })
+        .collect();
     let started = Instant::now();
     let mut failovers = Histogram::<u64>::new(3)?;
     let mut group_failovers = Histogram::<u64>::new(3)?;
@@ -201,7 +205,9 @@ async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<V
     }
     group.drain().await?;
     let _ = stop.send(true);
-    writing.await.context("the appending task")?;
+    for task in writing {
+        task.await.context("an appending task")?;
+    }
     consuming.await.context("the consuming task")?;
     let (group, group_wrong) = group.finish(&group_failovers).await?;
     let duration_s = started.elapsed().as_secs_f64();
@@ -219,6 +225,7 @@ async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<V
         "shape": "queue",
         "nodes": args.nodes,
         "shards": args.shards,
+        "append_tasks": args.append_tasks,
         "kills": args.kills,
         "leaders_killed": leaders_killed,
         "failover_ms": failover_ms,
@@ -270,15 +277,15 @@ fn acked_count(appends: &Appends) -> usize {
         .count()
 }
 
-/// Appends message after message (each awaited, resent by the producer as needed) until told
-/// to stop.
+/// Appends message `task`, then `task + tasks`, and so on, each to queue `number % keys`
+/// once the one before was answered (resent by the producer as needed), until stopped.
 async fn append_continuously(
     producer: Producer,
     appends: Appends,
     stop: watch::Receiver<bool>,
-    keys: u64,
+    (keys, task, tasks): (u64, u64, u64),
 ) {
-    for number in 0_u64.. {
+    for number in (task..).step_by(usize::try_from(tasks).unwrap_or(1)) {
         if *stop.borrow() || lock(&appends).len() >= APPENDS_MAX {
             return;
         }
