@@ -168,16 +168,7 @@ async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<V
         stopped.clone(),
         Arc::clone(&consumed),
     ));
-    let writing: Vec<_> = (0..args.append_tasks)
-        .map(|task| {
-            tokio::spawn(append_continuously(
-                producer.clone(),
-                Arc::clone(&appends),
-                stopped.clone(),
-                (args.keys, task, args.append_tasks),
-            ))
-        })
-        .collect();
+    let writing = start_appending(args, &producer, &appends, &stopped);
     let started = Instant::now();
     let mut failovers = Histogram::<u64>::new(3)?;
     let mut group_failovers = Histogram::<u64>::new(3)?;
@@ -275,6 +266,25 @@ fn acked_count(appends: &Appends) -> usize {
         .iter()
         .filter(|append| append.acked.is_some())
         .count()
+}
+
+/// Starts `--append-tasks` tasks appending through `producer` into `appends` until `stopped`.
+fn start_appending(
+    args: &FailoverBenchArgs,
+    producer: &Producer,
+    appends: &Appends,
+    stopped: &watch::Receiver<bool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..args.append_tasks)
+        .map(|task| {
+            tokio::spawn(append_continuously(
+                producer.clone(),
+                Arc::clone(appends),
+                stopped.clone(),
+                (args.keys, task, args.append_tasks),
+            ))
+        })
+        .collect()
 }
 
 /// Appends message `task`, then `task + tasks`, and so on, each to queue `number % keys`
