@@ -132,6 +132,43 @@ pub enum ShardCommand {
     },
 }
 
+impl ShardCommand {
+    /// About the bytes the command carries: its queue names, payloads and positions' names
+    /// (what bounds an `AppendEntries` call, [`network::APPEND_ENTRIES_BYTES_MAX`]).
+    pub fn bytes(&self) -> usize {
+        let messages = |messages: &[QueueMessage]| {
+            messages
+                .iter()
+                .map(|message| message.queue.len() + message.payload.len())
+                .sum::<usize>()
+        };
+        let positions = |positions: &[ConsumerPosition]| {
+            positions
+                .iter()
+                .map(|position| position.queue.len() + 16)
+                .sum::<usize>()
+        };
+        match self {
+            Self::Append { messages: of, .. } => messages(of),
+            Self::Appends { requests } => requests
+                .iter()
+                .map(|request| messages(&request.messages))
+                .sum(),
+            Self::Positions {
+                positions: of,
+                consumer,
+            } => consumer.len() + positions(of),
+            Self::PositionsOf { consumers } => consumers
+                .iter()
+                .map(|(consumer, of)| consumer.len() + positions(of))
+                .sum(),
+            Self::Delay { entries, .. } => entries.iter().map(Bytes::len).sum(),
+            Self::Delete { queue } => queue.len(),
+            Self::Barrier | Self::Deliver { .. } => 0,
+        }
+    }
+}
+
 /// One append request of a [`ShardCommand::Appends`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AppendRequest {

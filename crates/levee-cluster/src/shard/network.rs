@@ -153,13 +153,49 @@ impl ShardConnection {
     }
 }
 
+/// Bytes of entries (their queue names and payloads, [`crate::shard::ShardCommand::bytes`]) after which an
+/// `AppendEntries` call carries no more entries (a larger first entry goes alone). openraft
+/// gives each call one heartbeat interval (50 ms) to be answered, so a replica catching up on
+/// large entries is sent a few at a time rather than up to
+/// `groups::APPEND_ENTRIES_MAX` in one call that could never be answered in time on a busy
+/// machine.
+pub const APPEND_ENTRIES_BYTES_MAX: usize = 1 << 20;
+
+/// How many of `entries`, from the first, one call carries: those within
+/// [`APPEND_ENTRIES_BYTES_MAX`], and at least one.
+fn entries_within(entries: &[openraft::Entry<ShardConfig>]) -> usize {
+    let mut bytes = 0;
+    for (count, entry) in entries.iter().enumerate() {
+        if let openraft::EntryPayload::Normal(command) = &entry.payload {
+            bytes += command.bytes();
+        }
+        if bytes > APPEND_ENTRIES_BYTES_MAX {
+            return count.max(1);
+        }
+    }
+    entries.len()
+}
+
 impl RaftNetwork<ShardConfig> for ShardConnection {
+    /// Sends the entries within [`APPEND_ENTRIES_BYTES_MAX`]; when that is not all of them,
+    /// a success is told to openraft as a partial one up to the last entry sent, and openraft
+    /// sends the rest in the next calls.
     async fn append_entries(
         &mut self,
-        rpc: AppendEntriesRequest<ShardConfig>,
+        mut rpc: AppendEntriesRequest<ShardConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, CallError<openraft::error::Infallible>> {
-        self.call(ShardCall::AppendEntries, &rpc, &option).await
+        let within = entries_within(&rpc.entries);
+        if within == rpc.entries.len() {
+            return self.call(ShardCall::AppendEntries, &rpc, &option).await;
+        }
+        rpc.entries.truncate(within);
+        let last = rpc.entries.last().map(|entry| entry.log_id);
+        let answer = self.call(ShardCall::AppendEntries, &rpc, &option).await?;
+        Ok(match answer {
+            AppendEntriesResponse::Success => AppendEntriesResponse::PartialSuccess(last),
+            other => other,
+        })
     }
 
     async fn install_snapshot(
@@ -200,5 +236,49 @@ impl RaftNetwork<ShardConfig> for ShardConnection {
         option: RPCOption,
     ) -> Result<VoteResponse<NodeId>, CallError<openraft::error::Infallible>> {
         self.call(ShardCall::Vote, &rpc, &option).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use levee_proto::Bytes;
+    use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId};
+
+    use super::*;
+    use crate::shard::{QueueMessage, ShardCommand};
+
+    fn entry(index: u64, payload_bytes: usize) -> Entry<ShardConfig> {
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+            payload: EntryPayload::Normal(ShardCommand::Append {
+                producer: None,
+                messages: vec![QueueMessage {
+                    queue: Bytes::from_static(b"q"),
+                    payload: Bytes::from(vec![0_u8; payload_bytes]),
+                    sequence: 0,
+                }],
+            }),
+        }
+    }
+
+    #[test]
+    fn given_entries_over_the_bound_then_a_call_carries_a_prefix_within_it_and_at_least_one() {
+        let quarter = APPEND_ENTRIES_BYTES_MAX / 4;
+        let small: Vec<_> = (1..=3).map(|index| entry(index, quarter)).collect();
+        assert_eq!(entries_within(&small), 3);
+        let many: Vec<_> = (1..=6).map(|index| entry(index, quarter)).collect();
+        assert_eq!(
+            entries_within(&many),
+            3,
+            "4 quarters plus 4 queue-name bytes are over"
+        );
+        let large = [entry(1, 3 * APPEND_ENTRIES_BYTES_MAX), entry(2, 1)];
+        assert_eq!(entries_within(&large), 1, "a large first entry goes alone");
+        let blank = [Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), 1),
+            payload: EntryPayload::Blank,
+        }];
+        assert_eq!(entries_within(&blank), 1);
+        assert_eq!(entries_within(&[]), 0);
     }
 }

@@ -161,10 +161,13 @@ impl LeveeProcess {
                 }
                 return status;
             }
-            assert!(
-                Instant::now() < deadline,
-                "server did not exit within {timeout:?}"
-            );
+            if Instant::now() >= deadline {
+                while let Ok(line) = self.log_lines.try_recv() {
+                    self.logs.push(line);
+                }
+                let last = &self.logs[self.logs.len().saturating_sub(40)..];
+                panic!("server did not exit within {timeout:?}; its last logs: {last:#?}");
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
     }
