@@ -762,28 +762,36 @@ impl ShardGroups {
         consumer: &str,
         positions: Vec<ConsumerPosition>,
     ) -> Result<(), ShardWriteError> {
-        let stopped = || ShardWriteError::Unavailable {
+        let (done, outcome) = tokio::sync::oneshot::channel();
+        let write = PositionsWrite {
+            consumer: consumer.to_owned(),
+            positions,
+            done,
+        };
+        self.through_writer(shard, &self.positions, write, outcome)
+            .await
+    }
+
+    /// Hands `write` to `shard`'s writer task of `queues` (positions or appends) and waits for
+    /// its `outcome`; fails when the shard does not exist or the writers are stopping.
+    async fn through_writer<W, T>(
+        &self,
+        shard: ShardId,
+        queues: &[tokio::sync::mpsc::Sender<W>],
+        write: W,
+        outcome: tokio::sync::oneshot::Receiver<Result<T, ShardWriteError>>,
+    ) -> Result<T, ShardWriteError> {
+        let stopped = |maybe_stored| ShardWriteError::Unavailable {
             shard,
             reason: "this node's shards are stopping".to_owned(),
-            maybe_stored: true,
+            maybe_stored,
         };
-        let queue = self
-            .positions
-            .get(shard as usize)
-            .ok_or(ShardWriteError::NoShard {
-                shard,
-                shards: self.shards(),
-            })?;
-        let (done, outcome) = tokio::sync::oneshot::channel();
-        queue
-            .send(PositionsWrite {
-                consumer: consumer.to_owned(),
-                positions,
-                done,
-            })
-            .await
-            .map_err(|_| stopped())?;
-        outcome.await.map_err(|_| stopped())?
+        let queue = queues.get(shard as usize).ok_or(ShardWriteError::NoShard {
+            shard,
+            shards: self.shards(),
+        })?;
+        queue.send(write).await.map_err(|_| stopped(false))?;
+        outcome.await.map_err(|_| stopped(true))?
     }
 
     /// Appends `producer`'s (if any) `messages` to queues of `shard`; on the shard's leader
@@ -807,21 +815,9 @@ impl ShardGroups {
                 .write(shard, ShardCommand::Append { producer, messages })
                 .await;
         }
-        let stopped = |maybe_stored| ShardWriteError::Unavailable {
-            shard,
-            reason: "this node's shards are stopping".to_owned(),
-            maybe_stored,
-        };
-        let queue = self
-            .appends
-            .get(shard as usize)
-            .ok_or(ShardWriteError::NoShard {
-                shard,
-                shards: self.shards(),
-            })?;
         let (write, outcome) = AppendWrite::new(producer, messages);
-        queue.send(write).await.map_err(|_| stopped(false))?;
-        outcome.await.map_err(|_| stopped(true))?
+        self.through_writer(shard, &self.appends, write, outcome)
+            .await
     }
 
     /// Told of what this node's shards do.
