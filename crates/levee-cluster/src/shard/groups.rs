@@ -20,6 +20,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use levee_proto::Bytes;
 use levee_proto::peer_v1::{ShardCall, ShardMessage};
 use levee_store::{Store, SyncPolicy};
 use openraft::error::{ClientWriteError, RaftError};
@@ -1108,13 +1109,15 @@ impl ShardGroups {
             .raft(shard)
             .ok_or_else(|| Status::unavailable(format!("no shard {shard} on this node")))?;
         let body = match ShardCall::try_from(message.call).unwrap_or(ShardCall::Unspecified) {
-            ShardCall::AppendEntries => json(&raft.append_entries(decode(&message.body)?).await),
+            ShardCall::AppendEntries => {
+                json(&raft.append_entries(decode_shared(&message.body)?).await)
+            }
             ShardCall::Vote => json(&raft.vote(decode(&message.body)?).await),
             ShardCall::InstallSnapshot => {
                 json(&raft.install_snapshot(decode(&message.body)?).await)
             }
             ShardCall::Forward => {
-                let command: ShardCommand = decode(&message.body)?;
+                let command: ShardCommand = decode_shared(&message.body)?;
                 json(&self.serve_forward((shard, raft), command).await)
             }
             ShardCall::ReadIndex => json(&self.serve_read_index(raft).await),
@@ -1126,7 +1129,7 @@ impl ShardGroups {
         Ok(ShardMessage {
             shard,
             call: message.call,
-            body,
+            body: body.into(),
         })
     }
 
@@ -1533,12 +1536,21 @@ impl ShardGroups {
 
 /// A postcard request body.
 fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Status> {
-    postcard::from_bytes(body).map_err(|error| {
-        Status::invalid_argument(format!(
-            "a shard request this node cannot read ({error}); do the cluster's nodes run one \
-             version?"
-        ))
-    })
+    postcard::from_bytes(body).map_err(|error| unreadable(&error))
+}
+
+/// A postcard request body carrying messages, decoded as slices of `body`
+/// ([`crate::shard::from_postcard_shared`]).
+fn decode_shared<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Status> {
+    crate::shard::from_postcard_shared(body).map_err(|error| unreadable(&error))
+}
+
+/// A shard request that does not decode.
+fn unreadable(error: &postcard::Error) -> Status {
+    Status::invalid_argument(format!(
+        "a shard request this node cannot read ({error}); do the cluster's nodes run one \
+         version?"
+    ))
 }
 
 /// One shard command for a batch of positions writes: `Positions` for one write, else

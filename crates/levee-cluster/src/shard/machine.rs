@@ -157,7 +157,7 @@ pub trait ShardObserver: Send + Sync {
 /// One queue's part of a batch: where it stood before, and how many messages the batch adds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct QueueStart {
-    queue: Vec<u8>,
+    queue: Bytes,
     start: u64,
     count: u64,
 }
@@ -381,7 +381,7 @@ fn queue_starts(plan: &Plan<'_>) -> Vec<QueueStart> {
     plan.queues
         .iter()
         .map(|(queue, (start, next))| QueueStart {
-            queue: queue.to_vec(),
+            queue: queue.clone(),
             start: *start,
             count: next - start,
         })
@@ -695,14 +695,14 @@ impl ShardStateMachine {
                 .queue_info(queue)
                 .map_err(|error| io_error(&error))?
                 .is_some();
-            self.log.write_meta_grouped(
+            self.log.write_meta_binary_grouped(
                 APPLYING_KEY,
                 &Applying {
                     from: entry.log_id.index,
                     last: entry.log_id,
                     membership: applied.membership.clone(),
                     queues: vec![QueueStart {
-                        queue: counter.to_vec(),
+                        queue: counter.clone(),
                         start: epoch,
                         count: 1,
                     }],
@@ -782,7 +782,7 @@ impl ShardStateMachine {
         // The previous batch whole in the store before this one's record replaces its own.
         self.wait_applied(applied)?;
         let queues = queue_starts(&plan);
-        self.log.write_meta_grouped(
+        self.log.write_meta_binary_grouped(
             APPLYING_KEY,
             &Applying {
                 from: entries[0].log_id.index,
@@ -881,7 +881,7 @@ impl ShardStateMachine {
             return Ok(ShardResponse::Done);
         }
         let queues = queue_starts(&plan);
-        self.log.write_meta_grouped(
+        self.log.write_meta_binary_grouped(
             APPLYING_KEY,
             &Applying {
                 from: log_id.index,
@@ -1528,12 +1528,12 @@ mod tests {
                     delivered: None,
                     queues: vec![
                         QueueStart {
-                            queue: b"q1".to_vec(),
+                            queue: Bytes::from_static(b"q1"),
                             start: 2,
                             count: 3,
                         },
                         QueueStart {
-                            queue: b"q2".to_vec(),
+                            queue: Bytes::from_static(b"q2"),
                             start: 1,
                             count: 1,
                         },
@@ -1659,7 +1659,7 @@ mod tests {
                     delay_partial: None,
                     delivered: None,
                     queues: vec![QueueStart {
-                        queue: b"q1".to_vec(),
+                        queue: Bytes::from_static(b"q1"),
                         start: 1,
                         count: 1,
                     }],
@@ -1785,7 +1785,7 @@ mod tests {
                     last: entry.log_id,
                     membership: StoredMembership::default(),
                     queues: vec![QueueStart {
-                        queue: deletes_queue(0).to_vec(),
+                        queue: deletes_queue(0),
                         start: epoch,
                         count: 1,
                     }],
@@ -1983,12 +1983,12 @@ mod tests {
                     delivered: None,
                     queues: vec![
                         QueueStart {
-                            queue: b"q".to_vec(),
+                            queue: Bytes::from_static(b"q"),
                             start: 0,
                             count: 2,
                         },
                         QueueStart {
-                            queue: crate::shard::plan::producer_queue(0, "p").to_vec(),
+                            queue: crate::shard::plan::producer_queue(0, "p"),
                             start: 0,
                             count: 1,
                         },

@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use levee_proto::Bytes;
 use levee_proto::peer_v1::peer_client::PeerClient;
 use levee_proto::peer_v1::{ShardCall, ShardMessage};
 use openraft::OptionalSend;
@@ -109,14 +110,14 @@ pub(crate) async fn send(
     (shard, call): (ShardId, ShardCall),
     body: Vec<u8>,
     limit: std::time::Duration,
-) -> Result<Vec<u8>, tonic::Status> {
+) -> Result<Bytes, tonic::Status> {
     let mut client = channels
         .client(address)
         .map_err(tonic::Status::unavailable)?;
     let message = ShardMessage {
         shard,
         call: call.into(),
-        body,
+        body: body.into(),
     };
     let answer = tokio::time::timeout(limit, client.shard(message))
         .await
@@ -241,7 +242,6 @@ impl RaftNetwork<ShardConfig> for ShardConnection {
 
 #[cfg(test)]
 mod tests {
-    use levee_proto::Bytes;
     use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId};
 
     use super::*;
