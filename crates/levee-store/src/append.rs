@@ -105,6 +105,13 @@ impl Store {
         self.inner.wait_round(ticket.round)
     }
 
+    /// Whether the appends `ticket` covers are durable already (never waits, and never
+    /// starts a round: under [`SyncPolicy::Interval`] they become durable at the next one);
+    /// the round's error if it failed.
+    pub fn is_durable(&self, ticket: CommitTicket) -> Result<bool, WriteError> {
+        self.inner.round_done(ticket.round)
+    }
+
     fn check_input(&self, queue: &[u8], message: &[u8]) -> Result<(), InputError> {
         check_name(queue)?;
         let max = self.inner.options.message_bytes_max;

@@ -773,6 +773,21 @@ impl Inner {
     }
 
     /// Blocks until commit round `round` is done; its error if it failed.
+    /// Whether commit round `round` is done (its error if it failed), without waiting.
+    pub(crate) fn round_done(&self, round: u64) -> Result<bool, WriteError> {
+        let commit = lock(&self.commit);
+        if commit.completed >= round {
+            return match commit.failures.iter().find(|(failed, _)| *failed == round) {
+                Some((_, error)) => Err(error.clone()),
+                None => Ok(true),
+            };
+        }
+        match &commit.poisoned {
+            Some(reason) => Err(WriteError::Poisoned(reason.clone())),
+            None => Ok(false),
+        }
+    }
+
     pub(crate) fn wait_round(&self, round: u64) -> Result<(), WriteError> {
         // The message may have been frozen by the round already running (round - 1), and then
         // nothing else would start round `round`: make sure the committer runs it. Only the

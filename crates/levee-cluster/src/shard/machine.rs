@@ -10,12 +10,16 @@
 //! the **apply record**, kept in the shard's log partition and fsynced (in the shard logs'
 //! group commit) before a batch of entries touches the store: the batch's log range, the
 //! membership after it, and where each of its queues stood before it (the queue's next
-//! offset) and how many messages it adds. Before writing the record of a batch, the previous
-//! batch's store appends and the positions applied since are durable (under `interval`,
-//! waited for then), so at a restart every batch before the recorded one is whole in the
-//! store, and the recorded one is partly there: for each of its queues, the messages past
-//! the recorded start are counted (a queue's messages are recovered as a prefix), and only
-//! those missing are appended again, from the log. No message is stored twice, none is lost,
+//! offset) and how many messages it adds. Under `interval`, while the batches applied before
+//! are not yet durable in the store, the record names them too, as one range from the first
+//! one's first entry with each queue's offset before the first of them (at most
+//! [`UNSYNCED_BATCHES_MAX`] batches and [`UNSYNCED_QUEUES_MAX`] queues; past that, and before
+//! a delete, a delivery, a snapshot's mark or an install, the apply waits for the store, and
+//! so does one whose positions alone are not durable yet). So at a restart every batch before
+//! the recorded range is whole in the store, and the range is partly there: for each of its
+//! queues, the messages past the recorded start are counted (a queue's messages are recovered
+//! as a prefix), and only those missing are appended again, from the log, the range planned
+//! again as one batch. No message is stored twice, none is lost,
 //! and every replica holds the same offsets.
 //!
 //! **Snapshots** (docs/CLUSTER.md, "Snapshots") are lazy. Building one (openraft asks every
@@ -219,6 +223,27 @@ struct Applied {
     wheel: DelayWheel,
     /// The slot a delivery cut short, and where the next one goes on.
     partial: Option<(Bytes, u64)>,
+    /// The batches applied since the store was last known to hold them durably (under
+    /// `interval`), which the next apply record names too.
+    unsynced: Option<Unsynced>,
+}
+
+/// Most batches one apply record names (see [`ShardStateMachine::apply_batch`]): at more,
+/// the apply waits for the store.
+const UNSYNCED_BATCHES_MAX: usize = 32;
+/// Most queues one apply record names when it names several batches.
+const UNSYNCED_QUEUES_MAX: usize = 4_096;
+
+/// Consecutive batches applied under `interval` that the store may not hold durably yet.
+#[derive(Debug)]
+struct Unsynced {
+    /// The first entry of the first of them.
+    from: u64,
+    /// Each queue they touch: its offset before the first of them, and its next offset after
+    /// the last.
+    queues: HashMap<Bytes, (u64, u64)>,
+    /// How many.
+    batches: usize,
 }
 
 /// A shard's state machine over the node's queue store. Clones share it.
@@ -625,6 +650,7 @@ impl ShardStateMachine {
     /// Waits until the batches and positions applied so far are durable in the store (under
     /// `interval` they were not waited for), before an apply record replaces the last one.
     fn wait_applied(&self, applied: &mut Applied) -> Result<(), StorageError> {
+        applied.unsynced = None;
         for ticket in [applied.ticket.take(), applied.positions_ticket.take()]
             .into_iter()
             .flatten()
@@ -779,16 +805,33 @@ impl ShardStateMachine {
             applied.membership = membership;
             return Ok(responses);
         }
-        // The previous batch whole in the store before this one's record replaces its own.
-        self.wait_applied(applied)?;
-        let queues = queue_starts(&plan);
+        // The batches before whole in the store before this one's record replaces theirs, or,
+        // under `interval` while they are not yet, named by this record too.
+        let unsynced = if let Some(unsynced) = self.unsynced_with(applied, &plan, always)? {
+            unsynced
+        } else {
+            self.wait_applied(applied)?;
+            Unsynced {
+                from: entries[0].log_id.index,
+                queues: plan.queues.clone(),
+                batches: 0,
+            }
+        };
         self.log.write_meta_binary_grouped(
             APPLYING_KEY,
             &Applying {
-                from: entries[0].log_id.index,
+                from: unsynced.from,
                 last: last_entry.log_id,
                 membership: membership.clone(),
-                queues,
+                queues: unsynced
+                    .queues
+                    .iter()
+                    .map(|(queue, (start, next))| QueueStart {
+                        queue: queue.clone(),
+                        start: *start,
+                        count: next - start,
+                    })
+                    .collect(),
                 deleted: None,
                 delay_marks: applied.wheel.taken_below(),
                 delay_partial: partial_record(applied.partial.as_ref()),
@@ -819,6 +862,10 @@ impl ShardStateMachine {
                 .map_err(|error| io_error(&error))?;
         } else {
             applied.ticket = Some(ticket);
+            applied.unsynced = Some(Unsynced {
+                batches: unsynced.batches + 1,
+                ..unsynced
+            });
         }
         // After the messages they may point past, recorded again by the recovery of this
         // batch if a crash comes first.
@@ -828,6 +875,54 @@ impl ShardStateMachine {
         drop(guard);
         self.tell_appended(&plan.batch);
         Ok(responses)
+    }
+
+    /// Under `interval`, while the store does not yet hold the batches applied before
+    /// durably: those batches and `plan`'s as one range for the next apply record (each
+    /// queue from where the first of them found it), so the apply need not wait for the
+    /// store's fsync (a restart plans the whole range again, [`ShardStateMachine::recover`]).
+    /// `None` when they are durable (forgotten then), under `always`, or when the range
+    /// would name more than [`UNSYNCED_BATCHES_MAX`] batches or [`UNSYNCED_QUEUES_MAX`]
+    /// queues: the apply then waits for the store and its record names its batch alone.
+    fn unsynced_with(
+        &self,
+        applied: &mut Applied,
+        plan: &Plan<'_>,
+        always: bool,
+    ) -> Result<Option<Unsynced>, StorageError> {
+        if always {
+            return Ok(None);
+        }
+        let durable = |ticket: Option<CommitTicket>| {
+            ticket.map_or(Ok(true), |ticket| {
+                self.store
+                    .is_durable(ticket)
+                    .map_err(|error| io_error(&error))
+            })
+        };
+        if durable(applied.ticket)? && durable(applied.positions_ticket)? {
+            applied.ticket = None;
+            applied.positions_ticket = None;
+            applied.unsynced = None;
+            return Ok(None);
+        }
+        let Some(mut unsynced) = applied.unsynced.take() else {
+            return Ok(None);
+        };
+        if unsynced.batches >= UNSYNCED_BATCHES_MAX {
+            return Ok(None);
+        }
+        for (queue, (start, next)) in &plan.queues {
+            unsynced
+                .queues
+                .entry(queue.clone())
+                .and_modify(|(_, end)| *end = *next)
+                .or_insert((*start, *next));
+        }
+        if unsynced.queues.len() > UNSYNCED_QUEUES_MAX {
+            return Ok(None);
+        }
+        Ok(Some(unsynced))
     }
 
     /// Tells the observer of the messages `batch` stored in readers' queues (not the shard's
@@ -983,6 +1078,7 @@ impl ShardStateMachine {
         let mut applied = self.lock();
         applied.ticket = None;
         applied.positions_ticket = None;
+        applied.unsynced = None;
         self.store.flush().map_err(|error| io_error(&error))?;
         let meta = SnapshotMeta {
             last_log_id: applied.last,
@@ -1262,6 +1358,7 @@ impl ShardStateMachine {
         applied.membership = record.meta.last_membership.clone();
         applied.ticket = None;
         applied.positions_ticket = None;
+        applied.unsynced = None;
         applied.producers = ShardProducers::default();
         applied.wheel = shard_wheel(&self.store, self.shard, tail.delay_marks);
         applied.partial = tail
@@ -1554,6 +1651,52 @@ mod tests {
         drop((store, reopened));
         let (store, _) = open(directory.path());
         assert_eq!(messages(&store, "q1"), ["x", "y", "a", "b", "d"]);
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_batches_the_store_has_not_synced_when_applied_then_one_record_names_them_all()
+    -> Result<(), StorageError> {
+        let directory = tempfile::tempdir().expect("a directory");
+        let (store, mut machine) = open(directory.path());
+        store
+            .set_sync_policy(SyncPolicy::Interval {
+                interval_ms: 60_000,
+            })
+            .expect("a policy");
+        let sorted = |record: &Applying| {
+            let mut queues: Vec<(Bytes, u64, u64)> = record
+                .queues
+                .iter()
+                .map(|queue| (queue.queue.clone(), queue.start, queue.count))
+                .collect();
+            queues.sort();
+            queues
+        };
+        machine
+            .apply(vec![append(1, &[("q1", "a"), ("q2", "b")])])
+            .await?;
+        machine
+            .apply(vec![append(2, &[("q1", "c"), ("q3", "d")])])
+            .await?;
+        // The first batch is not durable in the store: the record names both, each queue from
+        // where the first found it.
+        let record: Applying = machine.log.read_meta(APPLYING_KEY)?.expect("a record");
+        assert_eq!((record.from, record.last.index), (1, 2));
+        let q = |name: &'static [u8], start, count| (Bytes::from_static(name), start, count);
+        assert_eq!(
+            sorted(&record),
+            [q(b"q1", 0, 2), q(b"q2", 0, 1), q(b"q3", 0, 1)]
+        );
+        // Once the store holds them durably, a record names its own batch alone.
+        store.sync().expect("a sync");
+        machine.apply(vec![append(3, &[("q2", "e")])]).await?;
+        let record: Applying = machine.log.read_meta(APPLYING_KEY)?.expect("a record");
+        assert_eq!((record.from, record.last.index), (3, 3));
+        assert_eq!(sorted(&record), [q(b"q2", 1, 1)]);
+        // Applied as planned.
+        assert_eq!(messages(&store, "q1"), ["a", "c"]);
+        assert_eq!(messages(&store, "q2"), ["b", "e"]);
         Ok(())
     }
 
