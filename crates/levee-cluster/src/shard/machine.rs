@@ -813,7 +813,7 @@ impl ShardStateMachine {
             self.wait_applied(applied)?;
             Unsynced {
                 from: entries[0].log_id.index,
-                queues: plan.queues.clone(),
+                queues: std::mem::take(&mut plan.queues),
                 batches: 0,
             }
         };
