@@ -192,6 +192,36 @@ impl<C> LogStore<C> {
         self.write_meta_value_grouped(key, bytes)
     }
 
+    /// Writes `value` under `key` in the meta partition, in postcard as
+    /// [`LogStore::write_meta_binary_grouped`] does, without waiting: the future it returns
+    /// ends once the write is fsynced through the group commit (alone, before it returns, when
+    /// there is none), holding no thread meanwhile.
+    pub(crate) fn write_meta_binary_then_sync<T: Serialize>(
+        &self,
+        key: &str,
+        value: &T,
+    ) -> Result<impl Future<Output = Result<(), StorageError>> + Send + 'static, StorageError> {
+        let mut bytes = vec![BINARY_META];
+        postcard::to_io(value, &mut bytes).map_err(|error| StorageIOError::write(&error))?;
+        self.meta
+            .insert(key, bytes)
+            .map_err(|error| StorageIOError::write(&error))?;
+        let synced = if let Some(syncer) = &self.syncer {
+            Some(syncer.synced())
+        } else {
+            self.persist()?;
+            None
+        };
+        Ok(async move {
+            match synced {
+                Some(synced) => synced
+                    .await
+                    .map_err(|error| StorageIOError::write(&std::io::Error::other(error)).into()),
+                None => Ok(()),
+            }
+        })
+    }
+
     /// Makes everything written so far durable: through the group commit when there is one
     /// (which fsyncs without holding fjall's journal lock, so the other logs of the keyspace
     /// keep writing), else with fjall's own fsync.
@@ -367,12 +397,9 @@ impl<C: LogCodec> RaftLogStorage<C> for LogStore<C> {
         self.meta
             .insert(VOTE_KEY, to_json(vote)?)
             .map_err(|error| StorageIOError::write_vote(&error))?;
-        let (answer, done) = tokio::sync::oneshot::channel();
-        syncer.after_sync(Box::new(move |result| {
-            let _ = answer.send(result);
-        }));
-        done.await
-            .unwrap_or_else(|_| Err("the log syncer stopped".to_owned()))
+        syncer
+            .synced()
+            .await
             .map_err(|error| StorageIOError::write_vote(&std::io::Error::other(error)).into())
     }
 

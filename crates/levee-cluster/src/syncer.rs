@@ -101,6 +101,19 @@ impl JournalSyncer {
             .unwrap_or_else(|_| Err("the log syncer stopped".to_owned()))
     }
 
+    /// Ends once everything written to the keyspace before this call is fsynced (or the
+    /// fsync failed), holding no thread while it waits.
+    pub fn synced(&self) -> impl Future<Output = Result<(), String>> + Send + 'static {
+        let (answer, done) = tokio::sync::oneshot::channel();
+        self.after_sync(Box::new(move |result| {
+            let _ = answer.send(result);
+        }));
+        async move {
+            done.await
+                .unwrap_or_else(|_| Err("the log syncer stopped".to_owned()))
+        }
+    }
+
     /// Ends the thread once it has served what is pending.
     pub fn stop(&self) {
         self.inner.stopped.store(true, Ordering::Release);

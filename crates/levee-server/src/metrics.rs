@@ -201,7 +201,8 @@ pub struct Metrics {
     pub shard_snapshots_installed: Counter,
     /// Time from a shard log append to its fsync (the shards' group commit).
     pub shard_log_append_seconds: Histogram,
-    /// Time a shard's run of committed entries waited for a blocking thread.
+    /// Time a shard's run of committed entries waited, while applied, for the store's fsync
+    /// of earlier batches or for a blocking thread.
     pub shard_apply_wait_seconds: Histogram,
     /// Time a shard took to apply a run of committed entries (the wait included).
     pub shard_apply_seconds: Histogram,
@@ -541,7 +542,7 @@ impl Metrics {
             shard_apply_wait_seconds: registered(
                 registry_ref,
                 "levee_shard_apply_wait_seconds",
-                "time a shard's run of committed entries waited for a blocking thread to apply it",
+                "time a shard's run of committed entries waited, while applied, for the store to make earlier batches durable or for a blocking thread (deletes, deliveries)",
                 latency_histogram(),
             ),
             shard_apply_seconds: registered(

@@ -22,6 +22,11 @@
 //! again as one batch. No message is stored twice, none is lost,
 //! and every replica holds the same offsets.
 //!
+//! A batch is applied on the state machine's own task: the record's fsync (and, when the
+//! record cannot name the batches before, the store's) is awaited without holding a thread,
+//! so an apply costs no hand-off to a blocking thread and back. Deletes and deliveries, which
+//! wait for the store step by step, run on a blocking thread.
+//!
 //! **Snapshots** (docs/CLUSTER.md, "Snapshots") are lazy. Building one (openraft asks every
 //! `snapshot_entries` applied entries) makes the store durable up to the last applied entry
 //! and records that point (the *built mark*): the log up to it may then be purged, since the
@@ -139,8 +144,9 @@ pub trait ShardObserver: Send + Sync {
     /// (`ShardGroups::append`).
     fn appends_written(&self, _shard: ShardId, _requests: usize) {}
 
-    /// Shard `shard` applied a run of `entries` entries: `waited` until a blocking thread
-    /// took it, `took` from openraft's call until done.
+    /// Shard `shard` applied a run of `entries` entries: `waited` of it for the store to make
+    /// earlier batches durable or for a blocking thread (deletes, deliveries), `took` from
+    /// openraft's call until done.
     fn applied(
         &self,
         _shard: ShardId,
@@ -234,6 +240,27 @@ const UNSYNCED_BATCHES_MAX: usize = 32;
 /// Most queues one apply record names when it names several batches.
 const UNSYNCED_QUEUES_MAX: usize = 4_096;
 
+/// A run of entries planned by [`ShardStateMachine::plan_batch`].
+struct PlannedBatch<'a> {
+    responses: Vec<ShardResponse>,
+    /// The membership after the run.
+    membership: StoredMembership<NodeId, NodeInfo>,
+    positions: PlannedPositions<'a>,
+    /// `None` when the run carries consumers' positions only.
+    stored: Option<ToStore>,
+}
+
+/// What a planned run stores, and how.
+struct ToStore {
+    /// The messages, with the offset each must get.
+    batch: Vec<(Bytes, Bytes, u64)>,
+    /// The batches the apply record names, this one included.
+    unsynced: Unsynced,
+    /// The store rounds to wait for before the record replaces the last one.
+    before: Vec<CommitTicket>,
+    record: Applying,
+}
+
 /// Consecutive batches applied under `interval` that the store may not hold durably yet.
 #[derive(Debug)]
 struct Unsynced {
@@ -257,6 +284,10 @@ pub struct ShardStateMachine {
     store: Arc<Store>,
     log: LogStore<ShardConfig>,
     applied: Arc<Mutex<Applied>>,
+    /// Held through an apply, a snapshot's mark, a capture to write and an install: an apply
+    /// lets go of `applied`'s lock while it waits for fsyncs, its batch planned but not yet
+    /// stored, and none of those may see the shard so.
+    gate: Arc<tokio::sync::Mutex<()>>,
     observer: Option<Arc<dyn ShardObserver>>,
     /// The delay wheel's next due time (`u64::MAX`: none) and count, as the last apply left
     /// them.
@@ -460,6 +491,7 @@ impl ShardStateMachine {
             store,
             log,
             applied: Arc::new(Mutex::new(Applied::default())),
+            gate: Arc::default(),
             delays: Arc::default(),
             observer,
         };
@@ -588,7 +620,11 @@ impl ShardStateMachine {
             .wait_durable(ticket)
             .map_err(|error| io_error(&error))?;
         // The batch's positions may not have reached the store before the crash.
-        self.record_positions(&positions, true, &mut None)?;
+        if let Some(ticket) = self.record_positions(&positions)? {
+            self.store
+                .wait_durable(ticket)
+                .map_err(|error| io_error(&error))?;
+        }
         if let Some(queue) = &applying.deleted {
             let epoch = starts
                 .get(&deletes_queue(self.shard)[..])
@@ -617,17 +653,14 @@ impl ShardStateMachine {
         Ok(())
     }
 
-    /// Hands the consumers' `positions` to the observer, waiting until they are durable when
-    /// `durable`, else keeping the store round that makes them durable in `pending` (the
-    /// later one).
+    /// Hands the consumers' `positions` to the observer; the store round that makes them
+    /// durable, if they wrote any.
     fn record_positions(
         &self,
         positions: &PlannedPositions<'_>,
-        durable: bool,
-        pending: &mut Option<CommitTicket>,
-    ) -> Result<(), StorageError> {
+    ) -> Result<Option<CommitTicket>, StorageError> {
         let Some(observer) = &self.observer else {
-            return Ok(());
+            return Ok(None);
         };
         let mut last = None;
         for (consumer, positions) in positions {
@@ -636,15 +669,24 @@ impl ShardStateMachine {
                 .map_err(|error| io_error(&std::io::Error::other(error)))?;
             last = ticket.or(last);
         }
-        match last {
-            Some(ticket) if durable => self
-                .store
-                .wait_durable(ticket)
-                .map_err(|error| io_error(&error))?,
-            Some(ticket) => *pending = (*pending).max(Some(ticket)),
-            None => {}
+        Ok(last)
+    }
+
+    /// Ends once the store holds `ticket`'s appends durably, waiting on a blocking thread
+    /// when it does not yet (the store's waits block).
+    async fn store_durable(&self, ticket: CommitTicket) -> Result<(), StorageError> {
+        if self
+            .store
+            .is_durable(ticket)
+            .map_err(|error| io_error(&error))?
+        {
+            return Ok(());
         }
-        Ok(())
+        let store = Arc::clone(&self.store);
+        tokio::task::spawn_blocking(move || store.wait_durable(ticket))
+            .await
+            .map_err(|error| io_error(&error))?
+            .map_err(|error| io_error(&error))
     }
 
     /// Waits until the batches and positions applied so far are durable in the store (under
@@ -662,40 +704,53 @@ impl ShardStateMachine {
         Ok(())
     }
 
-    /// Applies `entries` (blocking: store and log writes): each delete on its own, the runs
-    /// of entries between them as one batch each.
-    fn apply_blocking(
+    /// Applies `entries`: each delete and delivery on its own, on a blocking thread (they
+    /// wait for the store), the runs of entries between them as one batch each, on the
+    /// caller's task. Returns the answers and how long the applies waited for blocking
+    /// threads and for the store.
+    async fn apply_entries(
         &self,
-        entries: &[Entry<ShardConfig>],
-    ) -> Result<Vec<ShardResponse>, StorageError> {
+        entries: Vec<Entry<ShardConfig>>,
+    ) -> Result<(Vec<ShardResponse>, std::time::Duration), StorageError> {
+        let alone = |entry: &Entry<ShardConfig>| {
+            matches!(
+                entry.payload,
+                EntryPayload::Normal(ShardCommand::Delete { .. } | ShardCommand::Deliver { .. })
+            )
+        };
         let mut responses = Vec::with_capacity(entries.len());
-        let mut rest = entries;
+        let mut waited = std::time::Duration::ZERO;
+        let mut rest = &entries[..];
         while !rest.is_empty() {
-            let alone = |entry: &Entry<ShardConfig>| {
-                matches!(
-                    entry.payload,
-                    EntryPayload::Normal(
-                        ShardCommand::Delete { .. } | ShardCommand::Deliver { .. }
-                    )
-                )
-            };
             let run = rest.iter().position(alone).unwrap_or(rest.len());
             if run == 0 {
-                let response = if let EntryPayload::Normal(ShardCommand::Deliver { now_ms }) =
-                    rest[0].payload
-                {
-                    self.apply_deliver(rest[0].log_id, now_ms)?
-                } else {
-                    self.apply_delete(&rest[0])?
-                };
-                responses.push(response);
+                let entry = rest[0].clone();
+                let queued = std::time::Instant::now();
+                let response = self
+                    .blocking(move |machine| {
+                        let started = std::time::Instant::now();
+                        let response =
+                            if let EntryPayload::Normal(ShardCommand::Deliver { now_ms }) =
+                                entry.payload
+                            {
+                                machine.apply_deliver(entry.log_id, now_ms)
+                            } else {
+                                machine.apply_delete(&entry)
+                            };
+                        response.map(|response| (response, started.duration_since(queued)))
+                    })
+                    .await?;
+                waited += response.1;
+                responses.push(response.0);
                 rest = &rest[1..];
             } else {
-                responses.extend(self.apply_batch(&rest[..run])?);
+                let (batch, batch_waited) = self.apply_batch(&rest[..run]).await?;
+                waited += batch_waited;
+                responses.extend(batch);
                 rest = &rest[run..];
             }
         }
-        Ok(responses)
+        Ok((responses, waited))
     }
 
     /// Applies one `ShardCommand::Delete` entry: the previous batch made durable, an apply
@@ -777,14 +832,16 @@ impl ShardStateMachine {
         Ok(())
     }
 
-    /// Applies a run of entries without deletes as one batch.
-    fn apply_batch(
+    /// Plans a run of entries without deletes or deliveries (see
+    /// [`ShardStateMachine::apply_batch`]), under the lock on the applied state: each one's
+    /// answer, the membership and positions after them and, unless they carry positions only,
+    /// what to store.
+    fn plan_batch<'a>(
         &self,
-        entries: &[Entry<ShardConfig>],
-    ) -> Result<Vec<ShardResponse>, StorageError> {
-        let Some(last_entry) = entries.last() else {
-            return Ok(Vec::new());
-        };
+        entries: &'a [Entry<ShardConfig>],
+        last: LogId<NodeId>,
+        always: bool,
+    ) -> Result<PlannedBatch<'a>, StorageError> {
         let mut guard = self.lock();
         let applied = &mut *guard;
         let start_of = |queue: &[u8]| next_offset(&self.store, queue);
@@ -797,53 +854,124 @@ impl ShardStateMachine {
             applied.membership.clone(),
         );
         self.publish_delays(&applied.wheel);
-        let always = self.store.sync_policy() == SyncPolicy::Always;
+        // Positions only: applied again after a crash (the largest wins), nothing to record.
         if plan.batch.is_empty() {
-            // Positions only: applied again after a crash (the largest wins), nothing to record.
-            self.record_positions(&positions, always, &mut applied.positions_ticket)?;
-            applied.last = Some(last_entry.log_id);
-            applied.membership = membership;
-            return Ok(responses);
+            return Ok(PlannedBatch {
+                responses,
+                membership,
+                positions,
+                stored: None,
+            });
         }
         // The batches before whole in the store before this one's record replaces theirs, or,
         // under `interval` while they are not yet, named by this record too.
+        let mut before = Vec::new();
         let unsynced = if let Some(unsynced) = self.unsynced_with(applied, &plan, always)? {
             unsynced
         } else {
-            self.wait_applied(applied)?;
+            applied.unsynced = None;
+            before.extend(
+                [applied.ticket.take(), applied.positions_ticket.take()]
+                    .into_iter()
+                    .flatten(),
+            );
             Unsynced {
                 from: entries[0].log_id.index,
                 queues: std::mem::take(&mut plan.queues),
                 batches: 0,
             }
         };
-        self.log.write_meta_binary_grouped(
-            APPLYING_KEY,
-            &Applying {
-                from: unsynced.from,
-                last: last_entry.log_id,
-                membership: membership.clone(),
-                queues: unsynced
-                    .queues
-                    .iter()
-                    .map(|(queue, (start, next))| QueueStart {
-                        queue: queue.clone(),
-                        start: *start,
-                        count: next - start,
-                    })
-                    .collect(),
-                deleted: None,
-                delay_marks: applied.wheel.taken_below(),
-                delay_partial: partial_record(applied.partial.as_ref()),
-                delivered: None,
-            },
-        )?;
+        let record = Applying {
+            from: unsynced.from,
+            last,
+            membership: membership.clone(),
+            queues: unsynced
+                .queues
+                .iter()
+                .map(|(queue, (start, next))| QueueStart {
+                    queue: queue.clone(),
+                    start: *start,
+                    count: next - start,
+                })
+                .collect(),
+            deleted: None,
+            delay_marks: applied.wheel.taken_below(),
+            delay_partial: partial_record(applied.partial.as_ref()),
+            delivered: None,
+        };
+        Ok(PlannedBatch {
+            responses,
+            membership,
+            positions,
+            stored: Some(ToStore {
+                batch: std::mem::take(&mut plan.batch),
+                unsynced,
+                before,
+                record,
+            }),
+        })
+    }
+
+    /// Applies a run of entries without deletes or deliveries as one batch, on the caller's
+    /// task: planned ([`ShardStateMachine::plan_batch`]); the batches before made durable in
+    /// the store first unless this one's record can name them too
+    /// ([`ShardStateMachine::unsynced_with`]); its apply record written and its fsync awaited
+    /// (the shard logs' group commit, holding no thread); then the messages buffered in the
+    /// store. The lock on the applied state is let go across the waits:
+    /// [`ShardStateMachine::gate`] keeps out every other apply, snapshot mark, capture and
+    /// install meanwhile. Returns the answers and how long the batch waited for the store.
+    async fn apply_batch(
+        &self,
+        entries: &[Entry<ShardConfig>],
+    ) -> Result<(Vec<ShardResponse>, std::time::Duration), StorageError> {
+        let Some(last_entry) = entries.last() else {
+            return Ok((Vec::new(), std::time::Duration::ZERO));
+        };
+        let always = self.store.sync_policy() == SyncPolicy::Always;
+        let PlannedBatch {
+            responses,
+            membership,
+            positions,
+            stored,
+        } = self.plan_batch(entries, last_entry.log_id, always)?;
+        let mut waited = std::time::Duration::ZERO;
+        let Some(ToStore {
+            batch,
+            unsynced,
+            before,
+            record,
+        }) = stored
+        else {
+            let ticket = self.record_positions(&positions)?;
+            let mut applied = self.lock();
+            if let Some(ticket) = ticket {
+                if always {
+                    drop(applied);
+                    let started = std::time::Instant::now();
+                    self.store_durable(ticket).await?;
+                    waited = started.elapsed();
+                    applied = self.lock();
+                } else {
+                    applied.positions_ticket = applied.positions_ticket.max(Some(ticket));
+                }
+            }
+            applied.last = Some(last_entry.log_id);
+            applied.membership = membership;
+            return Ok((responses, waited));
+        };
+        let started = std::time::Instant::now();
+        for ticket in before {
+            self.store_durable(ticket).await?;
+        }
+        waited = started.elapsed();
+        self.log
+            .write_meta_binary_then_sync(APPLYING_KEY, &record)?
+            .await?;
         let (offsets, ticket) = self
             .store
-            .append_batch_deferred(&store_batch(&plan.batch))
+            .append_batch_deferred(&store_batch(&batch))
             .map_err(|error| io_error(&error))?;
-        if let Some(((queue, _, planned), stored)) = plan
-            .batch
+        if let Some(((queue, _, planned), stored)) = batch
             .iter()
             .zip(&offsets)
             .find(|((_, _, planned), stored)| planned != *stored)
@@ -855,26 +983,30 @@ impl ShardStateMachine {
                 String::from_utf8_lossy(queue)
             ))));
         }
+        // Under `always`, readable (a read sees fsynced messages only) before answered.
         if always {
-            // Readable (a read under `always` sees fsynced messages only) before answered.
-            self.store
-                .wait_durable(ticket)
-                .map_err(|error| io_error(&error))?;
-        } else {
+            self.store_durable(ticket).await?;
+        }
+        // After the messages they may point past, recorded again by the recovery of this
+        // batch if a crash comes first.
+        let positions_ticket = self.record_positions(&positions)?;
+        if always && let Some(positions_ticket) = positions_ticket {
+            self.store_durable(positions_ticket).await?;
+        }
+        let mut applied = self.lock();
+        if !always {
             applied.ticket = Some(ticket);
+            applied.positions_ticket = applied.positions_ticket.max(positions_ticket);
             applied.unsynced = Some(Unsynced {
                 batches: unsynced.batches + 1,
                 ..unsynced
             });
         }
-        // After the messages they may point past, recorded again by the recovery of this
-        // batch if a crash comes first.
-        self.record_positions(&positions, always, &mut applied.positions_ticket)?;
         applied.last = Some(last_entry.log_id);
         applied.membership = membership;
-        drop(guard);
-        self.tell_appended(&plan.batch);
-        Ok(responses)
+        drop(applied);
+        self.tell_appended(&batch);
+        Ok((responses, waited))
     }
 
     /// Under `interval`, while the store does not yet hold the batches applied before
@@ -1106,12 +1238,14 @@ impl ShardStateMachine {
         let under_way = locked(&self.snapshots.writing).clone().filter(|writing| {
             writing.meta.last_log_id >= built && !matches!(&*writing.written.borrow(), Some(Err(_)))
         });
-        let writing = match under_way {
-            Some(writing) => writing,
-            None => match self.blocking(Self::start_writing).await? {
+        let writing = if let Some(writing) = under_way {
+            writing
+        } else {
+            let _gate = self.gate.lock().await;
+            match self.blocking(Self::start_writing).await? {
                 Some(writing) => writing,
                 None => return Ok(None),
-            },
+            }
         };
         let written = writing.written.clone();
         let meta = writing.meta.clone();
@@ -1409,7 +1543,10 @@ impl ShardStateMachine {
 
 impl RaftSnapshotBuilder<ShardConfig> for ShardStateMachine {
     async fn build_snapshot(&mut self) -> Result<Snapshot<ShardConfig>, StorageError> {
-        let meta = self.blocking(Self::mark_built).await?;
+        let meta = {
+            let _gate = self.gate.lock().await;
+            self.blocking(Self::mark_built).await?
+        };
         // openraft reads only the meta of a snapshot it asked to build.
         Ok(Snapshot {
             meta,
@@ -1434,18 +1571,10 @@ impl RaftStateMachine<ShardConfig> for ShardStateMachine {
         I::IntoIter: OptionalSend,
     {
         let entries: Vec<Entry<ShardConfig>> = entries.into_iter().collect();
-        let machine = self.clone();
+        let count = entries.len();
         let started = std::time::Instant::now();
-        let (waited, applied) = tokio::task::spawn_blocking(move || {
-            let waited = started.elapsed();
-            let applied = machine
-                .apply_blocking(&entries)
-                .map(|responses| (responses, entries.len()));
-            (waited, applied)
-        })
-        .await
-        .map_err(|error| io_error(&error))?;
-        let (responses, count) = applied?;
+        let _gate = self.gate.lock().await;
+        let (responses, waited) = self.apply_entries(entries).await?;
         if let Some(observer) = &self.observer {
             observer.applied(self.shard, count, (waited, started.elapsed()));
         }
@@ -1473,6 +1602,7 @@ impl RaftStateMachine<ShardConfig> for ShardStateMachine {
         let received = snapshot.path().to_owned();
         drop(snapshot);
         let meta = meta.clone();
+        let _gate = self.gate.lock().await;
         self.blocking(move |machine| machine.install_blocking(&meta, &received))
             .await
     }
