@@ -79,6 +79,8 @@ pub(super) fn run(
     let report = runtime.block_on(async {
         let spread = wait_placed(&address, args.shards, replicas).await?;
         let before = round_timings(&admin);
+        let node_1 = admin.first().map_or("", |(_, address)| address.as_str());
+        let terms_before = shard_terms(node_1);
         let used_before = used_by(&pids);
         let mut report = bench(args, &address).await?;
         let used = used_by(&pids)
@@ -87,6 +89,7 @@ pub(super) fn run(
             .map(|((id, after), (_, before))| (*id, after.since(before)))
             .collect::<Vec<_>>();
         report["leaders_spread"] = json!(spread);
+        report["shard_elections"] = elections_report(&terms_before, &shard_terms(node_1));
         report["shard_rounds"] = rounds_report(&before, &round_timings(&admin));
         report["resources"] = resources_report(args, (&report, &used), (&single, &single_used));
         anyhow::Ok(report)
@@ -187,6 +190,41 @@ fn rounds_report(before: &[(u64, Vec<(f64, f64)>)], after: &[(u64, Vec<(f64, f64
         );
     }
     Value::Array(nodes)
+}
+
+/// Each shard's Raft term as node 1 (admin port at `admin`) sees it, from `/v1/cluster`'s
+/// `shard_groups`; empty if it does not answer.
+fn shard_terms(admin: &str) -> Vec<(u64, u64)> {
+    let Ok(text) = http_get(admin, "/v1/cluster") else {
+        return Vec::new();
+    };
+    let cluster: Value = serde_json::from_str(&text).unwrap_or_default();
+    cluster["shard_groups"]
+        .as_array()
+        .map(|groups| {
+            groups
+                .iter()
+                .filter_map(|group| Some((group["shard"].as_u64()?, group["term"].as_u64()?)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The report's `shard_elections`: the terms the shards started over the run, as node 1 saw
+/// them (each one an election, won or not: a leader lost under load, or a preferred replica
+/// claiming its shard), and how many shards had any.
+fn elections_report(before: &[(u64, u64)], after: &[(u64, u64)]) -> Value {
+    let started: Vec<u64> = after
+        .iter()
+        .filter_map(|(shard, term)| {
+            let (_, earlier) = before.iter().find(|(other, _)| other == shard)?;
+            Some(term.saturating_sub(*earlier))
+        })
+        .collect();
+    let total: u64 = started.iter().sum();
+    let shards = started.iter().filter(|count| **count > 0).count();
+    eprintln!("levee: {total} shard elections during the run, in {shards} shards");
+    json!({ "terms_started": total, "shards": shards })
 }
 
 /// What a server process used over a run: bytes it sent to the disk, those its queue store
@@ -307,13 +345,18 @@ fn metric(text: &str, series: &str) -> Option<f64> {
         .and_then(|value| value.parse::<f64>().ok())
 }
 
-/// The text of `/metrics` on the admin port at `address`: a plain HTTP/1.0 GET over loopback,
-/// the answer read until the server closes the connection.
+/// The text of `/metrics` on the admin port at `address`.
 fn scrape_metrics(address: &str) -> anyhow::Result<String> {
+    http_get(address, "/metrics")
+}
+
+/// The body of `path` on the admin port at `address`: a plain HTTP/1.0 GET over loopback, the
+/// answer read until the server closes the connection.
+fn http_get(address: &str, path: &str) -> anyhow::Result<String> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(address)?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    stream.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes())?;
+    stream.write_all(format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes())?;
     let mut answer = String::new();
     stream.read_to_string(&mut answer)?;
     let (head, body) = answer
@@ -321,7 +364,7 @@ fn scrape_metrics(address: &str) -> anyhow::Result<String> {
         .context("an HTTP answer without a body")?;
     if head.split(' ').nth(1) != Some("200") {
         bail!(
-            "/metrics on {address}: {}",
+            "{path} on {address}: {}",
             head.lines().next().unwrap_or_default()
         );
     }
