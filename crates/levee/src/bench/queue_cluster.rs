@@ -396,3 +396,20 @@ async fn wait_placed(address: &str, shards: u32, replicas: usize) -> anyhow::Res
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn given_terms_before_and_after_a_run_then_elections_count_the_new_terms_of_shards_seen_both_times()
+     {
+        let before = [(0, 3), (1, 5), (2, 7)];
+        // Shard 1 elected twice, shard 2 not; shard 3 was not seen before and is left out.
+        let after = [(0, 3), (1, 7), (2, 7), (3, 9)];
+        let report = elections_report(&before, &after);
+        assert_eq!(report["terms_started"], 2);
+        assert_eq!(report["shards"], 1);
+        assert_eq!(elections_report(&before, &[])["terms_started"], 0);
+    }
+}
