@@ -112,6 +112,15 @@ impl Store {
         self.inner.round_done(ticket.round)
     }
 
+    /// Whether an append now would wait for the committer (under `interval`, while its
+    /// rounds are more than [`INTERVAL_LATE_FACTOR`] intervals behind: the back-pressure of
+    /// [`Store::append_deferred`]); never waits itself. A caller that must not block (an
+    /// async task) hands its append to a blocking thread then.
+    #[must_use]
+    pub fn is_late(&self) -> bool {
+        self.inner.is_late()
+    }
+
     fn check_input(&self, queue: &[u8], message: &[u8]) -> Result<(), InputError> {
         check_name(queue)?;
         let max = self.inner.options.message_bytes_max;
@@ -172,6 +181,17 @@ impl Inner {
                 .wait_timeout(commit, Duration::from_millis(10))
                 .unwrap_or_else(PoisonError::into_inner);
         }
+    }
+
+    /// See [`Store::is_late`].
+    fn is_late(&self) -> bool {
+        let SyncPolicy::Interval { interval_ms } = self.sync() else {
+            return false;
+        };
+        let behind_ms = self
+            .elapsed_ms()
+            .saturating_sub(self.durable_through_ms.load(Ordering::Acquire));
+        behind_ms > interval_ms.saturating_mul(INTERVAL_LATE_FACTOR)
     }
 
     /// Under `interval`, waits while the committer is more than [`INTERVAL_LATE_FACTOR`]

@@ -1565,6 +1565,7 @@ fn given_a_disk_slower_than_the_interval_then_appends_wait_for_the_late_round_an
     let store = open_sim(&disk, options);
     store.append(b"q", b"before").unwrap();
     store.flush().unwrap();
+    assert!(!store.is_late(), "a round just completed");
     // Every fsync now takes 1 s: the round that takes the next message is stuck in it (long
     // enough that a stalled test thread still finds it stuck).
     let slow = std::time::Duration::from_secs(1);
@@ -1576,6 +1577,10 @@ fn given_a_disk_slower_than_the_interval_then_appends_wait_for_the_late_round_an
     // earlier append may have been counted too if the machine stalled: only the growth is
     // checked.)
     let counted = store.stats().late_round_waits;
+    assert!(
+        store.is_late(),
+        "the next append would wait: an async caller is told so"
+    );
     let waiting = std::time::Instant::now();
     store.append(b"q", b"held").unwrap();
     assert!(

@@ -240,6 +240,30 @@ const UNSYNCED_BATCHES_MAX: usize = 32;
 /// Most queues one apply record names when it names several batches.
 const UNSYNCED_QUEUES_MAX: usize = 4_096;
 
+/// Most messages and consumers' positions a run of entries may carry to be applied on the
+/// state machine's task (about a millisecond of work); a heavier one is applied on a
+/// blocking thread (`ShardStateMachine::apply_entries`). Measured with the topic shape at 64
+/// publishers (runs of up to some 16,000 messages): with no bound, followers missed their
+/// leaders' 50 ms deadlines and publishes timed out; with 2,048 and 4,096 they did not.
+const APPLY_INLINE_WEIGHT_MAX: usize = 2_048;
+
+/// What an entry weighs when its run is applied (`ShardStateMachine::apply_entries`): the
+/// messages and consumers' positions it carries.
+fn apply_weight(entry: &Entry<ShardConfig>) -> usize {
+    match &entry.payload {
+        EntryPayload::Normal(ShardCommand::Append { messages, .. }) => messages.len(),
+        EntryPayload::Normal(ShardCommand::Appends { requests }) => {
+            requests.iter().map(|request| request.messages.len()).sum()
+        }
+        EntryPayload::Normal(ShardCommand::Delay { entries, .. }) => entries.len(),
+        EntryPayload::Normal(ShardCommand::Positions { positions, .. }) => positions.len(),
+        EntryPayload::Normal(ShardCommand::PositionsOf { consumers }) => {
+            consumers.iter().map(|(_, positions)| positions.len()).sum()
+        }
+        _ => 1,
+    }
+}
+
 /// A run of entries planned by [`ShardStateMachine::plan_batch`].
 struct PlannedBatch<'a> {
     responses: Vec<ShardResponse>,
@@ -705,12 +729,17 @@ impl ShardStateMachine {
     }
 
     /// Applies `entries`: each delete and delivery on its own, on a blocking thread (they
-    /// wait for the store), the runs of entries between them as one batch each, on the
-    /// caller's task. Returns the answers and how long the applies waited for blocking
-    /// threads and for the store.
+    /// wait for the store), the runs of entries between them as one batch each
+    /// ([`ShardStateMachine::apply_batch`]): on the caller's task when the run is light (at
+    /// most [`APPLY_INLINE_WEIGHT_MAX`] messages and positions) and the store is not holding
+    /// appends back ([`Store::is_late`]), else on a blocking thread too, so that neither a
+    /// large batch's planning and store append nor the store's back-pressure hold a runtime
+    /// thread (the peer calls of every shard wait on those: a follower busy so misses its
+    /// leader's 50 ms deadline; without the store check, publishes timed out under load). Returns the answers and how long the applies waited for
+    /// blocking threads and for the store.
     async fn apply_entries(
         &self,
-        entries: Vec<Entry<ShardConfig>>,
+        mut entries: Vec<Entry<ShardConfig>>,
     ) -> Result<(Vec<ShardResponse>, std::time::Duration), StorageError> {
         let alone = |entry: &Entry<ShardConfig>| {
             matches!(
@@ -720,35 +749,46 @@ impl ShardStateMachine {
         };
         let mut responses = Vec::with_capacity(entries.len());
         let mut waited = std::time::Duration::ZERO;
-        let mut rest = &entries[..];
-        while !rest.is_empty() {
-            let run = rest.iter().position(alone).unwrap_or(rest.len());
-            if run == 0 {
-                let entry = rest[0].clone();
+        while !entries.is_empty() {
+            let run = entries
+                .iter()
+                .position(alone)
+                .unwrap_or(entries.len())
+                .max(1);
+            let mut rest = entries.split_off(run);
+            std::mem::swap(&mut entries, &mut rest);
+            // `rest` now holds the run (or the entry applied alone), `entries` what follows.
+            let light = rest.iter().map(apply_weight).sum::<usize>() <= APPLY_INLINE_WEIGHT_MAX
+                && !self.store.is_late();
+            let (applied, run_waited) = if !alone(&rest[0]) && light {
+                self.apply_batch(&rest).await?
+            } else {
                 let queued = std::time::Instant::now();
-                let response = self
+                let runtime = tokio::runtime::Handle::current();
+                let (applied, run_waited, started) = self
                     .blocking(move |machine| {
                         let started = std::time::Instant::now();
-                        let response =
-                            if let EntryPayload::Normal(ShardCommand::Deliver { now_ms }) =
-                                entry.payload
-                            {
-                                machine.apply_deliver(entry.log_id, now_ms)
-                            } else {
-                                machine.apply_delete(&entry)
-                            };
-                        response.map(|response| (response, started.duration_since(queued)))
+                        let (applied, run_waited) = if alone(&rest[0]) {
+                            let entry = &rest[0];
+                            let response =
+                                if let EntryPayload::Normal(ShardCommand::Deliver { now_ms }) =
+                                    entry.payload
+                                {
+                                    machine.apply_deliver(entry.log_id, now_ms)?
+                                } else {
+                                    machine.apply_delete(entry)?
+                                };
+                            (vec![response], std::time::Duration::ZERO)
+                        } else {
+                            runtime.block_on(machine.apply_batch(&rest))?
+                        };
+                        Ok((applied, run_waited, started))
                     })
                     .await?;
-                waited += response.1;
-                responses.push(response.0);
-                rest = &rest[1..];
-            } else {
-                let (batch, batch_waited) = self.apply_batch(&rest[..run]).await?;
-                waited += batch_waited;
-                responses.extend(batch);
-                rest = &rest[run..];
-            }
+                (applied, run_waited + started.duration_since(queued))
+            };
+            waited += run_waited;
+            responses.extend(applied);
         }
         Ok((responses, waited))
     }
@@ -1724,6 +1764,44 @@ mod tests {
             3,
             "a refused entry stores nothing"
         );
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_light_and_heavy_runs_when_applied_then_both_store_their_messages_alike()
+    -> Result<(), StorageError> {
+        let directory = tempfile::tempdir().expect("a directory");
+        let (store, mut machine) = open(directory.path());
+        // Light runs are applied on the state machine's task, heavy ones (more than
+        // APPLY_INLINE_WEIGHT_MAX messages) on a blocking thread; light, heavy, light.
+        let heavy: Vec<(String, String)> = (0..=APPLY_INLINE_WEIGHT_MAX)
+            .map(|number| (format!("q{}", number % 3), format!("h{number}")))
+            .collect();
+        let heavy: Vec<(&str, &str)> = heavy
+            .iter()
+            .map(|(queue, payload)| (queue.as_str(), payload.as_str()))
+            .collect();
+        let mut responses = machine.apply(vec![append(1, &[("q0", "first")])]).await?;
+        responses.extend(machine.apply(vec![append(2, &heavy)]).await?);
+        responses.extend(machine.apply(vec![append(3, &[("q0", "last")])]).await?);
+        assert_eq!(responses[0], ShardResponse::Appended { offsets: vec![0] });
+        let ShardResponse::Appended { offsets } = &responses[1] else {
+            panic!("{:?}", responses[1]);
+        };
+        assert_eq!(offsets.len(), heavy.len());
+        assert_eq!(&offsets[..4], [1, 0, 0, 2]);
+        let stored = messages(&store, "q0");
+        assert_eq!(stored.len(), 2 + heavy.len().div_ceil(3));
+        assert_eq!(stored.first().map(String::as_str), Some("first"));
+        assert_eq!(stored.get(1).map(String::as_str), Some("h0"));
+        assert_eq!(stored.last().map(String::as_str), Some("last"));
+        assert_eq!(
+            responses[2],
+            ShardResponse::Appended {
+                offsets: vec![u64::try_from(stored.len() - 1).expect("small")]
+            }
+        );
+        assert_eq!(machine.applied_state().await?.0.map(|id| id.index), Some(3));
         Ok(())
     }
 
