@@ -117,6 +117,13 @@ fn decode_meta<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, StorageError> {
     }
 }
 
+/// `value` as a meta value in postcard: [`BINARY_META`], then its bytes.
+fn binary_meta<T: Serialize>(value: &T) -> Result<Vec<u8>, StorageError> {
+    let mut bytes = vec![BINARY_META];
+    postcard::to_io(value, &mut bytes).map_err(|error| StorageIOError::write(&error))?;
+    Ok(bytes)
+}
+
 /// Opens (or creates) the fjall keyspace in `directory`.
 pub fn open_keyspace(directory: &Path) -> Result<Keyspace, StorageError> {
     Config::new(directory)
@@ -187,9 +194,7 @@ impl<C> LogStore<C> {
         key: &str,
         value: &T,
     ) -> Result<(), StorageError> {
-        let mut bytes = vec![BINARY_META];
-        postcard::to_io(value, &mut bytes).map_err(|error| StorageIOError::write(&error))?;
-        self.write_meta_value_grouped(key, bytes)
+        self.write_meta_value_grouped(key, binary_meta(value)?)
     }
 
     /// Writes `value` under `key` in the meta partition, in postcard as
@@ -201,10 +206,8 @@ impl<C> LogStore<C> {
         key: &str,
         value: &T,
     ) -> Result<impl Future<Output = Result<(), StorageError>> + Send + 'static, StorageError> {
-        let mut bytes = vec![BINARY_META];
-        postcard::to_io(value, &mut bytes).map_err(|error| StorageIOError::write(&error))?;
         self.meta
-            .insert(key, bytes)
+            .insert(key, binary_meta(value)?)
             .map_err(|error| StorageIOError::write(&error))?;
         let synced = if let Some(syncer) = &self.syncer {
             Some(syncer.synced())

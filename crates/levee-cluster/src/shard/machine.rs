@@ -25,7 +25,8 @@
 //! A batch is applied on the state machine's own task: the record's fsync (and, when the
 //! record cannot name the batches before, the store's) is awaited without holding a thread,
 //! so an apply costs no hand-off to a blocking thread and back. Deletes and deliveries, which
-//! wait for the store step by step, run on a blocking thread.
+//! wait for the store step by step, heavy batches and batches while the store holds appends
+//! back run on a blocking thread.
 //!
 //! **Snapshots** (docs/CLUSTER.md, "Snapshots") are lazy. Building one (openraft asks every
 //! `snapshot_entries` applied entries) makes the store durable up to the last applied entry
@@ -232,6 +233,18 @@ struct Applied {
     /// The batches applied since the store was last known to hold them durably (under
     /// `interval`), which the next apply record names too.
     unsynced: Option<Unsynced>,
+}
+
+impl Applied {
+    /// Forgets the batches not yet durable in the store and returns the store rounds that
+    /// make them and their positions durable: to wait for before the next apply record
+    /// replaces the last one on its own.
+    fn take_pending(&mut self) -> impl Iterator<Item = CommitTicket> + use<> {
+        self.unsynced = None;
+        [self.ticket.take(), self.positions_ticket.take()]
+            .into_iter()
+            .flatten()
+    }
 }
 
 /// Most batches one apply record names (see [`ShardStateMachine::apply_batch`]): at more,
@@ -457,9 +470,10 @@ fn partial_record(partial: Option<&(Bytes, u64)>) -> Option<(Vec<u8>, u64)> {
     partial.map(|(queue, offset)| (queue.to_vec(), *offset))
 }
 
-/// Where each queue `plan` touches stood before it, and how many messages it adds.
-fn queue_starts(plan: &Plan<'_>) -> Vec<QueueStart> {
-    plan.queues
+/// Where each of `queues` (a plan's, or a range of batches': offset before, next offset
+/// after) stood before, and how many messages it adds.
+fn queue_starts(queues: &HashMap<Bytes, (u64, u64)>) -> Vec<QueueStart> {
+    queues
         .iter()
         .map(|(queue, (start, next))| QueueStart {
             queue: queue.clone(),
@@ -717,11 +731,7 @@ impl ShardStateMachine {
     /// Waits until the batches and positions applied so far are durable in the store (under
     /// `interval` they were not waited for), before an apply record replaces the last one.
     fn wait_applied(&self, applied: &mut Applied) -> Result<(), StorageError> {
-        applied.unsynced = None;
-        for ticket in [applied.ticket.take(), applied.positions_ticket.take()]
-            .into_iter()
-            .flatten()
-        {
+        for ticket in applied.take_pending() {
             self.store
                 .wait_durable(ticket)
                 .map_err(|error| io_error(&error))?;
@@ -736,8 +746,9 @@ impl ShardStateMachine {
     /// appends back ([`Store::is_late`]), else on a blocking thread too, so that neither a
     /// large batch's planning and store append nor the store's back-pressure hold a runtime
     /// thread (the peer calls of every shard wait on those: a follower busy so misses its
-    /// leader's 50 ms deadline; without the store check, publishes timed out under load). Returns the answers and how long the applies waited for
-    /// blocking threads and for the store.
+    /// leader's 50 ms deadline; without the store check, publishes timed out under load).
+    /// Returns the answers and how long the applies waited for blocking threads and for the
+    /// store.
     async fn apply_entries(
         &self,
         mut entries: Vec<Entry<ShardConfig>>,
@@ -910,12 +921,7 @@ impl ShardStateMachine {
         let unsynced = if let Some(unsynced) = self.unsynced_with(applied, &plan, always)? {
             unsynced
         } else {
-            applied.unsynced = None;
-            before.extend(
-                [applied.ticket.take(), applied.positions_ticket.take()]
-                    .into_iter()
-                    .flatten(),
-            );
+            before.extend(applied.take_pending());
             Unsynced {
                 from: entries[0].log_id.index,
                 queues: std::mem::take(&mut plan.queues),
@@ -926,15 +932,7 @@ impl ShardStateMachine {
             from: unsynced.from,
             last,
             membership: membership.clone(),
-            queues: unsynced
-                .queues
-                .iter()
-                .map(|(queue, (start, next))| QueueStart {
-                    queue: queue.clone(),
-                    start: *start,
-                    count: next - start,
-                })
-                .collect(),
+            queues: queue_starts(&unsynced.queues),
             deleted: None,
             delay_marks: applied.wheel.taken_below(),
             delay_partial: partial_record(applied.partial.as_ref()),
@@ -1148,7 +1146,7 @@ impl ShardStateMachine {
             applied.last = Some(log_id);
             return Ok(ShardResponse::Done);
         }
-        let queues = queue_starts(&plan);
+        let queues = queue_starts(&plan.queues);
         self.log.write_meta_binary_grouped(
             APPLYING_KEY,
             &Applying {
