@@ -32,7 +32,11 @@ use crate::manage::Manager;
 use crate::shard::ShardSlot;
 use crate::writer::Forwarded;
 use crate::{MetaCommand, MetaConfig, NodeId, NodeInfo};
-use levee_proto::peer_v1::ShardMessage;
+use levee_proto::peer_v1::{ShardFrame, ShardMessage};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Streaming;
+
+use crate::shard::link::serve_frames;
 
 /// The metadata group's Raft instance.
 pub type Raft = openraft::Raft<MetaConfig>;
@@ -224,6 +228,27 @@ impl PeerService {
         })
         .max_decoding_message_size(crate::shard::groups::PEER_MESSAGE_BYTES_MAX)
     }
+
+    /// A shard call ([`crate::shard::groups::ShardGroups::serve`]), whether it came alone or
+    /// on a stream.
+    async fn serve_shard(&self, message: ShardMessage) -> Result<ShardMessage, Status> {
+        // A node placed on a shard just as it joins may be asked before its groups are open:
+        // wait for them a moment rather than send the leader's replication into backoff.
+        let started = std::time::Instant::now();
+        let groups = loop {
+            if let Some(groups) = self.shards.get() {
+                break groups;
+            }
+            if started.elapsed() >= SHARDS_OPEN_WAIT_MAX {
+                return Err(Status::unavailable(
+                    "this node runs no shard groups yet (starting, or its cluster does not \
+                     replicate queues)",
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        groups.serve(message).await
+    }
 }
 
 /// A request's JSON as openraft's request type.
@@ -285,24 +310,26 @@ impl Peer for PeerService {
         &self,
         request: Request<ShardMessage>,
     ) -> Result<Response<ShardMessage>, Status> {
-        // A node placed on a shard just as it joins may be asked before its groups are open:
-        // wait for them a moment rather than send the leader's replication into backoff.
-        let started = std::time::Instant::now();
-        let groups = loop {
-            if let Some(groups) = self.shards.get() {
-                break groups;
-            }
-            if started.elapsed() >= SHARDS_OPEN_WAIT_MAX {
-                return Err(Status::unavailable(
-                    "this node runs no shard groups yet (starting, or its cluster does not \
-                     replicate queues)",
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
-        groups.serve(request.into_inner()).await.map(Response::new)
+        self.serve_shard(request.into_inner())
+            .await
+            .map(Response::new)
     }
 
+    type ShardStreamStream = ReceiverStream<Result<ShardFrame, Status>>;
+
+    async fn shard_stream(
+        &self,
+        request: Request<Streaming<ShardFrame>>,
+    ) -> Result<Response<Self::ShardStreamStream>, Status> {
+        let service = self.clone();
+        Ok(Response::new(serve_frames(
+            request.into_inner(),
+            move |message| {
+                let service = service.clone();
+                async move { service.serve_shard(message).await }
+            },
+        )))
+    }
     async fn forward(
         &self,
         request: Request<PeerMessage>,

@@ -21,6 +21,7 @@ use crate::{NodeInfo, StorageError};
 
 pub mod appender;
 pub mod groups;
+pub mod link;
 pub mod machine;
 pub mod network;
 pub mod plan;

@@ -26,6 +26,7 @@ use serde::de::DeserializeOwned;
 use tonic::transport::Channel;
 
 use crate::network::{CallError, PeerDialer, status_error};
+use crate::shard::link::{LINK_CALL_BYTES_MAX, Link};
 use crate::shard::{ShardConfig, ShardId, to_postcard};
 use crate::{NodeId, NodeInfo};
 
@@ -33,11 +34,21 @@ use crate::{NodeId, NodeInfo};
 /// snapshot is sent to it.
 const PROBE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Channels to peers by peer address, shared by every shard of a node.
+/// Channels to peers by peer address, shared by every shard of a node, and the [`Link`] on
+/// each.
 #[derive(Debug, Clone, Default)]
 pub struct PeerChannels {
     dialer: PeerDialer,
     channels: Arc<Mutex<HashMap<String, Channel>>>,
+    links: Arc<Mutex<HashMap<String, Links>>>,
+}
+
+/// The link to one peer.
+#[derive(Debug)]
+enum Links {
+    Open(Arc<Link>),
+    /// The peer has no `ShardStream` (an older version): its calls go one by one.
+    Unsupported,
 }
 
 impl PeerChannels {
@@ -46,7 +57,32 @@ impl PeerChannels {
         Self {
             dialer,
             channels: Arc::default(),
+            links: Arc::default(),
         }
+    }
+
+    /// The open link to the peer at `address`, a new one when the last closed; `None` when
+    /// the peer has no `ShardStream`.
+    pub(crate) fn link(&self, address: &str) -> Result<Option<Arc<Link>>, String> {
+        let mut links = self.links.lock().unwrap_or_else(PoisonError::into_inner);
+        match links.get(address) {
+            Some(Links::Unsupported) => return Ok(None),
+            Some(Links::Open(link)) if link.closed().is_none() => {
+                return Ok(Some(Arc::clone(link)));
+            }
+            _ => {}
+        }
+        let link = Link::open(self.client(address)?);
+        links.insert(address.to_owned(), Links::Open(Arc::clone(&link)));
+        Ok(Some(link))
+    }
+
+    /// Remembers that the peer at `address` has no `ShardStream`.
+    fn no_link(&self, address: &str) {
+        self.links
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(address.to_owned(), Links::Unsupported);
     }
 
     /// The client of the peer at `address`, its channel made on first use (connecting
@@ -102,8 +138,11 @@ pub struct ShardConnection {
     channels: PeerChannels,
 }
 
-/// Sends one shard call to the peer at `address` and returns the answer's body; `None` as the
-/// time limit waits as long as the call takes.
+/// Sends one shard call to the peer at `address` within `limit` and returns the answer's
+/// body: on the peer's [`Link`] when it is small ([`LINK_CALL_BYTES_MAX`]), else (and to a
+/// peer without links) as a call of its own. A large call costs little more alone, and on a
+/// link the calls behind it would wait for it whole (HTTP/2 interleaves separate calls), a
+/// heartbeat past its 50 ms.
 pub(crate) async fn send(
     channels: &PeerChannels,
     address: &str,
@@ -111,14 +150,29 @@ pub(crate) async fn send(
     body: Vec<u8>,
     limit: std::time::Duration,
 ) -> Result<Bytes, tonic::Status> {
-    let mut client = channels
-        .client(address)
-        .map_err(tonic::Status::unavailable)?;
     let message = ShardMessage {
         shard,
         call: call.into(),
         body: body.into(),
     };
+    if call != ShardCall::InstallSnapshot
+        && message.body.len() <= LINK_CALL_BYTES_MAX
+        && let Some(link) = channels.link(address).map_err(tonic::Status::unavailable)?
+    {
+        match link.call(message.clone(), limit).await {
+            Err(status) if status.code() == tonic::Code::Unimplemented => {
+                tracing::info!(
+                    peer = address,
+                    "the peer has no stream of shard calls (an older version): calls go one by one"
+                );
+                channels.no_link(address);
+            }
+            answer => return Ok(answer?.body),
+        }
+    }
+    let mut client = channels
+        .client(address)
+        .map_err(tonic::Status::unavailable)?;
     let answer = tokio::time::timeout(limit, client.shard(message))
         .await
         .map_err(|_| tonic::Status::deadline_exceeded(format!("no answer within {limit:?}")))??;
