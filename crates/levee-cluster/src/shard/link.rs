@@ -11,7 +11,8 @@
 //! - Every queue is bounded: the frames waiting to be written ([`LINK_FRAMES_QUEUED_MAX`], the
 //!   caller waits for room), the calls a peer serves at once ([`LINK_CALLS_SERVED_MAX`], more
 //!   wait to be read, and HTTP/2's flow control holds the caller back) and the answers waiting
-//!   to be written ([`LINK_FRAMES_QUEUED_MAX`]). A call that times out is forgotten at once.
+//!   to be written ([`LINK_FRAMES_QUEUED_MAX`]). A call that times out is forgotten at once,
+//!   and its frame, if HTTP/2's flow control has not let it out yet, is never written.
 //! - A stream that fails (the peer stopped, the connection broke) fails the calls it carries
 //!   with its status and is closed; the next call opens a new one on the same channel, which
 //!   tonic reconnects.
@@ -75,8 +76,15 @@ impl Link {
         let (frames, outbound) = mpsc::channel(LINK_FRAMES_QUEUED_MAX);
         let pending = Arc::new(Mutex::new(Pending::default()));
         let reader = Arc::clone(&pending);
+        // A frame whose call was given up on (timed out) before the frame is written is
+        // dropped: the peer would serve a call nobody waits for (a forwarded write, perhaps).
+        let waiting = Arc::clone(&pending);
+        let frames_to_write = tokio_stream::StreamExt::filter(
+            ReceiverStream::new(outbound),
+            move |frame: &ShardFrame| lock(&waiting).answers.contains_key(&frame.id),
+        );
         tokio::spawn(async move {
-            let ending = match client.shard_stream(ReceiverStream::new(outbound)).await {
+            let ending = match client.shard_stream(frames_to_write).await {
                 Ok(response) => read_answers(response.into_inner(), &reader).await,
                 Err(status) => status,
             };
@@ -242,6 +250,10 @@ mod tests {
         streams: bool,
         streams_ended: usize,
         opened: Arc<AtomicUsize>,
+        /// When set, a stream's calls are read only once this is notified.
+        hold: Option<Arc<tokio::sync::Notify>>,
+        /// The calls served over streams.
+        served: Arc<AtomicUsize>,
     }
 
     async fn echo(message: ShardMessage) -> Answer {
@@ -305,7 +317,25 @@ mod tests {
                 let (_, ended) = mpsc::channel(1);
                 return Ok(Response::new(ReceiverStream::new(ended)));
             }
-            Ok(Response::new(serve_frames(request.into_inner(), echo)))
+            let served = Arc::clone(&self.served);
+            let serve = move |message| {
+                served.fetch_add(1, Ordering::SeqCst);
+                echo(message)
+            };
+            let Some(hold) = self.hold.clone() else {
+                return Ok(Response::new(serve_frames(request.into_inner(), serve)));
+            };
+            let (answers, outbound) = mpsc::channel(LINK_FRAMES_QUEUED_MAX);
+            tokio::spawn(async move {
+                hold.notified().await;
+                let mut answered = serve_frames(request.into_inner(), serve);
+                while let Some(answer) = tokio_stream::StreamExt::next(&mut answered).await {
+                    if answers.send(answer).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            Ok(Response::new(ReceiverStream::new(outbound)))
         }
     }
 
@@ -333,6 +363,8 @@ mod tests {
             streams,
             streams_ended,
             opened: Arc::default(),
+            hold: None,
+            served: Arc::default(),
         }
     }
 
@@ -401,6 +433,47 @@ mod tests {
         let answer = send(&channels, &address, call, b"second".to_vec(), limit).await;
         assert_eq!(answer.unwrap().as_ref(), b"second");
         assert_eq!(opened.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn given_calls_that_time_out_while_the_peer_reads_nothing_then_those_still_queued_are_never_sent()
+     {
+        let hold = Arc::new(tokio::sync::Notify::new());
+        let echo = Echo {
+            hold: Some(Arc::clone(&hold)),
+            ..peer(true, 0)
+        };
+        let served = Arc::clone(&echo.served);
+        let address = start(echo).await;
+        let channels = PeerChannels::new(PeerDialer::default());
+        let link = Link::open(channels.client(&address).unwrap());
+        // Far more than HTTP/2's windows (1 MiB at the peer) let through unread.
+        let calls = 64;
+        let body = levee_proto::Bytes::from(vec![1_u8; 60 << 10]);
+        let timed_out = futures_util::future::join_all((0..calls).map(|_| {
+            let message = ShardMessage {
+                body: body.clone(),
+                ..message(0, b"")
+            };
+            link.call(message, Duration::from_millis(300))
+        }))
+        .await;
+        assert!(timed_out.iter().all(|answer| {
+            answer
+                .as_ref()
+                .is_err_and(|status| status.code() == tonic::Code::DeadlineExceeded)
+        }));
+        hold.notify_one();
+        let after = link
+            .call(message(0, b"after"), Duration::from_secs(5))
+            .await;
+        assert_eq!(after.unwrap().body.as_ref(), b"after");
+        let served = served.load(Ordering::SeqCst);
+        assert!(
+            served < calls / 2,
+            "{served} calls served: the frames of calls given up on before they were written \
+             are dropped, not sent"
+        );
     }
 
     #[tokio::test]
