@@ -247,7 +247,7 @@ mod tests {
     /// with `streams` false it has no `ShardStream` and answers `Shard` alike.
     #[derive(Clone)]
     struct Echo {
-        streams: bool,
+        streams: Arc<std::sync::atomic::AtomicBool>,
         streams_ended: usize,
         opened: Arc<AtomicUsize>,
         /// When set, a stream's calls are read only once this is notified.
@@ -310,7 +310,7 @@ mod tests {
             &self,
             request: Request<Streaming<ShardFrame>>,
         ) -> Result<Response<Self::ShardStreamStream>, Status> {
-            if !self.streams {
+            if !self.streams.load(Ordering::SeqCst) {
                 return Err(no("shard_stream"));
             }
             if self.opened.fetch_add(1, Ordering::SeqCst) < self.streams_ended {
@@ -360,7 +360,7 @@ mod tests {
 
     fn peer(streams: bool, streams_ended: usize) -> Echo {
         Echo {
-            streams,
+            streams: Arc::new(std::sync::atomic::AtomicBool::new(streams)),
             streams_ended,
             opened: Arc::default(),
             hold: None,
@@ -496,9 +496,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn given_a_peer_without_streams_then_calls_go_one_by_one() {
-        let address = start(peer(false, 0)).await;
-        let channels = PeerChannels::new(PeerDialer::default());
+    async fn given_a_peer_without_streams_then_calls_go_one_by_one_until_it_is_tried_again() {
+        let echo = peer(false, 0);
+        let (streams, opened) = (Arc::clone(&echo.streams), Arc::clone(&echo.opened));
+        let address = start(echo).await;
+        let channels = PeerChannels::new(PeerDialer::default())
+            .with_link_retry_after(Duration::from_millis(200));
         for body in [b"one", b"two"] {
             let answer = send(
                 &channels,
@@ -511,5 +514,19 @@ mod tests {
             assert_eq!(answer.unwrap().as_ref(), body);
         }
         assert!(channels.link(&address).unwrap().is_none());
+        // Upgraded since: once the retry time has passed, the next call opens a stream.
+        streams.store(true, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let call = (0, ShardCall::Vote);
+        let answer = send(
+            &channels,
+            &address,
+            call,
+            b"three".to_vec(),
+            Duration::from_secs(5),
+        );
+        assert_eq!(answer.await.unwrap().as_ref(), b"three");
+        assert_eq!(opened.load(Ordering::SeqCst), 1, "a stream was opened");
+        assert!(channels.link(&address).unwrap().is_some());
     }
 }

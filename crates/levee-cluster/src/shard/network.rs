@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use levee_proto::Bytes;
 use levee_proto::peer_v1::peer_client::PeerClient;
@@ -36,20 +37,33 @@ const PROBE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Channels to peers by peer address, shared by every shard of a node, and the [`Link`] on
 /// each.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct PeerChannels {
     dialer: PeerDialer,
     channels: Arc<Mutex<HashMap<String, Channel>>>,
     links: Arc<Mutex<HashMap<String, Links>>>,
+    /// [`LINK_RETRY_AFTER`], shorter in tests.
+    link_retry_after: Duration,
+}
+
+impl Default for PeerChannels {
+    fn default() -> Self {
+        Self::new(PeerDialer::default())
+    }
 }
 
 /// The link to one peer.
 #[derive(Debug)]
 enum Links {
     Open(Arc<Link>),
-    /// The peer has no `ShardStream` (an older version): its calls go one by one.
-    Unsupported,
+    /// The peer had no `ShardStream` (an older version) when last tried: its calls go one
+    /// by one until [`LINK_RETRY_AFTER`] has passed (it may have been upgraded since).
+    Unsupported(Instant),
 }
+
+/// How long a node calls a peer without `ShardStream` one call at a time before it tries a
+/// stream again.
+pub const LINK_RETRY_AFTER: Duration = Duration::from_secs(60);
 
 impl PeerChannels {
     /// Channels dialed with `dialer`.
@@ -58,6 +72,16 @@ impl PeerChannels {
             dialer,
             channels: Arc::default(),
             links: Arc::default(),
+            link_retry_after: LINK_RETRY_AFTER,
+        }
+    }
+
+    /// Channels that try a stream again this soon after a peer had none.
+    #[cfg(test)]
+    pub(crate) fn with_link_retry_after(self, link_retry_after: Duration) -> Self {
+        Self {
+            link_retry_after,
+            ..self
         }
     }
 
@@ -66,7 +90,9 @@ impl PeerChannels {
     pub(crate) fn link(&self, address: &str) -> Result<Option<Arc<Link>>, String> {
         let mut links = self.links.lock().unwrap_or_else(PoisonError::into_inner);
         match links.get(address) {
-            Some(Links::Unsupported) => return Ok(None),
+            Some(Links::Unsupported(since)) if since.elapsed() < self.link_retry_after => {
+                return Ok(None);
+            }
             Some(Links::Open(link)) if link.closed().is_none() => {
                 return Ok(Some(Arc::clone(link)));
             }
@@ -82,7 +108,7 @@ impl PeerChannels {
         self.links
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(address.to_owned(), Links::Unsupported);
+            .insert(address.to_owned(), Links::Unsupported(Instant::now()));
     }
 
     /// The client of the peer at `address`, its channel made on first use (connecting
