@@ -216,6 +216,8 @@ pub struct Metrics {
     pub shard_append_requests: Counter,
     /// Shard entries this node merged its append requests into.
     pub shard_append_entries: Counter,
+    /// Streams of shard calls this node opened to its peers.
+    pub shard_peer_streams_opened: Counter,
     /// Shard snapshot files this node wrote to send to a replica.
     pub shard_snapshots_written: Counter,
     /// Messages that wait for their time (retries and delayed publishes) on this server.
@@ -583,6 +585,14 @@ impl Metrics {
                 "levee_shard_append_entries",
                 "shard entries this node's append requests were merged into (requests / entries: \
                  requests per entry)",
+                Counter::default(),
+            ),
+            shard_peer_streams_opened: registered(
+                registry_ref,
+                "levee_shard_peer_streams_opened",
+                "streams of shard calls this node opened to its peers: one per peer while they \
+                 stay up, more when a stream failed (a peer restarted, a connection broke) and \
+                 was opened again",
                 Counter::default(),
             ),
             shard_snapshots_installed: registered(

@@ -2438,6 +2438,11 @@ fn given_many_consumers_acking_at_once_through_one_node_then_their_acks_share_en
         writes >= CONSUMERS && (1..=writes).contains(&entries),
         "{writes} positions writes in {entries} entries"
     );
+    // The shards' calls to peers go on streams (docs/CLUSTER.md, "The shards' transport").
+    assert!(
+        support::metric_value(node, "levee_shard_peer_streams_opened_total") >= 1,
+        "no stream of shard calls opened"
+    );
     // The shards' rounds are timed: every entry was appended to the log and applied, and
     // each leader's writes timed from proposal to commit.
     for series in [

@@ -313,7 +313,7 @@ impl ShardGroups {
         let keyspace = open_keyspace(directory).map_err(|error| error.to_string())?;
         let syncer = JournalSyncer::start(keyspace.clone(), directory)
             .map_err(|error| format!("the shard logs' sync thread: {error}"))?;
-        let channels = PeerChannels::new(dialer);
+        let channels = PeerChannels::new(dialer).with_observer(Arc::clone(&observer));
         let config = Arc::new(config);
         let mut rafts = Vec::with_capacity(shards as usize);
         let mut machines = Vec::with_capacity(shards as usize);

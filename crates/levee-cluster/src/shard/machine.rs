@@ -145,6 +145,10 @@ pub trait ShardObserver: Send + Sync {
     /// (`ShardGroups::append`).
     fn appends_written(&self, _shard: ShardId, _requests: usize) {}
 
+    /// This node opened a stream of shard calls to a peer (`shard::link`): one per peer while
+    /// the peers stay up, more when a stream failed and was opened again.
+    fn peer_stream_opened(&self) {}
+
     /// Shard `shard` applied a run of `entries` entries: `waited` of it for the store to make
     /// earlier batches durable or for a blocking thread (deletes, deliveries), `took` from
     /// openraft's call until done.

@@ -28,6 +28,7 @@ use tonic::transport::Channel;
 
 use crate::network::{CallError, PeerDialer, status_error};
 use crate::shard::link::{LINK_CALL_BYTES_MAX, Link};
+use crate::shard::machine::ShardObserver;
 use crate::shard::{ShardConfig, ShardId, to_postcard};
 use crate::{NodeId, NodeInfo};
 
@@ -37,13 +38,24 @@ const PROBE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Channels to peers by peer address, shared by every shard of a node, and the [`Link`] on
 /// each.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct PeerChannels {
     dialer: PeerDialer,
     channels: Arc<Mutex<HashMap<String, Channel>>>,
     links: Arc<Mutex<HashMap<String, Links>>>,
     /// [`LINK_RETRY_AFTER`], shorter in tests.
     link_retry_after: Duration,
+    /// Told of each stream opened.
+    observer: Option<Arc<dyn ShardObserver>>,
+}
+
+impl std::fmt::Debug for PeerChannels {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("PeerChannels")
+            .field("dialer", &self.dialer)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for PeerChannels {
@@ -73,6 +85,16 @@ impl PeerChannels {
             channels: Arc::default(),
             links: Arc::default(),
             link_retry_after: LINK_RETRY_AFTER,
+            observer: None,
+        }
+    }
+
+    /// Channels that tell `observer` of each stream they open.
+    #[must_use]
+    pub fn with_observer(self, observer: Arc<dyn ShardObserver>) -> Self {
+        Self {
+            observer: Some(observer),
+            ..self
         }
     }
 
@@ -100,6 +122,9 @@ impl PeerChannels {
         }
         let link = Link::open(self.client(address)?);
         links.insert(address.to_owned(), Links::Open(Arc::clone(&link)));
+        if let Some(observer) = &self.observer {
+            observer.peer_stream_opened();
+        }
         Ok(Some(link))
     }
 

@@ -361,6 +361,8 @@ pub struct ApplyHere {
         prometheus_client::metrics::counter::Counter,
         prometheus_client::metrics::counter::Counter,
     )>,
+    /// Counter of the streams of shard calls this node opened to its peers, if kept.
+    peer_streams_opened: Option<prometheus_client::metrics::counter::Counter>,
 }
 
 /// A shard's recent deletes: each queue's latest delete epoch, and the queues oldest first.
@@ -399,6 +401,7 @@ impl ApplyHere {
             snapshots: None,
             positions_written: None,
             appends_written: None,
+            peer_streams_opened: None,
             timings: None,
         }
     }
@@ -440,6 +443,15 @@ impl ApplyHere {
     ) -> Self {
         Self {
             appends_written: Some((requests, entries)),
+            ..self
+        }
+    }
+
+    /// Counts the streams of shard calls this node opens to its peers in `opened`.
+    #[must_use]
+    pub fn count_peer_streams(self, opened: prometheus_client::metrics::counter::Counter) -> Self {
+        Self {
+            peer_streams_opened: Some(opened),
             ..self
         }
     }
@@ -590,6 +602,12 @@ impl ShardObserver for ApplyHere {
         if let Some((counted, entries)) = &self.appends_written {
             counted.inc_by(requests as u64);
             entries.inc();
+        }
+    }
+
+    fn peer_stream_opened(&self) {
+        if let Some(opened) = &self.peer_streams_opened {
+            opened.inc();
         }
     }
 
