@@ -11,8 +11,9 @@
 //! - Every queue is bounded: the frames waiting to be written ([`LINK_FRAMES_QUEUED_MAX`], the
 //!   caller waits for room), the calls a peer serves at once ([`LINK_CALLS_SERVED_MAX`], more
 //!   wait to be read, and HTTP/2's flow control holds the caller back) and the answers waiting
-//!   to be written ([`LINK_FRAMES_QUEUED_MAX`]). A call that times out is forgotten at once,
-//!   and its frame, if HTTP/2's flow control has not let it out yet, is never written.
+//!   to be written ([`LINK_FRAMES_QUEUED_MAX`]). A call that times out or is dropped by its
+//!   caller is forgotten at once, and its frame, if HTTP/2's flow control has not let it out
+//!   yet, is never written.
 //! - A stream that fails (the peer stopped, the connection broke) fails the calls it carries
 //!   with its status and is closed; the next call opens a new one on the same channel, which
 //!   tonic reconnects.
@@ -113,6 +114,12 @@ impl Link {
             }
             pending.answers.insert(id, answer_to);
         }
+        // Forgets the call however it ends: answered, timed out, or dropped by its caller
+        // (openraft bounds its calls by dropping them), so that no answer waits in vain.
+        let _forget = Forget {
+            pending: &self.pending,
+            id,
+        };
         let frame = ShardFrame {
             id,
             message: Some(message),
@@ -127,14 +134,25 @@ impl Link {
                 .await
                 .unwrap_or_else(|_| Err(self.closed().unwrap_or_else(ended)))
         };
-        if let Ok(answer) = tokio::time::timeout(limit, sent_and_answered).await {
-            answer
-        } else {
-            lock(&self.pending).answers.remove(&id);
-            Err(Status::deadline_exceeded(format!(
-                "no answer within {limit:?}"
-            )))
-        }
+        tokio::time::timeout(limit, sent_and_answered)
+            .await
+            .unwrap_or_else(|_| {
+                Err(Status::deadline_exceeded(format!(
+                    "no answer within {limit:?}"
+                )))
+            })
+    }
+}
+
+/// Removes a call from those waiting for an answer when dropped.
+struct Forget<'a> {
+    pending: &'a Mutex<Pending>,
+    id: u64,
+}
+
+impl Drop for Forget<'_> {
+    fn drop(&mut self) {
+        lock(self.pending).answers.remove(&self.id);
     }
 }
 
@@ -397,7 +415,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn given_a_call_that_times_out_then_it_fails_at_once_and_is_forgotten() {
+    async fn given_a_call_that_times_out_or_is_dropped_then_it_is_forgotten_at_once() {
         let address = start(peer(true, 0)).await;
         let channels = PeerChannels::new(PeerDialer::default());
         let link = Link::open(channels.client(&address).unwrap());
@@ -407,6 +425,16 @@ mod tests {
             .unwrap_err();
         assert_eq!(late.code(), tonic::Code::DeadlineExceeded);
         assert!(lock(&link.pending).answers.is_empty());
+        let dropped = tokio::time::timeout(
+            Duration::from_millis(50),
+            link.call(message(500, b"dropped"), Duration::from_secs(5)),
+        )
+        .await;
+        assert!(dropped.is_err(), "the caller gave up first");
+        assert!(
+            lock(&link.pending).answers.is_empty(),
+            "a call its caller dropped is forgotten too"
+        );
         tokio::time::sleep(Duration::from_millis(600)).await;
         let next = link.call(message(0, b"next"), Duration::from_secs(5)).await;
         assert_eq!(
