@@ -173,7 +173,7 @@ async fn read_answers(mut inbound: Streaming<ShardFrame>, pending: &Mutex<Pendin
                     )),
                     (code, _) => Err(Status::new(tonic::Code::from(code), frame.error)),
                 };
-                // A call that timed out is no longer there: its answer is dropped.
+                // A call that timed out or was dropped is no longer there: its answer goes nowhere.
                 if let Some(answer_to) = lock(pending).answers.remove(&frame.id) {
                     let _ = answer_to.send(answer);
                 }

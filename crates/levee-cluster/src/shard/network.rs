@@ -58,12 +58,6 @@ impl std::fmt::Debug for PeerChannels {
     }
 }
 
-impl Default for PeerChannels {
-    fn default() -> Self {
-        Self::new(PeerDialer::default())
-    }
-}
-
 /// The link to one peer.
 #[derive(Debug)]
 enum Links {
