@@ -225,6 +225,32 @@ impl<C> LogStore<C> {
         })
     }
 
+    /// Writes `value` under `key` in the meta partition, in postcard as
+    /// [`LogStore::write_meta_binary_grouped`] does, without fsyncing it: it is noted with the
+    /// group commit ([`JournalSyncer::note_write`]) and durable before the next write that the
+    /// syncer's write barrier guards. Without a group commit it is fsynced before it returns.
+    pub(crate) fn write_meta_binary_noted<T: Serialize>(
+        &self,
+        key: &str,
+        value: &T,
+    ) -> Result<(), StorageError> {
+        self.meta
+            .insert(key, binary_meta(value)?)
+            .map_err(|error| StorageIOError::write(&error))?;
+        match &self.syncer {
+            Some(syncer) => {
+                syncer.note_write();
+                Ok(())
+            }
+            None => self.persist(),
+        }
+    }
+
+    /// Whether this log fsyncs through a group commit.
+    pub(crate) fn has_syncer(&self) -> bool {
+        self.syncer.is_some()
+    }
+
     /// Makes everything written so far durable: through the group commit when there is one
     /// (which fsyncs without holding fjall's journal lock, so the other logs of the keyspace
     /// keep writing), else with fjall's own fsync.

@@ -12,10 +12,17 @@
 //! on meanwhile, into the next round. fsync covers the file's bytes whatever handle wrote
 //! them. The active journal is the one with the largest number in the keyspace's `journals`
 //! folder (fjall 2's layout); one sealed meanwhile was fsynced by fjall when it was sealed.
+//!
+//! Some writes need not be durable at once, only before something else reaches the disk: a
+//! shard's apply record, before the queue store writes the messages it names. Their writers
+//! note them ([`JournalSyncer::note_write`]) instead of asking for a round, and the store runs
+//! [`JournalSyncer::write_barrier`] before each of its writes: it returns at once when a round
+//! since (asked for by the log appends, which run all the time under load) covered every
+//! noted write, and fsyncs itself otherwise.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -36,6 +43,10 @@ struct Inner {
     pending: Mutex<Vec<Synced>>,
     wake: Condvar,
     stopped: AtomicBool,
+    /// Writes noted so far ([`JournalSyncer::note_write`]).
+    noted: AtomicU64,
+    /// The noted writes an fsync covered: every one counted in `noted` before it started.
+    noted_synced: AtomicU64,
 }
 
 /// The group commit of one keyspace. Clones share its thread, which ends with
@@ -61,6 +72,8 @@ impl JournalSyncer {
             pending: Mutex::new(Vec::new()),
             wake: Condvar::new(),
             stopped: AtomicBool::new(false),
+            noted: AtomicU64::new(0),
+            noted_synced: AtomicU64::new(0),
         });
         let weak = Arc::downgrade(&inner);
         std::thread::Builder::new()
@@ -114,6 +127,39 @@ impl JournalSyncer {
         }
     }
 
+    /// Notes a write to the keyspace (made before this call) that must be durable before the
+    /// next write the [`JournalSyncer::write_barrier`] guards, without asking for a round.
+    pub fn note_write(&self) {
+        self.inner.noted.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Makes every noted write durable: at once when an fsync since covered them all, else by
+    /// fsyncing on the calling thread (also once the syncer is stopped).
+    pub fn sync_noted(&self) -> Result<(), String> {
+        self.inner.sync_noted()
+    }
+
+    /// [`JournalSyncer::sync_noted`] as a queue store's write barrier
+    /// (`levee_store::Store::set_write_barrier`). It holds the syncer weakly: once every
+    /// clone is dropped (its shards closed, which synced what they noted) it does nothing.
+    pub fn write_barrier(&self) -> levee_store::WriteBarrier {
+        let inner = Arc::downgrade(&self.inner);
+        Arc::new(move || {
+            inner.upgrade().map_or(Ok(()), |inner| {
+                inner.sync_noted().map_err(std::io::Error::other)
+            })
+        })
+    }
+
+    /// The noted writes an fsync covered, and those noted.
+    #[cfg(test)]
+    pub(crate) fn noted_counts(&self) -> (u64, u64) {
+        (
+            self.inner.noted_synced.load(Ordering::SeqCst),
+            self.inner.noted.load(Ordering::SeqCst),
+        )
+    }
+
     /// Ends the thread once it has served what is pending.
     pub fn stop(&self) {
         self.inner.stopped.store(true, Ordering::Release);
@@ -122,6 +168,17 @@ impl JournalSyncer {
 }
 
 impl Inner {
+    /// See [`JournalSyncer::sync_noted`].
+    fn sync_noted(&self) -> Result<(), String> {
+        let noted = self.noted.load(Ordering::SeqCst);
+        if self.noted_synced.load(Ordering::SeqCst) >= noted {
+            return Ok(());
+        }
+        self.sync_journal()?;
+        self.noted_synced.fetch_max(noted, Ordering::SeqCst);
+        Ok(())
+    }
+
     /// Waits for requests, fsyncs once for all of them and tells them. False once stopped
     /// with nothing left to serve.
     fn round(&self) -> bool {
@@ -142,7 +199,11 @@ impl Inner {
         if taken.is_empty() {
             return true;
         }
+        let noted = self.noted.load(Ordering::SeqCst);
         let result = self.sync_journal();
+        if result.is_ok() {
+            self.noted_synced.fetch_max(noted, Ordering::SeqCst);
+        }
         for synced in taken {
             synced(result.clone());
         }
@@ -221,5 +282,48 @@ mod tests {
             .max();
         assert_eq!(Some(last), newest);
         syncer.stop();
+    }
+
+    #[test]
+    fn given_noted_writes_then_a_round_or_the_barrier_covers_them_even_once_stopped() {
+        let directory = tempfile::tempdir().expect("a directory");
+        let keyspace = Config::new(directory.path()).open().expect("a keyspace");
+        let partition = keyspace
+            .open_partition("meta", PartitionCreateOptions::default())
+            .expect("a partition");
+        let syncer = JournalSyncer::start(keyspace.clone(), directory.path()).expect("a syncer");
+        let barrier = syncer.write_barrier();
+        barrier().expect("nothing noted: nothing to do");
+        assert_eq!(fsynced_journal(&syncer), None, "no fsync for nothing noted");
+
+        partition.insert("applying", "1").expect("a write");
+        syncer.note_write();
+        assert_eq!(
+            syncer.noted_counts(),
+            (0, 1),
+            "a noted write asks for no round"
+        );
+        barrier().expect("the barrier fsyncs");
+        assert_eq!(syncer.noted_counts(), (1, 1));
+        assert!(fsynced_journal(&syncer).is_some());
+
+        partition.insert("applying", "2").expect("a write");
+        syncer.note_write();
+        syncer.sync().expect("a round asked for by another write");
+        assert_eq!(
+            syncer.noted_counts(),
+            (2, 2),
+            "a round covers what was noted before it"
+        );
+
+        syncer.stop();
+        partition.insert("applying", "3").expect("a write");
+        syncer.note_write();
+        barrier().expect("fsynced on the caller's thread once stopped");
+        assert_eq!(syncer.noted_counts(), (3, 3));
+
+        drop(syncer);
+        partition.insert("applying", "4").expect("a write");
+        barrier().expect("a barrier whose syncer is gone does nothing");
     }
 }

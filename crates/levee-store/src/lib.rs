@@ -73,4 +73,4 @@ pub use recovery::{OpenReport, TruncatedTail};
 pub use retention::{Retention, RetentionReport};
 pub use simulated::{CrashMode, Fault, SimulatedDisk};
 pub use storage::{LOCK_FILE_NAME, OsStorage, Storage, StorageFile, WriteBytes};
-pub use store::{MemoryUsage, QueueInfo, Store, StoreStats};
+pub use store::{MemoryUsage, QueueInfo, Store, StoreStats, WriteBarrier};

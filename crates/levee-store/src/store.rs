@@ -201,6 +201,34 @@ pub(crate) struct Inner {
     /// of the last completed full round, or the last moment nothing was buffered).
     pub durable_through_ms: AtomicU64,
     pub counters: Counters,
+    /// Run by the committer before each write of appended messages ([`Store::set_write_barrier`]).
+    pub write_barrier: Barrier,
+}
+
+/// What the committer runs before it writes appended messages to a segment file: something
+/// that must be durable before they are (see [`Store::set_write_barrier`]).
+pub type WriteBarrier = Arc<dyn Fn() -> std::io::Result<()> + Send + Sync>;
+
+/// The store's [`WriteBarrier`], if one is set.
+#[derive(Default)]
+pub(crate) struct Barrier(Mutex<Option<WriteBarrier>>);
+
+impl std::fmt::Debug for Barrier {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = lock(&self.0).is_some();
+        formatter
+            .debug_struct("Barrier")
+            .field("set", &set)
+            .finish()
+    }
+}
+
+impl Barrier {
+    /// Runs the barrier, if one is set.
+    pub(crate) fn run(&self) -> std::io::Result<()> {
+        let barrier = lock(&self.0).clone();
+        barrier.map_or(Ok(()), |barrier| barrier())
+    }
 }
 
 /// Locks a mutex, ignoring poisoning: every critical section leaves its data consistent
@@ -349,6 +377,7 @@ impl Store {
             opened: Instant::now(),
             durable_through_ms: AtomicU64::new(0),
             counters: Counters::default(),
+            write_barrier: Barrier::default(),
         });
         inner
             .counters
@@ -575,6 +604,18 @@ impl Store {
         self.inner.sync.store(encode_sync(policy), Ordering::SeqCst);
         self.inner.wake_committer();
         Ok(())
+    }
+
+    /// Sets what the committer runs before each write of appended messages to a segment file
+    /// (the messages of a round, written once or in parts): every message appended before
+    /// the barrier was called reaches the disk only after the barrier returned `Ok`. An error
+    /// fails the round as a failed write (other than for lack of space) does: nothing of it is
+    /// written and the store is poisoned ([`WriteError::Poisoned`], naming the error), since
+    /// what it guards is not durable either. Replaces the barrier set before. A node's replicated shards set one
+    /// that fsyncs their logs' apply records, so that the store never holds on disk a message
+    /// whose apply record a crash could take back (docs/CLUSTER.md, "The state machine").
+    pub fn set_write_barrier(&self, barrier: WriteBarrier) {
+        *lock(&self.inner.write_barrier.0) = Some(barrier);
     }
 
     /// Counters and sizes.

@@ -1957,3 +1957,57 @@ fn given_an_interval_out_of_bounds_when_set_then_it_is_refused_and_the_policy_ke
     }
     assert_eq!(store.sync_policy(), SyncPolicy::Always);
 }
+
+#[test]
+fn given_a_write_barrier_when_a_round_writes_then_it_runs_first_and_its_failure_writes_nothing() {
+    let barrier_of = |disk: &SimulatedDisk, seen: &Arc<Mutex<Vec<u64>>>, fails: bool| {
+        let (disk, seen) = (disk.clone(), Arc::clone(seen));
+        Arc::new(move || {
+            seen.lock().unwrap().push(disk.total_bytes());
+            if fails {
+                Err(io::Error::other("the log's fsync failed"))
+            } else {
+                Ok(())
+            }
+        })
+    };
+    let interval = StoreOptions {
+        sync: SyncPolicy::Interval { interval_ms: 1 },
+        ..tiny()
+    };
+
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, interval.clone());
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    store.set_write_barrier(barrier_of(&disk, &seen, false));
+    let before = disk.total_bytes();
+    store.append(b"orders", b"first").unwrap();
+    store.flush().expect("a round");
+    assert!(disk.total_bytes() > before, "the message written");
+    let seen_then = seen.lock().unwrap().clone();
+    assert_eq!(
+        seen_then,
+        vec![before],
+        "the barrier ran once, before the round's write, not after"
+    );
+    let reopened = open_sim(&disk.crash(CrashMode::DropUnsynced, 7), tiny());
+    assert_eq!(read_all(&reopened, b"orders"), vec![b"first".to_vec()]);
+
+    let disk = SimulatedDisk::new();
+    let store = open_sim(&disk, interval);
+    store.set_write_barrier(barrier_of(&disk, &seen, true));
+    let before = disk.total_bytes();
+    let (_, ticket) = store.append_deferred(b"orders", b"second").unwrap();
+    let error = store
+        .wait_durable(ticket)
+        .expect_err("the barrier failed the round");
+    assert!(
+        matches!(&error, WriteError::Poisoned(reason) if reason.contains("the log's fsync failed")),
+        "a failed barrier fails the store as a failed write does, naming it: {error}"
+    );
+    assert_eq!(
+        disk.total_bytes(),
+        before,
+        "nothing written past a failed barrier"
+    );
+}

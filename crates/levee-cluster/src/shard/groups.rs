@@ -313,6 +313,9 @@ impl ShardGroups {
         let keyspace = open_keyspace(directory).map_err(|error| error.to_string())?;
         let syncer = JournalSyncer::start(keyspace.clone(), directory)
             .map_err(|error| format!("the shard logs' sync thread: {error}"))?;
+        // The apply records the machines only note are durable before the store writes a
+        // message they name.
+        store.set_write_barrier(syncer.write_barrier());
         let channels = PeerChannels::new(dialer).with_observer(Arc::clone(&observer));
         let config = Arc::new(config);
         let mut rafts = Vec::with_capacity(shards as usize);
@@ -334,7 +337,8 @@ impl ShardGroups {
                 ),
                 Some(Arc::clone(&observer)),
             )
-            .map_err(|error| format!("shard {shard}'s state: {error}"))?;
+            .map_err(|error| format!("shard {shard}'s state: {error}"))?
+            .with_records_fenced();
             machines.push(machine.clone());
             let raft = ShardRaft::new(
                 node_id,

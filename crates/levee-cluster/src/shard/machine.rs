@@ -7,8 +7,8 @@
 //! Over a store under `always` (tests that open one directly) a batch is applied once the
 //! store has fsynced it, since reads there see fsynced messages only and an answered append
 //! must be readable. What makes a restart exact is
-//! the **apply record**, kept in the shard's log partition and fsynced (in the shard logs'
-//! group commit) before a batch of entries touches the store: the batch's log range, the
+//! the **apply record**, kept in the shard's log partition and durable before the store
+//! holds on disk any message of the batch it names: the batch's log range, the
 //! membership after it, and where each of its queues stood before it (the queue's next
 //! offset) and how many messages it adds. Under `interval`, while the batches applied before
 //! are not yet durable in the store, the record names them too, as one range from the first
@@ -21,6 +21,13 @@
 //! as a prefix), and only those missing are appended again, from the log, the range planned
 //! again as one batch. No message is stored twice, none is lost,
 //! and every replica holds the same offsets.
+//!
+//! How the record is made durable first: under `interval`, over a store that runs the shard
+//! logs' write barrier before each of its writes ([`ShardStateMachine::with_records_fenced`],
+//! as a node's shards open), the record is written and only noted with the group commit, and
+//! the batch goes to the store at once: the store's next round fsyncs the log (when no round
+//! of the group commit did meanwhile) before it writes the messages. Otherwise (`always`, or a
+//! store without the barrier) the record is fsynced before the batch touches the store.
 //!
 //! A batch is applied on the state machine's own task: the record's fsync (and, when the
 //! record cannot name the batches before, the store's) is awaited without holding a thread,
@@ -334,6 +341,10 @@ pub struct ShardStateMachine {
     /// The delay wheel's next due time (`u64::MAX`: none) and count, as the last apply left
     /// them.
     delays: Arc<DelaySummary>,
+    /// The store fsyncs the log's noted writes before each of its writes
+    /// ([`ShardStateMachine::with_records_fenced`]): under `interval`, an apply record is
+    /// written without waiting for its fsync.
+    records_fenced: bool,
 }
 
 /// A shard's snapshot folder.
@@ -537,6 +548,7 @@ impl ShardStateMachine {
             gate: Arc::default(),
             delays: Arc::default(),
             observer,
+            records_fenced: false,
         };
         if let Some(record) = machine.log.read_meta::<SnapshotRecord>(INSTALLING_KEY)? {
             tracing::info!(shard, snapshot = %record.meta.snapshot_id, "installing again the snapshot a stop cut short");
@@ -568,6 +580,18 @@ impl ShardStateMachine {
         }
         drop(applied);
         Ok(machine)
+    }
+
+    /// This state machine, told that its store runs the write barrier of its log's group
+    /// commit before each write (`Store::set_write_barrier` with
+    /// [`crate::syncer::JournalSyncer::write_barrier`], as [`crate::shard::ShardGroups::open`]
+    /// sets it): under `interval` an apply record is then only noted with the group commit,
+    /// not waited for, since the store writes none of the messages it names before it is
+    /// durable (see the module's text). Without a group commit it changes nothing.
+    #[must_use]
+    pub fn with_records_fenced(mut self) -> Self {
+        self.records_fenced = self.log.has_syncer();
+        self
     }
 
     /// The last applied log id.
@@ -1007,9 +1031,13 @@ impl ShardStateMachine {
             self.store_durable(ticket).await?;
         }
         waited = started.elapsed();
-        self.log
-            .write_meta_binary_then_sync(APPLYING_KEY, &record)?
-            .await?;
+        if always || !self.records_fenced {
+            self.log
+                .write_meta_binary_then_sync(APPLYING_KEY, &record)?
+                .await?;
+        } else {
+            self.log.write_meta_binary_noted(APPLYING_KEY, &record)?;
+        }
         let (offsets, ticket) = self
             .store
             .append_batch_deferred(&store_batch(&batch))
@@ -1678,6 +1706,7 @@ mod tests {
     use super::*;
     use crate::log_store::open_keyspace;
     use crate::shard::{AppendRequest, QueueMessage, RefusedCode};
+    use crate::syncer::JournalSyncer;
 
     fn append(index: u64, messages: &[(&str, &str)]) -> Entry<ShardConfig> {
         Entry {
@@ -1908,6 +1937,63 @@ mod tests {
         // Applied as planned.
         assert_eq!(messages(&store, "q1"), ["a", "c"]);
         assert_eq!(messages(&store, "q2"), ["b", "e"]);
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_records_fenced_by_the_store_when_applied_then_each_is_noted_and_fsynced_before_the_store_writes()
+    -> Result<(), StorageError> {
+        let directory = tempfile::tempdir().expect("a directory");
+        let open_fenced = || {
+            let (store, _) = Store::open(
+                directory.path().join("store"),
+                StoreOptions {
+                    sync: SyncPolicy::Interval {
+                        interval_ms: 60_000,
+                    },
+                    ..StoreOptions::default()
+                },
+            )
+            .expect("a store");
+            let store = Arc::new(store);
+            let keyspace = open_keyspace(&directory.path().join("log")).expect("a keyspace");
+            let syncer = JournalSyncer::start(keyspace.clone(), &directory.path().join("log"))
+                .expect("a syncer");
+            store.set_write_barrier(syncer.write_barrier());
+            let log = LogStore::<ShardConfig>::open_in(keyspace, "-0")
+                .expect("a log")
+                .with_syncer(syncer.clone());
+            let machine = ShardStateMachine::open(
+                (0, 1),
+                (Arc::clone(&store), log, &directory.path().join("snapshots")),
+                None,
+            )
+            .expect("a machine")
+            .with_records_fenced();
+            (store, syncer, machine)
+        };
+        let (store, syncer, mut machine) = open_fenced();
+        machine
+            .apply(vec![append(1, &[("q1", "a"), ("q2", "b")])])
+            .await?;
+        machine.apply(vec![append(2, &[("q1", "c")])]).await?;
+        // Answered without an fsync of their records: each only noted.
+        assert_eq!(syncer.noted_counts(), (0, 2));
+        assert_eq!(messages(&store, "q1"), ["a", "c"], "readable at once");
+        let record: Applying = machine.log.read_meta(APPLYING_KEY)?.expect("a record");
+        assert_eq!((record.from, record.last.index), (1, 2));
+        // The store's round fsyncs them before it writes the messages they name.
+        store.flush().expect("a round");
+        assert_eq!(syncer.noted_counts(), (2, 2));
+        machine.apply(vec![append(3, &[("q2", "d")])]).await?;
+        store.flush().expect("a round");
+        assert_eq!(syncer.noted_counts(), (3, 3));
+        syncer.stop();
+        drop((store, syncer, machine));
+        let (store, _, machine) = open_fenced();
+        assert_eq!(machine.last_applied().map(|id| id.index), Some(3));
+        assert_eq!(messages(&store, "q1"), ["a", "c"]);
+        assert_eq!(messages(&store, "q2"), ["b", "d"]);
         Ok(())
     }
 

@@ -55,6 +55,7 @@ impl Committer<'_> {
         }
         debug_assert_eq!(self.writer.buffer.position(), self.writer.length);
         let written = self.writer.buffer.len() as u64;
+        self.inner.write_barrier.run()?;
         self.writer.file.write_bytes(&mut self.writer.buffer)?;
         self.writer.length += written;
         self.round_flushed += written;
@@ -69,6 +70,7 @@ impl Committer<'_> {
         *rotated = true;
         self.round_log_buffered = 0;
         let written = self.writer.buffer.len() as u64;
+        self.inner.write_barrier.run()?;
         self.writer.file.write_bytes(&mut self.writer.buffer)?;
         self.writer.length += written;
         self.rotate()
