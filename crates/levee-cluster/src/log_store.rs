@@ -131,6 +131,19 @@ pub fn open_keyspace(directory: &Path) -> Result<Keyspace, StorageError> {
         .map_err(|error| StorageIOError::read_logs(&error).into())
 }
 
+/// Opens (or creates) the fjall keyspace in `directory`, its partitions' memtables together
+/// holding at most `write_buffer_bytes` before the largest is flushed to disk (fjall's default
+/// is 64 MiB).
+pub fn open_keyspace_sized(
+    directory: &Path,
+    write_buffer_bytes: u64,
+) -> Result<Keyspace, StorageError> {
+    Config::new(directory)
+        .max_write_buffer_size(write_buffer_bytes)
+        .open()
+        .map_err(|error| StorageIOError::read_logs(&error).into())
+}
+
 impl LogStore<MetaConfig> {
     /// Opens (or creates) the metadata group's log in `directory`.
     pub fn open(directory: &Path) -> Result<Self, StorageError> {
@@ -142,14 +155,28 @@ impl<C> LogStore<C> {
     /// Opens (or creates) a log in `keyspace`, in the partitions `entries{suffix}` and
     /// `meta{suffix}`.
     pub fn open_in(keyspace: Keyspace, suffix: &str) -> Result<Self, StorageError> {
-        let open = |name: String| {
+        Self::open_in_sized(keyspace, suffix, None)
+    }
+
+    /// [`LogStore::open_in`], the entries partition's memtable flushed to disk past
+    /// `entries_memtable_bytes` (fjall's default, 16 MiB, when `None`). Like every partition
+    /// option it applies when the partition is created; an existing one keeps its own.
+    pub fn open_in_sized(
+        keyspace: Keyspace,
+        suffix: &str,
+        entries_memtable_bytes: Option<u32>,
+    ) -> Result<Self, StorageError> {
+        let open = |name: String, memtable_bytes: Option<u32>| {
+            let options = memtable_bytes.map_or_else(PartitionCreateOptions::default, |bytes| {
+                PartitionCreateOptions::default().max_memtable_size(bytes)
+            });
             keyspace
-                .open_partition(&name, PartitionCreateOptions::default())
+                .open_partition(&name, options)
                 .map_err(|error| StorageError::from(StorageIOError::read_logs(&error)))
         };
         let (entries, meta) = (
-            open(format!("entries{suffix}"))?,
-            open(format!("meta{suffix}"))?,
+            open(format!("entries{suffix}"), entries_memtable_bytes)?,
+            open(format!("meta{suffix}"), None)?,
         );
         Ok(Self {
             keyspace,

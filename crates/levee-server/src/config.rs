@@ -50,7 +50,7 @@ pub const QUEUE_POSITION_LOG_COMPACT_ENTRIES_DEFAULT: u64 = 1_000_000;
 /// Highest allowed `queue_position_log_compact_entries`.
 pub const QUEUE_POSITION_LOG_COMPACT_ENTRIES_MAX: u64 = 1_000_000_000;
 /// Default `shard_snapshot_entries`.
-pub const SHARD_SNAPSHOT_ENTRIES_DEFAULT: u64 = 20_000;
+pub const SHARD_SNAPSHOT_ENTRIES_DEFAULT: u64 = 1_000;
 /// Highest allowed `shard_snapshot_entries`.
 pub const SHARD_SNAPSHOT_ENTRIES_MAX: u64 = 100_000_000;
 /// Highest allowed `node_id`.

@@ -73,7 +73,7 @@ pub struct ServerArgs {
     queue_position_log_compact_entries: Option<String>,
     /// Entries a shard's log applies between two snapshot marks, after each of which it is
     /// purged but its last 1000 entries (or this many, the fewer), 10 to 100000000
-    /// [default: 20000]
+    /// [default: 1000]
     #[arg(long, env = "LEVEE_SHARD_SNAPSHOT_ENTRIES", value_name = "ENTRIES")]
     shard_snapshot_entries: Option<String>,
     /// The shards of a cluster this node creates, 1 to 1024; fixed when the cluster is created

@@ -28,7 +28,7 @@ use openraft::{ChangeMembers, ServerState, SnapshotPolicy};
 use serde::{Deserialize, Serialize};
 use tonic::Status;
 
-use crate::log_store::{LogStore, open_keyspace};
+use crate::log_store::{LogStore, open_keyspace_sized};
 use crate::network::PeerDialer;
 use crate::shard::appender::{self, AppendWrite};
 use crate::shard::machine::{ShardObserver, ShardStateMachine};
@@ -279,6 +279,20 @@ pub fn shard_raft_config(
     .map_err(|error| error.to_string())
 }
 
+/// How many bytes the memtables of a node's shard logs hold together before the largest is
+/// written to disk (fjall's default is 64 MiB), and how many one shard's entries may hold
+/// (16 MiB by default). Entries purged behind a snapshot's mark while still in their memtable
+/// never reach an SST file: fjall's flush drops what a tombstone covers. With the default
+/// sizes an entry was written to the journal, then again by its flush and its compactions,
+/// and under the topic shape at 64 publishers those flushes and compactions
+/// stalled the disk for seconds: forwarded publishes timed out in 3 of 3 runs of `levee bench
+/// queue --nodes 3 --shape topic --producers 64`; with these sizes and marks every 1,000
+/// or 500 entries (`shard_snapshot_entries`) none did in 9 of 9 (docs/CLUSTER.md, "Snapshots").
+/// The memory is a bound, used only as entries arrive.
+pub const SHARD_LOG_WRITE_BUFFER_BYTES: u64 = 256 << 20;
+/// See [`SHARD_LOG_WRITE_BUFFER_BYTES`].
+pub const SHARD_LOG_ENTRIES_MEMTABLE_BYTES: u32 = 64 << 20;
+
 /// The fsync interval of a store whose queues the shards hold, when it was opened under
 /// `always` (see [`ShardGroups::open`]).
 pub const SHARD_STORE_SYNC_MS: u64 = 10;
@@ -310,7 +324,8 @@ impl ShardGroups {
                 "the queue store holds shard copies rebuilt from their logs: it fsyncs on an interval"
             );
         }
-        let keyspace = open_keyspace(directory).map_err(|error| error.to_string())?;
+        let keyspace = open_keyspace_sized(directory, SHARD_LOG_WRITE_BUFFER_BYTES)
+            .map_err(|error| error.to_string())?;
         let syncer = JournalSyncer::start(keyspace.clone(), directory)
             .map_err(|error| format!("the shard logs' sync thread: {error}"))?;
         // The apply records the machines only note are durable before the store writes a
@@ -321,13 +336,17 @@ impl ShardGroups {
         let mut rafts = Vec::with_capacity(shards as usize);
         let mut machines = Vec::with_capacity(shards as usize);
         for shard in 0..shards {
-            let log = LogStore::<ShardConfig>::open_in(keyspace.clone(), &format!("-{shard}"))
-                .map_err(|error| format!("shard {shard}'s log: {error}"))?
-                .with_syncer(syncer.clone())
-                .with_flush_timer({
-                    let observer = Arc::clone(&observer);
-                    Arc::new(move |took| observer.log_flushed(shard, took))
-                });
+            let log = LogStore::<ShardConfig>::open_in_sized(
+                keyspace.clone(),
+                &format!("-{shard}"),
+                Some(SHARD_LOG_ENTRIES_MEMTABLE_BYTES),
+            )
+            .map_err(|error| format!("shard {shard}'s log: {error}"))?
+            .with_syncer(syncer.clone())
+            .with_flush_timer({
+                let observer = Arc::clone(&observer);
+                Arc::new(move |took| observer.log_flushed(shard, took))
+            });
             let machine = ShardStateMachine::open(
                 (shard, shards),
                 (
