@@ -233,9 +233,7 @@ impl<C> LogStore<C> {
         key: &str,
         value: &T,
     ) -> Result<impl Future<Output = Result<(), StorageError>> + Send + 'static, StorageError> {
-        self.meta
-            .insert(key, binary_meta(value)?)
-            .map_err(|error| StorageIOError::write(&error))?;
+        self.insert_meta_binary(key, value)?;
         let synced = if let Some(syncer) = &self.syncer {
             Some(syncer.synced())
         } else {
@@ -261,9 +259,7 @@ impl<C> LogStore<C> {
         key: &str,
         value: &T,
     ) -> Result<(), StorageError> {
-        self.meta
-            .insert(key, binary_meta(value)?)
-            .map_err(|error| StorageIOError::write(&error))?;
+        self.insert_meta_binary(key, value)?;
         match &self.syncer {
             Some(syncer) => {
                 syncer.note_write();
@@ -271,6 +267,13 @@ impl<C> LogStore<C> {
             }
             None => self.persist(),
         }
+    }
+
+    /// Writes `value` under `key` in the meta partition, in postcard, without fsyncing it.
+    fn insert_meta_binary<T: Serialize>(&self, key: &str, value: &T) -> Result<(), StorageError> {
+        self.meta
+            .insert(key, binary_meta(value)?)
+            .map_err(|error| StorageIOError::write(&error).into())
     }
 
     /// Whether this log fsyncs through a group commit.

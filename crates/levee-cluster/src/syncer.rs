@@ -133,15 +133,10 @@ impl JournalSyncer {
         self.inner.noted.fetch_add(1, Ordering::SeqCst);
     }
 
-    /// Makes every noted write durable: at once when an fsync since covered them all, else by
-    /// fsyncing on the calling thread (also once the syncer is stopped).
-    pub fn sync_noted(&self) -> Result<(), String> {
-        self.inner.sync_noted()
-    }
-
-    /// [`JournalSyncer::sync_noted`] as a queue store's write barrier
-    /// (`levee_store::Store::set_write_barrier`). It holds the syncer weakly: once every
-    /// clone is dropped (its shards closed, which synced what they noted) it does nothing.
+    /// A queue store's write barrier (`levee_store::Store::set_write_barrier`) that makes every
+    /// noted write durable: at once when an fsync since covered them all, else by fsyncing on
+    /// the calling thread (also once the syncer is stopped). It holds the syncer weakly: once
+    /// every clone is dropped (its shards closed) it does nothing.
     pub fn write_barrier(&self) -> levee_store::WriteBarrier {
         let inner = Arc::downgrade(&self.inner);
         Arc::new(move || {
@@ -168,7 +163,7 @@ impl JournalSyncer {
 }
 
 impl Inner {
-    /// See [`JournalSyncer::sync_noted`].
+    /// See [`JournalSyncer::write_barrier`].
     fn sync_noted(&self) -> Result<(), String> {
         let noted = self.noted.load(Ordering::SeqCst);
         if self.noted_synced.load(Ordering::SeqCst) >= noted {
@@ -242,6 +237,19 @@ mod tests {
 
     use super::*;
 
+    /// A keyspace in a new directory, its partition `name` and its syncer.
+    fn keyspace_with_syncer(
+        name: &str,
+    ) -> (tempfile::TempDir, fjall::PartitionHandle, JournalSyncer) {
+        let directory = tempfile::tempdir().expect("a directory");
+        let keyspace = Config::new(directory.path()).open().expect("a keyspace");
+        let partition = keyspace
+            .open_partition(name, PartitionCreateOptions::default())
+            .expect("a partition");
+        let syncer = JournalSyncer::start(keyspace, directory.path()).expect("a syncer");
+        (directory, partition, syncer)
+    }
+
     /// The number of the journal the syncer last fsynced.
     fn fsynced_journal(syncer: &JournalSyncer) -> Option<u64> {
         syncer
@@ -255,12 +263,7 @@ mod tests {
 
     #[test]
     fn given_journals_sealed_between_rounds_then_each_round_fsyncs_the_active_one() {
-        let directory = tempfile::tempdir().expect("a directory");
-        let keyspace = Config::new(directory.path()).open().expect("a keyspace");
-        let partition = keyspace
-            .open_partition("entries", PartitionCreateOptions::default())
-            .expect("a partition");
-        let syncer = JournalSyncer::start(keyspace.clone(), directory.path()).expect("a syncer");
+        let (directory, partition, syncer) = keyspace_with_syncer("entries");
         partition.insert("a", "1").expect("a write");
         syncer.sync().expect("a round");
         let first = fsynced_journal(&syncer).expect("a journal fsynced");
@@ -286,12 +289,7 @@ mod tests {
 
     #[test]
     fn given_noted_writes_then_a_round_or_the_barrier_covers_them_even_once_stopped() {
-        let directory = tempfile::tempdir().expect("a directory");
-        let keyspace = Config::new(directory.path()).open().expect("a keyspace");
-        let partition = keyspace
-            .open_partition("meta", PartitionCreateOptions::default())
-            .expect("a partition");
-        let syncer = JournalSyncer::start(keyspace.clone(), directory.path()).expect("a syncer");
+        let (_directory, partition, syncer) = keyspace_with_syncer("meta");
         let barrier = syncer.write_barrier();
         barrier().expect("nothing noted: nothing to do");
         assert_eq!(fsynced_journal(&syncer), None, "no fsync for nothing noted");
