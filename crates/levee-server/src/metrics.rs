@@ -218,6 +218,8 @@ pub struct Metrics {
     pub shard_append_entries: Counter,
     /// Streams of shard calls this node opened to its peers.
     pub shard_peer_streams_opened: Counter,
+    /// Shards whose leader's process this node found gone and called an election of at once.
+    pub shard_leaders_gone: Counter,
     /// Shard snapshot files this node wrote to send to a replica.
     pub shard_snapshots_written: Counter,
     /// Messages that wait for their time (retries and delayed publishes) on this server.
@@ -593,6 +595,14 @@ impl Metrics {
                 "streams of shard calls this node opened to its peers: one per peer while they \
                  stay up, more when a stream failed (a peer restarted, a connection broke) and \
                  was opened again",
+                Counter::default(),
+            ),
+            shard_leaders_gone: registered(
+                registry_ref,
+                "levee_shard_leaders_gone",
+                "times this node found a shard's leader's process gone (silent for 150 ms, its \
+                 peer port refusing connections) and called an election of the shard at once \
+                 rather than after the election timeout",
                 Counter::default(),
             ),
             shard_snapshots_installed: registered(

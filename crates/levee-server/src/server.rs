@@ -525,6 +525,7 @@ fn queue_services(
             metrics.shard_append_entries.clone(),
         )
         .count_peer_streams(metrics.shard_peer_streams_opened.clone())
+        .count_leaders_gone(metrics.shard_leaders_gone.clone())
         .time_shards(crate::queue::replicated::ShardTimings {
             log_append: metrics.shard_log_append_seconds.clone(),
             apply_wait: metrics.shard_apply_wait_seconds.clone(),

@@ -204,6 +204,14 @@ fn given_a_replicated_cluster_when_a_shard_leader_is_killed_under_appends_then_n
         "appends go on once a new leader is elected ({failed} failed of {}: {reasons:#?})",
         outcomes.len()
     );
+    // The survivors found the leader's process gone (its peer port refused them) and called
+    // the election at once, not after openraft's timeouts (docs/CLUSTER.md, "Failover").
+    let survivors: Vec<&LeveeProcess> = nodes.iter().flatten().collect();
+    let found_gone: f64 = survivors
+        .iter()
+        .map(|node| counted(node, "levee_shard_leaders_gone_total"))
+        .sum();
+    assert!(found_gone >= 1.0, "no survivor found the leader gone");
     // Failed appends: those said not stored must not be, those said maybe stored may be.
     let (mut not_stored, mut maybe_stored) = (Vec::new(), std::collections::BTreeSet::new());
     for (queue, payload, answer) in outcomes {
@@ -297,6 +305,17 @@ fn given_a_replicated_cluster_when_a_shard_leader_is_killed_under_appends_then_n
 }
 
 /// Restarts node `id` from its data dir on its peer address `peer`.
+/// The value of counter `name` on `node`'s `/metrics` (0 when absent).
+fn counted(node: &LeveeProcess, name: &str) -> f64 {
+    let (code, metrics) = http_get(node.admin_addr, "/metrics");
+    assert_eq!(code, 200);
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(&format!("{name} ")))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
 fn restart(directory: &std::path::Path, id: u64, peer: &str) -> LeveeProcess {
     LeveeProcess::start_in(
         &directory.join(format!("n{id}")),
@@ -2189,15 +2208,6 @@ fn given_a_shard_log_purged_while_a_follower_was_down_when_it_comes_back_then_a_
         shard_group(leader_node, shard)["snapshots_written"].as_u64() >= Some(1),
         "the leader wrote one"
     );
-    let counted = |node: &LeveeProcess, name: &str| -> f64 {
-        let (code, metrics) = http_get(node.admin_addr, "/metrics");
-        assert_eq!(code, 200);
-        metrics
-            .lines()
-            .find_map(|line| line.strip_prefix(&format!("{name} ")))
-            .and_then(|value| value.trim().parse().ok())
-            .unwrap_or(0.0)
-    };
     assert!(counted(back, "levee_shard_snapshots_installed_total") >= 1.0);
     assert!(counted(leader_node, "levee_shard_snapshots_written_total") >= 1.0);
     let restarted = runtime.block_on(Client::connect(&back.grpc())).unwrap();

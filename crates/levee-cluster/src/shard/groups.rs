@@ -33,6 +33,7 @@ use crate::network::PeerDialer;
 use crate::shard::appender::{self, AppendWrite};
 use crate::shard::machine::{ShardObserver, ShardStateMachine};
 use crate::shard::network::{PeerChannels, ShardNetwork, send};
+use crate::shard::watch;
 use crate::shard::{
     ConsumerPosition, QueueMessage, ShardCommand, ShardConfig, ShardId, ShardRaft, ShardResponse,
     to_postcard,
@@ -215,6 +216,8 @@ pub struct ShardGroups {
     /// Per shard: when [`ShardGroups::held_needed`] last saw the group with a leader (or
     /// first looked at it).
     leader_seen: Arc<std::sync::Mutex<std::collections::HashMap<ShardId, Instant>>>,
+    /// When each shard last heard from its leader (`shard::watch`).
+    heard: Arc<watch::Heard>,
 }
 
 /// One consumer's positions bound for a shard, and where its outcome goes.
@@ -331,7 +334,10 @@ impl ShardGroups {
         // The apply records the machines only note are durable before the store writes a
         // message they name.
         store.set_write_barrier(syncer.write_barrier());
-        let channels = PeerChannels::new(dialer).with_observer(Arc::clone(&observer));
+        let heard = Arc::new(watch::Heard::new(shards));
+        let channels = PeerChannels::new(dialer)
+            .with_observer(Arc::clone(&observer))
+            .with_heard(Arc::clone(&heard));
         let config = Arc::new(config);
         let mut rafts = Vec::with_capacity(shards as usize);
         let mut machines = Vec::with_capacity(shards as usize);
@@ -384,6 +390,7 @@ impl ShardGroups {
             claimed: Arc::default(),
             leaving: Arc::default(),
             leader_seen: Arc::default(),
+            heard,
             led: Arc::default(),
             machines: Arc::new(machines),
             stopping: Arc::new(tokio::sync::watch::Sender::new(false)),
@@ -400,6 +407,7 @@ impl ShardGroups {
             tokio::spawn(appender::run(groups.clone(), shard, receiver, stopping));
         }
         tokio::spawn(groups.clone().deliver_due());
+        tokio::spawn(watch::run(groups.clone(), groups.stopping.subscribe()));
         Ok(groups)
     }
 
@@ -519,6 +527,32 @@ impl ShardGroups {
                 .voter_ids()
                 .any(|voter| voter == self.node_id)
         })
+    }
+
+    /// This node's id.
+    pub fn node_id(&self) -> NodeId {
+        self.node_id
+    }
+
+    /// What `shard::watch` sees of `shard` here, and its known leader's peer address.
+    pub(crate) fn watched(&self, shard: ShardId) -> Option<(watch::Seen, Option<String>)> {
+        let raft = self.raft(shard)?;
+        let metrics = raft.metrics();
+        let metrics = metrics.borrow();
+        let membership = metrics.membership_config.membership();
+        let seen = watch::Seen {
+            state: metrics.state,
+            voter: membership.voter_ids().any(|voter| voter == self.node_id),
+            leader: metrics.current_leader,
+            silent_for: self.heard.silent_for(shard),
+            since_granted: self.heard.since_granted(shard),
+            since_outlogged: self.heard.since_outlogged(shard),
+        };
+        let peer_addr = metrics
+            .current_leader
+            .and_then(|leader| membership.get_node(&leader))
+            .map(|node| node.peer_addr.clone());
+        Some((seen, peer_addr))
     }
 
     /// The leader of `shard` this node knows, if any.
@@ -1133,9 +1167,16 @@ impl ShardGroups {
             .ok_or_else(|| Status::unavailable(format!("no shard {shard} on this node")))?;
         let body = match ShardCall::try_from(message.call).unwrap_or(ShardCall::Unspecified) {
             ShardCall::AppendEntries => {
+                self.heard.hear(shard);
                 json(&raft.append_entries(decode_shared(&message.body)?).await)
             }
-            ShardCall::Vote => json(&raft.vote(decode(&message.body)?).await),
+            ShardCall::Vote => {
+                let answer = raft.vote(decode(&message.body)?).await;
+                if answer.as_ref().is_ok_and(|vote| vote.vote_granted) {
+                    self.heard.granted(shard);
+                }
+                json(&answer)
+            }
             ShardCall::InstallSnapshot => {
                 json(&raft.install_snapshot(decode(&message.body)?).await)
             }

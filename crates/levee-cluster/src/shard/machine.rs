@@ -152,6 +152,11 @@ pub trait ShardObserver: Send + Sync {
     /// (`ShardGroups::append`).
     fn appends_written(&self, _shard: ShardId, _requests: usize) {}
 
+    /// This node found the process of `shard`'s leader gone (its peer port refused a
+    /// connection after the leader was silent for three heartbeats) and called an election
+    /// at once (`shard::watch`).
+    fn leader_gone(&self, _shard: ShardId) {}
+
     /// This node opened a stream of shard calls to a peer (`shard::link`): one per peer while
     /// the peers stay up, more when a stream failed and was opened again.
     fn peer_stream_opened(&self) {}

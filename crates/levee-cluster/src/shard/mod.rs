@@ -26,6 +26,7 @@ pub mod machine;
 pub mod network;
 pub mod plan;
 pub mod snapshot;
+pub mod watch;
 
 pub use groups::{ShardGroups, ShardSlot, ShardWriteError};
 pub use machine::{ShardObserver, ShardStateMachine};

@@ -29,6 +29,7 @@ use tonic::transport::Channel;
 use crate::network::{CallError, PeerDialer, status_error};
 use crate::shard::link::{LINK_CALL_BYTES_MAX, Link};
 use crate::shard::machine::ShardObserver;
+use crate::shard::watch::Heard;
 use crate::shard::{ShardConfig, ShardId, to_postcard};
 use crate::{NodeId, NodeInfo};
 
@@ -47,6 +48,8 @@ pub struct PeerChannels {
     link_retry_after: Duration,
     /// Told of each stream opened.
     observer: Option<Arc<dyn ShardObserver>>,
+    /// Told of each vote request a replica with a longer log refused (`shard::watch`).
+    heard: Option<Arc<Heard>>,
 }
 
 impl std::fmt::Debug for PeerChannels {
@@ -80,6 +83,16 @@ impl PeerChannels {
             links: Arc::default(),
             link_retry_after: LINK_RETRY_AFTER,
             observer: None,
+            heard: None,
+        }
+    }
+
+    /// Channels that tell `heard` of each vote request a replica with a longer log refused.
+    #[must_use]
+    pub fn with_heard(self, heard: Arc<Heard>) -> Self {
+        Self {
+            heard: Some(heard),
+            ..self
         }
     }
 
@@ -335,7 +348,14 @@ impl RaftNetwork<ShardConfig> for ShardConnection {
         rpc: VoteRequest<NodeId>,
         option: RPCOption,
     ) -> Result<VoteResponse<NodeId>, CallError<openraft::error::Infallible>> {
-        self.call(ShardCall::Vote, &rpc, &option).await
+        let answer: VoteResponse<NodeId> = self.call(ShardCall::Vote, &rpc, &option).await?;
+        if !answer.vote_granted
+            && answer.last_log_id > rpc.last_log_id
+            && let Some(heard) = &self.channels.heard
+        {
+            heard.outlogged(self.shard);
+        }
+        Ok(answer)
     }
 }
 

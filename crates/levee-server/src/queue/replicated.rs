@@ -363,6 +363,8 @@ pub struct ApplyHere {
     )>,
     /// Counter of the streams of shard calls this node opened to its peers, if kept.
     peer_streams_opened: Option<prometheus_client::metrics::counter::Counter>,
+    /// Counter of the shard leaders this node found gone and replaced at once, if kept.
+    leaders_gone: Option<prometheus_client::metrics::counter::Counter>,
 }
 
 /// A shard's recent deletes: each queue's latest delete epoch, and the queues oldest first.
@@ -402,6 +404,7 @@ impl ApplyHere {
             positions_written: None,
             appends_written: None,
             peer_streams_opened: None,
+            leaders_gone: None,
             timings: None,
         }
     }
@@ -452,6 +455,16 @@ impl ApplyHere {
     pub fn count_peer_streams(self, opened: prometheus_client::metrics::counter::Counter) -> Self {
         Self {
             peer_streams_opened: Some(opened),
+            ..self
+        }
+    }
+
+    /// Counts in `gone` the shards whose leader's process this node found gone and called an
+    /// election of at once (`levee_cluster::shard::watch`).
+    #[must_use]
+    pub fn count_leaders_gone(self, gone: prometheus_client::metrics::counter::Counter) -> Self {
+        Self {
+            leaders_gone: Some(gone),
             ..self
         }
     }
@@ -608,6 +621,12 @@ impl ShardObserver for ApplyHere {
     fn peer_stream_opened(&self) {
         if let Some(opened) = &self.peer_streams_opened {
             opened.inc();
+        }
+    }
+
+    fn leader_gone(&self, _shard: ShardId) {
+        if let Some(gone) = &self.leaders_gone {
+            gone.inc();
         }
     }
 

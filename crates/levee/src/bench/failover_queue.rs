@@ -79,9 +79,11 @@ pub(super) fn run(args: &FailoverBenchArgs) -> anyhow::Result<()> {
         args,
         &report,
         &format!(
-            "{} appends acknowledged, {} lost, {} duplicates; {} consumed, {} acked redelivered, \
-             {} uncommitted seen; group: {} published, {} delivered, {} commit redelivered, {} \
+            "a new leader named after p50 {} ms, max {} ms; {} appends acknowledged, {} lost, {} \
+             duplicates; {} consumed, {} acked redelivered, {} uncommitted seen; group: {} published, {} delivered, {} commit redelivered, {} \
              not delivered, {} coordinator kills, failover {}",
+            report["election_ms"]["p50"],
+            report["election_ms"]["max"],
             report["appends_acknowledged"],
             report["acknowledged_lost"],
             report["duplicates"],
@@ -171,15 +173,19 @@ async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<V
     let writing = start_appending(args, &producer, &appends, &stopped);
     let started = Instant::now();
     let mut failovers = Histogram::<u64>::new(3)?;
+    let mut elections = Histogram::<u64>::new(3)?;
     let mut group_failovers = Histogram::<u64>::new(3)?;
     let mut leaders_killed = Vec::new();
     for kill in 0..args.kills {
         let queue = format!("failover-{}", u64::from(kill) % args.keys);
         let shard = levee_proto::shards::shard_of(&queue, args.shards);
         let before_kill = Instant::now();
-        let (index, failover) =
+        let (index, failover, election) =
             kill_leader(&clients, nodes, &appends, (shard, args.shards)).await?;
         failovers.record(failover.as_micros().try_into().unwrap_or(u64::MAX))?;
+        if let Some(election) = election {
+            elections.record(election.as_micros().try_into().unwrap_or(u64::MAX))?;
+        }
         if shard == levee_proto::shards::shard_of(&group.topic, args.shards) {
             // The group's coordinator was killed: the member's next answered commit.
             let failover = failover_group::wait_commit_after(&group.run, before_kill).await?;
@@ -220,6 +226,7 @@ async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<V
         "kills": args.kills,
         "leaders_killed": leaders_killed,
         "failover_ms": failover_ms,
+        "election_ms": super::percentiles_ms(&elections),
         "target_p99_ms": FAILOVER_P99_TARGET_MS,
         "target_met": target_met,
         "appends_attempted": appends.len(),
@@ -314,14 +321,40 @@ async fn append_continuously(
     }
 }
 
+/// When, after `killed_at`, one of `survivors` first names a leader of `shard` other than
+/// the killed `leader` (asked every 10 ms, for at most [`SETTLE_TIMEOUT`]).
+async fn elected_after(
+    survivors: Vec<Client>,
+    shard: u32,
+    leader: u64,
+    killed_at: Instant,
+) -> Option<Duration> {
+    while killed_at.elapsed() < SETTLE_TIMEOUT {
+        for client in &survivors {
+            let named = client.cluster().await.ok().and_then(|cluster| {
+                cluster
+                    .shard_map
+                    .get(shard as usize)
+                    .map(|placement| placement.leader_id)
+            });
+            if named.is_some_and(|named| named != 0 && named != leader) {
+                return Some(killed_at.elapsed());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    None
+}
+
 /// Kills the leader of `shard` and waits for the first append to one of its queues
-/// acknowledged after the kill; the killed node's index and the failover time.
+/// acknowledged after the kill; the killed node's index, the failover time and when a
+/// surviving node first named a new leader of the shard.
 async fn kill_leader(
     clients: &[Client],
     nodes: &mut [Node],
     appends: &Appends,
     (shard, shards): (u32, u32),
-) -> anyhow::Result<(usize, Duration)> {
+) -> anyhow::Result<(usize, Duration, Option<Duration>)> {
     // A preferred replica may be taking the lead back just now: its election is waited out.
     let looking = Instant::now();
     let leader = loop {
@@ -348,8 +381,15 @@ async fn kill_leader(
         .process
         .take()
         .context("the leader is not running")?;
+    let survivors: Vec<Client> = clients
+        .iter()
+        .zip(nodes.iter())
+        .filter(|(_, node)| node.process.is_some())
+        .map(|(client, _)| client.clone())
+        .collect();
     let killed_at = Instant::now();
     tokio::task::spawn_blocking(move || process.kill()).await?;
+    let electing = tokio::spawn(elected_after(survivors, shard, leader, killed_at));
     let deadline = killed_at + SETTLE_TIMEOUT;
     loop {
         let acked = lock(appends)
@@ -361,7 +401,8 @@ async fn kill_leader(
             .map(|(_, at)| at)
             .min();
         if let Some(acked) = acked {
-            return Ok((index, acked - killed_at));
+            let election = electing.await.context("watching the election")?;
+            return Ok((index, acked - killed_at, election));
         }
         if Instant::now() >= deadline {
             let mut views = Vec::new();

@@ -55,9 +55,14 @@ impl ServerProcess {
             .arg("server")
             .arg("--data-dir")
             .arg(data_dir)
-            .args(["--log-format", "json", "--log-level"])
-            .arg(
-                std::env::var("LEVEE_BENCH_SERVER_LOG_LEVEL").unwrap_or_else(|_| "info".to_owned()),
+            .args(["--log-format", "json"])
+            // The server's own default level unless asked for another.
+            .args(
+                std::env::var("LEVEE_BENCH_SERVER_LOG_LEVEL")
+                    .ok()
+                    .map(|level| ["--log-level".to_owned(), level])
+                    .into_iter()
+                    .flatten(),
             )
             .args(flags)
             .stdin(Stdio::null())
