@@ -1,8 +1,9 @@
 //! `levee bench failover --shape queue`: a cluster that replicates its queues (docs/CLUSTER.md,
 //! "Part 2"), an idempotent producer appending to `--keys` queues from `--append-tasks` tasks,
 //! each one message after another (each message's payload its number), and the leader of a shard killed with SIGKILL again and
-//! again (the shard of queue `failover-k` at the k-th kill), each killed node restarted and the
-//! shards placed again before the next kill. Meanwhile a consumer reads every queue on one
+//! again (the shard of queue `failover-k` at the k-th kill), each killed node restarted, the
+//! shards placed again and the restarted node caught up (it answers a linearizable read of
+//! every queue) before the next kill. Meanwhile a consumer reads every queue on one
 //! many-queue stream, acking what it takes and confirming its acks after each batch; when its
 //! node dies it opens the stream again through the next node. `acked_redelivered` counts the
 //! deliveries of messages whose ack had been confirmed (a failover must never hand them out
@@ -198,6 +199,7 @@ async fn bench(args: &FailoverBenchArgs, nodes: &mut [Node]) -> anyhow::Result<V
             .with_context(|| format!("restarting node {}", nodes[index].id))?;
         nodes[index].process = Some(process);
         wait_placed(&clients, &alive, (args.shards, replicas)).await?;
+        wait_caught_up(&clients[index], args.keys).await?;
         wait_appends_resume(&appends).await?;
     }
     group.drain().await?;
@@ -260,6 +262,30 @@ fn append_latency_ms(appends: &[Append]) -> anyhow::Result<Value> {
         }
     }
     Ok(super::percentiles_ms(&latency))
+}
+
+/// Waits until `restarted`'s node answers a read of each of the `keys` queues. A read is
+/// linearizable: the node first applies what its shard had committed when it asked, so the
+/// next kill finds every replica caught up (one failure at a time), not a node still
+/// replaying what it missed while it was down.
+async fn wait_caught_up(restarted: &Client, keys: u64) -> anyhow::Result<()> {
+    let deadline = Instant::now() + SETTLE_TIMEOUT;
+    for key in 0..keys {
+        let queue = format!("failover-{key}");
+        loop {
+            match restarted.read(queue.as_bytes(), 0, 1, 0).await {
+                Ok(_) => break,
+                Err(error) if error.code() == Some(ErrorCode::NotFound) => break,
+                Err(error) if Instant::now() >= deadline => {
+                    bail!(
+                        "the restarted node did not catch up on {queue} within {SETTLE_TIMEOUT:?}: {error}"
+                    );
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Waits for [`APPENDS_BETWEEN_KILLS`] more acknowledged appends.
