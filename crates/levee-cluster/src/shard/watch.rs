@@ -7,7 +7,7 @@
 //! appends the two followers' logs differ by an entry or two, and the first to call an
 //! election is often the one with the shorter log: refused, it waits its timeout again plus
 //! `2 * election_timeout_max` before it tries again, while the other splits the next vote
-//! with it. A shard's failover then took 0.45 to 1.8 s, about 1.1 s at the median.
+//! with it. A shard's failover then took 0.45 to 1.9 s, about 1.1 s at the median.
 //!
 //! Most failures a cluster meets are a process that stopped (a crash, kill -9, an
 //! out-of-memory kill, a restart) on a host that is still up: its ports then refuse
@@ -20,10 +20,14 @@
 //! called an election itself): their first calls split the vote, and a later one, apart in
 //! time, wins. A node whose vote request a replica with a longer log refused calls no more:
 //! that replica calls and wins (openraft holds the shorter log's timer back), and a call
-//! from the shorter log would only raise the term past it again. A node that granted its vote to another candidate within [`GRANT_WAIT`] does
-//! not call: that candidate may have its majority and lead, and a call in a newer term
-//! before its first heartbeat arrived would unseat it. Accepted, timed out, or any other error: the leader may be alive but slow, or
-//! its host unreachable, and openraft's timeouts decide, as before.
+//! from the shorter log would only raise the term past it again. A node that granted its
+//! vote to another candidate within [`GRANT_WAIT`] does not call: that candidate may have
+//! its majority and lead, and a call in a newer term before its first heartbeat arrived
+//! would unseat it. An episode's calls leave this node a candidate (no leader known), so
+//! they start no new episode; one ends when another leader is known.
+//!
+//! Accepted, timed out, or any other error: the leader may be alive but slow, or its host
+//! unreachable, and openraft's timeouts decide, as before.
 //!
 //! Electing sooner changes no guarantee: an election is safe whenever it is called (Raft's
 //! vote and log checks), and a leader that cannot reach a majority acknowledges nothing.

@@ -81,8 +81,9 @@ pub(super) fn run(args: &FailoverBenchArgs) -> anyhow::Result<()> {
         &report,
         &format!(
             "a new leader named after p50 {} ms, max {} ms; {} appends acknowledged, {} lost, {} \
-             duplicates; {} consumed, {} acked redelivered, {} uncommitted seen; group: {} published, {} delivered, {} commit redelivered, {} \
-             not delivered, {} coordinator kills, failover {}",
+             duplicates; {} consumed, {} acked redelivered, {} uncommitted seen; group: {} \
+             published, {} delivered, {} commit redelivered, {} not delivered, {} coordinator \
+             kills, failover {}",
             report["election_ms"]["p50"],
             report["election_ms"]["max"],
             report["appends_acknowledged"],
@@ -278,7 +279,8 @@ async fn wait_caught_up(restarted: &Client, keys: u64) -> anyhow::Result<()> {
                 Err(error) if error.code() == Some(ErrorCode::NotFound) => break,
                 Err(error) if Instant::now() >= deadline => {
                     bail!(
-                        "the restarted node did not catch up on {queue} within {SETTLE_TIMEOUT:?}: {error}"
+                        "the restarted node did not catch up on {queue} within \
+                         {SETTLE_TIMEOUT:?}: {error}"
                     );
                 }
                 Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
