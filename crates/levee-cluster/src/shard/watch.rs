@@ -87,23 +87,17 @@ impl Heard {
 
     /// `shard`'s leader was heard from now (an `AppendEntries` call, entries or heartbeat).
     pub fn hear(&self, shard: ShardId) {
-        if let Some(at_ms) = self.at_ms.get(shard as usize) {
-            at_ms.store(self.ms_since_start(), Ordering::Relaxed);
-        }
+        self.mark(&self.at_ms, shard);
     }
 
     /// This node granted its vote of `shard` to a candidate now.
     pub fn granted(&self, shard: ShardId) {
-        if let Some(granted_ms) = self.granted_ms.get(shard as usize) {
-            granted_ms.store(self.ms_since_start(), Ordering::Relaxed);
-        }
+        self.mark(&self.granted_ms, shard);
     }
 
     /// A replica of `shard` whose log is longer than this node's refused its vote request now.
     pub fn outlogged(&self, shard: ShardId) {
-        if let Some(outlogged_ms) = self.outlogged_ms.get(shard as usize) {
-            outlogged_ms.store(self.ms_since_start(), Ordering::Relaxed);
-        }
+        self.mark(&self.outlogged_ms, shard);
     }
 
     /// How long since a replica with a longer log last refused this node's vote request of
@@ -120,6 +114,12 @@ impl Heard {
     /// How long since this node last granted its vote of `shard` (since the start if never).
     pub fn since_granted(&self, shard: ShardId) -> Duration {
         self.since(&self.granted_ms, shard)
+    }
+
+    fn mark(&self, times_ms: &[AtomicU64], shard: ShardId) {
+        if let Some(at_ms) = times_ms.get(shard as usize) {
+            at_ms.store(self.ms_since_start(), Ordering::Relaxed);
+        }
     }
 
     fn since(&self, times_ms: &[AtomicU64], shard: ShardId) -> Duration {
