@@ -2379,6 +2379,58 @@ fn given_many_appends_at_once_to_one_shard_then_they_share_entries_and_each_is_s
     drop(nodes.iter_mut().map(Option::take).collect::<Vec<_>>());
 }
 
+/// The least time between two positions entries of one shard from one node
+/// (`levee_cluster::shard::groups::POSITIONS_ENTRIES_APART`; queue.proto, Subscribe).
+const POSITIONS_ENTRIES_APART: Duration = Duration::from_millis(50);
+
+#[test]
+fn given_acks_flushed_one_after_another_on_one_shard_then_their_entries_start_50_ms_apart() {
+    const FLUSHES: u32 = 4;
+    let runtime = runtime();
+    let directory = tempfile::tempdir().unwrap();
+    let (mut nodes, _, clients) = settled_three(&runtime, directory.path());
+    let node = nodes[0].as_ref().unwrap();
+    let entries_before = support::metric_value(node, "levee_shard_positions_entries_total");
+    let took = runtime.block_on(async {
+        for message in 0..FLUSHES {
+            let payload = format!("m{message}").into_bytes();
+            clients[0]
+                .append(b"spaced".as_slice(), &payload)
+                .await
+                .unwrap();
+        }
+        let queue: &[u8] = b"spaced";
+        let mut mailboxes = clients[0]
+            .subscribe_many("spaced-app", 1_000)
+            .await
+            .unwrap();
+        assert_eq!(mailboxes.add(&[queue]).await.unwrap(), 0..1);
+        let mut deliveries = Vec::new();
+        while deliveries.len() < FLUSHES as usize {
+            deliveries.push(mailboxes.next().await.unwrap().unwrap());
+        }
+        let started = Instant::now();
+        for delivery in deliveries {
+            mailboxes.ack(delivery.mailbox, delivery.offset);
+            mailboxes.flush_acks().await.unwrap();
+        }
+        started.elapsed()
+    });
+    // Each flush waits for its entry, and each entry after the first starts at least 50 ms
+    // after the one before.
+    assert!(
+        took >= POSITIONS_ENTRIES_APART * (FLUSHES - 1),
+        "{FLUSHES} acks flushed one after another in {took:?}"
+    );
+    let entries = support::metric_value(node, "levee_shard_positions_entries_total");
+    assert_eq!(
+        entries - entries_before,
+        u64::from(FLUSHES),
+        "one positions entry per flush"
+    );
+    drop(nodes.iter_mut().map(Option::take).collect::<Vec<_>>());
+}
+
 /// Many consumers acking at once through one node: their acks go through the shards in
 /// shared entries (the node counts its positions writes and the entries they took), and each
 /// consumer then resumes on another node right after its own acks.

@@ -233,6 +233,12 @@ const POSITIONS_QUEUED_MAX: usize = 1_024;
 /// Positions after which no more writes join a shard entry of the positions writer (one
 /// write of up to `ACKS_MAX`, 10,000, may take it past).
 const POSITIONS_PER_WRITE_MAX: usize = 10_000;
+/// Least time between the starts of two positions entries of one shard from one node: the
+/// acks that arrive meanwhile wait and go in the next entry together. Acks come with nearly
+/// every delivery, and as entries of their own they were three in four of a cluster's
+/// entries at 1,000 appends/s; so spaced, an ack is confirmed up to this much later, and
+/// the appends have the CPU (docs/CLUSTER.md, "Consumers' positions").
+pub const POSITIONS_ENTRIES_APART: Duration = Duration::from_millis(50);
 
 impl std::fmt::Debug for ShardGroups {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -811,9 +817,11 @@ impl ShardGroups {
     /// Writes `consumer`'s `positions` on queues of `shard` (the largest wins, so a write may be
     /// applied twice: one that may be stored when the lead moves is written again, within
     /// about [`WRITE_WAIT_MAX`]) and returns once committed and applied here. A node writes one
-    /// positions entry per shard at a time: the writes that arrive while it waits go in the
-    /// next entry together, every consumer's (`ShardCommand::PositionsOf`), so however many
-    /// streams ack on a node their acks cost about one entry per shard per commit round.
+    /// positions entry per shard at a time, and starts one at least
+    /// [`POSITIONS_ENTRIES_APART`] after the one before: the writes that arrive meanwhile go
+    /// in the next entry together, every consumer's (`ShardCommand::PositionsOf`), so however
+    /// many streams ack on a node their acks cost at most one entry per shard per commit
+    /// round and per 50 ms.
     pub async fn write_positions(
         &self,
         shard: ShardId,
@@ -883,15 +891,17 @@ impl ShardGroups {
         &self.observer
     }
 
-    /// `shard`'s positions writer: takes the first write waiting and every one queued behind
-    /// it (up to [`POSITIONS_PER_WRITE_MAX`] positions), writes them as one entry, answers
-    /// each, and goes on; stops when the groups stop.
+    /// `shard`'s positions writer: takes the first write waiting, waits until
+    /// [`POSITIONS_ENTRIES_APART`] passed since the entry before began, takes every write
+    /// queued by then (up to [`POSITIONS_PER_WRITE_MAX`] positions), writes them as one
+    /// entry, answers each, and goes on; stops when the groups stop.
     async fn write_positions_of(
         self,
         shard: ShardId,
         mut queue: tokio::sync::mpsc::Receiver<PositionsWrite>,
     ) {
         let mut stopping = self.stopping.subscribe();
+        let mut began: Option<Instant> = None;
         loop {
             let first = tokio::select! {
                 first = queue.recv() => match first {
@@ -900,6 +910,13 @@ impl ShardGroups {
                 },
                 _ = stopping.wait_for(|stopping| *stopping) => return,
             };
+            if let Some(began) = began {
+                tokio::select! {
+                    () = tokio::time::sleep_until((began + POSITIONS_ENTRIES_APART).into()) => {}
+                    _ = stopping.wait_for(|stopping| *stopping) => return,
+                }
+            }
+            began = Some(Instant::now());
             let mut count = first.positions.len();
             let mut batch = vec![first];
             while count < POSITIONS_PER_WRITE_MAX {
