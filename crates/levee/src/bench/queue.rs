@@ -28,7 +28,7 @@ use super::server_process::ServerProcess;
 /// Credit of each mailbox stream.
 const CREDIT_MESSAGES: u32 = 8_192;
 
-#[derive(Debug, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct QueueBenchArgs {
     /// `mailbox` (many queues, each a mailbox on a many-queue stream) or `topic` (one topic,
     /// one consumer group)
@@ -38,7 +38,8 @@ pub struct QueueBenchArgs {
     #[arg(long, default_value_t = 1_000_000)]
     pub queues: u64,
     /// Producer tasks, each waiting for its append (default: for mailbox 2048 against one node
-    /// and 16384 against a cluster (--nodes 3 or 5, its single-node run too), each sending one
+    /// and 16384 against a cluster (--nodes 3 or 5, its single-node run too, or --server
+    /// naming a node of a cluster that replicates its queues), each sending one
     /// message through a shared batching producer; 16 for topic, each publishing --batch)
     #[arg(long)]
     pub producers: Option<u64>,
@@ -48,7 +49,7 @@ pub struct QueueBenchArgs {
     pub producer_batch_max: usize,
     /// Mailbox shape: append requests the shared batching producer keeps in flight (its
     /// `requests_in_flight_max`), 1 to 1024 (default: 8 against one node, 32 against a
-    /// cluster). A cluster's appends take longer than a lone node's, so it needs more
+    /// cluster, as for --producers). A cluster's appends take longer than a lone node's, so it needs more
     /// messages in flight (--producers, and this times --producer-batch-max) to be kept busy
     /// (docs/benchmarks.md, "Method notes")
     #[arg(long)]
@@ -132,25 +133,50 @@ pub struct QueueBenchArgs {
     /// Print one JSON object on standard output (the summary goes to standard error)
     #[arg(long)]
     json: bool,
+    /// Set when --server names a node of a cluster that replicates its queues: the mailbox
+    /// shape then takes the defaults it takes against a cluster it starts.
+    #[arg(skip)]
+    server_in_cluster: bool,
 }
 
 impl QueueBenchArgs {
     /// Producer tasks: --producers, else the shape's default, for a mailbox shape against a
     /// cluster ([`CLUSTER_MAILBOX_PRODUCERS`]) or one node ([`MAILBOX_PRODUCERS`]).
     pub(super) fn producer_tasks(&self) -> u64 {
-        self.producers
-            .unwrap_or(match (&self.shape[..], self.nodes) {
-                ("topic", _) => 16,
-                (_, 1) => MAILBOX_PRODUCERS,
-                _ => CLUSTER_MAILBOX_PRODUCERS,
-            })
+        self.producers.unwrap_or(match &self.shape[..] {
+            "topic" => 16,
+            _ if self.against_cluster() => CLUSTER_MAILBOX_PRODUCERS,
+            _ => MAILBOX_PRODUCERS,
+        })
     }
 
     /// Mailbox shape: the shared producer's append requests in flight, --producer-requests
     /// or the default (more against a cluster).
     pub(super) fn producer_requests(&self) -> usize {
-        self.producer_requests
-            .unwrap_or(if self.nodes == 1 { 8 } else { 32 })
+        self.producer_requests.unwrap_or(if self.against_cluster() {
+            CLUSTER_PRODUCER_REQUESTS
+        } else {
+            MAILBOX_PRODUCER_REQUESTS
+        })
+    }
+
+    /// Whether the run is against a cluster that replicates its queues: one the tool starts
+    /// (--nodes 3 or 5, its single-node run too), or a node of one named by --server.
+    fn against_cluster(&self) -> bool {
+        self.nodes != 1 || self.server_in_cluster
+    }
+
+    /// These arguments, told whether the node named by --server is a member of a cluster of
+    /// several nodes that replicates its queues (`GetCluster`; a server that does not answer
+    /// it is taken as a lone one).
+    async fn for_server(&self, client: &Client) -> Self {
+        let mut args = self.clone();
+        if args.server.is_some()
+            && let Ok(cluster) = client.cluster().await
+        {
+            args.server_in_cluster = cluster.replicated_queues && cluster.members.len() > 1;
+        }
+        args
     }
 }
 
@@ -463,6 +489,15 @@ fn record_since(
 
 pub(super) async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<Value> {
     let client = Client::connect(address).await?;
+    let args = &args.for_server(&client).await;
+    if args.server_in_cluster && args.shape == "mailbox" {
+        eprintln!(
+            "levee: {address} is a node of a cluster that replicates its queues: {} producer \
+             tasks and {} requests in flight unless set (--producers, --producer-requests)",
+            args.producer_tasks(),
+            args.producer_requests()
+        );
+    }
     let epoch = Instant::now();
     let consumed = Arc::new(AtomicU64::new(0));
     let latency = Latencies::new()?;
@@ -832,6 +867,12 @@ pub(super) const MAILBOX_PRODUCERS: u64 = 2_048;
 /// With 2,048 the bench measured its own limit (48 k/s at 40 ms); with 16,384 the cluster's
 /// CPU (docs/benchmarks.md, "Method notes").
 pub(super) const CLUSTER_MAILBOX_PRODUCERS: u64 = 16_384;
+/// Append requests the mailbox shape's shared producer keeps in flight against one node ...
+const MAILBOX_PRODUCER_REQUESTS: usize = 8;
+/// ... and against a cluster: measured against three processes started by hand through
+/// --server, 8 in flight left appends waiting in the producer (p99 43-46 ms at 20,000/s
+/// with 3 shards, 20-22 ms with 32).
+const CLUSTER_PRODUCER_REQUESTS: usize = 32;
 
 /// How long the consumers may take to catch up once the producers stop.
 pub(super) const DRAIN_LIMIT: Duration = Duration::from_secs(60);
@@ -1039,6 +1080,17 @@ mod tests {
         );
         let topic = parsed(&["--nodes", "3", "--shape", "topic"]);
         assert_eq!(topic.producer_tasks(), 16);
+        // A node of a cluster named by --server, as `for_server` finds it.
+        let mut node = parsed(&["--server", "127.0.0.1:7070"]);
+        assert_eq!(
+            (node.producer_tasks(), node.producer_requests()),
+            (2_048, 8)
+        );
+        node.server_in_cluster = true;
+        assert_eq!(
+            (node.producer_tasks(), node.producer_requests()),
+            (16_384, 32)
+        );
         let chosen = parsed(&[
             "--nodes",
             "3",
