@@ -49,9 +49,9 @@ pub struct QueueBenchArgs {
     pub producer_batch_max: usize,
     /// Mailbox shape: append requests the shared batching producer keeps in flight (its
     /// `requests_in_flight_max`), 1 to 1024 (default: 8 against one node, 32 against a
-    /// cluster, as for --producers). A cluster's appends take longer than a lone node's, so it needs more
-    /// messages in flight (--producers, and this times --producer-batch-max) to be kept busy
-    /// (docs/benchmarks.md, "Method notes")
+    /// cluster, as for --producers). A cluster's appends take longer than a lone node's, so
+    /// it needs more messages in flight (--producers, and this times --producer-batch-max) to
+    /// be kept busy (docs/benchmarks.md, "Method notes")
     #[arg(long)]
     pub producer_requests: Option<usize>,
     /// Topic shape: partitions of the topic
