@@ -27,6 +27,11 @@ use super::server_process::ServerProcess;
 
 /// Credit of each mailbox stream.
 const CREDIT_MESSAGES: u32 = 8_192;
+/// Longest a run against a node of a cluster (--server) waits for every shard to be ready.
+const SHARDS_READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest it waits, once the shards are ready, for each to be led by its preferred replica
+/// (which calls an election within 5 s when another node leads).
+const SHARDS_SPREAD_WAIT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct QueueBenchArgs {
@@ -177,6 +182,63 @@ impl QueueBenchArgs {
             args.server_in_cluster = cluster.replicated_queues && cluster.members.len() > 1;
         }
         args
+    }
+}
+
+/// Whether every shard of `cluster` has a leader, its named replicas as voters and no change
+/// of them under way. A cluster just started lacks that for a few seconds, and an append
+/// meanwhile fails with `UNAVAILABLE` (no leader yet, or the lead moved while it waited).
+fn shards_ready(cluster: &levee_proto::v1::GetClusterResponse) -> bool {
+    usize::try_from(cluster.shards).is_ok_and(|shards| shards == cluster.shard_map.len())
+        && cluster.shard_map.iter().all(|shard| {
+            shard.leader_id != 0 && !shard.changing && shard.voters.len() == shard.replicas.len()
+        })
+}
+
+/// Whether every shard of `cluster` is led by its preferred replica (the first named).
+fn shards_spread(cluster: &levee_proto::v1::GetClusterResponse) -> bool {
+    cluster
+        .shard_map
+        .iter()
+        .all(|shard| shard.replicas.first() == Some(&shard.leader_id))
+}
+
+/// Waits until every shard of the cluster `client` talks to is ready ([`shards_ready`]), for
+/// up to [`SHARDS_READY_TIMEOUT`], then for up to [`SHARDS_SPREAD_WAIT`] until each is led by
+/// its preferred replica, so that a run started right after the cluster does not fail on the
+/// shards' first elections.
+async fn wait_shards_ready(client: &Client, address: &str) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let mut ready_at = None;
+    let mut told = false;
+    loop {
+        let cluster = client.cluster().await?;
+        if shards_ready(&cluster) {
+            if shards_spread(&cluster) {
+                return Ok(());
+            }
+            let ready_at = *ready_at.get_or_insert_with(Instant::now);
+            if ready_at.elapsed() > SHARDS_SPREAD_WAIT {
+                eprintln!(
+                    "levee: some shards are not led by their preferred replica after {} s (is \
+                     it down?); it may take the lead during the run",
+                    SHARDS_SPREAD_WAIT.as_secs()
+                );
+                return Ok(());
+            }
+        } else if started.elapsed() > SHARDS_READY_TIMEOUT {
+            bail!(
+                "the cluster of {address} still has shards without a leader or with a replica \
+                 change under way after {} s (levee cluster status --server {address} lists \
+                 them); run again once every shard has a leader",
+                SHARDS_READY_TIMEOUT.as_secs()
+            );
+        }
+        if !told {
+            eprintln!("levee: waiting for every shard of the cluster to have its leader");
+            told = true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -490,6 +552,9 @@ fn record_since(
 pub(super) async fn bench(args: &QueueBenchArgs, address: &str) -> anyhow::Result<Value> {
     let client = Client::connect(address).await?;
     let args = &args.for_server(&client).await;
+    if args.server_in_cluster {
+        wait_shards_ready(&client, address).await?;
+    }
     if args.server_in_cluster && args.shape == "mailbox" {
         eprintln!(
             "levee: {address} is a node of a cluster that replicates its queues: {} producer \
@@ -1186,5 +1251,44 @@ mod tests {
         assert_eq!(report["send_lag_ms"]["count"], 1);
         let lag = report["send_lag_ms"]["max"].as_f64().unwrap();
         assert!((2.9..3.1).contains(&lag), "{lag}");
+    }
+
+    #[test]
+    fn given_a_shard_without_a_leader_mid_change_or_led_elsewhere_then_the_cluster_is_not_ready_or_spread()
+     {
+        use levee_proto::v1::{GetClusterResponse, ShardPlacement};
+        let placement = |shard, leader_id, voters: &[u64], changing| ShardPlacement {
+            shard,
+            replicas: vec![1, 2, 3],
+            leader_id,
+            voters: voters.to_vec(),
+            changing,
+        };
+        let cluster = |shard_map| GetClusterResponse {
+            shards: 2,
+            shard_map,
+            ..GetClusterResponse::default()
+        };
+        let led = placement(0, 1, &[1, 2, 3], false);
+        assert!(shards_ready(&cluster(vec![
+            led.clone(),
+            placement(1, 2, &[1, 2, 3], false)
+        ])));
+        for not_ready in [
+            placement(1, 0, &[1, 2, 3], false),
+            placement(1, 2, &[1, 2, 3], true),
+            placement(1, 2, &[2], false),
+        ] {
+            assert!(!shards_ready(&cluster(vec![led.clone(), not_ready])));
+        }
+        assert!(
+            !shards_ready(&cluster(vec![led.clone()])),
+            "a shard missing from the map"
+        );
+        assert!(shards_spread(&cluster(vec![led.clone()])));
+        assert!(!shards_spread(&cluster(vec![
+            led,
+            placement(1, 2, &[1, 2, 3], false)
+        ])));
     }
 }
