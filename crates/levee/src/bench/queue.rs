@@ -32,6 +32,9 @@ const SHARDS_READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest it waits, once the shards are ready, for each to be led by its preferred replica
 /// (which calls an election within 5 s when another node leads).
 const SHARDS_SPREAD_WAIT: Duration = Duration::from_secs(10);
+/// How long the shards must stay ready and spread before the run starts (a node joining
+/// moves them again).
+const SHARDS_STEADY_FOR: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct QueueBenchArgs {
@@ -186,12 +189,24 @@ impl QueueBenchArgs {
 }
 
 /// Whether every shard of `cluster` has a leader, its named replicas as voters and no change
-/// of them under way. A cluster just started lacks that for a few seconds, and an append
-/// meanwhile fails with `UNAVAILABLE` (no leader yet, or the lead moved while it waited).
+/// of them under way, and names the replicas the cluster's voters give it
+/// ([`levee_proto::shards::replicas`]). A cluster just started or joined lacks that for a few
+/// seconds, and an append meanwhile fails with `UNAVAILABLE` (no leader yet, or the lead moved
+/// while it waited).
 fn shards_ready(cluster: &levee_proto::v1::GetClusterResponse) -> bool {
+    use levee_proto::v1::MemberRole;
+    let voters: Vec<u64> = cluster
+        .members
+        .iter()
+        .filter(|member| matches!(member.role(), MemberRole::Leader | MemberRole::Voter))
+        .map(|member| member.node_id)
+        .collect();
     usize::try_from(cluster.shards).is_ok_and(|shards| shards == cluster.shard_map.len())
         && cluster.shard_map.iter().all(|shard| {
-            shard.leader_id != 0 && !shard.changing && shard.voters.len() == shard.replicas.len()
+            shard.leader_id != 0
+                && !shard.changing
+                && shard.voters.len() == shard.replicas.len()
+                && shard.replicas == levee_proto::shards::replicas(shard.shard, &voters)
         })
 }
 
@@ -209,14 +224,20 @@ fn shards_spread(cluster: &levee_proto::v1::GetClusterResponse) -> bool {
 /// shards' first elections.
 async fn wait_shards_ready(client: &Client, address: &str) -> anyhow::Result<()> {
     let started = Instant::now();
-    let mut ready_at = None;
+    let (mut ready_at, mut steady_since) = (None, None);
     let mut told = false;
     loop {
         let cluster = client.cluster().await?;
-        if shards_ready(&cluster) {
-            if shards_spread(&cluster) {
+        let ready = shards_ready(&cluster);
+        if ready && shards_spread(&cluster) {
+            let steady_since = *steady_since.get_or_insert_with(Instant::now);
+            if steady_since.elapsed() >= SHARDS_STEADY_FOR {
                 return Ok(());
             }
+        } else {
+            steady_since = None;
+        }
+        if ready {
             let ready_at = *ready_at.get_or_insert_with(Instant::now);
             if ready_at.elapsed() > SHARDS_SPREAD_WAIT {
                 eprintln!(
@@ -234,7 +255,7 @@ async fn wait_shards_ready(client: &Client, address: &str) -> anyhow::Result<()>
                 SHARDS_READY_TIMEOUT.as_secs()
             );
         }
-        if !told {
+        if !told && steady_since.is_none() {
             eprintln!("levee: waiting for every shard of the cluster to have its leader");
             told = true;
         }
@@ -1256,39 +1277,63 @@ mod tests {
     #[test]
     fn given_a_shard_without_a_leader_mid_change_or_led_elsewhere_then_the_cluster_is_not_ready_or_spread()
      {
-        use levee_proto::v1::{GetClusterResponse, ShardPlacement};
-        let placement = |shard, leader_id, voters: &[u64], changing| ShardPlacement {
+        use levee_proto::shards::replicas;
+        use levee_proto::v1::{GetClusterResponse, Member, MemberRole, ShardPlacement};
+        let named = |shard| replicas(shard, &[1, 2, 3]);
+        // A shard led by its preferred replica, its named replicas all voters.
+        let placed = |shard| ShardPlacement {
             shard,
-            replicas: vec![1, 2, 3],
-            leader_id,
-            voters: voters.to_vec(),
-            changing,
+            replicas: named(shard),
+            leader_id: named(shard)[0],
+            voters: named(shard),
+            changing: false,
         };
-        let cluster = |shard_map| GetClusterResponse {
+        let cluster = |voters: &[u64], shard_map| GetClusterResponse {
             shards: 2,
+            members: voters
+                .iter()
+                .map(|&node_id| Member {
+                    node_id,
+                    role: MemberRole::Voter.into(),
+                    ..Member::default()
+                })
+                .collect(),
             shard_map,
             ..GetClusterResponse::default()
         };
-        let led = placement(0, 1, &[1, 2, 3], false);
-        assert!(shards_ready(&cluster(vec![
-            led.clone(),
-            placement(1, 2, &[1, 2, 3], false)
-        ])));
-        for not_ready in [
-            placement(1, 0, &[1, 2, 3], false),
-            placement(1, 2, &[1, 2, 3], true),
-            placement(1, 2, &[2], false),
-        ] {
-            assert!(!shards_ready(&cluster(vec![led.clone(), not_ready])));
+        let settled = cluster(&[1, 2, 3], vec![placed(0), placed(1)]);
+        assert!(shards_ready(&settled) && shards_spread(&settled));
+        let no_leader = ShardPlacement {
+            leader_id: 0,
+            ..placed(1)
+        };
+        let changing = ShardPlacement {
+            changing: true,
+            ..placed(1)
+        };
+        let short = ShardPlacement {
+            voters: vec![named(1)[0]],
+            ..placed(1)
+        };
+        for not_ready in [no_leader, changing, short] {
+            assert!(!shards_ready(&cluster(
+                &[1, 2, 3],
+                vec![placed(0), not_ready]
+            )));
         }
         assert!(
-            !shards_ready(&cluster(vec![led.clone()])),
+            !shards_ready(&cluster(&[1, 2, 3], vec![placed(0)])),
             "a shard missing from the map"
         );
-        assert!(shards_spread(&cluster(vec![led.clone()])));
-        assert!(!shards_spread(&cluster(vec![
-            led,
-            placement(1, 2, &[1, 2, 3], false)
-        ])));
+        assert!(
+            !shards_ready(&cluster(&[1, 2, 3, 4], vec![placed(0), placed(1)])),
+            "a voter joined since the shards were named"
+        );
+        let led_elsewhere = ShardPlacement {
+            leader_id: named(1)[1],
+            ..placed(1)
+        };
+        let elsewhere = cluster(&[1, 2, 3], vec![placed(0), led_elsewhere]);
+        assert!(shards_ready(&elsewhere) && !shards_spread(&elsewhere));
     }
 }
