@@ -228,6 +228,14 @@ pub(super) fn shards_placed(
             .all(|shard| shard.leader_id != 0 && shard.voters.len() == replicas && !shard.changing)
 }
 
+/// Whether every shard of `cluster` is led by its preferred replica (the first named).
+pub(super) fn shards_spread(cluster: &levee_proto::v1::GetClusterResponse) -> bool {
+    cluster
+        .shard_map
+        .iter()
+        .all(|shard| shard.replicas.first() == Some(&shard.leader_id))
+}
+
 /// Starts node 1, then the others joining it, each on fixed free loopback ports (a node
 /// restarts on the same addresses, which the cluster knows it by), every one with `extra`
 /// flags too.

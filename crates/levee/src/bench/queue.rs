@@ -22,6 +22,7 @@ use levee_client::{
 };
 use serde_json::{Value, json};
 
+use super::failover::{shards_placed, shards_spread};
 use super::percentiles_ms;
 use super::server_process::ServerProcess;
 
@@ -188,8 +189,8 @@ impl QueueBenchArgs {
     }
 }
 
-/// Whether every shard of `cluster` has a leader, its named replicas as voters and no change
-/// of them under way, and names the replicas the cluster's voters give it
+/// Whether every shard of `cluster` is placed ([`shards_placed`]: a leader, its replicas as
+/// voters, no change under way) on the replicas the cluster's voters name for it
 /// ([`levee_proto::shards::replicas`]). A cluster just started or joined lacks that for a few
 /// seconds, and an append meanwhile fails with `UNAVAILABLE` (no leader yet, or the lead moved
 /// while it waited).
@@ -201,21 +202,12 @@ fn shards_ready(cluster: &levee_proto::v1::GetClusterResponse) -> bool {
         .filter(|member| matches!(member.role(), MemberRole::Leader | MemberRole::Voter))
         .map(|member| member.node_id)
         .collect();
-    usize::try_from(cluster.shards).is_ok_and(|shards| shards == cluster.shard_map.len())
-        && cluster.shard_map.iter().all(|shard| {
-            shard.leader_id != 0
-                && !shard.changing
-                && shard.voters.len() == shard.replicas.len()
-                && shard.replicas == levee_proto::shards::replicas(shard.shard, &voters)
-        })
-}
-
-/// Whether every shard of `cluster` is led by its preferred replica (the first named).
-fn shards_spread(cluster: &levee_proto::v1::GetClusterResponse) -> bool {
-    cluster
-        .shard_map
-        .iter()
-        .all(|shard| shard.replicas.first() == Some(&shard.leader_id))
+    let replicas = voters.len().min(levee_proto::shards::REPLICAS_MAX);
+    shards_placed(cluster, cluster.shards, replicas)
+        && cluster
+            .shard_map
+            .iter()
+            .all(|shard| shard.replicas == levee_proto::shards::replicas(shard.shard, &voters))
 }
 
 /// Waits until every shard of the cluster `client` talks to is ready ([`shards_ready`]), for
@@ -1290,6 +1282,7 @@ mod tests {
         };
         let cluster = |voters: &[u64], shard_map| GetClusterResponse {
             shards: 2,
+            replicated_queues: true,
             members: voters
                 .iter()
                 .map(|&node_id| Member {

@@ -19,7 +19,7 @@ use anyhow::{Context, bail};
 use levee_client::Client;
 use serde_json::{Value, json};
 
-use super::failover::{shards_placed, start_replicated_cluster};
+use super::failover::{shards_placed, shards_spread, start_replicated_cluster};
 use super::queue::{QueueBenchArgs, bench};
 use super::server_process::ServerProcess;
 
@@ -379,11 +379,7 @@ async fn wait_placed(address: &str, shards: u32, replicas: usize) -> anyhow::Res
     loop {
         let cluster = client.cluster().await?;
         let placed = shards_placed(&cluster, shards, replicas);
-        let spread = placed
-            && cluster
-                .shard_map
-                .iter()
-                .all(|shard| shard.replicas.first() == Some(&shard.leader_id));
+        let spread = placed && shards_spread(&cluster);
         if spread || (placed && started.elapsed() > SPREAD_TIMEOUT) {
             return Ok(spread);
         }
